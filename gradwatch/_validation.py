@@ -1,0 +1,65 @@
+"""Argument checks shared by :func:`gradwatch.check_gradients` and :class:`gradwatch.GradWatch`.
+
+Each raises ``ValueError`` naming the argument, what was expected and what was received, at construction time rather
+than at the first check hours into a run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any
+
+
+def _received(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_int(name: str, value: Any, *, minimum: int) -> int:
+    """An integer (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {_received(value)}")
+    return value
+
+
+def check_optional_int(name: str, value: Any, *, minimum: int) -> int | None:
+    """``None`` or an integer of at least ``minimum``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be None or an integer >= {minimum}; got {_received(value)}")
+    return value
+
+
+def check_fraction(name: str, value: Any, *, optional: bool = False) -> float | None:
+    """A float strictly between 0 and 1 (or ``None`` when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 or math.isnan(value):
+        expected = "None or a number" if optional else "a number"
+        raise ValueError(f"`{name}` must be {expected} strictly between 0 and 1; got {_received(value)}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False; got {_received(value)}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Collection[str], *, allow_callable: bool = False) -> Any:
+    """One of ``choices`` (or, with ``allow_callable``, any callable)."""
+    if allow_callable and callable(value):
+        return value
+    if not isinstance(value, str) or value not in choices:
+        options = ", ".join(repr(c) for c in choices) + (" or a callable" if allow_callable else "")
+        raise ValueError(f"`{name}` must be one of {options}; got {_received(value)}")
+    return value
+
+
+def check_optional_callable(name: str, value: Any) -> Any:
+    """``None`` or a callable."""
+    if value is not None and not callable(value):
+        raise ValueError(f"`{name}` must be None or a callable; got {_received(value)}")
+    return value

@@ -1,0 +1,176 @@
+"""Results of a gradient check: one :class:`Probe` per finite-difference measurement, one :class:`CheckReport` per
+check.
+
+These are plain data. The engine fills them in, and the callback, the TensorBoard writer and the alerts read them;
+nothing here computes a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+Verdict = Literal["ok", "fail", "inconclusive"]
+"""``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
+error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
+
+ProbeKind = Literal["param", "input", "descent"]
+"""``"param"``: one coordinate of a trainable parameter. ``"input"``: one coordinate of a floating tensor of the batch.
+``"descent"``: the directional derivative along the normalised gradient of all parameters."""
+
+VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
+"""All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
+
+DESCENT_TARGET = "*"
+"""The ``target`` of the descent probe, which moves every trainable parameter at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One comparison between an analytic (autograd) derivative and a finite-difference estimate of it.
+
+    Attributes:
+        kind: What was perturbed (see :data:`ProbeKind`).
+        target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
+            ``"batch['x']"``, or ``"*"`` for the descent probe.
+        index: The perturbed coordinate within ``target``, or ``None`` for the descent probe.
+        analytic: The derivative computed by autograd (for the descent probe: ``‖g‖``, the slope along ``ĝ``).
+        numeric: The derivative measured by finite differences of the loss.
+        rel_error: ``|numeric − analytic| / (|numeric| + |analytic|)``, with the denominator floored at twice the
+            root-mean-square gradient of the probed tensor, so that a coordinate whose true derivative is zero does not
+            read as a 100% error.
+        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        noise: The probe's estimate of the absolute error of ``numeric`` (round-off and truncation), in the same units.
+        step: The finite-difference step actually used (in units of the perturbed value; for the descent probe, the
+            length of the step along ``ĝ``).
+        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"unresolved"`` (noise too large to
+            tell), ``"kink"`` (the loss is not smooth across the step) or ``"nonfinite"``.
+    """
+
+    kind: ProbeKind
+    target: str
+    index: tuple[int, ...] | None
+    analytic: float
+    numeric: float
+    rel_error: float
+    verdict: Verdict
+    noise: float
+    step: float
+    reason: str
+
+    @property
+    def location(self) -> str:
+        """``target[index]`` as a user would type it, e.g. ``"fc.weight[3, 7]"``; ``"*"`` for the descent probe."""
+        if self.index is None:
+            return self.target
+        return f"{self.target}[{', '.join(str(i) for i in self.index)}]"
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether the probe could tell a correct derivative from a wrong one."""
+        return self.verdict != "inconclusive"
+
+    def describe(self) -> str:
+        """One line naming where the probe looked, both derivatives and the verdict."""
+        return (
+            f"{self.kind} {self.location}: analytic {self.analytic:.6g}, numeric {self.numeric:.6g} "
+            f"(± {self.noise:.2g}), rel. error {self.rel_error:.3g} -> {self.verdict} ({self.reason})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    """The result of one gradient check.
+
+    Attributes:
+        step: The training step the check ran at (the optimizer step count in the callback).
+        verdict: ``"fail"`` if any probe failed; ``"ok"`` if none failed and the descent probe (or, without one, at
+            least one probe) agreed; ``"inconclusive"`` otherwise.
+        probes: Every probe of the check, descent probe first.
+        loss: The loss at the checked point, as autograd computed it.
+        n_forward: Loss evaluations spent (the reference pass included).
+        n_backward: Backward passes spent (one: the reference gradient).
+        duration_s: Wall time of the check in seconds.
+        notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient.
+    """
+
+    step: int
+    verdict: Verdict
+    probes: list[Probe]
+    loss: float
+    n_forward: int
+    n_backward: int
+    duration_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Probe]:
+        """The failing probes, in the order they were run."""
+        return [p for p in self.probes if p.verdict == "fail"]
+
+    @property
+    def descent(self) -> Probe | None:
+        """The descent probe, or ``None`` when the check had none (no trainable parameter with a gradient)."""
+        return next((p for p in self.probes if p.kind == "descent"), None)
+
+    @property
+    def descent_ratio(self) -> float:
+        """Measured over predicted loss decrease for a small step along ``−ĝ``: 1 for a correct gradient, −1 for a
+        sign-flipped one, 0.9 for one 11% too large. ``nan`` when there is no descent probe."""
+        probe = self.descent
+        if probe is None or probe.analytic == 0.0:
+            return math.nan
+        return probe.numeric / probe.analytic
+
+    def count(self, verdict: Verdict) -> int:
+        """How many probes ended with ``verdict``."""
+        return sum(p.verdict == verdict for p in self.probes)
+
+    @property
+    def conclusive_rel_errors(self) -> list[float]:
+        """Relative errors of the probes that could tell right from wrong (inconclusive probes measure noise)."""
+        return [p.rel_error for p in self.probes if p.conclusive]
+
+    def summary(self) -> str:
+        """One line: step, verdict, counts, worst relative error and the descent ratio."""
+        errors = self.conclusive_rel_errors
+        worst = f"{max(errors):.2g}" if errors else "n/a"
+        return (
+            f"step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
+            f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
+            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} forwards, {self.duration_s * 1e3:.0f} ms)"
+        )
+
+    def scalars(self) -> dict[str, float]:
+        """The fixed set of numbers gradwatch logs for a check, keyed by tag (see the README for each tag)."""
+        errors = self.conclusive_rel_errors
+        return {
+            "gradwatch/rel_error_max": max(errors) if errors else math.nan,
+            "gradwatch/rel_error_median": statistics.median(errors) if errors else math.nan,
+            "gradwatch/descent_ratio": self.descent_ratio,
+            "gradwatch/failing_probes": float(self.count("fail")),
+            "gradwatch/inconclusive_probes": float(self.count("inconclusive")),
+            "gradwatch/verdict": float(VERDICTS.index(self.verdict)),
+            "gradwatch/check_seconds": self.duration_s,
+        }
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        lines += [f"  {p.describe()}" for p in self.probes]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+class GradientCheckError(RuntimeError):
+    """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
+
+    Attributes:
+        report: The failing :class:`CheckReport`.
+    """
+
+    def __init__(self, report: CheckReport) -> None:
+        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
+        super().__init__(f"gradient check failed at step {report.step}:\n{failures}")
+        self.report = report

@@ -1,0 +1,105 @@
+"""Exact snapshot and restore of everything a gradient check could disturb in a training run.
+
+A check evaluates the loss dozens of times. Each evaluation would otherwise draw fresh dropout masks, update
+BatchNorm running statistics and advance the random number generators. :class:`TrainingState` saves all of that once
+and puts it back bit-exactly: random states (torch CPU and CUDA, Python's ``random``, NumPy's global generator),
+buffers, ``.grad`` tensors and train/eval modes. Parameters are restored by the probes that perturb them, by copying
+saved values back (never by subtracting the step, which float32 does not round-trip).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class _SavedBuffer:
+    module: nn.Module
+    name: str
+    tensor: Tensor
+    value: Tensor
+    version: int
+
+
+def _capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+class TrainingState:
+    """The random states, buffers, ``.grad`` tensors and modes of a model, saved so a check can leave no trace.
+
+    Use :meth:`capture` before the first evaluation, :meth:`replay_rng` before every evaluation (so each one draws the
+    same dropout masks), :meth:`restore_buffers` after every evaluation, and :meth:`restore` once at the end, in a
+    ``finally`` block.
+
+    While the state is captured, every parameter's ``.grad`` is detached (set to ``None``) and held here; the very same
+    tensor objects are put back by :meth:`restore`. Nothing a loss function does during the check (even calling
+    ``backward()``) can therefore change them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._rng = _capture_rng()
+        self._modes = [(module, module.training) for module in model.modules()]
+        self._grads = [(p, p.grad) for p in model.parameters()]
+        self._buffers: list[_SavedBuffer] = []
+        saved_values: dict[int, Tensor] = {}
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                # a buffer shared between modules is saved once and restored through each owner
+                value = saved_values.setdefault(id(buffer), buffer.detach().clone())
+                self._buffers.append(_SavedBuffer(module, name, buffer, value, buffer._version))
+        for parameter, _ in self._grads:
+            parameter.grad = None
+
+    @classmethod
+    def capture(cls, model: nn.Module) -> TrainingState:
+        """Save the state of ``model`` and of the global random generators."""
+        return cls(model)
+
+    def replay_rng(self) -> None:
+        """Reset every random generator to its captured state."""
+        _set_rng(self._rng)
+
+    def restore_buffers(self) -> None:
+        """Undo any change to the buffers (BatchNorm running statistics, counters, caches) since the capture.
+
+        Only buffers that were reassigned or modified in place are touched, so a check on a model with large constant
+        buffers costs no copies.
+        """
+        with torch.no_grad():
+            for saved in self._buffers:
+                if getattr(saved.module, saved.name, None) is not saved.tensor:
+                    setattr(saved.module, saved.name, saved.tensor)
+                if saved.tensor._version != saved.version:
+                    saved.tensor.copy_(saved.value)
+                    saved.version = saved.tensor._version
+
+    def restore(self) -> None:
+        """Put back random states, buffers, ``.grad`` tensors and train/eval modes exactly as captured."""
+        self.restore_buffers()
+        for module, training in self._modes:
+            module.training = training
+        for parameter, grad in self._grads:
+            parameter.grad = grad
+        _set_rng(self._rng)
