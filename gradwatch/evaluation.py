@@ -1,0 +1,240 @@
+"""The loss as one deterministic function of the parameters and the batch's floating inputs.
+
+A gradient check compares autograd's derivative of the loss with finite differences of the loss, so every evaluation
+must be the same function: the same dropout masks (random state replayed), the same BatchNorm statistics (buffers
+restored after each forward), no autocast, no TF32. :class:`LossEvaluator` provides the reference gradient (one
+forward and one ``torch.autograd.grad``, which leaves ``.grad`` alone) and cheap gradient-free evaluations at
+perturbed points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.batch import floating_tensors, replace_tensors
+from gradwatch.reductions import Float64Reductions
+from gradwatch.state import TrainingState
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+"""``loss_fn(model, batch) -> scalar Tensor``."""
+
+# torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
+_PRECISION_SETTINGS = (
+    ("cuda", "matmul"),
+    ("cudnn", "conv"),
+    ("cudnn", "rnn"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+)
+
+
+@contextlib.contextmanager
+def full_float32_precision() -> Iterator[None]:
+    """Run float32 matmuls and convolutions in full IEEE precision (no TF32, no bfloat16 shortcuts), then restore
+    exactly the settings found."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for backend_name, op_name in _PRECISION_SETTINGS:
+            backend = getattr(torch.backends, backend_name, None)
+            settings = getattr(backend, op_name, None)
+            if settings is not None and hasattr(settings, "fp32_precision"):
+                saved.append((settings, "fp32_precision", settings.fp32_precision))
+                settings.fp32_precision = "ieee"
+        if not saved:
+            for settings in (torch.backends.cuda.matmul, torch.backends.cudnn):
+                saved.append((settings, "allow_tf32", settings.allow_tf32))
+                settings.allow_tf32 = False
+        yield
+    finally:
+        for settings, name, value in reversed(saved):
+            setattr(settings, name, value)
+
+
+@contextlib.contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """Leave any surrounding autocast region: probes run in the weights' own dtype."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+def _as_scalar_loss(value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor; got a tensor of shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"loss_fn must return a floating-point tensor; got dtype {value.dtype}")
+    return value.reshape(())
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The loss and its autograd gradient at the unperturbed point.
+
+    ``param_grads[i]`` is ``None`` when parameter ``i`` received no gradient (not used by the loss, or detached);
+    ``input_grads`` holds only the inputs that received one.
+    """
+
+    loss: float
+    param_grads: list[Tensor | None]
+    input_grads: dict[str, Tensor]
+
+
+class LossEvaluator:
+    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters and the floating inputs.
+
+    Parameters are perturbed in place by the caller (and restored by it); floating inputs are perturbed through the
+    working copies in :attr:`inputs`, which the loss sees in place of the batch's own tensors, so the caller's batch is
+    never modified.
+
+    Args:
+        model: The module whose parameters are probed.
+        batch: The batch, passed through to ``loss_fn`` with its floating tensors replaced by working copies.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``.
+        params: The ``(name, parameter)`` pairs to differentiate.
+        state: The captured training state; its random state is replayed before every evaluation and its buffers are
+            restored after every evaluation.
+        float64_reductions: Accumulate the loss's final reductions in float64 in the gradient-free evaluations.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        params: list[tuple[str, nn.Parameter]],
+        state: TrainingState,
+        float64_reductions: bool = True,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.params = params
+        self.state = state
+        self.float64_reductions = float64_reductions
+        self.notes: list[str] = []
+        self.n_forward = 0
+        self.n_backward = 0
+        self._pristine = floating_tensors(batch)
+        self.inputs = {path: tensor.detach().clone() for path, tensor in self._pristine.items()}
+        self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
+        self._batch = batch
+        self._working_batch = replace_tensors(batch, self.inputs)
+        self._reductions_verified = False
+        self._grad_mode_evaluations = False
+        self.value_dtype = torch.float32
+        """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
+
+    def _reset_inputs(self) -> None:
+        """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
+        with torch.no_grad():
+            for path, tensor in self.inputs.items():
+                if tensor._version != self._versions[path]:
+                    tensor.copy_(self._pristine[path])
+                    self._versions[path] = tensor._version
+
+    def mark_inputs_current(self) -> None:
+        """Record the working inputs as they are now, after the caller perturbed or restored one of them."""
+        self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
+
+    @contextlib.contextmanager
+    def _evaluation(self, grad: bool) -> Iterator[None]:
+        self.state.replay_rng()
+        try:
+            with torch.set_grad_enabled(grad), autocast_disabled(), full_float32_precision():
+                yield
+        finally:
+            self.n_forward += 1
+
+    def reference(self, with_inputs: bool = True) -> Reference:
+        """Loss and autograd gradient at the current point.
+
+        With ``with_inputs`` the gradient with respect to the floating inputs is computed too; if the loss function
+        cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
+        an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
+        """
+        if with_inputs and self.inputs:
+            try:
+                return self._reference(with_inputs=True)
+            except RuntimeError as error:
+                self.notes.append(
+                    f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})"
+                )
+        return self._reference(with_inputs=False)
+
+    def _reference(self, with_inputs: bool) -> Reference:
+        self._reset_inputs()
+        leaves = (
+            {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
+        )
+        batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
+        try:
+            with self._evaluation(grad=True):
+                loss = _as_scalar_loss(self.loss_fn(self.model, batch))
+                wrt = [p for _, p in self.params] + list(leaves.values())
+                if not loss.requires_grad:
+                    raise ValueError(
+                        "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
+                        "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
+                    )
+                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+                self.n_backward += 1
+        finally:
+            # after the backward: BatchNorm keeps its buffers for the backward pass
+            self.state.restore_buffers()
+        n_params = len(self.params)
+        input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
+        return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
+
+    def loss(self) -> float:
+        """The loss at the current (possibly perturbed) point, without building a graph.
+
+        The first call of a check verifies the float64 reductions against the native ones; if they disagree (or the
+        model fails with them) they are switched off for the rest of the check, a note says why, and the loss is
+        evaluated again natively.
+        """
+        if not self.float64_reductions:
+            return self._forward(contextlib.nullcontext())
+        verify = not self._reductions_verified
+        mode = Float64Reductions(verify=verify)
+        try:
+            value = self._forward(mode)
+        except Exception as error:
+            if not verify:
+                raise
+            # the model may not cope with a float64 scalar where it expects float32; the native run decides
+            mode.mismatch = f"the loss raised {type(error).__name__}: {error}"
+        self._reductions_verified = True
+        if mode.mismatch is None:
+            return value
+        self.float64_reductions = False
+        self.notes.append(f"float64 reductions switched off ({mode.mismatch})")
+        return self._forward(contextlib.nullcontext())
+
+    def native_loss(self) -> float:
+        """The loss at the current point computed exactly as the model computes it (no float64 reductions)."""
+        return self._forward(contextlib.nullcontext())
+
+    def _forward(self, mode: contextlib.AbstractContextManager[Any]) -> float:
+        self._reset_inputs()
+        try:
+            with self._evaluation(grad=self._grad_mode_evaluations), mode:
+                value = _as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+        finally:
+            self.state.restore_buffers()
+        self.value_dtype = value.dtype
+        return float(value.detach().double())
+
+    def use_grad_mode(self) -> None:
+        """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between
+        ``torch.no_grad()`` and grad mode)."""
+        self._grad_mode_evaluations = True
