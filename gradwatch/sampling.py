@@ -1,0 +1,70 @@
+"""Which coordinates a check probes: stratified by tensor, reproducible from a seed and the step.
+
+Sampling coordinates uniformly over all parameters would almost never touch a 10-element bias next to a 10^6-element
+weight. Instead the tensors take turns: a check spreads its probes over a window of tensors, and successive checks move
+the window along, so every tensor is probed once every ``ceil(n_tensors / n_probes)`` checks whatever its size. Within a
+tensor the coordinate is uniform. Everything is drawn from a generator seeded by ``(seed, step)``, so every process of a
+distributed run probes the same coordinates.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Coordinate:
+    """One sampled coordinate: ``tensor`` is a position in the list of shapes given to :func:`sample_coordinates`."""
+
+    tensor: int
+    index: tuple[int, ...]
+
+
+def generator(seed: int, step: int) -> random.Random:
+    """The random generator of one check: the same on every process for the same ``seed`` and ``step``."""
+    return random.Random(f"gradwatch:{seed}:{step}")
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, position = divmod(flat, size)
+        index.append(position)
+    return tuple(reversed(index))
+
+
+def sample_coordinates(
+    shapes: Sequence[Sequence[int]],
+    count: int,
+    rng: random.Random,
+    rotation: int,
+) -> list[Coordinate]:
+    """Choose ``count`` coordinates among tensors of the given ``shapes``, stratified by tensor.
+
+    With at least as many probes as tensors, every tensor gets ``count // n`` probes and the window of ``count % n``
+    tensors starting at ``rotation × count`` gets one more. With fewer, that window of ``count`` tensors gets one each.
+    Empty tensors are skipped. Coordinates within one tensor are distinct while the tensor has enough elements.
+    """
+    sizes = [_numel(shape) for shape in shapes]
+    candidates = [i for i, size in enumerate(sizes) if size > 0]
+    if count <= 0 or not candidates:
+        return []
+    per_tensor = dict.fromkeys(candidates, count // len(candidates))
+    start = (rotation * count) % len(candidates)
+    for offset in range(count % len(candidates)):
+        per_tensor[candidates[(start + offset) % len(candidates)]] += 1
+    chosen = []
+    for tensor, n in per_tensor.items():
+        n = min(n, sizes[tensor])
+        flats = rng.sample(range(sizes[tensor]), n) if n > 1 else [rng.randrange(sizes[tensor])] * n
+        chosen += [Coordinate(tensor, _unravel(flat, shapes[tensor])) for flat in flats]
+    return chosen
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
