@@ -1,0 +1,259 @@
+"""``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
+
+It only turns Lightning hooks into calls of :func:`gradwatch.check_gradients` and sends the reports to the trainer's
+loggers and to the alert policy; the numerics live in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor
+from typing_extensions import override
+
+from gradwatch import _validation as validate
+from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, OnFail
+from gradwatch.check import check_gradients
+from gradwatch.evaluation import LossFn
+from gradwatch.report import CheckReport
+from gradwatch.tensorboard import write_report
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+class _NoLossToCheckError(Exception):
+    """``training_step`` returned ``None`` for the checked batch: there is no loss to check."""
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _logging_silenced(module: pl.LightningModule) -> Iterator[None]:
+    """Make ``module.log``/``module.log_dict`` do nothing, so probes do not overwrite the run's real metrics."""
+    saved = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
+    module.log = _noop  # type: ignore[method-assign]
+    module.log_dict = _noop  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("log", "log_dict"):
+            if name in saved:
+                setattr(module, name, saved[name])
+            else:
+                delattr(module, name)
+
+
+def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
+    """A ``loss_fn`` that calls ``module.training_step`` on the batch, with its logging silenced.
+
+    ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return
+    the loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check.
+    """
+    extra = (batch_idx,) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else ()
+
+    def loss_fn(module: pl.LightningModule, batch: Any) -> Tensor:
+        with _logging_silenced(module):
+            output = module.training_step(batch, *extra)
+        if output is None:
+            raise _NoLossToCheckError
+        if isinstance(output, Mapping):
+            if "loss" not in output:
+                raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)})")
+            output = output["loss"]
+        return output
+
+    return loss_fn
+
+
+class GradWatch(Callback):
+    r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
+
+    At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch with small perturbations of
+    sampled parameters and inputs (finite differences), and compares with autograd's gradient of the same loss,
+    computed separately so the training's ``.grad`` is never touched. Random states, buffers, parameters and ``.grad``
+    are restored exactly afterwards: training continues as if nothing happened. Results go to the trainer's loggers
+    (see the README for the tags) and to :attr:`reports`; failures raise an alert.
+
+    Args:
+        every_n_steps: Check every this many optimizer steps.
+        first_check_step: Also check at this optimizer step, so a wrong gradient surfaces in the first minutes of a
+            run; ``None`` to rely on ``every_n_steps`` alone.
+        on_fail: ``"warn"`` (a :class:`~gradwatch.alerts.GradientCheckWarning` and a log record naming the tensor and
+            index, rate-limited), ``"raise"`` (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and stop the
+            trainer cleanly) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
+        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
+            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        param_probes: Coordinate probes on parameters per check, spread over the tensors in turn.
+        input_probes: Coordinate probes on the floating tensors of the batch per check.
+        rtol: Relative tolerance of a probe; ``None`` picks it from the parameters' dtype.
+        seed: Seed of the coordinate sampling (combined with the step, so every process probes the same coordinates).
+        max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
+
+    Raises:
+        ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
+            optimization and no ``loss_fn`` was given (at ``setup``).
+
+    Example::
+
+        trainer = Trainer(callbacks=[GradWatch()])
+        trainer.fit(model, datamodule)
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 200,
+        first_check_step: int | None = 1,
+        on_fail: OnFail = "warn",
+        loss_fn: LossFn | None = None,
+        param_probes: int = 8,
+        input_probes: int = 2,
+        rtol: float | None = None,
+        seed: int = 0,
+        max_reports: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.every_n_steps = validate.check_int("every_n_steps", every_n_steps, minimum=1)
+        self.first_check_step = validate.check_optional_int("first_check_step", first_check_step, minimum=1)
+        self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
+        self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
+        self.param_probes = validate.check_int("param_probes", param_probes, minimum=0)
+        self.input_probes = validate.check_int("input_probes", input_probes, minimum=0)
+        self.rtol = validate.check_fraction("rtol", rtol, optional=True)
+        self.seed = validate.check_int("seed", seed, minimum=0)
+        self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
+        self._reports: deque[CheckReport] = deque(maxlen=self.max_reports)
+        self._alerts = AlertPolicy(self.on_fail)
+        self._last_step = 0
+        self._checks = 0
+        self._failed_checks = 0
+        self._skipped_checks = 0
+
+    @property
+    def reports(self) -> list[CheckReport]:
+        """The reports of this run's checks, oldest first (at most ``max_reports``)."""
+        return list(self._reports)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, seed=self.seed)
+
+    def due(self, previous_step: int, step: int) -> bool:
+        """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
+        if self.first_check_step is not None and previous_step < self.first_check_step <= step:
+            return True
+        return step // self.every_n_steps > previous_step // self.every_n_steps
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not pl_module.automatic_optimization and self.loss_fn is None:
+            raise ValueError(
+                f"{type(pl_module).__name__} uses manual optimization (automatic_optimization = False): its "
+                "training_step steps the optimizers, so gradwatch cannot call it to probe the loss. Pass the loss to "
+                "check instead: GradWatch(loss_fn=lambda module, batch: ...)"
+            )
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
+        step = trainer.global_step
+        previous, self._last_step = self._last_step, step
+        if step == previous or not self.due(previous, step):
+            return
+        report = self._check(pl_module, batch, batch_idx, step)
+        if report is None:
+            return
+        self._record(report)
+        self._log(trainer, report)
+        if self._alerts.handle(report):
+            trainer.should_stop = True
+
+    def _check(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, step: int) -> CheckReport | None:
+        loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
+        try:
+            return check_gradients(
+                pl_module,
+                batch,
+                loss_fn,
+                step=step,
+                param_probes=self.param_probes,
+                input_probes=self.input_probes,
+                rtol=self.rtol,
+                seed=self.seed,
+                rotation=self._checks,
+            )
+        except _NoLossToCheckError:
+            self._skipped_checks += 1
+            log.debug("gradwatch: training_step returned None at step %d; check skipped", step)
+        except Exception as error:
+            # The one deliberate catch-all: a check must never end a training run (the engine has already restored
+            # the model exactly). on_fail="raise" asks for the opposite.
+            if self.on_fail == "raise":
+                raise
+            self._skipped_checks += 1
+            self._alerts.check_error(step, error)
+        return None
+
+    def _record(self, report: CheckReport) -> None:
+        self._reports.append(report)
+        self._checks += 1
+        self._failed_checks += report.verdict == "fail"
+        for note in report.notes:
+            log.info("gradwatch (step %d): %s", report.step, note)
+        log.debug("gradwatch %s", report.summary())
+
+    def _log(self, trainer: pl.Trainer, report: CheckReport) -> None:
+        metrics = {tag: value for tag, value in report.scalars().items() if value == value}  # drop NaN
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                write_report(logger.experiment, report, trainer.global_step)
+                if report.verdict == "fail":
+                    logger.experiment.flush()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "last_step": self._last_step,
+            "checks": self._checks,
+            "failed_checks": self._failed_checks,
+            "skipped_checks": self._skipped_checks,
+            "failure_warnings": self._alerts.failures.count,
+            "error_warnings": self._alerts.errors.count,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_step = int(state_dict.get("last_step", 0))
+        self._checks = int(state_dict.get("checks", 0))
+        self._failed_checks = int(state_dict.get("failed_checks", 0))
+        self._skipped_checks = int(state_dict.get("skipped_checks", 0))
+        self._alerts = AlertPolicy(
+            self.on_fail,
+            Backoff(int(state_dict.get("failure_warnings", 0))),
+            Backoff(int(state_dict.get("error_warnings", 0))),
+        )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Checks run, failed and skipped so far in this run (restored on resume)."""
+        return {"checks": self._checks, "failed": self._failed_checks, "skipped": self._skipped_checks}
