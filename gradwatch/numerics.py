@@ -81,6 +81,11 @@ class Stencil:
     def finite(self) -> bool:
         return all(math.isfinite(v) for v in (self.center, *self.values))
 
+    @property
+    def flat(self) -> bool:
+        """Whether every perturbed loss equals the centre bit for bit: the steps are below the loss's resolution."""
+        return all(v == self.center for v in self.values)
+
 
 SIGNIFICANCE = 5.0
 """A discrepancy counts only when it exceeds this many times the probe's error estimate (measured on correct models in
@@ -157,6 +162,11 @@ def assess(stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: 
     analytic = stencil.analytic
     if not stencil.finite:
         return Assessment(math.nan, math.nan, math.inf, abs(analytic), "inconclusive", "nonfinite")
+    if stencil.flat and analytic != 0.0:
+        # A float loss can be a staircase: a saturated cross-entropy computes log(1 + x) with 1 + x rounded to 1, so
+        # steps that change the true loss by less than a rounding quantum change nothing. Its residuals are then exactly
+        # zero, which says nothing about the noise: the probe has no information.
+        return Assessment(0.0, -analytic, abs(analytic), max(abs(analytic), scale_floor), "inconclusive", "flat")
     discrepancy = stencil.richardson
     numeric = analytic + discrepancy
     roughness = abs(stencil.even_residual) / stencil.step

@@ -46,7 +46,9 @@ class Probe:
         step: The finite-difference step actually used (in units of the perturbed value; for the descent probe, the
             length of the step along ``ĝ``).
         reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"unresolved"`` (noise too large to
-            tell), ``"kink"`` (the loss is not smooth across the step) or ``"nonfinite"``.
+            tell), ``"kink"`` (the loss is not smooth across the step), ``"flat"`` (the loss did not change at all: the
+            step is below the resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at
+            a second step) or ``"nonfinite"``.
     """
 
     kind: ProbeKind
