@@ -55,12 +55,27 @@ def sample_coordinates(
     start = (rotation * count) % len(candidates)
     for offset in range(count % len(candidates)):
         per_tensor[candidates[(start + offset) % len(candidates)]] += 1
+    _redistribute_surplus(per_tensor, sizes)
     chosen = []
     for tensor, n in per_tensor.items():
-        n = min(n, sizes[tensor])
-        flats = rng.sample(range(sizes[tensor]), n) if n > 1 else [rng.randrange(sizes[tensor])] * n
+        flats = rng.sample(range(sizes[tensor]), n)
         chosen += [Coordinate(tensor, _unravel(flat, shapes[tensor])) for flat in flats]
     return chosen
+
+
+def _redistribute_surplus(per_tensor: dict[int, int], sizes: Sequence[int]) -> None:
+    """Move the probes a tensor has no room for (more probes than elements) to tensors that have room."""
+    surplus = 0
+    for tensor, n in per_tensor.items():
+        surplus += max(n - sizes[tensor], 0)
+        per_tensor[tensor] = min(n, sizes[tensor])
+    while surplus:
+        roomy = [t for t in per_tensor if per_tensor[t] < sizes[t]]
+        if not roomy:
+            return
+        for tensor in roomy[:surplus]:
+            per_tensor[tensor] += 1
+            surplus -= 1
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -18,13 +18,12 @@ import torch
 from torch import Tensor, nn
 
 
-@dataclass
+@dataclass(frozen=True)
 class _SavedBuffer:
     module: nn.Module
     name: str
     tensor: Tensor
     value: Tensor
-    version: int
 
 
 def _capture_rng() -> dict[str, Any]:
@@ -68,7 +67,7 @@ class TrainingState:
             for name, buffer in module.named_buffers(recurse=False):
                 # a buffer shared between modules is saved once and restored through each owner
                 value = saved_values.setdefault(id(buffer), buffer.detach().clone())
-                self._buffers.append(_SavedBuffer(module, name, buffer, value, buffer._version))
+                self._buffers.append(_SavedBuffer(module, name, buffer, value))
         for parameter, _ in self._grads:
             parameter.grad = None
 
@@ -84,16 +83,14 @@ class TrainingState:
     def restore_buffers(self) -> None:
         """Undo any change to the buffers (BatchNorm running statistics, counters, caches) since the capture.
 
-        Only buffers that were reassigned or modified in place are touched, so a check on a model with large constant
-        buffers costs no copies.
+        Every buffer is copied back: version counters cannot tell which changed, because BatchNorm's CPU kernel updates
+        its running statistics in place without bumping them.
         """
         with torch.no_grad():
             for saved in self._buffers:
                 if getattr(saved.module, saved.name, None) is not saved.tensor:
                     setattr(saved.module, saved.name, saved.tensor)
-                if saved.tensor._version != saved.version:
-                    saved.tensor.copy_(saved.value)
-                    saved.version = saved.tensor._version
+                saved.tensor.copy_(saved.value)
 
     def restore(self) -> None:
         """Put back random states, buffers, ``.grad`` tensors and train/eval modes exactly as captured."""

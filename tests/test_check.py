@@ -1,0 +1,306 @@
+"""check_gradients: verdicts on correct and buggy models, exact restoration, batches, bad input."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    DropoutBatchNormNet,
+    SeedModel,
+    assert_bit_identical,
+    classification_batch,
+    cross_entropy_loss,
+    seed_batch,
+    seed_loss,
+    snapshot,
+)
+from torch import nn
+
+from gradwatch import CheckReport, check_gradients
+
+
+def test_seed_case_is_not_a_false_alarm() -> None:
+    # MSELoss(reduction="sum") over a 140x120 float32 tensor: naive float32 probes read 10-100% errors here
+    report = check_gradients(SeedModel(), seed_batch(), seed_loss)
+    assert report.loss > 1e4
+    assert report.verdict == "ok", str(report)
+    assert report.count("fail") == 0
+    assert max(report.conclusive_rel_errors) < 1e-3
+    assert report.descent_ratio == pytest.approx(1.0, abs=1e-4)
+
+
+def test_weight_gradient_ten_percent_off_fails_and_names_the_weight() -> None:
+    report = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
+    assert report.verdict == "fail"
+    failing_params = {p.target for p in report.failures if p.kind == "param"}
+    assert failing_params == {"fc.weight"}, str(report)
+    assert all(p.verdict == "ok" for p in report.probes if p.target == "fc.bias")
+    assert report.descent.verdict == "fail"
+
+
+def test_one_percent_error_is_detected() -> None:
+    report = check_gradients(SeedModel(weight_scale=1.01), seed_batch(), seed_loss)
+    assert report.verdict == "fail"
+    assert "fc.weight" in {p.target for p in report.failures}
+    assert report.descent_ratio == pytest.approx(0.99, abs=2e-3)
+
+
+def test_sign_flipped_gradient_fails_the_descent_check() -> None:
+    report = check_gradients(SeedModel(sign=-1.0), seed_batch(), seed_loss)
+    descent = report.descent
+    assert descent is not None
+    assert descent.kind == "descent"
+    assert descent.target == "*"
+    assert descent.index is None
+    assert descent.verdict == "fail"
+    assert report.descent_ratio == pytest.approx(-1.0, abs=1e-3)
+    assert report.verdict == "fail"
+
+
+def test_dropout_and_batchnorm_no_false_alarm_and_state_bit_identical() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    batch = classification_batch()
+    model.train()
+    cross_entropy_loss(model, batch).backward()  # a .grad to preserve, as in training
+    torch.rand(3)  # move the generators somewhere arbitrary
+    before = snapshot(model)
+    reports = [check_gradients(model, batch, cross_entropy_loss, step=step) for step in range(5)]
+    assert_bit_identical(before, snapshot(model))
+    assert all(r.verdict != "fail" for r in reports), "\n".join(str(r) for r in reports)
+    assert all(r.descent_ratio == pytest.approx(1.0, abs=1e-3) for r in reports)
+
+
+def test_dropout_masks_are_replayed() -> None:
+    # without replaying the random state, every evaluation would draw new masks and nothing would agree
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 4))
+    report = check_gradients(model, classification_batch(), cross_entropy_loss)
+    assert report.verdict == "ok", str(report)
+
+
+class _FailingLoss:
+    """Raises ``error`` from the ``fail_at``-th call on (the reference pass is call 1)."""
+
+    def __init__(self, fail_at: int, error: BaseException) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+        self.error = error
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise self.error
+        return cross_entropy_loss(model, batch)
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 5, 12], ids=["reference", "reproducibility", "descent", "coordinate"])
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "keyboard-interrupt"])
+def test_failure_inside_a_probe_restores_everything(fail_at: int, error: BaseException) -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    batch = classification_batch()
+    cross_entropy_loss(model, batch).backward()
+    before = snapshot(model)
+    with pytest.raises(type(error)):
+        check_gradients(model, batch, _FailingLoss(fail_at, error))
+    assert_bit_identical(before, snapshot(model))
+
+
+def test_float64_model_is_checked_to_float64_precision() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet().double()
+    inputs, labels = classification_batch()
+    report = check_gradients(model, (inputs.double(), labels), cross_entropy_loss)
+    assert report.verdict == "ok", str(report)
+    assert report.descent_ratio == pytest.approx(1.0, abs=1e-7)
+
+
+def test_unused_parameter_without_gradient_is_fine() -> None:
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(16, 4)
+            self.unused = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    report = check_gradients(WithUnused(), classification_batch(), cross_entropy_loss, param_probes=8)
+    unused = [p for p in report.probes if p.target.startswith("unused")]
+    assert unused, "the stratified sampling should reach the unused tensors"
+    assert all(p.verdict == "ok" and p.analytic == 0.0 and p.numeric == 0.0 for p in unused)
+    assert report.verdict == "ok"
+
+
+def test_nonfinite_loss_is_a_failure_of_its_own_kind() -> None:
+    def nan_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return cross_entropy_loss(model, batch) * float("nan")
+
+    report = check_gradients(DropoutBatchNormNet(), classification_batch(), nan_loss)
+    assert report.verdict == "fail"
+    assert [p.reason for p in report.probes] == ["nonfinite"]
+    assert report.probes[0].target == "loss"
+
+
+def test_nonfinite_gradient_names_the_tensor() -> None:
+    model = nn.Linear(16, 4)
+
+    def sqrt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # d/dw sqrt(w - w) is infinite while the loss itself is finite
+        return cross_entropy_loss(model, batch) + (model.bias - model.bias.detach()).abs().sqrt().sum()
+
+    report = check_gradients(model, classification_batch(), sqrt_loss)
+    assert report.verdict == "fail"
+    assert {p.target for p in report.failures} == {"bias"}
+    assert all(p.reason == "nonfinite" for p in report.failures)
+
+
+Sample = collections.namedtuple("Sample", ["pixels", "label"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    features: torch.Tensor
+    mask: torch.Tensor
+    tokens: torch.Tensor
+
+
+def test_inputs_are_found_in_nested_batches_and_integer_tensors_skipped() -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 8)
+    head = nn.Linear(16, 1)
+    model = nn.ModuleDict({"embedding": embedding, "head": head})
+    batch = {
+        "sample": Sample(pixels=torch.randn(6, 8), label=torch.randn(6, 1)),
+        "example": Example(
+            features=torch.randn(6, 8), mask=torch.ones(6, 8, dtype=torch.bool), tokens=torch.randint(0, 10, (6,))
+        ),
+    }
+
+    def loss_fn(model: nn.ModuleDict, batch: dict) -> torch.Tensor:
+        example = batch["example"]
+        tokens = model["embedding"](example.tokens) * example.mask
+        features = torch.cat([batch["sample"].pixels + tokens, example.features], dim=1)
+        return F.mse_loss(model["head"](features), batch["sample"].label)
+
+    report = check_gradients(model, batch, loss_fn, input_probes=30, param_probes=0)
+    targets = {p.target for p in report.probes if p.kind == "input"}
+    assert targets == {"batch['sample'].pixels", "batch['sample'].label", "batch['example'].features"}
+    assert report.verdict == "ok", str(report)
+
+
+def test_batch_is_not_modified_even_by_a_loss_that_mutates_its_inputs() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    batch = classification_batch()
+    original = batch[0].clone()
+
+    def mutating_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, labels = batch
+        with torch.no_grad():
+            inputs.mul_(2.0)  # an in-place "normalisation"
+        return F.cross_entropy(model(inputs), labels)
+
+    report = check_gradients(model, batch, mutating_loss)
+    assert torch.equal(batch[0], original)
+    assert report.verdict == "ok", str(report)
+
+
+def test_same_seed_and_step_probe_the_same_coordinates() -> None:
+    def coordinates(report: CheckReport) -> list[tuple[str, object]]:
+        return [(p.target, p.index) for p in report.probes]
+
+    first = check_gradients(SeedModel(), seed_batch(), seed_loss, step=7, seed=3)
+    again = check_gradients(SeedModel(), seed_batch(), seed_loss, step=7, seed=3)
+    other = check_gradients(SeedModel(), seed_batch(), seed_loss, step=8, seed=3)
+    assert coordinates(first) == coordinates(again)
+    assert coordinates(first) != coordinates(other)
+
+
+def test_report_counts_its_cost() -> None:
+    report = check_gradients(SeedModel(), seed_batch(), seed_loss, param_probes=4, input_probes=1)
+    # reference + reproducibility + centre, then 4 points per probe (descent, 4 params, 1 input)
+    assert report.n_forward == 3 + 4 * 6
+    assert report.n_backward == 1
+    assert report.duration_s > 0
+    assert len(report.probes) == 6
+
+
+def test_loss_that_cannot_be_reproduced_is_inconclusive_not_failed() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    generator = torch.Generator().manual_seed(0)  # a private generator gradwatch cannot replay
+
+    def noisy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, labels = batch
+        noise = torch.randn(inputs.shape, generator=generator)
+        return F.cross_entropy(model(inputs + noise), labels)
+
+    report = check_gradients(model, classification_batch(), noisy_loss)
+    assert report.verdict == "inconclusive"
+    assert report.probes == []
+    assert any("not reproducible" in note for note in report.notes)
+
+
+def test_scalars_have_a_fixed_set_of_tags() -> None:
+    healthy = check_gradients(SeedModel(), seed_batch(), seed_loss).scalars()
+    buggy = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss).scalars()
+    assert healthy.keys() == buggy.keys()
+    assert healthy["gradwatch/verdict"] == 0.0
+    assert buggy["gradwatch/verdict"] == 2.0
+    assert buggy["gradwatch/failing_probes"] >= 1
+    assert all(isinstance(v, float) and not math.isnan(v) for v in healthy.values())
+
+
+def test_bad_loss_outputs_raise_clear_errors() -> None:
+    model = nn.Linear(16, 4)
+    batch = classification_batch()
+    with pytest.raises(TypeError, match=r"loss_fn must return a scalar torch\.Tensor; got float"):
+        check_gradients(model, batch, lambda m, b: 1.0)
+    with pytest.raises(ValueError, match=r"scalar tensor; got a tensor of shape \(32, 4\)"):
+        check_gradients(model, batch, lambda m, b: m(b[0]))
+    with pytest.raises(ValueError, match="does not require grad"):
+        check_gradients(model, batch, lambda m, b: cross_entropy_loss(m, b).detach())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"step": -1}, "`step` must be an integer >= 0; got -1"),
+        ({"step": 1.5}, r"`step` must be an integer >= 0; got 1.5 \(float\)"),
+        ({"param_probes": -2}, "`param_probes` must be an integer >= 0"),
+        ({"input_probes": True}, r"`input_probes` must be an integer >= 0; got True \(bool\)"),
+        ({"rtol": 0.0}, "`rtol` must be None or a number strictly between 0 and 1; got 0.0"),
+        ({"rtol": "tight"}, "`rtol` must be None or a number"),
+        ({"seed": -1}, "`seed` must be an integer >= 0"),
+        ({"rotation": -3}, "`rotation` must be None or an integer >= 0"),
+        ({"float64_reductions": 1}, "`float64_reductions` must be True or False; got 1"),
+    ],
+    ids=[
+        "step-negative",
+        "step-float",
+        "param-probes",
+        "input-probes-bool",
+        "rtol-zero",
+        "rtol-str",
+        "seed",
+        "rotation",
+        "reductions",
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_gradients(nn.Linear(16, 4), classification_batch(), cross_entropy_loss, **kwargs)
+
+
+def test_bad_model_and_loss_fn_types() -> None:
+    with pytest.raises(TypeError, match=r"`model` must be a torch\.nn\.Module; got function"):
+        check_gradients(lambda x: x, classification_batch(), cross_entropy_loss)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`loss_fn` must be callable"):
+        check_gradients(nn.Linear(16, 4), classification_batch(), "mse")  # type: ignore[arg-type]
