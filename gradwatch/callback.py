@@ -113,7 +113,7 @@ class GradWatch(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 200,
+        every_n_steps: int = 500,
         first_check_step: int | None = 1,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch import _validation as validate
-from gradwatch.evaluation import LossEvaluator, LossFn, Reference
+from gradwatch.evaluation import LossEvaluator, LossFn, Reference, probe_conditions
 from gradwatch.numerics import (
     CONFIRMATION_STEP,
     Assessment,
@@ -117,9 +117,10 @@ def check_gradients(
     )
     state = TrainingState.capture(model)
     try:
-        evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
-        reference = evaluator.reference(with_inputs=input_probes > 0)
-        probes = _nonfinite_probes(reference, params) or _Prober(evaluator, reference, settings).run()
+        with probe_conditions():
+            evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
+            reference = evaluator.reference(with_inputs=input_probes > 0)
+            probes = _nonfinite_probes(reference, params) or _Prober(evaluator, reference, settings).run()
     finally:
         state.restore()
     return CheckReport(

@@ -67,6 +67,13 @@ def autocast_disabled() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def probe_conditions() -> Iterator[None]:
+    """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels."""
+    with autocast_disabled(), full_float32_precision():
+        yield
+
+
 def _as_scalar_loss(value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
@@ -95,7 +102,7 @@ class LossEvaluator:
 
     Parameters are perturbed in place by the caller (and restored by it); floating inputs are perturbed through the
     working copies in :attr:`inputs`, which the loss sees in place of the batch's own tensors, so the caller's batch is
-    never modified.
+    never modified. Use it inside :func:`probe_conditions`.
 
     Args:
         model: The module whose parameters are probed.
@@ -150,7 +157,7 @@ class LossEvaluator:
     def _evaluation(self, grad: bool) -> Iterator[None]:
         self.state.replay_rng()
         try:
-            with torch.set_grad_enabled(grad), autocast_disabled(), full_float32_precision():
+            with torch.set_grad_enabled(grad):
                 yield
         finally:
             self.n_forward += 1
