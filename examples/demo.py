@@ -13,6 +13,7 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,9 +26,13 @@ from models import CustomNormClassifier, HealthyClassifier, synthetic_loader
 from gradwatch import CheckReport, GradientCheckWarning, GradWatch
 
 
-def train(model: pl.LightningModule, logdir: Path, name: str, steps: int, every: int) -> tuple[GradWatch, str]:
-    """Fit ``model`` for ``steps`` optimizer steps with GradWatch; returns the callback and the log directory."""
+def train(
+    make_model: Callable[[], pl.LightningModule], logdir: Path, name: str, steps: int, every: int
+) -> tuple[GradWatch, str]:
+    """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch; returns the callback and the
+    log directory. The same arguments give the same run."""
     pl.seed_everything(0, verbose=False)
+    model = make_model()
     watch = GradWatch(every_n_steps=every)
     logger = TensorBoardLogger(str(logdir), name=name, default_hp_metric=False)
     trainer = pl.Trainer(
@@ -83,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=50, help="check every this many steps (plus step 1)")
     args = parser.parse_args(argv)
 
-    runs = {
-        "healthy": HealthyClassifier(),
-        "custom_function_bug": CustomNormClassifier(correct_backward=False),
+    runs: dict[str, Callable[[], pl.LightningModule]] = {
+        "healthy": HealthyClassifier,
+        "custom_function_bug": lambda: CustomNormClassifier(correct_backward=False),
     }
     outcomes = {}
-    for name, model in runs.items():
-        watch, log_dir = train(model, args.logdir, name, args.steps, args.every)
+    for name, make_model in runs.items():
+        watch, log_dir = train(make_model, args.logdir, name, args.steps, args.every)
         print(describe(name, watch.reports))
         print(f"TensorBoard logs: {log_dir}")
         outcomes[name] = [r.verdict for r in watch.reports]

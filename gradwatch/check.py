@@ -15,6 +15,7 @@ measured again at an independent step before it may fail. Whatever happens, the 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from gradwatch import _validation as validate
 from gradwatch.evaluation import LossEvaluator, LossFn, Reference, probe_conditions
 from gradwatch.numerics import (
     CONFIRMATION_STEP,
+    KINK_RETRY_STEP,
     Assessment,
     assess,
     confirm,
@@ -149,8 +151,13 @@ def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     return max(dtypes, key=machine_epsilon, default=torch.float32)
 
 
-def _rms(tensor: Tensor) -> float:
-    return tensor.detach().double().pow(2).mean().sqrt().item() if tensor.numel() else 0.0
+def _rms(*tensors: Tensor) -> float:
+    """Root mean square over all elements of the tensors, accumulated in float64 one tensor at a time."""
+    count = sum(t.numel() for t in tensors)
+    if count == 0:
+        return 0.0
+    total = sum(torch.linalg.vector_norm(t.detach(), dtype=torch.float64).item() ** 2 for t in tensors)
+    return math.sqrt(total / count)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
@@ -165,18 +172,18 @@ def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
 def _nonfinite_probes(reference: Reference, params: Sequence[tuple[str, nn.Parameter]]) -> list[Probe]:
     """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry."""
     if not math.isfinite(reference.loss):
-        return [_nonfinite_probe("loss", None, reference.loss)]
+        return [_nonfinite_probe("loss", "loss", None, reference.loss)]
     probes = []
     for (name, _), grad in zip(params, reference.param_grads, strict=True):
         if grad is not None and not bool(torch.isfinite(grad).all()):
             position = (~torch.isfinite(grad)).nonzero()[0]
             index = tuple(int(i) for i in position)
-            probes.append(_nonfinite_probe(name, index, grad[index].item()))
+            probes.append(_nonfinite_probe("param", name, index, grad[index].item()))
     return probes
 
 
-def _nonfinite_probe(target: str, index: tuple[int, ...] | None, value: float) -> Probe:
-    return Probe("param", target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
+def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
+    return Probe(kind, target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
 
 
 class _Prober:
@@ -191,9 +198,8 @@ class _Prober:
             g if g is not None else torch.zeros_like(p)
             for (_, p), g in zip(self.params, reference.param_grads, strict=True)
         ]
-        values = [p.detach() for _, p in self.params]
-        self.param_scale = _rms(torch.cat([v.flatten().double() for v in values])) if values else 0.0
-        self.grad_scale = _rms(torch.cat([g.flatten().double() for g in self.grads])) if self.grads else 0.0
+        self.param_scale = _rms(*(p for _, p in self.params))
+        self.grad_scale = _rms(*self.grads)
         self.center = math.nan
 
     def run(self) -> list[Probe]:
@@ -204,8 +210,9 @@ class _Prober:
         descent = self._descent_probe()
         if descent is not None:
             probes.append(descent)
-        probes += self._param_probes()
-        probes += self._input_probes()
+        rng = generator(self.settings.seed, self.settings.step)
+        probes += self._param_probes(rng)
+        probes += self._input_probes(rng)
         return probes
 
     def _reproducible(self) -> bool:
@@ -230,6 +237,18 @@ class _Prober:
     def _value_epsilon(self) -> float:
         return machine_epsilon(self.evaluator.value_dtype)
 
+    def _assess(self, direction: Direction, step: float, scale_floor: float) -> Assessment:
+        stencil = measure(self.evaluator, direction, step, self.center)
+        return assess(stencil, rtol=self.settings.rtol, scale_floor=scale_floor, value_epsilon=self._value_epsilon())
+
+    def _judge(self, direction: Direction, step: float, scale_floor: float) -> tuple[Assessment, float]:
+        """Assess one direction at ``step``; a suspicious result must be confirmed at an independent step."""
+        first = self._assess(direction, step, scale_floor)
+        if first.verdict != "fail":
+            return first, step
+        confirming = step * CONFIRMATION_STEP
+        return confirm(first, self._assess(direction, confirming, scale_floor)), confirming
+
     def _probe(
         self,
         kind: ProbeKind,
@@ -238,20 +257,12 @@ class _Prober:
         direction: Direction,
         step: float,
         scale_floor: float,
+        retry_kink: bool = False,
     ) -> Probe:
-        """Measure one direction, confirm a suspicious result at an independent step, and turn it into a Probe."""
-        judge = {"rtol": self.settings.rtol, "scale_floor": scale_floor}
-        first = assess(
-            measure(self.evaluator, direction, step, self.center), value_epsilon=self._value_epsilon(), **judge
-        )
-        result: Assessment = first
-        used = step
-        if first.verdict == "fail":
-            used = step * CONFIRMATION_STEP
-            second = assess(
-                measure(self.evaluator, direction, used, self.center), value_epsilon=self._value_epsilon(), **judge
-            )
-            result = confirm(first, second)
+        """Measure one direction (again at a smaller step after a kink, if ``retry_kink``) and make it a Probe."""
+        result, used = self._judge(direction, step, scale_floor)
+        if retry_kink and result.reason == "kink":
+            result, used = self._judge(direction, step * KINK_RETRY_STEP, scale_floor)
         return Probe(
             kind=kind,
             target=target,
@@ -278,15 +289,14 @@ class _Prober:
             return None
         # the step's scale along ĝ: each tensor's own magnitude, weighted by its share of the gradient
         weighted = sum(
-            self._tensor_scale(p) ** 2 * g.double().pow(2).sum().item() / direction.norm**2
+            self._tensor_scale(p) ** 2 * (torch.linalg.vector_norm(g, dtype=torch.float64).item() / direction.norm) ** 2
             for (_, p), g in zip(self.params, self.grads, strict=True)
         )
         step = relative_step(_least_precise([p.dtype for _, p in self.params])) * math.sqrt(weighted)
-        return self._probe("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
+        return self._probe("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0, retry_kink=True)
 
-    def _param_probes(self) -> list[Probe]:
+    def _param_probes(self, rng: random.Random) -> list[Probe]:
         settings = self.settings
-        rng = generator(settings.seed, settings.step)
         shapes = [tuple(p.shape) for _, p in self.params]
         probes = []
         floor = math.sqrt(machine_epsilon(_least_precise([p.dtype for _, p in self.params]))) * self.grad_scale
@@ -301,12 +311,11 @@ class _Prober:
             probes.append(self._probe("param", name, index, direction, step, scale_floor))
         return probes
 
-    def _input_probes(self) -> list[Probe]:
+    def _input_probes(self, rng: random.Random) -> list[Probe]:
         settings = self.settings
         grads = self.reference.input_grads
         paths = list(grads)
         inputs = [self.evaluator.inputs[path] for path in paths]
-        rng = generator(settings.seed, settings.step + 1_000_003)
         probes = []
         for coordinate in sample_coordinates(
             [tuple(x.shape) for x in inputs], settings.input_probes, rng, settings.rotation

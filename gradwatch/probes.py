@@ -76,19 +76,23 @@ class CoordinateDirection:
 class GradientDirection:
     """All parameters at once, along ``ĝ = g/‖g‖``; the analytic slope along it is ``‖g‖``.
 
-    Holds one saved copy of the parameters while it is displaced, so that restoring is an exact copy.
+    From its first displacement on it holds one copy of the parameters' original values, so that every restore is an
+    exact copy; the copy goes with the object.
     """
 
     def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         self.params = list(params)
         self.grads = list(grads)
-        self.norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in self.grads))
+        self.norm = math.sqrt(sum(torch.linalg.vector_norm(g, dtype=torch.float64).item() ** 2 for g in self.grads))
         self.analytic = self.norm
+        self._origin: list[Tensor] | None = None
 
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
         """Move every parameter by ``offset · ĝ`` (rounded to its dtype); yield the displacement obtained."""
-        saved = [p.detach().clone() for p in self.params]
+        if self._origin is None:
+            self._origin = [p.detach().clone() for p in self.params]
+        saved = self._origin
         along = 0.0
         predicted = 0.0
         try:

@@ -16,9 +16,10 @@ Verdict = Literal["ok", "fail", "inconclusive"]
 """``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
 error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
 
-ProbeKind = Literal["param", "input", "descent"]
+ProbeKind = Literal["param", "input", "descent", "loss"]
 """``"param"``: one coordinate of a trainable parameter. ``"input"``: one coordinate of a floating tensor of the batch.
-``"descent"``: the directional derivative along the normalised gradient of all parameters."""
+``"descent"``: the directional derivative along the normalised gradient of all parameters. ``"loss"``: the loss itself,
+reported only when it is not finite."""
 
 VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -34,7 +35,7 @@ class Probe:
     Attributes:
         kind: What was perturbed (see :data:`ProbeKind`).
         target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
-            ``"batch['x']"``, or ``"*"`` for the descent probe.
+            ``"batch['x']"``, ``"*"`` for the descent probe, or ``"loss"``.
         index: The perturbed coordinate within ``target``, or ``None`` for the descent probe.
         analytic: The derivative computed by autograd (for the descent probe: ``‖g‖``, the slope along ``ĝ``).
         numeric: The derivative measured by finite differences of the loss.

@@ -102,6 +102,13 @@ def test_flat_loss_with_a_zero_analytic_derivative_is_ok() -> None:
     assert (a.verdict, a.reason) == ("ok", "agrees")
 
 
+def test_flat_loss_with_a_negligible_analytic_derivative_is_ok() -> None:
+    # a bias feeding BatchNorm: the true derivative is 0, autograd returns float noise far below the model's scale
+    s = stencil(lambda t: 0.25, analytic=1e-17, step=1e-3)
+    assert assess(s, rtol=1e-6, scale_floor=1e-8, value_epsilon=2.2e-16).verdict == "ok"
+    assert assess(s, rtol=1e-6, scale_floor=1e-12, value_epsilon=2.2e-16).reason == "flat"
+
+
 def test_nonfinite_values_are_inconclusive() -> None:
     a = judge(stencil(lambda t: math.log(t) if t > 0 else math.nan, analytic=1.0, step=1e-3))
     assert (a.verdict, a.reason) == ("inconclusive", "nonfinite")
