@@ -31,29 +31,29 @@ def _map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> An
         changed = any(new is not old for new, old in zip(items, obj, strict=True))
         return type(obj)(*items) if changed else obj
     if isinstance(obj, (list, tuple)):
-        items = [_map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
-        if all(new is old for new, old in zip(items, obj, strict=True)):
+        elements = [_map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
+        if all(new is old for new, old in zip(elements, obj, strict=True)):
             return obj
         if isinstance(obj, list):
-            rebuilt = copy.copy(obj)
-            rebuilt[:] = items
-            return rebuilt
-        return type(obj)(items)
+            rebuilt_list = copy.copy(obj)
+            rebuilt_list[:] = elements
+            return rebuilt_list
+        return type(obj)(elements)
     if isinstance(obj, Mapping):
-        items = {key: _map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
-        if all(items[key] is value for key, value in obj.items()):
+        entries = {key: _map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
+        if all(entries[key] is value for key, value in obj.items()):
             return obj
-        rebuilt = copy.copy(obj)
-        for key, value in items.items():
-            rebuilt[key] = value
-        return rebuilt
+        rebuilt_mapping: Any = copy.copy(obj)
+        for key, value in entries.items():
+            rebuilt_mapping[key] = value
+        return rebuilt_mapping
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        items = {name: _map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
-        if all(items[name] is value for name, value in values.items()):
+        fields = {name: _map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+        if all(fields[name] is value for name, value in values.items()):
             return obj
         rebuilt = copy.copy(obj)
-        for name, value in items.items():
+        for name, value in fields.items():
             object.__setattr__(rebuilt, name, value)  # works for frozen dataclasses too
         return rebuilt
     return obj

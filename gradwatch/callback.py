@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from gradwatch import _validation as validate
@@ -63,7 +63,7 @@ def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
     """
     extra = (batch_idx,) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else ()
 
-    def loss_fn(module: pl.LightningModule, batch: Any) -> Tensor:
+    def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
         with _logging_silenced(module):
             output = module.training_step(batch, *extra)
         if output is None:

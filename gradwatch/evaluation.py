@@ -48,7 +48,8 @@ def full_float32_precision() -> Iterator[None]:
                 saved.append((settings, "fp32_precision", settings.fp32_precision))
                 settings.fp32_precision = "ieee"
         if not saved:
-            for settings in (torch.backends.cuda.matmul, torch.backends.cudnn):
+            legacy: tuple[Any, ...] = (torch.backends.cuda.matmul, torch.backends.cudnn)
+            for settings in legacy:
                 saved.append((settings, "allow_tf32", settings.allow_tf32))
                 settings.allow_tf32 = False
         yield
