@@ -198,6 +198,7 @@ class _Prober:
             g if g is not None else torch.zeros_like(p)
             for (_, p), g in zip(self.params, reference.param_grads, strict=True)
         ]
+        self.dtype = _least_precise([p.dtype for _, p in self.params])
         self.param_scale = _rms(*(p for _, p in self.params))
         self.grad_scale = _rms(*self.grads)
         self.center = math.nan
@@ -292,14 +293,14 @@ class _Prober:
             self._tensor_scale(p) ** 2 * (torch.linalg.vector_norm(g, dtype=torch.float64).item() / direction.norm) ** 2
             for (_, p), g in zip(self.params, self.grads, strict=True)
         )
-        step = relative_step(_least_precise([p.dtype for _, p in self.params])) * math.sqrt(weighted)
+        step = relative_step(self.dtype) * math.sqrt(weighted)
         return self._probe("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0, retry_kink=True)
 
     def _param_probes(self, rng: random.Random) -> list[Probe]:
         settings = self.settings
         shapes = [tuple(p.shape) for _, p in self.params]
         probes = []
-        floor = math.sqrt(machine_epsilon(_least_precise([p.dtype for _, p in self.params]))) * self.grad_scale
+        floor = math.sqrt(machine_epsilon(self.dtype)) * self.grad_scale
         for coordinate in sample_coordinates(shapes, settings.param_probes, rng, settings.rotation):
             name, param = self.params[coordinate.tensor]
             grad = self.grads[coordinate.tensor]

@@ -93,18 +93,16 @@ class GradientDirection:
         if self._origin is None:
             self._origin = [p.detach().clone() for p in self.params]
         saved = self._origin
-        along = 0.0
         predicted = 0.0
         try:
             with torch.no_grad():
                 for param, origin, grad in zip(self.params, saved, self.grads, strict=True):
-                    unit = grad.double() / self.norm
-                    moved = (origin.double() + offset * unit).to(param.dtype)
+                    moved = (origin.double() + (offset / self.norm) * grad.double()).to(param.dtype)
                     delta = moved.double() - origin.double()
                     param.copy_(moved)
-                    along += (unit * delta).sum().item()
                     predicted += (grad.double() * delta).sum().item()
-            yield Displacement(along, predicted)
+            # the component along ĝ is g·δ / ‖g‖
+            yield Displacement(predicted / self.norm, predicted)
         finally:
             with torch.no_grad():
                 for param, origin in zip(self.params, saved, strict=True):
