@@ -109,8 +109,8 @@ class GradWatch(Callback):
         tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
         random_probes: Tensors probed along a random direction per check (in turn).
         param_probes: Coordinate probes on parameters per check, spread over the tensors in turn.
-        input_probes: Coordinate probes on the floating tensors of the batch per check, besides the probe along the
-            inputs' gradient (``0`` for no input probe at all).
+        input_probes: Probes on the floating tensors of the batch per check: the first along the inputs' gradient,
+            the others at single coordinates (``0`` for no input probe at all).
         rtol: Relative tolerance of a probe; ``None`` picks it from the parameters' dtype.
         seed: Seed of the coordinate sampling (combined with the step, so every process probes the same coordinates).
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).

@@ -44,6 +44,7 @@ from gradwatch.numerics import (
     KINK_RETRY_STEP,
     PAIR_OFFSETS,
     Assessment,
+    Point,
     Stencil,
     assess,
     confirm,
@@ -51,6 +52,7 @@ from gradwatch.numerics import (
     relative_step,
     relative_tolerance,
     screen,
+    undecided,
 )
 from gradwatch.precision import PRECISIONS, Precision, float64_storage, resolve_precision
 from gradwatch.probes import CoordinateDirection, Direction, VectorDirection, measure, norm
@@ -92,16 +94,16 @@ def check_gradients(
         model: The module whose trainable floating parameters are checked.
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
             dataclasses) are probed as inputs. It is never modified.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A healthy check calls it about
-            ``7 + 2 × (tensor_probes + random_probes + param_probes + input_probes + 1)`` times, with the random state
-            replayed each time so dropout draws the same masks.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check calls it at least
+            ``6 + 2 × (tensor_probes + random_probes + param_probes + input_probes)`` times (24 by default), more for
+            screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
         tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
         random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
             received no gradient at all.
         param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
-        input_probes: Coordinate probes on floating inputs of the batch, besides the probe along their gradient
-            (0 to skip both).
+        input_probes: Probes on the floating inputs of the batch: the first along their gradient, the others at
+            single coordinates (0 to skip input probes and the input gradient altogether).
         probe_batch_size: Check the loss of the first this many samples of the batch (every tensor whose first
             dimension is the batch size is cut), which makes every evaluation cheaper; ``None`` for the whole batch.
             The loss checked is exactly the loss of that slice, so verdicts stay exact.
@@ -171,6 +173,7 @@ def check_gradients(
         seed=seed,
         rotation=step if rotation is None else rotation,
         native_dtype=dtype,
+        float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
     )
     probe_batch = batch if probe_batch_size is None else leading_slice(batch, probe_batch_size)
     state = TrainingState.capture(model)
@@ -249,6 +252,7 @@ class _Settings:
     seed: int
     rotation: int
     native_dtype: torch.dtype
+    float64_refinement: bool
 
 
 def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -302,6 +306,11 @@ class _Pending:
     missing: bool = False
     stencil: Stencil | None = None
     result: Assessment | None = None
+    initial_step: float = 0.0
+    evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        self.initial_step = self.step
 
     def probe(self) -> Probe:
         result = self.result
@@ -318,6 +327,7 @@ class _Pending:
             noise=result.noise,
             step=self.step,
             reason="missing" if missing else result.reason,
+            evaluations=self.evaluations,
         )
 
 
@@ -339,6 +349,10 @@ class _Prober:
         self.grad_norm = norm(self.grads)
         self.grad_scale = self.grad_norm / math.sqrt(sum(g.numel() for g in self.grads) or 1)
         self.tensor_grad_norms = [norm([g]) for g in self.grads]
+        # Derivatives below this fraction of the model's are negligible: each probe's relative error is floored there,
+        # so that autograd's own round-off on a derivative that is truly zero (a bias feeding BatchNorm gets ~1e-8
+        # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
+        self.negligible = machine_epsilon(self.dtype) ** (1 / 3)
         self.center = math.nan
         self._input_anchor: _Pending | None = None
         self.jitter = 0.0
@@ -358,10 +372,51 @@ class _Prober:
         screened = [p for p in self._screens() if p is not anchor]
         self._screen_and_escalate(screened)
         done = [anchor, *screened]
+        self._refine_in_float64(done)
         if any(p.result is not None and p.result.verdict == "fail" for p in done):
-            done += self._localize(done)
+            extra = self._localize(done)
+            self._refine_in_float64(extra)
+            done += extra
         done += self._replace_kinks(done)
         return [p.probe() for p in done]
+
+    def _refine_in_float64(self, done: Sequence[_Pending]) -> None:
+        """Measure again, on float64 storage, the parameter probes whose native stencils saw a discrepancy beyond the
+        tolerance but could not resolve it: float64 removes the round-off, so they end "ok" or "fail"."""
+        rtol = self.settings.rtol
+        pending = [
+            p
+            for p in done
+            if p.kind in ("descent", "tensor", "random", "param") and p.result is not None and undecided(p.result, rtol)
+        ]
+        if not pending or not self.settings.float64_refinement:
+            return
+        native_center = self.center
+        try:
+            with float64_storage(self.evaluator.model):
+                self.evaluator.use_float64_inputs()
+                self.center = self.evaluator.loss()
+                tolerance = self._reproducibility_tolerance() * abs(self.reference.loss)
+                if abs(self.center - self.reference.loss) > tolerance:
+                    self.evaluator.notes.append(
+                        f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
+                        f"{self.reference.loss:.9g} natively"
+                    )
+                    pending = []
+                for probe in pending:
+                    if isinstance(probe.direction, VectorDirection):
+                        probe.direction.forget_origin()  # the origin is taken again from the float64 storage
+                    probe.step = probe.initial_step * relative_step(torch.float64) / relative_step(self.dtype)
+                    probe.stencil = None
+                    self._full(probe)
+        except Exception as error:
+            self.evaluator.notes.append(f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")
+            pending = []
+        finally:
+            self.center = native_center
+            self.evaluator.use_native_inputs()
+        if pending:
+            self.evaluator.notes.append(f"{len(pending)} undecided probe(s) measured again in float64")
 
     def _reproducible(self) -> bool:
         """Evaluate the centre; it must reproduce the reference loss (else retry with autograd recording)."""
@@ -443,8 +498,11 @@ class _Prober:
         return machine_epsilon(self.evaluator.value_dtype)
 
     def _points(self, probe: _Pending, step: float, offsets: Sequence[float]) -> Stencil:
-        points = measure(self.evaluator, probe.direction, step, offsets)
-        return Stencil(step, self.center, probe.direction.analytic, points)
+        return Stencil(step, self.center, probe.direction.analytic, self._measure(probe, step, offsets))
+
+    def _measure(self, probe: _Pending, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+        probe.evaluations += len(offsets)
+        return measure(self.evaluator, probe.direction, step, offsets)
 
     def _screen(self, probe: _Pending) -> None:
         probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
@@ -468,9 +526,9 @@ class _Prober:
     def _full(self, probe: _Pending) -> None:
         """Complete the probe's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
         independent stencil at a smaller step."""
-        if probe.stencil is None:
+        if probe.stencil is None or probe.stencil.step != probe.step:
             probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
-        probe.stencil = probe.stencil.extended(measure(self.evaluator, probe.direction, probe.step, HALF_OFFSETS))
+        probe.stencil = probe.stencil.extended(self._measure(probe, probe.step, HALF_OFFSETS))
         first = self._assess(probe.stencil, probe.scale_floor)
         if first.verdict != "fail":
             probe.result = first
@@ -545,7 +603,7 @@ class _Prober:
             return None
         direction = VectorDirection([param], [grad], [grad], 1.0 / size)
         step = relative_step(param.dtype) * self._tensor_scale(param)
-        floor = math.sqrt(machine_epsilon(self.dtype)) * self.grad_norm
+        floor = self.negligible * self.grad_norm
         return _Pending("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
 
     def _random_probe(self, i: int) -> _Pending:
@@ -557,7 +615,7 @@ class _Prober:
         direction = VectorDirection([param], [vector], [grad])
         step = relative_step(param.dtype) * self._tensor_scale(param)
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
-        expected = max(self.tensor_grad_norms[i], math.sqrt(machine_epsilon(self.dtype)) * self.grad_norm)
+        expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
         floor = expected / math.sqrt(max(param.numel(), 1))
         return _Pending("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i])
 
@@ -571,14 +629,14 @@ class _Prober:
         direction = CoordinateDirection(param, index, grad[index].item())
         value = direction.value.abs().item()
         step = relative_step(param.dtype) * max(value, self._tensor_scale(param))
-        floor = max(2 * _rms(grad), math.sqrt(machine_epsilon(self.dtype)) * self.grad_scale)
+        floor = max(2 * _rms(grad), self.negligible * self.grad_scale)
         return _Pending("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
 
     def _input_coordinates(self) -> list[_Pending | None]:
         grads = self.reference.input_grads
         inputs = [self.evaluator.inputs[path] for path in grads]
         coordinates = sample_coordinates(
-            [tuple(x.shape) for x in inputs], self.settings.input_probes, self.rng, self.settings.rotation
+            [tuple(x.shape) for x in inputs], self.settings.input_probes - 1, self.rng, self.settings.rotation
         )
         return [self._input_coordinate(c.tensor, c.index) for c in coordinates]
 

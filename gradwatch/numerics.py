@@ -282,15 +282,25 @@ def assess(
     if size <= rtol * scale:
         resolved = SIGNIFICANCE * noise <= RESOLUTION * scale
         verdict, reason = ("ok", "agrees") if resolved else ("inconclusive", "unresolved")
-        return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise)
-    if size <= SIGNIFICANCE * noise:
-        reason = "kink" if roughness > size else "unresolved"
-        return Assessment(numeric, discrepancy, noise, scale, "inconclusive", reason, loss_noise)
-    return Assessment(numeric, discrepancy, noise, scale, "fail", "discrepancy", loss_noise)
+    elif size <= SIGNIFICANCE * noise:
+        verdict, reason = "inconclusive", "kink" if roughness > size else "unresolved"
+    else:
+        verdict, reason = "fail", "discrepancy"
+    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise)
+
+
+def undecided(assessment: Assessment, rtol: float) -> bool:
+    """Whether an inconclusive result hides a discrepancy beyond the tolerance that noise or kinks kept from being
+    resolved: worth measuring again with less noise."""
+    return (
+        assessment.verdict == "inconclusive"
+        and assessment.reason in ("unresolved", "kink", "unstable")
+        and assessment.rel_error > rtol
+    )
 
 
 def confirm(first: Assessment, second: Assessment) -> Assessment:
-    """Combine a suspicious first assessment with an independent second one at another step.
+    """Combine a first full stencil with an independent second one at a smaller step.
 
     The discrepancy stands only if the second stencil finds it too, of the same size (within :data:`AGREEMENT`): a wrong
     gradient is wrong by the same amount at any step, while round-off and kinks are not reproducible. If the second

@@ -108,6 +108,10 @@ class VectorDirection:
         self._origin: list[Tensor] | None = None
         self._after_write = after_write
 
+    def forget_origin(self) -> None:
+        """Take the origin again at the next displacement (after the tensors' storage changed dtype)."""
+        self._origin = None
+
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
         """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""

@@ -54,6 +54,8 @@ class Probe:
             is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
             resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step)
             or ``"nonfinite"``.
+        evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
+            a confirmation at a second step, more when it was measured again in float64.
     """
 
     kind: ProbeKind
@@ -66,6 +68,7 @@ class Probe:
     noise: float
     step: float
     reason: str
+    evaluations: int = 0
 
     @property
     def location(self) -> str:

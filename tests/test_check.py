@@ -225,7 +225,7 @@ def test_same_seed_and_step_probe_the_same_coordinates() -> None:
 
 def test_healthy_check_is_a_cheap_screen_and_counts_its_cost() -> None:
     report = check_gradients(
-        SeedModel(), seed_batch(), seed_loss, tensor_probes=2, random_probes=1, param_probes=4, input_probes=1
+        SeedModel(), seed_batch(), seed_loss, tensor_probes=2, random_probes=1, param_probes=4, input_probes=2
     )
     assert report.verdict == "ok", str(report)
     # reference + centre, the descent probe's 4 points, then 2 points per screen: 2 tensor, 1 random, 4 coordinate
