@@ -22,6 +22,7 @@ from typing_extensions import override
 from gradwatch import _validation as validate
 from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, OnFail
 from gradwatch.check import check_gradients
+from gradwatch.dashboard import write_dashboard
 from gradwatch.evaluation import LossFn
 from gradwatch.report import CheckReport
 from gradwatch.tensorboard import write_report
@@ -257,3 +258,11 @@ class GradWatch(Callback):
     def counts(self) -> dict[str, int]:
         """Checks run, failed and skipped so far in this run (restored on resume)."""
         return {"checks": self._checks, "failed": self._failed_checks, "skipped": self._skipped_checks}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    write_dashboard(logger.experiment)

@@ -30,6 +30,7 @@ from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, Gra
 SCALAR_TAGS = {
     "gradwatch/rel_error_max",
     "gradwatch/rel_error_median",
+    "gradwatch/rel_error_min",
     "gradwatch/descent_ratio",
     "gradwatch/failing_probes",
     "gradwatch/inconclusive_probes",
