@@ -20,7 +20,7 @@ ENGINE = [
     "check",
     "_validation",
 ]
-ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts"]
+ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "_demo_models", "demo"]
 
 
 def _imports(module: str) -> set[str]:
