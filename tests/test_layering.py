@@ -20,7 +20,7 @@ ENGINE = [
     "check",
     "_validation",
 ]
-ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "_demo_models", "demo"]
+ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "events", "_demo_models", "demo", "cli", "__main__"]
 
 
 def _imports(module: str) -> set[str]:
