@@ -19,6 +19,7 @@ ENGINE = [
     "sampling",
     "check",
     "_validation",
+    "testing",
 ]
 ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "events", "_demo_models", "demo", "cli", "__main__"]
 
