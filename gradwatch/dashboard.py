@@ -1,7 +1,7 @@
 """The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
 
-TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's section holds
-one chart per question a reader has about a run:
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's two sections
+hold one chart per question a reader has about a run:
 
 * **relative error**: a Margin chart, the median relative error of the conclusive probes of each check inside a band
   from the smallest to the largest (tags ``gradwatch/rel_error_median``, ``gradwatch/rel_error_min``,
@@ -20,28 +20,37 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-SECTION = "gradwatch"
-"""The title of gradwatch's section in the Custom Scalars tab."""
-
 LAYOUT_TAG = "custom_scalars__config__"
 """The tag under which TensorBoard stores a custom-scalars layout (fixed by TensorBoard)."""
 
 REL_ERROR_TAGS = ("gradwatch/rel_error_median", "gradwatch/rel_error_min", "gradwatch/rel_error_max")
 """The Margin chart's value, lower and upper tags, in the order TensorBoard expects them."""
 
+Chart = tuple[str, str, tuple[str, ...]]
+"""A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
 
-CHARTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("relative error of the checks (median, band min to max)", "Margin", REL_ERROR_TAGS),
-    ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
+# TensorBoard draws a section's Multiline charts before its Margin charts, so the relative error, the chart to read
+# first, has a section of its own, placed first.
+SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
-        "probes failing / inconclusive per check",
-        "Multiline",
-        ("gradwatch/failing_probes", "gradwatch/inconclusive_probes"),
+        "gradwatch: relative error",
+        (("relative error of the checks (median, band from min to max)", "Margin", REL_ERROR_TAGS),),
     ),
-    ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
-    ("check seconds", "Multiline", ("gradwatch/check_seconds",)),
+    (
+        "gradwatch: descent ratio, probes, verdicts",
+        (
+            ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
+            (
+                "probes failing / inconclusive per check",
+                "Multiline",
+                ("gradwatch/failing_probes", "gradwatch/inconclusive_probes"),
+            ),
+            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
+            ("check seconds", "Multiline", ("gradwatch/check_seconds",)),
+        ),
+    ),
 )
-"""The charts of the section: title, TensorBoard chart kind and the scalar tags drawn."""
+"""The sections of the Custom Scalars tab that gradwatch fills, in order, with their charts."""
 
 
 def _exact(tag: str) -> str:
@@ -50,19 +59,20 @@ def _exact(tag: str) -> str:
 
 
 def layout() -> dict[str, dict[str, list[object]]]:
-    """The custom-scalars layout of the gradwatch section, in the format ``SummaryWriter.add_custom_scalars`` takes:
+    """The custom-scalars layout, in the format ``SummaryWriter.add_custom_scalars`` takes:
     ``{section: {chart title: ["Multiline", [tag regexes]] or ["Margin", [value, lower, upper]]}}``."""
     return {
-        SECTION: {
+        section: {
             title: [kind, list(tags) if kind == "Margin" else [_exact(tag) for tag in tags]]
-            for title, kind, tags in CHARTS
+            for title, kind, tags in charts
         }
+        for section, charts in SECTIONS
     }
 
 
 def layout_tags() -> set[str]:
     """Every scalar tag the dashboard draws."""
-    return {tag for _, _, tags in CHARTS for tag in tags}
+    return {tag for _, charts in SECTIONS for _, _, tags in charts for tag in tags}
 
 
 class CustomScalarsWriter(Protocol):

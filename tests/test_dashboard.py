@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from gradwatch import GradWatch, check_gradients
-from gradwatch.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTION, layout, layout_tags, write_dashboard
+from gradwatch.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTIONS, layout, layout_tags, write_dashboard
 
 
 class FakeWriter:
@@ -32,12 +32,12 @@ def test_margin_band_is_min_to_max_around_the_median() -> None:
     median, low, high = (scalars[tag] for tag in REL_ERROR_TAGS)
     assert low <= median <= high
     assert low < high  # a failing check mixes agreeing probes with a 5% error
-    charts = layout()[SECTION]
-    assert ["Margin", list(REL_ERROR_TAGS)] in charts.values()
+    first_section = next(iter(layout().values()))
+    assert list(first_section.values()) == [["Margin", list(REL_ERROR_TAGS)]]
 
 
 def test_multiline_expressions_are_anchored() -> None:
-    for kind, tags in layout()[SECTION].values():
+    for kind, tags in (chart for charts in layout().values() for chart in charts.values()):
         if kind == "Multiline":
             assert all(str(tag).startswith("^gradwatch/") and str(tag).endswith("$") for tag in tags)  # type: ignore[attr-defined]
 
@@ -59,8 +59,8 @@ def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) ->
     assert len(stored) == 1
     parsed = layout_pb2.Layout()
     parsed.ParseFromString(stored[0].tensor_proto.string_val[0])
-    (category,) = parsed.category
-    assert category.title == SECTION
-    margins = [chart.margin.series[0] for chart in category.chart if chart.HasField("margin")]
+    assert [category.title for category in parsed.category] == [section for section, _ in SECTIONS]
+    charts = [chart for category in parsed.category for chart in category.chart]
+    margins = [chart.margin.series[0] for chart in charts if chart.HasField("margin")]
     assert [(m.value, m.lower, m.upper) for m in margins] == [REL_ERROR_TAGS]
-    assert len(category.chart) == len(layout()[SECTION])
+    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 5
