@@ -63,3 +63,13 @@ def check_optional_callable(name: str, value: Any) -> Any:
     if value is not None and not callable(value):
         raise ValueError(f"`{name}` must be None or a callable; got {_received(value)}")
     return value
+
+
+def check_patterns(name: str, value: Any) -> tuple[str, ...]:
+    """A sequence of strings (shell-style patterns); a single string is refused, it is almost always a mistake for a
+    one-element list."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(
+            f"`{name}` must be a list or tuple of pattern strings, e.g. ['head.*']; got {_received(value)}"
+        )
+    return tuple(value)

@@ -2,13 +2,15 @@
 
 A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples and dataclasses. Each floating tensor is
 named by the path a user would type to reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input
-probes are reported. Integer and boolean tensors (token ids, masks) are left alone.
+probes are reported. Integer and boolean tensors (token ids, masks) are left alone, except by :func:`leading_slice`,
+which cuts every per-sample tensor of a batch down to its first samples.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,3 +93,33 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
     if unknown:
         raise KeyError(f"no floating tensor at {unknown} in the batch; known paths: {sorted(originals)}")
     return _map_tensors(batch, ROOT, lambda path, tensor: by_identity.get(id(tensor), tensor))
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the most common first dimension of its tensors (``None`` without any).
+
+    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
+    """
+    sizes: Counter[int] = Counter()
+
+    def count(_path: str, tensor: Tensor) -> Tensor:
+        if tensor.dim() > 0:
+            sizes[tensor.shape[0]] += 1
+        return tensor
+
+    _map_tensors(batch, ROOT, count)
+    if not sizes:
+        return None
+    return max(sizes, key=lambda size: (sizes[size], size))
+
+
+def leading_slice(batch: Any, size: int) -> Any:
+    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries.
+
+    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept. The slices are
+    views, so nothing is copied. The batch itself is returned when it has no more than ``size`` samples.
+    """
+    full = batch_size(batch)
+    if full is None or full <= size:
+        return batch
+    return _map_tensors(batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t)

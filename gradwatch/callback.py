@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -24,6 +25,7 @@ from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, OnFail
 from gradwatch.check import check_gradients
 from gradwatch.dashboard import write_dashboard
 from gradwatch.evaluation import LossFn
+from gradwatch.precision import PRECISIONS, Precision
 from gradwatch.report import CheckReport
 from gradwatch.tensorboard import write_report
 
@@ -97,8 +99,20 @@ class GradWatch(Callback):
             trainer cleanly) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
         loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        probe_batch_size: Probe the loss of the first this many samples of the batch (``None``: the whole batch).
+            Every loss evaluation of a check costs a forward pass on that slice, so a small slice keeps checks cheap;
+            the function checked is the loss of the slice, so verdicts stay exact.
+        max_overhead: Budget mode: postpone a due check while gradwatch's total time would exceed this fraction of
+            the training time (e.g. ``0.01``). Combine with a small ``every_n_steps`` to check as often as the budget
+            allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
+        precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 for 16-bit weights); see
+            :func:`gradwatch.check_gradients`.
+        ignore: ``fnmatch`` patterns of parameter names not to check (e.g. straight-through estimators).
+        tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn).
         param_probes: Coordinate probes on parameters per check, spread over the tensors in turn.
-        input_probes: Coordinate probes on the floating tensors of the batch per check.
+        input_probes: Coordinate probes on the floating tensors of the batch per check, besides the probe along the
+            inputs' gradient (``0`` for no input probe at all).
         rtol: Relative tolerance of a probe; ``None`` picks it from the parameters' dtype.
         seed: Seed of the coordinate sampling (combined with the step, so every process probes the same coordinates).
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
@@ -119,8 +133,14 @@ class GradWatch(Callback):
         first_check_step: int | None = 1,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        param_probes: int = 8,
-        input_probes: int = 2,
+        probe_batch_size: int | None = 4,
+        max_overhead: float | None = None,
+        precision: Precision = "auto",
+        ignore: list[str] | tuple[str, ...] = (),
+        tensor_probes: int = 6,
+        random_probes: int = 1,
+        param_probes: int = 1,
+        input_probes: int = 1,
         rtol: float | None = None,
         seed: int = 0,
         max_reports: int = 1000,
@@ -130,6 +150,12 @@ class GradWatch(Callback):
         self.first_check_step = validate.check_optional_int("first_check_step", first_check_step, minimum=1)
         self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
         self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
+        self.probe_batch_size = validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
+        self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True)
+        self.precision = validate.check_choice("precision", precision, PRECISIONS)
+        self.ignore = validate.check_patterns("ignore", ignore)
+        self.tensor_probes = validate.check_int("tensor_probes", tensor_probes, minimum=0)
+        self.random_probes = validate.check_int("random_probes", random_probes, minimum=0)
         self.param_probes = validate.check_int("param_probes", param_probes, minimum=0)
         self.input_probes = validate.check_int("input_probes", input_probes, minimum=0)
         self.rtol = validate.check_fraction("rtol", rtol, optional=True)
@@ -141,6 +167,12 @@ class GradWatch(Callback):
         self._checks = 0
         self._failed_checks = 0
         self._skipped_checks = 0
+        self._postponed_checks = 0
+        self._pending = False
+        self._check_seconds = 0.0
+        self._train_seconds = 0.0
+        self._last_check_seconds = 0.0
+        self._clock: float | None = None
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -167,6 +199,10 @@ class GradWatch(Callback):
             )
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock = None  # time before the first batch (set-up, a resumed run's restart) is not training time
+
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -175,12 +211,24 @@ class GradWatch(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        now = time.perf_counter()
+        if self._clock is not None:
+            self._train_seconds += now - self._clock
+        self._clock = now
         # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
         step = trainer.global_step
         previous, self._last_step = self._last_step, step
-        if step == previous or not self.due(previous, step):
+        if step == previous:
             return
+        self._pending = self._pending or self.due(previous, step)
+        if not self._pending or not self._within_budget(trainer):
+            return
+        self._pending = False
         report = self._check(pl_module, batch, batch_idx, step)
+        spent = time.perf_counter() - now
+        self._check_seconds += spent
+        self._last_check_seconds = spent
+        self._clock = time.perf_counter()  # the check's own time is not training time
         if report is None:
             return
         self._record(report)
@@ -188,6 +236,22 @@ class GradWatch(Callback):
         self._show_in_progress_bar(trainer, report)
         if self._alerts.handle(report):
             trainer.should_stop = True
+
+    @property
+    def overhead(self) -> float:
+        """gradwatch's time so far as a fraction of the training time (measured between training batches)."""
+        return self._check_seconds / self._train_seconds if self._train_seconds > 0 else 0.0
+
+    def _within_budget(self, trainer: pl.Trainer) -> bool:
+        """Whether a due check fits ``max_overhead``: the time spent on checks, plus the last check's cost again,
+        stays within that fraction of the training time. Rank 0 decides for all (ranks measure different times)."""
+        if self.max_overhead is None:
+            return True
+        affordable = self._check_seconds + self._last_check_seconds <= self.max_overhead * self._train_seconds
+        affordable = bool(trainer.strategy.broadcast(affordable, src=0))
+        if not affordable:
+            self._postponed_checks += 1
+        return affordable
 
     def _check(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, step: int) -> CheckReport | None:
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
@@ -197,8 +261,13 @@ class GradWatch(Callback):
                 batch,
                 loss_fn,
                 step=step,
+                tensor_probes=self.tensor_probes,
+                random_probes=self.random_probes,
                 param_probes=self.param_probes,
                 input_probes=self.input_probes,
+                probe_batch_size=self.probe_batch_size,
+                precision=self.precision,
+                ignore=self.ignore,
                 rtol=self.rtol,
                 seed=self.seed,
                 rotation=self._checks,
@@ -224,7 +293,8 @@ class GradWatch(Callback):
         log.debug("gradwatch %s", report.summary())
 
     def _log(self, trainer: pl.Trainer, report: CheckReport) -> None:
-        metrics = {tag: value for tag, value in report.scalars().items() if value == value}  # drop NaN
+        scalars = {**report.scalars(), "gradwatch/overhead": self.overhead}
+        metrics = {tag: value for tag, value in scalars.items() if value == value}  # drop NaN
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
@@ -240,6 +310,11 @@ class GradWatch(Callback):
             "checks": self._checks,
             "failed_checks": self._failed_checks,
             "skipped_checks": self._skipped_checks,
+            "postponed_checks": self._postponed_checks,
+            "pending": self._pending,
+            "check_seconds": self._check_seconds,
+            "train_seconds": self._train_seconds,
+            "last_check_seconds": self._last_check_seconds,
             "failure_warnings": self._alerts.failures.count,
             "error_warnings": self._alerts.errors.count,
         }
@@ -250,6 +325,11 @@ class GradWatch(Callback):
         self._checks = int(state_dict.get("checks", 0))
         self._failed_checks = int(state_dict.get("failed_checks", 0))
         self._skipped_checks = int(state_dict.get("skipped_checks", 0))
+        self._postponed_checks = int(state_dict.get("postponed_checks", 0))
+        self._pending = bool(state_dict.get("pending", False))
+        self._check_seconds = float(state_dict.get("check_seconds", 0.0))
+        self._train_seconds = float(state_dict.get("train_seconds", 0.0))
+        self._last_check_seconds = float(state_dict.get("last_check_seconds", 0.0))
         self._alerts = AlertPolicy(
             self.on_fail,
             Backoff(int(state_dict.get("failure_warnings", 0))),
@@ -258,8 +338,14 @@ class GradWatch(Callback):
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed and skipped so far in this run (restored on resume)."""
-        return {"checks": self._checks, "failed": self._failed_checks, "skipped": self._skipped_checks}
+        """Checks run, failed, skipped (an error, or no loss) and postponed (over budget) so far in this run
+        (restored on resume)."""
+        return {
+            "checks": self._checks,
+            "failed": self._failed_checks,
+            "skipped": self._skipped_checks,
+            "postponed": self._postponed_checks,
+        }
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,23 +1,34 @@
 """One gradient check of a model on a batch: :func:`check_gradients`.
 
-The check computes the reference gradient with autograd, then probes the loss with finite differences:
+The check computes the reference gradient with autograd, then probes the loss with finite differences, with a
+portfolio of probes that see different errors:
 
-1. the descent probe, along the normalised gradient ``ĝ`` of all parameters (the largest signal any direction can
-   give, so the most sensitive test of the gradient as a whole, and the descent ratio users watch);
-2. coordinate probes on parameters, stratified by tensor, which say *where* a gradient is wrong;
-3. coordinate probes on the floating tensors of the batch, which check the gradient flowing into the inputs.
+1. the descent probe, along the normalised gradient ``ĝ`` of all parameters: the largest signal any direction can
+   give, so the most precise test of the gradient as a whole, and the descent ratio users watch;
+2. tensor probes, along one tensor's own ``g_T/‖g_T‖``: they say *which* tensor is wrong;
+3. random probes, along a random unit vector within one tensor: they see errors orthogonal to the gradient, and a
+   gradient that is missing altogether (a stray ``.detach()``);
+4. coordinate probes on parameters, which say *where* in a tensor;
+5. the input probes: along the gradient of the batch's floating inputs, and at single input coordinates.
 
-Every probe judges itself against its own error estimate (see :mod:`gradwatch.numerics`); a probe that looks wrong is
-measured again at an independent step before it may fail. Whatever happens, the model's parameters, buffers,
-``.grad``, random states and modes are left exactly as they were.
+Certainty is paid for only where it is needed. The descent probe is a full four-point stencil that measures its own
+error; every other probe starts as a two-point screen that borrows that error estimate. A screen that looks wrong is
+extended into a full stencil, and a full stencil that still looks wrong is measured again at an independent step
+before it may fail. A failure anywhere then sends a tensor probe to every tensor, so the report names the culprit. A
+coordinate probe that crossed a kink is replaced by another coordinate. A healthy model costs a fixed, small number of
+loss evaluations; a broken one costs what it takes to be sure.
+
+Whatever happens, the model's parameters, buffers, ``.grad``, random states and modes are left exactly as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,26 +36,36 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch import _validation as validate
+from gradwatch.batch import ROOT, batch_size, leading_slice
 from gradwatch.evaluation import LossEvaluator, LossFn, Reference, probe_conditions
 from gradwatch.numerics import (
     CONFIRMATION_STEP,
+    HALF_OFFSETS,
     KINK_RETRY_STEP,
+    PAIR_OFFSETS,
     Assessment,
+    Stencil,
     assess,
     confirm,
     machine_epsilon,
     relative_step,
     relative_tolerance,
+    screen,
 )
-from gradwatch.probes import CoordinateDirection, Direction, GradientDirection, measure
+from gradwatch.precision import PRECISIONS, Precision, float64_storage, resolve_precision
+from gradwatch.probes import CoordinateDirection, Direction, VectorDirection, measure, norm
 from gradwatch.report import DESCENT_TARGET, CheckReport, Probe, ProbeKind, Verdict
-from gradwatch.sampling import generator, sample_coordinates
+from gradwatch.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.state import TrainingState
 
 REPRODUCIBILITY_TOLERANCE = 1e-4
-"""Relative difference allowed between the reference loss and a gradient-free evaluation at the same point. Larger
-means the evaluations do not compute the same function (random draws that cannot be replayed, or kernels that differ
-with and without autograd), and finite differences would not be comparable with autograd."""
+"""Relative difference allowed between the reference loss and a gradient-free evaluation at the same point (more for
+16-bit models, whose own rounding is larger). Larger means the evaluations do not compute the same function (random
+draws that cannot be replayed, or kernels that differ with and without autograd), and finite differences would not be
+comparable with autograd."""
+
+FULL_FOOTPRINT = 4
+"""Loss evaluations of a full stencil (``±h`` and ``±h/2``)."""
 
 
 def check_gradients(
@@ -53,8 +74,13 @@ def check_gradients(
     loss_fn: LossFn,
     *,
     step: int = 0,
-    param_probes: int = 8,
-    input_probes: int = 2,
+    tensor_probes: int = 6,
+    random_probes: int = 1,
+    param_probes: int = 1,
+    input_probes: int = 1,
+    probe_batch_size: int | None = None,
+    precision: Precision = "auto",
+    ignore: Sequence[str] = (),
     rtol: float | None = None,
     seed: int = 0,
     rotation: int | None = None,
@@ -66,15 +92,28 @@ def check_gradients(
         model: The module whose trainable floating parameters are checked.
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
             dataclasses) are probed as inputs. It is never modified.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. Called about ``4 × (param_probes + input_probes + 1) + 3``
-            times, with the random state replayed each time so dropout draws the same masks.
-        step: The training step, recorded on the report and used to draw the probed coordinates.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A healthy check calls it about
+            ``7 + 2 × (tensor_probes + random_probes + param_probes + input_probes + 1)`` times, with the random state
+            replayed each time so dropout draws the same masks.
+        step: The training step, recorded on the report and used to draw the probed coordinates and directions.
+        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
+            received no gradient at all.
         param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
-        input_probes: Coordinate probes on floating inputs of the batch (0 to skip).
-        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (1e-3 for float32, 1e-6 for float64).
-        seed: Seed of the coordinate sampling; the same ``seed`` and ``step`` probe the same coordinates.
-        rotation: Which window of tensors the coordinate probes cover (see :mod:`gradwatch.sampling`); defaults to
-            ``step``. A caller running a series of checks passes the check's position in the series.
+        input_probes: Coordinate probes on floating inputs of the batch, besides the probe along their gradient
+            (0 to skip both).
+        probe_batch_size: Check the loss of the first this many samples of the batch (every tensor whose first
+            dimension is the batch size is cut), which makes every evaluation cheaper; ``None`` for the whole batch.
+            The loss checked is exactly the loss of that slice, so verdicts stay exact.
+        precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
+            parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
+            for 16-bit parameters only. See :mod:`gradwatch.precision`.
+        ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
+            straight-through estimator whose gradient is deliberately not the derivative.
+        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
+        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
+        rotation: Which window of tensors the probes cover (see :mod:`gradwatch.sampling`); defaults to ``step``. A
+            caller running a series of checks passes the check's position in the series.
         float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences
             (see :mod:`gradwatch.reductions`). Turn off only to study the effect.
 
@@ -99,30 +138,66 @@ def check_gradients(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
     validate.check_int("step", step, minimum=0)
-    validate.check_int("param_probes", param_probes, minimum=0)
-    validate.check_int("input_probes", input_probes, minimum=0)
+    for name, value in (
+        ("tensor_probes", tensor_probes),
+        ("random_probes", random_probes),
+        ("param_probes", param_probes),
+        ("input_probes", input_probes),
+    ):
+        validate.check_int(name, value, minimum=0)
+    validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
+    validate.check_choice("precision", precision, PRECISIONS)
+    ignore = validate.check_patterns("ignore", ignore)
     validate.check_fraction("rtol", rtol, optional=True)
     validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
     validate.check_bool("float64_reductions", float64_reductions)
 
     started = time.perf_counter()
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    params = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.is_floating_point() and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+    ]
     dtype = _least_precise([p.dtype for _, p in params])
+    mode = resolve_precision(precision, dtype)
     settings = _Settings(
         rtol=rtol if rtol is not None else relative_tolerance(dtype),
+        tensor_probes=tensor_probes,
+        random_probes=random_probes,
         param_probes=param_probes,
         input_probes=input_probes,
         step=step,
         seed=seed,
         rotation=step if rotation is None else rotation,
+        native_dtype=dtype,
     )
+    probe_batch = batch if probe_batch_size is None else leading_slice(batch, probe_batch_size)
     state = TrainingState.capture(model)
+    notes: list[str] = []
+    used_precision = "native"
     try:
         with probe_conditions():
-            evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
-            reference = evaluator.reference(with_inputs=input_probes > 0)
-            probes = _nonfinite_probes(reference, params) or _Prober(evaluator, reference, settings).run()
+            evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
+            try:
+                reference = evaluator.reference(with_inputs=input_probes > 0)
+            except Exception as error:
+                if probe_batch is batch:
+                    raise
+                # the loss may not work on a slice (a batch-size constant, a tensor of the full size that was not cut)
+                notes.append(
+                    f"probes use the whole batch: the loss raised {type(error).__name__} on its first "
+                    f"{probe_batch_size} samples ({error})"
+                )
+                probe_batch = batch
+                evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
+                reference = evaluator.reference(with_inputs=input_probes > 0)
+            evaluator.notes[:0] = notes
+            probes = _nonfinite_probes(reference, params)
+            if not probes:
+                with _probe_precision(model, evaluator, mode) as used:
+                    used_precision = used
+                    probes = _Prober(evaluator, reference, settings).run()
     finally:
         state.restore()
     return CheckReport(
@@ -134,17 +209,46 @@ def check_gradients(
         n_backward=evaluator.n_backward,
         duration_s=time.perf_counter() - started,
         notes=list(evaluator.notes),
+        samples=batch_size(probe_batch),
+        precision=used_precision,
     )
+
+
+@contextlib.contextmanager
+def _probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[str]:
+    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used.
+
+    Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
+    float64 kernel, a tensor created in float32 inside the model).
+    """
+    if mode != "float64":
+        yield "native"
+        return
+    with float64_storage(model):
+        evaluator.use_float64_inputs()
+        try:
+            evaluator.loss()
+        except Exception as error:
+            problem = f"the loss raised {type(error).__name__} in float64 ({error})"
+        else:
+            yield "float64"
+            return
+    evaluator.notes.append(f"probes run in the native precision: {problem}")
+    evaluator.use_native_inputs()
+    yield "native"
 
 
 @dataclass(frozen=True)
 class _Settings:
     rtol: float
+    tensor_probes: int
+    random_probes: int
     param_probes: int
     input_probes: int
     step: int
     seed: int
     rotation: int
+    native_dtype: torch.dtype
 
 
 def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -154,19 +258,17 @@ def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 def _rms(*tensors: Tensor) -> float:
     """Root mean square over all elements of the tensors, accumulated in float64 one tensor at a time."""
     count = sum(t.numel() for t in tensors)
-    if count == 0:
-        return 0.0
-    total = sum(torch.linalg.vector_norm(t.detach(), dtype=torch.float64).item() ** 2 for t in tensors)
-    return math.sqrt(total / count)
+    return norm(tensors) / math.sqrt(count) if count else 0.0
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
+    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
+    "inconclusive"."""
     if any(p.verdict == "fail" for p in probes):
         return "fail"
-    descent = next((p for p in probes if p.kind == "descent"), None)
-    if descent is not None:
-        return descent.verdict
-    return "ok" if any(p.verdict == "ok" for p in probes) else "inconclusive"
+    if any(p.verdict == "ok" and p.kind in ("descent", "tensor", "input") and p.index is None for p in probes):
+        return "ok"
+    return "inconclusive"
 
 
 def _nonfinite_probes(reference: Reference, params: Sequence[tuple[str, nn.Parameter]]) -> list[Probe]:
@@ -186,146 +288,311 @@ def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None
     return Probe(kind, target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
 
 
+@dataclass
+class _Pending:
+    """A probe being measured: its direction, scales and the stencil and assessment so far."""
+
+    kind: ProbeKind
+    target: str
+    index: tuple[int, ...] | None
+    direction: Direction
+    step: float
+    scale_floor: float
+    tensor: int = -1
+    missing: bool = False
+    stencil: Stencil | None = None
+    result: Assessment | None = None
+
+    def probe(self) -> Probe:
+        result = self.result
+        assert result is not None
+        missing = self.missing and result.verdict == "fail"
+        return Probe(
+            kind=self.kind,
+            target=self.target,
+            index=self.index,
+            analytic=self.direction.analytic,
+            numeric=result.numeric,
+            rel_error=result.rel_error,
+            verdict=result.verdict,  # type: ignore[arg-type]
+            noise=result.noise,
+            step=self.step,
+            reason="missing" if missing else result.reason,
+        )
+
+
 class _Prober:
-    """The probes of one check, sharing its evaluator, reference gradient and scales."""
+    """The probes of one check, sharing its evaluator, reference gradient, scales and noise estimate."""
 
     def __init__(self, evaluator: LossEvaluator, reference: Reference, settings: _Settings) -> None:
         self.evaluator = evaluator
         self.reference = reference
         self.settings = settings
         self.params = evaluator.params
+        self.missing = [g is None for g in reference.param_grads]
         self.grads = [
             g if g is not None else torch.zeros_like(p)
             for (_, p), g in zip(self.params, reference.param_grads, strict=True)
         ]
         self.dtype = _least_precise([p.dtype for _, p in self.params])
         self.param_scale = _rms(*(p for _, p in self.params))
-        self.grad_scale = _rms(*self.grads)
+        self.grad_norm = norm(self.grads)
+        self.grad_scale = self.grad_norm / math.sqrt(sum(g.numel() for g in self.grads) or 1)
+        self.tensor_grad_norms = [norm([g]) for g in self.grads]
         self.center = math.nan
+        self._input_anchor: _Pending | None = None
+        self.jitter = 0.0
+        self.loss_noise = math.inf
+        self.rng = generator(settings.seed, settings.step)
+
+    # ---- the flow of a check --------------------------------------------------------------------------------------
 
     def run(self) -> list[Probe]:
         if not self._reproducible():
             return []
-        self.center = self.evaluator.loss()
-        probes = []
-        descent = self._descent_probe()
-        if descent is not None:
-            probes.append(descent)
-        rng = generator(self.settings.seed, self.settings.step)
-        probes += self._param_probes(rng)
-        probes += self._input_probes(rng)
-        return probes
+        anchor = self._descent() or self._input_direction_anchor()
+        if anchor is None:
+            self.evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
+            return []
+        self._anchor(anchor)
+        screened = [p for p in self._screens() if p is not anchor]
+        self._screen_and_escalate(screened)
+        done = [anchor, *screened]
+        if any(p.result is not None and p.result.verdict == "fail" for p in done):
+            done += self._localize(done)
+        done += self._replace_kinks(done)
+        return [p.probe() for p in done]
 
     def _reproducible(self) -> bool:
-        """Whether a gradient-free evaluation reproduces the reference loss (else try with autograd recording)."""
+        """Evaluate the centre; it must reproduce the reference loss (else retry with autograd recording)."""
         expected = self.reference.loss
-        tolerance = REPRODUCIBILITY_TOLERANCE * abs(expected) + 1e-30
-        if abs(self.evaluator.native_loss() - expected) <= tolerance:
+        tolerance = self._reproducibility_tolerance() * abs(expected) + 1e-30
+        self.center = self.evaluator.loss()
+        if abs(self.center - expected) <= tolerance:
+            self._measure_jitter()
             return True
-        self.evaluator.use_grad_mode()
-        value = self.evaluator.native_loss()
-        if abs(value - expected) <= tolerance:
+        native = self.evaluator.native_loss()
+        if abs(native - expected) > tolerance:
+            self.evaluator.use_grad_mode()
+            native = self.evaluator.native_loss()
+            if abs(native - expected) > tolerance:
+                self.evaluator.notes.append(
+                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {native:.9g} "
+                    "when evaluated again with the same random state); it draws randomness gradwatch cannot replay"
+                )
+                return False
             self.evaluator.notes.append(
                 "evaluations run with autograd recording: the loss differs under torch.no_grad()"
             )
-            return True
-        self.evaluator.notes.append(
-            f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {value:.9g} when "
-            "evaluated again with the same random state); it draws randomness gradwatch cannot replay"
-        )
-        return False
+        self.center = self.evaluator.loss()
+        self._measure_jitter()
+        return True
+
+    def _reproducibility_tolerance(self) -> float:
+        return max(REPRODUCIBILITY_TOLERANCE, 8 * machine_epsilon(self.settings.native_dtype))
+
+    def _measure_jitter(self) -> None:
+        """On devices with non-deterministic kernels, evaluate the centre twice: the difference is jitter."""
+        tensors = [p for _, p in self.params] + list(self.evaluator.inputs.values())
+        if any(t.device.type != "cpu" for t in tensors) and not torch.are_deterministic_algorithms_enabled():
+            self.jitter = abs(self.evaluator.loss() - self.center)
+
+    def _anchor(self, anchor: _Pending) -> None:
+        """Measure the anchor probe with a full stencil (again at a smaller step after a kink): its error estimate is
+        the loss noise the screens borrow."""
+        self._full(anchor)
+        assert anchor.result is not None
+        if anchor.result.reason == "kink":
+            anchor.step *= KINK_RETRY_STEP
+            anchor.stencil = None
+            self._full(anchor)
+        assert anchor.result is not None
+        self.loss_noise = anchor.result.loss_noise
+
+    def _screen_and_escalate(self, pending: Sequence[_Pending]) -> None:
+        for probe in pending:
+            self._screen(probe)
+        for probe in pending:
+            assert probe.result is not None
+            if probe.result.verdict == "suspect":
+                self._full(probe)
+
+    def _localize(self, done: Sequence[_Pending]) -> list[_Pending]:
+        """After a failure, a tensor probe for every tensor not probed along its gradient yet, so the report names
+        the tensors that are wrong."""
+        covered = {p.tensor for p in done if p.kind == "tensor"}
+        candidates = [self._tensor_probe(i) for i in range(len(self.params)) if i not in covered]
+        extra = [p for p in candidates if p is not None]
+        self._screen_and_escalate(extra)
+        return extra
+
+    def _replace_kinks(self, done: Sequence[_Pending]) -> list[_Pending]:
+        """Another coordinate in the same tensor for every coordinate probe whose stencil crossed a kink."""
+        replacements = []
+        for probe in done:
+            if probe.index is not None and probe.result is not None and probe.result.reason == "kink":
+                replacement = self._coordinate_probe(probe.kind, probe.tensor)
+                if replacement is not None:
+                    replacements.append(replacement)
+        self._screen_and_escalate(replacements)
+        return replacements
+
+    # ---- measuring ------------------------------------------------------------------------------------------------
 
     def _value_epsilon(self) -> float:
         return machine_epsilon(self.evaluator.value_dtype)
 
-    def _assess(self, direction: Direction, step: float, scale_floor: float) -> Assessment:
-        stencil = measure(self.evaluator, direction, step, self.center)
-        return assess(stencil, rtol=self.settings.rtol, scale_floor=scale_floor, value_epsilon=self._value_epsilon())
+    def _points(self, probe: _Pending, step: float, offsets: Sequence[float]) -> Stencil:
+        points = measure(self.evaluator, probe.direction, step, offsets)
+        return Stencil(step, self.center, probe.direction.analytic, points)
 
-    def _judge(self, direction: Direction, step: float, scale_floor: float) -> tuple[Assessment, float]:
-        """Assess one direction at ``step``; a suspicious result must be confirmed at an independent step."""
-        first = self._assess(direction, step, scale_floor)
-        if first.verdict != "fail":
-            return first, step
-        confirming = step * CONFIRMATION_STEP
-        return confirm(first, self._assess(direction, confirming, scale_floor)), confirming
-
-    def _probe(
-        self,
-        kind: ProbeKind,
-        target: str,
-        index: tuple[int, ...] | None,
-        direction: Direction,
-        step: float,
-        scale_floor: float,
-        retry_kink: bool = False,
-    ) -> Probe:
-        """Measure one direction (again at a smaller step after a kink, if ``retry_kink``) and make it a Probe."""
-        result, used = self._judge(direction, step, scale_floor)
-        if retry_kink and result.reason == "kink":
-            result, used = self._judge(direction, step * KINK_RETRY_STEP, scale_floor)
-        return Probe(
-            kind=kind,
-            target=target,
-            index=index,
-            analytic=direction.analytic,
-            numeric=result.numeric,
-            rel_error=result.rel_error,
-            verdict=result.verdict,  # type: ignore[arg-type]
-            noise=result.noise,
-            step=used,
-            reason=result.reason,
+    def _screen(self, probe: _Pending) -> None:
+        probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
+        probe.result = screen(
+            probe.stencil,
+            rtol=self.settings.rtol,
+            scale_floor=probe.scale_floor,
+            value_epsilon=self._value_epsilon(),
+            loss_noise=self.loss_noise + self.jitter,
         )
+
+    def _assess(self, stencil: Stencil, scale_floor: float) -> Assessment:
+        return assess(
+            stencil,
+            rtol=self.settings.rtol,
+            scale_floor=scale_floor,
+            value_epsilon=self._value_epsilon(),
+            jitter=self.jitter,
+        )
+
+    def _full(self, probe: _Pending) -> None:
+        """Complete the probe's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
+        independent stencil at a smaller step."""
+        if probe.stencil is None:
+            probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
+        probe.stencil = probe.stencil.extended(measure(self.evaluator, probe.direction, probe.step, HALF_OFFSETS))
+        first = self._assess(probe.stencil, probe.scale_floor)
+        if first.verdict != "fail":
+            probe.result = first
+            return
+        confirming = probe.step * CONFIRMATION_STEP
+        second = self._points(probe, confirming, PAIR_OFFSETS + HALF_OFFSETS)
+        probe.result = confirm(first, self._assess(second, probe.scale_floor))
+        probe.step = confirming
+
+    # ---- the probes -----------------------------------------------------------------------------------------------
 
     def _tensor_scale(self, tensor: Tensor) -> float:
-        """The magnitude a parameter tensor's steps are relative to; the model's when the tensor is all zeros."""
+        """The magnitude a tensor's steps are relative to; the model's when the tensor is all zeros."""
         return max(_rms(tensor), self.param_scale) or 1.0
 
-    def _descent_probe(self) -> Probe | None:
-        if not self.params:
+    def _descent(self) -> _Pending | None:
+        if not self.params or self.grad_norm == 0.0:
             return None
-        direction = GradientDirection([p for _, p in self.params], self.grads)
-        if direction.norm == 0.0:
-            self.evaluator.notes.append("no descent probe: the gradient is exactly zero")
-            return None
+        direction = VectorDirection([p for _, p in self.params], self.grads, self.grads, 1.0 / self.grad_norm)
         # the step's scale along ĝ: each tensor's own magnitude, weighted by its share of the gradient
         weighted = sum(
-            self._tensor_scale(p) ** 2 * (torch.linalg.vector_norm(g, dtype=torch.float64).item() / direction.norm) ** 2
-            for (_, p), g in zip(self.params, self.grads, strict=True)
+            self._tensor_scale(p) ** 2 * (share / self.grad_norm) ** 2
+            for (_, p), share in zip(self.params, self.tensor_grad_norms, strict=True)
         )
         step = relative_step(self.dtype) * math.sqrt(weighted)
-        return self._probe("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0, retry_kink=True)
+        return _Pending("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
 
-    def _param_probes(self, rng: random.Random) -> list[Probe]:
-        settings = self.settings
-        shapes = [tuple(p.shape) for _, p in self.params]
-        probes = []
-        floor = math.sqrt(machine_epsilon(self.dtype)) * self.grad_scale
-        for coordinate in sample_coordinates(shapes, settings.param_probes, rng, settings.rotation):
-            name, param = self.params[coordinate.tensor]
-            grad = self.grads[coordinate.tensor]
-            index = coordinate.index
-            direction = CoordinateDirection(param, index, grad[index].item())
-            value = direction.value.abs().item()
-            step = relative_step(param.dtype) * max(value, self._tensor_scale(param))
-            scale_floor = max(2 * _rms(grad), floor)
-            probes.append(self._probe("param", name, index, direction, step, scale_floor))
-        return probes
-
-    def _input_probes(self, rng: random.Random) -> list[Probe]:
-        settings = self.settings
+    def _input_direction(self) -> _Pending | None:
         grads = self.reference.input_grads
-        paths = list(grads)
-        inputs = [self.evaluator.inputs[path] for path in paths]
-        probes = []
-        for coordinate in sample_coordinates(
-            [tuple(x.shape) for x in inputs], settings.input_probes, rng, settings.rotation
-        ):
-            path = paths[coordinate.tensor]
-            tensor = inputs[coordinate.tensor]
-            grad = grads[path]
-            index = coordinate.index
-            direction = CoordinateDirection(tensor, index, grad[index].item(), self.evaluator.mark_inputs_current)
-            step = relative_step(tensor.dtype) * (max(direction.value.abs().item(), _rms(tensor)) or 1.0)
-            probes.append(self._probe("input", path, index, direction, step, scale_floor=2 * _rms(grad)))
-        return probes
+        paths = [path for path, g in grads.items() if bool(g.any())]
+        if not paths or self.settings.input_probes == 0:
+            return None
+        tensors = [self.evaluator.inputs[path] for path in paths]
+        components = [grads[path] for path in paths]
+        size = norm(components)
+        direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
+        step = relative_step(tensors[0].dtype) * (_rms(*tensors) or 1.0)
+        target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
+        return _Pending("input", target, None, direction, step, scale_floor=0.0)
+
+    def _input_direction_anchor(self) -> _Pending | None:
+        self._input_anchor = self._input_direction()
+        return self._input_anchor
+
+    def _screens(self) -> list[_Pending]:
+        """The screening probes of a check: tensors in turn, random directions (first where a gradient is missing),
+        parameter coordinates, the input direction and input coordinates."""
+        settings = self.settings
+        count = len(self.params)
+        pending: list[_Pending | None] = []
+        with_gradient = [i for i in range(count) if self.tensor_grad_norms[i] > 0]
+        for i in rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation):
+            pending.append(self._tensor_probe(with_gradient[i]))
+        missing = [i for i in range(count) if self.missing[i]]
+        others = [i for i in range(count) if not self.missing[i]]
+        chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
+        chosen += [others[i] for i in rotating_window(len(others), settings.random_probes, settings.rotation + 1)]
+        pending += [self._random_probe(i) for i in chosen]
+        shapes = [tuple(p.shape) for _, p in self.params]
+        for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
+            pending.append(self._coordinate_probe("param", coordinate.tensor, coordinate.index))
+        if self._input_anchor is None:
+            pending.append(self._input_direction())
+        pending += self._input_coordinates()
+        return [p for p in pending if p is not None]
+
+    def _tensor_probe(self, i: int) -> _Pending | None:
+        name, param = self.params[i]
+        grad = self.grads[i]
+        size = self.tensor_grad_norms[i]
+        if size == 0.0:
+            return None
+        direction = VectorDirection([param], [grad], [grad], 1.0 / size)
+        step = relative_step(param.dtype) * self._tensor_scale(param)
+        floor = math.sqrt(machine_epsilon(self.dtype)) * self.grad_norm
+        return _Pending("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
+
+    def _random_probe(self, i: int) -> _Pending:
+        name, param = self.params[i]
+        grad = self.grads[i]
+        generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
+        vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+        vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
+        direction = VectorDirection([param], [vector], [grad])
+        step = relative_step(param.dtype) * self._tensor_scale(param)
+        # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
+        expected = max(self.tensor_grad_norms[i], math.sqrt(machine_epsilon(self.dtype)) * self.grad_norm)
+        floor = expected / math.sqrt(max(param.numel(), 1))
+        return _Pending("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i])
+
+    def _coordinate_probe(self, kind: ProbeKind, tensor: int, index: tuple[int, ...] | None = None) -> _Pending | None:
+        if kind == "input":
+            return self._input_coordinate(tensor, index)
+        name, param = self.params[tensor]
+        if index is None:
+            index = _random_index(param.shape, self.rng)
+        grad = self.grads[tensor]
+        direction = CoordinateDirection(param, index, grad[index].item())
+        value = direction.value.abs().item()
+        step = relative_step(param.dtype) * max(value, self._tensor_scale(param))
+        floor = max(2 * _rms(grad), math.sqrt(machine_epsilon(self.dtype)) * self.grad_scale)
+        return _Pending("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
+
+    def _input_coordinates(self) -> list[_Pending | None]:
+        grads = self.reference.input_grads
+        inputs = [self.evaluator.inputs[path] for path in grads]
+        coordinates = sample_coordinates(
+            [tuple(x.shape) for x in inputs], self.settings.input_probes, self.rng, self.settings.rotation
+        )
+        return [self._input_coordinate(c.tensor, c.index) for c in coordinates]
+
+    def _input_coordinate(self, tensor: int, index: tuple[int, ...] | None) -> _Pending | None:
+        grads = self.reference.input_grads
+        path = list(grads)[tensor]
+        working = self.evaluator.inputs[path]
+        if index is None:
+            index = _random_index(working.shape, self.rng)
+        grad = grads[path]
+        direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
+        step = relative_step(working.dtype) * (max(direction.value.abs().item(), _rms(working)) or 1.0)
+        return _Pending("input", path, index, direction, step, scale_floor=2 * _rms(grad), tensor=tensor)
+
+
+def _random_index(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(size) for size in shape)

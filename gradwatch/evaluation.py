@@ -132,11 +132,8 @@ class LossEvaluator:
         self.notes: list[str] = []
         self.n_forward = 0
         self.n_backward = 0
-        self._pristine = floating_tensors(batch)
-        self.inputs = {path: tensor.detach().clone() for path, tensor in self._pristine.items()}
-        self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
         self._batch = batch
-        self._working_batch = replace_tensors(batch, self.inputs)
+        self._use_inputs(floating_tensors(batch))
         self._reductions_verified = False
         self._grad_mode_evaluations = False
         self.value_dtype = torch.float32
@@ -241,6 +238,20 @@ class LossEvaluator:
             self.state.restore_buffers()
         self.value_dtype = value.dtype
         return float(value.detach().double())
+
+    def use_float64_inputs(self) -> None:
+        """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""
+        self._use_inputs({path: t.detach().to(torch.float64) for path, t in floating_tensors(self._batch).items()})
+
+    def use_native_inputs(self) -> None:
+        """Evaluate from now on with copies of the batch's own floating inputs (the default)."""
+        self._use_inputs(floating_tensors(self._batch))
+
+    def _use_inputs(self, pristine: dict[str, Tensor]) -> None:
+        self._pristine = pristine
+        self.inputs = {path: tensor.detach().clone() for path, tensor in pristine.items()}
+        self._working_batch = replace_tensors(self._batch, self.inputs)
+        self.mark_inputs_current()
 
     def use_grad_mode(self) -> None:
         """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between

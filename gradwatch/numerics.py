@@ -1,6 +1,7 @@
 """Finite-difference arithmetic: steps, derivative estimates and their own error.
 
-A probe evaluates the loss ``φ`` at ``±h`` and ``±h/2`` along a direction. Each value is compared with autograd's
+A probe first screens the loss ``φ`` at ``±h`` along a direction; a screen that looks wrong is extended with the points
+``±h/2`` into a full stencil, which measures its own error. Each value is compared with autograd's
 first-order prediction for the displacement float arithmetic actually produced, ``ψ(t) = φ(t) − φ(0) − g·δ(t)``, so a
 step that did not land exactly where intended costs nothing. From the four points:
 
@@ -27,34 +28,69 @@ def machine_epsilon(dtype: torch.dtype) -> float:
 
 
 @dataclass(frozen=True)
+class Point:
+    """One evaluation of a probe: the loss at nominal offset ``offset × h`` along the direction.
+
+    Attributes:
+        offset: The nominal position in units of the step ``h`` (``±1`` or ``±0.5``).
+        value: The loss there.
+        along: The displacement actually obtained along the direction.
+        predicted: Autograd's first-order prediction ``g·δ`` of the loss change for that displacement.
+    """
+
+    offset: float
+    value: float
+    along: float
+    predicted: float
+
+
+PAIR_OFFSETS = (1.0, -1.0)
+"""The screen: a central difference at ``±h``."""
+
+HALF_OFFSETS = (0.5, -0.5)
+"""The extension that turns a screen into a full stencil: a second central difference at ``±h/2``."""
+
+
+@dataclass(frozen=True)
 class Stencil:
-    """The loss along one direction at ``+h, −h, +h/2, −h/2`` (in that order).
+    """The loss along one direction at ``±h`` (a screen) or at ``±h`` and ``±h/2`` (a full stencil).
 
     Attributes:
         step: The nominal step ``h``.
         center: The loss at the origin.
         analytic: Autograd's derivative along the direction.
-        values: The loss at the four points.
-        along: The displacement actually obtained along the direction at each point.
-        predicted: Autograd's first-order prediction ``g·δ`` of the loss change at each point.
+        points: The evaluations, ``±h`` first.
     """
 
     step: float
     center: float
     analytic: float
-    values: tuple[float, ...]
-    along: tuple[float, ...]
-    predicted: tuple[float, ...]
+    points: tuple[Point, ...]
+
+    @property
+    def full(self) -> bool:
+        """Whether the stencil has the ``±h/2`` points (else it is a two-point screen)."""
+        return len(self.points) == 4
+
+    def extended(self, points: tuple[Point, ...]) -> Stencil:
+        """This stencil with more points (the ``±h/2`` pair)."""
+        return Stencil(self.step, self.center, self.analytic, self.points + points)
+
+    def _deviation(self, point: Point) -> float:
+        return point.value - self.center - point.predicted
 
     def deviations(self) -> tuple[float, ...]:
         """``ψ(t) = φ(t) − φ(0) − g·δ(t)`` at each point."""
-        return tuple(v - self.center - p for v, p in zip(self.values, self.predicted, strict=True))
+        return tuple(self._deviation(p) for p in self.points)
 
     def discrepancy(self, pair: int) -> float:
         """``e`` for the central difference of pair 0 (``±h``) or pair 1 (``±h/2``)."""
-        psi = self.deviations()
-        plus, minus = 2 * pair, 2 * pair + 1
-        return (psi[plus] - psi[minus]) / (self.along[plus] - self.along[minus])
+        plus, minus = self.points[2 * pair], self.points[2 * pair + 1]
+        return (self._deviation(plus) - self._deviation(minus)) / (plus.along - minus.along)
+
+    def span(self, pair: int = 0) -> float:
+        """The distance between the two points of a pair, along the direction."""
+        return abs(self.points[2 * pair].along - self.points[2 * pair + 1].along)
 
     @property
     def richardson(self) -> float:
@@ -63,8 +99,8 @@ class Stencil:
 
     @property
     def numeric(self) -> float:
-        """The finite-difference derivative along the direction."""
-        return self.analytic + self.richardson
+        """The finite-difference derivative along the direction (Richardson-extrapolated on a full stencil)."""
+        return self.analytic + (self.richardson if self.full else self.discrepancy(0))
 
     @property
     def odd_residual(self) -> float:
@@ -79,12 +115,12 @@ class Stencil:
 
     @property
     def finite(self) -> bool:
-        return all(math.isfinite(v) for v in (self.center, *self.values))
+        return all(math.isfinite(v) for v in (self.center, *(p.value for p in self.points)))
 
     @property
     def flat(self) -> bool:
         """Whether every perturbed loss equals the centre bit for bit: the steps are below the loss's resolution."""
-        return all(v == self.center for v in self.values)
+        return all(p.value == self.center for p in self.points)
 
 
 SIGNIFICANCE = 5.0
@@ -106,20 +142,22 @@ KINK_RETRY_STEP = 0.125
 crosses about eight times fewer, and its signal is large enough to afford the extra round-off."""
 
 _RELATIVE_TOLERANCE = {
-    torch.float64: 1e-6,
-    torch.float32: 1e-3,
+    torch.float64: 1e-7,
+    torch.float32: 5e-4,
     torch.float16: 3e-2,
     torch.bfloat16: 1e-1,
 }
 
 
 def relative_tolerance(dtype: torch.dtype) -> float:
-    """The default relative tolerance for derivatives computed in ``dtype``.
+    """The default relative tolerance for gradients computed in ``dtype``.
 
     Above float rounding of the analytic gradient itself (float32 autograd is ~1e-5 off the exact derivative on large
-    summed losses, up to ~2e-4 on a model that memorised its data) and below the 1% errors that must be caught.
+    summed losses, up to ~2e-4 on a model that memorised its data) and below the smallest errors that must be caught
+    (1e-3 in float32, 1e-6 in float64). 16-bit gradients carry errors of ~1e-2 of their own: only gross errors can be
+    told from them.
     """
-    return _RELATIVE_TOLERANCE.get(dtype, 1e-3)
+    return _RELATIVE_TOLERANCE.get(dtype, 5e-4)
 
 
 def relative_step(dtype: torch.dtype) -> float:
@@ -135,10 +173,13 @@ class Assessment:
     Attributes:
         numeric: The finite-difference derivative.
         discrepancy: ``numeric − analytic``.
-        noise: The estimated error of ``numeric``: round-off and truncation, from the stencil's own residuals.
-        scale: The denominator of the relative error.
-        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"`` (a ``"fail"`` here is a candidate until confirmed).
+        noise: The estimated error of ``numeric`` (round-off, truncation, jitter), in derivative units.
+        scale: The denominator of the relative error: ``max(|analytic|, |numeric|)``, floored.
+        verdict: ``"ok"``, ``"fail"``, ``"inconclusive"``, or ``"suspect"`` for a screen that needs the full stencil.
+            A ``"fail"`` here is a candidate until confirmed.
         reason: See :attr:`gradwatch.report.Probe.reason`.
+        loss_noise: ``noise`` in loss units (times the step): what other probes of the check may borrow as the
+            round-off of one loss evaluation.
     """
 
     numeric: float
@@ -147,51 +188,105 @@ class Assessment:
     scale: float
     verdict: str
     reason: str
+    loss_noise: float = 0.0
 
     @property
     def rel_error(self) -> float:
         return abs(self.discrepancy) / self.scale if self.scale > 0 else 0.0
 
 
-def assess(stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: float) -> Assessment:
-    """Judge one stencil.
+def _flat(stencil: Stencil, rtol: float, scale_floor: float) -> Assessment:
+    analytic = stencil.analytic
+    # the loss does not move and autograd says it should not, or only by float noise (a bias before BatchNorm)
+    if abs(analytic) <= rtol * scale_floor:
+        return Assessment(0.0, -analytic, 0.0, scale_floor, "ok", "agrees")
+    # A float loss can be a staircase: a saturated cross-entropy computes log(1 + x) with 1 + x rounded to 1, so steps
+    # that change the true loss by less than a rounding quantum change nothing. Its residuals are then exactly zero,
+    # which says nothing about the noise: the probe has no information.
+    return Assessment(0.0, -analytic, abs(analytic), max(abs(analytic), scale_floor), "inconclusive", "flat")
+
+
+def _nonfinite(stencil: Stencil) -> Assessment:
+    return Assessment(math.nan, math.nan, math.inf, abs(stencil.analytic), "inconclusive", "nonfinite")
+
+
+def _quantum(stencil: Stencil, value_epsilon: float) -> float:
+    """The rounding quantum of the loss values over the step: no probe is more precise than that."""
+    return value_epsilon * max(abs(stencil.center), 1e-30) / stencil.step
+
+
+def screen(stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: float, loss_noise: float) -> Assessment:
+    """Judge a two-point screen, whose noise is not measured but borrowed: ``loss_noise`` is the round-off of one loss
+    evaluation as the check's full stencils measured it.
+
+    Agreement within ``rtol`` is "ok" when the borrowed noise resolves it, "inconclusive" otherwise; a discrepancy
+    beyond ``rtol`` is "suspect" and must be measured with a full stencil before anything is concluded from it.
+    """
+    if not stencil.finite:
+        return _nonfinite(stencil)
+    if stencil.flat:
+        return _flat(stencil, rtol, scale_floor)
+    discrepancy = stencil.discrepancy(0)
+    numeric = stencil.analytic + discrepancy
+    noise = 2 * loss_noise / stencil.span() + _quantum(stencil, value_epsilon)
+    scale = max(abs(stencil.analytic), abs(numeric), scale_floor)
+    size = abs(discrepancy)
+    if size <= rtol * scale:
+        resolved = SIGNIFICANCE * noise <= RESOLUTION * scale
+        verdict, reason = ("ok", "agrees") if resolved else ("inconclusive", "unresolved")
+    else:
+        # beyond the tolerance: significant or not by the borrowed estimate, only the probe's own stencil can tell
+        # (a single coordinate is often far less noisy than the whole model moving at once)
+        verdict, reason = "suspect", "discrepancy" if size > SIGNIFICANCE * noise else "unresolved"
+    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, noise * stencil.step)
+
+
+def _fields(assessment: Assessment) -> tuple[float, float, float, float]:
+    return assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale
+
+
+def assess(
+    stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: float, jitter: float = 0.0
+) -> Assessment:
+    """Judge a full four-point stencil, against the error it measures for itself.
 
     Args:
         stencil: The loss values of the probe.
         rtol: Relative tolerance: smaller discrepancies are accepted even when significant.
-        scale_floor: Lower bound of the relative error's denominator (see :func:`scale_floor`).
+        scale_floor: Lower bound of the relative error's denominator, so that a derivative whose true value is zero
+            does not read as a 100% error.
         value_epsilon: Machine epsilon of the dtype the loss values were delivered in; their quantisation is the
             smallest error any probe can have.
+        jitter: How much two evaluations of the same loss differ (non-deterministic kernels), in loss units.
     """
     analytic = stencil.analytic
     if not stencil.finite:
-        return Assessment(math.nan, math.nan, math.inf, abs(analytic), "inconclusive", "nonfinite")
+        return _nonfinite(stencil)
     if stencil.flat:
-        # the loss does not move and autograd says it should not, or only by float noise (a bias before BatchNorm)
-        if abs(analytic) <= rtol * scale_floor:
-            return Assessment(0.0, -analytic, 0.0, scale_floor, "ok", "agrees")
-        # A float loss can be a staircase: a saturated cross-entropy computes log(1 + x) with 1 + x rounded to 1, so
-        # steps that change the true loss by less than a rounding quantum change nothing. Its residuals are then exactly
-        # zero, which says nothing about the noise: the probe has no information.
-        return Assessment(0.0, -analytic, abs(analytic), max(abs(analytic), scale_floor), "inconclusive", "flat")
+        return _flat(stencil, rtol, scale_floor)
     discrepancy = stencil.richardson
     numeric = analytic + discrepancy
     roughness = abs(stencil.even_residual) / stencil.step
-    quantum = value_epsilon * max(abs(stencil.center), 1e-30) / stencil.step
     # E(h) - E(h/2) has ~0.8x, the fourth difference ~4.4x the round-off of the Richardson estimate (for independent
-    # rounding errors); the odd residual also bounds what truncation is left.
-    noise = 1.2 * abs(stencil.odd_residual) + 0.25 * roughness + quantum
-    scale = max(abs(analytic) + abs(numeric), scale_floor)
+    # rounding errors); the odd residual also bounds what truncation is left. Jitter enters like round-off, through
+    # the smaller pair (Richardson weighs it 4/3).
+    noise = (
+        1.2 * abs(stencil.odd_residual)
+        + 0.25 * roughness
+        + _quantum(stencil, value_epsilon)
+        + 3 * jitter / stencil.span(1)
+    )
+    scale = max(abs(analytic), abs(numeric), scale_floor)
     size = abs(discrepancy)
+    loss_noise = noise * stencil.step
     if size <= rtol * scale:
         resolved = SIGNIFICANCE * noise <= RESOLUTION * scale
-        return Assessment(
-            numeric, discrepancy, noise, scale, *(("ok", "agrees") if resolved else ("inconclusive", "unresolved"))
-        )
+        verdict, reason = ("ok", "agrees") if resolved else ("inconclusive", "unresolved")
+        return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise)
     if size <= SIGNIFICANCE * noise:
         reason = "kink" if roughness > size else "unresolved"
-        return Assessment(numeric, discrepancy, noise, scale, "inconclusive", reason)
-    return Assessment(numeric, discrepancy, noise, scale, "fail", "discrepancy")
+        return Assessment(numeric, discrepancy, noise, scale, "inconclusive", reason, loss_noise)
+    return Assessment(numeric, discrepancy, noise, scale, "fail", "discrepancy", loss_noise)
 
 
 def confirm(first: Assessment, second: Assessment) -> Assessment:
@@ -205,9 +300,7 @@ def confirm(first: Assessment, second: Assessment) -> Assessment:
         spread = abs(first.discrepancy - second.discrepancy)
         if spread <= AGREEMENT * max(abs(first.discrepancy), abs(second.discrepancy)):
             return second
-        return Assessment(
-            second.numeric, second.discrepancy, max(second.noise, spread), second.scale, "inconclusive", "unstable"
-        )
+        return Assessment(*_fields(second)[:2], max(second.noise, spread), second.scale, "inconclusive", "unstable")
     if second.verdict == "ok":
         return second
-    return Assessment(second.numeric, second.discrepancy, second.noise, second.scale, "inconclusive", second.reason)
+    return Assessment(*_fields(second), "inconclusive", second.reason)

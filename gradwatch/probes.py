@@ -1,9 +1,10 @@
 """Moving the loss along one direction and recording what it does: the measurements behind every probe.
 
 A probe perturbs either one coordinate (of a parameter, or of a floating input through the evaluator's working copy)
-or every parameter at once along the normalised gradient ``ĝ`` (the descent probe). At each point it records the loss,
-the displacement that float arithmetic actually produced along the direction, and autograd's first-order prediction of
-the loss change for that displacement. :mod:`gradwatch.numerics` turns a set of such points into a verdict.
+or several tensors at once along a unit vector (the descent, tensor, random and input-direction probes). At each point
+it records the loss, the displacement that float arithmetic actually produced along the direction, and autograd's
+first-order prediction of the loss change for that displacement. :mod:`gradwatch.numerics` turns a set of such
+points into a verdict.
 
 Perturbed values are always restored by copying the saved originals back, inside ``finally``.
 """
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.evaluation import LossEvaluator
-from gradwatch.numerics import Stencil
+from gradwatch.numerics import Point
 
 
 @dataclass(frozen=True)
@@ -73,63 +74,99 @@ class CoordinateDirection:
             self._after_write()
 
 
-class GradientDirection:
-    """All parameters at once, along ``ĝ = g/‖g‖``; the analytic slope along it is ``‖g‖``.
+class VectorDirection:
+    """Several tensors moved together along ``v = coefficient · components``, a unit vector over all of them.
 
-    From its first displacement on it holds one copy of the parameters' original values, so that every restore is an
+    The descent probe moves every parameter along ``ĝ`` (``components`` the gradients, ``coefficient = 1/‖g‖``); a
+    tensor probe moves one parameter along its own ``g_T/‖g_T‖``; a random probe along a random unit vector; the input
+    probe moves the floating inputs along their gradient. The analytic slope is ``g · v``.
+
+    From its first displacement on it holds one copy of the tensors' original values, so that every restore is an
     exact copy; the copy goes with the object.
+
+    Args:
+        tensors: The tensors to move (parameters, or working inputs of the evaluator).
+        components: The direction, one tensor per entry of ``tensors`` (scaled by ``coefficient``).
+        grads: Autograd's gradient for each tensor.
+        coefficient: The factor that makes ``components`` a unit vector.
+        after_write: Called after every write (the evaluator tracks in-place changes of its inputs).
     """
 
-    def __init__(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-        self.params = list(params)
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        components: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        coefficient: float = 1.0,
+        after_write: Callable[[], None] | None = None,
+    ) -> None:
+        self.tensors = list(tensors)
+        self.components = list(components)
         self.grads = list(grads)
-        self.norm = math.sqrt(sum(torch.linalg.vector_norm(g, dtype=torch.float64).item() ** 2 for g in self.grads))
-        self.analytic = self.norm
+        self.coefficient = coefficient
+        self.analytic = coefficient * sum(_dot(g, c) for g, c in zip(self.grads, self.components, strict=True))
         self._origin: list[Tensor] | None = None
+        self._after_write = after_write
 
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
-        """Move every parameter by ``offset · ĝ`` (rounded to its dtype); yield the displacement obtained."""
+        """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
         if self._origin is None:
-            self._origin = [p.detach().clone() for p in self.params]
+            self._origin = [t.detach().clone() for t in self.tensors]
         saved = self._origin
+        along = 0.0
         predicted = 0.0
+        along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
         try:
             with torch.no_grad():
-                for param, origin, grad in zip(self.params, saved, self.grads, strict=True):
-                    moved = (origin.double() + (offset / self.norm) * grad.double()).to(param.dtype)
-                    delta = moved.double() - origin.double()
-                    param.copy_(moved)
-                    predicted += (grad.double() * delta).sum().item()
-            # the component along ĝ is g·δ / ‖g‖
-            yield Displacement(predicted / self.norm, predicted)
+                for tensor, origin, component, grad in zip(
+                    self.tensors, saved, self.components, self.grads, strict=True
+                ):
+                    # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
+                    moved = torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient)
+                    tensor.copy_(moved)
+                    delta = moved.sub_(origin)
+                    predicted += _dot(grad, delta)
+                    if not along_is_predicted:
+                        along += self.coefficient * _dot(component, delta)
+            if along_is_predicted:
+                along = self.coefficient * predicted
+            if self._after_write is not None:
+                self._after_write()
+            yield Displacement(along, predicted)
         finally:
             with torch.no_grad():
-                for param, origin in zip(self.params, saved, strict=True):
-                    param.copy_(origin)
+                for tensor, origin in zip(self.tensors, saved, strict=True):
+                    tensor.copy_(origin)
+            if self._after_write is not None:
+                self._after_write()
 
 
-Direction = CoordinateDirection | GradientDirection
+def _dot(a: Tensor, b: Tensor) -> float:
+    """``a · b`` over all elements: products in float32 at least, accumulated in float64."""
+    if a.dtype in _SIXTEEN_BIT:
+        a = a.float()
+    if b.dtype in _SIXTEEN_BIT:
+        b = b.float()
+    return (a * b).sum(dtype=torch.float64).item()
 
-STENCIL_OFFSETS = (1.0, -1.0, 0.5, -0.5)
-"""The points of a probe, in units of its step ``h``: a central difference at ``h`` and another at ``h/2``."""
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
-def measure(evaluator: LossEvaluator, direction: Direction, step: float, center: float) -> Stencil:
-    """Evaluate the loss at ``±step`` and ``±step/2`` along ``direction``; ``center`` is the loss at the origin."""
-    along = []
-    predicted = []
-    values = []
-    for fraction in STENCIL_OFFSETS:
-        with direction.displaced(fraction * step) as displacement:
-            values.append(evaluator.loss())
-        along.append(displacement.along)
-        predicted.append(displacement.predicted)
-    return Stencil(
-        step=step,
-        center=center,
-        analytic=direction.analytic,
-        values=tuple(values),
-        along=tuple(along),
-        predicted=tuple(predicted),
-    )
+def norm(tensors: Sequence[Tensor]) -> float:
+    """The Euclidean norm over all elements of the tensors, accumulated in float64."""
+    return math.sqrt(sum(torch.linalg.vector_norm(t.detach(), dtype=torch.float64).item() ** 2 for t in tensors))
+
+
+Direction = CoordinateDirection | VectorDirection
+
+
+def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+    """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``."""
+    points = []
+    for offset in offsets:
+        with direction.displaced(offset * step) as displacement:
+            value = evaluator.loss()
+        points.append(Point(offset, value, displacement.along, displacement.predicted))
+    return tuple(points)

@@ -16,10 +16,12 @@ Verdict = Literal["ok", "fail", "inconclusive"]
 """``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
 error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
 
-ProbeKind = Literal["param", "input", "descent", "loss"]
-"""``"param"``: one coordinate of a trainable parameter. ``"input"``: one coordinate of a floating tensor of the batch.
-``"descent"``: the directional derivative along the normalised gradient of all parameters. ``"loss"``: the loss itself,
-reported only when it is not finite."""
+ProbeKind = Literal["descent", "tensor", "random", "param", "input", "loss"]
+"""``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``: along
+one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one parameter
+tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the batch's floating
+inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself, reported only when it is
+not finite."""
 
 VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -36,20 +38,22 @@ class Probe:
         kind: What was perturbed (see :data:`ProbeKind`).
         target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
             ``"batch['x']"``, ``"*"`` for the descent probe, or ``"loss"``.
-        index: The perturbed coordinate within ``target``, or ``None`` for the descent probe.
-        analytic: The derivative computed by autograd (for the descent probe: ``‖g‖``, the slope along ``ĝ``).
+        index: The perturbed coordinate within ``target``, or ``None`` for a probe along a direction.
+        analytic: The derivative computed by autograd along the probe's direction (for the descent probe: ``‖g‖``).
         numeric: The derivative measured by finite differences of the loss.
-        rel_error: ``|numeric − analytic| / (|numeric| + |analytic|)``, with the denominator floored at twice the
-            root-mean-square gradient of the probed tensor, so that a coordinate whose true derivative is zero does not
-            read as a 100% error.
+        rel_error: ``|numeric − analytic| / max(|numeric|, |analytic|)``, with the denominator floored at the size a
+            derivative of the probed tensor can be expected to have, so that a derivative whose true value is zero does
+            not read as a 100% error.
         verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
-        noise: The probe's estimate of the absolute error of ``numeric`` (round-off and truncation), in the same units.
-        step: The finite-difference step actually used (in units of the perturbed value; for the descent probe, the
-            length of the step along ``ĝ``).
-        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"unresolved"`` (noise too large to
-            tell), ``"kink"`` (the loss is not smooth across the step), ``"flat"`` (the loss did not change at all: the
-            step is below the resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at
-            a second step) or ``"nonfinite"``.
+        noise: The probe's estimate of the absolute error of ``numeric`` (round-off, truncation and the jitter of
+            non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
+        step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
+            of the step along it).
+        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"`` (the parameter received
+            no gradient, but the loss depends on it), ``"unresolved"`` (noise too large to tell), ``"kink"`` (the loss
+            is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
+            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step)
+            or ``"nonfinite"``.
     """
 
     kind: ProbeKind
@@ -97,6 +101,8 @@ class CheckReport:
         n_backward: Backward passes spent (one: the reference gradient).
         duration_s: Wall time of the check in seconds.
         notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient.
+        samples: How many samples of the batch the probes used (``None`` when the batch has no tensor).
+        precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
     """
 
     step: int
@@ -107,6 +113,8 @@ class CheckReport:
     n_backward: int
     duration_s: float
     notes: list[str] = field(default_factory=list)
+    samples: int | None = None
+    precision: str = "native"
 
     @property
     def failures(self) -> list[Probe]:
@@ -132,6 +140,15 @@ class CheckReport:
         return sum(p.verdict == verdict for p in self.probes)
 
     @property
+    def noise_levels(self) -> list[float]:
+        """Each conclusive probe's noise relative to its derivative's scale: how small an error it could have seen."""
+        return [
+            p.noise / max(abs(p.analytic), abs(p.numeric))
+            for p in self.probes
+            if p.conclusive and max(abs(p.analytic), abs(p.numeric)) > 0 and math.isfinite(p.noise)
+        ]
+
+    @property
     def conclusive_rel_errors(self) -> list[float]:
         """Relative errors of the probes that could tell right from wrong (inconclusive probes measure noise)."""
         return [p.rel_error for p in self.probes if p.conclusive]
@@ -143,12 +160,14 @@ class CheckReport:
         return (
             f"step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
             f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
-            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} forwards, {self.duration_s * 1e3:.0f} ms)"
+            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} forwards, {self.n_backward} backward, "
+            f"{self.duration_s * 1e3:.0f} ms)"
         )
 
     def scalars(self) -> dict[str, float]:
         """The fixed set of numbers gradwatch logs for a check, keyed by tag (see the README for each tag)."""
         errors = self.conclusive_rel_errors
+        noise = self.noise_levels
         return {
             "gradwatch/rel_error_max": max(errors) if errors else math.nan,
             "gradwatch/rel_error_median": statistics.median(errors) if errors else math.nan,
@@ -158,6 +177,8 @@ class CheckReport:
             "gradwatch/inconclusive_probes": float(self.count("inconclusive")),
             "gradwatch/verdict": float(VERDICTS.index(self.verdict)),
             "gradwatch/check_seconds": self.duration_s,
+            "gradwatch/loss_evaluations": float(self.n_forward),
+            "gradwatch/noise_median": statistics.median(noise) if noise else math.nan,
         }
 
     def __str__(self) -> str:

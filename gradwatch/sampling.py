@@ -27,6 +27,17 @@ def generator(seed: int, step: int) -> random.Random:
     return random.Random(f"gradwatch:{seed}:{step}")
 
 
+def rotating_window(count: int, size: int, rotation: int) -> list[int]:
+    """``size`` consecutive positions among ``count`` (wrapping around), starting at ``rotation × size``: successive
+    rotations cover every position once every ``ceil(count / size)`` checks."""
+    if count == 0 or size <= 0:
+        return []
+    if size >= count:
+        return list(range(count))
+    start = (rotation * size) % count
+    return [(start + offset) % count for offset in range(size)]
+
+
 def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
     index = []
     for size in reversed(shape):

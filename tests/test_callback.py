@@ -37,6 +37,9 @@ SCALAR_TAGS = {
     "gradwatch/inconclusive_probes",
     "gradwatch/verdict",
     "gradwatch/check_seconds",
+    "gradwatch/loss_evaluations",
+    "gradwatch/noise_median",
+    "gradwatch/overhead",
 }
 
 
@@ -62,7 +65,7 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
     assert [e.step for e in events.Histograms("gradwatch/rel_error_log10")] == [1, 2, 4]
     assert "gradwatch/failures/text_summary" in tags["tensors"]
     text = events.Tensors("gradwatch/failures/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "| param | `net.fc.weight` |" in text
+    assert "| tensor | `net.fc.weight` |" in text
     assert "analytic" in text
     assert "numeric" in text
     # a fixed, small set of tags, whatever coordinates were sampled
@@ -89,7 +92,7 @@ def test_checks_run_on_optimizer_steps_under_gradient_accumulation(tmp_path: Pat
     model = LitClassifier()
     trainer(tmp_path, [watch], max_steps=10, accumulate_grad_batches=2).fit(model, loader(classification_batch(), 20))
     assert [r.step for r in watch.reports] == [1, 3, 6, 9]
-    assert watch.counts == {"checks": 4, "failed": 0, "skipped": 0}
+    assert watch.counts == {"checks": 4, "failed": 0, "skipped": 0, "postponed": 0}
 
 
 @pytest.mark.parametrize(
@@ -211,7 +214,7 @@ def test_probe_that_raises_never_stops_training_or_changes_state(tmp_path: Path)
     with pytest.warns(GradientCheckWarning, match="could not run and was skipped.*training_step failed on purpose"):
         run.fit(LitClassifier(), loader(classification_batch()))
     assert run.global_step == 4
-    assert watch.counts == {"checks": 0, "failed": 0, "skipped": 3}
+    assert watch.counts == {"checks": 0, "failed": 0, "skipped": 3, "postponed": 0}
     for before, after in zip(flag.before, flag.after, strict=True):
         assert_bit_identical(before, after)
 
@@ -282,7 +285,7 @@ def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Pa
     assert loaded == state
     resumed = GradWatch(every_n_steps=1)
     resumed.load_state_dict(loaded)
-    assert resumed.counts == watch.counts == {"checks": 3, "failed": 3, "skipped": 0}
+    assert resumed.counts == watch.counts == {"checks": 3, "failed": 3, "skipped": 0, "postponed": 0}
     assert resumed.state_dict() == state
     GradWatch().load_state_dict({})  # a state from an older version: defaults
 

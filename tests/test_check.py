@@ -189,8 +189,9 @@ def test_inputs_are_found_in_nested_batches_and_integer_tensors_skipped() -> Non
         return F.mse_loss(model["head"](features), batch["sample"].label)
 
     report = check_gradients(model, batch, loss_fn, input_probes=30, param_probes=0)
-    targets = {p.target for p in report.probes if p.kind == "input"}
+    targets = {p.target for p in report.probes if p.kind == "input" and p.index is not None}
     assert targets == {"batch['sample'].pixels", "batch['sample'].label", "batch['example'].features"}
+    assert {p.target for p in report.probes if p.kind == "input" and p.index is None} == {"batch"}
     assert report.verdict == "ok", str(report)
 
 
@@ -222,13 +223,18 @@ def test_same_seed_and_step_probe_the_same_coordinates() -> None:
     assert coordinates(first) != coordinates(other)
 
 
-def test_report_counts_its_cost() -> None:
-    report = check_gradients(SeedModel(), seed_batch(), seed_loss, param_probes=4, input_probes=1)
-    # reference + reproducibility + centre, then 4 points per probe (descent, 4 params, 1 input)
-    assert report.n_forward == 3 + 4 * 6
+def test_healthy_check_is_a_cheap_screen_and_counts_its_cost() -> None:
+    report = check_gradients(
+        SeedModel(), seed_batch(), seed_loss, tensor_probes=2, random_probes=1, param_probes=4, input_probes=1
+    )
+    assert report.verdict == "ok", str(report)
+    # reference + centre, the descent probe's 4 points, then 2 points per screen: 2 tensor, 1 random, 4 coordinate
+    # and 2 input probes (along the inputs' gradient, one coordinate), none of which needed more
+    assert [p.kind for p in report.probes].count("param") == 4
+    assert len(report.probes) == 1 + 2 + 1 + 4 + 2
+    assert report.n_forward == 2 + 4 + 2 * 9
     assert report.n_backward == 1
     assert report.duration_s > 0
-    assert len(report.probes) == 6
 
 
 def test_loss_that_cannot_be_reproduced_is_inconclusive_not_failed() -> None:

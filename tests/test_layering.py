@@ -15,6 +15,7 @@ ENGINE = [
     "reductions",
     "evaluation",
     "numerics",
+    "precision",
     "probes",
     "sampling",
     "check",

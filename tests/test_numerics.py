@@ -10,27 +10,22 @@ import torch
 
 from gradwatch.numerics import (
     Assessment,
+    Point,
     Stencil,
     assess,
     confirm,
     relative_step,
     relative_tolerance,
+    screen,
 )
 
 OFFSETS = (1.0, -1.0, 0.5, -0.5)
 
 
-def stencil(f: Callable[[float], float], analytic: float, step: float) -> Stencil:
+def stencil(f: Callable[[float], float], analytic: float, step: float, offsets: tuple[float, ...] = OFFSETS) -> Stencil:
     """The stencil of ``f`` around 0 with exact displacements; ``analytic`` plays autograd's derivative."""
-    along = tuple(fraction * step for fraction in OFFSETS)
-    return Stencil(
-        step=step,
-        center=f(0.0),
-        analytic=analytic,
-        values=tuple(f(t) for t in along),
-        along=along,
-        predicted=tuple(analytic * t for t in along),
-    )
+    points = tuple(Point(o, f(o * step), o * step, analytic * o * step) for o in offsets)
+    return Stencil(step=step, center=f(0.0), analytic=analytic, points=points)
 
 
 def judge(s: Stencil, rtol: float = 1e-6) -> Assessment:
@@ -52,14 +47,9 @@ def test_richardson_is_exact_for_quartics_and_residuals_vanish() -> None:
 
 def test_displacement_that_missed_the_intended_point_is_accounted_for() -> None:
     # the step landed at 0.1000003 instead of 0.1: using the actual displacement keeps the estimate exact
-    s = Stencil(
-        step=0.1,
-        center=0.0,
-        analytic=3.0,
-        values=(3.0 * 0.1000003, -3.0 * 0.1, 3.0 * 0.05, -3.0 * 0.05),
-        along=(0.1000003, -0.1, 0.05, -0.05),
-        predicted=(3.0 * 0.1000003, -3.0 * 0.1, 3.0 * 0.05, -3.0 * 0.05),
-    )
+    along = (0.1000003, -0.1, 0.05, -0.05)
+    points = tuple(Point(o, 3.0 * a, a, 3.0 * a) for o, a in zip(OFFSETS, along, strict=True))
+    s = Stencil(step=0.1, center=0.0, analytic=3.0, points=points)
     assert s.numeric == pytest.approx(3.0, abs=1e-14)
 
 
@@ -72,7 +62,7 @@ def test_correct_derivative_of_a_smooth_function_is_ok() -> None:
 def test_wrong_derivative_is_a_discrepancy() -> None:
     a = judge(stencil(math.exp, analytic=1.01, step=relative_step(torch.float64)))
     assert (a.verdict, a.reason) == ("fail", "discrepancy")
-    assert a.rel_error == pytest.approx(0.01 / 2.01, rel=1e-6)
+    assert a.rel_error == pytest.approx(0.01 / 1.01, rel=1e-6)
 
 
 def test_kink_at_the_point_is_inconclusive_not_a_failure() -> None:
@@ -120,6 +110,38 @@ def test_scale_floor_keeps_a_zero_gradient_from_reading_as_a_100_percent_error()
     floored = assess(s, rtol=1e-6, scale_floor=1e-3, value_epsilon=2.2e-16)
     assert floored.rel_error == pytest.approx(1e-9)
     assert floored.verdict == "ok"
+
+
+def test_screen_that_agrees_within_the_borrowed_noise_is_ok() -> None:
+    s = stencil(math.exp, analytic=1.0, step=1e-4, offsets=(1.0, -1.0))
+    a = screen(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16, loss_noise=1e-15)
+    assert (a.verdict, a.reason) == ("ok", "agrees")
+    assert a.noise == pytest.approx(1e-15 / 1e-4 + 2.2e-16 / 1e-4, rel=0.01)  # borrowed noise + quantum
+
+
+def test_screen_with_a_significant_discrepancy_is_suspect_not_failed() -> None:
+    s = stencil(math.exp, analytic=1.01, step=1e-4, offsets=(1.0, -1.0))
+    a = screen(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16, loss_noise=1e-15)
+    assert (a.verdict, a.reason) == ("suspect", "discrepancy")
+
+
+def test_screen_beyond_the_tolerance_is_suspect_even_when_drowned_in_the_borrowed_noise() -> None:
+    s = stencil(math.exp, analytic=1.01, step=1e-4, offsets=(1.0, -1.0))
+    a = screen(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16, loss_noise=1e-5)
+    assert (a.verdict, a.reason) == ("suspect", "unresolved")
+
+
+def test_screen_within_the_tolerance_but_drowned_in_noise_is_inconclusive() -> None:
+    s = stencil(math.exp, analytic=1.0, step=1e-4, offsets=(1.0, -1.0))
+    a = screen(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16, loss_noise=1e-5)
+    assert (a.verdict, a.reason) == ("inconclusive", "unresolved")
+
+
+def test_jitter_raises_the_noise_of_a_full_stencil() -> None:
+    s = stencil(math.exp, analytic=1.0, step=relative_step(torch.float64))
+    quiet = assess(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16)
+    jittery = assess(s, rtol=1e-6, scale_floor=0.0, value_epsilon=2.2e-16, jitter=1e-9)
+    assert jittery.noise > quiet.noise + 1e-9 / s.step
 
 
 def _assessment(verdict: str, discrepancy: float, reason: str = "discrepancy") -> Assessment:
