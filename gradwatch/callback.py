@@ -23,6 +23,7 @@ from typing_extensions import override
 from gradwatch import _validation as validate
 from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, OnFail
 from gradwatch.check import check_gradients
+from gradwatch.dashboard import write_dashboard
 from gradwatch.evaluation import LossFn
 from gradwatch.precision import PRECISIONS, Precision
 from gradwatch.report import CheckReport
@@ -31,6 +32,7 @@ from gradwatch.tensorboard import write_report
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+PROGRESS_BAR_KEY = "gradwatch"
 
 
 class _NoLossToCheckError(Exception):
@@ -231,6 +233,7 @@ class GradWatch(Callback):
             return
         self._record(report)
         self._log(trainer, report)
+        self._show_in_progress_bar(trainer, report)
         if self._alerts.handle(report):
             trainer.should_stop = True
 
@@ -343,3 +346,28 @@ class GradWatch(Callback):
             "skipped": self._skipped_checks,
             "postponed": self._postponed_checks,
         }
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    write_dashboard(logger.experiment)
+
+    def _show_in_progress_bar(self, trainer: pl.Trainer, report: CheckReport) -> None:
+        """Show the last verdict among the progress bar's metrics, e.g. ``gradwatch=fail@1``."""
+        if trainer.progress_bar_callback is None or not trainer.is_global_zero:
+            return
+        # Progress bars show every entry of this dict, strings included; self.log(prog_bar=True) takes numbers only.
+        # Lightning updates the dict in place and clears it only when a fit or its sanity check starts.
+        trainer.progress_bar_metrics[PROGRESS_BAR_KEY] = progress_status(report, self._failed_checks)
+
+
+def progress_status(report: CheckReport, failed_checks: int) -> str:
+    """A short status for the progress bar: the last verdict and its step, plus the failed checks so far when the last
+    one did not fail (``"ok@500 (2 failed)"``)."""
+    status = f"{report.verdict}@{report.step}"
+    if failed_checks and report.verdict != "fail":
+        status += f" ({failed_checks} failed)"
+    return status

@@ -174,6 +174,7 @@ class CheckReport:
         return {
             "gradwatch/rel_error_max": max(errors) if errors else math.nan,
             "gradwatch/rel_error_median": statistics.median(errors) if errors else math.nan,
+            "gradwatch/rel_error_min": min(errors) if errors else math.nan,
             "gradwatch/descent_ratio": self.descent_ratio,
             "gradwatch/failing_probes": float(self.count("fail")),
             "gradwatch/inconclusive_probes": float(self.count("inconclusive")),

@@ -26,10 +26,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
+from gradwatch.callback import progress_status
 
 SCALAR_TAGS = {
     "gradwatch/rel_error_max",
     "gradwatch/rel_error_median",
+    "gradwatch/rel_error_min",
     "gradwatch/descent_ratio",
     "gradwatch/failing_probes",
     "gradwatch/inconclusive_probes",
@@ -333,3 +335,23 @@ def test_zero_interference_with_training(tmp_path: Path) -> None:
     assert without.keys() == with_checks.keys()
     for name, value in without.items():
         assert torch.equal(value, with_checks[name]), name
+
+
+def test_progress_bar_shows_the_last_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = trainer(
+        tmp_path, [GradWatch(every_n_steps=2, on_fail=lambda report: None)], max_steps=4, enable_progress_bar=True
+    )
+    run.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
+    assert run.progress_bar_callback is not None
+    assert run.progress_bar_callback.get_metrics(run, run.lightning_module)["gradwatch"] == "fail@4"
+    drawn = capsys.readouterr()
+    assert "gradwatch=fail@1" in drawn.out + drawn.err  # what the TQDM bar drew after the first check
+
+
+def test_progress_status_keeps_earlier_failures_in_sight() -> None:
+    def report(verdict: str, step: int) -> CheckReport:
+        return CheckReport(step, verdict, [], 0.0, 1, 1, 0.0)  # type: ignore[arg-type]
+
+    assert progress_status(report("ok", 500), failed_checks=0) == "ok@500"
+    assert progress_status(report("fail", 1), failed_checks=1) == "fail@1"
+    assert progress_status(report("inconclusive", 1000), failed_checks=2) == "inconclusive@1000 (2 failed)"

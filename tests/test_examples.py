@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 import gradwatch.check
+import gradwatch.demo
+from gradwatch import CheckReport
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -17,13 +19,32 @@ import demo  # noqa: E402
 
 
 def test_demo_runs_and_reports_both_outcomes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--logdir", str(tmp_path), "--steps", "12", "--every", "6"]) == 0
+    assert demo.main(["--logdir", str(tmp_path), "--steps", "12", "--every", "6", "--no-progress-bar"]) == 0
     out = capsys.readouterr().out
-    assert "healthy model: no false alarm" in out
-    assert "custom Function with a wrong backward: caught at the first check" in out
+    assert "healthy: no false alarm (3 checks, none failed)" in out
+    assert "rmsnorm: caught at step 1 (the first check)" in out
     assert "net.0.weight" in out  # the layer feeding the broken custom Function
     assert f"tensorboard --logdir {tmp_path}" in out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["custom_function_bug", "healthy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["healthy", "rmsnorm"]
+
+
+@pytest.mark.parametrize("bug", ["scale", "detach"])
+def test_each_planted_bug_is_caught_at_the_first_check(bug: str, tmp_path: Path) -> None:
+    reports, _ = gradwatch.demo.train(gradwatch.demo.RUNS[bug], tmp_path, steps=1, every=50, progress_bar=False)
+    assert [r.verdict for r in reports] == ["fail"]
+
+
+def test_outcome_says_when_a_run_did_not_end_as_it_should() -> None:
+    def reports(*verdicts: str) -> list[CheckReport]:
+        return [CheckReport(i + 1, v, [], 0.0, 1, 1, 0.0) for i, v in enumerate(verdicts)]  # type: ignore[arg-type]
+
+    healthy, bug = gradwatch.demo.RUNS["none"], gradwatch.demo.RUNS["rmsnorm"]
+    assert gradwatch.demo.outcome(healthy, reports("ok", "fail")) == (
+        False,
+        "FALSE ALARM: 1 of 2 checks failed, first at step 2",
+    )
+    assert gradwatch.demo.outcome(bug, reports("ok", "ok")) == (False, "NOT CAUGHT: none of 2 checks failed")
+    assert gradwatch.demo.outcome(bug, reports("ok", "fail"))[0]
 
 
 def test_docstring_examples_run() -> None:

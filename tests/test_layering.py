@@ -20,8 +20,9 @@ ENGINE = [
     "sampling",
     "check",
     "_validation",
+    "testing",
 ]
-ADAPTERS = ["callback", "tensorboard", "alerts"]
+ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "events", "_demo_models", "demo", "cli", "__main__"]
 
 
 def _imports(module: str) -> set[str]:
@@ -45,7 +46,7 @@ def test_engine_imports_no_framework_and_no_adapter(module: str) -> None:
 
 
 def test_tensorboard_writer_and_alerts_do_not_import_lightning_or_the_callback() -> None:
-    for module in ("tensorboard", "alerts"):
+    for module in ("tensorboard", "dashboard", "alerts"):
         imported = _imports(module)
         assert not {n for n in imported if n.startswith(("lightning", "pytorch_lightning"))}
         assert "gradwatch.callback" not in imported

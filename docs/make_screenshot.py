@@ -1,0 +1,66 @@
+"""Regenerate ``docs/dashboard.png``: the gradwatch dashboard of the demo's runs, in a real TensorBoard, in headless
+Chromium.
+
+    python docs/make_screenshot.py [--out docs/dashboard.png] [--steps 300] [--every 50]
+
+Trains the demo's healthy model and its wrong custom backward (``gradwatch demo``'s default runs) into a temporary
+directory, serves it with ``tensorboard``, opens the Custom Scalars tab in ``chromium --headless`` (Debian's
+``apt-get install chromium``), waits until every gradwatch chart lists its tags, and saves the page. With Pillow
+installed the PNG is reduced to a 256-colour palette to keep the repository small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the server and browser drivers the end-to-end tests use
+
+from tensorboard_browser import HeadlessChromium, TensorBoardServer, find_chromium  # noqa: E402
+
+from gradwatch.dashboard import SECTIONS  # noqa: E402
+from gradwatch.demo import RUNS, train  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--width", type=int, default=1200)
+    parser.add_argument("--height", type=int, default=860)
+    args = parser.parse_args(argv)
+    binary = find_chromium()
+    if binary is None:
+        print("needs chromium (apt-get install chromium)", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as logdir:
+        for name in ("none", "rmsnorm"):
+            train(RUNS[name], Path(logdir), args.steps, args.every, progress_bar=False)
+        with TensorBoardServer(Path(logdir)) as server:
+            server.wait_for("/data/plugin/custom_scalars/layout", lambda layout: bool(layout.get("category")))
+            with HeadlessChromium(binary, width=args.width, height=args.height) as browser:
+                browser.open(f"{server.url}/#custom_scalars")
+                browser.wait_for_text(
+                    [title for _, charts in SECTIONS for title, _, _ in charts]
+                    + [f"gradwatch/rel_error_median ({RUNS[name].run_name}/version_0)" for name in ("none", "rmsnorm")]
+                )
+                time.sleep(2)  # let the charts finish drawing
+                browser.screenshot(args.out)
+    try:
+        from PIL import Image
+    except ImportError:
+        print("Pillow not installed: the PNG is kept as Chromium wrote it")
+    else:
+        with Image.open(args.out) as image:
+            image.convert("RGB").quantize(colors=256).save(args.out, optimize=True)
+    print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""An assertion for unit tests: the gradients of a model (custom autograd Functions included) are the derivatives of
+its loss.
+
+Example::
+
+    from gradwatch.testing import assert_gradients_ok
+
+    def test_my_layer_backward():
+        model = nn.Sequential(nn.Linear(8, 16), MyCustomLayer(16))
+        batch = torch.randn(32, 8)
+        assert_gradients_ok(model, batch, lambda model, x: model(x).pow(2).mean())
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from gradwatch.check import check_gradients
+from gradwatch.evaluation import LossFn
+from gradwatch.report import CheckReport, Probe
+
+_HEADER = ("kind", "tensor[index]", "analytic", "numeric", "rel. error", "noise", "reason")
+
+
+def _cells(probe: Probe) -> tuple[str, ...]:
+    return (
+        probe.kind,
+        probe.location,
+        f"{probe.analytic:.6g}",
+        f"{probe.numeric:.6g}",
+        f"{probe.rel_error:.3g}",
+        f"{probe.noise:.2g}" if math.isfinite(probe.noise) else str(probe.noise),
+        probe.reason,
+    )
+
+
+def probe_table(probes: list[Probe]) -> str:
+    """The probes as an aligned plain-text table, one row per probe."""
+    rows = [_HEADER, *(_cells(p) for p in probes)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def assert_gradients_ok(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    allow_inconclusive: bool = True,
+    **check_kwargs: Any,
+) -> CheckReport:
+    """Assert that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss; return the report.
+
+    Runs :func:`gradwatch.check_gradients` once (all keyword arguments besides ``allow_inconclusive`` go to it, e.g.
+    ``param_probes``, ``input_probes``, ``rtol``, ``seed``) and raises :class:`AssertionError` with a table of the
+    failing probes (kind, tensor and index, analytic and numeric derivative, relative error, noise, reason) when the
+    verdict is ``"fail"``.
+
+    A check can also be ``"inconclusive"``: no probe failed, but none could confirm the gradient either (every probe
+    crossed a kink or drowned in round-off). With ``allow_inconclusive=True`` (the default) that passes, since nothing
+    was found wrong; pass ``False`` to require a positive confirmation, e.g. for a smooth model in float64, where an
+    inconclusive check means the test itself is too weak.
+
+    Tips for reliable tests: use float64 (``model.double()`` and a float64 batch) where the model supports it, a
+    batch of a few dozen samples, and more probes (``param_probes=32``) for a layer with many parameters.
+
+    Args:
+        model: The module whose trainable parameters are checked (it is left exactly as it was).
+        batch: Anything ``loss_fn`` accepts; its floating tensors are probed as inputs.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``.
+        allow_inconclusive: Whether an inconclusive check passes.
+        **check_kwargs: Passed to :func:`gradwatch.check_gradients`.
+
+    Returns:
+        The :class:`~gradwatch.CheckReport` of the check, for further assertions.
+
+    Raises:
+        AssertionError: The check failed (or was inconclusive and ``allow_inconclusive`` is false).
+    """
+    report = check_gradients(model, batch, loss_fn, **check_kwargs)
+    if report.verdict == "fail":
+        failures = report.failures
+        raise AssertionError(
+            f"gradients disagree with the loss: {len(failures)} of {len(report.probes)} probes failed "
+            f"(descent ratio {report.descent_ratio:.6g}, 1 for a correct gradient)\n{probe_table(failures)}"
+        )
+    if report.verdict == "inconclusive" and not allow_inconclusive:
+        notes = "".join(f"\nnote: {note}" for note in report.notes)
+        raise AssertionError(
+            f"gradient check inconclusive: no probe failed, but none confirmed the gradient "
+            f"(allow_inconclusive=False)\n{probe_table(report.probes)}{notes}"
+        )
+    return report
