@@ -55,7 +55,7 @@ class _Recording(LitClassifier):
         self.calls.append(
             {
                 "batch_idx": batch_idx,
-                "autocast": torch.is_autocast_enabled("cpu"),
+                "autocast": torch.is_autocast_enabled(inputs.device.type),
                 "dtype": logits.dtype,
                 "training": self.net.training,
             }
@@ -136,16 +136,13 @@ def test_bf16_mixed_probes_run_outside_autocast_in_float32_and_are_as_clean(tmp_
         trainer(tmp_path, [watch], max_steps=4, precision=precision).fit(model, loader(classification_batch()))
         verdicts[precision] = _reports(watch)
         assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
-        training_calls = [c for c in model.calls if c["batch_idx"] not in model.checked_batches()]
-        probe_calls = model.calls[-10:]  # the last check's probes
-        assert {c["autocast"] for c in probe_calls} == {False}
-        assert {c["dtype"] for c in probe_calls} == {torch.float32}
-        expected = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-        assert {c["dtype"] for c in training_calls} == {expected}  # the training itself did run under autocast
+        _assert_probes_outside_autocast_in_float32(
+            model, torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        )
     assert verdicts["bf16-mixed"] == verdicts["32-true"] == [(1, "ok"), (2, "ok"), (4, "ok")]
 
 
-class _Overflow(LitClassifier):
+class _Overflow(_Recording):
     """Scales its training loss by 1e8 at the given batches, so float16 gradients overflow and the GradScaler skips
     the optimizer step. The scaling is undone after the backward: the checks see the plain loss."""
 
@@ -161,8 +158,17 @@ class _Overflow(LitClassifier):
         self.overflow = False
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = cross_entropy_loss(self.net, batch)
+        loss = super().training_step(batch, batch_idx)
         return loss * 1e8 if self.overflow else loss
+
+
+def _assert_probes_outside_autocast_in_float32(model: _Recording, training_dtype: torch.dtype) -> None:
+    checked = model.checked_batches()
+    probe_calls = model.calls[-10:]  # the last check's probes (the run ends on a checked step)
+    assert {c["autocast"] for c in probe_calls} == {False}
+    assert {c["dtype"] for c in probe_calls} == {torch.float32}
+    training_calls = [c for c in model.calls if c["batch_idx"] not in checked]
+    assert {c["dtype"] for c in training_calls} == {training_dtype}  # the training itself did run under autocast
 
 
 class _Scales(pl.Callback):
@@ -185,25 +191,20 @@ def test_16_mixed_step_skipped_by_the_grad_scaler_is_a_skipped_check_and_the_che
     # due at 1 and 3, both skipped by the scaler: the checks run at the next optimizer steps instead
     assert _reports(watch) == [(2, "ok"), (4, "ok"), (6, "ok")]
     assert watch.counts == {"checks": 3, "failed": 0, "skipped": 2}
+    _assert_probes_outside_autocast_in_float32(model, torch.float16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_16_mixed_on_cuda(tmp_path: Path) -> None:
-    model = _Overflow(overflow_batches={2})
-    calls: list[tuple[bool, torch.dtype]] = []
-
-    class Spy(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-            calls.append((torch.is_autocast_enabled("cuda"), next(pl_module.parameters()).dtype))
-
+    model = _Overflow(overflow_batches={2})  # the scaler skips optimizer step 3
     watch = GradWatch(every_n_steps=1)
-    run = trainer(tmp_path, [Spy(), watch], max_steps=5, accelerator="gpu", precision="16-mixed")
+    run = trainer(tmp_path, [watch], max_steps=5, accelerator="gpu", precision="16-mixed")
     run.fit(model, loader(classification_batch()))
     assert 3 not in [r.step for r in watch.reports]  # skipped by the scaler
     assert watch.counts["skipped"] == 1
     assert [r.step for r in watch.reports] == [1, 2, 4, 5]
     assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
-    assert {dtype for _, dtype in calls} == {torch.float32}  # the weights, hence the probes, stay in float32
+    _assert_probes_outside_autocast_in_float32(model, torch.float16)
 
 
 # -- gradient clipping -------------------------------------------------------------------------------------------------
