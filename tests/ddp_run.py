@@ -1,13 +1,14 @@
 """Run GradWatch in real two-process DDP fits (CPU, gloo) and write what each rank saw to JSON.
 
-Usage: ``python tests/ddp_run.py OUT_DIR``. ``strategy="ddp"`` starts rank 1 by running this script again, so it cannot
-run inside pytest; ``tests/test_ddp.py`` runs it in a subprocess with a timeout and asserts on
+Usage: ``python tests/ddp_run.py OUT_DIR [--syncbn]``. ``strategy="ddp"`` starts rank 1 by running this script again,
+so it cannot run inside pytest; ``tests/test_ddp.py`` runs it in a subprocess with a timeout and asserts on
 ``OUT_DIR/<scenario>_rank<r>.json``. Every scenario is a separate ``Trainer.fit`` in the same two processes:
 
 - ``healthy``: BatchNorm + dropout classifier, TensorBoard logger, ``gradient_as_bucket_view=True``;
 - ``baseline``: the same seeded run without gradwatch (for zero interference);
 - ``bug_on_rank1``: the gradient is wrong on rank 1 only, ``on_fail="stop"``: both ranks must stop together;
-- ``raise_on_rank1``: the check raises on rank 1 only, ``on_fail="raise"``: both ranks must raise.
+- ``raise_on_rank1``: the check raises on rank 1 only, ``on_fail="raise"``: both ranks must raise;
+- with ``--syncbn`` instead (two CUDA devices, NCCL): ``syncbn``, the classifier with ``SyncBatchNorm``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from helpers import LitClassifier, LitSeedModel, classification_batch, loader, seed_batch
+from helpers import DropoutBatchNormNet, LitClassifier, LitSeedModel, classification_batch, loader, seed_batch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.tensorboard import SummaryWriter
@@ -68,11 +69,14 @@ def _digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _trainer(out: Path, callbacks: list[pl.Callback], logger: Any = False, max_steps: int = 4) -> pl.Trainer:
+def _trainer(
+    out: Path, callbacks: list[pl.Callback], logger: Any = False, max_steps: int = 4, accelerator: str = "cpu"
+) -> pl.Trainer:
+    backend = "gloo" if accelerator == "cpu" else "nccl"
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=2,
-        strategy=DDPStrategy(process_group_backend="gloo", gradient_as_bucket_view=True),
+        strategy=DDPStrategy(process_group_backend=backend, gradient_as_bucket_view=True),
         max_steps=max_steps,
         logger=logger,
         callbacks=callbacks,
@@ -141,8 +145,22 @@ def raise_on_rank1(out: Path) -> dict[str, Any]:
     return _result(trainer, model, watch, error=error)
 
 
+def syncbn(out: Path) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    model = LitClassifier(torch.nn.SyncBatchNorm.convert_sync_batchnorm(DropoutBatchNormNet()))
+    watch = GradWatch(every_n_steps=2)
+    trainer = _trainer(out, [watch], accelerator="gpu")
+    trainer.fit(model, loader(classification_batch(), 8))
+    patched = any("forward" in m.__dict__ for m in model.modules())
+    return _result(trainer, model, watch, forward_left_patched=patched)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    if "--syncbn" in sys.argv[2:]:
+        result = syncbn(out)
+        (out / f"syncbn_rank{result['rank']}.json").write_text(json.dumps(result))
+        return
     scenarios = {
         "healthy": lambda: healthy(out, with_watch=True),
         "baseline": lambda: healthy(out, with_watch=False),

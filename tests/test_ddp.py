@@ -26,13 +26,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("ddp")
+def _run(out: Path, *options: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
     # a new session, so that on timeout rank 1 (started by rank 0) is killed with it
     process = subprocess.Popen(
-        [sys.executable, str(HERE / "ddp_run.py"), str(out)],
+        [sys.executable, str(HERE / "ddp_run.py"), str(out), *options],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -47,6 +45,11 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert process.returncode == 0, output.decode()[-5000:]
     results = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
     return {"out": out, **results}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("ddp"))
 
 
 def _ranks(ddp: dict[str, Any], scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -110,3 +113,16 @@ def test_a_check_raising_on_one_rank_raises_on_every_rank(ddp: dict[str, Any]) -
     assert rank1["error"] == "RuntimeError: training_step failed on purpose"
     assert rank0["error"].startswith("RuntimeError: gradwatch: the gradient check at step 1 raised on rank 1")
     assert rank0["global_step"] == rank1["global_step"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_sync_batch_norm_on_two_gpus(tmp_path: Path) -> None:
+    # SyncBatchNorm refuses CPU tensors and NCCL refuses two ranks on one GPU: this runs only with two GPUs
+    results = _run(tmp_path, "--syncbn")
+    rank0, rank1 = results["syncbn_rank0"], results["syncbn_rank1"]
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    assert [r["step"] for r in rank0["reports"]] == [1, 2, 4]
+    assert rank0["reports"] == rank1["reports"]
+    assert all(r["verdict"] != "fail" for r in rank0["reports"])
+    assert not rank0["forward_left_patched"]
+    assert not rank1["forward_left_patched"]

@@ -292,6 +292,33 @@ def test_loss_of_shape_one_is_checked(tmp_path: Path) -> None:
     assert _reports(watch) == [(1, "ok"), (2, "ok")]
 
 
+class _SyncBatchNormSpy(_Recording):
+    """The classifier with SyncBatchNorm (local statistics in a single process, so it trains on CPU); records whether
+    the SyncBatchNorm's forward was swapped for the local one at each ``training_step`` call."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.SyncBatchNorm.convert_sync_batchnorm(DropoutBatchNormNet()))
+        self.local: list[bool] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        norm = self.net.net[1]
+        assert isinstance(norm, nn.SyncBatchNorm)
+        self.local.append("forward" in norm.__dict__)
+        return super().training_step(batch, batch_idx)
+
+
+def test_sync_batch_norm_uses_local_statistics_during_checks_only(tmp_path: Path) -> None:
+    model = _SyncBatchNormSpy()
+    watch = GradWatch(every_n_steps=2)
+    trainer(tmp_path, [watch], max_steps=2).fit(model, loader(classification_batch()))
+    assert _reports(watch) == [(1, "ok"), (2, "ok")]
+    calls_per_batch = [c["batch_idx"] for c in model.calls]
+    training = [calls_per_batch.index(index) for index in (0, 1)]  # the first call of each batch is the training one
+    assert [model.local[i] for i in training] == [False, False]
+    assert sum(model.local) == len(model.local) - 2  # every probe call ran with local statistics
+    assert not any("forward" in m.__dict__ for m in model.modules())  # restored
+
+
 # -- checkpoint and resume ---------------------------------------------------------------------------------------------
 
 
