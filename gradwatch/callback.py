@@ -7,13 +7,17 @@ loggers and to the alert policy; the numerics live in the engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+import types
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -21,12 +25,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from gradwatch import _validation as validate
-from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, OnFail
+from gradwatch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail
 from gradwatch.check import check_gradients
 from gradwatch.dashboard import write_dashboard
 from gradwatch.evaluation import LossFn
 from gradwatch.precision import PRECISIONS, Precision
-from gradwatch.report import CheckReport
+from gradwatch.report import VERDICTS, CheckReport
 from gradwatch.tensorboard import write_report
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,39 @@ def _logging_silenced(module: pl.LightningModule) -> Iterator[None]:
                 setattr(module, name, saved[name])
             else:
                 delattr(module, name)
+
+
+@contextlib.contextmanager
+def _local_batch_norm(module: nn.Module) -> Iterator[None]:
+    """Let every ``SyncBatchNorm`` compute its statistics from this process's batch alone during a check.
+
+    SyncBatchNorm runs collectives inside forward: synchronized probes would need every process to run exactly the same
+    sequence of forwards, while each process's check takes its own data-dependent path (confirmations, retries). Its
+    backward also returns, on each process, the gradient of the sum of all processes' losses, not of the local one.
+    With local statistics each process checks a self-contained function of its own batch, and runs no collective.
+    """
+    patched = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
+    saved = [m.__dict__.get("forward") for m in patched]
+    for m in patched:
+        m.forward = types.MethodType(nn.BatchNorm1d.forward, m)  # _BatchNorm.forward: local batch statistics
+    try:
+        yield
+    finally:
+        for m, forward in zip(patched, saved, strict=True):
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward
+
+
+def _grad_scaler(trainer: pl.Trainer) -> Any:
+    """The precision plugin's ``GradScaler`` (``precision="16-mixed"``), or ``None``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and hasattr(scaler, "get_scale") else None
+
+
+def _distributed(trainer: pl.Trainer) -> bool:
+    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
@@ -173,6 +210,9 @@ class GradWatch(Callback):
         self._train_seconds = 0.0
         self._last_check_seconds = 0.0
         self._clock: float | None = None
+        self._seen_step = -1  # global_step at the last batch end: unchanged after a micro-batch of accumulation
+        self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
+        self._warned_no_params = False
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -201,6 +241,18 @@ class GradWatch(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock = None  # time before the first batch (set-up, a resumed run's restart) is not training time
+        self._seen_step = trainer.global_step  # restored from the checkpoint when resuming
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
+        # scale is read (a device sync) only before a step that is due for a check.
+        scaler = _grad_scaler(trainer)
+        due = self._pending or self.due(self._last_step, trainer.global_step + 1)
+        if scaler is not None and self._scale_before is None and due:
+            self._scale_before = scaler.get_scale()
 
     @override
     def on_train_batch_end(
@@ -217,14 +269,36 @@ class GradWatch(Callback):
         self._clock = now
         # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
         step = trainer.global_step
-        previous, self._last_step = self._last_step, step
-        if step == previous:
+        scale_before, self._scale_before = self._scale_before, None
+        if step == self._seen_step:
             return
-        self._pending = self._pending or self.due(previous, step)
-        if not self._pending or not self._within_budget(trainer):
+        self._seen_step = step
+        self._pending = self._pending or self.due(self._last_step, step)
+        if not self._pending:
+            self._last_step = step
+            return
+        scaler = _grad_scaler(trainer)
+        if scale_before is not None and scaler is not None and scaler.get_scale() < scale_before:
+            # The scaler skipped the optimizer step (non-finite scaled gradients): count the check as skipped; it stays
+            # pending and runs at the next optimizer step.
+            self._skipped_checks += 1
+            log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
+            return
+        self._last_step = step
+        if not self._within_budget(trainer):
             return
         self._pending = False
-        report = self._check(pl_module, batch, batch_idx, step)
+        try:
+            report = self._check(pl_module, batch, batch_idx, step)
+        except Exception as error:
+            # on_fail="raise" (or a check that could not run under it): under DDP every process must learn of it
+            # before any raises, or the others would wait for it forever
+            if not _distributed(trainer):
+                raise
+            self._agree(trainer, None, error)
+            raise
+        if _distributed(trainer):
+            report = self._agree(trainer, report, None)
         spent = time.perf_counter() - now
         self._check_seconds += spent
         self._last_check_seconds = spent
@@ -253,25 +327,63 @@ class GradWatch(Callback):
             self._postponed_checks += 1
         return affordable
 
+    def _agree(self, trainer: pl.Trainer, report: CheckReport | None, error: Exception | None) -> CheckReport | None:
+        """Under DDP: gather every process's outcome, so all of them record, log and act on the same report.
+
+        Each process checked its own shard of the batch at the same coordinates, so verdicts may differ. The check's
+        report is the most severe one (fail, then inconclusive, then ok; the lowest rank among equals), with a note
+        naming every rank's verdict. If the check raised on any process (``on_fail="raise"``), it raises on all.
+        """
+        local = (report, None if error is None else f"{type(error).__name__}: {error}")
+        outcomes: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(outcomes, local)
+        for rank, (_, message) in enumerate(outcomes):
+            if message is not None and error is None:
+                raise RuntimeError(
+                    f"gradwatch: the gradient check at step {trainer.global_step} raised on rank {rank} "
+                    f"({message}); raising on every process (on_fail='raise')"
+                )
+        reports = [(rank, r) for rank, (r, _) in enumerate(outcomes) if r is not None]
+        if not reports:
+            return None
+        rank, chosen = max(reports, key=lambda item: (VERDICTS.index(item[1].verdict), -item[0]))
+        verdicts = ", ".join(
+            f"rank {r}: {outcome[0].verdict if outcome[0] else 'skipped'}" for r, outcome in enumerate(outcomes)
+        )
+        note = f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s"
+        return dataclasses.replace(chosen, notes=[*chosen.notes, note])
+
     def _check(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, step: int) -> CheckReport | None:
+        if not any(p.requires_grad and p.is_floating_point() for p in pl_module.parameters()):
+            self._skipped_checks += 1
+            if not self._warned_no_params:
+                self._warned_no_params = True
+                warnings.warn(
+                    f"gradwatch: {type(pl_module).__name__} has no trainable floating-point parameter (layers kept in "
+                    "a plain list or dict are not registered); its checks are skipped",
+                    GradientCheckWarning,
+                    stacklevel=2,
+                )
+            return None
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
         try:
-            return check_gradients(
-                pl_module,
-                batch,
-                loss_fn,
-                step=step,
-                tensor_probes=self.tensor_probes,
-                random_probes=self.random_probes,
-                param_probes=self.param_probes,
-                input_probes=self.input_probes,
-                probe_batch_size=self.probe_batch_size,
-                precision=self.precision,
-                ignore=self.ignore,
-                rtol=self.rtol,
-                seed=self.seed,
-                rotation=self._checks,
-            )
+            with _local_batch_norm(pl_module):
+                return check_gradients(
+                    pl_module,
+                    batch,
+                    loss_fn,
+                    step=step,
+                    tensor_probes=self.tensor_probes,
+                    random_probes=self.random_probes,
+                    param_probes=self.param_probes,
+                    input_probes=self.input_probes,
+                    probe_batch_size=self.probe_batch_size,
+                    precision=self.precision,
+                    ignore=self.ignore,
+                    rtol=self.rtol,
+                    seed=self.seed,
+                    rotation=self._checks,
+                )
         except _NoLossToCheckError:
             self._skipped_checks += 1
             log.debug("gradwatch: training_step returned None at step %d; check skipped", step)

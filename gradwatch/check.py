@@ -227,7 +227,9 @@ def _probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> I
     if mode != "float64":
         yield "native"
         return
-    with float64_storage(model):
+    native_params = evaluator.params
+    with float64_storage(model) as substitutes:
+        evaluator.params = [(name, substitutes.get(id(p), p)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
             evaluator.loss()
@@ -236,6 +238,8 @@ def _probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> I
         else:
             yield "float64"
             return
+        finally:
+            evaluator.params = native_params
     evaluator.notes.append(f"probes run in the native precision: {problem}")
     evaluator.use_native_inputs()
     yield "native"
@@ -393,7 +397,7 @@ class _Prober:
             return
         native_center = self.center
         try:
-            with float64_storage(self.evaluator.model):
+            with float64_storage(self.evaluator.model) as substitutes:
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()
                 tolerance = self._reproducibility_tolerance() * abs(self.reference.loss)
@@ -404,8 +408,7 @@ class _Prober:
                     )
                     pending = []
                 for probe in pending:
-                    if isinstance(probe.direction, VectorDirection):
-                        probe.direction.forget_origin()  # the origin is taken again from the float64 storage
+                    probe.direction.substitute(substitutes)  # perturb the float64 copies the model now uses
                     probe.step = probe.initial_step * relative_step(torch.float64) / relative_step(self.dtype)
                     probe.stencil = None
                     self._full(probe)
@@ -629,7 +632,7 @@ class _Prober:
         direction = CoordinateDirection(param, index, grad[index].item())
         value = direction.value.abs().item()
         step = relative_step(param.dtype) * max(value, self._tensor_scale(param))
-        floor = max(2 * _rms(grad), self.negligible * self.grad_scale)
+        floor = max(2 * _rms(grad), self.negligible * self.grad_norm / math.sqrt(param.numel()))
         return _Pending("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
 
     def _input_coordinates(self) -> list[_Pending | None]:

@@ -12,7 +12,7 @@ Perturbed values are always restored by copying the saved originals back, inside
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -67,6 +67,10 @@ class CoordinateDirection:
         finally:
             self._write(self.value)
 
+    def substitute(self, replacements: Mapping[int, Tensor]) -> None:
+        """Move, from now on, the tensor standing in for ours (keyed by ``id``), e.g. its float64 copy."""
+        self.tensor = replacements.get(id(self.tensor), self.tensor)
+
     def _write(self, value: Tensor) -> None:
         with torch.no_grad():
             self.tensor[self.index] = value
@@ -108,8 +112,9 @@ class VectorDirection:
         self._origin: list[Tensor] | None = None
         self._after_write = after_write
 
-    def forget_origin(self) -> None:
-        """Take the origin again at the next displacement (after the tensors' storage changed dtype)."""
+    def substitute(self, replacements: Mapping[int, Tensor]) -> None:
+        """Move, from now on, the tensor standing in for each of ours (keyed by ``id``), e.g. its float64 copy."""
+        self.tensors = [replacements.get(id(t), t) for t in self.tensors]
         self._origin = None
 
     @contextmanager
