@@ -132,7 +132,8 @@ class ScaledGradClassifier(HealthyClassifier):
     def __init__(self, factor: float = 1.01) -> None:
         super().__init__()
         self.factor = factor
-        self.net[4].weight.register_hook(self._scale)
+        weight: Tensor = self.net[4].weight  # type: ignore[assignment]
+        weight.register_hook(self._scale)
 
     def _scale(self, grad: Tensor) -> Tensor:
         return grad * self.factor

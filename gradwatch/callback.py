@@ -75,7 +75,7 @@ def _local_batch_norm(module: nn.Module) -> Iterator[None]:
     patched = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
     saved = [m.__dict__.get("forward") for m in patched]
     for m in patched:
-        m.forward = types.MethodType(nn.BatchNorm1d.forward, m)  # _BatchNorm.forward: local batch statistics
+        m.forward = types.MethodType(nn.BatchNorm1d.forward, m)  # type: ignore[method-assign]  # local statistics
     try:
         yield
     finally:
@@ -83,7 +83,7 @@ def _local_batch_norm(module: nn.Module) -> Iterator[None]:
             if forward is None:
                 del m.forward
             else:
-                m.forward = forward
+                m.forward = forward  # type: ignore[method-assign]
 
 
 def _grad_scaler(trainer: pl.Trainer) -> Any:
@@ -473,7 +473,8 @@ class GradWatch(Callback):
             return
         # Progress bars show every entry of this dict, strings included; self.log(prog_bar=True) takes numbers only.
         # Lightning updates the dict in place and clears it only when a fit or its sanity check starts.
-        trainer.progress_bar_metrics[PROGRESS_BAR_KEY] = progress_status(report, self._failed_checks)
+        metrics: dict[str, Any] = trainer.progress_bar_metrics
+        metrics[PROGRESS_BAR_KEY] = progress_status(report, self._failed_checks)
 
 
 def progress_status(report: CheckReport, failed_checks: int) -> str:

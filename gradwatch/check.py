@@ -156,7 +156,7 @@ def check_gradients(
     validate.check_bool("float64_reductions", float64_reductions)
 
     started = time.perf_counter()
-    params = [
+    params: list[tuple[str, Tensor]] = [
         (name, p)
         for name, p in model.named_parameters()
         if p.requires_grad and p.is_floating_point() and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
@@ -279,7 +279,7 @@ def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     return "inconclusive"
 
 
-def _nonfinite_probes(reference: Reference, params: Sequence[tuple[str, nn.Parameter]]) -> list[Probe]:
+def _nonfinite_probes(reference: Reference, params: Sequence[tuple[str, Tensor]]) -> list[Probe]:
     """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry."""
     if not math.isfinite(reference.loss):
         return [_nonfinite_probe("loss", "loss", None, reference.loss)]

@@ -120,7 +120,7 @@ class LossEvaluator:
         model: nn.Module,
         batch: Any,
         loss_fn: LossFn,
-        params: list[tuple[str, nn.Parameter]],
+        params: list[tuple[str, Tensor]],
         state: TrainingState,
         float64_reductions: bool = True,
     ) -> None:

@@ -1,0 +1,273 @@
+"""What gradwatch costs a real training run: wall-time ratios, one check against its lower bound, peak memory.
+
+Two small real models on synthetic data, trained with Lightning on CPU: a CNN on CIFAR-shaped images (batch 128) and a
+GPT-style transformer language model (batch 32 x 64 tokens). For each setting, runs without (A) and with (B) GradWatch
+alternate in the same process (A B A B ...), so that machine drift cancels; the table gives the ratio of their median
+training times next to Cockpit's published overhead of its cheapest configuration.
+
+``--scale`` instead trains a GPT of about 120M parameters for a few steps and reports one check's time and peak memory
+against the training step (no Lightning, the engine with GradWatch's default settings).
+
+Run: ``python benchmarks/overhead.py`` (about 10 minutes on 2 CPU cores), ``python benchmarks/overhead.py --scale``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gradwatch import GradWatch, check_gradients
+
+COCKPIT = {1: 1.51, 4: 1.17, 16: 1.04, 64: 1.02}
+"""Cockpit's cheapest configuration ("economy"), overhead factor by tracking interval (its paper, CIFAR-10 CNN, GPU)."""
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 16, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model (pre-norm blocks, causal attention, tied output embedding)."""
+
+    def __init__(self, vocab: int, width: int, depth: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(0.02 * torch.randn(context, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.1, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        length = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        h = self.blocks(self.embedding(tokens) + self.position[:length], mask=mask, is_causal=True)
+        return self.norm(h) @ self.embedding.weight.T
+
+
+class Module(pl.LightningModule):
+    def __init__(self, net: nn.Module, loss: Callable[[nn.Module, Any], Tensor]) -> None:
+        super().__init__()
+        self.net = net
+        self.loss = loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.loss(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _image_loss(net: nn.Module, batch: Any) -> Tensor:
+    return F.cross_entropy(net(batch[0]), batch[1])
+
+
+def _lm_loss(net: nn.Module, batch: Any) -> Tensor:
+    tokens = batch[0]
+    logits = net(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _cnn_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], Tensor], DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(steps * 128, 3, 32, 32, generator=g), torch.randint(0, 10, (steps * 128,)))
+    return CNN, _image_loss, DataLoader(data, batch_size=128)
+
+
+def _gpt_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], Tensor], DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 512, (steps * 32, 65), generator=g))
+    return (lambda: GPT(512, 128, 2, 4, 64)), _lm_loss, DataLoader(data, batch_size=32)
+
+
+class _Timer(pl.Callback):
+    """Training time of one fit, from its first to its last training batch."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.seconds = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seconds = time.perf_counter() - self.started
+
+
+class _PeakRSS:
+    """The process's peak resident memory while the block runs, sampled every 2 ms (CPU tensors are not visible to
+    tracemalloc, and the kernel's own peak never goes down)."""
+
+    def __enter__(self) -> _PeakRSS:
+        self.peak = _rss()
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._running = False
+        self._thread.join()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, steps: int, watch: GradWatch | None):
+    torch.manual_seed(0)
+    timer = _Timer()
+    callbacks: list[pl.Callback] = [timer] + ([watch] if watch is not None else [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    with _PeakRSS() as memory:
+        trainer.fit(Module(build(), loss), loader)
+    return timer.seconds, memory.peak
+
+
+def _lower_bound(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, report: Any) -> float:
+    """The report's forward and backward count times the measured cost of one forward (no grad) and one forward and
+    backward on the probe batch."""
+    net = build()
+    batch = next(iter(loader))
+    sample = [t[: report.samples] for t in batch]
+
+    def timed(fn: Callable[[], object], repeats: int = 20) -> float:
+        fn()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - started) / repeats
+
+    def forward() -> None:
+        with torch.no_grad():
+            loss(net, sample)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(loss(net, sample), list(net.parameters()))
+
+    return (report.n_forward - report.n_backward) * timed(forward) + report.n_backward * timed(forward_backward)
+
+
+def overhead_table(repeats: int, steps: int) -> None:
+    print("| model | setting | checks per run | time with / without (median of", repeats, "pairs) | Cockpit |")
+    print("|---|---|---|---|---|")
+    bounds = []
+    for name, setup in (("CNN, CIFAR-shaped, batch 128", _cnn_setup), ("GPT LM, 32 x 64 tokens", _gpt_setup)):
+        build, loss, loader = setup(steps)
+        settings: list[tuple[str, dict[str, Any]]] = [("default (every 500)", {})]
+        settings += [(f"every {n}", {"every_n_steps": n, "first_check_step": None}) for n in (1, 4, 16, 64, 256)]
+        settings += [("budget max_overhead=0.01, every 1", {"every_n_steps": 1, "max_overhead": 0.01})]
+        memory = {}
+        for label, options in settings:
+            ratios = []
+            checks = 0
+            for _ in range(repeats):
+                without, peak_without = _fit(build, loss, loader, steps, None)
+                watch = GradWatch(**options)
+                with_watch, peak_with = _fit(build, loss, loader, steps, watch)
+                ratios.append(with_watch / without)
+                checks = len(watch.reports)
+                if label == "every 1":
+                    memory = {"without": peak_without, "with": peak_with}
+                    report = watch.reports[-1]
+                    bounds.append((name, report, _lower_bound(build, loss, loader, report)))
+            interval = options.get("every_n_steps")
+            cockpit = f"{COCKPIT[interval]:.2f}x" if interval in COCKPIT and "max_overhead" not in options else ""
+            print(f"| {name} | {label} | {checks} | {statistics.median(ratios):.3f}x | {cockpit} |")
+        print(
+            f"| {name} | peak RSS, every 1 | | {memory['with'] / 2**20:.0f} MiB with, "
+            f"{memory['without'] / 2**20:.0f} MiB without | |"
+        )
+    print("\n| model | loss evaluations | backward | check time | lower bound | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, report, bound in bounds:
+        print(
+            f"| {name} | {report.n_forward} | {report.n_backward} | {1e3 * report.duration_s:.1f} ms | "
+            f"{1e3 * bound:.1f} ms | {report.duration_s / bound:.2f}x |"
+        )
+
+
+def scale(steps: int) -> None:
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(GradWatch).parameters.items()
+        if name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "probe_batch_size", "precision")
+    }
+    torch.manual_seed(0)
+    net = GPT(50304, 768, 12, 12, 128)
+    params = sum(p.numel() for p in net.parameters())
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 50304, (8, 129))
+    print(f"GPT: {params / 1e6:.0f}M parameters, batch 8 x 128 tokens, AdamW, CPU\n")
+    print("| step | train step | check | loss evaluations | check / step | verdict | peak RSS during check |")
+    print("|---|---|---|---|---|---|---|")
+    for step in range(1, steps + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        _lm_loss(net, (tokens,)).backward()
+        optimizer.step()
+        train = time.perf_counter() - started
+        with _PeakRSS() as memory:
+            report = check_gradients(net, (tokens,), _lm_loss, step=step, **defaults)
+        print(
+            f"| {step} | {train:.2f} s | {report.duration_s:.2f} s | {report.n_forward} | "
+            f"{report.duration_s / train:.2f} | {report.verdict} | {memory.peak / 2**30:.1f} GiB |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", action="store_true", help="a ~120M-parameter GPT instead of the table")
+    parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
+    parser.add_argument("--steps", type=int, default=256, help="training steps per run")
+    args = parser.parse_args()
+    if args.scale:
+        scale(3)
+    else:
+        overhead_table(args.repeats, args.steps)
+
+
+if __name__ == "__main__":
+    main()
