@@ -426,12 +426,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer seeds and steps")
+    parser.add_argument("--part", choices=("all", "false-alarms", "bugs", "sensitivity"), default="all")
+    parser.add_argument("--dtype", choices=("both", "float32", "float64"), default="both")
     args = parser.parse_args()
     seeds, steps, bug_seeds = (1, 20, 1) if args.quick else (2, 200, 3)
-    dtypes = (torch.float32, torch.float64)
+    dtypes = (torch.float32, torch.float64) if args.dtype == "both" else (getattr(torch, args.dtype),)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"GradWatch defaults: {DEFAULTS}\n")
 
+    if args.part in ("all", "false-alarms"):
+        _false_alarm_table(dtypes, seeds, steps)
+    if args.part in ("all", "bugs"):
+        _bug_table(dtypes, bug_seeds)
+    if args.part in ("all", "sensitivity"):
+        _sensitivity_table(dtypes, bug_seeds)
+
+
+def _false_alarm_table(dtypes: tuple[torch.dtype, ...], seeds: int, steps: int) -> None:
     print("## False alarms on correct models (a check at every training step)\n")
     print("| model | dtype | checks | failed checks | inconclusive checks | evaluations per check (mean/max) | ms |")
     print("|---|---|---|---|---|---|---|")
@@ -455,6 +466,8 @@ def main() -> None:
             f"({100 * total.inconclusive / total.checks:.1f}%) | | |"
         )
 
+
+def _bug_table(dtypes: tuple[torch.dtype, ...], bug_seeds: int) -> None:
     print("\n## Planted bugs (3 checks at consecutive training steps per seed)\n")
     print("| model | dtype | bug | detected | localized | checks until detection (mean / max) | loss evaluations |")
     print("|---|---|---|---|---|---|---|")
@@ -473,9 +486,11 @@ def main() -> None:
                     f"{d.localized}/{d.runs} | {until} | {evals} |"
                 )
 
+
+def _sensitivity_table(dtypes: tuple[torch.dtype, ...], bug_seeds: int) -> None:
     print("\n## Smallest relative error detected within 3 checks (every seed), one weight's gradient x (1 + r)\n")
-    print("| model | float32 | float64 |")
-    print("|---|---|---|")
+    print(f"| model | {' | '.join(_dtype_name(d) for d in dtypes)} |")
+    print(f"|---|{'---|' * len(dtypes)}")
     sweeps = {
         torch.float32: [1e-2, 3e-3, 1e-3, 5e-4, 3e-4, 1e-4],
         torch.float64: [1e-4, 1e-5, 3e-6, 1e-6, 3e-7, 1e-7],
