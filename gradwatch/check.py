@@ -358,7 +358,6 @@ class _Prober:
         # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
         self.negligible = machine_epsilon(self.dtype) ** (1 / 3)
         self.center = math.nan
-        self._input_anchor: _Pending | None = None
         self.jitter = 0.0
         self.loss_noise = math.inf
         self.rng = generator(settings.seed, settings.step)
@@ -368,12 +367,12 @@ class _Prober:
     def run(self) -> list[Probe]:
         if not self._reproducible():
             return []
-        anchor = self._descent() or self._input_direction_anchor()
+        anchor = self._descent() or self._input_direction()
         if anchor is None:
             self.evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
             return []
         self._anchor(anchor)
-        screened = [p for p in self._screens() if p is not anchor]
+        screened = self._screens(input_direction=anchor.kind != "input")
         self._screen_and_escalate(screened)
         done = [anchor, *screened]
         self._refine_in_float64(done)
@@ -572,11 +571,7 @@ class _Prober:
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
         return _Pending("input", target, None, direction, step, scale_floor=0.0)
 
-    def _input_direction_anchor(self) -> _Pending | None:
-        self._input_anchor = self._input_direction()
-        return self._input_anchor
-
-    def _screens(self) -> list[_Pending]:
+    def _screens(self, input_direction: bool) -> list[_Pending]:
         """The screening probes of a check: tensors in turn, random directions (first where a gradient is missing),
         parameter coordinates, the input direction and input coordinates."""
         settings = self.settings
@@ -593,7 +588,7 @@ class _Prober:
         shapes = [tuple(p.shape) for _, p in self.params]
         for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
             pending.append(self._coordinate_probe("param", coordinate.tensor, coordinate.index))
-        if self._input_anchor is None:
+        if input_direction:
             pending.append(self._input_direction())
         pending += self._input_coordinates()
         return [p for p in pending if p is not None]

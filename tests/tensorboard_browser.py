@@ -105,14 +105,20 @@ class TensorBoardServer:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        _terminate(process)
         self._log.close()
+
+
+def _terminate(process: subprocess.Popen[bytes] | None) -> None:
+    """Stop a child process that may still run: terminate, then kill if it does not exit within 10 s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
 
 
 def find_chromium() -> str | None:
@@ -273,13 +279,7 @@ class HeadlessChromium:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self._to_browser = self._from_browser = -1
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        _terminate(process)
         self._profile.cleanup()
 
 
