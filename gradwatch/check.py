@@ -356,7 +356,8 @@ class _Prober:
         # Derivatives below this fraction of the model's are negligible: each probe's relative error is floored there,
         # so that autograd's own round-off on a derivative that is truly zero (a bias feeding BatchNorm gets ~1e-8
         # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
-        self.negligible = machine_epsilon(self.dtype) ** (1 / 3)
+        # The round-off is autograd's, so the fraction follows the gradient's dtype, not that of the probes' storage.
+        self.negligible = machine_epsilon(settings.native_dtype) ** (1 / 3)
         self.center = math.nan
         self.jitter = 0.0
         self.loss_noise = math.inf
