@@ -327,9 +327,18 @@ def _batches(case: Case, seed: int, dtype: torch.dtype, count: int) -> list[tupl
     return batches
 
 
-def _check(model: nn.Module, case: Case, batch: tuple[Tensor, Tensor], step: int, **overrides: object) -> CheckReport:
+def _check(
+    model: nn.Module,
+    case: Case,
+    batch: tuple[Tensor, Tensor],
+    step: int,
+    previous: CheckReport | None = None,
+    **overrides: object,
+) -> CheckReport:
+    """One check as GradWatch runs it in a series: the tensors the previous check could not decide are probed again."""
     settings = {**DEFAULTS, **overrides}
-    return check_gradients(model, batch, case.loss, step=step, rotation=step, **settings)  # type: ignore[arg-type]
+    focus = previous.undecided if previous is not None else ()
+    return check_gradients(model, batch, case.loss, step=step, rotation=step, focus=focus, **settings)  # type: ignore[arg-type]
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, case: Case, batch: tuple[Tensor, Tensor]) -> None:
@@ -354,10 +363,11 @@ def false_alarms(case: Case, dtype: torch.dtype, seeds: int, steps: int) -> Tall
         model = _build(case, seed, dtype)
         batches = _batches(case, seed, dtype, 4)
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        report = None
         for step in range(steps):
             batch = batches[step % len(batches)]
             started = time.perf_counter()
-            report = _check(model, case, batch, step)
+            report = _check(model, case, batch, step, report)
             tally.seconds += time.perf_counter() - started
             tally.checks += 1
             tally.failed += report.verdict == "fail"
@@ -392,8 +402,9 @@ def detect(case: Case, bug: Bug, dtype: torch.dtype, seeds: int, checks: int = 3
         batches = _batches(case, seed, dtype, checks)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         result.runs += 1
+        report = None
         for step, batch in enumerate(batches):
-            report = _check(model, case, batch, step)
+            report = _check(model, case, batch, step, report)
             if report.verdict == "fail":
                 result.detected += 1
                 result.localized += _localized(report, touched)

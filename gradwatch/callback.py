@@ -142,7 +142,7 @@ class GradWatch(Callback):
         max_overhead: Budget mode: postpone a due check while gradwatch's total time would exceed this fraction of
             the training time (e.g. ``0.01``). Combine with a small ``every_n_steps`` to check as often as the budget
             allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
-        precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 for 16-bit weights); see
+        precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter elements); see
             :func:`gradwatch.check_gradients`.
         ignore: ``fnmatch`` patterns of parameter names not to check (e.g. straight-through estimators).
         tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
@@ -206,6 +206,7 @@ class GradWatch(Callback):
         self._skipped_checks = 0
         self._postponed_checks = 0
         self._pending = False
+        self._focus: tuple[str, ...] = ()  # tensors the last check could not decide: the next check probes them again
         self._check_seconds = 0.0
         self._train_seconds = 0.0
         self._last_check_seconds = 0.0
@@ -383,6 +384,7 @@ class GradWatch(Callback):
                     rtol=self.rtol,
                     seed=self.seed,
                     rotation=self._checks,
+                    focus=self._focus,
                 )
         except _NoLossToCheckError:
             self._skipped_checks += 1
@@ -399,6 +401,7 @@ class GradWatch(Callback):
     def _record(self, report: CheckReport) -> None:
         self._reports.append(report)
         self._checks += 1
+        self._focus = report.undecided
         self._failed_checks += report.verdict == "fail"
         for note in report.notes:
             log.info("gradwatch (step %d): %s", report.step, note)
@@ -424,6 +427,7 @@ class GradWatch(Callback):
             "skipped_checks": self._skipped_checks,
             "postponed_checks": self._postponed_checks,
             "pending": self._pending,
+            "focus": list(self._focus),
             "check_seconds": self._check_seconds,
             "train_seconds": self._train_seconds,
             "last_check_seconds": self._last_check_seconds,
@@ -439,6 +443,7 @@ class GradWatch(Callback):
         self._skipped_checks = int(state_dict.get("skipped_checks", 0))
         self._postponed_checks = int(state_dict.get("postponed_checks", 0))
         self._pending = bool(state_dict.get("pending", False))
+        self._focus = tuple(str(name) for name in state_dict.get("focus", ()))
         self._check_seconds = float(state_dict.get("check_seconds", 0.0))
         self._train_seconds = float(state_dict.get("train_seconds", 0.0))
         self._last_check_seconds = float(state_dict.get("last_check_seconds", 0.0))

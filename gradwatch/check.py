@@ -41,13 +41,13 @@ from gradwatch.evaluation import LossEvaluator, LossFn, Reference, probe_conditi
 from gradwatch.numerics import (
     CONFIRMATION_STEP,
     HALF_OFFSETS,
-    KINK_RETRY_STEP,
     PAIR_OFFSETS,
     Assessment,
     Point,
     Stencil,
     assess,
     confirm,
+    finer_step,
     machine_epsilon,
     relative_step,
     relative_tolerance,
@@ -83,6 +83,7 @@ def check_gradients(
     probe_batch_size: int | None = None,
     precision: Precision = "auto",
     ignore: Sequence[str] = (),
+    focus: Sequence[str] = (),
     rtol: float | None = None,
     seed: int = 0,
     rotation: int | None = None,
@@ -109,9 +110,12 @@ def check_gradients(
             The loss checked is exactly the loss of that slice, so verdicts stay exact.
         precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
             parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
-            for 16-bit parameters only. See :mod:`gradwatch.precision`.
+            unless the model has more than 2**25 parameter elements. See :mod:`gradwatch.precision`.
         ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
             straight-through estimator whose gradient is deliberately not the derivative.
+        focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is:
+            in a series of checks, the previous report's :attr:`~gradwatch.report.CheckReport.undecided`, so that a
+            tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
         rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
         seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.sampling`); defaults to ``step``. A
@@ -150,6 +154,7 @@ def check_gradients(
     validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
     validate.check_choice("precision", precision, PRECISIONS)
     ignore = validate.check_patterns("ignore", ignore)
+    focus = validate.check_patterns("focus", focus)
     validate.check_fraction("rtol", rtol, optional=True)
     validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
@@ -161,8 +166,12 @@ def check_gradients(
         for name, p in model.named_parameters()
         if p.requires_grad and p.is_floating_point() and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
     ]
+    unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
+    if unknown:
+        raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
     dtype = _least_precise([p.dtype for _, p in params])
-    mode = resolve_precision(precision, dtype)
+    floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    mode = resolve_precision(precision, dtype, floating_elements)
     settings = _Settings(
         rtol=rtol if rtol is not None else relative_tolerance(dtype),
         tensor_probes=tensor_probes,
@@ -172,6 +181,7 @@ def check_gradients(
         step=step,
         seed=seed,
         rotation=step if rotation is None else rotation,
+        focus=focus,
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
     )
@@ -198,9 +208,9 @@ def check_gradients(
             evaluator.notes[:0] = notes
             probes = _nonfinite_probes(reference, params)
             if not probes:
-                with _probe_precision(model, evaluator, mode) as used:
+                with _probe_precision(model, evaluator, mode) as (used, trial):
                     used_precision = used
-                    probes = _Prober(evaluator, reference, settings).run()
+                    probes = _Prober(evaluator, reference, settings, center=trial).run()
     finally:
         state.restore()
     return CheckReport(
@@ -218,31 +228,32 @@ def check_gradients(
 
 
 @contextlib.contextmanager
-def _probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[str]:
-    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used.
+def _probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[tuple[str, float]]:
+    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used and the loss
+    of the trial evaluation in float64 (NaN if none), which the probes take as their centre.
 
     Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
     float64 kernel, a tensor created in float32 inside the model).
     """
     if mode != "float64":
-        yield "native"
+        yield "native", math.nan
         return
     native_params = evaluator.params
     with float64_storage(model) as substitutes:
         evaluator.params = [(name, substitutes.get(id(p), p)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
-            evaluator.loss()
+            trial = evaluator.loss()
         except Exception as error:
             problem = f"the loss raised {type(error).__name__} in float64 ({error})"
         else:
-            yield "float64"
+            yield "float64", trial
             return
         finally:
             evaluator.params = native_params
     evaluator.notes.append(f"probes run in the native precision: {problem}")
     evaluator.use_native_inputs()
-    yield "native"
+    yield "native", math.nan
 
 
 @dataclass(frozen=True)
@@ -255,6 +266,7 @@ class _Settings:
     step: int
     seed: int
     rotation: int
+    focus: tuple[str, ...]
     native_dtype: torch.dtype
     float64_refinement: bool
 
@@ -338,7 +350,9 @@ class _Pending:
 class _Prober:
     """The probes of one check, sharing its evaluator, reference gradient, scales and noise estimate."""
 
-    def __init__(self, evaluator: LossEvaluator, reference: Reference, settings: _Settings) -> None:
+    def __init__(
+        self, evaluator: LossEvaluator, reference: Reference, settings: _Settings, center: float = math.nan
+    ) -> None:
         self.evaluator = evaluator
         self.reference = reference
         self.settings = settings
@@ -349,6 +363,8 @@ class _Prober:
             for (_, p), g in zip(self.params, reference.param_grads, strict=True)
         ]
         self.dtype = _least_precise([p.dtype for _, p in self.params])
+        self.compute_dtype = self.dtype
+        """The dtype the loss is evaluated in: the parameters' own, or float64 during a float64 re-measurement."""
         self.param_scale = _rms(*(p for _, p in self.params))
         self.grad_norm = norm(self.grads)
         self.grad_scale = self.grad_norm / math.sqrt(sum(g.numel() for g in self.grads) or 1)
@@ -358,7 +374,8 @@ class _Prober:
         # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
         # The round-off is autograd's, so the fraction follows the gradient's dtype, not that of the probes' storage.
         self.negligible = machine_epsilon(settings.native_dtype) ** (1 / 3)
-        self.center = math.nan
+        self.center = center
+        """The loss at the unperturbed point, in the probes' precision (NaN until evaluated)."""
         self.jitter = 0.0
         self.loss_noise = math.inf
         self.rng = generator(settings.seed, settings.step)
@@ -398,6 +415,7 @@ class _Prober:
         native_center = self.center
         try:
             with float64_storage(self.evaluator.model) as substitutes:
+                self.compute_dtype = torch.float64
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()
                 tolerance = self._reproducibility_tolerance() * abs(self.reference.loss)
@@ -417,6 +435,7 @@ class _Prober:
             pending = []
         finally:
             self.center = native_center
+            self.compute_dtype = self.dtype
             self.evaluator.use_native_inputs()
         if pending:
             self.evaluator.notes.append(f"{len(pending)} undecided probe(s) measured again in float64")
@@ -425,7 +444,8 @@ class _Prober:
         """Evaluate the centre; it must reproduce the reference loss (else retry with autograd recording)."""
         expected = self.reference.loss
         tolerance = self._reproducibility_tolerance() * abs(expected) + 1e-30
-        self.center = self.evaluator.loss()
+        if math.isnan(self.center):
+            self.center = self.evaluator.loss()
         if abs(self.center - expected) <= tolerance:
             self._measure_jitter()
             return True
@@ -459,11 +479,6 @@ class _Prober:
         """Measure the anchor probe with a full stencil (again at a smaller step after a kink): its error estimate is
         the loss noise the screens borrow."""
         self._full(anchor)
-        assert anchor.result is not None
-        if anchor.result.reason == "kink":
-            anchor.step *= KINK_RETRY_STEP
-            anchor.stencil = None
-            self._full(anchor)
         assert anchor.result is not None
         self.loss_noise = anchor.result.loss_noise
 
@@ -528,7 +543,26 @@ class _Prober:
 
     def _full(self, probe: _Pending) -> None:
         """Complete the probe's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
-        independent stencil at a smaller step."""
+        independent stencil at a smaller step. A probe along a whole direction that stays undecided (kinks, round-off)
+        is measured once more at a finer step, where it crosses fewer kinks; a coordinate is replaced instead."""
+        self._full_at_step(probe)
+        result = probe.result
+        assert result is not None
+        if probe.index is not None or not undecided(result, self.settings.rtol):
+            return
+        finer = finer_step(
+            probe.step,
+            center=self.center,
+            scale=result.scale,
+            rtol=self.settings.rtol,
+            compute_epsilon=machine_epsilon(self.compute_dtype),
+        )
+        if finer is not None:
+            probe.step = finer
+            probe.stencil = None
+            self._full_at_step(probe)
+
+    def _full_at_step(self, probe: _Pending) -> None:
         if probe.stencil is None or probe.stencil.step != probe.step:
             probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
         probe.stencil = probe.stencil.extended(self._measure(probe, probe.step, HALF_OFFSETS))
@@ -579,8 +613,10 @@ class _Prober:
         count = len(self.params)
         pending: list[_Pending | None] = []
         with_gradient = [i for i in range(count) if self.tensor_grad_norms[i] > 0]
-        for i in rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation):
-            pending.append(self._tensor_probe(with_gradient[i]))
+        window = rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation)
+        turn = [with_gradient[i] for i in window]
+        focused = [i for i, (name, _) in enumerate(self.params) if name in settings.focus]
+        pending += [self._tensor_probe(i) for i in dict.fromkeys(turn + focused)]
         missing = [i for i in range(count) if self.missing[i]]
         others = [i for i in range(count) if not self.missing[i]]
         chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]

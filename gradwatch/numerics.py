@@ -137,9 +137,14 @@ AGREEMENT = 0.25
 CONFIRMATION_STEP = 0.3
 """The confirming stencil uses ``h × 0.3``: its points share none with the first stencil's."""
 
-KINK_RETRY_STEP = 0.125
-"""When the descent probe's stencil crosses kinks (ReLU units changing sides), it measures again at ``h / 8``: that
-crosses about eight times fewer, and its signal is large enough to afford the extra round-off."""
+FINER_STEP = 1 / 64
+"""A probe along a whole direction whose stencil could not decide (it crossed kinks: ReLU units or max-pool winners
+changing sides, or its round-off hid the discrepancy) measures again at up to ``h / 64``: a kink's error grows with
+the number of units the step crosses, which shrinks with ``h``. See :func:`finer_step`."""
+
+ROUNDOFF_MARGIN = 20.0
+"""How far the round-off of a finer step's stencil (about ``ε·|L| / h`` in derivative units, for values computed with
+machine epsilon ``ε``) stays below the tolerance it must resolve."""
 
 _RELATIVE_TOLERANCE = {
     torch.float64: 1e-7,
@@ -287,6 +292,18 @@ def assess(
     else:
         verdict, reason = "fail", "discrepancy"
     return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise)
+
+
+def finer_step(step: float, *, center: float, scale: float, rtol: float, compute_epsilon: float) -> float | None:
+    """The step to measure an undecided probe again at, or ``None`` if round-off leaves no room below ``step``.
+
+    As small as :data:`FINER_STEP` allows, but no smaller than where round-off of values computed with
+    ``compute_epsilon`` would approach ``rtol · scale`` (with :data:`ROUNDOFF_MARGIN`). In float64 there is room for
+    the full ``h / 64``; in float32 often little or none, which is what the float64 re-measurement is for.
+    """
+    finest = ROUNDOFF_MARGIN * compute_epsilon * max(abs(center), 1e-30) / (rtol * scale) if scale > 0 else math.inf
+    finer = max(step * FINER_STEP, finest)
+    return finer if finer <= step / 2 else None
 
 
 def undecided(assessment: Assessment, rtol: float) -> bool:

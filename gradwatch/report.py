@@ -138,6 +138,17 @@ class CheckReport:
             return math.nan
         return probe.numeric / probe.analytic
 
+    @property
+    def undecided(self) -> tuple[str, ...]:
+        """Tensors whose probe along their own gradient could not decide (kinks, noise, an unstable discrepancy): a
+        series of checks probes them again next time (``check_gradients(..., focus=report.undecided)``)."""
+        names = (
+            p.target
+            for p in self.probes
+            if p.kind == "tensor" and p.verdict == "inconclusive" and p.reason in ("kink", "unresolved", "unstable")
+        )
+        return tuple(dict.fromkeys(names))
+
     def count(self, verdict: Verdict) -> int:
         """How many probes ended with ``verdict``."""
         return sum(p.verdict == verdict for p in self.probes)

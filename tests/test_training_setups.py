@@ -131,7 +131,7 @@ def test_accumulation_checks_the_last_micro_batch_of_optimizer_steps_only(tmp_pa
 # -- mixed precision ---------------------------------------------------------------------------------------------------
 
 
-def test_bf16_mixed_probes_run_outside_autocast_in_float32_and_are_as_clean(tmp_path: Path) -> None:
+def test_bf16_mixed_native_probes_run_outside_autocast_in_float32_and_are_as_clean(tmp_path: Path) -> None:
     verdicts = {}
     for precision in ("32-true", "bf16-mixed"):
         model = _Recording()
@@ -139,8 +139,8 @@ def test_bf16_mixed_probes_run_outside_autocast_in_float32_and_are_as_clean(tmp_
         trainer(tmp_path, [watch], max_steps=4, precision=precision).fit(model, loader(classification_batch()))
         verdicts[precision] = _reports(watch)
         assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
-        _assert_probes_outside_autocast_in_float32(
-            model, torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        _assert_probes_outside_autocast(
+            model, torch.bfloat16 if precision == "bf16-mixed" else torch.float32, probe_dtype=torch.float32
         )
     assert verdicts["bf16-mixed"] == verdicts["32-true"] == [(1, "ok"), (2, "ok"), (4, "ok")]
 
@@ -165,11 +165,14 @@ class _Overflow(_Recording):
         return loss * 1e8 if self.overflow else loss
 
 
-def _assert_probes_outside_autocast_in_float32(model: _Recording, training_dtype: torch.dtype) -> None:
+def _assert_probes_outside_autocast(
+    model: _Recording, training_dtype: torch.dtype, probe_dtype: torch.dtype = torch.float64
+) -> None:
+    """The last check's probes ran without autocast, in ``probe_dtype`` (float64 with ``precision="auto"``)."""
     checked = model.checked_batches()
     probe_calls = model.calls[-10:]  # the last check's probes (the run ends on a checked step)
     assert {c["autocast"] for c in probe_calls} == {False}
-    assert {c["dtype"] for c in probe_calls} == {torch.float32}
+    assert {c["dtype"] for c in probe_calls} == {probe_dtype}
     training_calls = [c for c in model.calls if c["batch_idx"] not in checked]
     assert {c["dtype"] for c in training_calls} == {training_dtype}  # the training itself did run under autocast
 
@@ -194,7 +197,7 @@ def test_16_mixed_step_skipped_by_the_grad_scaler_is_a_skipped_check_and_the_che
     # due at 1 and 3, both skipped by the scaler: the checks run at the next optimizer steps instead
     assert _reports(watch) == [(2, "ok"), (4, "ok"), (6, "ok")]
     assert watch.counts == {"checks": 3, "failed": 0, "skipped": 2, "postponed": 0}
-    _assert_probes_outside_autocast_in_float32(model, torch.float16)
+    _assert_probes_outside_autocast(model, torch.float16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -207,7 +210,7 @@ def test_16_mixed_on_cuda(tmp_path: Path) -> None:
     assert watch.counts["skipped"] == 1
     assert [r.step for r in watch.reports] == [1, 2, 4, 5]
     assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
-    _assert_probes_outside_autocast_in_float32(model, torch.float16)
+    _assert_probes_outside_autocast(model, torch.float16)
 
 
 # -- gradient clipping -------------------------------------------------------------------------------------------------
