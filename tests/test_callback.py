@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
+from gradwatch import callback as callback_module
 from gradwatch.callback import progress_status
 
 SCALAR_TAGS = {
@@ -273,6 +275,29 @@ def test_reports_are_bounded_oldest_first(tmp_path: Path) -> None:
     trainer(tmp_path, [watch], max_steps=5).fit(LitClassifier(), loader(classification_batch()))
     assert [r.step for r in watch.reports] == [4, 5]
     assert watch.counts["checks"] == 5
+
+
+def test_tensors_a_check_could_not_decide_are_probed_again_at_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    focus_given: list[tuple[str, ...]] = []
+    real_check = callback_module.check_gradients
+
+    def check_marking_a_kink(*args: Any, **kwargs: Any) -> CheckReport:
+        focus_given.append(tuple(kwargs["focus"]))
+        report = real_check(*args, **kwargs)
+        # as if the first tensor probe had crossed a kink at this step
+        first = next(i for i, p in enumerate(report.probes) if p.kind == "tensor")
+        report.probes[first] = dataclasses.replace(report.probes[first], verdict="inconclusive", reason="kink")
+        return report
+
+    monkeypatch.setattr(callback_module, "check_gradients", check_marking_a_kink)
+    watch = GradWatch(every_n_steps=1, tensor_probes=1)
+    trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
+    undecided = [r.undecided for r in watch.reports]
+    assert all(len(names) == 1 for names in undecided)
+    assert focus_given == [(), undecided[0], undecided[1]]
+    assert watch.state_dict()["focus"] == list(undecided[2])
 
 
 def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Path) -> None:

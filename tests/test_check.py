@@ -22,6 +22,8 @@ from helpers import (
 from torch import nn
 
 from gradwatch import CheckReport, check_gradients
+from gradwatch import precision as precision_module
+from gradwatch.report import Probe
 
 
 def test_seed_case_is_not_a_false_alarm() -> None:
@@ -327,3 +329,70 @@ def test_bad_model_and_loss_fn_types() -> None:
         check_gradients(lambda x: x, classification_batch(), cross_entropy_loss)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`loss_fn` must be callable"):
         check_gradients(nn.Linear(16, 4), classification_batch(), "mse")  # type: ignore[arg-type]
+
+
+def test_auto_precision_probes_in_float64_up_to_the_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, batch = DropoutBatchNormNet(), classification_batch()
+    assert check_gradients(model, batch, cross_entropy_loss).precision == "float64"
+    assert check_gradients(model, batch, cross_entropy_loss, precision="native").precision == "native"
+    monkeypatch.setattr(precision_module, "AUTO_FLOAT64_ELEMENTS", 100)  # the model has 740 elements
+    assert check_gradients(model, batch, cross_entropy_loss).precision == "native"
+
+
+def _offset_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # both sides shifted by 1e3 inside the float32 computation: the float32 loss is a staircase of ~1e-4 steps, while
+    # autograd's gradient (and the float64 loss) are those of the smooth function
+    return F.mse_loss(model(batch[0]) + 1e3, batch[1] + 1e3)
+
+
+def test_beyond_the_size_limit_undecided_probes_are_measured_again_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision_module, "AUTO_FLOAT64_ELEMENTS", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(32, 8), torch.randn(32, 4))
+    native = check_gradients(model, batch, _offset_loss, precision="native")
+    assert native.count("inconclusive") >= 4, str(native)  # the staircase defeats float32 finite differences
+    auto = check_gradients(model, batch, _offset_loss)
+    assert auto.precision == "native"
+    assert any("measured again in float64" in note for note in auto.notes), auto.notes
+    parameter_probes = [p for p in auto.probes if p.kind != "input"]
+    assert all(p.verdict == "ok" for p in parameter_probes), str(auto)
+    model[2].weight.register_hook(lambda g: g * 1.01)
+    buggy = check_gradients(model, batch, _offset_loss)
+    assert {p.target for p in buggy.failures if p.kind == "tensor"} == {"2.weight"}, str(buggy)
+
+
+def test_focus_adds_a_probe_along_each_named_tensor() -> None:
+    torch.manual_seed(0)
+    model, batch = DropoutBatchNormNet(), classification_batch()
+    report = check_gradients(model, batch, cross_entropy_loss, tensor_probes=0, focus=["net.4.weight", "net.1.bias"])
+    assert sorted(p.target for p in report.probes if p.kind == "tensor") == ["net.1.bias", "net.4.weight"]
+    with pytest.raises(ValueError, match=r"`focus` must name parameters of the model; got \['net.9.weight'\]"):
+        check_gradients(model, batch, cross_entropy_loss, focus=["net.9.weight"])
+    with pytest.raises(ValueError, match="`focus` must be a list or tuple"):
+        check_gradients(model, batch, cross_entropy_loss, focus="net.4.weight")  # type: ignore[arg-type]
+
+
+def test_undecided_names_the_tensors_whose_own_probe_could_not_decide() -> None:
+    def probe(kind: str, target: str, verdict: str, reason: str) -> Probe:
+        return Probe(kind, target, None, 1.0, 1.0, 0.0, verdict, 0.0, 0.0, reason)  # type: ignore[arg-type]
+
+    report = CheckReport(
+        step=0,
+        verdict="ok",
+        probes=[
+            probe("descent", "*", "inconclusive", "kink"),
+            probe("tensor", "a", "inconclusive", "kink"),
+            probe("tensor", "b", "ok", "agrees"),
+            probe("tensor", "c", "inconclusive", "unresolved"),
+            probe("tensor", "d", "inconclusive", "flat"),  # a staircase loss: probing again does not help
+            probe("random", "e", "inconclusive", "kink"),
+            probe("tensor", "a", "inconclusive", "unstable"),
+        ],
+        loss=1.0,
+        n_forward=1,
+        n_backward=1,
+        duration_s=0.0,
+    )
+    assert report.undecided == ("a", "c")

@@ -14,6 +14,7 @@ from gradwatch.numerics import (
     Stencil,
     assess,
     confirm,
+    finer_step,
     relative_step,
     relative_tolerance,
     screen,
@@ -167,3 +168,14 @@ def test_tolerances_and_steps_follow_the_dtype() -> None:
     assert relative_tolerance(torch.float64) < relative_tolerance(torch.float32) < relative_tolerance(torch.bfloat16)
     assert relative_step(torch.float32) == pytest.approx(torch.finfo(torch.float32).eps ** 0.2)
     assert relative_step(torch.float64) < relative_step(torch.float32)
+
+
+def test_finer_step_goes_as_far_as_round_off_allows() -> None:
+    # float64 values resolve a float32 tolerance at a step 64 times smaller; float32 values do not leave that room
+    f64 = finer_step(1e-4, center=2.0, scale=0.1, rtol=5e-4, compute_epsilon=torch.finfo(torch.float64).eps)
+    assert f64 == pytest.approx(1e-4 / 64)
+    f32 = finer_step(0.1, center=2.0, scale=1.0, rtol=5e-4, compute_epsilon=torch.finfo(torch.float32).eps)
+    assert f32 is not None
+    assert 0.1 / 64 < f32 < 0.1 / 2  # floored where the round-off would approach the tolerance
+    assert finer_step(1e-3, center=2.0, scale=1.0, rtol=5e-4, compute_epsilon=torch.finfo(torch.float32).eps) is None
+    assert finer_step(1e-3, center=2.0, scale=0.0, rtol=5e-4, compute_epsilon=1e-16) is None
