@@ -138,7 +138,8 @@ class GradWatch(Callback):
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
         probe_batch_size: Probe the loss of the first this many samples of the batch (``None``: the whole batch).
             Every loss evaluation of a check costs a forward pass on that slice, so a small slice keeps checks cheap;
-            the function checked is the loss of the slice, so verdicts stay exact.
+            the function checked is the loss of the slice, so verdicts stay exact. With one sample (the default),
+            a loss that refuses it (BatchNorm in training mode) is probed on four, else on the whole batch.
         max_overhead: Budget mode: postpone a due check while gradwatch's total time would exceed this fraction of
             the training time (e.g. ``0.01``). Combine with a small ``every_n_steps`` to check as often as the budget
             allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
@@ -170,7 +171,7 @@ class GradWatch(Callback):
         first_check_step: int | None = 1,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        probe_batch_size: int | None = 4,
+        probe_batch_size: int | None = 1,
         max_overhead: float | None = None,
         precision: Precision = "auto",
         ignore: list[str] | tuple[str, ...] = (),
@@ -188,6 +189,7 @@ class GradWatch(Callback):
         self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
         self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
         self.probe_batch_size = validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
+        self._probe_samples = self.probe_batch_size
         self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True)
         self.precision = validate.check_choice("precision", precision, PRECISIONS)
         self.ignore = validate.check_patterns("ignore", ignore)
@@ -378,7 +380,7 @@ class GradWatch(Callback):
                     random_probes=self.random_probes,
                     param_probes=self.param_probes,
                     input_probes=self.input_probes,
-                    probe_batch_size=self.probe_batch_size,
+                    probe_batch_size=self._probe_samples,
                     precision=self.precision,
                     ignore=self.ignore,
                     rtol=self.rtol,
@@ -401,6 +403,8 @@ class GradWatch(Callback):
     def _record(self, report: CheckReport) -> None:
         self._reports.append(report)
         self._checks += 1
+        if self._probe_samples is not None and report.samples is not None and report.samples > self._probe_samples:
+            self._probe_samples = report.samples  # the loss refused the smaller slice: no need to try it again
         self._focus = report.undecided
         self._failed_checks += report.verdict == "fail"
         for note in report.notes:

@@ -66,6 +66,11 @@ REPRODUCIBILITY_TOLERANCE = 1e-4
 draws that cannot be replayed, or kernels that differ with and without autograd), and finite differences would not be
 comparable with autograd."""
 
+BATCH_NORM_SAMPLES = 4
+"""The slice probes fall back to when the loss refuses a smaller one (BatchNorm in training mode refuses one sample).
+Not two: BatchNorm over two samples maps each feature to about ±1, a function so sharply curved (where the two are
+close) that float32 autograd's round-off on a bias before it rivals the model's gradient."""
+
 FULL_FOOTPRINT = 4
 """Loss evaluations of a full stencil (``±h`` and ``±h/2``)."""
 
@@ -185,26 +190,14 @@ def check_gradients(
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
     )
-    probe_batch = batch if probe_batch_size is None else leading_slice(batch, probe_batch_size)
     state = TrainingState.capture(model)
     notes: list[str] = []
     used_precision = "native"
     try:
         with probe_conditions():
-            evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
-            try:
-                reference = evaluator.reference(with_inputs=input_probes > 0)
-            except Exception as error:
-                if probe_batch is batch:
-                    raise
-                # the loss may not work on a slice (a batch-size constant, a tensor of the full size that was not cut)
-                notes.append(
-                    f"probes use the whole batch: the loss raised {type(error).__name__} on its first "
-                    f"{probe_batch_size} samples ({error})"
-                )
-                probe_batch = batch
-                evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
-                reference = evaluator.reference(with_inputs=input_probes > 0)
+            evaluator, reference, probe_batch = _reference_on_a_slice(
+                model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
+            )
             evaluator.notes[:0] = notes
             probes = _nonfinite_probes(reference, params)
             if not probes:
@@ -225,6 +218,43 @@ def check_gradients(
         samples=batch_size(probe_batch),
         precision=used_precision,
     )
+
+
+def _reference_on_a_slice(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    params: list[tuple[str, Tensor]],
+    state: TrainingState,
+    probe_batch_size: int | None,
+    with_inputs: bool,
+    float64_reductions: bool,
+    notes: list[str],
+) -> tuple[LossEvaluator, Reference, Any]:
+    """The evaluator and reference gradient on the first ``probe_batch_size`` samples, or else on the first
+    :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says why).
+
+    One sample is the slice most losses accept and BatchNorm refuses (train-mode statistics need two values per
+    channel); others refuse any slice (a batch-size constant, a tensor of the full size that was not cut).
+    """
+    sizes = [] if probe_batch_size is None else [probe_batch_size]
+    if probe_batch_size is not None and probe_batch_size < BATCH_NORM_SAMPLES:
+        sizes.append(BATCH_NORM_SAMPLES)
+    refused = False
+    for size in sizes:
+        probe_batch = leading_slice(batch, size)
+        if probe_batch is batch:
+            break
+        evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
+        try:
+            return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
+        except Exception as error:
+            refused = True
+            notes.append(f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")
+    if refused:
+        notes.append("probes use the whole batch")
+    evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
+    return evaluator, evaluator.reference(with_inputs=with_inputs), batch
 
 
 @contextlib.contextmanager

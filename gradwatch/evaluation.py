@@ -135,6 +135,7 @@ class LossEvaluator:
         self._batch = batch
         self._use_inputs(floating_tensors(batch))
         self._reductions_verified = False
+        self._float64_inputs = False
         self._grad_mode_evaluations = False
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
@@ -207,7 +208,8 @@ class LossEvaluator:
         model fails with them) they are switched off for the rest of the check, a note says why, and the loss is
         evaluated again natively.
         """
-        if not self.float64_reductions:
+        if not self.float64_reductions or self._float64_inputs:
+            # on float64 storage every sum is float64 already: the mode would only cost its per-operation dispatch
             return self._forward(contextlib.nullcontext())
         verify = not self._reductions_verified
         mode = Float64Reductions(verify=verify)
@@ -241,10 +243,12 @@ class LossEvaluator:
 
     def use_float64_inputs(self) -> None:
         """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""
+        self._float64_inputs = True
         self._use_inputs({path: t.detach().to(torch.float64) for path, t in floating_tensors(self._batch).items()})
 
     def use_native_inputs(self) -> None:
         """Evaluate from now on with copies of the batch's own floating inputs (the default)."""
+        self._float64_inputs = False
         self._use_inputs(floating_tensors(self._batch))
 
     def _use_inputs(self, pristine: dict[str, Tensor]) -> None:

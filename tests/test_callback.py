@@ -94,7 +94,8 @@ def test_checks_run_on_optimizer_steps_under_gradient_accumulation(tmp_path: Pat
     model = LitClassifier()
     trainer(tmp_path, [watch], max_steps=10, accumulate_grad_batches=2).fit(model, loader(classification_batch(), 20))
     assert [r.step for r in watch.reports] == [1, 3, 6, 9]
-    assert watch.counts == {"checks": 4, "failed": 0, "skipped": 0, "postponed": 0}
+    verdicts = "\n".join(str(r) for r in watch.reports)
+    assert watch.counts == {"checks": 4, "failed": 0, "skipped": 0, "postponed": 0}, verdicts
 
 
 @pytest.mark.parametrize(
@@ -380,3 +381,10 @@ def test_progress_status_keeps_earlier_failures_in_sight() -> None:
     assert progress_status(report("ok", 500), failed_checks=0) == "ok@500"
     assert progress_status(report("fail", 1), failed_checks=1) == "fail@1"
     assert progress_status(report("inconclusive", 1000), failed_checks=2) == "inconclusive@1000 (2 failed)"
+
+
+def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> None:
+    watch = GradWatch(every_n_steps=1)  # one sample, which the BatchNorm of LitClassifier refuses
+    trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
+    assert [r.samples for r in watch.reports] == [4, 4, 4]
+    assert [any("first 1 sample" in note for note in r.notes) for r in watch.reports] == [True, False, False]

@@ -396,3 +396,43 @@ def test_undecided_names_the_tensors_whose_own_probe_could_not_decide() -> None:
         duration_s=0.0,
     )
     assert report.undecided == ("a", "c")
+
+
+def test_probes_check_the_loss_of_the_first_samples() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    batch = classification_batch()
+    report = check_gradients(model, batch, cross_entropy_loss, probe_batch_size=3)
+    assert report.samples == 3
+    assert report.verdict == "ok", str(report)
+    assert report.loss == pytest.approx(cross_entropy_loss(model, (batch[0][:3], batch[1][:3])).item(), rel=1e-6)
+    model[2].weight.register_hook(lambda g: g * 1.01)
+    buggy = check_gradients(model, batch, cross_entropy_loss, probe_batch_size=1)
+    assert buggy.samples == 1
+    assert {p.target for p in buggy.failures if p.kind == "tensor"} == {"2.weight"}, str(buggy)
+
+
+def test_batchnorm_refusing_one_sample_is_probed_on_four() -> None:
+    torch.manual_seed(0)
+    report = check_gradients(DropoutBatchNormNet(), classification_batch(), cross_entropy_loss, probe_batch_size=1)
+    assert report.samples == 4
+    assert report.verdict == "ok", str(report)
+    assert any("on the first 1 sample(s)" in note for note in report.notes), report.notes
+
+
+def test_loss_refusing_any_slice_is_probed_on_the_whole_batch() -> None:
+    def fixed_size_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if batch[0].shape[0] != 32:
+            raise ValueError("expects 32 samples")
+        return cross_entropy_loss(model, batch)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4))
+    report = check_gradients(model, classification_batch(), fixed_size_loss, probe_batch_size=1)
+    assert report.samples == 32
+    assert report.verdict == "ok", str(report)
+    assert report.notes[-3:] == [
+        "the loss raised ValueError on the first 1 sample(s) (expects 32 samples)",
+        "the loss raised ValueError on the first 4 sample(s) (expects 32 samples)",
+        "probes use the whole batch",
+    ]

@@ -314,8 +314,10 @@ class _SyncBatchNormSpy(_Recording):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         norm = self.net.net[1]
         assert isinstance(norm, nn.SyncBatchNorm)
-        self.local.append("forward" in norm.__dict__)
-        return super().training_step(batch, batch_idx)
+        local = "forward" in norm.__dict__
+        loss = super().training_step(batch, batch_idx)  # may raise: one sample is refused in training mode
+        self.local.append(local)  # after the call, like ``calls``, so the two lists stay aligned
+        return loss
 
 
 def test_sync_batch_norm_uses_local_statistics_during_checks_only(tmp_path: Path) -> None:
