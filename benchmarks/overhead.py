@@ -166,12 +166,17 @@ def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, ste
     return timer.seconds, memory.peak
 
 
-def _lower_bound(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, report: Any) -> float:
-    """The report's forward and backward count times the measured cost of one forward (no grad) and one forward and
-    backward on the probe batch."""
+def _unit_costs(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, report: Any) -> tuple[float, float]:
+    """The measured cost of one forward (no grad, in the precision the probes ran in) and of one forward and backward
+    (native, as the reference gradient) on the probe batch: a check's lower bound is its forward and backward counts
+    times these."""
     net = build()
     batch = next(iter(loader))
     sample = [t[: report.samples] for t in batch]
+    probe_net, probe_sample = net, sample
+    if report.precision == "float64":
+        probe_net = build().double()
+        probe_sample = [t.double() if t.is_floating_point() else t for t in sample]
 
     def timed(fn: Callable[[], object], repeats: int = 20) -> float:
         fn()
@@ -182,12 +187,12 @@ def _lower_bound(build: Callable[[], nn.Module], loss: Callable, loader: DataLoa
 
     def forward() -> None:
         with torch.no_grad():
-            loss(net, sample)
+            loss(probe_net, probe_sample)
 
     def forward_backward() -> None:
         torch.autograd.grad(loss(net, sample), list(net.parameters()))
 
-    return (report.n_forward - report.n_backward) * timed(forward) + report.n_backward * timed(forward_backward)
+    return timed(forward), timed(forward_backward)
 
 
 def overhead_table(repeats: int, steps: int) -> None:
@@ -211,8 +216,10 @@ def overhead_table(repeats: int, steps: int) -> None:
                 checks = len(watch.reports)
                 if label == "every 1":
                     memory = {"without": peak_without, "with": peak_with}
-                    report = watch.reports[-1]
-                    bounds.append((name, report, _lower_bound(build, loss, loader, report)))
+                    forward, forward_backward = _unit_costs(build, loss, loader, watch.reports[-1])
+                    for report in watch.reports:
+                        bound = (report.n_forward - report.n_backward) * forward + report.n_backward * forward_backward
+                        bounds.append((name, report, bound))
             interval = options.get("every_n_steps")
             cockpit = f"{COCKPIT[interval]:.2f}x" if interval in COCKPIT and "max_overhead" not in options else ""
             print(f"| {name} | {label} | {checks} | {statistics.median(ratios):.3f}x | {cockpit} |")
@@ -220,12 +227,18 @@ def overhead_table(repeats: int, steps: int) -> None:
             f"| {name} | peak RSS, every 1 | | {memory['with'] / 2**20:.0f} MiB with, "
             f"{memory['without'] / 2**20:.0f} MiB without | |"
         )
-    print("\n| model | loss evaluations | backward | check time | lower bound | ratio |")
-    print("|---|---|---|---|---|---|")
-    for name, report, bound in bounds:
+    print("\nOne check against its lower bound (medians over the checks of the every-1 runs):\n")
+    print("| model | probe samples, precision | loss evaluations | backward | check time | lower bound | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name in dict.fromkeys(name for name, _, _ in bounds):
+        mine = [(report, bound) for n, report, bound in bounds if n == name]
+        report = mine[-1][0]
         print(
-            f"| {name} | {report.n_forward} | {report.n_backward} | {1e3 * report.duration_s:.1f} ms | "
-            f"{1e3 * bound:.1f} ms | {report.duration_s / bound:.2f}x |"
+            f"| {name} | {report.samples}, {report.precision} | "
+            f"{statistics.median(r.n_forward for r, _ in mine):.0f} | {report.n_backward} | "
+            f"{1e3 * statistics.median(r.duration_s for r, _ in mine):.1f} ms | "
+            f"{1e3 * statistics.median(b for _, b in mine):.1f} ms | "
+            f"{statistics.median(r.duration_s / b for r, b in mine):.2f}x |"
         )
 
 

@@ -24,6 +24,7 @@ Whatever happens, the model's parameters, buffers, ``.grad``, random states and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import math
 import random
@@ -42,12 +43,14 @@ from gradwatch.numerics import (
     CONFIRMATION_STEP,
     HALF_OFFSETS,
     PAIR_OFFSETS,
+    UNCHECKABLE_TOLERANCE,
     Assessment,
     Point,
     Stencil,
     assess,
     confirm,
     finer_step,
+    gradient_tolerance,
     machine_epsilon,
     relative_step,
     relative_tolerance,
@@ -70,6 +73,11 @@ BATCH_NORM_SAMPLES = 4
 """The slice probes fall back to when the loss refuses a smaller one (BatchNorm in training mode refuses one sample).
 Not two: BatchNorm over two samples maps each feature to about ±1, a function so sharply curved (where the two are
 close) that float32 autograd's round-off on a bias before it rivals the model's gradient."""
+
+FLOAT64_AGREEMENT = 1e-2
+"""Relative difference allowed between the reference loss and the same loss evaluated on float64 storage. Float rounding
+accounts for far less; more means the float64 evaluation is not the same function (randomness that was not replayed);
+smaller differences of that kind cannot produce a failure either, as they do not reproduce at a second step."""
 
 FULL_FOOTPRINT = 4
 """Loss evaluations of a full stencil (``±h`` and ``±h/2``)."""
@@ -122,6 +130,8 @@ def check_gradients(
             in a series of checks, the previous report's :attr:`~gradwatch.report.CheckReport.undecided`, so that a
             tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
         rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
+            Either is raised to about ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that
+            large (``report.rtol`` says what was used); below a float32 loss of ~1e-5 no probe is made.
         seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.sampling`); defaults to ``step``. A
             caller running a series of checks passes the check's position in the series.
@@ -200,7 +210,15 @@ def check_gradients(
             )
             evaluator.notes[:0] = notes
             probes = _nonfinite_probes(reference, params)
-            if not probes:
+            settings = dataclasses.replace(
+                settings, rtol=gradient_tolerance(settings.rtol, reference.loss, settings.native_dtype)
+            )
+            if not probes and settings.rtol > UNCHECKABLE_TOLERANCE:
+                evaluator.notes.append(
+                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                    f"{str(dtype).removeprefix('torch.')} gradient alone may reach {settings.rtol:.0%}"
+                )
+            elif not probes:
                 with _probe_precision(model, evaluator, mode) as (used, trial):
                     used_precision = used
                     probes = _Prober(evaluator, reference, settings, center=trial).run()
@@ -217,6 +235,7 @@ def check_gradients(
         notes=list(evaluator.notes),
         samples=batch_size(probe_batch),
         precision=used_precision,
+        rtol=settings.rtol,
     )
 
 
@@ -448,8 +467,7 @@ class _Prober:
                 self.compute_dtype = torch.float64
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()
-                tolerance = self._reproducibility_tolerance() * abs(self.reference.loss)
-                if abs(self.center - self.reference.loss) > tolerance:
+                if abs(self.center - self.reference.loss) > self._center_tolerance():
                     self.evaluator.notes.append(
                         f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
                         f"{self.reference.loss:.9g} natively"
@@ -473,7 +491,7 @@ class _Prober:
     def _reproducible(self) -> bool:
         """Evaluate the centre; it must reproduce the reference loss (else retry with autograd recording)."""
         expected = self.reference.loss
-        tolerance = self._reproducibility_tolerance() * abs(expected) + 1e-30
+        tolerance = self._center_tolerance()
         if math.isnan(self.center):
             self.center = self.evaluator.loss()
         if abs(self.center - expected) <= tolerance:
@@ -496,8 +514,19 @@ class _Prober:
         self._measure_jitter()
         return True
 
-    def _reproducibility_tolerance(self) -> float:
-        return max(REPRODUCIBILITY_TOLERANCE, 8 * machine_epsilon(self.settings.native_dtype))
+    def _center_tolerance(self) -> float:
+        """How far the loss at the unperturbed point may be from the reference loss, in loss units.
+
+        In the gradient's own dtype, the two compute the same thing and differ by little more than rounding. In
+        float64 they differ by the reference's whole rounding error, which for a loss near zero (a memorised sample's
+        cross-entropy, 3e-4) is about its float32 epsilon in absolute terms, not relative to the loss.
+        """
+        native_epsilon = machine_epsilon(self.settings.native_dtype)
+        loss = abs(self.reference.loss)
+        if self.compute_dtype == self.settings.native_dtype:
+            return max(REPRODUCIBILITY_TOLERANCE, 8 * native_epsilon) * loss + 1e-30
+        absolute = 64 * min(native_epsilon, machine_epsilon(torch.float32))
+        return max(FLOAT64_AGREEMENT, 8 * native_epsilon) * loss + absolute
 
     def _measure_jitter(self) -> None:
         """On devices with non-deterministic kernels, evaluate the centre twice: the difference is jitter."""

@@ -165,6 +165,24 @@ def relative_tolerance(dtype: torch.dtype) -> float:
     return _RELATIVE_TOLERANCE.get(dtype, 5e-4)
 
 
+ANALYTIC_ROUNDING = 4.0
+"""Autograd's own relative error grows as the loss nears zero: a memorised sample's cross-entropy ``L ≈ 1 − p`` has the
+gradient ``p − 1``, computed with an absolute error of ``ε``, so a relative error of ``ε / L``. Measured on float32
+cross-entropy down to ``L = 3e-6``: at most ``1.1 · ε / L``. The tolerance is at least this many times ``ε / |L|``."""
+
+UNCHECKABLE_TOLERANCE = 0.05
+"""When rounding alone forces a tolerance above this (a float32 loss below ~1e-5), a check cannot tell a 5% error
+from rounding and makes no probe."""
+
+
+def gradient_tolerance(rtol: float, loss: float, dtype: torch.dtype) -> float:
+    """``rtol``, raised to what autograd's rounding in ``dtype`` allows for a loss of this size (see
+    :data:`ANALYTIC_ROUNDING`); infinite for a zero loss."""
+    if loss == 0.0:
+        return math.inf
+    return max(rtol, ANALYTIC_ROUNDING * machine_epsilon(dtype) / abs(loss))
+
+
 def relative_step(dtype: torch.dtype) -> float:
     """Step size relative to the scale of the perturbed value: ``ε^(1/5)``, the optimum for a Richardson-extrapolated
     central difference (truncation ``O(h⁴)``, round-off ``O(ε/h)``); 0.041 in float32, 7.4e-4 in float64."""

@@ -106,6 +106,8 @@ class CheckReport:
         notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient.
         samples: How many samples of the batch the probes used (``None`` when the batch has no tensor).
         precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
+        rtol: The relative tolerance the probes were judged with: the one asked for, raised where the loss is so
+            small that autograd's own rounding exceeds it (about ``4 ε / |loss|``).
     """
 
     step: int
@@ -118,6 +120,7 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)
     samples: int | None = None
     precision: str = "native"
+    rtol: float = math.nan
 
     @property
     def failures(self) -> list[Probe]:
