@@ -123,11 +123,11 @@ class VectorDirection:
         if self._origin is None:
             self._origin = [t.detach().clone() for t in self.tensors]
         saved = self._origin
-        along = 0.0
-        predicted = 0.0
         along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
         try:
             with torch.no_grad():
+                predicted_terms: list[Tensor] = []
+                along_terms: list[Tensor] = []
                 for tensor, origin, component, grad in zip(
                     self.tensors, saved, self.components, self.grads, strict=True
                 ):
@@ -135,11 +135,12 @@ class VectorDirection:
                     moved = torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient)
                     tensor.copy_(moved)
                     delta = moved.sub_(origin)
-                    predicted += _dot(grad, delta)
+                    predicted_terms.append(_dot_tensor(grad, delta))
                     if not along_is_predicted:
-                        along += self.coefficient * _dot(component, delta)
-            if along_is_predicted:
-                along = self.coefficient * predicted
+                        along_terms.append(_dot_tensor(component, delta))
+                # one host transfer for all tensors (a device sync per tensor would dominate a GPU probe)
+                predicted = _total(predicted_terms)
+                along = self.coefficient * (predicted if along_is_predicted else _total(along_terms))
             if self._after_write is not None:
                 self._after_write()
             yield Displacement(along, predicted)
@@ -151,13 +152,26 @@ class VectorDirection:
                 self._after_write()
 
 
-def _dot(a: Tensor, b: Tensor) -> float:
-    """``a · b`` over all elements: products in float32 at least, accumulated in float64."""
+def _dot_tensor(a: Tensor, b: Tensor) -> Tensor:
+    """``a · b`` over all elements as a 0-dim float64 tensor: products in float32 at least, accumulated in float64."""
     if a.dtype in _SIXTEEN_BIT:
         a = a.float()
     if b.dtype in _SIXTEEN_BIT:
         b = b.float()
-    return (a * b).sum(dtype=torch.float64).item()
+    return (a * b).sum(dtype=torch.float64)
+
+
+def _total(terms: Sequence[Tensor]) -> float:
+    """The sum of 0-dim tensors, possibly on several devices (a model split across GPUs), as one host value."""
+    if not terms:
+        return 0.0
+    device = terms[0].device
+    return torch.stack([t.to(device) for t in terms]).sum().item()
+
+
+def _dot(a: Tensor, b: Tensor) -> float:
+    """``a · b`` over all elements, accumulated in float64."""
+    return _dot_tensor(a, b).item()
 
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
