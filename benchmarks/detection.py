@@ -2,7 +2,8 @@
 
 Five models (a ReLU MLP, a CNN with BatchNorm, max-pool and dropout, a transformer block on token embeddings with
 dropout and LayerNorm, an LSTM, and the seed case: a sum-reduced MSE over 140x120), in float32 and float64, checked with
-GradWatch's default settings (screen sizes, probe batch of 4 samples) while they train on synthetic data.
+GradWatch's default settings (screen sizes, a probe batch of 1 sample, float64 probes) while they train on synthetic
+data. As in the callback, each check re-probes the tensors the previous check of its series left undecided.
 
 * False alarms: correct models train with Adam on a small fixed dataset (so late checks see the tiny gradients of a
   memorised dataset) and are checked at every step.
@@ -11,7 +12,7 @@ GradWatch's default settings (screen sizes, probe batch of 4 samples) while they
 * Sensitivity: one weight's gradient scaled by ``1 + r`` for decreasing ``r``; the smallest ``r`` detected within three
   checks for every seed.
 
-Run: ``python benchmarks/detection.py`` (about 10 minutes on 2 CPU cores; ``--quick`` for a smoke run).
+Run: ``python benchmarks/detection.py`` (about 3 minutes on one CPU core; ``--quick`` for a smoke run).
 """
 
 from __future__ import annotations

@@ -473,3 +473,18 @@ def test_loss_too_close_to_zero_to_check_makes_no_probe() -> None:
     assert report.probes == []
     assert report.n_forward == 1  # the reference alone
     assert "so close to zero that the rounding of its float32 gradient alone may reach" in report.notes[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_model_is_probed_in_float64_and_catches_a_gross_error(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+    inputs, labels = classification_batch()
+    batch = (inputs.to(dtype), labels)
+    report = check_gradients(model, batch, cross_entropy_loss)
+    assert report.precision == "float64"
+    assert report.rtol == pytest.approx(3e-2 if dtype == torch.float16 else 1e-1)
+    assert report.verdict == "ok", str(report)
+    model[0].weight.register_hook(lambda g: g * 1.5)
+    buggy = check_gradients(model, batch, cross_entropy_loss, tensor_probes=4)
+    assert "0.weight" in {p.target for p in buggy.failures}, str(buggy)
