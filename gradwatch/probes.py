@@ -110,6 +110,7 @@ class VectorDirection:
         self.coefficient = coefficient
         self.analytic = coefficient * sum(_dot(g, c) for g, c in zip(self.grads, self.components, strict=True))
         self._origin: list[Tensor] | None = None
+        self._norm_squared: float | None = None
         self._after_write = after_write
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
@@ -124,6 +125,11 @@ class VectorDirection:
             self._origin = [t.detach().clone() for t in self.tensors]
         saved = self._origin
         along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
+        if all(t.dtype == torch.float64 for t in self.tensors):
+            # float64 rounds a displacement ~1e-12 of the step off the intended one: no need to measure it
+            with self._moved_exactly(offset) as displacement:
+                yield displacement
+            return
         try:
             with torch.no_grad():
                 predicted_terms: list[Tensor] = []
@@ -147,6 +153,27 @@ class VectorDirection:
         finally:
             with torch.no_grad():
                 for tensor, origin in zip(self.tensors, saved, strict=True):
+                    tensor.copy_(origin)
+            if self._after_write is not None:
+                self._after_write()
+
+    @contextmanager
+    def _moved_exactly(self, offset: float) -> Iterator[Displacement]:
+        """Move float64 tensors by ``offset · v`` and take the displacement as intended: ``v·δ = offset·‖v‖²`` along
+        ``v`` (what the exact path measures) and ``g·δ = offset · g·v`` predicted."""
+        assert self._origin is not None
+        if self._norm_squared is None:
+            self._norm_squared = self.coefficient**2 * sum(_dot(c, c) for c in self.components)
+        try:
+            with torch.no_grad():
+                for tensor, origin, component in zip(self.tensors, self._origin, self.components, strict=True):
+                    torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient, out=tensor)
+            if self._after_write is not None:
+                self._after_write()
+            yield Displacement(offset * self._norm_squared, offset * self.analytic)
+        finally:
+            with torch.no_grad():
+                for tensor, origin in zip(self.tensors, self._origin, strict=True):
                     tensor.copy_(origin)
             if self._after_write is not None:
                 self._after_write()
