@@ -12,7 +12,7 @@ data. As in the callback, each check re-probes the tensors the previous check of
 * Sensitivity: one weight's gradient scaled by ``1 + r`` for decreasing ``r``; the smallest ``r`` detected within three
   checks for every seed.
 
-Run: ``python benchmarks/detection.py`` (about 3 minutes on one CPU core; ``--quick`` for a smoke run).
+Run: ``python benchmarks/detection.py`` (under a minute on 2 CPU cores; ``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
