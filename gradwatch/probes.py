@@ -123,60 +123,51 @@ class VectorDirection:
         """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
         if self._origin is None:
             self._origin = [t.detach().clone() for t in self.tensors]
-        saved = self._origin
-        along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
-        if all(t.dtype == torch.float64 for t in self.tensors):
-            # float64 rounds a displacement ~1e-12 of the step off the intended one: no need to measure it
-            with self._moved_exactly(offset) as displacement:
-                yield displacement
-            return
         try:
             with torch.no_grad():
-                predicted_terms: list[Tensor] = []
-                along_terms: list[Tensor] = []
-                for tensor, origin, component, grad in zip(
-                    self.tensors, saved, self.components, self.grads, strict=True
-                ):
-                    # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
-                    moved = torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient)
-                    tensor.copy_(moved)
-                    delta = moved.sub_(origin)
-                    predicted_terms.append(_dot_tensor(grad, delta))
-                    if not along_is_predicted:
-                        along_terms.append(_dot_tensor(component, delta))
-                # one host transfer for all tensors (a device sync per tensor would dominate a GPU probe)
-                predicted = _total(predicted_terms)
-                along = self.coefficient * (predicted if along_is_predicted else _total(along_terms))
+                if all(t.dtype == torch.float64 for t in self.tensors):
+                    displacement = self._move_as_intended(offset)
+                else:
+                    displacement = self._move_and_measure(offset)
             if self._after_write is not None:
                 self._after_write()
-            yield Displacement(along, predicted)
-        finally:
-            with torch.no_grad():
-                for tensor, origin in zip(self.tensors, saved, strict=True):
-                    tensor.copy_(origin)
-            if self._after_write is not None:
-                self._after_write()
-
-    @contextmanager
-    def _moved_exactly(self, offset: float) -> Iterator[Displacement]:
-        """Move float64 tensors by ``offset · v`` and take the displacement as intended: ``v·δ = offset·‖v‖²`` along
-        ``v`` (what the exact path measures) and ``g·δ = offset · g·v`` predicted."""
-        assert self._origin is not None
-        if self._norm_squared is None:
-            self._norm_squared = self.coefficient**2 * sum(_dot(c, c) for c in self.components)
-        try:
-            with torch.no_grad():
-                for tensor, origin, component in zip(self.tensors, self._origin, self.components, strict=True):
-                    torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient, out=tensor)
-            if self._after_write is not None:
-                self._after_write()
-            yield Displacement(offset * self._norm_squared, offset * self.analytic)
+            yield displacement
         finally:
             with torch.no_grad():
                 for tensor, origin in zip(self.tensors, self._origin, strict=True):
                     tensor.copy_(origin)
             if self._after_write is not None:
                 self._after_write()
+
+    def _move_and_measure(self, offset: float) -> Displacement:
+        """Move the tensors; measure the displacement their dtype's rounding actually produced."""
+        assert self._origin is not None
+        along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
+        predicted_terms: list[Tensor] = []
+        along_terms: list[Tensor] = []
+        moving = zip(self.tensors, self._origin, self.components, self.grads, strict=True)
+        for tensor, origin, component, grad in moving:
+            # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
+            moved = torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient)
+            tensor.copy_(moved)
+            delta = moved.sub_(origin)
+            predicted_terms.append(_dot_tensor(grad, delta))
+            if not along_is_predicted:
+                along_terms.append(_dot_tensor(component, delta))
+        # one host transfer for all tensors (a device sync per tensor would dominate a GPU probe)
+        predicted = _total(predicted_terms)
+        return Displacement(self.coefficient * (predicted if along_is_predicted else _total(along_terms)), predicted)
+
+    def _move_as_intended(self, offset: float) -> Displacement:
+        """Move float64 tensors, whose rounding puts a displacement ~1e-12 of the step off the intended one, and take
+        the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path computes) and ``g·δ = offset·g·v``
+        predicted."""
+        assert self._origin is not None
+        if self._norm_squared is None:
+            self._norm_squared = self.coefficient**2 * sum(_dot(c, c) for c in self.components)
+        for tensor, origin, component in zip(self.tensors, self._origin, self.components, strict=True):
+            torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient, out=tensor)
+        return Displacement(offset * self._norm_squared, offset * self.analytic)
 
 
 def _dot_tensor(a: Tensor, b: Tensor) -> Tensor:
