@@ -110,6 +110,7 @@ class VectorDirection:
         self.coefficient = coefficient
         self.analytic = coefficient * sum(_dot(g, c) for g, c in zip(self.grads, self.components, strict=True))
         self._origin: list[Tensor] | None = None
+        self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._norm_squared: float | None = None
         self._after_write = after_write
 
@@ -117,12 +118,14 @@ class VectorDirection:
         """Move, from now on, the tensor standing in for each of ours (keyed by ``id``), e.g. its float64 copy."""
         self.tensors = [replacements.get(id(t), t) for t in self.tensors]
         self._origin = None
+        self._components_cast = None
 
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
         """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
-        if self._origin is None:
+        if self._origin is None or self._components_cast is None:
             self._origin = [t.detach().clone() for t in self.tensors]
+            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
         try:
             with torch.no_grad():
                 if all(t.dtype == torch.float64 for t in self.tensors):
@@ -142,13 +145,14 @@ class VectorDirection:
     def _move_and_measure(self, offset: float) -> Displacement:
         """Move the tensors; measure the displacement their dtype's rounding actually produced."""
         assert self._origin is not None
+        assert self._components_cast is not None
         along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
         predicted_terms: list[Tensor] = []
         along_terms: list[Tensor] = []
-        moving = zip(self.tensors, self._origin, self.components, self.grads, strict=True)
-        for tensor, origin, component, grad in moving:
+        moving = zip(self.tensors, self._origin, self._components_cast, self.components, self.grads, strict=True)
+        for tensor, origin, increment, component, grad in moving:
             # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
-            moved = torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient)
+            moved = torch.add(origin, increment, alpha=offset * self.coefficient)
             tensor.copy_(moved)
             delta = moved.sub_(origin)
             predicted_terms.append(_dot_tensor(grad, delta))
@@ -163,10 +167,11 @@ class VectorDirection:
         the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path computes) and ``g·δ = offset·g·v``
         predicted."""
         assert self._origin is not None
+        assert self._components_cast is not None
         if self._norm_squared is None:
-            self._norm_squared = self.coefficient**2 * sum(_dot(c, c) for c in self.components)
-        for tensor, origin, component in zip(self.tensors, self._origin, self.components, strict=True):
-            torch.add(origin, component.to(origin.dtype), alpha=offset * self.coefficient, out=tensor)
+            self._norm_squared = self.coefficient**2 * _total([_dot_tensor(c, c) for c in self.components])
+        for tensor, origin, increment in zip(self.tensors, self._origin, self._components_cast, strict=True):
+            torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
         return Displacement(offset * self._norm_squared, offset * self.analytic)
 
 
