@@ -58,7 +58,7 @@ from gradwatch.numerics import (
     undecided,
 )
 from gradwatch.precision import PRECISIONS, Precision, float64_storage, resolve_precision
-from gradwatch.probes import CoordinateDirection, Direction, VectorDirection, measure, norm
+from gradwatch.probes import CoordinateDirection, Direction, VectorDirection, measure, norm, norms
 from gradwatch.report import DESCENT_TARGET, CheckReport, Probe, ProbeKind, Verdict
 from gradwatch.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.state import TrainingState
@@ -209,7 +209,11 @@ def check_gradients(
                 model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
             )
             evaluator.notes[:0] = notes
-            probes = _nonfinite_probes(reference, params)
+            grads = [
+                g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
+            ]
+            grad_norms = norms(grads)
+            probes = _nonfinite_probes(reference, params, grad_norms)
             asked = settings.rtol
             settings = dataclasses.replace(settings, rtol=gradient_tolerance(asked, reference.loss, dtype))
             if not probes and settings.rtol > max(asked, UNCHECKABLE_TOLERANCE):
@@ -220,7 +224,7 @@ def check_gradients(
             elif not probes:
                 with _probe_precision(model, evaluator, mode) as (used, trial):
                     used_precision = used
-                    probes = _Prober(evaluator, reference, settings, center=trial).run()
+                    probes = _Prober(evaluator, reference, settings, grad_norms, center=trial).run()
     finally:
         state.restore()
     return CheckReport(
@@ -339,15 +343,20 @@ def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     return "inconclusive"
 
 
-def _nonfinite_probes(reference: Reference, params: Sequence[tuple[str, Tensor]]) -> list[Probe]:
-    """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry."""
+def _nonfinite_probes(
+    reference: Reference, params: Sequence[tuple[str, Tensor]], grad_norms: Sequence[float]
+) -> list[Probe]:
+    """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry (only a
+    gradient whose norm is not finite is searched for one)."""
     if not math.isfinite(reference.loss):
         return [_nonfinite_probe("loss", "loss", None, reference.loss)]
     probes = []
-    for (name, _), grad in zip(params, reference.param_grads, strict=True):
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            position = (~torch.isfinite(grad)).nonzero()[0]
-            index = tuple(int(i) for i in position)
+    for (name, _), grad, size in zip(params, reference.param_grads, grad_norms, strict=True):
+        if grad is None or math.isfinite(size):
+            continue
+        positions = (~torch.isfinite(grad)).nonzero()
+        if len(positions):
+            index = tuple(int(i) for i in positions[0])
             probes.append(_nonfinite_probe("param", name, index, grad[index].item()))
     return probes
 
@@ -399,7 +408,12 @@ class _Prober:
     """The probes of one check, sharing its evaluator, reference gradient, scales and noise estimate."""
 
     def __init__(
-        self, evaluator: LossEvaluator, reference: Reference, settings: _Settings, center: float = math.nan
+        self,
+        evaluator: LossEvaluator,
+        reference: Reference,
+        settings: _Settings,
+        grad_norms: Sequence[float],
+        center: float = math.nan,
     ) -> None:
         self.evaluator = evaluator
         self.reference = reference
@@ -413,10 +427,12 @@ class _Prober:
         self.dtype = _least_precise([p.dtype for _, p in self.params])
         self.compute_dtype = self.dtype
         """The dtype the loss is evaluated in: the parameters' own, or float64 during a float64 re-measurement."""
-        self.param_scale = _rms(*(p for _, p in self.params))
-        self.grad_norm = norm(self.grads)
-        self.grad_scale = self.grad_norm / math.sqrt(sum(g.numel() for g in self.grads) or 1)
-        self.tensor_grad_norms = [norm([g]) for g in self.grads]
+        param_norms = norms([p for _, p in self.params])
+        sizes = [max(p.numel(), 1) for _, p in self.params]
+        self.param_rms = [n / math.sqrt(size) for n, size in zip(param_norms, sizes, strict=True)]
+        self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(sizes) or 1)
+        self.tensor_grad_norms = list(grad_norms)
+        self.grad_norm = math.hypot(*self.tensor_grad_norms)
         # Derivatives below this fraction of the model's are negligible: each probe's relative error is floored there,
         # so that autograd's own round-off on a derivative that is truly zero (a bias feeding BatchNorm gets ~1e-8
         # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
@@ -635,9 +651,9 @@ class _Prober:
 
     # ---- the probes -----------------------------------------------------------------------------------------------
 
-    def _tensor_scale(self, tensor: Tensor) -> float:
-        """The magnitude a tensor's steps are relative to; the model's when the tensor is all zeros."""
-        return max(_rms(tensor), self.param_scale) or 1.0
+    def _tensor_scale(self, i: int) -> float:
+        """The magnitude the steps in parameter ``i`` are relative to; the model's when the tensor is all zeros."""
+        return max(self.param_rms[i], self.param_scale) or 1.0
 
     def _descent(self) -> _Pending | None:
         if not self.params or self.grad_norm == 0.0:
@@ -645,8 +661,7 @@ class _Prober:
         direction = VectorDirection([p for _, p in self.params], self.grads, self.grads, 1.0 / self.grad_norm)
         # the step's scale along ĝ: each tensor's own magnitude, weighted by its share of the gradient
         weighted = sum(
-            self._tensor_scale(p) ** 2 * (share / self.grad_norm) ** 2
-            for (_, p), share in zip(self.params, self.tensor_grad_norms, strict=True)
+            self._tensor_scale(i) ** 2 * (share / self.grad_norm) ** 2 for i, share in enumerate(self.tensor_grad_norms)
         )
         step = relative_step(self.dtype) * math.sqrt(weighted)
         return _Pending("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
@@ -695,7 +710,7 @@ class _Prober:
         if size == 0.0:
             return None
         direction = VectorDirection([param], [grad], [grad], 1.0 / size)
-        step = relative_step(param.dtype) * self._tensor_scale(param)
+        step = relative_step(param.dtype) * self._tensor_scale(i)
         floor = self.negligible * self.grad_norm
         return _Pending("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
 
@@ -706,7 +721,7 @@ class _Prober:
         vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
         vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
         direction = VectorDirection([param], [vector], [grad])
-        step = relative_step(param.dtype) * self._tensor_scale(param)
+        step = relative_step(param.dtype) * self._tensor_scale(i)
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
         expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
         floor = expected / math.sqrt(max(param.numel(), 1))
@@ -721,8 +736,9 @@ class _Prober:
         grad = self.grads[tensor]
         direction = CoordinateDirection(param, index, grad[index].item())
         value = direction.value.abs().item()
-        step = relative_step(param.dtype) * max(value, self._tensor_scale(param))
-        floor = max(2 * _rms(grad), self.negligible * self.grad_norm / math.sqrt(param.numel()))
+        step = relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
+        grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(param.numel(), 1))
+        floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(param.numel()))
         return _Pending("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
 
     def _input_coordinates(self) -> list[_Pending | None]:

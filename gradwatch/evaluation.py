@@ -194,6 +194,7 @@ class LossEvaluator:
                     )
                 grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
                 self.n_backward += 1
+            self.state.skip_unused_generators()
         finally:
             # after the backward: BatchNorm keeps its buffers for the backward pass
             self.state.restore_buffers()

@@ -108,7 +108,8 @@ class VectorDirection:
         self.components = list(components)
         self.grads = list(grads)
         self.coefficient = coefficient
-        self.analytic = coefficient * sum(_dot(g, c) for g, c in zip(self.grads, self.components, strict=True))
+        pairs = zip(self.grads, self.components, strict=True)
+        self.analytic = coefficient * _total([_dot_tensor(g, c) for g, c in pairs])  # g · v, one host transfer
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._norm_squared: float | None = None
@@ -169,7 +170,10 @@ class VectorDirection:
         assert self._origin is not None
         assert self._components_cast is not None
         if self._norm_squared is None:
-            self._norm_squared = self.coefficient**2 * _total([_dot_tensor(c, c) for c in self.components])
+            if self.components is self.grads:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
+                self._norm_squared = self.coefficient * self.analytic
+            else:
+                self._norm_squared = self.coefficient**2 * _total([_dot_tensor(c, c) for c in self.components])
         for tensor, origin, increment in zip(self.tensors, self._origin, self._components_cast, strict=True):
             torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
         return Displacement(offset * self._norm_squared, offset * self.analytic)
@@ -192,17 +196,53 @@ def _total(terms: Sequence[Tensor]) -> float:
     return torch.stack([t.to(device) for t in terms]).sum().item()
 
 
-def _dot(a: Tensor, b: Tensor) -> float:
-    """``a · b`` over all elements, accumulated in float64."""
-    return _dot_tensor(a, b).item()
-
-
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def norm(tensors: Sequence[Tensor]) -> float:
-    """The Euclidean norm over all elements of the tensors, accumulated in float64."""
-    return math.sqrt(sum(torch.linalg.vector_norm(t.detach(), dtype=torch.float64).item() ** 2 for t in tensors))
+    """The Euclidean norm over all elements of the tensors."""
+    return math.hypot(*norms(tensors))
+
+
+_RELIABLE_NORMS = (1e-15, 1e15)
+"""Norms computed in float32 outside this range may have lost their squares to underflow or overflow."""
+
+
+def norms(tensors: Sequence[Tensor]) -> list[float]:
+    """The Euclidean norm of each tensor, with one host transfer per device.
+
+    Norms set step sizes and scales, so float32 accumulation is precise enough; what it cannot do is square values
+    below ~1e-19 or above ~1e19, so a norm outside :data:`_RELIABLE_NORMS` (a tiny late-training gradient, an exactly
+    zero one, an overflow) is computed again in float64.
+    """
+    if not tensors:
+        return []
+    groups: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(tensor.device, []).append(i)
+    values = [0.0] * len(tensors)
+    for positions in groups.values():
+        batch = [_norm_input(tensors[i]) for i in positions]
+        for i, value in zip(positions, torch.stack(_foreach_norm(batch)).tolist(), strict=True):
+            values[i] = value
+    low, high = _RELIABLE_NORMS
+    for i, value in enumerate(values):
+        if not low < value < high:
+            values[i] = torch.linalg.vector_norm(tensors[i].detach(), dtype=torch.float64).item()
+    return values
+
+
+def _norm_input(tensor: Tensor) -> Tensor:
+    tensor = tensor.detach()
+    return tensor.float() if tensor.dtype in _SIXTEEN_BIT else tensor
+
+
+def _foreach_norm(tensors: list[Tensor]) -> list[Tensor]:
+    """``torch._foreach_norm`` (one fused kernel where the backend has one), else one norm per tensor."""
+    try:
+        return list(torch._foreach_norm(tensors))
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return [torch.linalg.vector_norm(t) for t in tensors]
 
 
 Direction = CoordinateDirection | VectorDirection
