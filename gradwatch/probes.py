@@ -55,17 +55,45 @@ class CoordinateDirection:
         self.value = tensor.detach()[index].clone()
         self._after_write = after_write
 
+    @property
+    def tensors(self) -> list[Tensor]:
+        """The tensor the direction moves, as a list (like :attr:`VectorDirection.tensors`)."""
+        return [self.tensor]
+
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
         """Set the coordinate to ``value + offset`` as represented in its dtype; yield the displacement obtained."""
+        with self.moving() as move:
+            yield move(offset)
+
+    @contextmanager
+    def moving(self) -> Iterator[Callable[[float], Displacement]]:
+        """Yield ``move(offset)``, which sets the coordinate to ``value + offset`` and returns the displacement
+        obtained; the value is restored once, on leaving."""
+
+        def move(offset: float) -> Displacement:
+            moved, displacement = self._moved(offset)
+            self._write(moved)
+            return displacement
+
+        try:
+            yield move
+        finally:
+            self._write(self.value)
+
+    def displace_into(self, offset: float, targets: Mapping[int, Tensor]) -> Displacement:
+        """Write the displaced coordinate into ``targets[id(tensor)]``, a copy of the tensor, instead of the tensor."""
+        moved, displacement = self._moved(offset)
+        with torch.no_grad():
+            targets[id(self.tensor)][self.index] = moved
+        return displacement
+
+    def _moved(self, offset: float) -> tuple[Tensor, Displacement]:
+        """The value ``value + offset`` as represented in the tensor's dtype, and the displacement that is."""
         origin = self.value.double()
         moved = (origin + offset).to(self.tensor.dtype)
         actual = (moved.double() - origin).item()
-        try:
-            self._write(moved)
-            yield Displacement(actual, self.analytic * actual)
-        finally:
-            self._write(self.value)
+        return moved, Displacement(actual, self.analytic * actual)
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """Move, from now on, the tensor standing in for ours (keyed by ``id``), e.g. its float64 copy."""
@@ -94,6 +122,8 @@ class VectorDirection:
         grads: Autograd's gradient for each tensor.
         coefficient: The factor that makes ``components`` a unit vector.
         after_write: Called after every write (the evaluator tracks in-place changes of its inputs).
+        components_norm: ``‖components‖``, accumulated in float64, when known; when ``components`` is ``grads`` it
+            gives the analytic slope ``coefficient · ‖g‖²`` without another pass over the gradients.
     """
 
     def __init__(
@@ -103,16 +133,22 @@ class VectorDirection:
         grads: Sequence[Tensor],
         coefficient: float = 1.0,
         after_write: Callable[[], None] | None = None,
+        components_norm: float | None = None,
     ) -> None:
         self.tensors = list(tensors)
         self.components = list(components)
         self.grads = list(grads)
         self.coefficient = coefficient
-        pairs = zip(self.grads, self.components, strict=True)
-        self.analytic = coefficient * _total([_dot_tensor(g, c) for g, c in pairs])  # g · v, one host transfer
+        self._along_gradient = all(c is g for c, g in zip(self.components, self.grads, strict=True))  # v ∝ g
+        self._norm_squared: float | None = None  # ‖v‖²
+        if components_norm is not None and self._along_gradient:
+            self.analytic = coefficient * components_norm**2
+            self._norm_squared = coefficient * self.analytic
+        else:
+            pairs = zip(self.grads, self.components, strict=True)
+            self.analytic = coefficient * _total([_dot_tensor(g, c) for g, c in pairs])  # g · v, one host transfer
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
-        self._norm_squared: float | None = None
         self._after_write = after_write
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
@@ -124,33 +160,56 @@ class VectorDirection:
     @contextmanager
     def displaced(self, offset: float) -> Iterator[Displacement]:
         """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
-        if self._origin is None or self._components_cast is None:
+        with self.moving() as move:
+            yield move(offset)
+
+    @contextmanager
+    def moving(self) -> Iterator[Callable[[float], Displacement]]:
+        """Yield ``move(offset)``, which moves every tensor to ``origin + offset · v`` (rounded to its dtype) and
+        returns the displacement obtained; the tensors are restored once, on leaving (each move overwrites them)."""
+        if self._origin is None:
             self._origin = [t.detach().clone() for t in self.tensors]
-            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
-        try:
+        origin = self._origin
+        intended = all(t.dtype == torch.float64 for t in self.tensors)
+
+        def move(offset: float) -> Displacement:
             with torch.no_grad():
-                if all(t.dtype == torch.float64 for t in self.tensors):
-                    displacement = self._move_as_intended(offset)
+                if intended:
+                    displacement = self._move_as_intended(offset, origin, self.tensors)
                 else:
                     displacement = self._move_and_measure(offset)
             if self._after_write is not None:
                 self._after_write()
-            yield displacement
+            return displacement
+
+        try:
+            yield move
         finally:
             with torch.no_grad():
-                for tensor, origin in zip(self.tensors, self._origin, strict=True):
-                    tensor.copy_(origin)
+                for tensor, saved in zip(self.tensors, origin, strict=True):
+                    tensor.copy_(saved)
             if self._after_write is not None:
                 self._after_write()
+
+    def displace_into(self, offset: float, targets: Mapping[int, Tensor]) -> Displacement:
+        """Write the tensors moved by ``offset · v`` into ``targets[id(tensor)]``, one float64 tensor of their shape for
+        each, instead of moving the tensors; the displacement is taken as intended (see :meth:`_move_as_intended`)."""
+        with torch.no_grad():
+            return self._move_as_intended(offset, self.tensors, [targets[id(t)] for t in self.tensors])
+
+    def _cast_components(self) -> list[Tensor]:
+        """The components in the dtypes of the tensors they move (cast once)."""
+        if self._components_cast is None:
+            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
+        return self._components_cast
 
     def _move_and_measure(self, offset: float) -> Displacement:
         """Move the tensors; measure the displacement their dtype's rounding actually produced."""
         assert self._origin is not None
-        assert self._components_cast is not None
-        along_is_predicted = self.components is self.grads  # v = ĝ: the component along v is g·δ/‖g‖
+        along_is_predicted = self._along_gradient  # the component along v is then g·δ/‖g‖
         predicted_terms: list[Tensor] = []
         along_terms: list[Tensor] = []
-        moving = zip(self.tensors, self._origin, self._components_cast, self.components, self.grads, strict=True)
+        moving = zip(self.tensors, self._origin, self._cast_components(), self.components, self.grads, strict=True)
         for tensor, origin, increment, component, grad in moving:
             # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
             moved = torch.add(origin, increment, alpha=offset * self.coefficient)
@@ -163,19 +222,17 @@ class VectorDirection:
         predicted = _total(predicted_terms)
         return Displacement(self.coefficient * (predicted if along_is_predicted else _total(along_terms)), predicted)
 
-    def _move_as_intended(self, offset: float) -> Displacement:
-        """Move float64 tensors, whose rounding puts a displacement ~1e-12 of the step off the intended one, and take
-        the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path computes) and ``g·δ = offset·g·v``
-        predicted."""
-        assert self._origin is not None
-        assert self._components_cast is not None
+    def _move_as_intended(self, offset: float, origins: Sequence[Tensor], targets: Sequence[Tensor]) -> Displacement:
+        """Write ``origin + offset · v`` into each target, in float64, whose rounding puts a displacement ~1e-12 of the
+        step off the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring
+        path computes) and ``g·δ = offset·g·v`` predicted."""
         if self._norm_squared is None:
-            if self.components is self.grads:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
+            if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
                 self._norm_squared = self.coefficient**2 * _total([_dot_tensor(c, c) for c in self.components])
-        for tensor, origin, increment in zip(self.tensors, self._origin, self._components_cast, strict=True):
-            torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
+        for target, origin, increment in zip(targets, origins, self._cast_components(), strict=True):
+            torch.add(origin, increment, alpha=offset * self.coefficient, out=target)
         return Displacement(offset * self._norm_squared, offset * self.analytic)
 
 
@@ -208,12 +265,13 @@ _RELIABLE_NORMS = (1e-15, 1e15)
 """Norms computed in float32 outside this range may have lost their squares to underflow or overflow."""
 
 
-def norms(tensors: Sequence[Tensor]) -> list[float]:
+def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
     """The Euclidean norm of each tensor, with one host transfer per device.
 
-    Norms set step sizes and scales, so float32 accumulation is precise enough; what it cannot do is square values
-    below ~1e-19 or above ~1e19, so a norm outside :data:`_RELIABLE_NORMS` (a tiny late-training gradient, an exactly
-    zero one, an overflow) is computed again in float64.
+    Norms that set step sizes and scales are precise enough accumulated in the tensors' own dtype (16-bit ones in
+    float32), except that float32 cannot square values below ~1e-19 or above ~1e19: a norm outside
+    :data:`_RELIABLE_NORMS` (a tiny late-training gradient, an exactly zero one, an overflow) is computed again in
+    float64. With ``exact`` every norm is accumulated in float64, as the analytic slope along a gradient needs.
     """
     if not tensors:
         return []
@@ -223,11 +281,11 @@ def norms(tensors: Sequence[Tensor]) -> list[float]:
     values = [0.0] * len(tensors)
     for positions in groups.values():
         batch = [_norm_input(tensors[i]) for i in positions]
-        for i, value in zip(positions, torch.stack(_foreach_norm(batch)).tolist(), strict=True):
+        for i, value in zip(positions, torch.stack(_foreach_norm(batch, exact)).tolist(), strict=True):
             values[i] = value
     low, high = _RELIABLE_NORMS
     for i, value in enumerate(values):
-        if not low < value < high:
+        if not exact and not low < value < high:
             values[i] = torch.linalg.vector_norm(tensors[i].detach(), dtype=torch.float64).item()
     return values
 
@@ -237,12 +295,14 @@ def _norm_input(tensor: Tensor) -> Tensor:
     return tensor.float() if tensor.dtype in _SIXTEEN_BIT else tensor
 
 
-def _foreach_norm(tensors: list[Tensor]) -> list[Tensor]:
-    """``torch._foreach_norm`` (one fused kernel where the backend has one), else one norm per tensor."""
+def _foreach_norm(tensors: list[Tensor], exact: bool) -> list[Tensor]:
+    """``torch._foreach_norm`` (one fused kernel where the backend has one), else one norm per tensor; accumulated in
+    float64 if ``exact``."""
+    dtype = torch.float64 if exact else None
     try:
-        return list(torch._foreach_norm(tensors))
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return [torch.linalg.vector_norm(t) for t in tensors]
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):  # torch < 2.2 has no dtype argument
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
 
 
 Direction = CoordinateDirection | VectorDirection
@@ -251,8 +311,8 @@ Direction = CoordinateDirection | VectorDirection
 def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
     """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``."""
     points = []
-    for offset in offsets:
-        with direction.displaced(offset * step) as displacement:
-            value = evaluator.loss()
-        points.append(Point(offset, value, displacement.along, displacement.predicted))
+    with direction.moving() as move:
+        for offset in offsets:
+            displacement = move(offset * step)
+            points.append(Point(offset, evaluator.loss(), displacement.along, displacement.predicted))
     return tuple(points)

@@ -1,0 +1,72 @@
+"""Directions and norms: moves that land where they say, restores that are exact, norms that survive tiny values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradwatch.probes import CoordinateDirection, VectorDirection, norms
+
+
+def test_norms_match_float64_from_tiny_to_huge_and_for_16_bit_tensors() -> None:
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(1000, generator=generator)
+    tensors = [
+        base,
+        base * 1e-25,  # float32 squares underflow: recomputed in float64
+        torch.zeros(10),
+        base * 1e25,  # float32 squares overflow
+        base.double() * 1e-200,
+        base.to(torch.bfloat16),
+        torch.empty(0),
+    ]
+    expected = [torch.linalg.vector_norm(t.double()).item() for t in tensors]
+    for exact in (False, True):
+        assert norms(tensors, exact=exact) == pytest.approx(expected, rel=1e-5 if not exact else 1e-12)
+
+
+def test_exact_norms_are_float64_accumulations() -> None:
+    values = torch.full((10_000,), 1.0 + 2**-20)  # float32 accumulation drifts in the last digits
+    (value,) = norms([values], exact=True)
+    assert value == pytest.approx(math.sqrt(10_000) * (1 + 2**-20), rel=1e-14)
+
+
+def test_vector_moves_overwrite_and_restore_exactly() -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(5, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)]
+    grads = [torch.randn(5, 3), torch.randn(4)]
+    originals = [t.clone() for t in tensors]
+    size = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    direction = VectorDirection(tensors, grads, grads, 1.0 / size, components_norm=size)
+    assert direction.analytic == pytest.approx(size, rel=1e-12)  # g · ĝ = ‖g‖
+    with direction.moving() as move:
+        first = move(0.5)
+        after_first = [t.clone() for t in tensors]
+        move(-0.25)
+        for tensor, origin, grad in zip(tensors, originals, grads, strict=True):
+            assert torch.equal(tensor, origin + (-0.25 / size) * grad.double())  # from the origin, not cumulative
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals, strict=True))
+    assert first.along == pytest.approx(0.5, rel=1e-12)
+    assert first.predicted == pytest.approx(0.5 * size, rel=1e-12)
+    # the same point written into copies: bit for bit what moving the tensors wrote
+    targets = {id(t): torch.empty_like(t) for t in tensors}
+    assert direction.displace_into(0.5, targets) == first
+    assert all(torch.equal(targets[id(t)], moved) for t, moved in zip(tensors, after_first, strict=True))
+
+
+def test_coordinate_moves_by_what_the_dtype_represents_and_restores() -> None:
+    tensor = torch.tensor([1.0, 2.0, 3.0])
+    direction = CoordinateDirection(tensor, (1,), gradient=4.0)
+    with direction.moving() as move:
+        displacement = move(1e-9)  # below float32's resolution at 2.0: no move at all
+        assert displacement.along == 0.0
+        displacement = move(0.125)
+        assert tensor[1].item() == 2.125
+        assert displacement.predicted == 0.5
+    assert tensor.tolist() == [1.0, 2.0, 3.0]
+    copy = tensor.clone()
+    assert direction.displace_into(0.125, {id(tensor): copy}) == displacement
+    assert copy.tolist() == [1.0, 2.125, 3.0]
+    assert tensor.tolist() == [1.0, 2.0, 3.0]
