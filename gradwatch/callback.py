@@ -145,6 +145,9 @@ class GradWatch(Callback):
             allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
         precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter elements); see
             :func:`gradwatch.check_gradients`.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes (see
+            :mod:`gradwatch.vectorized`). A loss that cannot be vectorised (a custom ``autograd.Function`` without a
+            vmap rule, say) is evaluated point by point, and after the first such check the callback stops trying.
         ignore: ``fnmatch`` patterns of parameter names not to check (e.g. straight-through estimators).
         tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
         random_probes: Tensors probed along a random direction per check (in turn).
@@ -174,6 +177,7 @@ class GradWatch(Callback):
         probe_batch_size: int | None = 1,
         max_overhead: float | None = None,
         precision: Precision = "auto",
+        vectorize: bool = True,
         ignore: list[str] | tuple[str, ...] = (),
         tensor_probes: int = 6,
         random_probes: int = 1,
@@ -192,6 +196,8 @@ class GradWatch(Callback):
         self._probe_samples = self.probe_batch_size
         self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True)
         self.precision = validate.check_choice("precision", precision, PRECISIONS)
+        self.vectorize = validate.check_bool("vectorize", vectorize)
+        self._vectorize = self.vectorize  # off once a check found the loss cannot be vectorised
         self.ignore = validate.check_patterns("ignore", ignore)
         self.tensor_probes = validate.check_int("tensor_probes", tensor_probes, minimum=0)
         self.random_probes = validate.check_int("random_probes", random_probes, minimum=0)
@@ -382,6 +388,7 @@ class GradWatch(Callback):
                     input_probes=self.input_probes,
                     probe_batch_size=self._probe_samples,
                     precision=self.precision,
+                    vectorize=self._vectorize,
                     ignore=self.ignore,
                     rtol=self.rtol,
                     seed=self.seed,
@@ -406,6 +413,8 @@ class GradWatch(Callback):
         if self._probe_samples is not None and report.samples is not None and report.samples > self._probe_samples:
             self._probe_samples = report.samples  # the loss refused the smaller slice: no need to try it again
         self._focus = report.undecided
+        if report.vectorized is False:
+            self._vectorize = False  # the loss could not be vectorised: the next checks need not try again
         self._failed_checks += report.verdict == "fail"
         for note in report.notes:
             log.info("gradwatch (step %d): %s", report.step, note)

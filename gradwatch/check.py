@@ -58,10 +58,11 @@ from gradwatch.numerics import (
     undecided,
 )
 from gradwatch.precision import PRECISIONS, Precision, float64_storage, resolve_precision
-from gradwatch.probes import CoordinateDirection, Direction, VectorDirection, measure, norm, norms
+from gradwatch.probes import CoordinateDirection, Direction, Displacement, VectorDirection, measure, norm, norms
 from gradwatch.report import DESCENT_TARGET, CheckReport, Probe, ProbeKind, Verdict
 from gradwatch.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.state import TrainingState
+from gradwatch.vectorized import VectorizedLoss, memory_budget, vectorizable
 
 REPRODUCIBILITY_TOLERANCE = 1e-4
 """Relative difference allowed between the reference loss and a gradient-free evaluation at the same point (more for
@@ -101,6 +102,7 @@ def check_gradients(
     seed: int = 0,
     rotation: int | None = None,
     float64_reductions: bool = True,
+    vectorize: bool = True,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
@@ -137,6 +139,10 @@ def check_gradients(
             caller running a series of checks passes the check's position in the series.
         float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences
             (see :mod:`gradwatch.reductions`). Turn off only to study the effect.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap``
+            (see :mod:`gradwatch.vectorized`); losses vmap cannot run are evaluated point by point either way. Turn
+            off for a loss with side effects that must happen once per point (a forward hook that records
+            activations).
 
     Returns:
         A :class:`~gradwatch.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
@@ -174,6 +180,7 @@ def check_gradients(
     validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
     validate.check_bool("float64_reductions", float64_reductions)
+    validate.check_bool("vectorize", vectorize)
 
     started = time.perf_counter()
     params: list[tuple[str, Tensor]] = [
@@ -199,10 +206,12 @@ def check_gradients(
         focus=focus,
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
+        vectorize=vectorize,
     )
     state = TrainingState.capture(model)
     notes: list[str] = []
     used_precision = "native"
+    vectorized: bool | None = None
     try:
         with probe_conditions():
             evaluator, reference, probe_batch = _reference_on_a_slice(
@@ -212,7 +221,7 @@ def check_gradients(
             grads = [
                 g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
             ]
-            grad_norms = norms(grads)
+            grad_norms = norms(grads, exact=True)
             probes = _nonfinite_probes(reference, params, grad_norms)
             asked = settings.rtol
             settings = dataclasses.replace(settings, rtol=gradient_tolerance(asked, reference.loss, dtype))
@@ -224,7 +233,9 @@ def check_gradients(
             elif not probes:
                 with _probe_precision(model, evaluator, mode) as (used, trial):
                     used_precision = used
-                    probes = _Prober(evaluator, reference, settings, grad_norms, center=trial).run()
+                    prober = _Prober(evaluator, reference, settings, grad_norms, center=trial)
+                    probes = prober.run()
+                    vectorized = None if prober.vectorized is None else prober.vectorized.outcome
     finally:
         state.restore()
     return CheckReport(
@@ -234,10 +245,12 @@ def check_gradients(
         loss=reference.loss,
         n_forward=evaluator.n_forward,
         n_backward=evaluator.n_backward,
+        n_passes=evaluator.n_passes,
         duration_s=time.perf_counter() - started,
         notes=list(evaluator.notes),
         samples=batch_size(probe_batch),
         precision=used_precision,
+        vectorized=vectorized,
         rtol=settings.rtol,
     )
 
@@ -321,6 +334,7 @@ class _Settings:
     focus: tuple[str, ...]
     native_dtype: torch.dtype
     float64_refinement: bool
+    vectorize: bool
 
 
 def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -443,6 +457,9 @@ class _Prober:
         self.jitter = 0.0
         self.loss_noise = math.inf
         self.rng = generator(settings.seed, settings.step)
+        self.vectorized: VectorizedLoss | None = None
+        self._measured: dict[tuple[int, float, float], tuple[float, Displacement]] = {}
+        """Points evaluated ahead, in vectorised passes, by (probe id, step, offset): :meth:`_measure` takes them."""
 
     # ---- the flow of a check --------------------------------------------------------------------------------------
 
@@ -453,8 +470,13 @@ class _Prober:
         if anchor is None:
             self.evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
             return []
-        self._anchor(anchor)
         screened = self._screens(input_direction=anchor.kind != "input")
+        if self.settings.vectorize and vectorizable(self.evaluator) and not self.evaluator.grad_mode:
+            budget = memory_budget([p for _, p in self.params])
+            self.vectorized = VectorizedLoss(self.evaluator, self.center, budget)
+            # the anchor's full stencil and every screen, together; escalations follow in passes of their own
+            self._prefetch([(anchor, PAIR_OFFSETS + HALF_OFFSETS)] + [(p, PAIR_OFFSETS) for p in screened])
+        self._anchor(anchor)
         self._screen_and_escalate(screened)
         done = [anchor, *screened]
         self._refine_in_float64(done)
@@ -557,12 +579,13 @@ class _Prober:
         self.loss_noise = anchor.result.loss_noise
 
     def _screen_and_escalate(self, pending: Sequence[_Pending]) -> None:
+        self._prefetch([(probe, PAIR_OFFSETS) for probe in pending])
         for probe in pending:
             self._screen(probe)
-        for probe in pending:
-            assert probe.result is not None
-            if probe.result.verdict == "suspect":
-                self._full(probe)
+        suspects = [p for p in pending if p.result is not None and p.result.verdict == "suspect"]
+        self._prefetch([(probe, HALF_OFFSETS) for probe in suspects])
+        for probe in suspects:
+            self._full(probe)
 
     def _localize(self, done: Sequence[_Pending]) -> list[_Pending]:
         """After a failure, a tensor probe for every tensor not probed along its gradient yet, so the report names
@@ -593,8 +616,32 @@ class _Prober:
         return Stencil(step, self.center, probe.direction.analytic, self._measure(probe, step, offsets))
 
     def _measure(self, probe: _Pending, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+        """The loss at ``offset × step`` along the probe's direction for each offset: evaluated ahead if it was, else
+        now, one point at a time."""
         probe.evaluations += len(offsets)
-        return measure(self.evaluator, probe.direction, step, offsets)
+        keys = {offset: (id(probe), step, offset) for offset in offsets}
+        known = {offset: self._measured.pop(key) for offset, key in keys.items() if key in self._measured}
+        missing = [offset for offset in offsets if offset not in known]
+        points = {p.offset: p for p in measure(self.evaluator, probe.direction, step, missing)} if missing else {}
+        for offset, (value, displacement) in known.items():
+            points[offset] = Point(offset, value, displacement.along, displacement.predicted)
+        return tuple(points[offset] for offset in offsets)
+
+    def _prefetch(self, requests: Sequence[tuple[_Pending, Sequence[float]]]) -> None:
+        """Evaluate ahead, together, the points ``offset × probe.step`` of each ``(probe, offsets)`` that are not known
+        yet, when the check evaluates points in vectorised passes."""
+        if self.vectorized is None or not self.vectorized.usable:
+            return
+        wanted = [
+            (probe, offset)
+            for probe, offsets in requests
+            for offset in offsets
+            if (id(probe), probe.step, offset) not in self._measured
+        ]
+        results = self.vectorized.evaluate([(probe.direction, offset * probe.step) for probe, offset in wanted])
+        for (probe, offset), result in zip(wanted, results, strict=True):
+            if result is not None:
+                self._measured[(id(probe), probe.step, offset)] = result
 
     def _screen(self, probe: _Pending) -> None:
         probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
@@ -658,7 +705,9 @@ class _Prober:
     def _descent(self) -> _Pending | None:
         if not self.params or self.grad_norm == 0.0:
             return None
-        direction = VectorDirection([p for _, p in self.params], self.grads, self.grads, 1.0 / self.grad_norm)
+        direction = VectorDirection(
+            [p for _, p in self.params], self.grads, self.grads, 1.0 / self.grad_norm, components_norm=self.grad_norm
+        )
         # the step's scale along ĝ: each tensor's own magnitude, weighted by its share of the gradient
         weighted = sum(
             self._tensor_scale(i) ** 2 * (share / self.grad_norm) ** 2 for i, share in enumerate(self.tensor_grad_norms)
@@ -709,7 +758,7 @@ class _Prober:
         size = self.tensor_grad_norms[i]
         if size == 0.0:
             return None
-        direction = VectorDirection([param], [grad], [grad], 1.0 / size)
+        direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
         step = relative_step(param.dtype) * self._tensor_scale(i)
         floor = self.negligible * self.grad_norm
         return _Pending("tensor", name, None, direction, step, scale_floor=floor, tensor=i)

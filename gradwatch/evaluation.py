@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.batch import floating_tensors, replace_tensors
 from gradwatch.reductions import Float64Reductions
@@ -75,6 +76,28 @@ def probe_conditions() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _running_statistics_frozen(model: nn.Module) -> Iterator[None]:
+    """Let BatchNorm layers in training mode normalise by the batch's statistics without updating their running ones
+    (their output is the same either way), then put their settings back."""
+    frozen = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    for module in frozen:
+        module.track_running_stats = False
+    try:
+        yield
+    finally:
+        for module in frozen:
+            module.track_running_stats = True
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
+
+
 def _as_scalar_loss(value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
@@ -132,6 +155,9 @@ class LossEvaluator:
         self.notes: list[str] = []
         self.n_forward = 0
         self.n_backward = 0
+        self.n_passes = 0
+        self.saved_elements = 0
+        """Elements autograd saved for the backward of the reference pass: about the activations of one evaluation."""
         self._batch = batch
         self._use_inputs(floating_tensors(batch))
         self._reductions_verified = False
@@ -153,13 +179,15 @@ class LossEvaluator:
         self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
 
     @contextlib.contextmanager
-    def _evaluation(self, grad: bool) -> Iterator[None]:
+    def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
+        """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
+        replayed."""
         self.state.replay_rng()
-        try:
-            with torch.set_grad_enabled(grad):
-                yield
-        finally:
-            self.n_forward += 1
+        self.n_passes += 1
+        self.n_forward += 1
+        with torch.set_grad_enabled(grad):
+            yield
+        self.n_forward += points - 1
 
     def reference(self, with_inputs: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
@@ -183,9 +211,11 @@ class LossEvaluator:
             {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
         )
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
+        self.saved_elements = 0
         try:
             with self._evaluation(grad=True):
-                loss = _as_scalar_loss(self.loss_fn(self.model, batch))
+                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
+                    loss = _as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [p for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
                     raise ValueError(
@@ -201,6 +231,37 @@ class LossEvaluator:
         n_params = len(self.params)
         input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
         return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
+
+    def _count_saved(self, tensor: Tensor) -> Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
+            self.saved_elements += tensor.numel()
+        return tensor
+
+    def losses(self, param_stacks: dict[str, Tensor], input_stacks: dict[str, Tensor], points: int) -> list[float]:
+        """The loss at ``points`` points in one forward pass, vectorised with ``torch.func.vmap``.
+
+        ``param_stacks`` (by parameter name) and ``input_stacks`` (by input path) hold the tensors that differ between
+        the points, one slice per point along a new leading dimension; every other tensor is shared. Random draws are
+        shared by all points (``randomness="same"``) and replayed as in every evaluation, so each point sees the
+        dropout masks an evaluation on its own would. BatchNorm layers in training mode run without updating their
+        running statistics, which their output does not depend on (vmap cannot update one buffer from many points).
+        Raises whatever vmap or the loss raises on code it cannot vectorise.
+        """
+        model, loss_fn = self.model, self.loss_fn
+
+        def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
+            batch = replace_tensors(self._batch, {**self.inputs, **inputs})
+            with _reparametrize_module(model, params, tie_weights=True, strict=False):
+                return _as_scalar_loss(loss_fn(model, batch))
+
+        self._reset_inputs()
+        try:
+            with self._evaluation(grad=False, points=points), _running_statistics_frozen(model):
+                values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
+        finally:
+            self.state.restore_buffers()
+        self.value_dtype = values.dtype
+        return values.detach().double().tolist()
 
     def loss(self) -> float:
         """The loss at the current (possibly perturbed) point, without building a graph.
@@ -257,6 +318,11 @@ class LossEvaluator:
         self.inputs = {path: tensor.detach().clone() for path, tensor in pristine.items()}
         self._working_batch = replace_tensors(self._batch, self.inputs)
         self.mark_inputs_current()
+
+    @property
+    def grad_mode(self) -> bool:
+        """Whether evaluations record autograd graphs (see :meth:`use_grad_mode`)."""
+        return self._grad_mode_evaluations
 
     def use_grad_mode(self) -> None:
         """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between

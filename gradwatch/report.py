@@ -108,6 +108,11 @@ class CheckReport:
         precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
         rtol: The relative tolerance the probes were judged with: the one asked for, raised where the loss is so
             small that autograd's own rounding exceeds it (about ``4 ε / |loss|``).
+        n_passes: Forward passes the loss evaluations took (the reference pass included): fewer than ``n_forward``
+            where points were evaluated together (:mod:`gradwatch.vectorized`).
+        vectorized: Whether the probes' points were evaluated together in vectorised passes: ``True`` if they were,
+            ``False`` if the loss could not be vectorised (a note says why), ``None`` if it was not tried (native
+            precision, ``vectorize=False``, or no group of points fitted the memory a pass may take).
     """
 
     step: int
@@ -121,6 +126,8 @@ class CheckReport:
     samples: int | None = None
     precision: str = "native"
     rtol: float = math.nan
+    n_passes: int = 0
+    vectorized: bool | None = None
 
     @property
     def failures(self) -> list[Probe]:
@@ -177,7 +184,8 @@ class CheckReport:
         return (
             f"step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
             f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
-            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} forwards, {self.n_backward} backward, "
+            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} loss evaluations in {self.n_passes} forward "
+            f"passes, {self.n_backward} backward, "
             f"{self.duration_s * 1e3:.0f} ms)"
         )
 
@@ -195,6 +203,7 @@ class CheckReport:
             "gradwatch/verdict": float(VERDICTS.index(self.verdict)),
             "gradwatch/check_seconds": self.duration_s,
             "gradwatch/loss_evaluations": float(self.n_forward),
+            "gradwatch/forward_passes": float(self.n_passes),
             "gradwatch/noise_median": statistics.median(noise) if noise else math.nan,
         }
 

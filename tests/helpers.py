@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -94,6 +95,7 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
         "grads": {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
         "grad_ids": {n: id(p.grad) for n, p in model.named_parameters()},
         "modes": [m.training for m in model.modules()],
+        "running_statistics": [m.track_running_stats for m in model.modules() if isinstance(m, _BatchNorm)],
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "numpy_rng": np.random.get_state()[1].copy(),
@@ -114,6 +116,7 @@ def assert_bit_identical(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert before["param_ids"] == after["param_ids"]
     assert before["grad_ids"] == after["grad_ids"], ".grad tensors were replaced"
     assert before["modes"] == after["modes"]
+    assert before["running_statistics"] == after["running_statistics"]
     assert torch.equal(before["torch_rng"], after["torch_rng"])
     assert before["python_rng"] == after["python_rng"]
     assert np.array_equal(before["numpy_rng"], after["numpy_rng"])

@@ -40,6 +40,7 @@ SCALAR_TAGS = {
     "gradwatch/verdict",
     "gradwatch/check_seconds",
     "gradwatch/loss_evaluations",
+    "gradwatch/forward_passes",
     "gradwatch/noise_median",
     "gradwatch/overhead",
 }
@@ -329,6 +330,7 @@ def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Pa
         ({"rtol": 1.5}, "`rtol` must be None or a number strictly between 0 and 1; got 1.5"),
         ({"seed": "a"}, "`seed` must be an integer >= 0; got 'a'"),
         ({"max_reports": 0}, "`max_reports` must be an integer >= 1; got 0"),
+        ({"vectorize": None}, "`vectorize` must be True or False; got None"),
     ],
     ids=[
         "every_n_steps-zero",
@@ -341,6 +343,7 @@ def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Pa
         "rtol",
         "seed",
         "max_reports",
+        "vectorize",
     ],
 )
 def test_constructor_validates_every_argument(kwargs: dict[str, Any], message: str) -> None:
@@ -388,3 +391,18 @@ def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> No
     trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
     assert [r.samples for r in watch.reports] == [4, 4, 4]
     assert [any("first 1 sample" in note for note in r.notes) for r in watch.reports] == [True, False, False]
+
+
+def test_loss_that_cannot_be_vectorised_is_not_tried_again(tmp_path: Path) -> None:
+    # LitSeedModel's custom autograd.Function has no vmap rule
+    watch = GradWatch(every_n_steps=1)
+    trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(), loader(seed_batch()))
+    assert [r.vectorized for r in watch.reports] == [False, None, None]
+    assert [r.verdict for r in watch.reports] == ["ok", "ok", "ok"]
+
+
+def test_training_step_is_vectorised(tmp_path: Path) -> None:
+    watch = GradWatch(every_n_steps=1)
+    trainer(tmp_path, [watch], max_steps=2).fit(LitClassifier(), loader(classification_batch()))
+    assert [r.vectorized for r in watch.reports] == [True, True]
+    assert all(r.n_passes < r.n_forward for r in watch.reports)

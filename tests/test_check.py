@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,16 +103,21 @@ class _FailingLoss:
         return cross_entropy_loss(model, batch)
 
 
-@pytest.mark.parametrize("fail_at", [1, 2, 5, 12], ids=["reference", "reproducibility", "descent", "coordinate"])
+@pytest.mark.parametrize(
+    ("fail_at", "vectorize"),
+    [(1, True), (2, True), (3, True), (5, False), (12, False)],
+    ids=["reference", "reproducibility", "vectorised-pass", "descent", "coordinate"],
+)
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["exception", "keyboard-interrupt"])
-def test_failure_inside_a_probe_restores_everything(fail_at: int, error: BaseException) -> None:
+def test_failure_inside_a_probe_restores_everything(fail_at: int, vectorize: bool, error: BaseException) -> None:
+    # an exception in the vectorised pass (call 3) sends the check to point-by-point evaluation, whose first call raises
     torch.manual_seed(0)
     model = DropoutBatchNormNet()
     batch = classification_batch()
     cross_entropy_loss(model, batch).backward()
     before = snapshot(model)
     with pytest.raises(type(error)):
-        check_gradients(model, batch, _FailingLoss(fail_at, error))
+        check_gradients(model, batch, _FailingLoss(fail_at, error), vectorize=vectorize)
     assert_bit_identical(before, snapshot(model))
 
 
@@ -243,18 +250,32 @@ def test_same_seed_and_step_probe_the_same_coordinates() -> None:
     assert coordinates(first) != coordinates(other)
 
 
-def test_healthy_check_is_a_cheap_screen_and_counts_its_cost() -> None:
+@pytest.mark.parametrize("vectorize", [False, True], ids=["point-by-point", "vectorised"])
+def test_healthy_check_is_a_cheap_screen_and_counts_its_cost(vectorize: bool) -> None:
+    torch.manual_seed(0)
     report = check_gradients(
-        SeedModel(), seed_batch(), seed_loss, tensor_probes=2, random_probes=1, param_probes=4, input_probes=2
+        nn.Linear(64, 120),
+        seed_batch(),
+        seed_loss,
+        tensor_probes=2,
+        random_probes=1,
+        param_probes=4,
+        input_probes=2,
+        vectorize=vectorize,
     )
     assert report.verdict == "ok", str(report)
     # reference + centre, the descent probe's 4 points, then 2 points per screen: 2 tensor, 1 random, 4 coordinate
     # and 2 input probes (along the inputs' gradient, one coordinate), none of which needed more
     assert [p.kind for p in report.probes].count("param") == 4
     assert len(report.probes) == 1 + 2 + 1 + 4 + 2
-    assert report.n_forward == 2 + 4 + 2 * 9
     assert report.n_backward == 1
     assert report.duration_s > 0
+    if vectorize:
+        # the 14 points of the screens that move one parameter in one pass, with the centre again, which the pass must
+        # reproduce; the descent probe's and the input probes' points one by one
+        assert (report.n_forward, report.n_passes, report.vectorized) == (2 + 1 + 4 + 2 * 9, 2 + 1 + 4 + 4, True)
+    else:
+        assert (report.n_forward, report.n_passes, report.vectorized) == (2 + 4 + 2 * 9, 2 + 4 + 2 * 9, None)
 
 
 def test_loss_that_cannot_be_reproduced_is_inconclusive_not_failed() -> None:
@@ -306,6 +327,7 @@ def test_bad_loss_outputs_raise_clear_errors() -> None:
         ({"seed": -1}, "`seed` must be an integer >= 0"),
         ({"rotation": -3}, "`rotation` must be None or an integer >= 0"),
         ({"float64_reductions": 1}, "`float64_reductions` must be True or False; got 1"),
+        ({"vectorize": "yes"}, "`vectorize` must be True or False; got 'yes'"),
     ],
     ids=[
         "step-negative",
@@ -317,6 +339,7 @@ def test_bad_loss_outputs_raise_clear_errors() -> None:
         "seed",
         "rotation",
         "reductions",
+        "vectorize",
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, message: str) -> None:
@@ -488,3 +511,17 @@ def test_sixteen_bit_model_is_probed_in_float64_and_catches_a_gross_error(dtype:
     model[0].weight.register_hook(lambda g: g * 1.5)
     buggy = check_gradients(model, batch, cross_entropy_loss, tensor_probes=4)
     assert "0.weight" in {p.target for p in buggy.failures}, str(buggy)
+
+
+def test_loss_drawing_from_numpy_and_python_generators_is_replayed_at_every_point() -> None:
+    # noise drawn from the global generators: reproducible only if every evaluation replays them
+    def noisy_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        scale = 1 + 1e-3 * float(np.random.rand()) + 1e-3 * random.random()
+        return cross_entropy_loss(model, batch) * scale
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    for vectorize in (False, True):
+        report = check_gradients(model, classification_batch(), noisy_loss, vectorize=vectorize)
+        assert report.verdict == "ok", str(report)
+        assert not report.notes, report.notes

@@ -19,6 +19,7 @@ ENGINE = [
     "probes",
     "sampling",
     "check",
+    "vectorized",
     "_validation",
     "testing",
 ]

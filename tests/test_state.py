@@ -51,3 +51,27 @@ def test_restore_buffers_after_a_batchnorm_forward() -> None:
     for name, value in model.named_buffers():
         assert torch.equal(value, before[name]), name
     state.restore()
+
+
+def test_only_the_generators_an_evaluation_drew_from_are_replayed_and_all_are_restored() -> None:
+    dropout = nn.Dropout(0.5)
+    state = TrainingState.capture(dropout)
+    python_before, numpy_before = random.getstate(), np.random.get_state()[1].copy()
+    dropout(torch.ones(10))  # draws from torch's generator only
+    state.skip_unused_generators()
+    random.random()  # after the first evaluation: no longer replayed...
+    np.random.rand()
+    state.replay_rng()
+    assert random.getstate() != python_before
+    state.restore()  # ...but restored
+    assert random.getstate() == python_before
+    assert np.array_equal(np.random.get_state()[1], numpy_before)
+
+
+def test_numpy_draws_of_the_loss_stay_replayed() -> None:
+    state = TrainingState.capture(nn.Linear(2, 2))
+    first = np.random.rand()  # the loss draws from NumPy
+    state.skip_unused_generators()
+    state.replay_rng()
+    assert np.random.rand() == first
+    state.restore()

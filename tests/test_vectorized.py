@@ -1,0 +1,123 @@
+"""Vectorised evaluation: what point-by-point evaluation measures, in fewer passes; point by point where it cannot be
+exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    DropoutBatchNormNet,
+    SeedModel,
+    assert_bit_identical,
+    classification_batch,
+    cross_entropy_loss,
+    seed_batch,
+    seed_loss,
+    snapshot,
+)
+from torch import Tensor, nn
+
+from gradwatch import CheckReport, check_gradients
+from gradwatch import check as check_module
+
+
+def _check(model: nn.Module, vectorize: bool, **kwargs: object) -> CheckReport:
+    # four samples: BatchNorm in training mode refuses one
+    return check_gradients(
+        model, classification_batch(), cross_entropy_loss, step=3, probe_batch_size=4, vectorize=vectorize, **kwargs
+    )
+
+
+def _same_measurements(first: CheckReport, second: CheckReport) -> None:
+    assert [(p.kind, p.target, p.index, p.verdict) for p in first.probes] == [
+        (p.kind, p.target, p.index, p.verdict) for p in second.probes
+    ]
+    for a, b in zip(first.probes, second.probes, strict=True):
+        assert a.numeric == pytest.approx(b.numeric, rel=1e-9, abs=1e-12), (a.describe(), b.describe())
+
+
+def test_vectorised_passes_measure_what_point_by_point_evaluation_measures() -> None:
+    # dropout (the same masks for every point) and BatchNorm in training mode (its running statistics untouched)
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    cross_entropy_loss(model, classification_batch()).backward()
+    before = snapshot(model)
+    vectorised = _check(model, vectorize=True)
+    assert_bit_identical(before, snapshot(model))
+    one_by_one = _check(model, vectorize=False)
+    assert vectorised.vectorized is True
+    assert one_by_one.vectorized is None
+    assert vectorised.verdict == one_by_one.verdict == "ok", str(vectorised)
+    assert vectorised.n_passes < one_by_one.n_passes
+    assert vectorised.n_forward == one_by_one.n_forward + 1  # the centre, which the first pass reproduces
+    _same_measurements(vectorised, one_by_one)
+
+
+def test_one_percent_error_is_caught_and_located_in_a_vectorised_check() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    model.net[4].weight.register_hook(lambda grad: grad * 1.01)  # a hook that corrupts the gradient training uses
+    report = _check(model, vectorize=True)
+    assert report.vectorized is True
+    assert report.verdict == "fail", str(report)
+    assert "net.4.weight" in {p.target for p in report.failures if p.kind == "tensor"}
+
+
+def test_memory_budget_splits_the_points_over_more_passes_or_leaves_them_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    whole = _check(model, vectorize=True)
+    monkeypatch.setattr(check_module, "memory_budget", lambda params: 100_000)  # bytes: a few points per pass
+    split = _check(model, vectorize=True)
+    assert split.vectorized is True
+    assert split.n_forward == whole.n_forward
+    assert split.n_passes > whole.n_passes
+    _same_measurements(split, whole)
+    monkeypatch.setattr(check_module, "memory_budget", lambda params: 30_000)  # too little for a pass of 4 points
+    none = _check(model, vectorize=True)
+    assert none.vectorized is None
+    assert none.n_passes == none.n_forward
+    _same_measurements(none, whole)
+
+
+def test_custom_function_without_a_vmap_rule_is_evaluated_point_by_point() -> None:
+    # SeedModel's autograd.Function has no setup_context: vmap refuses it
+    report = check_gradients(SeedModel(), seed_batch(), seed_loss)
+    assert report.vectorized is False
+    assert any("points evaluated one by one: the loss cannot be vectorised" in note for note in report.notes)
+    assert report.verdict == "ok", str(report)
+    buggy = check_gradients(SeedModel(weight_scale=1.01), seed_batch(), seed_loss)
+    assert buggy.verdict == "fail"
+
+
+def test_loss_that_computes_something_else_when_vectorised_is_evaluated_point_by_point() -> None:
+    def loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        value = cross_entropy_loss(model, batch)
+        if torch._C._functorch.is_batchedtensor(value):  # simulates a function vmap changes without an error
+            value = value * (1 + 1e-9)
+        return value
+
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    report = check_gradients(model, classification_batch(), loss, probe_batch_size=4)
+    assert report.vectorized is False
+    assert any("a vectorised pass gave" in note and "on its own" in note for note in report.notes), report.notes
+    assert report.verdict == "ok", str(report)
+
+
+def test_native_float32_probes_are_not_vectorised() -> None:
+    torch.manual_seed(0)
+    report = _check(DropoutBatchNormNet(), vectorize=True, precision="native")
+    assert report.vectorized is None
+    assert report.n_passes == report.n_forward
+
+
+def test_float64_model_is_vectorised_in_its_own_precision() -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet().double()
+    batch = tuple(t.double() if t.is_floating_point() else t for t in classification_batch())
+    report = check_gradients(model, batch, cross_entropy_loss, probe_batch_size=4)
+    assert report.vectorized is True
+    assert report.verdict == "ok", str(report)
