@@ -35,13 +35,23 @@ from gradwatch import CheckReport, GradWatch, check_gradients
 
 
 class CustomSiLU(torch.autograd.Function):
-    """``x · σ(x)`` with a hand-written backward; ``correct=False`` drops the ``x · σ'(x)`` term."""
+    """``x · σ(x)`` with a hand-written backward; ``correct=False`` drops the ``x · σ'(x)`` term.
+
+    Written as torch.func wants a Function (``setup_context``, ``generate_vmap_rule``), so that gradwatch can evaluate
+    the models' probe points in vectorised passes (``--no-vectorize`` measures the point-by-point path).
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, correct: bool) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, correct: bool) -> Tensor:  # type: ignore[override]
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, bool], output: Tensor) -> None:  # type: ignore[override]
+        x, correct = inputs
         ctx.save_for_backward(x)
         ctx.correct = correct
-        return x * torch.sigmoid(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -54,10 +64,15 @@ class CustomSiLU(torch.autograd.Function):
 class InputGate(torch.autograd.Function):
     """The identity, whose backward scales the input gradient by ``factor`` (1 is correct)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
-        ctx.factor = factor
+    def forward(x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor, float], output: Tensor) -> None:  # type: ignore[override]
+        ctx.factor = inputs[1]
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -246,7 +261,8 @@ INPUT = "input"
 DEFAULTS = {
     name: parameter.default
     for name, parameter in inspect.signature(GradWatch).parameters.items()
-    if name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "probe_batch_size", "precision")
+    if name
+    in ("tensor_probes", "random_probes", "param_probes", "input_probes", "probe_batch_size", "precision", "vectorize")
 }
 """The engine settings of ``GradWatch()``: the benchmark measures what users get by default."""
 
@@ -354,12 +370,14 @@ class Tally:
     failed: int = 0
     inconclusive: int = 0
     evaluations: list[int] | None = None
+    passes: list[int] | None = None
+    vectorized: int = 0
     seconds: float = 0.0
 
 
 def false_alarms(case: Case, dtype: torch.dtype, seeds: int, steps: int) -> Tally:
     """Train a correct model on a small fixed dataset, checking at every step."""
-    tally = Tally(evaluations=[])
+    tally = Tally(evaluations=[], passes=[])
     for seed in range(seeds):
         model = _build(case, seed, dtype)
         batches = _batches(case, seed, dtype, 4)
@@ -374,7 +392,10 @@ def false_alarms(case: Case, dtype: torch.dtype, seeds: int, steps: int) -> Tall
             tally.failed += report.verdict == "fail"
             tally.inconclusive += report.verdict == "inconclusive"
             assert tally.evaluations is not None
+            assert tally.passes is not None
             tally.evaluations.append(report.n_forward)
+            tally.passes.append(report.n_passes)
+            tally.vectorized += report.vectorized is True
             if report.verdict == "fail":
                 print(f"  FALSE ALARM {case.name} {dtype} seed {seed} step {step}:\n{report}")
             _train_step(model, optimizer, case, batch)
@@ -440,7 +461,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer seeds and steps")
     parser.add_argument("--part", choices=("all", "false-alarms", "bugs", "sensitivity"), default="all")
     parser.add_argument("--dtype", choices=("both", "float32", "float64"), default="both")
+    parser.add_argument("--no-vectorize", action="store_true", help="evaluate every probe point on its own")
     args = parser.parse_args()
+    if args.no_vectorize:
+        DEFAULTS["vectorize"] = False
     seeds, steps, bug_seeds = (1, 20, 1) if args.quick else (2, 200, 3)
     dtypes = (torch.float32, torch.float64) if args.dtype == "both" else (getattr(torch, args.dtype),)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -456,13 +480,17 @@ def main() -> None:
 
 def _false_alarm_table(dtypes: tuple[torch.dtype, ...], seeds: int, steps: int) -> None:
     print("## False alarms on correct models (a check at every training step)\n")
-    print("| model | dtype | checks | failed checks | inconclusive checks | evaluations per check (mean/max) | ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| model | dtype | checks | failed checks | inconclusive checks | evaluations per check (mean/max) "
+        "| forward passes per check (mean) | vectorised checks | ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     totals = {dtype: Tally() for dtype in dtypes}
     for case in CASES:
         for dtype in dtypes:
             t = false_alarms(case, dtype, seeds, steps)
             assert t.evaluations is not None
+            assert t.passes is not None
             total = totals[dtype]
             total.checks += t.checks
             total.failed += t.failed
@@ -470,12 +498,13 @@ def _false_alarm_table(dtypes: tuple[torch.dtype, ...], seeds: int, steps: int) 
             print(
                 f"| {case.name} | {_dtype_name(dtype)} | {t.checks} | {t.failed} | {t.inconclusive} "
                 f"({100 * t.inconclusive / t.checks:.1f}%) | {statistics.mean(t.evaluations):.1f} / "
-                f"{max(t.evaluations)} | {1e3 * t.seconds / t.checks:.0f} |"
+                f"{max(t.evaluations)} | {statistics.mean(t.passes):.1f} | {t.vectorized} | "
+                f"{1e3 * t.seconds / t.checks:.0f} |"
             )
     for dtype, total in totals.items():
         print(
             f"| **all** | {_dtype_name(dtype)} | {total.checks} | {total.failed} | {total.inconclusive} "
-            f"({100 * total.inconclusive / total.checks:.1f}%) | | |"
+            f"({100 * total.inconclusive / total.checks:.1f}%) | | | | |"
         )
 
 
