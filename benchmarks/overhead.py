@@ -8,6 +8,9 @@ training times next to Cockpit's published overhead of its cheapest configuratio
 ``--scale`` instead trains a GPT of about 120M parameters for a few steps and reports one check's time and peak memory
 against the training step (no Lightning, the engine with GradWatch's default settings).
 
+On a GPU, ``--accelerator gpu --precision 16-mixed`` (or ``bf16-mixed``) runs the same table there; the probes
+themselves always run outside autocast.
+
 Run: ``python benchmarks/overhead.py`` (about 10 minutes on 2 CPU cores), ``python benchmarks/overhead.py --scale``.
 """
 
@@ -109,17 +112,28 @@ def _gpt_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module
 
 
 class _Timer(pl.Callback):
-    """Training time of one fit, from its first to its last training batch."""
+    """Training time of one fit, from its first to its last training batch (with the GPU's queue drained)."""
 
     def __init__(self) -> None:
         self.started = 0.0
         self.seconds = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize()
         self.started = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _synchronize()
         self.seconds = time.perf_counter() - self.started
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+RUN = {"accelerator": "cpu", "precision": "32-true"}
+"""The Trainer's accelerator and precision for every run of the table (set from the command line)."""
 
 
 class _PeakRSS:
@@ -149,11 +163,13 @@ def _rss() -> int:
 
 
 def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, steps: int, watch: GradWatch | None):
+    """One training run of ``steps`` steps: its training time and the process's peak memory (the GPU's, on a GPU)."""
     torch.manual_seed(0)
     timer = _Timer()
     callbacks: list[pl.Callback] = [timer] + ([watch] if watch is not None else [])
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=RUN["accelerator"],
+        precision=RUN["precision"],  # type: ignore[arg-type]
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -161,28 +177,34 @@ def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, ste
         enable_model_summary=False,
         callbacks=callbacks,
     )
+    gpu = RUN["accelerator"] == "gpu"
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     with _PeakRSS() as memory:
         trainer.fit(Module(build(), loss), loader)
-    return timer.seconds, memory.peak
+    return timer.seconds, torch.cuda.max_memory_allocated() if gpu else memory.peak
 
 
 def _unit_costs(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, report: Any) -> tuple[float, float]:
     """The measured cost of one forward (no grad, in the precision the probes ran in) and of one forward and backward
     (native, as the reference gradient) on the probe batch: a check's lower bound is its forward and backward counts
     times these."""
-    net = build()
+    device = torch.device("cuda" if RUN["accelerator"] == "gpu" else "cpu")
+    net = build().to(device)
     batch = next(iter(loader))
-    sample = [t[: report.samples] for t in batch]
+    sample = [t[: report.samples].to(device) for t in batch]
     probe_net, probe_sample = net, sample
     if report.precision == "float64":
-        probe_net = build().double()
+        probe_net = build().double().to(device)
         probe_sample = [t.double() if t.is_floating_point() else t for t in sample]
 
     def timed(fn: Callable[[], object], repeats: int = 20) -> float:
         fn()
+        _synchronize()
         started = time.perf_counter()
         for _ in range(repeats):
             fn()
+        _synchronize()
         return (time.perf_counter() - started) / repeats
 
     def forward() -> None:
@@ -233,7 +255,8 @@ def overhead_table(repeats: int, steps: int) -> None:
                 f"{statistics.median(own):.3f}x | {cockpit} |"
             )
         print(
-            f"| {name} | peak RSS, every 1 | | {memory['with'] / 2**20:.0f} MiB with, "
+            f"| {name} | peak {'GPU memory' if RUN['accelerator'] == 'gpu' else 'RSS'}, every 1 | | "
+            f"{memory['with'] / 2**20:.0f} MiB with, "
             f"{memory['without'] / 2**20:.0f} MiB without | | |"
         )
     print(
@@ -293,7 +316,12 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="a ~120M-parameter GPT instead of the table")
     parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
     parser.add_argument("--steps", type=int, default=256, help="training steps per run")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the table's runs train")
+    parser.add_argument(
+        "--precision", choices=("32-true", "16-mixed", "bf16-mixed"), default="32-true", help="the Trainer's precision"
+    )
     args = parser.parse_args()
+    RUN.update(accelerator=args.accelerator, precision=args.precision)
     if args.scale:
         scale(3)
     else:

@@ -16,7 +16,8 @@ error; every other probe starts as a two-point screen that borrows that error es
 extended into a full stencil, and a full stencil that still looks wrong is measured again at an independent step
 before it may fail. A failure anywhere then sends a tensor probe to every tensor, so the report names the culprit. A
 coordinate probe that crossed a kink is replaced by another coordinate. A healthy model costs a fixed, small number of
-loss evaluations; a broken one costs what it takes to be sure.
+loss evaluations; a broken one costs what it takes to be sure. On float64 probes those evaluations mostly run
+together, in two forward passes (:mod:`gradwatch.vectorized`).
 
 Whatever happens, the model's parameters, buffers, ``.grad``, random states and modes are left exactly as they were.
 """
@@ -62,7 +63,7 @@ from gradwatch.probes import CoordinateDirection, Direction, Displacement, Vecto
 from gradwatch.report import DESCENT_TARGET, CheckReport, Probe, ProbeKind, Verdict
 from gradwatch.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.state import TrainingState
-from gradwatch.vectorized import VectorizedLoss, memory_budget, vectorizable
+from gradwatch.vectorized import VectorizedLoss, memory_budget, obstacle
 
 REPRODUCIBILITY_TOLERANCE = 1e-4
 """Relative difference allowed between the reference loss and a gradient-free evaluation at the same point (more for
@@ -471,11 +472,9 @@ class _Prober:
             self.evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
             return []
         screened = self._screens(input_direction=anchor.kind != "input")
-        if self.settings.vectorize and vectorizable(self.evaluator) and not self.evaluator.grad_mode:
-            budget = memory_budget([p for _, p in self.params])
-            self.vectorized = VectorizedLoss(self.evaluator, self.center, budget)
-            # the anchor's full stencil and every screen, together; escalations follow in passes of their own
-            self._prefetch([(anchor, PAIR_OFFSETS + HALF_OFFSETS)] + [(p, PAIR_OFFSETS) for p in screened])
+        self._start_vectorizing()
+        # the anchor's full stencil and every screen, ahead and together where points are vectorised
+        self._prefetch([(anchor, PAIR_OFFSETS + HALF_OFFSETS)] + [(p, PAIR_OFFSETS) for p in screened])
         self._anchor(anchor)
         self._screen_and_escalate(screened)
         done = [anchor, *screened]
@@ -486,6 +485,17 @@ class _Prober:
             done += extra
         done += self._replace_kinks(done)
         return [p.probe() for p in done]
+
+    def _start_vectorizing(self) -> None:
+        """Evaluate points in vectorised passes from now on, if this check can (see :mod:`gradwatch.vectorized`)."""
+        if not self.settings.vectorize or self.evaluator.grad_mode:
+            return
+        reason = obstacle(self.evaluator)
+        if reason is None:
+            budget = memory_budget([p for _, p in self.params])
+            self.vectorized = VectorizedLoss(self.evaluator, self.center, budget)
+        elif self.compute_dtype == torch.float64:  # a float64 check that could have been vectorised: say why not
+            self.evaluator.notes.append(f"points evaluated one by one: {reason}")
 
     def _refine_in_float64(self, done: Sequence[_Pending]) -> None:
         """Measure again, on float64 storage, the parameter probes whose native stencils saw a discrepancy beyond the

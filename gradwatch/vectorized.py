@@ -20,8 +20,8 @@ Points are vectorised only where that computes what point-by-point evaluation co
 
 A loss that vmap cannot run (``.item()``, control flow on tensor values, a custom ``autograd.Function`` without a vmap
 rule, an in-place update of a module's state) or that does not reproduce is evaluated point by point for the rest of
-the check, with a note that says why. The memory a pass may take is bounded (:func:`memory_budget`); points beyond it
-go to further passes, or are evaluated one by one.
+the check, with a note that says why; so is a model with forward hooks, which would see the batched tensors. The memory
+a pass may take is bounded (:func:`memory_budget`); points beyond it go to further passes, or are evaluated one by one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from gradwatch.evaluation import LossEvaluator
 from gradwatch.probes import Direction, Displacement
@@ -87,8 +88,8 @@ class VectorizedLoss:
         return True if self._validated else None
 
     def evaluate(self, moves: Sequence[Move]) -> list[tuple[float, Displacement] | None]:
-        """The loss and the displacement at each point; ``None`` for the points left to be evaluated one by one: those
-        that move more than one parameter tensor, or an input, and all of them once :attr:`usable` is false."""
+        """The loss and the displacement at each point; ``None`` for the points left to be evaluated one by one (see
+        :meth:`_passes`), and for all of them once :attr:`usable` is false."""
         results: list[tuple[float, Displacement] | None] = [None] * len(moves)
         for group in self._passes(moves):
             if not self.usable:
@@ -157,7 +158,8 @@ class VectorizedLoss:
         try:
             values = self.evaluator.losses(params, inputs, points)
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
-            self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {error})")
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {first_line})")
             return None
         if validate:
             center, values = values[0], values[1:]
@@ -172,7 +174,25 @@ class VectorizedLoss:
         self.evaluator.notes.append(f"points evaluated one by one: {reason}")
 
 
-def vectorizable(evaluator: LossEvaluator) -> bool:
-    """Whether the evaluator's points can be evaluated together: every parameter and input it moves is float64."""
+def obstacle(evaluator: LossEvaluator) -> str | None:
+    """Why the evaluator's points cannot be evaluated together, or ``None`` if they can: every parameter and input
+    it moves must be float64, and no forward hook may see the pass (it would get, and might keep, the batched tensors
+    of all points instead of one point's activations)."""
     tensors = [p for _, p in evaluator.params] + list(evaluator.inputs.values())
-    return bool(tensors) and all(t.dtype == torch.float64 for t in tensors)
+    if not tensors or any(t.dtype != torch.float64 for t in tensors):
+        return "the probes are not float64"
+    hooked = [name or "the model" for name, module in evaluator.model.named_modules() if _forward_hooks(module)]
+    if _forward_hooks(None):
+        hooked.insert(0, "every module (global hooks)")
+    if hooked:
+        return (
+            f"forward hooks on {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''} would see vectorised passes"
+        )
+    return None
+
+
+def _forward_hooks(module: nn.Module | None) -> bool:
+    """Whether ``module`` has forward or forward-pre hooks (``None``: whether global ones are registered)."""
+    if module is None:
+        return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    return bool(module._forward_hooks or module._forward_pre_hooks)

@@ -121,3 +121,17 @@ def test_float64_model_is_vectorised_in_its_own_precision() -> None:
     report = check_gradients(model, batch, cross_entropy_loss, probe_batch_size=4)
     assert report.vectorized is True
     assert report.verdict == "ok", str(report)
+
+
+def test_model_with_forward_hooks_is_evaluated_point_by_point() -> None:
+    # a hook that keeps activations would keep the batched tensors of a vectorised pass
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    kept: list[Tensor] = []
+    handle = model.net[2].register_forward_hook(lambda module, args, output: kept.append(output))
+    report = _check(model, vectorize=True)
+    handle.remove()
+    assert report.vectorized is None
+    assert "points evaluated one by one: forward hooks on net.2 would see vectorised passes" in report.notes
+    assert report.n_passes == report.n_forward
+    assert all(output.shape == (4, 32) for output in kept)  # one point's activations each time
