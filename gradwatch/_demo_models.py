@@ -47,19 +47,28 @@ def synthetic_loader(batch_size: int = 64, seed: int = 0, **kwargs: Any) -> Data
 class RMSNormFunction(torch.autograd.Function):
     """``y = x / rms(x) * weight`` over the last dimension, with a hand-written backward.
 
-    ``correct=False`` reproduces a common mistake: differentiating as if ``rms(x)`` did not depend on ``x``.
+    ``correct=False`` reproduces a common mistake: differentiating as if ``rms(x)`` did not depend on ``x``. Written as
+    ``torch.func`` wants a Function (``forward`` without ``ctx``, ``setup_context``, ``generate_vmap_rule``), so that
+    gradwatch can evaluate its checks' points in vectorised passes.
     """
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, correct: bool) -> Tensor:
-        rms = x.pow(2).mean(dim=-1, keepdim=True).add(eps).sqrt()
-        ctx.save_for_backward(x, weight, rms)
-        ctx.correct = correct
-        return x / rms * weight
+    generate_vmap_rule = True
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        x, weight, rms = ctx.saved_tensors
+    def forward(x: Tensor, weight: Tensor, eps: float, correct: bool) -> Tensor:  # type: ignore[override]
+        return x / _rms(x, eps) * weight
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, float, bool], output: Tensor) -> None:  # type: ignore[override]
+        x, weight, eps, correct = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        ctx.correct = correct
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        rms = _rms(x, ctx.eps)
         normalized = x / rms
         grad_normalized = grad_output * weight
         grad_x = grad_normalized / rms
@@ -68,6 +77,10 @@ class RMSNormFunction(torch.autograd.Function):
             grad_x = grad_x - normalized * (grad_normalized * normalized).mean(dim=-1, keepdim=True) / rms
         grad_weight = (grad_output * normalized).reshape(-1, weight.numel()).sum(dim=0)
         return grad_x, grad_weight, None, None
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    return x.pow(2).mean(dim=-1, keepdim=True).add(eps).sqrt()
 
 
 class RMSNorm(nn.Module):

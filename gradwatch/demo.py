@@ -104,7 +104,8 @@ def describe(name: str, reports: list[CheckReport]) -> str:
     """A table of a run's checks and, for failing ones, the worst probes."""
     lines = [
         f"\n== {name}: {len(reports)} checks ==",
-        "| step | verdict | max rel. error | descent ratio | probes ok/fail/inconclusive | forwards | ms |",
+        "| step | verdict | max rel. error | descent ratio | probes ok/fail/inconclusive | loss evaluations (passes) "
+        "| ms |",
         "|---:|---|---:|---:|---|---:|---:|",
     ]
     for r in reports:
@@ -112,7 +113,7 @@ def describe(name: str, reports: list[CheckReport]) -> str:
         lines.append(
             f"| {r.step} | {r.verdict} | {_fmt(scalars['gradwatch/rel_error_max'], '.2e')} | "
             f"{_fmt(r.descent_ratio, '.6f')} | {r.count('ok')}/{r.count('fail')}/{r.count('inconclusive')} | "
-            f"{r.n_forward} | {r.duration_s * 1e3:.0f} |"
+            f"{r.n_forward} ({r.n_passes}) | {r.duration_s * 1e3:.0f} |"
         )
     failing = [r for r in reports if r.verdict == "fail"]
     if failing:
