@@ -111,9 +111,10 @@ def check_gradients(
         model: The module whose trainable floating parameters are checked.
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
             dataclasses) are probed as inputs. It is never modified.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check calls it at least
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check evaluates it at least
             ``6 + 2 × (tensor_probes + random_probes + param_probes + input_probes)`` times (24 by default), more for
             screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
+            In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
         tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
         random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
