@@ -40,3 +40,18 @@ def test_cuda_dropout_and_batchnorm_state_restored() -> None:
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     assert torch.backends.cuda.matmul.allow_tf32 == tf32
+
+
+def test_cuda_vectorised_passes_measure_what_point_by_point_evaluation_measures() -> None:
+    # CUDA draws dropout masks with its own kernels: if a vectorised pass drew others, the pass would not reproduce the
+    # centre and the check would fall back to point by point (vectorized False, with a note)
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet().cuda()
+    batch = _to_cuda(classification_batch())
+    reports = {
+        v: check_gradients(model, batch, cross_entropy_loss, probe_batch_size=4, vectorize=v) for v in (True, False)
+    }
+    assert reports[True].vectorized is True, reports[True].notes
+    assert reports[True].verdict == reports[False].verdict == "ok", str(reports[True])
+    for a, b in zip(reports[True].probes, reports[False].probes, strict=True):
+        assert a.numeric == pytest.approx(b.numeric, rel=1e-8, abs=1e-12)
