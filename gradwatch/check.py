@@ -630,7 +630,7 @@ class _Prober:
         """The loss at ``offset × step`` along the probe's direction for each offset: evaluated ahead if it was, else
         now, one point at a time."""
         probe.evaluations += len(offsets)
-        keys = {offset: (id(probe), step, offset) for offset in offsets}
+        keys = {offset: _point_key(probe, step, offset) for offset in offsets}
         known = {offset: self._measured.pop(key) for offset, key in keys.items() if key in self._measured}
         missing = [offset for offset in offsets if offset not in known]
         points = {p.offset: p for p in measure(self.evaluator, probe.direction, step, missing)} if missing else {}
@@ -647,12 +647,12 @@ class _Prober:
             (probe, offset)
             for probe, offsets in requests
             for offset in offsets
-            if (id(probe), probe.step, offset) not in self._measured
+            if _point_key(probe, probe.step, offset) not in self._measured
         ]
         results = self.vectorized.evaluate([(probe.direction, offset * probe.step) for probe, offset in wanted])
         for (probe, offset), result in zip(wanted, results, strict=True):
             if result is not None:
-                self._measured[(id(probe), probe.step, offset)] = result
+                self._measured[_point_key(probe, probe.step, offset)] = result
 
     def _screen(self, probe: _Pending) -> None:
         probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
@@ -819,6 +819,11 @@ class _Prober:
         direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
         step = relative_step(working.dtype) * (max(direction.value.abs().item(), _rms(working)) or 1.0)
         return _Pending("input", path, index, direction, step, scale_floor=2 * _rms(grad), tensor=tensor)
+
+
+def _point_key(probe: _Pending, step: float, offset: float) -> tuple[int, float, float]:
+    """How a point evaluated ahead is found again: its probe, step and offset."""
+    return id(probe), step, offset
 
 
 def _random_index(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:

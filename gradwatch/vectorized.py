@@ -158,7 +158,7 @@ class VectorizedLoss:
         try:
             values = self.evaluator.losses(params, inputs, points)
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links
             self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {first_line})")
             return None
         if validate:
