@@ -523,7 +523,9 @@ class _Prober:
                     pending = []
                 for probe in pending:
                     probe.direction.substitute(substitutes)  # perturb the float64 copies the model now uses
-                    probe.step = probe.initial_step * relative_step(torch.float64) / relative_step(self.dtype)
+                    probe.step = (
+                        probe.initial_step * self._relative_step(torch.float64) / self._relative_step(self.dtype)
+                    )
                     probe.stencil = None
                     self._full(probe)
         except Exception as error:
@@ -709,6 +711,10 @@ class _Prober:
 
     # ---- the probes -----------------------------------------------------------------------------------------------
 
+    def _relative_step(self, dtype: torch.dtype) -> float:
+        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` (see :func:`relative_step`)."""
+        return relative_step(dtype, self.settings.native_dtype)
+
     def _tensor_scale(self, i: int) -> float:
         """The magnitude the steps in parameter ``i`` are relative to; the model's when the tensor is all zeros."""
         return max(self.param_rms[i], self.param_scale) or 1.0
@@ -723,7 +729,7 @@ class _Prober:
         weighted = sum(
             self._tensor_scale(i) ** 2 * (share / self.grad_norm) ** 2 for i, share in enumerate(self.tensor_grad_norms)
         )
-        step = relative_step(self.dtype) * math.sqrt(weighted)
+        step = self._relative_step(self.dtype) * math.sqrt(weighted)
         return _Pending("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
 
     def _input_direction(self) -> _Pending | None:
@@ -735,7 +741,7 @@ class _Prober:
         components = [grads[path] for path in paths]
         size = norm(components)
         direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
-        step = relative_step(tensors[0].dtype) * (_rms(*tensors) or 1.0)
+        step = self._relative_step(tensors[0].dtype) * (_rms(*tensors) or 1.0)
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
         return _Pending("input", target, None, direction, step, scale_floor=0.0)
 
@@ -770,7 +776,7 @@ class _Prober:
         if size == 0.0:
             return None
         direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
-        step = relative_step(param.dtype) * self._tensor_scale(i)
+        step = self._relative_step(param.dtype) * self._tensor_scale(i)
         floor = self.negligible * self.grad_norm
         return _Pending("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
 
@@ -781,7 +787,7 @@ class _Prober:
         vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
         vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
         direction = VectorDirection([param], [vector], [grad])
-        step = relative_step(param.dtype) * self._tensor_scale(i)
+        step = self._relative_step(param.dtype) * self._tensor_scale(i)
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
         expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
         floor = expected / math.sqrt(max(param.numel(), 1))
@@ -796,7 +802,7 @@ class _Prober:
         grad = self.grads[tensor]
         direction = CoordinateDirection(param, index, grad[index].item())
         value = direction.value.abs().item()
-        step = relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
+        step = self._relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
         grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(param.numel(), 1))
         floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(param.numel()))
         return _Pending("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
@@ -817,7 +823,7 @@ class _Prober:
             index = _random_index(working.shape, self.rng)
         grad = grads[path]
         direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
-        step = relative_step(working.dtype) * (max(direction.value.abs().item(), _rms(working)) or 1.0)
+        step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), _rms(working)) or 1.0)
         return _Pending("input", path, index, direction, step, scale_floor=2 * _rms(grad), tensor=tensor)
 
 

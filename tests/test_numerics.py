@@ -168,6 +168,18 @@ def test_tolerances_and_steps_follow_the_dtype() -> None:
     assert relative_tolerance(torch.float64) < relative_tolerance(torch.float32) < relative_tolerance(torch.bfloat16)
     assert relative_step(torch.float32) == pytest.approx(torch.finfo(torch.float32).eps ** 0.2)
     assert relative_step(torch.float64) < relative_step(torch.float32)
+    assert relative_step(torch.float64, torch.float64) == relative_step(torch.float64)
+
+
+def test_float64_probes_of_a_float32_gradient_take_the_screens_optimal_step() -> None:
+    # round-off is far below a float32 tolerance there: the two-point optimum ε^(1/3) leaves screens less truncation
+    step = relative_step(torch.float64, torch.float32)
+    assert step == pytest.approx(torch.finfo(torch.float64).eps ** (1 / 3))
+    assert relative_step(torch.float64, torch.bfloat16) == step
+    exp_screen = (math.exp(step) - math.exp(-step)) / (2 * step)  # d/dx exp at 0, truncation step²/6
+    assert abs(exp_screen - 1.0) < 1e-9
+    coarse = relative_step(torch.float64)
+    assert abs((math.exp(coarse) - math.exp(-coarse)) / (2 * coarse) - 1.0) > 1e-8
 
 
 def test_finer_step_goes_as_far_as_round_off_allows() -> None:

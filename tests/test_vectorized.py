@@ -32,8 +32,10 @@ def _same_measurements(first: CheckReport, second: CheckReport) -> None:
     assert [(p.kind, p.target, p.index, p.verdict) for p in first.probes] == [
         (p.kind, p.target, p.index, p.verdict) for p in second.probes
     ]
+    # vmap's batched kernels round differently from the unbatched ones (~1e-16 of the loss), which a difference over a
+    # float64 step of 6e-6 turns into ~1e-9 of the derivative: the measurements agree within the noise they estimate
     for a, b in zip(first.probes, second.probes, strict=True):
-        assert a.numeric == pytest.approx(b.numeric, rel=1e-9, abs=1e-12), (a.describe(), b.describe())
+        assert abs(a.numeric - b.numeric) <= max(a.noise, b.noise), (a.describe(), b.describe())
 
 
 def test_vectorised_passes_measure_what_point_by_point_evaluation_measures() -> None:
