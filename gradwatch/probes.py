@@ -81,12 +81,16 @@ class CoordinateDirection:
         finally:
             self._write(self.value)
 
-    def displace_into(self, offset: float, targets: Mapping[int, Tensor]) -> Displacement:
-        """Write the displaced coordinate into ``targets[id(tensor)]``, a copy of the tensor, instead of the tensor."""
-        moved, displacement = self._moved(offset)
+    writes_whole_rows = False
+    """:meth:`displace_rows` writes only the coordinate: its rows must hold copies of the tensor beforehand."""
+
+    def displace_rows(self, offsets: Sequence[float], rows: Mapping[int, Tensor]) -> list[Displacement]:
+        """Write the coordinate displaced by each offset into one row of ``rows[id(tensor)]`` (copies of the tensor
+        stacked along a new leading dimension, one per offset), instead of moving the tensor."""
+        moved = [self._moved(offset) for offset in offsets]
         with torch.no_grad():
-            targets[id(self.tensor)][self.index] = moved
-        return displacement
+            rows[id(self.tensor)][(slice(None), *self.index)] = torch.stack([value for value, _ in moved])
+        return [displacement for _, displacement in moved]
 
     def _moved(self, offset: float) -> tuple[Tensor, Displacement]:
         """The value ``value + offset`` as represented in the tensor's dtype, and the displacement that is."""
@@ -191,11 +195,19 @@ class VectorDirection:
             if self._after_write is not None:
                 self._after_write()
 
-    def displace_into(self, offset: float, targets: Mapping[int, Tensor]) -> Displacement:
-        """Write the tensors moved by ``offset · v`` into ``targets[id(tensor)]``, one float64 tensor of their shape for
-        each, instead of moving the tensors; the displacement is taken as intended (see :meth:`_move_as_intended`)."""
+    writes_whole_rows = True
+    """:meth:`displace_rows` writes every element of its rows."""
+
+    def displace_rows(self, offsets: Sequence[float], rows: Mapping[int, Tensor]) -> list[Displacement]:
+        """Write the tensors moved by each ``offset · v`` into one row of ``rows[id(tensor)]`` (float64, stacked along a
+        new leading dimension, one per offset), instead of moving the tensors: one broadcast operation per tensor for
+        all offsets. The displacements are taken as intended (see :meth:`_move_as_intended`)."""
+        factors = torch.tensor([offset * self.coefficient for offset in offsets], dtype=torch.float64)
         with torch.no_grad():
-            return self._move_as_intended(offset, self.tensors, [targets[id(t)] for t in self.tensors])
+            for tensor, increment in zip(self.tensors, self._cast_components(), strict=True):
+                shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))
+                torch.addcmul(tensor, shaped, increment, out=rows[id(tensor)])
+        return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
         """The components in the dtypes of the tensors they move (cast once)."""
@@ -226,14 +238,18 @@ class VectorDirection:
         """Write ``origin + offset · v`` into each target, in float64, whose rounding puts a displacement ~1e-12 of the
         step off the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring
         path computes) and ``g·δ = offset·g·v`` predicted."""
+        for target, origin, increment in zip(targets, origins, self._cast_components(), strict=True):
+            torch.add(origin, increment, alpha=offset * self.coefficient, out=target)
+        return Displacement(offset * self._squared_norm(), offset * self.analytic)
+
+    def _squared_norm(self) -> float:
+        """``‖v‖²``, computed once."""
         if self._norm_squared is None:
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
                 self._norm_squared = self.coefficient**2 * _total([_dot_tensor(c, c) for c in self.components])
-        for target, origin, increment in zip(targets, origins, self._cast_components(), strict=True):
-            torch.add(origin, increment, alpha=offset * self.coefficient, out=target)
-        return Displacement(offset * self._norm_squared, offset * self.analytic)
+        return self._norm_squared
 
 
 def _dot_tensor(a: Tensor, b: Tensor) -> Tensor:

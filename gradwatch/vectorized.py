@@ -146,13 +146,7 @@ class VectorizedLoss:
     def _pass(self, moves: Sequence[Move]) -> list[tuple[float, Displacement]] | None:
         validate = not self._validated
         points = len(moves) + validate
-        tensors = {id(t): t for direction, _ in moves for t in direction.tensors}
-        # expand + clone copies about twice as fast as repeat
-        stacks = {key: t.detach().expand(points, *t.shape).clone() for key, t in tensors.items()}
-        displacements = [
-            direction.displace_into(offset, {key: stack[slot] for key, stack in stacks.items()})
-            for slot, (direction, offset) in enumerate(moves, start=int(validate))  # slot 0: the unperturbed point
-        ]
+        stacks, displacements = _stacks(moves, first_slot=int(validate))  # slot 0: the unperturbed point
         params = {self._names[key]: stack for key, stack in stacks.items() if key in self._names}
         inputs = {self._paths[key]: stack for key, stack in stacks.items() if key in self._paths}
         try:
@@ -172,6 +166,43 @@ class VectorizedLoss:
     def _give_up(self, reason: str) -> None:
         self.usable = False
         self.evaluator.notes.append(f"points evaluated one by one: {reason}")
+
+
+def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], list[Displacement]]:
+    """Each tensor the points move, stacked along a new leading dimension with one row per point from ``first_slot``
+    on (rows before it and rows of points that do not move the tensor hold its own values), and each point's
+    displacement.
+
+    Consecutive points of one direction write their rows in one operation per tensor; only rows that no direction
+    writes whole are filled with copies, a block at a time.
+    """
+    runs: list[tuple[Direction, list[float], int]] = []  # (direction, offsets, first row) of consecutive points
+    for slot, (direction, offset) in enumerate(moves, start=first_slot):
+        if runs and runs[-1][0] is direction and runs[-1][2] + len(runs[-1][1]) == slot:
+            runs[-1][1].append(offset)
+        else:
+            runs.append((direction, [offset], slot))
+    tensors = {id(t): t.detach() for direction, _ in moves for t in direction.tensors}
+    written: dict[int, list[tuple[int, int]]] = {key: [] for key in tensors}
+    for direction, offsets, start in runs:
+        if direction.writes_whole_rows:
+            for t in direction.tensors:
+                written[id(t)].append((start, start + len(offsets)))
+    points = first_slot + len(moves)
+    stacks = {}
+    for key, t in tensors.items():
+        stack = t.new_empty((points, *t.shape))
+        filled = 0
+        for start, stop in [*sorted(written[key]), (points, points)]:
+            if start > filled:
+                stack[filled:start].copy_(t.expand(start - filled, *t.shape))
+            filled = max(filled, stop)
+        stacks[key] = stack
+    displacements = []
+    for direction, offsets, start in runs:
+        rows = {id(t): stacks[id(t)][start : start + len(offsets)] for t in direction.tensors}
+        displacements += direction.displace_rows(offsets, rows)
+    return stacks, displacements
 
 
 def obstacle(evaluator: LossEvaluator) -> str | None:

@@ -50,10 +50,13 @@ def test_vector_moves_overwrite_and_restore_exactly() -> None:
     assert all(torch.equal(t, o) for t, o in zip(tensors, originals, strict=True))
     assert first.along == pytest.approx(0.5, rel=1e-12)
     assert first.predicted == pytest.approx(0.5 * size, rel=1e-12)
-    # the same point written into copies: bit for bit what moving the tensors wrote
-    targets = {id(t): torch.empty_like(t) for t in tensors}
-    assert direction.displace_into(0.5, targets) == first
-    assert all(torch.equal(targets[id(t)], moved) for t, moved in zip(tensors, after_first, strict=True))
+    # the same points written into rows of stacked copies: bit for bit what moving the tensors wrote
+    rows = {id(t): torch.empty(2, *t.shape, dtype=t.dtype) for t in tensors}
+    assert direction.displace_rows([0.5, -0.25], rows)[0] == first
+    for tensor, moved, origin, grad in zip(tensors, after_first, originals, grads, strict=True):
+        assert torch.equal(rows[id(tensor)][0], moved)
+        assert torch.equal(rows[id(tensor)][1], origin + (-0.25 / size) * grad.double())
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals, strict=True))
 
 
 def test_coordinate_moves_by_what_the_dtype_represents_and_restores() -> None:
@@ -66,7 +69,7 @@ def test_coordinate_moves_by_what_the_dtype_represents_and_restores() -> None:
         assert tensor[1].item() == 2.125
         assert displacement.predicted == 0.5
     assert tensor.tolist() == [1.0, 2.0, 3.0]
-    copy = tensor.clone()
-    assert direction.displace_into(0.125, {id(tensor): copy}) == displacement
-    assert copy.tolist() == [1.0, 2.125, 3.0]
+    rows = tensor.expand(2, 3).clone()
+    assert direction.displace_rows([0.125, -0.5], {id(tensor): rows})[0] == displacement
+    assert rows.tolist() == [[1.0, 2.125, 3.0], [1.0, 1.5, 3.0]]
     assert tensor.tolist() == [1.0, 2.0, 3.0]

@@ -137,3 +137,26 @@ def test_model_with_forward_hooks_is_evaluated_point_by_point() -> None:
     assert "points evaluated one by one: forward hooks on net.2 would see vectorised passes" in report.notes
     assert report.n_passes == report.n_forward
     assert all(output.shape == (4, 32) for output in kept)  # one point's activations each time
+
+
+def test_stacked_rows_hold_what_moving_each_point_on_its_own_writes() -> None:
+    from gradwatch.probes import CoordinateDirection, VectorDirection
+    from gradwatch.vectorized import _stacks
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    grads = [torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)]
+    both = VectorDirection([weight, bias], grads, grads, 0.5)
+    alone = VectorDirection([bias], [grads[1]], [grads[1]], 2.0)
+    coordinate = CoordinateDirection(weight, (2, 1), gradient=1.0)
+    moves = [(both, 0.1), (both, -0.1), (coordinate, 0.25), (alone, 0.3), (both, 0.2), (coordinate, -0.25)]
+    stacks, displacements = _stacks(moves, first_slot=1)
+    assert stacks[id(weight)].shape == (7, 4, 3)
+    assert stacks[id(bias)].shape == (7, 4)
+    for tensor in (weight, bias):
+        assert torch.equal(stacks[id(tensor)][0], tensor)  # the unperturbed point
+    for slot, (direction, offset) in enumerate(moves, start=1):
+        with direction.displaced(offset) as displacement:
+            assert displacement == displacements[slot - 1]
+            for tensor in (weight, bias):
+                assert torch.equal(stacks[id(tensor)][slot], tensor), (slot, direction)
