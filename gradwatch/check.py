@@ -640,21 +640,21 @@ class _Prober:
             points[offset] = Point(offset, value, displacement.along, displacement.predicted)
         return tuple(points[offset] for offset in offsets)
 
-    def _prefetch(self, requests: Sequence[tuple[_Pending, Sequence[float]]]) -> None:
-        """Evaluate ahead, together, the points ``offset × probe.step`` of each ``(probe, offsets)`` that are not known
-        yet, when the check evaluates points in vectorised passes."""
+    def _prefetch(self, requests: Sequence[tuple[_Pending, Sequence[float]]], step: float | None = None) -> None:
+        """Evaluate ahead, together, the points ``offset × probe.step`` (or ``offset × step``) of each
+        ``(probe, offsets)`` that are not known yet, when the check evaluates points in vectorised passes."""
         if self.vectorized is None or not self.vectorized.usable:
             return
         wanted = [
-            (probe, offset)
+            (probe, probe.step if step is None else step, offset)
             for probe, offsets in requests
             for offset in offsets
-            if _point_key(probe, probe.step, offset) not in self._measured
+            if _point_key(probe, probe.step if step is None else step, offset) not in self._measured
         ]
-        results = self.vectorized.evaluate([(probe.direction, offset * probe.step) for probe, offset in wanted])
-        for (probe, offset), result in zip(wanted, results, strict=True):
+        results = self.vectorized.evaluate([(probe.direction, offset * at) for probe, at, offset in wanted])
+        for (probe, at, offset), result in zip(wanted, results, strict=True):
             if result is not None:
-                self._measured[_point_key(probe, probe.step, offset)] = result
+                self._measured[_point_key(probe, at, offset)] = result
 
     def _screen(self, probe: _Pending) -> None:
         probe.stencil = self._points(probe, probe.step, PAIR_OFFSETS)
@@ -694,6 +694,7 @@ class _Prober:
         if finer is not None:
             probe.step = finer
             probe.stencil = None
+            self._prefetch([(probe, PAIR_OFFSETS + HALF_OFFSETS)])
             self._full_at_step(probe)
 
     def _full_at_step(self, probe: _Pending) -> None:
@@ -705,6 +706,7 @@ class _Prober:
             probe.result = first
             return
         confirming = probe.step * CONFIRMATION_STEP
+        self._prefetch([(probe, PAIR_OFFSETS + HALF_OFFSETS)], step=confirming)
         second = self._points(probe, confirming, PAIR_OFFSETS + HALF_OFFSETS)
         probe.result = confirm(first, self._assess(second, probe.scale_floor))
         probe.step = confirming
