@@ -17,6 +17,7 @@ Run: ``python benchmarks/overhead.py`` (about 10 minutes on 2 CPU cores), ``pyth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import statistics
 import threading
@@ -162,8 +163,16 @@ def _rss() -> int:
         return int(statm.read().split()[1]) * 4096
 
 
-def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, steps: int, watch: GradWatch | None):
-    """One training run of ``steps`` steps: its training time and the process's peak memory (the GPU's, on a GPU)."""
+def _fit(
+    build: Callable[[], nn.Module],
+    loss: Callable,
+    loader: DataLoader,
+    steps: int,
+    watch: GradWatch | None,
+    memory: bool = False,
+) -> tuple[float, int]:
+    """One training run of ``steps`` steps: its training time and, with ``memory``, the process's peak memory (the
+    GPU's, on a GPU). Timed runs leave memory out: sampling RSS takes the interpreter every 2 ms."""
     torch.manual_seed(0)
     timer = _Timer()
     callbacks: list[pl.Callback] = [timer] + ([watch] if watch is not None else [])
@@ -180,9 +189,11 @@ def _fit(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, ste
     gpu = RUN["accelerator"] == "gpu"
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    with _PeakRSS() as memory:
+    with _PeakRSS() if memory and not gpu else contextlib.nullcontext() as sampler:
         trainer.fit(Module(build(), loss), loader)
-    return timer.seconds, torch.cuda.max_memory_allocated() if gpu else memory.peak
+    if not memory:
+        return timer.seconds, 0
+    return timer.seconds, torch.cuda.max_memory_allocated() if gpu else sampler.peak
 
 
 def _unit_costs(build: Callable[[], nn.Module], loss: Callable, loader: DataLoader, report: Any) -> tuple[float, float]:
@@ -236,18 +247,20 @@ def overhead_table(repeats: int, steps: int) -> None:
             own = []
             checks = 0
             for _ in range(repeats):
-                without, peak_without = _fit(build, loss, loader, steps, None)
+                without, _ = _fit(build, loss, loader, steps, None)
                 watch = GradWatch(**options)
-                with_watch, peak_with = _fit(build, loss, loader, steps, watch)
+                with_watch, _ = _fit(build, loss, loader, steps, watch)
                 ratios.append(with_watch / without)
                 own.append(1 + watch.overhead)  # the callback's own clock: check time over the time between batches
                 checks = len(watch.reports)
                 if label == "every 1":
-                    memory = {"without": peak_without, "with": peak_with}
                     forward, forward_backward = _unit_costs(build, loss, loader, watch.reports[-1])
                     for report in watch.reports:
                         bound = (report.n_forward - report.n_backward) * forward + report.n_backward * forward_backward
                         bounds.append((name, report, bound))
+            if label == "every 1":  # one more pair, untimed, for peak memory
+                memory["without"] = _fit(build, loss, loader, steps, None, memory=True)[1]
+                memory["with"] = _fit(build, loss, loader, steps, GradWatch(**options), memory=True)[1]
             interval = options.get("every_n_steps")
             cockpit = f"{COCKPIT[interval]:.2f}x" if interval in COCKPIT and "max_overhead" not in options else ""
             print(
