@@ -202,10 +202,12 @@ class VectorDirection:
         """Write the tensors moved by each ``offset · v`` into one row of ``rows[id(tensor)]`` (float64, stacked along a
         new leading dimension, one per offset), instead of moving the tensors: one broadcast operation per tensor for
         all offsets. The displacements are taken as intended (see :meth:`_move_as_intended`)."""
-        factors = torch.tensor([offset * self.coefficient for offset in offsets], dtype=torch.float64)
+        factors = torch.tensor(
+            [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
+        )
         with torch.no_grad():
             for tensor, increment in zip(self.tensors, self._cast_components(), strict=True):
-                shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))
+                shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
                 torch.addcmul(tensor, shaped, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
