@@ -9,8 +9,9 @@ float64 kernel at all) and of a float64 copy of the parameters and buffers durin
 ``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
 parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`). Native float32 probes cannot tell a 1e-3 error from noise on a
 network full of kinks (ReLU, max-pool): their steps must be large to beat round-off, and large steps cross kinks. In
-float64 the steps are ~50 times smaller and round-off is negligible, so a healthy check ends after its screens instead
-of escalating, which is why float64 probes cost about the same as float32 ones on a CPU. Larger models are probed
+float64 the steps are thousands of times smaller (see :func:`gradwatch.numerics.relative_step`) and round-off is still
+negligible, so a healthy check ends after its screens instead of escalating, which is why float64 probes cost no more
+than float32 ones on a CPU. Larger models are probed
 natively, with the few probes whose native stencils could not decide (a discrepancy beyond the tolerance that
 round-off or kinks kept from being resolved) measured again in float64.
 
