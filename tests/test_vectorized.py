@@ -160,3 +160,26 @@ def test_stacked_rows_hold_what_moving_each_point_on_its_own_writes() -> None:
             assert displacement == displacements[slot - 1]
             for tensor in (weight, bias):
                 assert torch.equal(stacks[id(tensor)][slot], tensor), (slot, direction)
+
+
+def test_one_tensor_points_go_in_two_passes_split_between_tensors() -> None:
+    from types import SimpleNamespace
+
+    from gradwatch.probes import CoordinateDirection
+    from gradwatch.vectorized import MIN_POINTS, VectorizedLoss
+
+    tensors = [torch.zeros(3) for _ in range(4)]
+    passes = SimpleNamespace(_positions={id(t): position for position, t in enumerate(tensors)})
+
+    def halves(points_per_tensor: list[int]) -> list[list[int]]:
+        moves = [
+            (CoordinateDirection(tensor, (0,), 0.0), 1.0)
+            for tensor, count in zip(tensors, points_per_tensor, strict=False)
+            for _ in range(count)
+        ]
+        return VectorizedLoss._halves(passes, list(range(len(moves))), moves)  # type: ignore[arg-type]
+
+    assert halves([4, 2, 6, 4]) == [list(range(6)), list(range(6, 16))]  # the tensor boundary nearest the middle
+    assert halves([2, 10, 4]) == [list(range(12)), list(range(12, 16))]  # each pass keeps MIN_POINTS
+    assert halves([2, 10]) == [list(range(12))]  # no boundary leaves MIN_POINTS on both sides
+    assert halves([MIN_POINTS, MIN_POINTS]) == [list(range(MIN_POINTS)), list(range(MIN_POINTS, 2 * MIN_POINTS))]
