@@ -45,6 +45,10 @@ MAX_POINTS = 32
 MIN_POINTS = 4
 """Fewer points are evaluated one by one: a pass of two barely amortises its stacking."""
 
+SPLIT_ACTIVATIONS = 2**20
+"""The activations per point (bytes, float64) from which the one-tensor screens are split in two passes (see
+:meth:`VectorizedLoss._halves`): below it a pass's fixed cost outweighs the batched layers the split saves."""
+
 MEMORY = 2**28
 """The least memory a pass may take, in bytes (256 MiB); see :func:`memory_budget`."""
 
@@ -106,9 +110,10 @@ class VectorizedLoss:
 
         Points that move the whole network (several parameter tensors, as the descent probe does, or an input) go
         together, apart from the points that move one parameter tensor: in passes of their own, the latter batch only
-        the layers from the first tensor they move on. Those are taken in the order of the parameters and split in two
-        passes (see :meth:`_halves`), so that the later pass batches fewer layers. Points that do not fit a pass of
-        their own, and passes of fewer than :data:`MIN_POINTS`, are left out.
+        the layers from the first tensor they move on. Those are taken in the order of the parameters and, on a model
+        whose points have :data:`SPLIT_ACTIVATIONS` or more, split in two passes (see :meth:`_halves`), so that the
+        later pass batches fewer layers. Points that do not fit a pass of their own, and passes of fewer than
+        :data:`MIN_POINTS`, are left out.
         """
         whole: list[int] = []
         single: list[int] = []
@@ -121,7 +126,7 @@ class VectorizedLoss:
         single.sort(key=lambda i: self._positions[id(moves[i][0].tensors[0])])
         passes = self._fill(whole, moves)
         for group in self._fill(single, moves):
-            passes += self._halves(group, moves)
+            passes += self._halves(group, moves) if self._activations >= SPLIT_ACTIVATIONS else [group]
         return [group for group in passes if len(group) >= MIN_POINTS]
 
     def _halves(self, group: list[int], moves: Sequence[Move]) -> list[list[int]]:
@@ -129,9 +134,12 @@ class VectorizedLoss:
         as one pass if a half would have fewer than :data:`MIN_POINTS`.
 
         The later pass batches only the layers from its first tensor on, and the earlier pass does not batch them for
-        the later pass's points. Measured on the overhead benchmark's models (16 points, CPU): one check took 27.6 ms
-        (CNN) and 58.4 ms (GPT) with one pass for them, 23.7 and 57.5 ms with two, and more again with three or four,
-        whose fixed costs (the layers before the first moved tensor, computed once per pass) outweigh what they save.
+        the later pass's points. Measured on the overhead benchmark's models (16 points, CPU, 2.5 and 8 MB of float64
+        activations per point): one check took 27.6 ms (CNN) and 58.4 ms (GPT) with one pass for them, 23.7 and 57.5
+        ms with two, and more again with three or four, whose fixed costs (the layers before the first moved tensor,
+        computed once per pass, and the pass's own overhead) outweigh what they save. The detection benchmark's models
+        (0.06-0.3 MB per point) gained nothing from two passes, and the smallest lost up to 1.3 ms: hence
+        :data:`SPLIT_ACTIVATIONS`.
         """
         positions = [self._positions[id(moves[i][0].tensors[0])] for i in group]
         cuts = [

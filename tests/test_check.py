@@ -271,10 +271,9 @@ def test_healthy_check_is_a_cheap_screen_and_counts_its_cost(vectorize: bool) ->
     assert report.n_backward == 1
     assert report.duration_s > 0
     if vectorize:
-        # three passes: the 8 points of the descent and input probes (they move the whole network) with the centre
-        # again, which the pass must reproduce, then the 14 points of the screens that move one parameter, in two
-        # passes: the weight's points, then the bias's
-        assert (report.n_forward, report.n_passes, report.vectorized) == (2 + 1 + 4 + 2 * 9, 2 + 3, True)
+        # two passes: the 8 points of the descent and input probes (they move the whole network) with the centre again,
+        # which the pass must reproduce, then the 14 points of the screens that move one parameter
+        assert (report.n_forward, report.n_passes, report.vectorized) == (2 + 1 + 4 + 2 * 9, 2 + 2, True)
     else:
         assert (report.n_forward, report.n_passes, report.vectorized) == (2 + 4 + 2 * 9, 2 + 4 + 2 * 9, None)
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from gradwatch import CheckReport, check_gradients
 from gradwatch import check as check_module
+from gradwatch import vectorized as vectorized_module
 
 
 def _check(model: nn.Module, vectorize: bool, **kwargs: object) -> CheckReport:
@@ -183,3 +184,15 @@ def test_one_tensor_points_go_in_two_passes_split_between_tensors() -> None:
     assert halves([2, 10, 4]) == [list(range(12)), list(range(12, 16))]  # each pass keeps MIN_POINTS
     assert halves([2, 10]) == [list(range(12))]  # no boundary leaves MIN_POINTS on both sides
     assert halves([MIN_POINTS, MIN_POINTS]) == [list(range(MIN_POINTS)), list(range(MIN_POINTS, 2 * MIN_POINTS))]
+
+
+def test_screens_of_a_model_with_large_activations_take_two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = DropoutBatchNormNet()
+    small = _check(model, vectorize=True)  # its activations are below SPLIT_ACTIVATIONS: one pass for the screens
+    monkeypatch.setattr(vectorized_module, "SPLIT_ACTIVATIONS", 0)
+    split = _check(model, vectorize=True)
+    assert split.vectorized is True
+    assert split.n_forward == small.n_forward
+    assert split.n_passes == small.n_passes + 1
+    _same_measurements(split, small)
