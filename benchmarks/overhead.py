@@ -209,14 +209,19 @@ def _unit_costs(build: Callable[[], nn.Module], loss: Callable, loader: DataLoad
         probe_net = build().double().to(device)
         probe_sample = [t.double() if t.is_floating_point() else t for t in sample]
 
-    def timed(fn: Callable[[], object], repeats: int = 20) -> float:
+    def timed(fn: Callable[[], object], repeats: int = 10, blocks: int = 7) -> float:
+        """The median over ``blocks`` blocks of the mean time of ``repeats`` calls: a block that a busy moment of the
+        machine slowed or sped up does not move the bound."""
         fn()
-        _synchronize()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        _synchronize()
-        return (time.perf_counter() - started) / repeats
+        means = []
+        for _ in range(blocks):
+            _synchronize()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            _synchronize()
+            means.append((time.perf_counter() - started) / repeats)
+        return statistics.median(means)
 
     def forward() -> None:
         with torch.no_grad():
@@ -236,6 +241,7 @@ def overhead_table(repeats: int, steps: int) -> None:
     )
     print("|---|---|---|---|---|---|")
     bounds = []
+    per_run: dict[str, list[float]] = {}  # by model: each every-1 run's median ratio of check time to bound
     for name, setup in (("CNN, CIFAR-shaped, batch 128", _cnn_setup), ("GPT LM, 32 x 64 tokens", _gpt_setup)):
         build, loss, loader = setup(steps)
         settings: list[tuple[str, dict[str, Any]]] = [("default (every 500)", {})]
@@ -255,9 +261,12 @@ def overhead_table(repeats: int, steps: int) -> None:
                 checks = len(watch.reports)
                 if label == "every 1":
                     forward, forward_backward = _unit_costs(build, loss, loader, watch.reports[-1])
+                    run_ratios = []
                     for report in watch.reports:
                         bound = (report.n_forward - report.n_backward) * forward + report.n_backward * forward_backward
                         bounds.append((name, report, bound))
+                        run_ratios.append(report.duration_s / bound)
+                    per_run.setdefault(name, []).append(statistics.median(run_ratios))
             if label == "every 1":  # one more pair, untimed, for peak memory
                 memory["without"] = _fit(build, loss, loader, steps, None, memory=True)[1]
                 memory["with"] = _fit(build, loss, loader, steps, GradWatch(**options), memory=True)[1]
@@ -279,9 +288,9 @@ def overhead_table(repeats: int, steps: int) -> None:
     )
     print(
         "| model | probe samples, precision | loss evaluations | forward passes | backward | check time (median / mean)"
-        " | lower bound | ratio |"
+        " | lower bound | ratio | ratio by run |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in dict.fromkeys(name for name, _, _ in bounds):
         mine = [(report, bound) for n, report, bound in bounds if n == name]
         report = mine[-1][0]
@@ -292,7 +301,8 @@ def overhead_table(repeats: int, steps: int) -> None:
             f"{1e3 * statistics.median(r.duration_s for r, _ in mine):.1f} / "
             f"{1e3 * statistics.mean(r.duration_s for r, _ in mine):.1f} ms | "
             f"{1e3 * statistics.median(b for _, b in mine):.1f} ms | "
-            f"{statistics.median(r.duration_s / b for r, b in mine):.2f}x |"
+            f"{statistics.median(r.duration_s / b for r, b in mine):.2f}x | "
+            f"{', '.join(f'{ratio:.2f}x' for ratio in per_run[name])} |"
         )
 
 
