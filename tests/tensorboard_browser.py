@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -204,6 +205,7 @@ class HeadlessChromium:
                 stderr=subprocess.DEVNULL,
                 preexec_fn=wire_pipes,  # only fd juggling between fork and exec
                 close_fds=False,
+                start_new_session=True,  # its helper processes too can then be stopped as one group
             )
         finally:
             os.close(browser_reads)
@@ -280,7 +282,24 @@ class HeadlessChromium:
                     os.close(fd)
         self._to_browser = self._from_browser = -1
         _terminate(process)
-        self._profile.cleanup()
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)  # helpers (renderer, crash handler) that outlived the browser
+        _remove_profile(self._profile)
+
+
+def _remove_profile(profile: tempfile.TemporaryDirectory[str]) -> None:
+    """Delete Chromium's profile directory; a helper process still exiting may write into it for a moment, so a
+    removal that finds new files is tried again for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            profile.cleanup()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def png_size(path: Path) -> tuple[int, int]:
