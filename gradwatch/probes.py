@@ -89,7 +89,8 @@ class CoordinateDirection:
         stacked along a new leading dimension, one per offset), instead of moving the tensor."""
         moved = [self._moved(offset) for offset in offsets]
         with torch.no_grad():
-            rows[id(self.tensor)][(slice(None), *self.index)] = torch.stack([value for value, _ in moved])
+            every_row: tuple[slice | int, ...] = (slice(None), *self.index)
+            rows[id(self.tensor)][every_row] = torch.stack([value for value, _ in moved])
         return [displacement for _, displacement in moved]
 
     def _moved(self, offset: float) -> tuple[Tensor, Displacement]:
