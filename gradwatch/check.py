@@ -645,12 +645,10 @@ class _Prober:
         ``(probe, offsets)`` that are not known yet, when the check evaluates points in vectorised passes."""
         if self.vectorized is None or not self.vectorized.usable:
             return
-        wanted = [
-            (probe, probe.step if step is None else step, offset)
-            for probe, offsets in requests
-            for offset in offsets
-            if _point_key(probe, probe.step if step is None else step, offset) not in self._measured
-        ]
+        wanted: list[tuple[_Pending, float, float]] = []
+        for probe, offsets in requests:
+            at = probe.step if step is None else step
+            wanted += [(probe, at, offset) for offset in offsets if _point_key(probe, at, offset) not in self._measured]
         results = self.vectorized.evaluate([(probe.direction, offset * at) for probe, at, offset in wanted])
         for (probe, at, offset), result in zip(wanted, results, strict=True):
             if result is not None:

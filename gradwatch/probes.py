@@ -145,10 +145,9 @@ class VectorDirection:
         self.grads = list(grads)
         self.coefficient = coefficient
         self._along_gradient = all(c is g for c, g in zip(self.components, self.grads, strict=True))  # v ∝ g
-        self._norm_squared: float | None = None  # ‖v‖²
+        self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
         if components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
-            self._norm_squared = coefficient * self.analytic
         else:
             pairs = zip(self.grads, self.components, strict=True)
             self.analytic = coefficient * _total([_dot_tensor(g, c) for g, c in pairs])  # g · v, one host transfer
@@ -179,10 +178,7 @@ class VectorDirection:
 
         def move(offset: float) -> Displacement:
             with torch.no_grad():
-                if intended:
-                    displacement = self._move_as_intended(offset, origin, self.tensors)
-                else:
-                    displacement = self._move_and_measure(offset)
+                displacement = self._move_as_intended(offset) if intended else self._move_and_measure(offset)
             if self._after_write is not None:
                 self._after_write()
             return displacement
@@ -237,12 +233,13 @@ class VectorDirection:
         predicted = _total(predicted_terms)
         return Displacement(self.coefficient * (predicted if along_is_predicted else _total(along_terms)), predicted)
 
-    def _move_as_intended(self, offset: float, origins: Sequence[Tensor], targets: Sequence[Tensor]) -> Displacement:
-        """Write ``origin + offset · v`` into each target, in float64, whose rounding puts a displacement ~1e-12 of the
-        step off the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring
-        path computes) and ``g·δ = offset·g·v`` predicted."""
-        for target, origin, increment in zip(targets, origins, self._cast_components(), strict=True):
-            torch.add(origin, increment, alpha=offset * self.coefficient, out=target)
+    def _move_as_intended(self, offset: float) -> Displacement:
+        """Move float64 tensors to ``origin + offset · v``, whose rounding puts a displacement ~1e-12 of the step off
+        the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path
+        computes) and ``g·δ = offset·g·v`` predicted."""
+        assert self._origin is not None
+        for tensor, origin, increment in zip(self.tensors, self._origin, self._cast_components(), strict=True):
+            torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:

@@ -95,11 +95,11 @@ class VectorizedLoss:
         """The loss and the displacement at each point; ``None`` for the points left to be evaluated one by one (see
         :meth:`_passes`), and for all of them once :attr:`usable` is false."""
         results: list[tuple[float, Displacement] | None] = [None] * len(moves)
+        if not self.usable:
+            return results
         for group in self._passes(moves):
-            if not self.usable:
-                break
             values = self._pass([moves[i] for i in group])
-            if values is None:
+            if values is None:  # the pass gave up: the rest of the check goes point by point
                 break
             for i, value in zip(group, values, strict=True):
                 results[i] = value
