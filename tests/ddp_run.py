@@ -160,6 +160,7 @@ def main() -> None:
     if "--syncbn" in sys.argv[2:]:
         result = syncbn(out)
         (out / f"syncbn_rank{result['rank']}.json").write_text(json.dumps(result))
+        _close_process_group()
         return
     scenarios = {
         "healthy": lambda: healthy(out, with_watch=True),
@@ -170,6 +171,15 @@ def main() -> None:
     for name, run in scenarios.items():
         result = run()
         (out / f"{name}_rank{result['rank']}.json").write_text(json.dumps(result))
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Destroy the process group before the interpreter exits: a gloo group left to the interpreter's shutdown
+    sometimes aborts the process ("terminate called without an active exception") after every result was written."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from helpers import (
     snapshot,
     trainer,
 )
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -367,8 +368,10 @@ def test_zero_interference_with_training(tmp_path: Path) -> None:
 
 
 def test_progress_bar_shows_the_last_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the TQDM bar explicitly: Lightning picks the Rich bar when `rich` is installed, which draws differently
+    bar = TQDMProgressBar()
     run = trainer(
-        tmp_path, [GradWatch(every_n_steps=2, on_fail=lambda report: None)], max_steps=4, enable_progress_bar=True
+        tmp_path, [GradWatch(every_n_steps=2, on_fail=lambda report: None), bar], max_steps=4, enable_progress_bar=True
     )
     run.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert run.progress_bar_callback is not None
