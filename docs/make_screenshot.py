@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # the server and browser drivers the en
 
 from tensorboard_browser import HeadlessChromium, TensorBoardServer, find_chromium  # noqa: E402
 
-from gradwatch.dashboard import SECTIONS  # noqa: E402
-from gradwatch.demo import RUNS, train  # noqa: E402
+from gradwatch.cli.demo import RUNS, train  # noqa: E402
+from gradwatch.tensorboard.dashboard import SECTIONS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

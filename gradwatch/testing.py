@@ -18,9 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from gradwatch.check import check_gradients
-from gradwatch.evaluation import LossFn
-from gradwatch.report import CheckReport, Probe
+from gradwatch.engine import CheckReport, LossFn, Probe, check_gradients
 
 _HEADER = ("kind", "tensor[index]", "analytic", "numeric", "rel. error", "noise", "reason")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
+
+from gradwatch.engine.numerics.stencil import Point, Stencil
 
 
 class ScaledLinearFunction(torch.autograd.Function):
@@ -194,3 +197,11 @@ def trainer(tmp_path: Any, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Tr
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+def exact_stencil(
+    f: Callable[[float], float], analytic: float, step: float, offsets: tuple[float, ...] = (1.0, -1.0, 0.5, -0.5)
+) -> Stencil:
+    """The stencil of ``f`` around 0 with exact displacements; ``analytic`` plays autograd's derivative."""
+    points = tuple(Point(o, f(o * step), o * step, analytic * o * step) for o in offsets)
+    return Stencil(step=step, center=f(0.0), analytic=analytic, points=points)

@@ -1,4 +1,5 @@
-"""The engine stays free of Lightning and TensorBoard; adapters sit on top of it, never below."""
+"""The package's layers, tested: the engine imports no Lightning and no TensorBoard, and every module imports only
+from its own layer or the layers below it."""
 
 from __future__ import annotations
 
@@ -8,51 +9,110 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
-ENGINE = [
-    "report",
-    "batch",
-    "state",
-    "reductions",
-    "evaluation",
-    "numerics",
-    "precision",
-    "probes",
-    "sampling",
-    "check",
-    "vectorized",
-    "_validation",
-    "testing",
-]
-ADAPTERS = ["callback", "tensorboard", "dashboard", "alerts", "events", "_demo_models", "demo", "cli", "__main__"]
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("engine.report", "engine.validation"),
+    ("engine.numerics",),
+    ("engine.function",),
+    ("engine.measuring",),
+    ("engine.probing",),
+    ("engine.reference", "engine.check", "engine"),
+    ("tensorboard",),
+    ("lightning",),
+    ("cli", "testing", "callback", "check", "report", "__main__", "gradwatch"),
+)
+"""Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
+those before it. The last layer holds the faces (command line, test helpers), the old import paths kept for users
+(``gradwatch.callback``, ``gradwatch.check``, ``gradwatch.report``) and the package itself."""
+
+FRAMEWORKS = {"lightning", "pytorch_lightning", "tensorboard", "tensorboardX"}
 
 
-def _imports(module: str) -> set[str]:
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def _name(path: Path) -> str:
+    """The module's dotted name below ``gradwatch`` (``"gradwatch"`` for the package's own ``__init__``)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "gradwatch"
+
+
+MODULES = {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(name: str) -> int:
+    """The position of the layer holding module ``name``: the most specific entry of :data:`LAYERS` containing it."""
+    best: tuple[int, int] | None = None
+    for position, entries in enumerate(LAYERS):
+        for entry in entries:
+            contains = name == entry or name.startswith(entry + ".")
+            if contains and (best is None or len(entry) > best[1]):
+                best = (position, len(entry))
+    if best is None:
+        raise AssertionError(f"gradwatch.{name} is in no layer of tests/test_layering.py")
+    return best[0]
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from gradwatch import cli`
     return names
 
 
-@pytest.mark.parametrize("module", ENGINE)
-def test_engine_imports_no_framework_and_no_adapter(module: str) -> None:
-    imported = _imports(module)
-    frameworks = {name for name in imported if name.split(".")[0] in {"lightning", "pytorch_lightning", "tensorboard"}}
-    assert not frameworks, f"gradwatch.{module} imports {frameworks}"
-    adapters = {name for name in imported if name.removeprefix("gradwatch.") in ADAPTERS}
-    assert not adapters, f"gradwatch.{module} imports the adapters {adapters}"
+def _gradwatch_imports(path: Path) -> set[str]:
+    """The gradwatch modules ``path`` imports, as names below ``gradwatch`` (names that are not modules dropped)."""
+    found = set()
+    for name in _imports(path):
+        if name == "gradwatch":
+            found.add("gradwatch")
+        elif name.startswith("gradwatch."):
+            inner = name.removeprefix("gradwatch.")
+            while inner and inner not in MODULES:
+                inner = inner.rpartition(".")[0]
+            if inner:
+                found.add(inner)
+    return found
 
 
-def test_tensorboard_writer_and_alerts_do_not_import_lightning_or_the_callback() -> None:
-    for module in ("tensorboard", "dashboard", "alerts"):
-        imported = _imports(module)
-        assert not {n for n in imported if n.startswith(("lightning", "pytorch_lightning"))}
-        assert "gradwatch.callback" not in imported
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n == "engine" or n.startswith("engine.")))
+def test_engine_imports_no_framework(name: str) -> None:
+    frameworks = {n for n in _imports(MODULES[name]) if n.split(".")[0] in FRAMEWORKS}
+    assert not frameworks, f"gradwatch.{name} imports {frameworks}"
 
 
-def test_every_module_is_classified() -> None:
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    assert modules == set(ENGINE) | set(ADAPTERS)
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("tensorboard")))
+def test_tensorboard_layer_imports_no_lightning(name: str) -> None:
+    assert not {n for n in _imports(MODULES[name]) if n.split(".")[0] in {"lightning", "pytorch_lightning"}}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_imports_from_a_layer_above_its_own(name: str) -> None:
+    own = _layer(name)
+    upward = {
+        other
+        for other in _gradwatch_imports(MODULES[name])
+        if other != "gradwatch" and _layer(other) > own and not name.startswith(other + ".")
+    }
+    if name != "gradwatch" and _layer(name) < len(LAYERS) - 1:
+        assert "gradwatch" not in _gradwatch_imports(MODULES[name]), f"gradwatch.{name} imports the package itself"
+    assert not upward, f"gradwatch.{name} (layer {own}) imports {sorted(upward)} from layers above"
+
+
+def test_every_module_is_in_a_layer() -> None:
+    for name in MODULES:
+        _layer(name)  # raises for a module no layer holds
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"
+
+
+def test_the_engine_defines_check_gradients() -> None:
+    tree = ast.parse(MODULES["engine.check"].read_text())
+    assert "check_gradients" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}

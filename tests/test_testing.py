@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import SeedModel, classification_batch, cross_entropy_loss, seed_batch, seed_loss
 from torch import nn
 
-from gradwatch._demo_models import RMSNorm
+from gradwatch.cli.demo_models import RMSNorm
 from gradwatch.testing import assert_gradients_ok
 
 

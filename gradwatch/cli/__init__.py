@@ -1,0 +1,6 @@
+"""The ``gradwatch`` command line: ``gradwatch demo`` (:mod:`.demo`) and ``gradwatch report`` (:mod:`.report`),
+dispatched by :func:`main` (:mod:`.main`)."""
+
+from gradwatch.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,57 @@
+"""The ``gradwatch`` command.
+
+* ``gradwatch demo [--logdir DIR] [--bug NAME]``: train the example models with gradwatch, print the verdicts and the
+  ``tensorboard`` command to look at them (see :mod:`.demo`).
+* ``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch data of the event files under ``LOGDIR`` (see
+  :mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gradwatch import __version__
+from gradwatch.cli import demo, report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradwatch",
+        description="Check that the gradients a model trains on are the derivatives of its loss.",
+        epilog="Exit status of 'report': 0 no failure recorded, 1 a failure recorded, 2 unreadable input.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradwatch {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,report}")
+
+    demo_parser = commands.add_parser(
+        "demo",
+        help="train the example models with gradwatch and print what it found",
+        description="Train the example models on synthetic data with gradwatch, print the verdicts and the "
+        "tensorboard command to look at them. Exit status 0 when every run ended as expected (the healthy model "
+        "without a failing check, each planted bug caught), 1 otherwise.",
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(handler=demo.run)
+
+    report_parser = commands.add_parser(
+        "report",
+        help="summarise the gradwatch results in TensorBoard event files",
+        description="Summarise the gradwatch results in the TensorBoard event files under LOGDIR: the checks, "
+        "verdicts over time, the worst tensors and every failure. Exit status 0 when no failure was recorded, 1 "
+        "when one was, 2 when the input cannot be read.",
+    )
+    report.add_arguments(report_parser)
+    report_parser.set_defaults(handler=report.report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``gradwatch`` console script and of ``python -m gradwatch``."""
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch data of the event files under ``LOGDIR``.
+
+Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be read
+(a missing or empty directory, corrupt event files, no gradwatch data) or the command line is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradwatch.tensorboard.events import EventFilesError, RunEvents, read_logdir
+
+EXIT_OK = 0
+EXIT_FAILURE_RECORDED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _fmt(value: float, spec: str = ".3g") -> str:
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str] | str], align: str) -> list[str]:
+    """A plain-text table, columns padded; ``align`` holds one ``<`` or ``>`` per column. A row given as a string is
+    printed as it is (a remark such as "... 12 more")."""
+    cells = [row for row in rows if not isinstance(row, str)]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *cells, strict=True)]
+
+    def line(row: Sequence[str] | str) -> str:
+        if isinstance(row, str):
+            return row
+        return "  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths, strict=True)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths])] + [line(row) for row in rows]
+
+
+def _elide(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | str]:
+    """At most ``max_rows`` rows (0: all): the first and last ones, with a line saying how many were left out."""
+    if max_rows <= 0 or len(rows) <= max_rows:
+        return list(rows)
+    head, tail = (max_rows + 1) // 2, max_rows // 2
+    marker = f"... {len(rows) - head - tail} more {what} (--max-rows 0 shows all)"
+    return [*rows[:head], marker, *rows[len(rows) - tail :]]
+
+
+def format_run(run: RunEvents, max_rows: int = 20) -> str:
+    """The report of one run: verdict counts, the checks over time, the worst tensors and every failure."""
+    checks = run.checks
+    counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in ("ok", "inconclusive", "fail")}
+    failing_steps = [c.step for c in checks if c.verdict == "fail"]
+    lines = [
+        f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "
+        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+        + (f"; first failure at step {failing_steps[0]}" if failing_steps else "")
+        + " ==",
+        "",
+        "checks (verdicts over time):",
+    ]
+    rows = [
+        [
+            str(c.step),
+            c.verdict,
+            _fmt(c.get("rel_error_median"), ".2e"),
+            _fmt(c.get("rel_error_max"), ".2e"),
+            _fmt(c.get("descent_ratio"), ".6f"),
+            _fmt(c.get("failing_probes"), ".0f"),
+            _fmt(c.get("inconclusive_probes"), ".0f"),
+        ]
+        for c in checks
+    ]
+    header = ["step", "verdict", "median rel. err", "max rel. err", "descent ratio", "failing", "inconclusive"]
+    lines += _table(header, _elide(rows, max_rows, "checks"), "><>>>>>")
+
+    if run.failures:
+        by_tensor: dict[str, list[float]] = {}
+        steps_by_tensor: dict[str, set[int]] = {}
+        for f in run.failures:
+            by_tensor.setdefault(f.tensor, []).append(f.rel_error)
+            steps_by_tensor.setdefault(f.tensor, set()).add(f.step)
+        worst = sorted(by_tensor, key=lambda t: (-len(by_tensor[t]), -max(by_tensor[t])))
+        lines += ["", "worst tensors (by failing probes; '*' is the descent probe along the whole gradient):"]
+        rows = [[t, str(len(by_tensor[t])), str(len(steps_by_tensor[t])), _fmt(max(by_tensor[t]))] for t in worst]
+        lines += _table(["tensor", "failing probes", "in checks", "worst rel. err"], rows, "<>>>")
+        lines += ["", "failures:"]
+        rows = [
+            [str(f.step), f.kind, f.tensor, f.index or "-", f"{f.analytic:.6g}", f"{f.numeric:.6g}", _fmt(f.rel_error)]
+            for f in run.failures
+        ]
+        header = ["step", "kind", "tensor", "index", "analytic", "numeric", "rel. err"]
+        lines += _table(header, _elide(rows, max_rows, "failures"), "><<<>>>")
+    elif failing_steps:
+        lines += ["", "failing checks were logged, but no failure table (was a TensorBoardLogger used?)"]
+    return "\n".join(lines)
+
+
+class MissingExtraError(Exception):
+    """An optional dependency is needed and not installed."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a window
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise MissingExtraError(
+            "--plot needs matplotlib, which is not installed; install the 'plot' extra: pip install 'gradwatch[plot]' "
+            "(or pip install matplotlib)"
+        ) from error
+    return plt
+
+
+def plot(runs: Sequence[RunEvents], path: Path) -> None:
+    """A figure of relative error over steps for each run (median, band min to max, failing checks marked).
+
+    Raises:
+        MissingExtraError: matplotlib is not installed.
+    """
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        checks = run.checks
+        steps = [c.step for c in checks]
+        median = [c.get("rel_error_median") for c in checks]
+        (line,) = axes.plot(steps, median, marker="o", markersize=3, label=f"{run.name}: median")
+        axes.fill_between(
+            steps, [c.get("rel_error_min") for c in checks], [c.get("rel_error_max") for c in checks],
+            color=line.get_color(), alpha=0.2, linewidth=0,
+        )  # fmt: skip
+        failing = [(c.step, c.get("rel_error_max")) for c in checks if c.verdict == "fail"]
+        if failing:
+            axes.scatter(*zip(*failing, strict=True), marker="x", color="red", zorder=3)
+    axes.scatter([], [], marker="x", color="red", label="failing check (its max rel. error)")
+    axes.set_yscale("log")
+    axes.set_xlabel("step")
+    axes.set_ylabel("relative error (conclusive probes)")
+    axes.set_title("gradwatch: relative error of the checks (band: min to max)")
+    axes.grid(True, which="major", alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def report(args: argparse.Namespace) -> int:
+    """``gradwatch report``: print the summary of every run under the log directory; exit status as documented."""
+    try:
+        if args.plot is not None:
+            _pyplot()  # before reading anything, so a missing extra costs no wait
+        runs = read_logdir(args.logdir)
+    except (EventFilesError, MissingExtraError) as error:
+        print(f"gradwatch report: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"gradwatch report: {args.logdir} ({len(runs)} run{'s' if len(runs) != 1 else ''})\n")
+    for run in runs:
+        print(format_run(run, args.max_rows))
+        print()
+    failed = [run.name for run in runs if run.failed]
+    if args.plot is not None:
+        plot(runs, args.plot)
+        print(f"plot written to {args.plot}")
+    if failed:
+        print(f"result: FAIL, gradient failures recorded in {', '.join(failed)} (exit status {EXIT_FAILURE_RECORDED})")
+        return EXIT_FAILURE_RECORDED
+    print(f"result: ok, no gradient failure recorded (exit status {EXIT_OK})")
+    return EXIT_OK
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``gradwatch report``."""
+    parser.add_argument("logdir", type=Path, metavar="LOGDIR", help="a log directory (searched recursively)")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also write a figure (needs matplotlib)")
+    parser.add_argument("--max-rows", type=int, default=20, help="rows per table, 0 for all (default: %(default)s)")

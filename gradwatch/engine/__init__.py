@@ -1,0 +1,19 @@
+"""The engine of gradwatch: pure PyTorch, no Lightning and no TensorBoard.
+
+:func:`check_gradients` checks one model on one batch and returns a :class:`CheckReport`. Its parts, lowest layer
+first (each imports only from the layers below it):
+
+* :mod:`.report` and :mod:`.validation`: results as data, argument checks;
+* :mod:`.numerics`: steps, tolerances, stencils and their verdicts, norms;
+* :mod:`.function`: the loss as one deterministic function (batch structure, state snapshot and restore, float64
+  storage and reductions, probe conditions, the evaluator);
+* :mod:`.measuring`: directions and displacements, vectorised passes, the points probes ask for;
+* :mod:`.probing`: the portfolio of probes, the escalation ladder, sampling;
+* :mod:`.reference` and :mod:`.check`: the reference gradient and the check itself.
+"""
+
+from gradwatch.engine.check import check_gradients
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.report import CheckReport, GradientCheckError, Probe
+
+__all__ = ["CheckReport", "GradientCheckError", "LossFn", "Probe", "check_gradients"]

@@ -1,0 +1,285 @@
+"""One gradient check of a model on a batch: :func:`check_gradients`.
+
+The check orchestrates the engine's parts, each in a module of its own:
+
+1. the **reference** (:mod:`.reference`): the loss and autograd's gradient on the first samples of the batch, and the
+   test that the loss evaluated again there is the same function;
+2. the **portfolio** (:mod:`.probing.portfolio`): which probes the check makes (descent, tensors, random directions,
+   coordinates, inputs), sized from the reference gradient;
+3. the **ladder** (:mod:`.probing.ladder`): how each probe is measured and escalated, from a two-point screen up to a
+   confirmed failure, so that a healthy model costs a fixed, small number of loss evaluations and a broken one what it
+   takes to be sure;
+4. the **measuring service** (:mod:`.measuring.points`): the loss at the points the probes ask for, evaluated together
+   in vectorised passes where it can (:mod:`.measuring.vectorized`);
+5. the **loss as a deterministic function** (:mod:`.function`): random states replayed, buffers restored, float64
+   storage and reductions, probe conditions.
+
+Whatever happens, the model's parameters, buffers, ``.grad``, random states and modes are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine import validation as validate
+from gradwatch.engine.function.batch import batch_size
+from gradwatch.engine.function.conditions import probe_conditions
+from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
+from gradwatch.engine.function.precision import PRECISIONS, Precision, probe_precision, resolve_precision
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import (
+    UNCHECKABLE_TOLERANCE,
+    gradient_tolerance,
+    machine_epsilon,
+    relative_tolerance,
+)
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, reproduced_center
+from gradwatch.engine.report import CheckReport, Probe, Verdict
+
+__all__ = ["check_gradients"]
+
+
+def check_gradients(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    *,
+    step: int = 0,
+    tensor_probes: int = 6,
+    random_probes: int = 1,
+    param_probes: int = 1,
+    input_probes: int = 1,
+    probe_batch_size: int | None = None,
+    precision: Precision = "auto",
+    ignore: Sequence[str] = (),
+    focus: Sequence[str] = (),
+    rtol: float | None = None,
+    seed: int = 0,
+    rotation: int | None = None,
+    float64_reductions: bool = True,
+    vectorize: bool = True,
+) -> CheckReport:
+    """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
+
+    Args:
+        model: The module whose trainable floating parameters are checked.
+        batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
+            dataclasses) are probed as inputs. It is never modified.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check evaluates it at least
+            ``6 + 2 × (tensor_probes + random_probes + param_probes + input_probes)`` times (24 by default), more for
+            screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
+            In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
+        step: The training step, recorded on the report and used to draw the probed coordinates and directions.
+        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
+            received no gradient at all.
+        param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
+        input_probes: Probes on the floating inputs of the batch: the first along their gradient, the others at
+            single coordinates (0 to skip input probes and the input gradient altogether).
+        probe_batch_size: Check the loss of the first this many samples of the batch (every tensor whose first
+            dimension is the batch size is cut), which makes every evaluation cheaper; ``None`` for the whole batch.
+            The loss checked is exactly the loss of that slice, so verdicts stay exact.
+        precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
+            parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
+            unless the model has more than 2**25 parameter elements. See :mod:`gradwatch.engine.function.precision`.
+        ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
+            straight-through estimator whose gradient is deliberately not the derivative.
+        focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
+            a series of checks, the previous report's :attr:`~gradwatch.engine.report.CheckReport.undecided`, so that a
+            tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
+        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
+            Either is raised to about ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that
+            large (``report.rtol`` says what was used); below a float32 loss of ~1e-5 no probe is made.
+        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
+        rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
+            ``step``. A caller running a series of checks passes the check's position in the series.
+        float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences
+            (see :mod:`gradwatch.engine.function.reductions`). Turn off only to study the effect.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap`` (see
+            :mod:`gradwatch.engine.measuring.vectorized`); losses vmap cannot run are evaluated point by point either
+            way. Turn off for a loss with side effects that must happen once per point (a forward hook that records
+            activations).
+
+    Returns:
+        A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable or does not return a tensor.
+        ValueError: An argument is out of range, or ``loss_fn`` returns a non-scalar or a loss without a graph.
+
+    Example:
+        >>> import torch
+        >>> from gradwatch import check_gradients
+        >>> model = torch.nn.Linear(4, 2)
+        >>> batch = (torch.randn(8, 4), torch.randn(8, 2))
+        >>> report = check_gradients(model, batch, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        >>> report.verdict
+        'ok'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+    validate.check_int("step", step, minimum=0)
+    for name, value in (
+        ("tensor_probes", tensor_probes),
+        ("random_probes", random_probes),
+        ("param_probes", param_probes),
+        ("input_probes", input_probes),
+    ):
+        validate.check_int(name, value, minimum=0)
+    validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
+    validate.check_choice("precision", precision, PRECISIONS)
+    ignore = validate.check_patterns("ignore", ignore)
+    focus = validate.check_patterns("focus", focus)
+    validate.check_fraction("rtol", rtol, optional=True)
+    validate.check_int("seed", seed, minimum=0)
+    validate.check_optional_int("rotation", rotation, minimum=0)
+    validate.check_bool("float64_reductions", float64_reductions)
+    validate.check_bool("vectorize", vectorize)
+
+    started = time.perf_counter()
+    params: list[tuple[str, Tensor]] = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.is_floating_point() and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+    ]
+    unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
+    if unknown:
+        raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
+    dtype = _least_precise([p.dtype for _, p in params])
+    floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    mode = resolve_precision(precision, dtype, floating_elements)
+    plan = _Plan(
+        portfolio=PortfolioSettings(
+            tensor_probes=tensor_probes,
+            random_probes=random_probes,
+            param_probes=param_probes,
+            input_probes=input_probes,
+            seed=seed,
+            step=step,
+            rotation=step if rotation is None else rotation,
+            focus=focus,
+        ),
+        rtol=rtol if rtol is not None else relative_tolerance(dtype),
+        native_dtype=dtype,
+        float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
+        vectorize=vectorize,
+    )
+    state = TrainingState.capture(model)
+    notes: list[str] = []
+    used_precision = "native"
+    vectorized: bool | None = None
+    try:
+        with probe_conditions():
+            evaluator, reference, probe_batch = reference_on_a_slice(
+                model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
+            )
+            evaluator.notes[:0] = notes
+            grads = [
+                g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
+            ]
+            grad_norms = norms(grads, exact=True)
+            probes = nonfinite_probes(reference, params, grad_norms)
+            asked = plan.rtol
+            plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, dtype))
+            if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
+                evaluator.notes.append(
+                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                    f"{str(dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
+                )
+            elif not probes:
+                with probe_precision(model, evaluator, mode) as (used_precision, trial):
+                    probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
+    finally:
+        state.restore()
+    return CheckReport(
+        step=step,
+        verdict=_overall_verdict(probes),
+        probes=probes,
+        loss=reference.loss,
+        n_forward=evaluator.n_forward,
+        n_backward=evaluator.n_backward,
+        n_passes=evaluator.n_passes,
+        duration_s=time.perf_counter() - started,
+        notes=list(evaluator.notes),
+        samples=batch_size(probe_batch),
+        precision=used_precision,
+        vectorized=vectorized,
+        rtol=plan.rtol,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the probes of a check are asked to do: the portfolio's sizes and turn, and how they are judged."""
+
+    portfolio: PortfolioSettings
+    rtol: float
+    native_dtype: torch.dtype
+    float64_refinement: bool
+    vectorize: bool
+
+
+def _probe(
+    evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: _Plan
+) -> tuple[list[Probe], bool | None]:
+    """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
+    replacements of coordinates that crossed a kink. Returns the probes and whether points were vectorised."""
+    compute_dtype = _least_precise([p.dtype for _, p in evaluator.params])
+    reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
+    if reproduced is None:
+        return [], None
+    measurements = Measurements(evaluator, *reproduced)
+    portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype)
+    ladder = Ladder(
+        measurements,
+        rtol=plan.rtol,
+        native_dtype=plan.native_dtype,
+        reference_loss=reference.loss,
+        float64_refinement=plan.float64_refinement,
+    )
+    anchor = portfolio.anchor()
+    if anchor is None:
+        evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
+        return [], None
+    screens = portfolio.screens(input_direction=anchor.kind != "input")
+    if plan.vectorize:
+        measurements.start_vectorizing()
+    ladder.first_round(anchor, screens)
+    done = [anchor, *screens]
+    ladder.remeasure_in_float64(done)
+    if any(task.failed for task in done):
+        extra = portfolio.localization(done)
+        ladder.screen_and_escalate(extra)
+        ladder.remeasure_in_float64(extra)
+        done += extra
+    replacements = portfolio.replacements(done)
+    ladder.screen_and_escalate(replacements)
+    done += replacements
+    return [task.probe() for task in done], measurements.vectorized_outcome
+
+
+def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    return max(dtypes, key=machine_epsilon, default=torch.float32)
+
+
+def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
+    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
+    "inconclusive"."""
+    if any(p.verdict == "fail" for p in probes):
+        return "fail"
+    if any(p.verdict == "ok" and p.kind in ("descent", "tensor", "input") and p.index is None for p in probes):
+        return "ok"
+    return "inconclusive"

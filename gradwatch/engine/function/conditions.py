@@ -1,0 +1,64 @@
+"""The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels.
+
+A probe compares autograd's derivative with finite differences of the same function, so the loss must be computed the
+same way at every point, in the weights' own dtype: autocast would round it to 16 bits and TF32 matmuls to 10-bit
+mantissas, far coarser than any step a probe takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
+_PRECISION_SETTINGS = (
+    ("cuda", "matmul"),
+    ("cudnn", "conv"),
+    ("cudnn", "rnn"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+)
+
+
+@contextlib.contextmanager
+def full_float32_precision() -> Iterator[None]:
+    """Run float32 matmuls and convolutions in full IEEE precision (no TF32, no bfloat16 shortcuts), then restore
+    exactly the settings found."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for backend_name, op_name in _PRECISION_SETTINGS:
+            backend = getattr(torch.backends, backend_name, None)
+            settings = getattr(backend, op_name, None)
+            if settings is not None and hasattr(settings, "fp32_precision"):
+                saved.append((settings, "fp32_precision", settings.fp32_precision))
+                settings.fp32_precision = "ieee"
+        if not saved:
+            legacy: tuple[Any, ...] = (torch.backends.cuda.matmul, torch.backends.cudnn)
+            for settings in legacy:
+                saved.append((settings, "allow_tf32", settings.allow_tf32))
+                settings.allow_tf32 = False
+        yield
+    finally:
+        for settings, name, value in reversed(saved):
+            setattr(settings, name, value)
+
+
+@contextlib.contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """Leave any surrounding autocast region: probes run in the weights' own dtype."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def probe_conditions() -> Iterator[None]:
+    """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels."""
+    with autocast_disabled(), full_float32_precision():
+        yield

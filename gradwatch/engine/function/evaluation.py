@@ -1,0 +1,280 @@
+"""The loss as one deterministic function of the parameters and the batch's floating inputs.
+
+A gradient check compares autograd's derivative of the loss with finite differences of the loss, so every evaluation
+must be the same function: the same dropout masks (random state replayed), the same BatchNorm statistics (buffers
+restored after each forward), no autocast, no TF32 (:mod:`.conditions`). :class:`LossEvaluator` provides the reference
+gradient (one forward and one ``torch.autograd.grad``, which leaves ``.grad`` alone) and cheap gradient-free evaluations
+at perturbed points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.reductions import Float64Reductions
+from gradwatch.engine.function.state import TrainingState
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+"""``loss_fn(model, batch) -> scalar Tensor``."""
+
+
+@contextlib.contextmanager
+def _running_statistics_frozen(model: nn.Module) -> Iterator[None]:
+    """Let BatchNorm layers in training mode normalise by the batch's statistics without updating their running ones
+    (their output is the same either way), then put their settings back."""
+    frozen = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    for module in frozen:
+        module.track_running_stats = False
+    try:
+        yield
+    finally:
+        for module in frozen:
+            module.track_running_stats = True
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _as_scalar_loss(value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor; got a tensor of shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"loss_fn must return a floating-point tensor; got dtype {value.dtype}")
+    return value.reshape(())
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The loss and its autograd gradient at the unperturbed point.
+
+    ``param_grads[i]`` is ``None`` when parameter ``i`` received no gradient (not used by the loss, or detached);
+    ``input_grads`` holds only the inputs that received one.
+    """
+
+    loss: float
+    param_grads: list[Tensor | None]
+    input_grads: dict[str, Tensor]
+
+
+class LossEvaluator:
+    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters and the floating inputs.
+
+    Parameters are perturbed in place by the caller (and restored by it); floating inputs are perturbed through the
+    working copies in :attr:`inputs`, which the loss sees in place of the batch's own tensors, so the caller's batch is
+    never modified. Use it inside :func:`probe_conditions`.
+
+    Args:
+        model: The module whose parameters are probed.
+        batch: The batch, passed through to ``loss_fn`` with its floating tensors replaced by working copies.
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``.
+        params: The ``(name, parameter)`` pairs to differentiate.
+        state: The captured training state; its random state is replayed before every evaluation and its buffers are
+            restored after every evaluation.
+        float64_reductions: Accumulate the loss's final reductions in float64 in the gradient-free evaluations.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        params: list[tuple[str, Tensor]],
+        state: TrainingState,
+        float64_reductions: bool = True,
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.params = params
+        self.state = state
+        self.float64_reductions = float64_reductions
+        self.notes: list[str] = []
+        self.n_forward = 0
+        self.n_backward = 0
+        self.n_passes = 0
+        self.saved_elements = 0
+        """Elements autograd saved for the backward of the reference pass: about the activations of one evaluation."""
+        self._batch = batch
+        self._use_inputs(floating_tensors(batch))
+        self._reductions_verified = False
+        self._float64_inputs = False
+        self._grad_mode_evaluations = False
+        self.value_dtype = torch.float32
+        """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
+
+    def _reset_inputs(self) -> None:
+        """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
+        with torch.no_grad():
+            for path, tensor in self.inputs.items():
+                if tensor._version != self._versions[path]:
+                    tensor.copy_(self._pristine[path])
+                    self._versions[path] = tensor._version
+
+    def mark_inputs_current(self) -> None:
+        """Record the working inputs as they are now, after the caller perturbed or restored one of them."""
+        self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
+
+    @contextlib.contextmanager
+    def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
+        """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
+        replayed."""
+        self.state.replay_rng()
+        self.n_passes += 1
+        self.n_forward += 1
+        with torch.set_grad_enabled(grad):
+            yield
+        self.n_forward += points - 1
+
+    def reference(self, with_inputs: bool = True) -> Reference:
+        """Loss and autograd gradient at the current point.
+
+        With ``with_inputs`` the gradient with respect to the floating inputs is computed too; if the loss function
+        cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
+        an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
+        """
+        if with_inputs and self.inputs:
+            try:
+                return self._reference(with_inputs=True)
+            except RuntimeError as error:
+                self.notes.append(
+                    f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})"
+                )
+        return self._reference(with_inputs=False)
+
+    def _reference(self, with_inputs: bool) -> Reference:
+        self._reset_inputs()
+        leaves = (
+            {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
+        )
+        batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
+        self.saved_elements = 0
+        try:
+            with self._evaluation(grad=True):
+                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
+                    loss = _as_scalar_loss(self.loss_fn(self.model, batch))
+                wrt = [p for _, p in self.params] + list(leaves.values())
+                if not loss.requires_grad:
+                    raise ValueError(
+                        "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
+                        "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
+                    )
+                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+                self.n_backward += 1
+            self.state.skip_unused_generators()
+        finally:
+            # after the backward: BatchNorm keeps its buffers for the backward pass
+            self.state.restore_buffers()
+        n_params = len(self.params)
+        input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
+        return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
+
+    def _count_saved(self, tensor: Tensor) -> Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
+            self.saved_elements += tensor.numel()
+        return tensor
+
+    def losses(self, param_stacks: dict[str, Tensor], input_stacks: dict[str, Tensor], points: int) -> list[float]:
+        """The loss at ``points`` points in one forward pass, vectorised with ``torch.func.vmap``.
+
+        ``param_stacks`` (by parameter name) and ``input_stacks`` (by input path) hold the tensors that differ between
+        the points, one slice per point along a new leading dimension; every other tensor is shared. Random draws are
+        shared by all points (``randomness="same"``) and replayed as in every evaluation, so each point sees the
+        dropout masks an evaluation on its own would. BatchNorm layers in training mode run without updating their
+        running statistics, which their output does not depend on (vmap cannot update one buffer from many points).
+        Raises whatever vmap or the loss raises on code it cannot vectorise.
+        """
+        model, loss_fn = self.model, self.loss_fn
+
+        def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
+            batch = replace_tensors(self._batch, {**self.inputs, **inputs})
+            with _reparametrize_module(model, params, tie_weights=True, strict=False):
+                return _as_scalar_loss(loss_fn(model, batch))
+
+        self._reset_inputs()
+        try:
+            with self._evaluation(grad=False, points=points), _running_statistics_frozen(model):
+                values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
+        finally:
+            self.state.restore_buffers()
+        self.value_dtype = values.dtype
+        return values.detach().double().tolist()
+
+    def loss(self) -> float:
+        """The loss at the current (possibly perturbed) point, without building a graph.
+
+        The first call of a check verifies the float64 reductions against the native ones; if they disagree (or the
+        model fails with them) they are switched off for the rest of the check, a note says why, and the loss is
+        evaluated again natively.
+        """
+        if not self.float64_reductions or self._float64_inputs:
+            # on float64 storage every sum is float64 already: the mode would only cost its per-operation dispatch
+            return self._forward(contextlib.nullcontext())
+        verify = not self._reductions_verified
+        mode = Float64Reductions(verify=verify)
+        try:
+            value = self._forward(mode)
+        except Exception as error:
+            if not verify:
+                raise
+            # the model may not cope with a float64 scalar where it expects float32; the native run decides
+            mode.mismatch = f"the loss raised {type(error).__name__}: {error}"
+        self._reductions_verified = True
+        if mode.mismatch is None:
+            return value
+        self.float64_reductions = False
+        self.notes.append(f"float64 reductions switched off ({mode.mismatch})")
+        return self._forward(contextlib.nullcontext())
+
+    def native_loss(self) -> float:
+        """The loss at the current point computed exactly as the model computes it (no float64 reductions)."""
+        return self._forward(contextlib.nullcontext())
+
+    def _forward(self, mode: contextlib.AbstractContextManager[Any]) -> float:
+        self._reset_inputs()
+        try:
+            with self._evaluation(grad=self._grad_mode_evaluations), mode:
+                value = _as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+        finally:
+            self.state.restore_buffers()
+        self.value_dtype = value.dtype
+        return float(value.detach().double())
+
+    def use_float64_inputs(self) -> None:
+        """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""
+        self._float64_inputs = True
+        self._use_inputs({path: t.detach().to(torch.float64) for path, t in floating_tensors(self._batch).items()})
+
+    def use_native_inputs(self) -> None:
+        """Evaluate from now on with copies of the batch's own floating inputs (the default)."""
+        self._float64_inputs = False
+        self._use_inputs(floating_tensors(self._batch))
+
+    def _use_inputs(self, pristine: dict[str, Tensor]) -> None:
+        self._pristine = pristine
+        self.inputs = {path: tensor.detach().clone() for path, tensor in pristine.items()}
+        self._working_batch = replace_tensors(self._batch, self.inputs)
+        self.mark_inputs_current()
+
+    @property
+    def grad_mode(self) -> bool:
+        """Whether evaluations record autograd graphs (see :meth:`use_grad_mode`)."""
+        return self._grad_mode_evaluations
+
+    def use_grad_mode(self) -> None:
+        """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between
+        ``torch.no_grad()`` and grad mode)."""
+        self._grad_mode_evaluations = True

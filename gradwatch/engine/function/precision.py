@@ -1,0 +1,116 @@
+"""The precision probes evaluate the loss in: the model's own dtype, or float64.
+
+Finite differences lose about half the digits of the dtype they are computed in. In float32 a well-chosen probe
+still resolves relative errors of ~1e-5, but a 16-bit model (``precision="bf16-true"``) leaves ~1e-2 at best, far
+from a 1% error. Evaluating the perturbed losses in float64 removes the numerical noise almost entirely, at the price
+of float64 kernels (about 2x slower on CPUs and data-centre GPUs, far slower on consumer GPUs; a few operations have no
+float64 kernel at all) and of a float64 copy of the parameters and buffers during the check.
+
+``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
+parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`). Native float32 probes cannot tell a 1e-3 error from noise on a
+network full of kinks (ReLU, max-pool): their steps must be large to beat round-off, and large steps cross kinks. In
+float64 the steps are thousands of times smaller (see :func:`gradwatch.engine.numerics.steps.relative_step`) and
+round-off is still negligible, so a healthy check ends after its screens instead of escalating, which is why float64
+probes cost no more than float32 ones on a CPU. Larger models are probed natively, with the few probes whose native
+stencils could not decide (a discrepancy beyond the tolerance that round-off or kinks kept from being resolved) measured
+again in float64.
+
+The analytic gradient is never taken from the float64 version: it is the gradient training uses, computed in the
+model's own dtype, with its hooks. Only the finite differences move to float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from gradwatch.engine.function.evaluation import LossEvaluator
+
+Precision = Literal["auto", "native", "float64"]
+"""``"native"``: probes evaluate the loss in the parameters' own dtype. ``"float64"``: in float64, on float64 copies
+of the parameters, buffers and floating inputs. ``"auto"``: float64 up to :data:`AUTO_FLOAT64_ELEMENTS` floating
+parameter elements; native beyond, with undecided probes measured again in float64."""
+
+PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
+
+AUTO_FLOAT64_ELEMENTS = 2**25
+"""The most floating parameter elements ``precision="auto"`` probes in float64 (about 33M: a 256 MiB float64 copy)."""
+
+
+def resolve_precision(
+    precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int
+) -> Literal["native", "float64"]:
+    """What ``precision`` means for a model with ``parameter_elements`` floating parameter elements, the least precise
+    of them in ``parameter_dtype``."""
+    if parameter_dtype == torch.float64:
+        return "native"
+    if precision == "auto":
+        return "float64" if parameter_elements <= AUTO_FLOAT64_ELEMENTS else "native"
+    return precision
+
+
+@contextlib.contextmanager
+def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
+    """Evaluate ``model`` on float64 copies of its floating parameters and buffers, then put everything back.
+
+    Parameters are substituted, not converted: the module sees float64 tensors in their place for the duration, while
+    the ``Parameter`` objects, their ``.grad``, their hooks and the gradient accumulators that DDP and optimizers hook
+    into are never touched (changing a parameter's dtype in place would reset its accumulator and silently unhook
+    DDP's gradient reduction). Buffers, which have no accumulator, get float64 storage and their own back afterwards.
+
+    Yields:
+        The float64 substitute of each parameter, keyed by ``id(parameter)``: probes perturb those.
+    """
+    substitutes: dict[str, Tensor] = {}
+    by_identity: dict[int, Tensor] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() and parameter.dtype != torch.float64:
+            substitutes[name] = parameter.detach().to(torch.float64)
+            by_identity[id(parameter)] = substitutes[name]
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                if buffer.is_floating_point() and buffer.dtype != torch.float64:
+                    saved.append((buffer, buffer.data))
+                    buffer.data = buffer.data.to(torch.float64)
+        with _reparametrize_module(model, substitutes, tie_weights=True, strict=False):
+            yield by_identity
+    finally:
+        for buffer, original in reversed(saved):
+            buffer.data = original
+
+
+@contextlib.contextmanager
+def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[tuple[str, float]]:
+    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used and the loss
+    of the trial evaluation in float64 (NaN if none), which the probes take as their centre.
+
+    Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
+    float64 kernel, a tensor created in float32 inside the model).
+    """
+    if mode != "float64":
+        yield "native", math.nan
+        return
+    native_params = evaluator.params
+    with float64_storage(model) as substitutes:
+        evaluator.params = [(name, substitutes.get(id(p), p)) for name, p in native_params]
+        evaluator.use_float64_inputs()
+        try:
+            trial = evaluator.loss()
+        except Exception as error:
+            problem = f"the loss raised {type(error).__name__} in float64 ({error})"
+        else:
+            yield "float64", trial
+            return
+        finally:
+            evaluator.params = native_params
+    evaluator.notes.append(f"probes run in the native precision: {problem}")
+    evaluator.use_native_inputs()
+    yield "native", math.nan

@@ -1,0 +1,255 @@
+"""The directions a probe moves the parameters or inputs along, and the displacements they produce.
+
+A probe perturbs either one coordinate (of a parameter, or of a floating input through the evaluator's working copy,
+:class:`CoordinateDirection`) or several tensors at once along a unit vector (the descent, tensor, random and
+input-direction probes, :class:`VectorDirection`). At each point a direction reports the displacement that float
+arithmetic actually produced along it and autograd's first-order prediction of the loss change for that displacement
+(:class:`Displacement`); :mod:`gradwatch.engine.numerics` turns the loss values and displacements into a verdict.
+
+Perturbed values are always restored by copying the saved originals back, inside ``finally``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.numerics.norms import dot, total
+
+
+@dataclass(frozen=True)
+class Displacement:
+    """Where a perturbation actually landed: ``along`` is the displacement's component along the intended direction,
+    ``predicted`` autograd's first-order loss change ``g · δ`` for the whole displacement ``δ``."""
+
+    along: float
+    predicted: float
+
+
+class CoordinateDirection:
+    """One coordinate ``tensor[index]``; its analytic derivative is ``gradient``.
+
+    Args:
+        tensor: A parameter, or a working input of the evaluator.
+        index: The coordinate.
+        gradient: The analytic derivative at that coordinate (0 when autograd gave none).
+        after_write: Called after every write to ``tensor`` (the evaluator tracks in-place changes of its inputs).
+    """
+
+    def __init__(
+        self,
+        tensor: Tensor,
+        index: tuple[int, ...],
+        gradient: float,
+        after_write: Callable[[], None] | None = None,
+    ) -> None:
+        self.tensor = tensor
+        self.index = index
+        self.analytic = gradient
+        self.value = tensor.detach()[index].clone()
+        self._after_write = after_write
+
+    @property
+    def tensors(self) -> list[Tensor]:
+        """The tensor the direction moves, as a list (like :attr:`VectorDirection.tensors`)."""
+        return [self.tensor]
+
+    @contextmanager
+    def displaced(self, offset: float) -> Iterator[Displacement]:
+        """Set the coordinate to ``value + offset`` as represented in its dtype; yield the displacement obtained."""
+        with self.moving() as move:
+            yield move(offset)
+
+    @contextmanager
+    def moving(self) -> Iterator[Callable[[float], Displacement]]:
+        """Yield ``move(offset)``, which sets the coordinate to ``value + offset`` and returns the displacement
+        obtained; the value is restored once, on leaving."""
+
+        def move(offset: float) -> Displacement:
+            moved, displacement = self._moved(offset)
+            self._write(moved)
+            return displacement
+
+        try:
+            yield move
+        finally:
+            self._write(self.value)
+
+    writes_whole_rows = False
+    """:meth:`displace_rows` writes only the coordinate: its rows must hold copies of the tensor beforehand."""
+
+    def displace_rows(self, offsets: Sequence[float], rows: Mapping[int, Tensor]) -> list[Displacement]:
+        """Write the coordinate displaced by each offset into one row of ``rows[id(tensor)]`` (copies of the tensor
+        stacked along a new leading dimension, one per offset), instead of moving the tensor."""
+        moved = [self._moved(offset) for offset in offsets]
+        with torch.no_grad():
+            every_row: tuple[slice | int, ...] = (slice(None), *self.index)
+            rows[id(self.tensor)][every_row] = torch.stack([value for value, _ in moved])
+        return [displacement for _, displacement in moved]
+
+    def _moved(self, offset: float) -> tuple[Tensor, Displacement]:
+        """The value ``value + offset`` as represented in the tensor's dtype, and the displacement that is."""
+        origin = self.value.double()
+        moved = (origin + offset).to(self.tensor.dtype)
+        actual = (moved.double() - origin).item()
+        return moved, Displacement(actual, self.analytic * actual)
+
+    def substitute(self, replacements: Mapping[int, Tensor]) -> None:
+        """Move, from now on, the tensor standing in for ours (keyed by ``id``), e.g. its float64 copy."""
+        self.tensor = replacements.get(id(self.tensor), self.tensor)
+
+    def _write(self, value: Tensor) -> None:
+        with torch.no_grad():
+            self.tensor[self.index] = value
+        if self._after_write is not None:
+            self._after_write()
+
+
+class VectorDirection:
+    """Several tensors moved together along ``v = coefficient · components``, a unit vector over all of them.
+
+    The descent probe moves every parameter along ``ĝ`` (``components`` the gradients, ``coefficient = 1/‖g‖``); a
+    tensor probe moves one parameter along its own ``g_T/‖g_T‖``; a random probe along a random unit vector; the input
+    probe moves the floating inputs along their gradient. The analytic slope is ``g · v``.
+
+    From its first displacement on it holds one copy of the tensors' original values, so that every restore is an
+    exact copy; the copy goes with the object.
+
+    Args:
+        tensors: The tensors to move (parameters, or working inputs of the evaluator).
+        components: The direction, one tensor per entry of ``tensors`` (scaled by ``coefficient``).
+        grads: Autograd's gradient for each tensor.
+        coefficient: The factor that makes ``components`` a unit vector.
+        after_write: Called after every write (the evaluator tracks in-place changes of its inputs).
+        components_norm: ``‖components‖``, accumulated in float64, when known; when ``components`` is ``grads`` it
+            gives the analytic slope ``coefficient · ‖g‖²`` without another pass over the gradients.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[Tensor],
+        components: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        coefficient: float = 1.0,
+        after_write: Callable[[], None] | None = None,
+        components_norm: float | None = None,
+    ) -> None:
+        self.tensors = list(tensors)
+        self.components = list(components)
+        self.grads = list(grads)
+        self.coefficient = coefficient
+        self._along_gradient = all(c is g for c, g in zip(self.components, self.grads, strict=True))  # v ∝ g
+        self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
+        if components_norm is not None and self._along_gradient:
+            self.analytic = coefficient * components_norm**2
+        else:
+            pairs = zip(self.grads, self.components, strict=True)
+            self.analytic = coefficient * total([dot(g, c) for g, c in pairs])  # g · v, one host transfer
+        self._origin: list[Tensor] | None = None
+        self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
+        self._after_write = after_write
+
+    def substitute(self, replacements: Mapping[int, Tensor]) -> None:
+        """Move, from now on, the tensor standing in for each of ours (keyed by ``id``), e.g. its float64 copy."""
+        self.tensors = [replacements.get(id(t), t) for t in self.tensors]
+        self._origin = None
+        self._components_cast = None
+
+    @contextmanager
+    def displaced(self, offset: float) -> Iterator[Displacement]:
+        """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
+        with self.moving() as move:
+            yield move(offset)
+
+    @contextmanager
+    def moving(self) -> Iterator[Callable[[float], Displacement]]:
+        """Yield ``move(offset)``, which moves every tensor to ``origin + offset · v`` (rounded to its dtype) and
+        returns the displacement obtained; the tensors are restored once, on leaving (each move overwrites them)."""
+        if self._origin is None:
+            self._origin = [t.detach().clone() for t in self.tensors]
+        origin = self._origin
+        intended = all(t.dtype == torch.float64 for t in self.tensors)
+
+        def move(offset: float) -> Displacement:
+            with torch.no_grad():
+                displacement = self._move_as_intended(offset) if intended else self._move_and_measure(offset)
+            if self._after_write is not None:
+                self._after_write()
+            return displacement
+
+        try:
+            yield move
+        finally:
+            with torch.no_grad():
+                for tensor, saved in zip(self.tensors, origin, strict=True):
+                    tensor.copy_(saved)
+            if self._after_write is not None:
+                self._after_write()
+
+    writes_whole_rows = True
+    """:meth:`displace_rows` writes every element of its rows."""
+
+    def displace_rows(self, offsets: Sequence[float], rows: Mapping[int, Tensor]) -> list[Displacement]:
+        """Write the tensors moved by each ``offset · v`` into one row of ``rows[id(tensor)]`` (float64, stacked along a
+        new leading dimension, one per offset), instead of moving the tensors: one broadcast operation per tensor for
+        all offsets. The displacements are taken as intended (see :meth:`_move_as_intended`)."""
+        factors = torch.tensor(
+            [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
+        )
+        with torch.no_grad():
+            for tensor, increment in zip(self.tensors, self._cast_components(), strict=True):
+                shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
+                torch.addcmul(tensor, shaped, increment, out=rows[id(tensor)])
+        return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
+
+    def _cast_components(self) -> list[Tensor]:
+        """The components in the dtypes of the tensors they move (cast once)."""
+        if self._components_cast is None:
+            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
+        return self._components_cast
+
+    def _move_and_measure(self, offset: float) -> Displacement:
+        """Move the tensors; measure the displacement their dtype's rounding actually produced."""
+        assert self._origin is not None
+        along_is_predicted = self._along_gradient  # the component along v is then g·δ/‖g‖
+        predicted_terms: list[Tensor] = []
+        along_terms: list[Tensor] = []
+        moving = zip(self.tensors, self._origin, self._cast_components(), self.components, self.grads, strict=True)
+        for tensor, origin, increment, component, grad in moving:
+            # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
+            moved = torch.add(origin, increment, alpha=offset * self.coefficient)
+            tensor.copy_(moved)
+            delta = moved.sub_(origin)
+            predicted_terms.append(dot(grad, delta))
+            if not along_is_predicted:
+                along_terms.append(dot(component, delta))
+        # one host transfer for all tensors (a device sync per tensor would dominate a GPU probe)
+        predicted = total(predicted_terms)
+        return Displacement(self.coefficient * (predicted if along_is_predicted else total(along_terms)), predicted)
+
+    def _move_as_intended(self, offset: float) -> Displacement:
+        """Move float64 tensors to ``origin + offset · v``, whose rounding puts a displacement ~1e-12 of the step off
+        the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path
+        computes) and ``g·δ = offset·g·v`` predicted."""
+        assert self._origin is not None
+        for tensor, origin, increment in zip(self.tensors, self._origin, self._cast_components(), strict=True):
+            torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
+        return Displacement(offset * self._squared_norm(), offset * self.analytic)
+
+    def _squared_norm(self) -> float:
+        """``‖v‖²``, computed once."""
+        if self._norm_squared is None:
+            if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
+                self._norm_squared = self.coefficient * self.analytic
+            else:
+                self._norm_squared = self.coefficient**2 * total([dot(c, c) for c in self.components])
+        return self._norm_squared
+
+
+Direction = CoordinateDirection | VectorDirection
+
+"""A direction any probe moves along."""

@@ -1,0 +1,138 @@
+"""The measuring service of a check: the loss at the points its probes ask for, around one centre.
+
+Probes ask for the loss at ``offset × step`` along their direction. :class:`Measurements` answers from points
+evaluated ahead, together, in vectorised passes (:mod:`.vectorized`) where the check can, and evaluates the others one
+by one. It also holds what every stencil of the check shares: the loss at the unperturbed point (the centre), the
+jitter of non-deterministic kernels, and the dtype the loss is evaluated in, which a float64 re-measurement changes for
+a while (:meth:`Measurements.in_float64`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.precision import float64_storage
+from gradwatch.engine.measuring.directions import Direction, Displacement
+from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
+from gradwatch.engine.numerics.stencil import Point, Stencil
+from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
+
+Request = tuple[Direction, float, Sequence[float]]
+"""Points to evaluate ahead: a direction, a step and the offsets (in units of the step) along it."""
+
+
+def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+    """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``, one point at a time."""
+    points = []
+    with direction.moving() as move:
+        for offset in offsets:
+            displacement = move(offset * step)
+            points.append(Point(offset, evaluator.loss(), displacement.along, displacement.predicted))
+    return tuple(points)
+
+
+class Measurements:
+    """The loss at the points of a check's probes, around one centre.
+
+    Args:
+        evaluator: The check's evaluator (on float64 storage for float64 probes).
+        center: The loss at the unperturbed point, in the precision the probes evaluate it in.
+        jitter: How much two evaluations of the centre differ (non-deterministic kernels), in loss units.
+    """
+
+    def __init__(self, evaluator: LossEvaluator, center: float, jitter: float = 0.0) -> None:
+        self.evaluator = evaluator
+        self.center = center
+        self.jitter = jitter
+        self.compute_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon, default=torch.float32)
+        """The dtype the loss is evaluated in: the probed parameters' own, or float64 during a re-measurement."""
+        self.vectorized: VectorizedLoss | None = None
+        self._ahead: dict[tuple[Direction, float, float], tuple[float, Displacement]] = {}
+        """Points evaluated ahead, in vectorised passes, by (direction, step, offset): :meth:`points` takes them."""
+
+    @property
+    def value_epsilon(self) -> float:
+        """The machine epsilon of the dtype the loss values are delivered in (float64 when the float64 reductions
+        reached the final loss): no probe resolves finer than that."""
+        return machine_epsilon(self.evaluator.value_dtype)
+
+    @property
+    def vectorized_outcome(self) -> bool | None:
+        """Whether points were evaluated in vectorised passes (see :attr:`VectorizedLoss.outcome`); ``None`` if the
+        check did not try."""
+        return None if self.vectorized is None else self.vectorized.outcome
+
+    def start_vectorizing(self) -> None:
+        """Evaluate points ahead in vectorised passes from now on, if the loss allows it (see :func:`obstacle`)."""
+        if self.evaluator.grad_mode:
+            return
+        reason = obstacle(self.evaluator)
+        if reason is None:
+            budget = memory_budget([p for _, p in self.evaluator.params])
+            self.vectorized = VectorizedLoss(self.evaluator, self.center, budget)
+        elif self.compute_dtype == torch.float64:  # a float64 check that could have been vectorised: say why not
+            self.evaluator.notes.append(f"points evaluated one by one: {reason}")
+
+    def prefetch(self, requests: Sequence[Request]) -> None:
+        """Evaluate ahead, together, the requested points that are not known yet, when the check evaluates points in
+        vectorised passes; nothing otherwise."""
+        if self.vectorized is None or not self.vectorized.usable:
+            return
+        wanted = [
+            (direction, step, offset)
+            for direction, step, offsets in requests
+            for offset in offsets
+            if (direction, step, offset) not in self._ahead
+        ]
+        results = self.vectorized.evaluate([(direction, offset * step) for direction, step, offset in wanted])
+        for key, result in zip(wanted, results, strict=True):
+            if result is not None:
+                self._ahead[key] = result
+
+    def points(self, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+        """The loss at ``offset × step`` along ``direction`` for each offset: evaluated ahead if it was, else now, one
+        point at a time."""
+        known = {
+            offset: self._ahead.pop(key) for offset in offsets if (key := (direction, step, offset)) in self._ahead
+        }
+        missing = [offset for offset in offsets if offset not in known]
+        found = {p.offset: p for p in measure(self.evaluator, direction, step, missing)} if missing else {}
+        for offset, (value, displacement) in known.items():
+            found[offset] = Point(offset, value, displacement.along, displacement.predicted)
+        return tuple(found[offset] for offset in offsets)
+
+    def stencil(self, direction: Direction, step: float, offsets: Sequence[float]) -> Stencil:
+        """The stencil of the points ``offset × step`` along ``direction``, around the centre."""
+        return Stencil(step, self.center, direction.analytic, self.points(direction, step, offsets))
+
+    @contextlib.contextmanager
+    def in_float64(self, reference_loss: float, native_dtype: torch.dtype) -> Iterator[dict[int, Tensor] | None]:
+        """Evaluate on float64 storage for the duration (see :func:`float64_storage`), around the float64 centre.
+
+        Yields the float64 substitute of each parameter, keyed by ``id(parameter)``, for the probes to move; or
+        ``None``, with a note, when the float64 loss at the centre is not the ``reference_loss`` autograd computed in
+        ``native_dtype`` (the float64 evaluation is then another function). The centre, the compute dtype and the
+        evaluator's inputs are put back afterwards.
+        """
+        native_center, native_dtype_used = self.center, self.compute_dtype
+        try:
+            with float64_storage(self.evaluator.model) as substitutes:
+                self.compute_dtype = torch.float64
+                self.evaluator.use_float64_inputs()
+                self.center = self.evaluator.loss()
+                if abs(self.center - reference_loss) > center_tolerance(reference_loss, native_dtype, torch.float64):
+                    self.evaluator.notes.append(
+                        f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
+                        f"{reference_loss:.9g} natively"
+                    )
+                    yield None
+                else:
+                    yield substitutes
+        finally:
+            self.center, self.compute_dtype = native_center, native_dtype_used
+            self.evaluator.use_native_inputs()

@@ -1,0 +1,85 @@
+"""Norms and dot products of tensors, accumulated in float64 where a probe's numbers depend on them, with one host
+transfer per device (a device sync per tensor would dominate a probe on a GPU)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def dot(a: Tensor, b: Tensor) -> Tensor:
+    """``a · b`` over all elements as a 0-dim float64 tensor: products in float32 at least, accumulated in float64."""
+    if a.dtype in _SIXTEEN_BIT:
+        a = a.float()
+    if b.dtype in _SIXTEEN_BIT:
+        b = b.float()
+    return (a * b).sum(dtype=torch.float64)
+
+
+def total(terms: Sequence[Tensor]) -> float:
+    """The sum of 0-dim tensors, possibly on several devices (a model split across GPUs), as one host value."""
+    if not terms:
+        return 0.0
+    device = terms[0].device
+    return torch.stack([t.to(device) for t in terms]).sum().item()
+
+
+def norm(tensors: Sequence[Tensor]) -> float:
+    """The Euclidean norm over all elements of the tensors."""
+    return math.hypot(*norms(tensors))
+
+
+_RELIABLE_NORMS = (1e-15, 1e15)
+"""Norms computed in float32 outside this range may have lost their squares to underflow or overflow."""
+
+
+def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
+    """The Euclidean norm of each tensor, with one host transfer per device.
+
+    Norms that set step sizes and scales are precise enough accumulated in the tensors' own dtype (16-bit ones in
+    float32), except that float32 cannot square values below ~1e-19 or above ~1e19: a norm outside
+    :data:`_RELIABLE_NORMS` (a tiny late-training gradient, an exactly zero one, an overflow) is computed again in
+    float64. With ``exact`` every norm is accumulated in float64, as the analytic slope along a gradient needs.
+    """
+    if not tensors:
+        return []
+    groups: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(tensor.device, []).append(i)
+    values = [0.0] * len(tensors)
+    for positions in groups.values():
+        batch = [_norm_input(tensors[i]) for i in positions]
+        for i, value in zip(positions, torch.stack(_foreach_norm(batch, exact)).tolist(), strict=True):
+            values[i] = value
+    low, high = _RELIABLE_NORMS
+    for i, value in enumerate(values):
+        if not exact and not low < value < high:
+            values[i] = torch.linalg.vector_norm(tensors[i].detach(), dtype=torch.float64).item()
+    return values
+
+
+def _norm_input(tensor: Tensor) -> Tensor:
+    tensor = tensor.detach()
+    return tensor.float() if tensor.dtype in _SIXTEEN_BIT else tensor
+
+
+def _foreach_norm(tensors: list[Tensor], exact: bool) -> list[Tensor]:
+    """``torch._foreach_norm`` (one fused kernel where the backend has one), else one norm per tensor; accumulated in
+    float64 if ``exact``."""
+    dtype = torch.float64 if exact else None
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):  # torch < 2.2 has no dtype argument
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+
+
+def rms(*tensors: Tensor) -> float:
+    """Root mean square over all elements of the tensors: each tensor's norm as :func:`norms` computes it, combined in
+    float64. Precise enough for the scales steps are relative to."""
+    count = sum(t.numel() for t in tensors)
+    return norm(tensors) / math.sqrt(count) if count else 0.0

@@ -1,0 +1,127 @@
+"""Steps and tolerances: how far a probe moves, and how close analytic and numeric derivatives must agree, by dtype.
+
+Finite differences lose about half the digits of the dtype they are computed in, and autograd's own gradient carries
+the rounding of the dtype it was computed in. Every number here follows from those two facts (see
+``docs/guide.md`` and the notes on numerics): the step that balances truncation against round-off, the relative
+tolerance above autograd's rounding, and how far the loss at the unperturbed point may drift between evaluations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def machine_epsilon(dtype: torch.dtype) -> float:
+    """The machine epsilon of a floating dtype."""
+    return float(torch.finfo(dtype).eps)
+
+
+CONFIRMATION_STEP = 0.3
+"""The confirming stencil uses ``h × 0.3``: its points share none with the first stencil's."""
+
+FINER_STEP = 1 / 64
+"""A probe along a whole direction whose stencil could not decide (it crossed kinks: ReLU units or max-pool winners
+changing sides, or its round-off hid the discrepancy) measures again at up to ``h / 64``: a kink's error grows with
+the number of units the step crosses, which shrinks with ``h``. See :func:`finer_step`."""
+
+ROUNDOFF_MARGIN = 20.0
+"""How far the round-off of a finer step's stencil (about ``ε·|L| / h`` in derivative units, for values computed with
+machine epsilon ``ε``) stays below the tolerance it must resolve."""
+
+_RELATIVE_TOLERANCE = {
+    torch.float64: 1e-7,
+    torch.float32: 5e-4,
+    torch.float16: 3e-2,
+    torch.bfloat16: 1e-1,
+}
+
+
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """The default relative tolerance for gradients computed in ``dtype``.
+
+    Above float rounding of the analytic gradient itself (float32 autograd is ~1e-5 off the exact derivative on large
+    summed losses, up to ~2e-4 on a model that memorised its data) and below the smallest errors that must be caught
+    (1e-3 in float32, 1e-6 in float64). 16-bit gradients carry errors of ~1e-2 of their own: only gross errors can be
+    told from them.
+    """
+    return _RELATIVE_TOLERANCE.get(dtype, 5e-4)
+
+
+ANALYTIC_ROUNDING = 4.0
+"""Autograd's own relative error grows as the loss nears zero: a memorised sample's cross-entropy ``L ≈ 1 − p`` has the
+gradient ``p − 1``, computed with an absolute error of ``ε``, so a relative error of ``ε / L``. Measured on float32
+cross-entropy down to ``L = 3e-6``: at most ``1.1 · ε / L``. The tolerance is at least this many times ``ε / |L|``."""
+
+UNCHECKABLE_TOLERANCE = 0.05
+"""When rounding alone forces a tolerance above this (a float32 loss below ~1e-5), a check cannot tell a 5% error
+from rounding and makes no probe."""
+
+
+def gradient_tolerance(rtol: float, loss: float, dtype: torch.dtype) -> float:
+    """``rtol``, raised to what autograd's rounding in ``dtype`` allows for a loss of this size (see
+    :data:`ANALYTIC_ROUNDING`); infinite for a zero loss."""
+    if loss == 0.0:
+        return math.inf
+    return max(rtol, ANALYTIC_ROUNDING * machine_epsilon(dtype) / abs(loss))
+
+
+def relative_step(dtype: torch.dtype, gradient_dtype: torch.dtype | None = None) -> float:
+    """Step size relative to the scale of the perturbed value, for probes evaluated in ``dtype`` of a gradient computed
+    in ``gradient_dtype`` (by default the same).
+
+    In the gradient's own dtype: ``ε^(1/5)`` (0.041 in float32, 7.4e-4 in float64), the optimum for a
+    Richardson-extrapolated central difference (truncation ``O(h⁴)``, round-off ``O(ε/h)``), as the tolerance is then
+    close to what round-off allows.
+
+    In a more precise dtype than the gradient's (float64 probes of a float32 model): ``ε^(1/3)`` (6.1e-6 in float64),
+    the optimum of the two-point central difference that screens most probes (truncation ``O(h²)``). The tolerance
+    then follows the gradient's dtype and is orders of magnitude above the round-off at this step, while the smaller
+    step leaves a screen ~10⁴ times less truncation and crosses ~100 times fewer kinks (ReLU, max-pool), so healthy
+    probes rarely need the full stencil.
+    """
+    epsilon = machine_epsilon(dtype)
+    if gradient_dtype is not None and machine_epsilon(gradient_dtype) > epsilon:
+        return epsilon ** (1 / 3)
+    return epsilon**0.2
+
+
+def finer_step(step: float, *, center: float, scale: float, rtol: float, compute_epsilon: float) -> float | None:
+    """The step to measure an undecided probe again at, or ``None`` if round-off leaves no room below ``step``.
+
+    As small as :data:`FINER_STEP` allows, but no smaller than where round-off of values computed with
+    ``compute_epsilon`` would approach ``rtol · scale`` (with :data:`ROUNDOFF_MARGIN`). In float64 there is room for
+    the full ``h / 64``; in float32 often little or none, which is what the float64 re-measurement is for.
+    """
+    finest = ROUNDOFF_MARGIN * compute_epsilon * max(abs(center), 1e-30) / (rtol * scale) if scale > 0 else math.inf
+    finer = max(step * FINER_STEP, finest)
+    return finer if finer <= step / 2 else None
+
+
+REPRODUCIBILITY_TOLERANCE = 1e-4
+"""Relative difference allowed between the reference loss and a gradient-free evaluation at the same point (more for
+16-bit models, whose own rounding is larger). Larger means the evaluations do not compute the same function (random
+draws that cannot be replayed, or kernels that differ with and without autograd), and finite differences would not be
+comparable with autograd."""
+
+FLOAT64_AGREEMENT = 1e-2
+"""Relative difference allowed between the reference loss and the same loss evaluated on float64 storage. Float rounding
+accounts for far less; more means the float64 evaluation is not the same function (randomness that was not replayed);
+smaller differences of that kind cannot produce a failure either, as they do not reproduce at a second step."""
+
+
+def center_tolerance(loss: float, native_dtype: torch.dtype, compute_dtype: torch.dtype) -> float:
+    """How far the loss at the unperturbed point, evaluated in ``compute_dtype``, may be from the reference ``loss``
+    autograd computed in ``native_dtype``, in loss units.
+
+    In the gradient's own dtype, the two compute the same thing and differ by little more than rounding. In float64
+    they differ by the reference's whole rounding error, which for a loss near zero (a memorised sample's
+    cross-entropy, 3e-4) is about its float32 epsilon in absolute terms, not relative to the loss.
+    """
+    native_epsilon = machine_epsilon(native_dtype)
+    loss = abs(loss)
+    if compute_dtype == native_dtype:
+        return max(REPRODUCIBILITY_TOLERANCE, 8 * native_epsilon) * loss + 1e-30
+    absolute = 64 * min(native_epsilon, machine_epsilon(torch.float32))
+    return max(FLOAT64_AGREEMENT, 8 * native_epsilon) * loss + absolute

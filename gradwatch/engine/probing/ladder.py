@@ -1,0 +1,183 @@
+"""How a probe escalates: certainty is paid for only where it is needed.
+
+Every rung measures more, and only probes that the rung below could not settle climb:
+
+1. the **anchor** (the descent probe, or the input direction) is a full stencil (``±h``, ``±h/2``) that measures its own
+   error; its noise, in loss units, is what the screens borrow;
+2. every other probe starts as a two-point **screen** (``±h``);
+3. a screen beyond the tolerance ("suspect") is completed into a **full stencil** with its own error estimate;
+4. a full stencil that disagrees is **confirmed** by an independent stencil at ``0.3 h``, and fails only if the
+   discrepancy reproduces;
+5. a probe along a whole direction that stays undecided (kinks, round-off) is measured again at a **finer step**;
+6. a native probe of a model too large for float64 probes that stays undecided is **measured again in float64**.
+
+Where the check evaluates points in vectorised passes, each rung asks for all its points at once
+(:meth:`~gradwatch.engine.measuring.points.Measurements.prefetch`) before judging them one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
+from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
+from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
+from gradwatch.engine.probing.tasks import ProbeTask
+
+FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
+"""The points of a full stencil."""
+
+
+class Ladder:
+    """Measures probes and escalates those that need it (see the module doc).
+
+    Args:
+        measurements: The check's measuring service.
+        rtol: The relative tolerance of the check.
+        native_dtype: The dtype of the gradient being checked.
+        reference_loss: The loss autograd computed (a float64 re-measurement must reproduce it).
+        float64_refinement: Whether undecided native probes are measured again in float64.
+    """
+
+    def __init__(
+        self,
+        measurements: Measurements,
+        *,
+        rtol: float,
+        native_dtype: torch.dtype,
+        reference_loss: float,
+        float64_refinement: bool,
+    ) -> None:
+        self.measurements = measurements
+        self.rtol = rtol
+        self.native_dtype = native_dtype
+        self.probe_dtype = measurements.compute_dtype
+        self.reference_loss = reference_loss
+        self.float64_refinement = float64_refinement
+        self.loss_noise = math.inf
+        """The round-off of one loss evaluation, in loss units, as the anchor's full stencil measured it."""
+
+    def first_round(self, anchor: ProbeTask, screens: Sequence[ProbeTask]) -> None:
+        """Measure the anchor's full stencil, then screen (and escalate) every screen; all their points are evaluated
+        ahead, together, where points are vectorised."""
+        self._prefetch([(anchor, FULL_OFFSETS)] + [(task, PAIR_OFFSETS) for task in screens])
+        self._full(anchor)
+        assert anchor.result is not None
+        self.loss_noise = anchor.result.loss_noise
+        self.screen_and_escalate(screens)
+
+    def screen_and_escalate(self, tasks: Sequence[ProbeTask]) -> None:
+        """Screen every task; complete the suspect ones into full stencils (and on up the ladder)."""
+        self._prefetch([(task, PAIR_OFFSETS) for task in tasks])
+        for task in tasks:
+            self._screen(task)
+        suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
+        self._prefetch([(task, HALF_OFFSETS) for task in suspects])
+        for task in suspects:
+            self._full(task)
+
+    def remeasure_in_float64(self, tasks: Sequence[ProbeTask]) -> None:
+        """Measure again, on float64 storage, the parameter probes whose native stencils saw a discrepancy beyond the
+        tolerance but could not resolve it: float64 removes the round-off, so they end "ok" or "fail"."""
+        pending = [
+            task
+            for task in tasks
+            if task.kind in ("descent", "tensor", "random", "param")
+            and task.result is not None
+            and undecided(task.result, self.rtol)
+        ]
+        if not pending or not self.float64_refinement:
+            return
+        notes = self.measurements.evaluator.notes
+        scale = relative_step(torch.float64, self.native_dtype) / relative_step(self.probe_dtype, self.native_dtype)
+        try:
+            with self.measurements.in_float64(self.reference_loss, self.native_dtype) as substitutes:
+                if substitutes is None:
+                    return
+                for task in pending:
+                    task.direction.substitute(substitutes)  # perturb the float64 copies the model now uses
+                    task.step = task.initial_step * scale
+                    task.stencil = None
+                    self._full(task)
+        except Exception as error:
+            notes.append(f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")
+            return
+        notes.append(f"{len(pending)} undecided probe(s) measured again in float64")
+
+    # ---- the rungs ------------------------------------------------------------------------------------------------
+
+    def _screen(self, task: ProbeTask) -> None:
+        task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
+        task.result = screen(
+            task.stencil,
+            rtol=self.rtol,
+            scale_floor=task.scale_floor,
+            value_epsilon=self.measurements.value_epsilon,
+            loss_noise=self.loss_noise + self.measurements.jitter,
+        )
+
+    def _full(self, task: ProbeTask) -> None:
+        """Complete the task's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
+        independent stencil at a smaller step. A probe along a whole direction that stays undecided (kinks, round-off)
+        is measured once more at a finer step, where it crosses fewer kinks; a coordinate is replaced instead (by the
+        portfolio)."""
+        self._full_at_step(task)
+        result = task.result
+        assert result is not None
+        if task.index is not None or not undecided(result, self.rtol):
+            return
+        finer = finer_step(
+            task.step,
+            center=self.measurements.center,
+            scale=result.scale,
+            rtol=self.rtol,
+            compute_epsilon=machine_epsilon(self.measurements.compute_dtype),
+        )
+        if finer is not None:
+            task.step = finer
+            task.stencil = None
+            self._prefetch([(task, FULL_OFFSETS)])
+            self._full_at_step(task)
+
+    def _full_at_step(self, task: ProbeTask) -> None:
+        if task.stencil is None or task.stencil.step != task.step:
+            task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
+        task.stencil = task.stencil.extended(self._points(task, task.step, HALF_OFFSETS))
+        first = self._assess(task.stencil, task.scale_floor)
+        if first.verdict != "fail":
+            task.result = first
+            return
+        confirming = task.step * CONFIRMATION_STEP
+        self._prefetch([(task, FULL_OFFSETS)], step=confirming)
+        second = self._stencil(task, confirming, FULL_OFFSETS)
+        task.result = confirm(first, self._assess(second, task.scale_floor))
+        task.step = confirming
+
+    # ---- measuring ------------------------------------------------------------------------------------------------
+
+    def _assess(self, stencil: Stencil, scale_floor: float) -> Assessment:
+        return assess(
+            stencil,
+            rtol=self.rtol,
+            scale_floor=scale_floor,
+            value_epsilon=self.measurements.value_epsilon,
+            jitter=self.measurements.jitter,
+        )
+
+    def _points(self, task: ProbeTask, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
+        task.evaluations += len(offsets)
+        return self.measurements.points(task.direction, step, offsets)
+
+    def _stencil(self, task: ProbeTask, step: float, offsets: Sequence[float]) -> Stencil:
+        task.evaluations += len(offsets)
+        return self.measurements.stencil(task.direction, step, offsets)
+
+    def _prefetch(self, requests: Sequence[tuple[ProbeTask, Sequence[float]]], step: float | None = None) -> None:
+        """Ask for the points ``offset × task.step`` (or ``offset × step``) of each ``(task, offsets)`` ahead."""
+        self.measurements.prefetch(
+            [(task.direction, task.step if step is None else step, offsets) for task, offsets in requests]
+        )

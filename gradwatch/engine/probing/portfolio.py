@@ -1,0 +1,253 @@
+"""Which probes a check makes, and in which turn.
+
+Each kind of probe sees errors the others miss:
+
+1. the descent probe, along the normalised gradient ``ĝ`` of all parameters: the largest signal any direction can
+   give, so the most precise test of the gradient as a whole, and the descent ratio users watch;
+2. tensor probes, along one tensor's own ``g_T/‖g_T‖``: they say *which* tensor is wrong;
+3. random probes, along a random unit vector within one tensor: they see errors orthogonal to the gradient, and a
+   gradient that is missing altogether (a stray ``.detach()``);
+4. coordinate probes on parameters, which say *where* in a tensor;
+5. the input probes: along the gradient of the batch's floating inputs, and at single input coordinates.
+
+Tensors take turns (a rotating window, :mod:`.sampling`), so a healthy check is a fixed, small portfolio whatever the
+model's size. After a failure every tensor gets a tensor probe (:meth:`Portfolio.localization`), so the report names
+the tensors that are wrong; a coordinate probe that crossed a kink is replaced by another coordinate of the same tensor
+(:meth:`Portfolio.replacements`).
+
+Steps are relative to the magnitude of what a probe moves (see :func:`~gradwatch.engine.numerics.steps.relative_step`),
+and each probe's relative error is floored at the size its derivative can be expected to have, so that a derivative
+whose true value is zero does not read as a 100% error.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gradwatch.engine.function.batch import ROOT
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.measuring.directions import CoordinateDirection, VectorDirection
+from gradwatch.engine.numerics.norms import norm, norms, rms
+from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.report import DESCENT_TARGET, ProbeKind
+
+
+@dataclass(frozen=True)
+class PortfolioSettings:
+    """How many probes of each kind a check makes, and which turn it is.
+
+    Attributes:
+        tensor_probes: Tensors probed along their own gradient (in turn).
+        random_probes: Tensors probed along a random direction (in turn), besides every tensor without a gradient.
+        param_probes: Coordinate probes on parameters, stratified by tensor.
+        input_probes: The input direction, then single input coordinates (0: no input probe).
+        seed: Seed of the sampling.
+        step: The training step, which with ``seed`` draws coordinates and directions.
+        rotation: Which window of tensors the probes cover.
+        focus: Parameters probed along their gradient in this check besides the tensors whose turn it is.
+    """
+
+    tensor_probes: int
+    random_probes: int
+    param_probes: int
+    input_probes: int
+    seed: int
+    step: int
+    rotation: int
+    focus: tuple[str, ...]
+
+
+class Portfolio:
+    """The probes of one check, sized from its reference gradient.
+
+    Args:
+        evaluator: The check's evaluator; its parameters (float64 substitutes for float64 probes) and working inputs
+            are what the probes move.
+        reference: The loss and autograd's gradients at the checked point.
+        grad_norms: The float64 norm of each parameter's gradient (0 for a parameter without one).
+        settings: How many probes, and which turn.
+        native_dtype: The dtype of the gradient being checked.
+    """
+
+    def __init__(
+        self,
+        evaluator: LossEvaluator,
+        reference: Reference,
+        grad_norms: Sequence[float],
+        settings: PortfolioSettings,
+        native_dtype: torch.dtype,
+    ) -> None:
+        self.evaluator = evaluator
+        self.reference = reference
+        self.settings = settings
+        self.native_dtype = native_dtype
+        self.params = evaluator.params
+        self.missing = [g is None for g in reference.param_grads]
+        self.grads = [
+            g if g is not None else torch.zeros_like(p)
+            for (_, p), g in zip(self.params, reference.param_grads, strict=True)
+        ]
+        param_norms = norms([p for _, p in self.params])
+        sizes = [max(p.numel(), 1) for _, p in self.params]
+        self.param_rms = [n / math.sqrt(size) for n, size in zip(param_norms, sizes, strict=True)]
+        self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(sizes) or 1)
+        self.tensor_grad_norms = list(grad_norms)
+        self.grad_norm = math.hypot(*self.tensor_grad_norms)
+        # Derivatives below this fraction of the model's are negligible: each probe's relative error is floored there,
+        # so that autograd's own round-off on a derivative that is truly zero (a bias feeding BatchNorm gets ~1e-8
+        # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
+        # The round-off is autograd's, so the fraction follows the gradient's dtype, not that of the probes' storage.
+        self.negligible = machine_epsilon(native_dtype) ** (1 / 3)
+        self.rng = generator(settings.seed, settings.step)
+
+    # ---- what a check makes ---------------------------------------------------------------------------------------
+
+    def anchor(self) -> ProbeTask | None:
+        """The probe whose full stencil sets the check's noise: the descent probe, or the input direction when no
+        parameter received a gradient; ``None`` when nothing did."""
+        return self._descent() or self._input_direction()
+
+    def screens(self, input_direction: bool) -> list[ProbeTask]:
+        """The screening probes of a check: tensors in turn, random directions (first where a gradient is missing),
+        parameter coordinates, the input direction (unless it is the anchor) and input coordinates."""
+        settings = self.settings
+        count = len(self.params)
+        pending: list[ProbeTask | None] = []
+        with_gradient = [i for i in range(count) if self.tensor_grad_norms[i] > 0]
+        window = rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation)
+        turn = [with_gradient[i] for i in window]
+        focused = [i for i, (name, _) in enumerate(self.params) if name in settings.focus]
+        pending += [self._tensor_probe(i) for i in dict.fromkeys(turn + focused)]
+        missing = [i for i in range(count) if self.missing[i]]
+        others = [i for i in range(count) if not self.missing[i]]
+        chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
+        chosen += [others[i] for i in rotating_window(len(others), settings.random_probes, settings.rotation + 1)]
+        pending += [self._random_probe(i) for i in chosen]
+        shapes = [tuple(p.shape) for _, p in self.params]
+        for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
+            pending.append(self._coordinate_probe("param", coordinate.tensor, coordinate.index))
+        if input_direction:
+            pending.append(self._input_direction())
+        pending += self._input_coordinates()
+        return [p for p in pending if p is not None]
+
+    def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
+        """After a failure: a tensor probe for every tensor not probed along its gradient yet."""
+        covered = {task.tensor for task in done if task.kind == "tensor"}
+        candidates = [self._tensor_probe(i) for i in range(len(self.params)) if i not in covered]
+        return [task for task in candidates if task is not None]
+
+    def replacements(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
+        """Another coordinate in the same tensor for every coordinate probe whose stencil crossed a kink."""
+        replacements = []
+        for task in done:
+            if task.index is not None and task.result is not None and task.result.reason == "kink":
+                replacement = self._coordinate_probe(task.kind, task.tensor)
+                if replacement is not None:
+                    replacements.append(replacement)
+        return replacements
+
+    # ---- the probes -----------------------------------------------------------------------------------------------
+
+    def _relative_step(self, dtype: torch.dtype) -> float:
+        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` (see :func:`relative_step`)."""
+        return relative_step(dtype, self.native_dtype)
+
+    def _tensor_scale(self, i: int) -> float:
+        """The magnitude the steps in parameter ``i`` are relative to; the model's when the tensor is all zeros."""
+        return max(self.param_rms[i], self.param_scale) or 1.0
+
+    def _descent(self) -> ProbeTask | None:
+        if not self.params or self.grad_norm == 0.0:
+            return None
+        direction = VectorDirection(
+            [p for _, p in self.params], self.grads, self.grads, 1.0 / self.grad_norm, components_norm=self.grad_norm
+        )
+        # the step's scale along ĝ: each tensor's own magnitude, weighted by its share of the gradient
+        weighted = sum(
+            self._tensor_scale(i) ** 2 * (share / self.grad_norm) ** 2 for i, share in enumerate(self.tensor_grad_norms)
+        )
+        dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
+        step = self._relative_step(dtype) * math.sqrt(weighted)
+        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
+
+    def _input_direction(self) -> ProbeTask | None:
+        grads = self.reference.input_grads
+        paths = [path for path, g in grads.items() if bool(g.any())]
+        if not paths or self.settings.input_probes == 0:
+            return None
+        tensors = [self.evaluator.inputs[path] for path in paths]
+        components = [grads[path] for path in paths]
+        size = norm(components)
+        direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
+        step = self._relative_step(tensors[0].dtype) * (rms(*tensors) or 1.0)
+        target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
+        return ProbeTask("input", target, None, direction, step, scale_floor=0.0)
+
+    def _tensor_probe(self, i: int) -> ProbeTask | None:
+        name, param = self.params[i]
+        grad = self.grads[i]
+        size = self.tensor_grad_norms[i]
+        if size == 0.0:
+            return None
+        direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
+        step = self._relative_step(param.dtype) * self._tensor_scale(i)
+        floor = self.negligible * self.grad_norm
+        return ProbeTask("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
+
+    def _random_probe(self, i: int) -> ProbeTask:
+        name, param = self.params[i]
+        grad = self.grads[i]
+        generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
+        vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+        vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
+        direction = VectorDirection([param], [vector], [grad])
+        step = self._relative_step(param.dtype) * self._tensor_scale(i)
+        # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
+        expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
+        floor = expected / math.sqrt(max(param.numel(), 1))
+        return ProbeTask("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i])
+
+    def _coordinate_probe(self, kind: ProbeKind, tensor: int, index: tuple[int, ...] | None = None) -> ProbeTask | None:
+        if kind == "input":
+            return self._input_coordinate(tensor, index)
+        name, param = self.params[tensor]
+        if index is None:
+            index = _random_index(param.shape, self.rng)
+        grad = self.grads[tensor]
+        direction = CoordinateDirection(param, index, grad[index].item())
+        value = direction.value.abs().item()
+        step = self._relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
+        grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(param.numel(), 1))
+        floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(param.numel()))
+        return ProbeTask("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
+
+    def _input_coordinates(self) -> list[ProbeTask | None]:
+        grads = self.reference.input_grads
+        inputs = [self.evaluator.inputs[path] for path in grads]
+        coordinates = sample_coordinates(
+            [tuple(x.shape) for x in inputs], self.settings.input_probes - 1, self.rng, self.settings.rotation
+        )
+        return [self._input_coordinate(c.tensor, c.index) for c in coordinates]
+
+    def _input_coordinate(self, tensor: int, index: tuple[int, ...] | None) -> ProbeTask | None:
+        grads = self.reference.input_grads
+        path = list(grads)[tensor]
+        working = self.evaluator.inputs[path]
+        if index is None:
+            index = _random_index(working.shape, self.rng)
+        grad = grads[path]
+        direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
+        step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), rms(working)) or 1.0)
+        return ProbeTask("input", path, index, direction, step, scale_floor=2 * rms(grad), tensor=tensor)
+
+
+def _random_index(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(size) for size in shape)

@@ -1,0 +1,75 @@
+"""A probe while it is being measured: what it moves, at which step, and what its stencils have said so far.
+
+The portfolio (:mod:`.portfolio`) creates :class:`ProbeTask` objects, the ladder (:mod:`.ladder`) measures and
+escalates them, and the check turns each into the :class:`~gradwatch.engine.report.Probe` users see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradwatch.engine.measuring.directions import Direction
+from gradwatch.engine.numerics.assessment import Assessment
+from gradwatch.engine.numerics.stencil import Stencil
+from gradwatch.engine.report import Probe, ProbeKind
+
+
+@dataclass
+class ProbeTask:
+    """A probe being measured.
+
+    Attributes:
+        kind: See :data:`~gradwatch.engine.report.ProbeKind`.
+        target: The parameter name, input path or ``"*"`` the probe reports.
+        index: The coordinate, or ``None`` for a direction.
+        direction: What the probe moves.
+        step: The current finite-difference step along the direction.
+        scale_floor: The smallest denominator of its relative error (see
+            :func:`~gradwatch.engine.numerics.assessment.assess`).
+        tensor: The position of the probed parameter (or input) in the check's list, ``-1`` for the whole network.
+        missing: The parameter received no gradient from autograd: a failure then reads ``"missing"``.
+        stencil: The last stencil measured.
+        result: What the last stencil said.
+        initial_step: The step the probe started with.
+        evaluations: Loss evaluations the probe spent so far.
+    """
+
+    kind: ProbeKind
+    target: str
+    index: tuple[int, ...] | None
+    direction: Direction
+    step: float
+    scale_floor: float
+    tensor: int = -1
+    missing: bool = False
+    stencil: Stencil | None = None
+    result: Assessment | None = None
+    initial_step: float = 0.0
+    evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        self.initial_step = self.step
+
+    @property
+    def failed(self) -> bool:
+        """Whether the probe's last result is a failure."""
+        return self.result is not None and self.result.verdict == "fail"
+
+    def probe(self) -> Probe:
+        """The finished probe, as reported."""
+        result = self.result
+        assert result is not None
+        missing = self.missing and result.verdict == "fail"
+        return Probe(
+            kind=self.kind,
+            target=self.target,
+            index=self.index,
+            analytic=self.direction.analytic,
+            numeric=result.numeric,
+            rel_error=result.rel_error,
+            verdict=result.verdict,  # type: ignore[arg-type]
+            noise=result.noise,
+            step=self.step,
+            reason="missing" if missing else result.reason,
+            evaluations=self.evaluations,
+        )

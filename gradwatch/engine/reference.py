@@ -1,0 +1,129 @@
+"""The reference of a check: the loss and autograd's gradient at the checked point, and the tests that finite
+differences there can be compared with them.
+
+The reference is computed on the first samples of the batch (:func:`reference_on_a_slice`): every later evaluation of
+the check then costs a forward pass on that slice, and the function checked is exactly the loss of the slice. Before
+any probe, the loss is evaluated again without autograd, in the probes' precision (:func:`reproduced_center`): if it
+is not the reference loss, the evaluations compute another function (randomness that cannot be replayed, kernels that
+differ under ``torch.no_grad()``) and no probe could be trusted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.function.batch import leading_slice
+from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.numerics.steps import center_tolerance
+from gradwatch.engine.report import Probe, ProbeKind
+
+BATCH_NORM_SAMPLES = 4
+"""The slice probes fall back to when the loss refuses a smaller one (BatchNorm in training mode refuses one sample).
+Not two: BatchNorm over two samples maps each feature to about ±1, a function so sharply curved (where the two are
+close) that float32 autograd's round-off on a bias before it rivals the model's gradient."""
+
+
+def reference_on_a_slice(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    params: list[tuple[str, Tensor]],
+    state: TrainingState,
+    probe_batch_size: int | None,
+    with_inputs: bool,
+    float64_reductions: bool,
+    notes: list[str],
+) -> tuple[LossEvaluator, Reference, Any]:
+    """The evaluator and reference gradient on the first ``probe_batch_size`` samples, or else on the first
+    :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says why).
+
+    One sample is the slice most losses accept and BatchNorm refuses (train-mode statistics need two values per
+    channel); others refuse any slice (a batch-size constant, a tensor of the full size that was not cut).
+    """
+    sizes = [] if probe_batch_size is None else [probe_batch_size]
+    if probe_batch_size is not None and probe_batch_size < BATCH_NORM_SAMPLES:
+        sizes.append(BATCH_NORM_SAMPLES)
+    refused = False
+    for size in sizes:
+        probe_batch = leading_slice(batch, size)
+        if probe_batch is batch:
+            break
+        evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
+        try:
+            return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
+        except Exception as error:
+            refused = True
+            notes.append(f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")
+    if refused:
+        notes.append("probes use the whole batch")
+    evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
+    return evaluator, evaluator.reference(with_inputs=with_inputs), batch
+
+
+def reproduced_center(
+    evaluator: LossEvaluator,
+    reference: Reference,
+    center: float,
+    native_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+) -> tuple[float, float] | None:
+    """The loss at the unperturbed point in the probes' precision (``center``, if already evaluated, else NaN) and the
+    jitter between two evaluations of it; ``None``, with a note, if it is not the reference loss.
+
+    A loss that differs under ``torch.no_grad()`` (kernels or random draws that depend on grad mode) is evaluated with
+    autograd recording from then on, with a note.
+    """
+    expected = reference.loss
+    tolerance = center_tolerance(expected, native_dtype, compute_dtype)
+    if math.isnan(center):
+        center = evaluator.loss()
+    if abs(center - expected) > tolerance:
+        native = evaluator.native_loss()
+        if abs(native - expected) > tolerance:
+            evaluator.use_grad_mode()
+            native = evaluator.native_loss()
+            if abs(native - expected) > tolerance:
+                evaluator.notes.append(
+                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {native:.9g} "
+                    "when evaluated again with the same random state); it draws randomness gradwatch cannot replay"
+                )
+                return None
+            evaluator.notes.append("evaluations run with autograd recording: the loss differs under torch.no_grad()")
+        center = evaluator.loss()
+    return center, _jitter(evaluator, center)
+
+
+def _jitter(evaluator: LossEvaluator, center: float) -> float:
+    """On devices with non-deterministic kernels, how much a second evaluation of the centre differs from the first."""
+    tensors = [p for _, p in evaluator.params] + list(evaluator.inputs.values())
+    if any(t.device.type != "cpu" for t in tensors) and not torch.are_deterministic_algorithms_enabled():
+        return abs(evaluator.loss() - center)
+    return 0.0
+
+
+def nonfinite_probes(
+    reference: Reference, params: Sequence[tuple[str, Tensor]], grad_norms: Sequence[float]
+) -> list[Probe]:
+    """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry (only a
+    gradient whose norm is not finite is searched for one)."""
+    if not math.isfinite(reference.loss):
+        return [_nonfinite_probe("loss", "loss", None, reference.loss)]
+    probes = []
+    for (name, _), grad, size in zip(params, reference.param_grads, grad_norms, strict=True):
+        if grad is None or math.isfinite(size):
+            continue
+        positions = (~torch.isfinite(grad)).nonzero()
+        if len(positions):
+            index = tuple(int(i) for i in positions[0])
+            probes.append(_nonfinite_probe("param", name, index, grad[index].item()))
+    return probes
+
+
+def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
+    return Probe(kind, target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")

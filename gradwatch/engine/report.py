@@ -1,0 +1,227 @@
+"""Results of a gradient check: one :class:`Probe` per finite-difference measurement, one :class:`CheckReport` per
+check.
+
+These are plain data. The engine fills them in, and the callback, the TensorBoard writer and the alerts read them;
+nothing here computes a verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+Verdict = Literal["ok", "fail", "inconclusive"]
+"""``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
+error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
+
+ProbeKind = Literal["descent", "tensor", "random", "param", "input", "loss"]
+"""``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``: along
+one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one parameter
+tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the batch's floating
+inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself, reported only when it is
+not finite."""
+
+VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
+"""All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
+
+DESCENT_TARGET = "*"
+"""The ``target`` of the descent probe, which moves every trainable parameter at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One comparison between an analytic (autograd) derivative and a finite-difference estimate of it.
+
+    Attributes:
+        kind: What was perturbed (see :data:`ProbeKind`).
+        target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
+            ``"batch['x']"``, ``"*"`` for the descent probe, or ``"loss"``.
+        index: The perturbed coordinate within ``target``, or ``None`` for a probe along a direction.
+        analytic: The derivative computed by autograd along the probe's direction (for the descent probe: ``‖g‖``).
+        numeric: The derivative measured by finite differences of the loss.
+        rel_error: ``|numeric − analytic| / max(|numeric|, |analytic|)``, with the denominator floored at the size a
+            derivative of the probed tensor can be expected to have, so that a derivative whose true value is zero does
+            not read as a 100% error.
+        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        noise: The probe's estimate of the absolute error of ``numeric`` (round-off, truncation and the jitter of
+            non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
+        step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
+            of the step along it).
+        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"`` (the parameter received
+            no gradient, but the loss depends on it), ``"unresolved"`` (noise too large to tell), ``"kink"`` (the loss
+            is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
+            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step)
+            or ``"nonfinite"``.
+        evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
+            a confirmation at a second step, more when it was measured again in float64.
+    """
+
+    kind: ProbeKind
+    target: str
+    index: tuple[int, ...] | None
+    analytic: float
+    numeric: float
+    rel_error: float
+    verdict: Verdict
+    noise: float
+    step: float
+    reason: str
+    evaluations: int = 0
+
+    @property
+    def location(self) -> str:
+        """``target[index]`` as a user would type it, e.g. ``"fc.weight[3, 7]"``; ``"*"`` for the descent probe."""
+        if self.index is None:
+            return self.target
+        return f"{self.target}[{', '.join(str(i) for i in self.index)}]"
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether the probe could tell a correct derivative from a wrong one."""
+        return self.verdict != "inconclusive"
+
+    def describe(self) -> str:
+        """One line naming where the probe looked, both derivatives and the verdict."""
+        return (
+            f"{self.kind} {self.location}: analytic {self.analytic:.6g}, numeric {self.numeric:.6g} "
+            f"(± {self.noise:.2g}), rel. error {self.rel_error:.3g} -> {self.verdict} ({self.reason})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    """The result of one gradient check.
+
+    Attributes:
+        step: The training step the check ran at (the optimizer step count in the callback).
+        verdict: ``"fail"`` if any probe failed; ``"ok"`` if none failed and the descent probe (or, without one, at
+            least one probe) agreed; ``"inconclusive"`` otherwise.
+        probes: Every probe of the check, descent probe first.
+        loss: The loss at the checked point, as autograd computed it.
+        n_forward: Loss evaluations spent (the reference pass included).
+        n_backward: Backward passes spent (one: the reference gradient).
+        duration_s: Wall time of the check in seconds.
+        notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient.
+        samples: How many samples of the batch the probes used (``None`` when the batch has no tensor).
+        precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
+        rtol: The relative tolerance the probes were judged with: the one asked for, raised where the loss is so
+            small that autograd's own rounding exceeds it (about ``4 ε / |loss|``).
+        n_passes: Forward passes the loss evaluations took (the reference pass included): fewer than ``n_forward``
+            where points were evaluated together (:mod:`gradwatch.vectorized`).
+        vectorized: Whether the probes' points were evaluated together in vectorised passes: ``True`` if they were,
+            ``False`` if the loss could not be vectorised (a note says why), ``None`` if it was not tried (native
+            precision, ``vectorize=False``, or no group of points fitted the memory a pass may take).
+    """
+
+    step: int
+    verdict: Verdict
+    probes: list[Probe]
+    loss: float
+    n_forward: int
+    n_backward: int
+    duration_s: float
+    notes: list[str] = field(default_factory=list)
+    samples: int | None = None
+    precision: str = "native"
+    rtol: float = math.nan
+    n_passes: int = 0
+    vectorized: bool | None = None
+
+    @property
+    def failures(self) -> list[Probe]:
+        """The failing probes, in the order they were run."""
+        return [p for p in self.probes if p.verdict == "fail"]
+
+    @property
+    def descent(self) -> Probe | None:
+        """The descent probe, or ``None`` when the check had none (no trainable parameter with a gradient)."""
+        return next((p for p in self.probes if p.kind == "descent"), None)
+
+    @property
+    def descent_ratio(self) -> float:
+        """Measured over predicted loss decrease for a small step along ``−ĝ``: 1 for a correct gradient, −1 for a
+        sign-flipped one, 0.9 for one 11% too large. ``nan`` when there is no descent probe."""
+        probe = self.descent
+        if probe is None or probe.analytic == 0.0:
+            return math.nan
+        return probe.numeric / probe.analytic
+
+    @property
+    def undecided(self) -> tuple[str, ...]:
+        """Tensors whose probe along their own gradient could not decide (kinks, noise, an unstable discrepancy): a
+        series of checks probes them again next time (``check_gradients(..., focus=report.undecided)``)."""
+        names = (
+            p.target
+            for p in self.probes
+            if p.kind == "tensor" and p.verdict == "inconclusive" and p.reason in ("kink", "unresolved", "unstable")
+        )
+        return tuple(dict.fromkeys(names))
+
+    def count(self, verdict: Verdict) -> int:
+        """How many probes ended with ``verdict``."""
+        return sum(p.verdict == verdict for p in self.probes)
+
+    @property
+    def noise_levels(self) -> list[float]:
+        """Each conclusive probe's noise relative to its derivative's scale: how small an error it could have seen."""
+        return [
+            p.noise / max(abs(p.analytic), abs(p.numeric))
+            for p in self.probes
+            if p.conclusive and max(abs(p.analytic), abs(p.numeric)) > 0 and math.isfinite(p.noise)
+        ]
+
+    @property
+    def conclusive_rel_errors(self) -> list[float]:
+        """Relative errors of the probes that could tell right from wrong (inconclusive probes measure noise)."""
+        return [p.rel_error for p in self.probes if p.conclusive]
+
+    def summary(self) -> str:
+        """One line: step, verdict, counts, worst relative error and the descent ratio."""
+        errors = self.conclusive_rel_errors
+        worst = f"{max(errors):.2g}" if errors else "n/a"
+        return (
+            f"step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
+            f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
+            f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} loss evaluations in {self.n_passes} forward "
+            f"passes, {self.n_backward} backward, "
+            f"{self.duration_s * 1e3:.0f} ms)"
+        )
+
+    def scalars(self) -> dict[str, float]:
+        """The fixed set of numbers gradwatch logs for a check, keyed by tag (see the README for each tag)."""
+        errors = self.conclusive_rel_errors
+        noise = self.noise_levels
+        return {
+            "gradwatch/rel_error_max": max(errors) if errors else math.nan,
+            "gradwatch/rel_error_median": statistics.median(errors) if errors else math.nan,
+            "gradwatch/rel_error_min": min(errors) if errors else math.nan,
+            "gradwatch/descent_ratio": self.descent_ratio,
+            "gradwatch/failing_probes": float(self.count("fail")),
+            "gradwatch/inconclusive_probes": float(self.count("inconclusive")),
+            "gradwatch/verdict": float(VERDICTS.index(self.verdict)),
+            "gradwatch/check_seconds": self.duration_s,
+            "gradwatch/loss_evaluations": float(self.n_forward),
+            "gradwatch/forward_passes": float(self.n_passes),
+            "gradwatch/noise_median": statistics.median(noise) if noise else math.nan,
+        }
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        lines += [f"  {p.describe()}" for p in self.probes]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+class GradientCheckError(RuntimeError):
+    """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
+
+    Attributes:
+        report: The failing :class:`CheckReport`.
+    """
+
+    def __init__(self, report: CheckReport) -> None:
+        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
+        super().__init__(f"gradient check failed at step {report.step}:\n{failures}")
+        self.report = report

@@ -1,0 +1,389 @@
+"""``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
+
+It only turns Lightning hooks into calls of :func:`gradwatch.engine.check_gradients` and sends the reports to the
+trainer's loggers (:mod:`gradwatch.tensorboard` for what only TensorBoard shows) and to the alert policy
+(:mod:`.alerts`); the numerics live in the engine, the loss a check evaluates in :mod:`.training_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from gradwatch.engine import CheckReport, LossFn, check_gradients
+from gradwatch.engine import validation as validate
+from gradwatch.engine.function.precision import PRECISIONS, Precision
+from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail
+from gradwatch.lightning.distributed import agree, distributed
+from gradwatch.lightning.overhead import OverheadClock
+from gradwatch.lightning.training_step import NoLossToCheckError, local_batch_norm, training_step_loss
+from gradwatch.tensorboard.dashboard import write_dashboard
+from gradwatch.tensorboard.writer import write_report
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+PROGRESS_BAR_KEY = "gradwatch"
+
+
+def _grad_scaler(trainer: pl.Trainer) -> Any:
+    """The precision plugin's ``GradScaler`` (``precision="16-mixed"``), or ``None``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and hasattr(scaler, "get_scale") else None
+
+
+class GradWatch(Callback):
+    r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
+
+    At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch with small perturbations of
+    sampled parameters and inputs (finite differences), and compares with autograd's gradient of the same loss,
+    computed separately so the training's ``.grad`` is never touched. Random states, buffers, parameters and ``.grad``
+    are restored exactly afterwards: training continues as if nothing happened. Results go to the trainer's loggers
+    (see the README for the tags) and to :attr:`reports`; failures raise an alert.
+
+    Args:
+        every_n_steps: Check every this many optimizer steps.
+        first_check_step: Also check at this optimizer step, so a wrong gradient surfaces in the first minutes of a
+            run; ``None`` to rely on ``every_n_steps`` alone.
+        on_fail: ``"warn"`` (a :class:`~gradwatch.lightning.alerts.GradientCheckWarning` and a log record naming the
+            tensor and index, rate-limited), ``"raise"`` (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and
+            stop the trainer cleanly) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
+        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
+            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        probe_batch_size: Probe the loss of the first this many samples of the batch (``None``: the whole batch).
+            Every loss evaluation of a check costs a forward pass on that slice, so a small slice keeps checks cheap;
+            the function checked is the loss of the slice, so verdicts stay exact. With one sample (the default),
+            a loss that refuses it (BatchNorm in training mode) is probed on four, else on the whole batch.
+        max_overhead: Budget mode: postpone a due check while gradwatch's total time would exceed this fraction of
+            the training time (e.g. ``0.01``). Combine with a small ``every_n_steps`` to check as often as the budget
+            allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
+        precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter elements); see
+            :func:`gradwatch.check_gradients`.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes (see
+            :mod:`gradwatch.engine.measuring.vectorized`). A loss that cannot be vectorised (a custom
+            ``autograd.Function`` without a vmap rule, say) is evaluated point by point, and after the first such check
+            the callback stops trying.
+        ignore: ``fnmatch`` patterns of parameter names not to check (e.g. straight-through estimators).
+        tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn).
+        param_probes: Coordinate probes on parameters per check, spread over the tensors in turn.
+        input_probes: Probes on the floating tensors of the batch per check: the first along the inputs' gradient,
+            the others at single coordinates (``0`` for no input probe at all).
+        rtol: Relative tolerance of a probe; ``None`` picks it from the parameters' dtype.
+        seed: Seed of the coordinate sampling (combined with the step, so every process probes the same coordinates).
+        max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
+
+    Raises:
+        ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
+            optimization and no ``loss_fn`` was given (at ``setup``).
+
+    Example::
+
+        trainer = Trainer(callbacks=[GradWatch()])
+        trainer.fit(model, datamodule)
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 500,
+        first_check_step: int | None = 1,
+        on_fail: OnFail = "warn",
+        loss_fn: LossFn | None = None,
+        probe_batch_size: int | None = 1,
+        max_overhead: float | None = None,
+        precision: Precision = "auto",
+        vectorize: bool = True,
+        ignore: list[str] | tuple[str, ...] = (),
+        tensor_probes: int = 6,
+        random_probes: int = 1,
+        param_probes: int = 1,
+        input_probes: int = 1,
+        rtol: float | None = None,
+        seed: int = 0,
+        max_reports: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.every_n_steps = validate.check_int("every_n_steps", every_n_steps, minimum=1)
+        self.first_check_step = validate.check_optional_int("first_check_step", first_check_step, minimum=1)
+        self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
+        self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
+        self.probe_batch_size = validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
+        self._probe_samples = self.probe_batch_size
+        self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True)
+        self.precision = validate.check_choice("precision", precision, PRECISIONS)
+        self.vectorize = validate.check_bool("vectorize", vectorize)
+        self._vectorize = self.vectorize  # off once a check found the loss cannot be vectorised
+        self.ignore = validate.check_patterns("ignore", ignore)
+        self.tensor_probes = validate.check_int("tensor_probes", tensor_probes, minimum=0)
+        self.random_probes = validate.check_int("random_probes", random_probes, minimum=0)
+        self.param_probes = validate.check_int("param_probes", param_probes, minimum=0)
+        self.input_probes = validate.check_int("input_probes", input_probes, minimum=0)
+        self.rtol = validate.check_fraction("rtol", rtol, optional=True)
+        self.seed = validate.check_int("seed", seed, minimum=0)
+        self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
+        self._reports: deque[CheckReport] = deque(maxlen=self.max_reports)
+        self._alerts = AlertPolicy(self.on_fail)
+        self._last_step = 0
+        self._checks = 0
+        self._failed_checks = 0
+        self._skipped_checks = 0
+        self._postponed_checks = 0
+        self._pending = False
+        self._focus: tuple[str, ...] = ()  # tensors the last check could not decide: the next check probes them again
+        self._clock = OverheadClock()
+        self._seen_step = -1  # global_step at the last batch end: unchanged after a micro-batch of accumulation
+        self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
+        self._warned_no_params = False
+
+    @property
+    def reports(self) -> list[CheckReport]:
+        """The reports of this run's checks, oldest first (at most ``max_reports``)."""
+        return list(self._reports)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, seed=self.seed)
+
+    def due(self, previous_step: int, step: int) -> bool:
+        """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
+        if self.first_check_step is not None and previous_step < self.first_check_step <= step:
+            return True
+        return step // self.every_n_steps > previous_step // self.every_n_steps
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not pl_module.automatic_optimization and self.loss_fn is None:
+            raise ValueError(
+                f"{type(pl_module).__name__} uses manual optimization (automatic_optimization = False): its "
+                "training_step steps the optimizers, so gradwatch cannot call it to probe the loss. Pass the loss to "
+                "check instead: GradWatch(loss_fn=lambda module, batch: ...)"
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.restart()  # time before the first batch (set-up, a resumed run's restart) is not training time
+        self._seen_step = trainer.global_step  # restored from the checkpoint when resuming
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
+        # scale is read (a device sync) only before a step that is due for a check.
+        scaler = _grad_scaler(trainer)
+        due = self._pending or self.due(self._last_step, trainer.global_step + 1)
+        if scaler is not None and self._scale_before is None and due:
+            self._scale_before = scaler.get_scale()
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        now = time.perf_counter()
+        self._clock.batch_ended(now)
+        # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
+        step = trainer.global_step
+        scale_before, self._scale_before = self._scale_before, None
+        if step == self._seen_step:
+            return
+        self._seen_step = step
+        self._pending = self._pending or self.due(self._last_step, step)
+        if not self._pending:
+            self._last_step = step
+            return
+        scaler = _grad_scaler(trainer)
+        if scale_before is not None and scaler is not None and scaler.get_scale() < scale_before:
+            # The scaler skipped the optimizer step (non-finite scaled gradients): count the check as skipped; it stays
+            # pending and runs at the next optimizer step.
+            self._skipped_checks += 1
+            log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
+            return
+        self._last_step = step
+        if not self._within_budget(trainer):
+            return
+        self._pending = False
+        try:
+            report = self._check(pl_module, batch, batch_idx, step)
+        except Exception as error:
+            # on_fail="raise" (or a check that could not run under it): under DDP every process must learn of it
+            # before any raises, or the others would wait for it forever
+            if not distributed(trainer):
+                raise
+            agree(trainer, None, error)
+            raise
+        if distributed(trainer):
+            report = agree(trainer, report, None)
+        self._clock.check_ran(now, time.perf_counter())
+        if report is None:
+            return
+        self._record(report)
+        self._log(trainer, report)
+        self._show_in_progress_bar(trainer, report)
+        if self._alerts.handle(report):
+            trainer.should_stop = True
+
+    @property
+    def overhead(self) -> float:
+        """gradwatch's time so far as a fraction of the training time (measured between training batches)."""
+        return self._clock.fraction
+
+    def _within_budget(self, trainer: pl.Trainer) -> bool:
+        """Whether a due check fits ``max_overhead``: the time spent on checks, plus the last check's cost again,
+        stays within that fraction of the training time. Rank 0 decides for all (ranks measure different times)."""
+        if self.max_overhead is None:
+            return True
+        affordable = bool(trainer.strategy.broadcast(self._clock.affordable(self.max_overhead), src=0))
+        if not affordable:
+            self._postponed_checks += 1
+        return affordable
+
+    def _check(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, step: int) -> CheckReport | None:
+        if not any(p.requires_grad and p.is_floating_point() for p in pl_module.parameters()):
+            self._skipped_checks += 1
+            if not self._warned_no_params:
+                self._warned_no_params = True
+                warnings.warn(
+                    f"gradwatch: {type(pl_module).__name__} has no trainable floating-point parameter (layers kept in "
+                    "a plain list or dict are not registered); its checks are skipped",
+                    GradientCheckWarning,
+                    stacklevel=2,
+                )
+            return None
+        loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
+        try:
+            with local_batch_norm(pl_module):
+                return check_gradients(
+                    pl_module,
+                    batch,
+                    loss_fn,
+                    step=step,
+                    tensor_probes=self.tensor_probes,
+                    random_probes=self.random_probes,
+                    param_probes=self.param_probes,
+                    input_probes=self.input_probes,
+                    probe_batch_size=self._probe_samples,
+                    precision=self.precision,
+                    vectorize=self._vectorize,
+                    ignore=self.ignore,
+                    rtol=self.rtol,
+                    seed=self.seed,
+                    rotation=self._checks,
+                    focus=self._focus,
+                )
+        except NoLossToCheckError:
+            self._skipped_checks += 1
+            log.debug("gradwatch: training_step returned None at step %d; check skipped", step)
+        except Exception as error:
+            # The one deliberate catch-all: a check must never end a training run (the engine has already restored
+            # the model exactly). on_fail="raise" asks for the opposite.
+            if self.on_fail == "raise":
+                raise
+            self._skipped_checks += 1
+            self._alerts.check_error(step, error)
+        return None
+
+    def _record(self, report: CheckReport) -> None:
+        self._reports.append(report)
+        self._checks += 1
+        if self._probe_samples is not None and report.samples is not None and report.samples > self._probe_samples:
+            self._probe_samples = report.samples  # the loss refused the smaller slice: no need to try it again
+        self._focus = report.undecided
+        if report.vectorized is False:
+            self._vectorize = False  # the loss could not be vectorised: the next checks need not try again
+        self._failed_checks += report.verdict == "fail"
+        for note in report.notes:
+            log.info("gradwatch (step %d): %s", report.step, note)
+        log.debug("gradwatch %s", report.summary())
+
+    def _log(self, trainer: pl.Trainer, report: CheckReport) -> None:
+        scalars = {**report.scalars(), "gradwatch/overhead": self.overhead}
+        metrics = {tag: value for tag, value in scalars.items() if value == value}  # drop NaN
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                write_report(logger.experiment, report, trainer.global_step)
+                if report.verdict == "fail":
+                    logger.experiment.flush()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "last_step": self._last_step,
+            "checks": self._checks,
+            "failed_checks": self._failed_checks,
+            "skipped_checks": self._skipped_checks,
+            "postponed_checks": self._postponed_checks,
+            "pending": self._pending,
+            "focus": list(self._focus),
+            **self._clock.state_dict(),
+            "failure_warnings": self._alerts.failures.count,
+            "error_warnings": self._alerts.errors.count,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_step = int(state_dict.get("last_step", 0))
+        self._checks = int(state_dict.get("checks", 0))
+        self._failed_checks = int(state_dict.get("failed_checks", 0))
+        self._skipped_checks = int(state_dict.get("skipped_checks", 0))
+        self._postponed_checks = int(state_dict.get("postponed_checks", 0))
+        self._pending = bool(state_dict.get("pending", False))
+        self._focus = tuple(str(name) for name in state_dict.get("focus", ()))
+        self._clock.load_state_dict(state_dict)
+        self._alerts = AlertPolicy(
+            self.on_fail,
+            Backoff(int(state_dict.get("failure_warnings", 0))),
+            Backoff(int(state_dict.get("error_warnings", 0))),
+        )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Checks run, failed, skipped (an error, or no loss) and postponed (over budget) so far in this run
+        (restored on resume)."""
+        return {
+            "checks": self._checks,
+            "failed": self._failed_checks,
+            "skipped": self._skipped_checks,
+            "postponed": self._postponed_checks,
+        }
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    write_dashboard(logger.experiment)
+
+    def _show_in_progress_bar(self, trainer: pl.Trainer, report: CheckReport) -> None:
+        """Show the last verdict among the progress bar's metrics, e.g. ``gradwatch=fail@1``."""
+        if trainer.progress_bar_callback is None or not trainer.is_global_zero:
+            return
+        # Progress bars show every entry of this dict, strings included; self.log(prog_bar=True) takes numbers only.
+        # Lightning updates the dict in place and clears it only when a fit or its sanity check starts.
+        metrics: dict[str, Any] = trainer.progress_bar_metrics
+        metrics[PROGRESS_BAR_KEY] = progress_status(report, self._failed_checks)
+
+
+def progress_status(report: CheckReport, failed_checks: int) -> str:
+    """A short status for the progress bar: the last verdict and its step, plus the failed checks so far when the last
+    one did not fail (``"ok@500 (2 failed)"``)."""
+    status = f"{report.verdict}@{report.step}"
+    if failed_checks and report.verdict != "fail":
+        status += f" ({failed_checks} failed)"
+    return status

@@ -1,0 +1,85 @@
+"""The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
+
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's two sections
+hold one chart per question a reader has about a run:
+
+* **relative error**: a Margin chart, the median relative error of the conclusive probes of each check inside a band
+  from the smallest to the largest (tags ``gradwatch/rel_error_median``, ``gradwatch/rel_error_min``,
+  ``gradwatch/rel_error_max``);
+* **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
+* **probes failing / inconclusive**: counts per check;
+* **verdict**: 0 ok, 1 inconclusive, 2 fail;
+* **check seconds**: the wall time of each check.
+
+The layout names only the fixed scalar tags of :meth:`gradwatch.engine.report.CheckReport.scalars`, so it does not grow
+with the model. It is written through ``add_custom_scalars`` of a ``torch.utils.tensorboard.SummaryWriter``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+LAYOUT_TAG = "custom_scalars__config__"
+"""The tag under which TensorBoard stores a custom-scalars layout (fixed by TensorBoard)."""
+
+REL_ERROR_TAGS = ("gradwatch/rel_error_median", "gradwatch/rel_error_min", "gradwatch/rel_error_max")
+"""The Margin chart's value, lower and upper tags, in the order TensorBoard expects them."""
+
+Chart = tuple[str, str, tuple[str, ...]]
+"""A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
+
+# TensorBoard draws a section's Multiline charts before its Margin charts, so the relative error, the chart to read
+# first, has a section of its own, placed first.
+SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
+    (
+        "gradwatch: relative error",
+        (("relative error of the checks (median, band from min to max)", "Margin", REL_ERROR_TAGS),),
+    ),
+    (
+        "gradwatch: descent ratio, probes, verdicts",
+        (
+            ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
+            (
+                "probes failing / inconclusive per check",
+                "Multiline",
+                ("gradwatch/failing_probes", "gradwatch/inconclusive_probes"),
+            ),
+            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
+            ("check seconds", "Multiline", ("gradwatch/check_seconds",)),
+        ),
+    ),
+)
+"""The sections of the Custom Scalars tab that gradwatch fills, in order, with their charts."""
+
+
+def _exact(tag: str) -> str:
+    # Multiline charts take regular expressions; anchor them so that a later tag sharing a prefix is not drawn too
+    return f"^{re.escape(tag)}$"
+
+
+def layout() -> dict[str, dict[str, list[object]]]:
+    """The custom-scalars layout, in the format ``SummaryWriter.add_custom_scalars`` takes:
+    ``{section: {chart title: ["Multiline", [tag regexes]] or ["Margin", [value, lower, upper]]}}``."""
+    return {
+        section: {
+            title: [kind, list(tags) if kind == "Margin" else [_exact(tag) for tag in tags]]
+            for title, kind, tags in charts
+        }
+        for section, charts in SECTIONS
+    }
+
+
+def layout_tags() -> set[str]:
+    """Every scalar tag the dashboard draws."""
+    return {tag for _, charts in SECTIONS for _, _, tags in charts for tag in tags}
+
+
+class CustomScalarsWriter(Protocol):
+    def add_custom_scalars(self, layout: dict[str, dict[str, list[object]]]) -> object: ...
+
+
+def write_dashboard(writer: CustomScalarsWriter) -> None:
+    """Write gradwatch's custom-scalars layout to ``writer`` (call once per writer: TensorBoard keeps one layout per
+    run, and a second one would only repeat it)."""
+    writer.add_custom_scalars(layout())

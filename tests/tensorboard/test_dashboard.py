@@ -1,0 +1,66 @@
+"""The custom-scalars dashboard: its layout names real tags, and a fit writes it once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import LitSeedModel, SeedModel, loader, seed_batch, seed_loss, trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+from gradwatch import GradWatch, check_gradients
+from gradwatch.tensorboard.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTIONS, layout, layout_tags, write_dashboard
+
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.layouts: list[dict[str, dict[str, list[object]]]] = []
+
+    def add_custom_scalars(self, layout: dict[str, dict[str, list[object]]]) -> None:
+        self.layouts.append(layout)
+
+
+def test_every_charted_tag_is_a_logged_scalar() -> None:
+    logged = set(check_gradients(SeedModel(), seed_batch(), seed_loss).scalars())
+    assert layout_tags() <= logged
+    assert {"gradwatch/descent_ratio", "gradwatch/failing_probes", "gradwatch/inconclusive_probes"} <= layout_tags()
+
+
+def test_margin_band_is_min_to_max_around_the_median() -> None:
+    scalars = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss).scalars()
+    median, low, high = (scalars[tag] for tag in REL_ERROR_TAGS)
+    assert low <= median <= high
+    assert low < high  # a failing check mixes agreeing probes with a 5% error
+    first_section = next(iter(layout().values()))
+    assert list(first_section.values()) == [["Margin", list(REL_ERROR_TAGS)]]
+
+
+def test_multiline_expressions_are_anchored() -> None:
+    for kind, tags in (chart for charts in layout().values() for chart in charts.values()):
+        if kind == "Multiline":
+            assert all(str(tag).startswith("^gradwatch/") and str(tag).endswith("$") for tag in tags)  # type: ignore[attr-defined]
+
+
+def test_write_dashboard_writes_the_layout() -> None:
+    writer = FakeWriter()
+    write_dashboard(writer)
+    assert writer.layouts == [layout()]
+
+
+def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
+    trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(
+        LitSeedModel(), loader(seed_batch(), 4)
+    )
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    stored = events.Tensors(LAYOUT_TAG)
+    assert len(stored) == 1
+    parsed = layout_pb2.Layout()
+    parsed.ParseFromString(stored[0].tensor_proto.string_val[0])
+    assert [category.title for category in parsed.category] == [section for section, _ in SECTIONS]
+    charts = [chart for category in parsed.category for chart in category.chart]
+    margins = [chart.margin.series[0] for chart in charts if chart.HasField("margin")]
+    assert [(m.value, m.lower, m.upper) for m in margins] == [REL_ERROR_TAGS]
+    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 5
