@@ -187,6 +187,7 @@ def check_gradients(
                 model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
             )
             evaluator.notes[:0] = notes
+            evaluator.notes += state.sandbox.notes()
             grads = [
                 g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
             ]
@@ -204,6 +205,7 @@ def check_gradients(
                     probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
     finally:
         state.restore()
+    evaluator.notes += state.sandbox.notes(unrestorable=True)
     return CheckReport(
         step=step,
         verdict=_overall_verdict(probes),

@@ -162,6 +162,7 @@ class LossEvaluator:
         )
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
+        completed = False
         try:
             with self._evaluation(grad=True):
                 with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
@@ -175,9 +176,10 @@ class LossEvaluator:
                 grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
                 self.n_backward += 1
             self.state.skip_unused_generators()
+            completed = True
         finally:
             # after the backward: BatchNorm keeps its buffers for the backward pass
-            self.state.restore_buffers()
+            self.state.after_evaluation(completed)
         n_params = len(self.params)
         input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
         return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
@@ -205,11 +207,13 @@ class LossEvaluator:
                 return _as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()
+        completed = False
         try:
             with self._evaluation(grad=False, points=points), _running_statistics_frozen(model):
                 values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
+            completed = True
         finally:
-            self.state.restore_buffers()
+            self.state.after_evaluation(completed)
         self.value_dtype = values.dtype
         return values.detach().double().tolist()
 
@@ -245,11 +249,13 @@ class LossEvaluator:
 
     def _forward(self, mode: contextlib.AbstractContextManager[Any]) -> float:
         self._reset_inputs()
+        completed = False
         try:
             with self._evaluation(grad=self._grad_mode_evaluations), mode:
                 value = _as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+            completed = True
         finally:
-            self.state.restore_buffers()
+            self.state.after_evaluation(completed)
         self.value_dtype = value.dtype
         return float(value.detach().double())
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.sandbox import Sandbox
+
 
 @dataclass(frozen=True)
 class _SavedBuffer:
@@ -65,11 +67,13 @@ _SETTERS: dict[str, Callable[[Any], None]] = {
 
 
 class TrainingState:
-    """The random states, buffers, ``.grad`` tensors and modes of a model, saved so a check can leave no trace.
+    """The random states, buffers, ``.grad`` tensors, modes and user state of a model, saved so a check can leave no
+    trace.
 
     Use :meth:`capture` before the first evaluation, :meth:`replay_rng` before every evaluation (so each one draws the
-    same dropout masks), :meth:`restore_buffers` after every evaluation, and :meth:`restore` once at the end, in a
-    ``finally`` block.
+    same dropout masks), :meth:`after_evaluation` after every evaluation, and :meth:`restore` once at the end, in a
+    ``finally`` block. What the loss changes in the module tree besides parameters and buffers (lists, counters,
+    caches, metric states) is the :attr:`sandbox`'s.
 
     While the state is captured, every parameter's ``.grad`` is detached (set to ``None``) and held here; the very same
     tensor objects are put back by :meth:`restore`. Nothing a loss function does during the check (even calling
@@ -90,6 +94,8 @@ class TrainingState:
                 self._buffers.append(_SavedBuffer(module, name, buffer, value))
         for parameter, _ in self._grads:
             parameter.grad = None
+        tensors = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+        self.sandbox = Sandbox(model, exclude=tensors)
 
     @classmethod
     def capture(cls, model: nn.Module) -> TrainingState:
@@ -121,11 +127,29 @@ class TrainingState:
                     setattr(saved.module, saved.name, saved.tensor)
                 saved.tensor.copy_(saved.value)
 
-    def restore(self) -> None:
-        """Put back random states, buffers, ``.grad`` tensors and train/eval modes exactly as captured."""
+    def after_evaluation(self, completed: bool = True) -> None:
+        """Undo what one evaluation changed: buffers, and the user state the loss changes (see :class:`Sandbox`).
+
+        The first completed evaluation shows what the loss changes; later ones restore just that. After an evaluation
+        that raised, everything is restored, as it may have stopped anywhere.
+        """
         self.restore_buffers()
-        for module, training in self._modes:
-            module.training = training
-        for parameter, grad in self._grads:
-            parameter.grad = grad
-        _set_rng(self._rng)
+        if not completed:
+            self.sandbox.restore()
+        elif self.sandbox.settled:
+            self.sandbox.restore_watched()
+        else:
+            self.sandbox.settle()
+
+    def restore(self) -> None:
+        """Put back random states, buffers, ``.grad`` tensors, train/eval modes and user state exactly as captured;
+        all of them, even when restoring one raises (the error is raised afterwards)."""
+        try:
+            self.sandbox.restore()
+        finally:
+            self.restore_buffers()
+            for module, training in self._modes:
+                module.training = training
+            for parameter, grad in self._grads:
+                parameter.grad = grad
+            _set_rng(self._rng)
