@@ -175,7 +175,8 @@ class Sandbox:
 
     def unrestorable(self) -> list[str]:
         """Tensors the loss changed in place that the sandbox could not put back (it had no copy of them)."""
-        return [path for path, saved in self._walk() if saved.kind == "tensor" and not saved.copy and _differs(saved)]
+        walked = self._walk()
+        return [path for path, saved in walked if saved.kind == "tensor" and saved.copy is None and _differs(saved)]
 
     def notes(self, unrestorable: bool = False) -> list[str]:
         """What a report says of the loss's side effects: what it changes (after the first evaluation), or what could
