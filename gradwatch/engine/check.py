@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -29,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.compiled import compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
-from gradwatch.engine.function.conditions import probe_conditions
+from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.precision import PRECISIONS, Precision, probe_precision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
@@ -177,6 +179,7 @@ def check_gradients(
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
         vectorize=vectorize,
     )
+    compiled = compiled_parts(model)
     state = TrainingState.capture(model)
     notes: list[str] = []
     used_precision = "native"
@@ -203,6 +206,9 @@ def check_gradients(
             elif not probes:
                 with probe_precision(model, evaluator, mode) as (used_precision, trial):
                     probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
+        if compiled and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
+            with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
+                probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
     finally:
         state.restore()
     evaluator.notes += state.sandbox.notes(unrestorable=True)

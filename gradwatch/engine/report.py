@@ -16,12 +16,15 @@ Verdict = Literal["ok", "fail", "inconclusive"]
 """``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
 error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
 
-ProbeKind = Literal["descent", "tensor", "random", "param", "input", "loss"]
+ProbeKind = Literal["descent", "tensor", "random", "param", "input", "loss", "compiled"]
 """``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``: along
 one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one parameter
 tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the batch's floating
 inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself, reported only when it is
-not finite."""
+not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``) through the training's compiled
+graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm), which the other probes check against
+finite differences; ``rel_error`` is the norm of their difference relative to the larger (see
+:mod:`gradwatch.engine.compiled`)."""
 
 VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""

@@ -58,7 +58,25 @@ def autocast_disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def compiler_disabled() -> Iterator[None]:
+    """Run code compiled with ``torch.compile`` eagerly (``torch.compiler.set_stance("force_eager")``, torch >= 2.6).
+
+    A check evaluates the loss on other shapes (a slice of the batch), dtypes (float64), grad modes and under
+    ``vmap``: through the training's compiled code, each would compile a new graph, and a new shape can even turn the
+    training's graph into a dynamic-shape one that computes slightly different numbers. Eagerly, the training's
+    compiled graphs and caches are left exactly as they are.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+@contextlib.contextmanager
 def probe_conditions() -> Iterator[None]:
-    """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels."""
-    with autocast_disabled(), full_float32_precision():
+    """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels,
+    with compiled code run eagerly."""
+    with autocast_disabled(), full_float32_precision(), compiler_disabled():
         yield

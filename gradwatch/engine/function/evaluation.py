@@ -48,7 +48,8 @@ def _unpack(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _as_scalar_loss(value: object) -> Tensor:
+def as_scalar_loss(value: object) -> Tensor:
+    """``value`` as a 0-dim floating tensor, or a ``TypeError``/``ValueError`` saying why it is not a loss."""
     if not isinstance(value, Tensor):
         raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
     if value.numel() != 1:
@@ -166,7 +167,7 @@ class LossEvaluator:
         try:
             with self._evaluation(grad=True):
                 with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
-                    loss = _as_scalar_loss(self.loss_fn(self.model, batch))
+                    loss = as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [p for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
                     raise ValueError(
@@ -204,7 +205,7 @@ class LossEvaluator:
         def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             with _reparametrize_module(model, params, tie_weights=True, strict=False):
-                return _as_scalar_loss(loss_fn(model, batch))
+                return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()
         completed = False
@@ -252,7 +253,7 @@ class LossEvaluator:
         completed = False
         try:
             with self._evaluation(grad=self._grad_mode_evaluations), mode:
-                value = _as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+                value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:
             self.state.after_evaluation(completed)

@@ -1,0 +1,145 @@
+"""The gradient of a compiled model, as training computes it: compared with eager autograd's.
+
+A check evaluates the loss on a slice of the batch, in float64, without autograd and under ``vmap``: through code
+compiled with ``torch.compile`` each of these would compile a new graph, and a new shape can turn the training's graph
+into a dynamic-shape one that computes slightly different numbers. So every evaluation of a check runs compiled code
+eagerly (:func:`~gradwatch.engine.function.conditions.compiler_disabled`), and the probes check eager autograd's
+gradient against finite differences.
+
+That alone would hide a bug in a compiled backward. :func:`compiled_probes` closes the gap: on the whole batch, the
+shapes training compiled its graph for, it computes the gradient once through the training's own compiled graph
+(refusing to recompile: ``torch.compiler.set_stance("fail_on_recompile")``) and once eagerly, under the same global
+settings, and compares them tensor by tensor. A compiled gradient that differs from eager autograd's beyond the
+tolerance fails, as a ``"compiled"`` probe; eager autograd's is the one the other probes check against finite
+differences.
+
+Cost: two forward and backward passes on the whole batch, about two training steps, per check of a compiled model.
+When the compiled graph cannot be called without recompiling (mixed-precision autocast, a batch of another shape) or
+computes another loss than eager code (random draws: inductor's dropout draws other masks than eager dropout), the
+comparison is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.function.conditions import compiler_disabled
+from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
+from gradwatch.engine.report import DESCENT_TARGET, Probe
+
+
+def compiled_parts(model: nn.Module) -> list[str]:
+    """The parts of ``model`` that ``torch.compile`` compiled: modules wrapped by it or compiled in place
+    (``module.compile()``), and methods replaced by compiled ones (a LightningModule passed to ``Trainer.fit`` as
+    ``torch.compile(module)``); ``[]`` for an eager model."""
+    parts = []
+    for name, module in model.named_modules():
+        label = name or type(module).__name__
+        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
+            parts.append(label)
+        parts += [
+            f"{label}.{attribute}"
+            for attribute, value in vars(module).items()
+            if callable(value) and hasattr(value, "_torchdynamo_orig_callable")
+        ]
+    return parts
+
+
+def compiled_probes(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    params: Sequence[tuple[str, Tensor]],
+    state: TrainingState,
+    rtol: float,
+    notes: list[str],
+) -> list[Probe]:
+    """Compare the gradient training's compiled graph gives on ``batch`` with eager autograd's (see the module doc).
+
+    Returns one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every
+    tensor agrees; ``[]``, with a note, when the comparison could not be made.
+    """
+    if not hasattr(torch.compiler, "set_stance"):
+        notes.append("the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)")
+        return []
+    tensors = [p for _, p in params]
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            compiled_loss, compiled = _gradient(model, batch, loss_fn, tensors, state)
+    except Exception as error:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        notes.append(
+            "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph on "
+            f"this batch would recompile it ({type(error).__name__}: {first_line})"
+        )
+        return []
+    with compiler_disabled():
+        eager_loss, eager = _gradient(model, batch, loss_fn, tensors, state)
+    if abs(compiled_loss - eager_loss) > REPRODUCIBILITY_TOLERANCE * abs(eager_loss) + 1e-30:
+        notes.append(
+            f"the compiled gradient was not compared with eager autograd's: the compiled loss ({compiled_loss:.9g}) is "
+            f"not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks differ from eager ones"
+        )
+        return []
+    return _compare([name for name, _ in params], compiled, eager, rtol)
+
+
+def _gradient(
+    model: nn.Module, batch: Any, loss_fn: LossFn, tensors: list[Tensor], state: TrainingState
+) -> tuple[float, list[Tensor]]:
+    """The loss and its gradient, computed as training computes them (grad mode, the current global settings)."""
+    completed = False
+    state.replay_rng()
+    try:
+        with torch.enable_grad():
+            loss = as_scalar_loss(loss_fn(model, batch))
+            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+        completed = True
+    finally:
+        state.after_evaluation(completed)
+    return float(loss.detach()), [
+        g if g is not None else torch.zeros_like(t) for g, t in zip(grads, tensors, strict=True)
+    ]
+
+
+def _compare(names: list[str], compiled: list[Tensor], eager: list[Tensor], rtol: float) -> list[Probe]:
+    """Per tensor, the relative difference ``‖g_c − g_e‖ / max(‖g_c‖, ‖g_e‖)``, floored like the other probes' scales;
+    a tensor beyond ``rtol`` fails."""
+    eager_norms = norms(eager, exact=True)
+    compiled_norms = norms(compiled, exact=True)
+    differences = norms([c.double() - e.double() for c, e in zip(compiled, eager, strict=True)], exact=True)
+    total = math.hypot(*eager_norms)
+    floor = machine_epsilon(eager[0].dtype if eager else torch.float32) ** (1 / 3) * total
+    probes = []
+    for name, c, e, difference in zip(names, compiled_norms, eager_norms, differences, strict=True):
+        scale = max(c, e, floor)
+        error = difference / scale if scale > 0 else 0.0
+        if not math.isfinite(difference) or error > rtol:
+            probes.append(_probe(name, c, e, error if math.isfinite(error) else math.inf, "fail", "discrepancy"))
+    if probes:
+        return probes
+    error = math.hypot(*differences) / max(total, math.hypot(*compiled_norms), 1e-300)
+    return [_probe(DESCENT_TARGET, math.hypot(*compiled_norms), total, error, "ok", "agrees")]
+
+
+def _probe(target: str, compiled: float, eager: float, rel_error: float, verdict: str, reason: str) -> Probe:
+    return Probe(
+        kind="compiled",
+        target=target,
+        index=None,
+        analytic=compiled,
+        numeric=eager,
+        rel_error=rel_error,
+        verdict=verdict,  # type: ignore[arg-type]
+        noise=0.0,
+        step=0.0,
+        reason=reason,
+    )
