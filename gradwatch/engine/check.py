@@ -190,7 +190,7 @@ def check_gradients(
                 model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
             )
             evaluator.notes[:0] = notes
-            evaluator.notes += state.sandbox.notes()
+            evaluator.notes += state.sandbox.notes(())
             grads = [
                 g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
             ]
@@ -211,7 +211,8 @@ def check_gradients(
                 probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
     finally:
         state.restore()
-    evaluator.notes += state.sandbox.notes(unrestorable=True)
+    unrestored = state.sandbox.unrestorable()
+    evaluator.notes += state.sandbox.notes(unrestored)
     return CheckReport(
         step=step,
         verdict=_overall_verdict(probes),
@@ -226,6 +227,8 @@ def check_gradients(
         precision=used_precision,
         vectorized=vectorized,
         rtol=plan.rtol,
+        side_effects=tuple(state.sandbox.changed),
+        unrestored=tuple(unrestored),
     )
 
 

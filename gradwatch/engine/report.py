@@ -116,6 +116,11 @@ class CheckReport:
         vectorized: Whether the probes' points were evaluated together in vectorised passes: ``True`` if they were,
             ``False`` if the loss could not be vectorised (a note says why), ``None`` if it was not tried (native
             precision, ``vectorize=False``, or no group of points fitted the memory a pass may take).
+        side_effects: What the loss changed in the model's state besides parameters and buffers (``"outputs"``,
+            ``"train_acc.tp"``), which the check put back after every evaluation
+            (:mod:`gradwatch.engine.function.sandbox`).
+        unrestored: What the loss changed that the check could not put back (a tensor changed in place of which no
+            copy was kept): the run is not exactly as it would have been without the check.
     """
 
     step: int
@@ -131,6 +136,8 @@ class CheckReport:
     rtol: float = math.nan
     n_passes: int = 0
     vectorized: bool | None = None
+    side_effects: tuple[str, ...] = ()
+    unrestored: tuple[str, ...] = ()
 
     @property
     def failures(self) -> list[Probe]:

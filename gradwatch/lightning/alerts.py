@@ -96,3 +96,27 @@ class AlertPolicy:
             )
             log.warning(message, exc_info=error)
             warnings.warn(message, GradientCheckWarning, stacklevel=2)
+
+
+class Remarks:
+    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record, and a
+    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed."""
+
+    def __init__(self) -> None:
+        self._noted: set[str] = set()
+        self._warned_unrestored = False
+
+    def hear(self, report: CheckReport) -> None:
+        for note in report.notes:
+            if note not in self._noted:  # a note that comes back at every check is said once
+                self._noted.add(note)
+                log.info("gradwatch (step %d): %s", report.step, note)
+        if report.unrestored and not self._warned_unrestored:
+            self._warned_unrestored = True
+            warnings.warn(
+                f"gradwatch: at step {report.step} training_step changed {', '.join(report.unrestored)} in place and "
+                "gradwatch could not put it back, so this run is not exactly as it would be without checks; pass "
+                "GradWatch(loss_fn=...) a loss without that side effect",
+                GradientCheckWarning,
+                stacklevel=2,
+            )

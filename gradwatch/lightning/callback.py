@@ -22,10 +22,15 @@ from typing_extensions import override
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
-from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail
+from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.lightning.distributed import agree, distributed
 from gradwatch.lightning.overhead import OverheadClock
-from gradwatch.lightning.training_step import NoLossToCheckError, local_batch_norm, training_step_loss
+from gradwatch.lightning.training_step import (
+    NoLossToCheckError,
+    local_batch_norm,
+    loggers_silenced,
+    training_step_loss,
+)
 from gradwatch.tensorboard.dashboard import write_dashboard
 from gradwatch.tensorboard.writer import write_report
 
@@ -143,6 +148,7 @@ class GradWatch(Callback):
         self._seen_step = -1  # global_step at the last batch end: unchanged after a micro-batch of accumulation
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._warned_no_params = False
+        self._remarks = Remarks()
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -265,7 +271,7 @@ class GradWatch(Callback):
             return None
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
         try:
-            with local_batch_norm(pl_module):
+            with local_batch_norm(pl_module), loggers_silenced(pl_module.trainer):
                 return check_gradients(
                     pl_module,
                     batch,
@@ -305,8 +311,7 @@ class GradWatch(Callback):
         if report.vectorized is False:
             self._vectorize = False  # the loss could not be vectorised: the next checks need not try again
         self._failed_checks += report.verdict == "fail"
-        for note in report.notes:
-            log.info("gradwatch (step %d): %s", report.step, note)
+        self._remarks.hear(report)
         log.debug("gradwatch %s", report.summary())
 
     def _log(self, trainer: pl.Trainer, report: CheckReport) -> None:

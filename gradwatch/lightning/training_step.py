@@ -2,15 +2,16 @@
 
 A check calls the loss dozens of times. ``training_step`` logs (its ``self.log`` calls would overwrite the run's real
 metrics with perturbed values), may return ``None`` or a dict, and a ``SyncBatchNorm`` inside it would run collectives
-that every process must join. :func:`training_step_loss` silences the logging and unpacks the output;
-:func:`local_batch_norm` makes ``SyncBatchNorm`` normalise with this process's statistics for the duration.
+that every process must join. :func:`training_step_loss` silences the module's logging and unpacks the output;
+:func:`loggers_silenced` silences the loggers themselves for the duration of a check, and :func:`local_batch_norm`
+makes ``SyncBatchNorm`` normalise with this process's statistics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,19 +30,47 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _logging_silenced(module: pl.LightningModule) -> Iterator[None]:
-    """Make ``module.log``/``module.log_dict`` do nothing, so probes do not overwrite the run's real metrics."""
-    saved = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
-    module.log = _noop  # type: ignore[method-assign]
-    module.log_dict = _noop  # type: ignore[method-assign]
+def _silenced(obj: object, names: Iterable[str]) -> Iterator[None]:
+    """Make the methods ``names`` of ``obj`` do nothing (instance attributes shadowing them), then put back exactly
+    what was there."""
+    names = [name for name in names if callable(getattr(obj, name, None))]
+    saved = {name: vars(obj)[name] for name in names if name in vars(obj)}
+    for name in names:
+        setattr(obj, name, _noop)
     try:
         yield
     finally:
-        for name in ("log", "log_dict"):
+        for name in names:
             if name in saved:
-                setattr(module, name, saved[name])
+                setattr(obj, name, saved[name])
             else:
-                delattr(module, name)
+                delattr(obj, name)
+
+
+def _logging_silenced(module: pl.LightningModule) -> contextlib.AbstractContextManager[None]:
+    """Make ``module.log``/``module.log_dict`` do nothing, so probes do not overwrite the run's real metrics (also
+    when they log a torchmetrics object, or with ``sync_dist=True``: no collective runs)."""
+    return _silenced(module, ("log", "log_dict"))
+
+
+_LOGGER_METHODS = ("log_metrics", "log_hyperparams", "log_graph")
+_EXPERIMENT_PREFIXES = ("add_", "log")
+
+
+@contextlib.contextmanager
+def loggers_silenced(trainer: pl.Trainer) -> Iterator[None]:
+    """During a check, make the trainer's loggers write nothing: ``training_step`` may call
+    ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself, and the probes' calls are not
+    training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a W&B run) lose their ``add_*``
+    and ``log*`` methods for the duration; none is created for it."""
+    with contextlib.ExitStack() as stack:
+        for logger in trainer.loggers:
+            stack.enter_context(_silenced(logger, _LOGGER_METHODS))
+            experiment = getattr(logger, "_experiment", None)
+            if experiment is not None:
+                names = [name for name in dir(experiment) if name.startswith(_EXPERIMENT_PREFIXES)]
+                stack.enter_context(_silenced(experiment, names))
+        yield
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ computes the same function) and everything at the end of the check.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,16 +178,13 @@ class Sandbox:
         walked = self._walk()
         return [path for path, saved in walked if saved.kind == "tensor" and saved.copy is None and _differs(saved)]
 
-    def notes(self, unrestorable: bool = False) -> list[str]:
-        """What a report says of the loss's side effects: what it changes (after the first evaluation), or what could
-        not be put back (with ``unrestorable``, after the check)."""
+    def notes(self, unrestorable: Sequence[str]) -> list[str]:
+        """What a report says of the loss's side effects: what it changes (known after the first evaluation), and
+        what of it could not be put back (``unrestorable``, known after the check)."""
         if unrestorable:
-            paths = self.unrestorable()
-            if not paths:
-                return []
             return [
-                f"the loss changed {_listed(paths)} in place, which gradwatch kept no copy of and could not put "
-                "back; move that code into `loss_fn=`"
+                f"the loss changed {_listed(list(unrestorable))} in place, which gradwatch kept no copy of and could "
+                "not put back; move that code into `loss_fn=`"
             ]
         if not self.changed:
             return []
