@@ -45,6 +45,7 @@ def compiled_parts(model: nn.Module) -> list[str]:
         label = name or type(module).__name__
         if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
             parts.append(label)
+            continue
         parts += [
             f"{label}.{attribute}"
             for attribute, value in vars(module).items()
