@@ -258,6 +258,17 @@ class DirectLogging(Classifier):
         return loss
 
 
+class RaisesDuringChecks(CountersAndCaches):
+    """Counts and caches like :class:`CountersAndCaches`, then raises when called without autograd (as a check's
+    evaluations are): a check that fails half-way."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("training_step cannot run without autograd")
+        return loss
+
+
 class CompiledSubmodule(Classifier):
     """``self.net = torch.compile(net)``."""
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
+from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import Probe, ProbeKind
@@ -57,6 +58,8 @@ def reference_on_a_slice(
         evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
         try:
             return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
+        except RestoreError:
+            raise
         except Exception as error:
             refused = True
             notes.append(f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from lightning_patterns import PATTERNS, Pattern, compare, fit
+from lightning_patterns import PATTERNS, Pattern, RaisesDuringChecks, compare, fit
+
+from gradwatch import GradientCheckWarning
 
 
 def _inductor_works() -> bool:
@@ -31,4 +33,13 @@ def test_a_run_with_checks_is_the_run_without(pattern: Pattern) -> None:
     with_checks = fit(pattern, with_watch=True)
     assert with_checks.reports, "no check ran"
     assert not any(r.verdict == "fail" for r in with_checks.reports), "\n\n".join(map(str, with_checks.reports))
+    assert compare(without, with_checks) == []
+
+
+def test_a_check_that_raises_inside_training_step_changes_nothing_and_training_goes_on() -> None:
+    pattern = Pattern("raises during checks", RaisesDuringChecks)
+    without = fit(pattern, with_watch=False)
+    with pytest.warns(GradientCheckWarning, match="could not run and was skipped"):
+        with_checks = fit(pattern, with_watch=True)
+    assert with_checks.reports == []  # every check was skipped
     assert compare(without, with_checks) == []

@@ -20,6 +20,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.reductions import Float64Reductions
+from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
 
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -150,6 +151,8 @@ class LossEvaluator:
         if with_inputs and self.inputs:
             try:
                 return self._reference(with_inputs=True)
+            except RestoreError:
+                raise
             except RuntimeError as error:
                 self.notes.append(
                     f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})"
@@ -232,6 +235,8 @@ class LossEvaluator:
         mode = Float64Reductions(verify=verify)
         try:
             value = self._forward(mode)
+        except RestoreError:
+            raise
         except Exception as error:
             if not verify:
                 raise

@@ -65,6 +65,11 @@ MAX_DEPTH = 8
 _CONTAINERS = (Tensor, nn.Module, list, collections.deque, dict, set, tuple)
 
 
+class RestoreError(RuntimeError):
+    """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
+    the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
+
+
 @dataclass(eq=False)
 class _Saved:
     """What one object looked like before the check."""
@@ -132,9 +137,10 @@ class Sandbox:
         if depth < MAX_DEPTH:
             for key, item in items:
                 if isinstance(item, _CONTAINERS) and not (isinstance(item, Tensor) and id(item) in self._exclude):
+                    where = _join(path, key, attribute=kind == "module")
                     # tensors kept in lists are accumulated, not updated in place: they are not copied
-                    child = self._snapshot(item, _join(path, key), depth + 1, copy=kind in ("module", "dict"))
-                    saved.children.append((_join(path, key), child))
+                    child = self._snapshot(item, where, depth + 1, copy=kind in ("module", "dict"))
+                    saved.children.append((where, child))
         return saved
 
     # ---- restoring ------------------------------------------------------------------------------------------------
@@ -159,17 +165,20 @@ class Sandbox:
             self.restore()
             return
         for saved in self._watched:
-            _restore(saved)
+            try:
+                _restore(saved)
+            except Exception as error:
+                raise RestoreError(f"gradwatch could not restore the loss's changes: {error}") from error
 
     def restore(self) -> None:
         """Put back everything saved that differs now. Every part is attempted; the first error is raised afterwards."""
         errors = []
-        for path, saved in self._walk():
+        for path, saved in self._walk():  # every object, parents before what they hold
             if _differs(saved):
                 try:
-                    _restore(saved)
+                    _put_back(saved)
                 except Exception as error:  # keep restoring the rest
-                    errors.append(RuntimeError(f"gradwatch could not restore {path or 'the model'}: {error}"))
+                    errors.append(RestoreError(f"gradwatch could not restore {path or 'the model'}: {error}"))
         if errors:
             raise errors[0]
 
@@ -237,8 +246,9 @@ def _version(tensor: Tensor) -> int | None:
         return None
 
 
-def _join(path: str, key: Any) -> str:
-    if isinstance(key, str) and key.isidentifier():
+def _join(path: str, key: Any, attribute: bool = False) -> str:
+    """``path.key`` for a module's attribute, ``path[key]`` for an item."""
+    if attribute:
         return f"{path}.{key}" if path else key
     return f"{path}[{key!r}]"
 
@@ -249,7 +259,7 @@ def _describe(path: str, saved: _Saved) -> list[str]:
         return [path]
     current = _attributes(saved.value)
     keys = {k for k in current.keys() | saved.contents.keys() if current.get(k, _MISSING) is not saved.contents.get(k)}
-    return [_join(path, key) for key in sorted(keys)]
+    return [_join(path, key, attribute=True) for key in sorted(keys)]
 
 
 def _same_items(a: Iterable[Any], b: Iterable[Any]) -> bool:

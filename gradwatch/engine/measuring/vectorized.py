@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.directions import Direction, Displacement
 
 AGREEMENT = 1e-11
@@ -181,6 +182,8 @@ class VectorizedLoss:
         inputs = {self._paths[key]: stack for key, stack in stacks.items() if key in self._paths}
         try:
             values = self.evaluator.losses(params, inputs, points)
+        except RestoreError:
+            raise
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
             first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links
             self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {first_line})")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
@@ -103,6 +104,8 @@ class Ladder:
                     task.step = task.initial_step * scale
                     task.stencil = None
                     self._full(task)
+        except RestoreError:
+            raise
         except Exception as error:
             notes.append(f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")
             return
