@@ -31,12 +31,13 @@ def check_optional_int(name: str, value: Any, *, minimum: int) -> int | None:
     return value
 
 
-def check_fraction(name: str, value: Any, *, optional: bool = False) -> float | None:
-    """A float strictly between 0 and 1 (or ``None`` when ``optional``)."""
+def check_fraction(name: str, value: Any, *, optional: bool = False, auto: bool = False) -> float | None:
+    """A float strictly between 0 and 1 (or ``None`` when ``optional``; the message mentions ``"auto"`` when that is
+    accepted too, by the caller)."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1 or math.isnan(value):
-        expected = "None or a number" if optional else "a number"
+        expected = ("'auto', " if auto else "") + ("None or a number" if optional else "a number")
         raise ValueError(f"`{name}` must be {expected} strictly between 0 and 1; got {_received(value)}")
     return float(value)
 

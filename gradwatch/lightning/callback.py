@@ -11,7 +11,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +24,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
 from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.lightning.distributed import agree, distributed
-from gradwatch.lightning.overhead import OverheadClock
+from gradwatch.lightning.schedule import Schedule
 from gradwatch.lightning.training_step import (
     NoLossToCheckError,
     local_batch_norm,
@@ -37,6 +37,13 @@ from gradwatch.tensorboard.writer import write_report
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+
+DEFAULT_EVERY_N_STEPS = 500
+"""The cadence of ``GradWatch()``: a check every this many optimizer steps (besides the first, at step 1)."""
+
+DEFAULT_MAX_OVERHEAD = 0.01
+"""The budget of ``GradWatch()``: checks take at most this fraction of the training time, so that the default cadence
+holds on models whose check costs many training steps (a ResNet-18 on a CPU: about 8 steps per check)."""
 PROGRESS_BAR_KEY = "gradwatch"
 
 
@@ -56,7 +63,8 @@ class GradWatch(Callback):
     (see the README for the tags) and to :attr:`reports`; failures raise an alert.
 
     Args:
-        every_n_steps: Check every this many optimizer steps.
+        every_n_steps: Check every this many optimizer steps; by default every :data:`DEFAULT_EVERY_N_STEPS`, within
+            the budget of ``max_overhead``.
         first_check_step: Also check at this optimizer step, so a wrong gradient surfaces in the first minutes of a
             run; ``None`` to rely on ``every_n_steps`` alone.
         on_fail: ``"warn"`` (a :class:`~gradwatch.lightning.alerts.GradientCheckWarning` and a log record naming the
@@ -68,9 +76,13 @@ class GradWatch(Callback):
             Every loss evaluation of a check costs a forward pass on that slice, so a small slice keeps checks cheap;
             the function checked is the loss of the slice, so verdicts stay exact. With one sample (the default),
             a loss that refuses it (BatchNorm in training mode) is probed on four, else on the whole batch.
-        max_overhead: Budget mode: postpone a due check while gradwatch's total time would exceed this fraction of
-            the training time (e.g. ``0.01``). Combine with a small ``every_n_steps`` to check as often as the budget
-            allows. Under DDP, rank 0 decides for every rank. ``None`` checks on the schedule alone.
+        max_overhead: The budget: a due check is postponed while gradwatch's time, with that check, would exceed
+            this fraction of the training time; the first check is always made, and measures the cost. ``"auto"``
+            (the default): :data:`DEFAULT_MAX_OVERHEAD` (1%) when ``every_n_steps`` is left at its default, so that
+            ``GradWatch()`` costs at most 1% whatever the model costs to check; no budget when you choose a cadence
+            yourself (``every_n_steps=1`` while debugging checks every step). ``None``: no budget. Combine a fraction
+            with a small ``every_n_steps`` to check as often as the budget allows. Under DDP, rank 0 decides for
+            every rank.
         precision: ``"native"``, ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter elements); see
             :func:`gradwatch.check_gradients`.
         vectorize: Evaluate the points of float64 probes together, in few forward passes (see
@@ -99,12 +111,12 @@ class GradWatch(Callback):
 
     def __init__(
         self,
-        every_n_steps: int = 500,
+        every_n_steps: int | None = None,
         first_check_step: int | None = 1,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
         probe_batch_size: int | None = 1,
-        max_overhead: float | None = None,
+        max_overhead: float | Literal["auto"] | None = "auto",
         precision: Precision = "auto",
         vectorize: bool = True,
         ignore: list[str] | tuple[str, ...] = (),
@@ -117,13 +129,17 @@ class GradWatch(Callback):
         max_reports: int = 1000,
     ) -> None:
         super().__init__()
-        self.every_n_steps = validate.check_int("every_n_steps", every_n_steps, minimum=1)
+        chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
+        self.every_n_steps = DEFAULT_EVERY_N_STEPS if chosen is None else chosen
         self.first_check_step = validate.check_optional_int("first_check_step", first_check_step, minimum=1)
         self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
         self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
         self.probe_batch_size = validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
         self._probe_samples = self.probe_batch_size
-        self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True)
+        if max_overhead == "auto":
+            self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
+        else:
+            self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
         self.precision = validate.check_choice("precision", precision, PRECISIONS)
         self.vectorize = validate.check_bool("vectorize", vectorize)
         self._vectorize = self.vectorize  # off once a check found the loss cannot be vectorised
@@ -137,15 +153,11 @@ class GradWatch(Callback):
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self._reports: deque[CheckReport] = deque(maxlen=self.max_reports)
         self._alerts = AlertPolicy(self.on_fail)
-        self._last_step = 0
         self._checks = 0
         self._failed_checks = 0
         self._skipped_checks = 0
-        self._postponed_checks = 0
-        self._pending = False
         self._focus: tuple[str, ...] = ()  # tensors the last check could not decide: the next check probes them again
-        self._clock = OverheadClock()
-        self._seen_step = -1  # global_step at the last batch end: unchanged after a micro-batch of accumulation
+        self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._warned_no_params = False
         self._remarks = Remarks()
@@ -161,9 +173,7 @@ class GradWatch(Callback):
 
     def due(self, previous_step: int, step: int) -> bool:
         """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
-        if self.first_check_step is not None and previous_step < self.first_check_step <= step:
-            return True
-        return step // self.every_n_steps > previous_step // self.every_n_steps
+        return self._schedule.due(previous_step, step)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -176,8 +186,7 @@ class GradWatch(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._clock.restart()  # time before the first batch (set-up, a resumed run's restart) is not training time
-        self._seen_step = trainer.global_step  # restored from the checkpoint when resuming
+        self._schedule.start(trainer.global_step)  # restored from the checkpoint when resuming
 
     @override
     def on_before_optimizer_step(
@@ -186,8 +195,7 @@ class GradWatch(Callback):
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
-        due = self._pending or self.due(self._last_step, trainer.global_step + 1)
-        if scaler is not None and self._scale_before is None and due:
+        if scaler is not None and self._scale_before is None and self._schedule.due_next(trainer.global_step):
             self._scale_before = scaler.get_scale()
 
     @override
@@ -200,16 +208,10 @@ class GradWatch(Callback):
         batch_idx: int,
     ) -> None:
         now = time.perf_counter()
-        self._clock.batch_ended(now)
         # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
         step = trainer.global_step
         scale_before, self._scale_before = self._scale_before, None
-        if step == self._seen_step:
-            return
-        self._seen_step = step
-        self._pending = self._pending or self.due(self._last_step, step)
-        if not self._pending:
-            self._last_step = step
+        if not self._schedule.step_ended(step, now):
             return
         scaler = _grad_scaler(trainer)
         if scale_before is not None and scaler is not None and scaler.get_scale() < scale_before:
@@ -218,10 +220,8 @@ class GradWatch(Callback):
             self._skipped_checks += 1
             log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
             return
-        self._last_step = step
-        if not self._within_budget(trainer):
+        if not self._schedule.runs_now(step, lambda wait: self._decide(trainer, step, wait)):
             return
-        self._pending = False
         try:
             report = self._check(pl_module, batch, batch_idx, step)
         except Exception as error:
@@ -233,7 +233,7 @@ class GradWatch(Callback):
             raise
         if distributed(trainer):
             report = agree(trainer, report, None)
-        self._clock.check_ran(now, time.perf_counter())
+        self._schedule.ran(now, time.perf_counter())
         if report is None:
             return
         self._record(report)
@@ -245,17 +245,21 @@ class GradWatch(Callback):
     @property
     def overhead(self) -> float:
         """gradwatch's time so far as a fraction of the training time (measured between training batches)."""
-        return self._clock.fraction
+        return self._schedule.clock.fraction
 
-    def _within_budget(self, trainer: pl.Trainer) -> bool:
-        """Whether a due check fits ``max_overhead``: the time spent on checks, plus the last check's cost again,
-        stays within that fraction of the training time. Rank 0 decides for all (ranks measure different times)."""
-        if self.max_overhead is None:
-            return True
-        affordable = bool(trainer.strategy.broadcast(self._clock.affordable(self.max_overhead), src=0))
-        if not affordable:
-            self._postponed_checks += 1
-        return affordable
+    def _decide(self, trainer: pl.Trainer, step: int, wait: int) -> int:
+        """Rank 0's budget decision for every rank (ranks measure different times): 0 to check now, else the steps
+        the due check waits."""
+        wait = int(trainer.strategy.broadcast(wait, src=0))
+        if wait and not self._schedule.postponed:
+            log.info(
+                "gradwatch: the check due at step %d is postponed by %d steps, so that checks cost at most %g of the "
+                "training time (max_overhead); GradWatch(max_overhead=None) checks on schedule",
+                step,
+                wait,
+                self.max_overhead,
+            )
+        return wait
 
     def _check(self, pl_module: pl.LightningModule, batch: Any, batch_idx: int, step: int) -> CheckReport | None:
         if not any(p.requires_grad and p.is_floating_point() for p in pl_module.parameters()):
@@ -328,28 +332,22 @@ class GradWatch(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
-            "last_step": self._last_step,
             "checks": self._checks,
             "failed_checks": self._failed_checks,
             "skipped_checks": self._skipped_checks,
-            "postponed_checks": self._postponed_checks,
-            "pending": self._pending,
             "focus": list(self._focus),
-            **self._clock.state_dict(),
+            **self._schedule.state_dict(),
             "failure_warnings": self._alerts.failures.count,
             "error_warnings": self._alerts.errors.count,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_step = int(state_dict.get("last_step", 0))
         self._checks = int(state_dict.get("checks", 0))
         self._failed_checks = int(state_dict.get("failed_checks", 0))
         self._skipped_checks = int(state_dict.get("skipped_checks", 0))
-        self._postponed_checks = int(state_dict.get("postponed_checks", 0))
-        self._pending = bool(state_dict.get("pending", False))
         self._focus = tuple(str(name) for name in state_dict.get("focus", ()))
-        self._clock.load_state_dict(state_dict)
+        self._schedule.load_state_dict(state_dict)
         self._alerts = AlertPolicy(
             self.on_fail,
             Backoff(int(state_dict.get("failure_warnings", 0))),
@@ -364,7 +362,7 @@ class GradWatch(Callback):
             "checks": self._checks,
             "failed": self._failed_checks,
             "skipped": self._skipped_checks,
-            "postponed": self._postponed_checks,
+            "postponed": self._schedule.postponed,
         }
 
     @override

@@ -6,6 +6,7 @@ before the first batch (set-up, a resumed run's restart) does not count.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -43,6 +44,17 @@ class OverheadClock:
         """Whether another check, costing what the last one did, keeps gradwatch's time within ``budget`` (a
         fraction) of the training time."""
         return self.check_seconds + self.last_check_seconds <= budget * self.train_seconds
+
+    def steps_until_affordable(self, budget: float, steps: int) -> int:
+        """How many more optimizer steps, at the mean training time of the ``steps`` trained so far, until another
+        check is :meth:`affordable` (at least 1)."""
+        needed = (self.check_seconds + self.last_check_seconds) / budget - self.train_seconds
+        per_step = self.train_seconds / steps if steps > 0 and self.train_seconds > 0 else 0.0
+        if needed <= 0:
+            return 1
+        if per_step <= 0:
+            return 1
+        return max(1, math.ceil(needed / per_step))
 
     def state_dict(self) -> dict[str, Any]:
         return {

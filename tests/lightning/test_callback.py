@@ -321,8 +321,9 @@ def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Pa
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"every_n_steps": 0}, r"`every_n_steps` must be an integer >= 1; got 0 \(int\)"),
-        ({"every_n_steps": 2.5}, r"`every_n_steps` must be an integer >= 1; got 2.5 \(float\)"),
+        ({"every_n_steps": 0}, r"`every_n_steps` must be None or an integer >= 1; got 0 \(int\)"),
+        ({"every_n_steps": 2.5}, r"`every_n_steps` must be None or an integer >= 1; got 2.5 \(float\)"),
+        ({"max_overhead": "some"}, "`max_overhead` must be 'auto', None or a number strictly between 0 and 1; got"),
         ({"first_check_step": 0}, "`first_check_step` must be None or an integer >= 1; got 0"),
         ({"on_fail": "explode"}, "`on_fail` must be one of 'warn', 'raise', 'stop' or a callable; got 'explode'"),
         ({"loss_fn": "mse"}, "`loss_fn` must be None or a callable; got 'mse'"),
@@ -336,6 +337,7 @@ def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Pa
     ids=[
         "every_n_steps-zero",
         "every_n_steps-float",
+        "max_overhead",
         "first_check_step",
         "on_fail",
         "loss_fn",
@@ -409,3 +411,11 @@ def test_training_step_is_vectorised(tmp_path: Path) -> None:
     trainer(tmp_path, [watch], max_steps=2).fit(LitClassifier(), loader(classification_batch()))
     assert [r.vectorized for r in watch.reports] == [True, True]
     assert all(r.n_passes < r.n_forward for r in watch.reports)
+
+
+def test_the_default_cadence_has_a_budget_and_a_chosen_one_has_none() -> None:
+    assert (GradWatch().every_n_steps, GradWatch().max_overhead) == (500, 0.01)
+    assert (GradWatch(every_n_steps=2).every_n_steps, GradWatch(every_n_steps=2).max_overhead) == (2, None)
+    assert GradWatch(every_n_steps=2, max_overhead=0.05).max_overhead == 0.05
+    assert GradWatch(max_overhead=None).max_overhead is None
+    assert GradWatch().state_key == GradWatch(every_n_steps=500).state_key  # checkpoints of earlier versions load
