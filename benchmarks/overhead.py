@@ -77,6 +77,41 @@ class GPT(nn.Module):
         return self.norm(h) @ self.embedding.weight.T
 
 
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm and a shortcut."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(outputs)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(outputs)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or inputs != outputs:
+            self.shortcut = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 as used on CIFAR (3x3 stem, no max-pool): 11M parameters, 20 BatchNorm layers."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        widths = [(64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1)]
+        blocks, inputs = [], 64
+        for outputs, stride in widths:
+            blocks.append(BasicBlock(inputs, outputs, stride))
+            inputs = outputs
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(512, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+
+
 class Module(pl.LightningModule):
     def __init__(self, net: nn.Module, loss: Callable[[nn.Module, Any], Tensor]) -> None:
         super().__init__()
@@ -110,6 +145,45 @@ def _gpt_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, 512, (steps * 32, 65), generator=g))
     return (lambda: GPT(512, 128, 2, 4, 64)), _lm_loss, DataLoader(data, batch_size=32)
+
+
+def _resnet_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], Tensor], DataLoader]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(steps * 8, 3, 32, 32, generator=g), torch.randint(0, 10, (steps * 8,)))
+    return ResNet18, _image_loss, DataLoader(data, batch_size=8)
+
+
+def _llama_loss(net: nn.Module, batch: Any) -> Tensor:
+    tokens = batch[0]
+    return net(input_ids=tokens, labels=tokens).loss
+
+
+def _llama_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], Tensor], DataLoader]:
+    """A small ``LlamaForCausalLM`` from ``transformers`` (random init from a config), batch 8 x 64 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(0, 1024, (steps * 8, 64), generator=g))
+    return (lambda: LlamaForCausalLM(config)), _llama_loss, DataLoader(data, batch_size=8)
+
+
+REALISTIC = {
+    "CNN, CIFAR-shaped, batch 128": (_cnn_setup, 256),
+    "GPT LM, 32 x 64 tokens": (_gpt_setup, 256),
+    "ResNet-18 (CIFAR, BatchNorm), batch 8": (_resnet_setup, 1500),
+    "Llama (transformers, 4 layers, width 128), 8 x 64 tokens": (_llama_setup, 1000),
+}
+"""The models of the default-settings table, with the run length (steps) each is trained for: long enough that the
+first check, which is always made, is one of several budgeted ones."""
 
 
 class _Timer(pl.Callback):
@@ -244,7 +318,7 @@ def overhead_table(repeats: int, steps: int) -> None:
     per_run: dict[str, list[float]] = {}  # by model: each every-1 run's median ratio of check time to bound
     for name, setup in (("CNN, CIFAR-shaped, batch 128", _cnn_setup), ("GPT LM, 32 x 64 tokens", _gpt_setup)):
         build, loss, loader = setup(steps)
-        settings: list[tuple[str, dict[str, Any]]] = [("default (every 500)", {})]
+        settings: list[tuple[str, dict[str, Any]]] = [("default (every 500, 1% budget)", {})]
         settings += [(f"every {n}", {"every_n_steps": n, "first_check_step": None}) for n in (1, 4, 16, 64, 256)]
         settings += [("budget max_overhead=0.01, every 1", {"every_n_steps": 1, "max_overhead": 0.01})]
         memory = {}
@@ -306,6 +380,28 @@ def overhead_table(repeats: int, steps: int) -> None:
         )
 
 
+def defaults_table() -> None:
+    """GradWatch() at its defaults on each model of :data:`REALISTIC`: one run with and one without, long enough for
+    the budget to matter; gradwatch's own share of the training time, the wall-time ratio, and what one check costs
+    in training steps."""
+    print(
+        "| model | steps | checks (postponed) | one check / one training step | gradwatch's share (own time) | "
+        "time with / without |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, (setup, steps) in REALISTIC.items():
+        build, loss, loader = setup(steps)
+        without, _ = _fit(build, loss, loader, steps, None)
+        watch = GradWatch()
+        with_watch, _ = _fit(build, loss, loader, steps, watch)
+        step_seconds = without / steps
+        check = statistics.median(r.duration_s for r in watch.reports)
+        print(
+            f"| {name} | {steps} | {len(watch.reports)} ({watch.counts['postponed']}) | {check / step_seconds:.1f} | "
+            f"{100 * watch.overhead:.2f}% | {with_watch / without:.3f}x |"
+        )
+
+
 def scale(steps: int) -> None:
     defaults = {
         name: p.default
@@ -337,6 +433,9 @@ def scale(steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", action="store_true", help="a ~120M-parameter GPT instead of the table")
+    parser.add_argument(
+        "--defaults", action="store_true", help="only GradWatch() at its defaults, on the realistic models as well"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
     parser.add_argument("--steps", type=int, default=256, help="training steps per run")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the table's runs train")
@@ -347,8 +446,12 @@ def main() -> None:
     RUN.update(accelerator=args.accelerator, precision=args.precision)
     if args.scale:
         scale(3)
+    elif args.defaults:
+        defaults_table()
     else:
         overhead_table(args.repeats, args.steps)
+        print()
+        defaults_table()
 
 
 if __name__ == "__main__":

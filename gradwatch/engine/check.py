@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.compiled import compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
-from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
+from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.precision import PRECISIONS, Precision, probe_precision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
@@ -179,57 +179,92 @@ def check_gradients(
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
         vectorize=vectorize,
     )
-    compiled = compiled_parts(model)
     state = TrainingState.capture(model)
-    notes: list[str] = []
-    used_precision = "native"
-    vectorized: bool | None = None
-    try:
-        with probe_conditions():
-            evaluator, reference, probe_batch = reference_on_a_slice(
-                model, batch, loss_fn, params, state, probe_batch_size, input_probes > 0, float64_reductions, notes
-            )
-            evaluator.notes[:0] = notes
-            evaluator.notes += state.sandbox.notes(())
-            grads = [
-                g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
-            ]
-            grad_norms = norms(grads, exact=True)
-            probes = nonfinite_probes(reference, params, grad_norms)
-            asked = plan.rtol
-            plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, dtype))
-            if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
-                evaluator.notes.append(
-                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                    f"{str(dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
-                )
-            elif not probes:
-                with probe_precision(model, evaluator, mode) as (used_precision, trial):
-                    probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
-        if compiled and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
-            with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
-                probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
-    finally:
-        state.restore()
+    with warnings_withheld() as withheld:
+        try:
+            outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
+        finally:
+            state.restore()
+    evaluator = outcome.evaluator
+    if withheld:
+        evaluator.notes.append(
+            f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: {withheld[0]}"
+        )
     unrestored = state.sandbox.unrestorable()
     evaluator.notes += state.sandbox.notes(unrestored)
     return CheckReport(
         step=step,
-        verdict=_overall_verdict(probes),
-        probes=probes,
-        loss=reference.loss,
+        verdict=_overall_verdict(outcome.probes),
+        probes=outcome.probes,
+        loss=outcome.loss,
         n_forward=evaluator.n_forward,
         n_backward=evaluator.n_backward,
         n_passes=evaluator.n_passes,
         duration_s=time.perf_counter() - started,
         notes=list(evaluator.notes),
-        samples=batch_size(probe_batch),
-        precision=used_precision,
-        vectorized=vectorized,
-        rtol=plan.rtol,
+        samples=batch_size(outcome.probe_batch),
+        precision=outcome.precision,
+        vectorized=outcome.vectorized,
+        rtol=outcome.rtol,
         side_effects=tuple(state.sandbox.changed),
         unrestored=tuple(unrestored),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What the measuring part of a check produced."""
+
+    evaluator: LossEvaluator
+    loss: float
+    probe_batch: Any
+    probes: list[Probe]
+    precision: str
+    vectorized: bool | None
+    rtol: float
+
+
+def _run(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    params: list[tuple[str, Tensor]],
+    state: TrainingState,
+    plan: _Plan,
+    mode: str,
+    probe_batch_size: int | None,
+    float64_reductions: bool,
+) -> _Outcome:
+    """The reference, the probes (unless the reference rules them out), and for a compiled model the comparison of
+    its compiled gradient with eager autograd's; the caller restores the state."""
+    notes: list[str] = []
+    used_precision, vectorized = "native", None
+    with probe_conditions():
+        evaluator, reference, probe_batch = reference_on_a_slice(
+            model, batch, loss_fn, params, state, probe_batch_size, plan.portfolio.input_probes > 0,
+            float64_reductions, notes,
+        )  # fmt: skip
+        evaluator.notes[:0] = notes
+        evaluator.notes += state.sandbox.notes(())
+        grads = [
+            g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
+        ]
+        grad_norms = norms(grads, exact=True)
+        probes = nonfinite_probes(reference, params, grad_norms)
+        asked = plan.rtol
+        plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
+        if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
+            evaluator.notes.append(
+                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
+            )
+        elif not probes:
+            with probe_precision(model, evaluator, mode) as (used_precision, trial):
+                probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
+    if compiled_parts(model) and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
+        with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
+            probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
+    return _Outcome(evaluator, reference.loss, probe_batch, probes, used_precision, vectorized, plan.rtol)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -447,3 +447,21 @@ def test_loss_drawing_from_numpy_and_python_generators_is_replayed_at_every_poin
         report = check_gradients(model, classification_batch(), noisy_loss, vectorize=vectorize)
         assert report.verdict == "ok", str(report)
         assert not report.notes, report.notes
+
+
+def test_warnings_the_loss_raises_during_a_check_are_withheld_and_noted() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+
+    def warning_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        warnings.warn("the loss warns at every call", UserWarning, stacklevel=1)
+        return cross_entropy_loss(model, batch)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        report = check_gradients(model, classification_batch(), warning_loss)
+    assert shown == []
+    assert any("UserWarning: the loss warns at every call" in note for note in report.notes), report.notes
+    assert report.verdict == "ok"

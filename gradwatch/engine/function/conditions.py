@@ -8,6 +8,7 @@ mantissas, far coarser than any step a probe takes.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +73,28 @@ def compiler_disabled() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+@contextlib.contextmanager
+def warnings_withheld() -> Iterator[list[str]]:
+    """Keep the warnings raised during a check from being shown; yields the list their messages are collected in.
+
+    The loss runs dozens of times in a check, in float64 and under ``vmap``, which warn of things training never does
+    (functorch's "no batching rule" performance warnings, say). Only ``warnings.showwarning`` is swapped: the warning
+    filters are left alone, so the ``once`` registries of the user's modules are not reset by the check (changing the
+    filters would, and training would show its warnings again).
+    """
+    withheld: list[str] = []
+    shown = warnings.showwarning
+
+    def withhold(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+        withheld.append(f"{category.__name__}: {message}")
+
+    warnings.showwarning = withhold  # type: ignore[assignment]
+    try:
+        yield withheld
+    finally:
+        warnings.showwarning = shown
 
 
 @contextlib.contextmanager
