@@ -301,7 +301,11 @@ def _probe(
         evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
         return [], None
     screens = portfolio.screens(input_direction=anchor.kind != "input")
-    if plan.vectorize:
+    unrestorable = evaluator.state.sandbox.unrestorable()
+    if plan.vectorize and unrestorable:
+        # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
+        evaluator.notes.append(f"points evaluated one by one: the loss changes {unrestorable[0]} in place")
+    elif plan.vectorize:
         measurements.start_vectorizing()
     ladder.first_round(anchor, screens)
     done = [anchor, *screens]
