@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.compiled import compiled_parts, compiled_probes
+from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
@@ -46,8 +47,9 @@ from gradwatch.engine.numerics.steps import (
 )
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, reproduced_center
-from gradwatch.engine.report import CheckReport, Probe, Verdict
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
 
 __all__ = ["check_gradients"]
 
@@ -71,6 +73,7 @@ def check_gradients(
     rotation: int | None = None,
     float64_reductions: bool = True,
     vectorize: bool = True,
+    fail_on_imprecise: bool = False,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
@@ -112,6 +115,9 @@ def check_gradients(
             :mod:`gradwatch.engine.measuring.vectorized`); losses vmap cannot run are evaluated point by point either
             way. Turn off for a loss with side effects that must happen once per point (a forward hook that records
             activations).
+        fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
+            (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
+            ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
 
     Returns:
         A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
@@ -150,6 +156,7 @@ def check_gradients(
     validate.check_optional_int("rotation", rotation, minimum=0)
     validate.check_bool("float64_reductions", float64_reductions)
     validate.check_bool("vectorize", vectorize)
+    validate.check_bool("fail_on_imprecise", fail_on_imprecise)
 
     started = time.perf_counter()
     params: list[tuple[str, Tensor]] = [
@@ -178,6 +185,7 @@ def check_gradients(
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
         vectorize=vectorize,
+        fail_on_imprecise=fail_on_imprecise,
     )
     state = TrainingState.capture(model)
     with warnings_withheld() as withheld:
@@ -260,7 +268,10 @@ def _run(
             )
         elif not probes:
             with probe_precision(model, evaluator, mode) as (used_precision, trial):
-                probes, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
+                tasks, portfolio, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
+            if portfolio is not None and any(task.failed for task in tasks):
+                _confirm_failures(model, evaluator, tasks, portfolio, plan, used_precision)
+            probes = [task.probe() for task in tasks]
     if compiled_parts(model) and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
@@ -276,30 +287,36 @@ class _Plan:
     native_dtype: torch.dtype
     float64_refinement: bool
     vectorize: bool
+    fail_on_imprecise: bool
+
+
+def _ladder(plan: _Plan, measurements: Measurements, reference_loss: float) -> Ladder:
+    return Ladder(
+        measurements,
+        rtol=plan.rtol,
+        native_dtype=plan.native_dtype,
+        reference_loss=reference_loss,
+        float64_refinement=plan.float64_refinement,
+    )
 
 
 def _probe(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: _Plan
-) -> tuple[list[Probe], bool | None]:
+) -> tuple[list[ProbeTask], Portfolio | None, bool | None]:
     """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
-    replacements of coordinates that crossed a kink. Returns the probes and whether points were vectorised."""
+    replacements of coordinates that crossed a kink. Returns the probes, their portfolio and whether points were
+    vectorised."""
     compute_dtype = _least_precise([p.dtype for _, p in evaluator.params])
     reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
     if reproduced is None:
-        return [], None
+        return [], None, None
     measurements = Measurements(evaluator, *reproduced)
     portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype)
-    ladder = Ladder(
-        measurements,
-        rtol=plan.rtol,
-        native_dtype=plan.native_dtype,
-        reference_loss=reference.loss,
-        float64_refinement=plan.float64_refinement,
-    )
+    ladder = _ladder(plan, measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:
-        evaluator.notes.append("no probe made: no parameter or input received a non-zero gradient")
-        return [], None
+        evaluator.notes.append("no probe made: the model has no parameter to check and no input with a gradient")
+        return [], None, None
     screens = portfolio.screens(input_direction=anchor.kind != "input")
     unrestorable = evaluator.state.sandbox.unrestorable()
     if plan.vectorize and unrestorable:
@@ -318,7 +335,21 @@ def _probe(
     replacements = portfolio.replacements(done)
     ladder.screen_and_escalate(replacements)
     done += replacements
-    return [task.probe() for task in done], measurements.vectorized_outcome
+    return done, portfolio, measurements.vectorized_outcome
+
+
+def _confirm_failures(
+    model: nn.Module, evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: _Plan, mode: str
+) -> None:
+    """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
+    only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
+    :mod:`gradwatch.engine.confirmation`."""
+    if mode == "float64":
+        confirm_precision(model, evaluator, portfolio, tasks, plan.native_dtype, plan.fail_on_imprecise)
+    step = plan.portfolio
+    confirm_at_a_shifted_point(
+        model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), mode, f"{step.seed}:{step.step}"
+    )
 
 
 def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -330,6 +361,7 @@ def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     "inconclusive"."""
     if any(p.verdict == "fail" for p in probes):
         return "fail"
-    if any(p.verdict == "ok" and p.kind in ("descent", "tensor", "input") and p.index is None for p in probes):
+    whole = ("descent", "tensor", "input")
+    if any(p.verdict == "ok" and p.index is None and (p.kind in whole or p.target == DESCENT_TARGET) for p in probes):
         return "ok"
     return "inconclusive"

@@ -29,6 +29,9 @@ finite differences; ``rel_error`` is the norm of their difference relative to th
 VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
 
+UNDECIDED_REASONS = ("kink", "unresolved", "unstable", "tie")
+"""Why a probe may end undecided where the next check, at another point, could decide."""
+
 DESCENT_TARGET = "*"
 """The ``target`` of the descent probe, which moves every trainable parameter at once."""
 
@@ -165,7 +168,7 @@ class CheckReport:
         names = (
             p.target
             for p in self.probes
-            if p.kind == "tensor" and p.verdict == "inconclusive" and p.reason in ("kink", "unresolved", "unstable")
+            if p.kind == "tensor" and p.verdict == "inconclusive" and p.reason in UNDECIDED_REASONS
         )
         return tuple(dict.fromkeys(names))
 

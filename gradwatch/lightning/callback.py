@@ -41,6 +41,11 @@ _STATE_VERSION = 1
 DEFAULT_EVERY_N_STEPS = 500
 """The cadence of ``GradWatch()``: a check every this many optimizer steps (besides the first, at step 1)."""
 
+DEFAULT_PROBE_BATCH_SIZE = 2
+"""The samples a check probes by default: two, so that code that mixes the samples of a batch (a backward that
+averages over the whole batch instead of each sample, a ``.squeeze()`` that drops the batch dimension of one sample)
+is checked as it runs in training; one sample hides such bugs."""
+
 DEFAULT_MAX_OVERHEAD = 0.01
 """The budget of ``GradWatch()``: checks take at most this fraction of the training time, so that the default cadence
 holds on models whose check costs many training steps (a ResNet-18 on a CPU: about 8 steps per check)."""
@@ -74,8 +79,9 @@ class GradWatch(Callback):
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
         probe_batch_size: Probe the loss of the first this many samples of the batch (``None``: the whole batch).
             Every loss evaluation of a check costs a forward pass on that slice, so a small slice keeps checks cheap;
-            the function checked is the loss of the slice, so verdicts stay exact. With one sample (the default),
-            a loss that refuses it (BatchNorm in training mode) is probed on four, else on the whole batch.
+            the function checked is the loss of the slice, so verdicts stay exact. Two samples by default
+            (:data:`DEFAULT_PROBE_BATCH_SIZE`: one would hide bugs that mix the samples of a batch); a loss that
+            refuses the slice is probed on four, else on the whole batch.
         max_overhead: The budget: a due check is postponed while gradwatch's time, with that check, would exceed
             this fraction of the training time; the first check is always made, and measures the cost. ``"auto"``
             (the default): :data:`DEFAULT_MAX_OVERHEAD` (1%) when ``every_n_steps`` is left at its default, so that
@@ -115,7 +121,7 @@ class GradWatch(Callback):
         first_check_step: int | None = 1,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        probe_batch_size: int | None = 1,
+        probe_batch_size: int | None = DEFAULT_PROBE_BATCH_SIZE,
         max_overhead: float | Literal["auto"] | None = "auto",
         precision: Precision = "auto",
         vectorize: bool = True,

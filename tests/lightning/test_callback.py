@@ -392,7 +392,7 @@ def test_progress_status_keeps_earlier_failures_in_sight() -> None:
 
 
 def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1)  # one sample, which the BatchNorm of LitClassifier refuses
+    watch = GradWatch(every_n_steps=1, probe_batch_size=1)  # one sample, which the BatchNorm of LitClassifier refuses
     trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
     assert [r.samples for r in watch.reports] == [4, 4, 4]
     assert [any("first 1 sample" in note for note in r.notes) for r in watch.reports] == [True, False, False]

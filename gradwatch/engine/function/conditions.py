@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 # torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
 _PRECISION_SETTINGS = (
@@ -97,9 +99,41 @@ def warnings_withheld() -> Iterator[list[str]]:
         warnings.showwarning = shown
 
 
+_DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
+
+
+@contextlib.contextmanager
+def dropout_on_contiguous_inputs() -> Iterator[None]:
+    """Let the dropout functions of ``torch.nn.functional`` draw their masks in the order of their input's elements,
+    not of its memory, for the duration.
+
+    Dropout fills its mask in memory order: on a transposed input (the output of ``nn.MultiheadAttention`` with
+    ``batch_first=True``, for several samples) an evaluation on its own and a vectorised pass, whose batched tensors
+    lie otherwise in memory, would draw the same numbers into different elements, and compute two functions. On a
+    contiguous copy of the input both draw alike. The functions are swapped in ``torch.nn.functional``, where
+    ``nn.Dropout`` and the attention code look them up at every call, and put back afterwards; an input already
+    contiguous is passed as it is (``inplace=True`` keeps its meaning there).
+    """
+    saved = {name: getattr(F, name) for name in _DROPOUTS}
+
+    def contiguous(function: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def dropout(input: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            return function(input.contiguous(), *args, **kwargs)
+
+        return dropout
+
+    for name, function in saved.items():
+        setattr(F, name, contiguous(function))
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(F, name, function)
+
+
 @contextlib.contextmanager
 def probe_conditions() -> Iterator[None]:
     """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels,
-    with compiled code run eagerly."""
-    with autocast_disabled(), full_float32_precision(), compiler_disabled():
+    with compiled code run eagerly, dropout drawing in element order."""
+    with autocast_disabled(), full_float32_precision(), compiler_disabled(), dropout_on_contiguous_inputs():
         yield

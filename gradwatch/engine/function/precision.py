@@ -94,7 +94,8 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
     of the trial evaluation in float64 (NaN if none), which the probes take as their centre.
 
     Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
-    float64 kernel, a tensor created in float32 inside the model).
+    float64 kernel, a tensor created in float32 inside the model). The evaluator is back on the native parameters and
+    inputs afterwards.
     """
     if mode != "float64":
         yield "native", math.nan
@@ -110,7 +111,10 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         except Exception as error:
             problem = f"the loss raised {type(error).__name__} in float64 ({error})"
         else:
-            yield "float64", trial
+            try:
+                yield "float64", trial
+            finally:
+                evaluator.use_native_inputs()
             return
         finally:
             evaluator.params = native_params

@@ -123,6 +123,12 @@ class Ladder:
             loss_noise=self.loss_noise + self.measurements.jitter,
         )
 
+    def measure_fully(self, task: ProbeTask) -> None:
+        """Measure the task with a full stencil from the start (and on up the ladder): for a probe whose screen would
+        borrow a noise estimate the check does not have (the same probe at another point)."""
+        self._prefetch([(task, FULL_OFFSETS)])
+        self._full(task)
+
     def _full(self, task: ProbeTask) -> None:
         """Complete the task's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
         independent stencil at a smaller step. A probe along a whole direction that stays undecided (kinks, round-off)

@@ -22,6 +22,7 @@ whose true value is zero does not read as a 100% error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ import torch
 
 from gradwatch.engine.function.batch import ROOT
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.measuring.directions import CoordinateDirection, VectorDirection
+from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, VectorDirection
 from gradwatch.engine.numerics.norms import norm, norms, rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
@@ -111,8 +112,33 @@ class Portfolio:
 
     def anchor(self) -> ProbeTask | None:
         """The probe whose full stencil sets the check's noise: the descent probe, or the input direction when no
-        parameter received a gradient; ``None`` when nothing did."""
-        return self._descent() or self._input_direction()
+        parameter received a gradient, or, when nothing received a non-zero gradient, a random direction over every
+        parameter (a flat loss confirms the zero gradient, a moving one shows it is missing); ``None`` without
+        parameters."""
+        return self._descent() or self._input_direction() or self._random_anchor()
+
+    def replica(self, task: ProbeTask, evaluator: LossEvaluator, reference: Reference) -> ProbeTask:
+        """The same probe at another point: the same unit direction, moving the tensors the evaluator uses there (after
+        a shift of the point, or on other storage), with the analytic derivative of the gradient ``reference`` holds
+        there."""
+        tensors, grads = [], []
+        for moved in task.moves:
+            if isinstance(moved, int):
+                tensor, grad = evaluator.params[moved][1], reference.param_grads[moved]
+            else:
+                tensor, grad = evaluator.inputs[moved], reference.input_grads.get(moved)
+            tensors.append(tensor)
+            grads.append(grad if grad is not None else torch.zeros_like(tensor))
+        after = evaluator.mark_inputs_current if any(isinstance(m, str) for m in task.moves) else None
+        old = task.direction
+        direction: Direction
+        if isinstance(old, CoordinateDirection):
+            direction = CoordinateDirection(tensors[0], old.index, grads[0][old.index].item(), after)
+        else:
+            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after)
+        return dataclasses.replace(
+            task, direction=direction, step=task.initial_step, stencil=None, result=None, evaluations=0
+        )
 
     def screens(self, input_direction: bool) -> list[ProbeTask]:
         """The screening probes of a check: tensors in turn, random directions (first where a gradient is missing),
@@ -176,7 +202,26 @@ class Portfolio:
         )
         dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
         step = self._relative_step(dtype) * math.sqrt(weighted)
-        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0)
+        moves = tuple(range(len(self.params)))
+        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0, moves=moves)
+
+    def _random_anchor(self) -> ProbeTask | None:
+        """A random unit direction over every parameter, for a gradient that is exactly zero."""
+        if not self.params:
+            return None
+        generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
+        vectors = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for _, p in self.params]
+        size = math.sqrt(sum(float(v.square().sum()) for v in vectors)) or 1.0
+        components = [v.to(device=p.device, dtype=p.dtype) for v, (_, p) in zip(vectors, self.params, strict=True)]
+        direction = VectorDirection([p for _, p in self.params], components, self.grads, 1.0 / size)
+        dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
+        step = self._relative_step(dtype) * (self.param_scale or 1.0)
+        # a derivative that would move the loss by less than this fraction of itself over the parameters' own size is
+        # zero for all the gradient's rounding can tell
+        parameters = self.param_scale * math.sqrt(sum(p.numel() for _, p in self.params)) or 1.0
+        floor = self.negligible * abs(self.reference.loss) / parameters
+        moves = tuple(range(len(self.params)))
+        return ProbeTask("random", DESCENT_TARGET, None, direction, step, scale_floor=floor, missing=True, moves=moves)
 
     def _input_direction(self) -> ProbeTask | None:
         grads = self.reference.input_grads
@@ -189,7 +234,7 @@ class Portfolio:
         direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
         step = self._relative_step(tensors[0].dtype) * (rms(*tensors) or 1.0)
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
-        return ProbeTask("input", target, None, direction, step, scale_floor=0.0)
+        return ProbeTask("input", target, None, direction, step, scale_floor=0.0, moves=tuple(paths))
 
     def _tensor_probe(self, i: int) -> ProbeTask | None:
         name, param = self.params[i]
@@ -200,7 +245,7 @@ class Portfolio:
         direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
         step = self._relative_step(param.dtype) * self._tensor_scale(i)
         floor = self.negligible * self.grad_norm
-        return ProbeTask("tensor", name, None, direction, step, scale_floor=floor, tensor=i)
+        return ProbeTask("tensor", name, None, direction, step, scale_floor=floor, tensor=i, moves=(i,))
 
     def _random_probe(self, i: int) -> ProbeTask:
         name, param = self.params[i]
@@ -213,7 +258,7 @@ class Portfolio:
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
         expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
         floor = expected / math.sqrt(max(param.numel(), 1))
-        return ProbeTask("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i])
+        return ProbeTask("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i], moves=(i,))
 
     def _coordinate_probe(self, kind: ProbeKind, tensor: int, index: tuple[int, ...] | None = None) -> ProbeTask | None:
         if kind == "input":
@@ -227,7 +272,8 @@ class Portfolio:
         step = self._relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
         grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(param.numel(), 1))
         floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(param.numel()))
-        return ProbeTask("param", name, index, direction, step, floor, tensor=tensor, missing=self.missing[tensor])
+        missing = self.missing[tensor]
+        return ProbeTask("param", name, index, direction, step, floor, tensor=tensor, missing=missing, moves=(tensor,))
 
     def _input_coordinates(self) -> list[ProbeTask | None]:
         grads = self.reference.input_grads
@@ -246,7 +292,8 @@ class Portfolio:
         grad = grads[path]
         direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
         step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), rms(working)) or 1.0)
-        return ProbeTask("input", path, index, direction, step, scale_floor=2 * rms(grad), tensor=tensor)
+        floor = 2 * rms(grad)
+        return ProbeTask("input", path, index, direction, step, scale_floor=floor, tensor=tensor, moves=(path,))
 
 
 def _random_index(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:

@@ -32,6 +32,9 @@ class ProbeTask:
         result: What the last stencil said.
         initial_step: The step the probe started with.
         evaluations: Loss evaluations the probe spent so far.
+        moves: What the direction moves, as positions in the check's parameters (``int``) and input paths (``str``):
+            how the same probe is made again at another point (see :meth:`Portfolio.replica
+            <gradwatch.engine.probing.portfolio.Portfolio.replica>`).
     """
 
     kind: ProbeKind
@@ -46,6 +49,7 @@ class ProbeTask:
     result: Assessment | None = None
     initial_step: float = 0.0
     evaluations: int = 0
+    moves: tuple[int | str, ...] = ()
 
     def __post_init__(self) -> None:
         self.initial_step = self.step

@@ -1,0 +1,212 @@
+"""Before a probe fails: the two confirmations that tell a wrong backward from a point where the loss has no
+derivative, and from the rounding of a correct formula.
+
+A discrepancy that the ladder confirmed at a second step along the same line can still be no bug:
+
+* **A kink exactly at the point.** At a tie (max-pool windows over an exactly constant background, ReLU at exactly
+  zero, ``grid_sample`` with every sample on the grid) the loss has a left and a right derivative; autograd returns
+  one of them, a central difference their mean, at any step. :func:`confirm_at_a_shifted_point` moves the point a
+  little (every parameter and input by :data:`SHIFT` of its own size, in a random direction), computes the gradient
+  there and measures each failing probe again along the same direction. A wrong backward is wrong at any point and
+  fails again; a tie does not survive the shift, and the probe ends ``inconclusive`` with reason ``"tie"``.
+* **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
+  derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned
+  op such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
+  :func:`confirm_precision` computes the gradient in float64 along the same direction: if float64 autograd agrees with
+  the float64 finite difference, the formula is right and only its float32 evaluation is imprecise; the probe ends
+  ``ok`` with reason ``"imprecise"`` (``fail_on_imprecise=True`` fails it instead), its ``rel_error`` the precision
+  lost.
+
+Both run only on probes that failed, so a healthy check pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.function.precision import float64_storage, probe_precision
+from gradwatch.engine.function.sandbox import RestoreError
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.norms import rms
+from gradwatch.engine.numerics.steps import machine_epsilon, relative_tolerance
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.reference import reproduced_center
+
+SHIFT = 1e-2
+"""How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a
+random direction. Far beyond the probes' steps (about 6e-6 of the same scale in float64), so that the stencils at the
+second point cross none of the kinks the shift moved them away from; near enough that the gradient there is the same
+code on almost the same values."""
+
+REPRODUCED = 0.2
+"""A failure reproduces at the shifted point when the discrepancy there has the same sign and at least this fraction of
+the first one's relative size: a wrong backward is wrong by about as much a percent away; the remains of a tie (the
+shifted point's own near-ties) are a fraction of it."""
+
+LadderFactory = Callable[[Measurements, float], Ladder]
+"""Makes the check's ladder around the measurements (and the reference loss) of another point."""
+
+
+def confirm_at_a_shifted_point(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    tasks: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+    seed: str,
+) -> None:
+    """Measure every failing task again at a shifted point (see the module doc); a failure that does not reproduce
+    becomes inconclusive (``"tie"`` where the probe agrees there, ``"unstable"`` where it cannot tell).
+
+    ``evaluator`` must be on the native parameters and inputs; they are shifted in place and put back exactly. The
+    shift is drawn from ``seed``, so every process of a distributed run shifts alike.
+    """
+    failing = [task for task in tasks if task.failed]
+    if not failing:
+        return
+    params = [p for _, p in evaluator.params]
+    saved = [p.detach().clone() for p in params]
+    generator = torch.Generator().manual_seed(random.Random(f"gradwatch-shift:{seed}").getrandbits(63))
+    scale = rms(*params) or 1.0
+    replicas: list[ProbeTask] | None = None
+    problem = "its loss is not finite or not reproducible"
+    try:
+        with torch.no_grad():
+            for tensor in params:
+                tensor.add_(_shift(tensor, generator, scale))
+            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
+        with evaluator.moved_inputs(inputs):
+            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            if math.isfinite(reference.loss):
+                replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode)
+    except RestoreError:
+        raise
+    except Exception as error:
+        problem = f"the loss raised {type(error).__name__} there ({error})"
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(params, saved, strict=True):
+                tensor.copy_(value)
+    if replicas is None:
+        # rare, and no sign of a tie: the failures stand on their confirmations at the point
+        evaluator.notes.append(f"the failures could not be measured again at a shifted point: {problem}")
+        return
+    for task, replica in zip(failing, replicas, strict=True):
+        _judge_elsewhere(task, replica)
+
+
+def _shift(tensor: Tensor, generator: torch.Generator, scale: float) -> Tensor:
+    """A random displacement of ``tensor`` of :data:`SHIFT` times its RMS per element (of ``scale``, the parameters'
+    RMS, for a tensor of zeros), in its dtype."""
+    noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+    noise.mul_(SHIFT * (rms(tensor) or scale))
+    return noise.to(device=tensor.device, dtype=tensor.dtype)
+
+
+def _measured_replicas(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    reference: Reference,
+    failing: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+) -> list[ProbeTask] | None:
+    """Each failing task, measured again at the evaluator's (shifted) point, around its own centre; ``None`` when
+    that point's loss cannot be reproduced."""
+    native_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
+    with probe_precision(model, evaluator, mode) as (_, trial):
+        compute_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
+        reproduced = reproduced_center(evaluator, reference, trial, native_dtype, compute_dtype)
+        if reproduced is None:
+            return None
+        measuring = ladder(Measurements(evaluator, *reproduced), reference.loss)
+        replicas = []
+        for task in failing:
+            replica = portfolio.replica(task, evaluator, reference)
+            measuring.measure_fully(replica)
+            replicas.append(replica)
+    measuring.remeasure_in_float64(replicas)
+    return replicas
+
+
+def _judge_elsewhere(task: ProbeTask, replica: ProbeTask) -> None:
+    """Keep the task's failure if its replica at the shifted point fails the same way; else make it inconclusive."""
+    first, second = task.result, replica.result
+    assert first is not None
+    assert second is not None
+    task.evaluations += replica.evaluations
+    same_sign = (second.discrepancy > 0) == (first.discrepancy > 0)
+    if second.verdict == "fail" and same_sign and second.rel_error >= REPRODUCED * first.rel_error:
+        return
+    reason = "tie" if second.verdict == "ok" else "unstable"
+    task.result = Assessment(first.numeric, first.discrepancy, first.noise, first.scale, "inconclusive", reason)
+
+
+def confirm_precision(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    tasks: Sequence[ProbeTask],
+    native_dtype: torch.dtype,
+    fail_on_imprecise: bool,
+) -> None:
+    """For the failing tasks of a model whose gradient is less precise than float64: the float64 gradient along each
+    task's direction (one float64 forward and backward for all of them); where it agrees with the float64 numeric,
+    the task ends ``"imprecise"`` (see the module doc). ``evaluator`` must be on the native parameters and inputs."""
+    failing = [task for task in tasks if task.failed and not task.missing]
+    if not failing or native_dtype == torch.float64:
+        return
+    native_params = evaluator.params
+    with float64_storage(model) as substitutes:
+        # float64 copies to differentiate: leaves of their own, so the parameters' accumulators never see them
+        evaluator.params = [(name, substitutes.get(id(p), p).requires_grad_()) for name, p in native_params]
+        evaluator.use_float64_inputs()
+        try:
+            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            precise = _with_parameter_hooks(reference, native_params)
+            analytic = [portfolio.replica(task, evaluator, precise).direction.analytic for task in failing]
+        finally:
+            evaluator.params = native_params
+            evaluator.use_native_inputs()
+    for task, value in zip(failing, analytic, strict=True):
+        _judge_precision(task, value, fail_on_imprecise)
+
+
+def _with_parameter_hooks(reference: Reference, native_params: Sequence[tuple[str, Tensor]]) -> Reference:
+    """The float64 gradient as training would get it: the hooks registered on each parameter (``register_hook``), which
+    autograd runs on the parameter itself but not on its float64 copy, applied to its float64 gradient (a bug that
+    lives in such a hook must not pass for rounding)."""
+    grads: list[Tensor | None] = []
+    for (_, param), grad in zip(native_params, reference.param_grads, strict=True):
+        hooks = getattr(param, "_backward_hooks", None) or {}
+        for hook in list(hooks.values()):
+            if grad is not None:
+                changed = hook(grad)
+                grad = changed if changed is not None else grad
+        grads.append(grad)
+    return Reference(reference.loss, grads, reference.input_grads)
+
+
+def _judge_precision(task: ProbeTask, precise: float, fail_on_imprecise: bool) -> None:
+    """``imprecise`` when float64 autograd (``precise``) agrees with the float64 numeric within float64's tolerance and
+    the numeric's own noise: the formula is right, its float32 evaluation is not precise enough."""
+    result = task.result
+    assert result is not None
+    allowed = max(relative_tolerance(torch.float64) * result.scale, SIGNIFICANCE * result.noise)
+    if abs(precise - result.numeric) > allowed:
+        return  # float64 autograd disagrees too: the formula is wrong
+    verdict = "fail" if fail_on_imprecise else "ok"
+    task.result = Assessment(
+        result.numeric, result.discrepancy, result.noise, result.scale, verdict, "imprecise", result.loss_noise
+    )
