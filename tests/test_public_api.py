@@ -28,7 +28,8 @@ def test_the_public_names_are_exported_from_the_package() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "names"),
     [
-        ("gradwatch.callback", "gradwatch.lightning.callback", ["GradWatch", "progress_status", "PROGRESS_BAR_KEY"]),
+        ("gradwatch.callback", "gradwatch.lightning.callback", ["GradWatch"]),
+        ("gradwatch.callback", "gradwatch.lightning.publishing", ["progress_status", "PROGRESS_BAR_KEY"]),
         ("gradwatch.callback", "gradwatch.lightning.training_step", ["training_step_loss"]),
         ("gradwatch.check", "gradwatch.engine.check", ["check_gradients"]),
         ("gradwatch.report", "gradwatch.engine.report", ["CheckReport", "Probe", "GradientCheckError", "VERDICTS"]),
@@ -38,7 +39,7 @@ def test_the_public_names_are_exported_from_the_package() -> None:
             ["write_report", "failures_markdown", "FAILURES_TAG"],
         ),
     ],
-    ids=["callback", "callback-loss", "check", "report", "tensorboard"],
+    ids=["callback", "callback-publishing", "callback-loss", "check", "report", "tensorboard"],
 )
 def test_old_import_paths_give_the_same_objects(old: str, new: str, names: list[str]) -> None:
     before, now = importlib.import_module(old), importlib.import_module(new)

@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradwatch",
         description="Check that the gradients a model trains on are the derivatives of its loss.",
-        epilog="Exit status of 'report': 0 no failure recorded, 1 a failure recorded, 2 unreadable input.",
+        epilog="Exit status of 'report': 0 no failure recorded, 1 a failure recorded, 2 unreadable input, 3 a run "
+        "whose every check was inconclusive.",
     )
     parser.add_argument("--version", action="version", version=f"gradwatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,report}")
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise the gradwatch results in TensorBoard event files",
         description="Summarise the gradwatch results in the TensorBoard event files under LOGDIR: the checks, "
         "verdicts over time, the worst tensors and every failure. Exit status 0 when no failure was recorded, 1 "
-        "when one was, 2 when the input cannot be read.",
+        "when one was, 2 when the input cannot be read, 3 when every check of a run was inconclusive.",
     )
     report.add_arguments(report_parser)
     report_parser.set_defaults(handler=report.report)

@@ -1,7 +1,8 @@
 """``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch data of the event files under ``LOGDIR``.
 
 Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be read
-(a missing or empty directory, corrupt event files, no gradwatch data) or the command line is wrong.
+(a missing or empty directory, corrupt event files, no gradwatch data) or the command line is wrong, 3 when a run's
+every check was inconclusive (a gate that passed would have checked nothing).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from gradwatch.tensorboard.events import EventFilesError, RunEvents, read_logdir
 EXIT_OK = 0
 EXIT_FAILURE_RECORDED = 1
 EXIT_BAD_INPUT = 2
+EXIT_NOTHING_CHECKED = 3
+"""A run whose every check was inconclusive: nothing failed, and nothing was checked either."""
 
 
 def _fmt(value: float, spec: str = ".3g") -> str:
@@ -167,6 +170,13 @@ def report(args: argparse.Namespace) -> int:
     if failed:
         print(f"result: FAIL, gradient failures recorded in {', '.join(failed)} (exit status {EXIT_FAILURE_RECORDED})")
         return EXIT_FAILURE_RECORDED
+    blind = [run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in run.checks)]
+    if blind:
+        print(
+            f"result: NOTHING CHECKED, every check of {', '.join(blind)} was inconclusive (exit status "
+            f"{EXIT_NOTHING_CHECKED})"
+        )
+        return EXIT_NOTHING_CHECKED
     print(f"result: ok, no gradient failure recorded (exit status {EXIT_OK})")
     return EXIT_OK
 

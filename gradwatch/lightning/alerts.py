@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Literal
 
+from gradwatch.engine.diagnosis import diagnose
 from gradwatch.engine.report import CheckReport, GradientCheckError
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,23 @@ class AlertPolicy:
             warnings.warn(message, GradientCheckWarning, stacklevel=2)
 
 
+BLIND_AFTER = 3
+"""Inconclusive checks in a row after which the run is warned that it checks nothing."""
+
+
 class Remarks:
-    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record, and a
-    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed."""
+    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record; a
+    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed, and the
+    first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy)."""
 
     def __init__(self) -> None:
         self._noted: set[str] = set()
         self._warned_unrestored = False
+        self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
+        self._warned_blind = False
 
     def hear(self, report: CheckReport) -> None:
+        self._watch_for_blindness(report)
         for note in report.notes:
             if note not in self._noted:  # a note that comes back at every check is said once
                 self._noted.add(note)
@@ -120,3 +129,21 @@ class Remarks:
                 GradientCheckWarning,
                 stacklevel=2,
             )
+
+    def _watch_for_blindness(self, report: CheckReport) -> None:
+        if report.verdict != "inconclusive":
+            self._inconclusive.clear()
+            return
+        self._inconclusive.append(report)
+        if len(self._inconclusive) < BLIND_AFTER or self._warned_blind:
+            return
+        self._warned_blind = True
+        diagnosis = diagnose(report)
+        assert diagnosis is not None
+        steps = ", ".join(str(r.step) for r in self._inconclusive)
+        message = (
+            f"gradwatch: the last {len(self._inconclusive)} checks (steps {steps}) were inconclusive, so the gradients "
+            f"are not being checked: {diagnosis.reason}. Remedy: {diagnosis.remedy}"
+        )
+        log.warning(message)
+        warnings.warn(message, GradientCheckWarning, stacklevel=3)

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
@@ -24,6 +23,11 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
 from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.lightning.distributed import agree, distributed
+from gradwatch.lightning.publishing import (
+    publish,
+    publish_dashboard,
+    show_in_progress_bar,
+)
 from gradwatch.lightning.schedule import Schedule
 from gradwatch.lightning.training_step import (
     NoLossToCheckError,
@@ -31,8 +35,6 @@ from gradwatch.lightning.training_step import (
     loggers_silenced,
     training_step_loss,
 )
-from gradwatch.tensorboard.dashboard import write_dashboard
-from gradwatch.tensorboard.writer import write_report
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,6 @@ is checked as it runs in training; one sample hides such bugs."""
 DEFAULT_MAX_OVERHEAD = 0.01
 """The budget of ``GradWatch()``: checks take at most this fraction of the training time, so that the default cadence
 holds on models whose check costs many training steps (a ResNet-18 on a CPU: about 8 steps per check)."""
-PROGRESS_BAR_KEY = "gradwatch"
 
 
 def _grad_scaler(trainer: pl.Trainer) -> Any:
@@ -95,6 +96,8 @@ class GradWatch(Callback):
             :mod:`gradwatch.engine.measuring.vectorized`). A loss that cannot be vectorised (a custom
             ``autograd.Function`` without a vmap rule, say) is evaluated point by point, and after the first such check
             the callback stops trying.
+        fail_on_imprecise: Fail a float32 gradient whose formula is right but whose rounding exceeds ``rtol`` (reason
+            ``"imprecise"``, ``ok`` by default); see :func:`gradwatch.check_gradients`.
         ignore: ``fnmatch`` patterns of parameter names not to check (e.g. straight-through estimators).
         tensor_probes: Tensors probed along their own gradient per check (in turn; all of them after a failure).
         random_probes: Tensors probed along a random direction per check (in turn).
@@ -125,6 +128,7 @@ class GradWatch(Callback):
         max_overhead: float | Literal["auto"] | None = "auto",
         precision: Precision = "auto",
         vectorize: bool = True,
+        fail_on_imprecise: bool = False,
         ignore: list[str] | tuple[str, ...] = (),
         tensor_probes: int = 6,
         random_probes: int = 1,
@@ -149,6 +153,7 @@ class GradWatch(Callback):
         self.precision = validate.check_choice("precision", precision, PRECISIONS)
         self.vectorize = validate.check_bool("vectorize", vectorize)
         self._vectorize = self.vectorize  # off once a check found the loss cannot be vectorised
+        self.fail_on_imprecise = validate.check_bool("fail_on_imprecise", fail_on_imprecise)
         self.ignore = validate.check_patterns("ignore", ignore)
         self.tensor_probes = validate.check_int("tensor_probes", tensor_probes, minimum=0)
         self.random_probes = validate.check_int("random_probes", random_probes, minimum=0)
@@ -243,8 +248,8 @@ class GradWatch(Callback):
         if report is None:
             return
         self._record(report)
-        self._log(trainer, report)
-        self._show_in_progress_bar(trainer, report)
+        publish(trainer, report, self.overhead)
+        show_in_progress_bar(trainer, report, self._failed_checks)
         if self._alerts.handle(report):
             trainer.should_stop = True
 
@@ -294,6 +299,7 @@ class GradWatch(Callback):
                     probe_batch_size=self._probe_samples,
                     precision=self.precision,
                     vectorize=self._vectorize,
+                    fail_on_imprecise=self.fail_on_imprecise,
                     ignore=self.ignore,
                     rtol=self.rtol,
                     seed=self.seed,
@@ -323,16 +329,6 @@ class GradWatch(Callback):
         self._failed_checks += report.verdict == "fail"
         self._remarks.hear(report)
         log.debug("gradwatch %s", report.summary())
-
-    def _log(self, trainer: pl.Trainer, report: CheckReport) -> None:
-        scalars = {**report.scalars(), "gradwatch/overhead": self.overhead}
-        metrics = {tag: value for tag, value in scalars.items() if value == value}  # drop NaN
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-                write_report(logger.experiment, report, trainer.global_step)
-                if report.verdict == "fail":
-                    logger.experiment.flush()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -374,25 +370,4 @@ class GradWatch(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    write_dashboard(logger.experiment)
-
-    def _show_in_progress_bar(self, trainer: pl.Trainer, report: CheckReport) -> None:
-        """Show the last verdict among the progress bar's metrics, e.g. ``gradwatch=fail@1``."""
-        if trainer.progress_bar_callback is None or not trainer.is_global_zero:
-            return
-        # Progress bars show every entry of this dict, strings included; self.log(prog_bar=True) takes numbers only.
-        # Lightning updates the dict in place and clears it only when a fit or its sanity check starts.
-        metrics: dict[str, Any] = trainer.progress_bar_metrics
-        metrics[PROGRESS_BAR_KEY] = progress_status(report, self._failed_checks)
-
-
-def progress_status(report: CheckReport, failed_checks: int) -> str:
-    """A short status for the progress bar: the last verdict and its step, plus the failed checks so far when the last
-    one did not fail (``"ok@500 (2 failed)"``)."""
-    status = f"{report.verdict}@{report.step}"
-    if failed_checks and report.verdict != "fail":
-        status += f" ({failed_checks} failed)"
-    return status
+        publish_dashboard(trainer)

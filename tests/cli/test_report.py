@@ -150,3 +150,15 @@ def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["demo", "--bug", "nonsense"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'nonsense'" in capsys.readouterr().err
+
+
+def test_a_run_whose_every_check_was_inconclusive_exits_3(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "blind"))
+    for step in (1, 500, 1000):
+        writer.add_scalar("gradwatch/verdict", 1.0, step)  # inconclusive
+    writer.close()
+    code, out, _ = _run(["report", str(tmp_path)])
+    assert code == report_command.EXIT_NOTHING_CHECKED == 3
+    assert "result: NOTHING CHECKED, every check of blind was inconclusive (exit status 3)" in out

@@ -64,3 +64,39 @@ def test_check_errors_are_rate_limited_separately() -> None:
             policy.check_error(3, RuntimeError("oops"))
     assert [w.category for w in warned] == [GradientCheckWarning] * 3  # errors number 1, 2 and 4
     assert policy.failures.count == 0
+
+
+def _inconclusive(step: int) -> CheckReport:
+    probe = Probe("tensor", "w", None, 1.0, 1.0, 0.0, "inconclusive", 0.0, 1e-3, "flat")
+    return CheckReport(step=step, verdict="inconclusive", probes=[probe], loss=1.0, n_forward=1, n_backward=1,
+                       duration_s=0.0)  # fmt: skip
+
+
+def test_three_inconclusive_checks_in_a_row_warn_once_with_the_reason_and_the_remedy() -> None:
+    from gradwatch.lightning.alerts import Remarks
+
+    remarks = Remarks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remarks.hear(_inconclusive(1))
+        remarks.hear(_inconclusive(2))
+        assert caught == []
+        remarks.hear(_inconclusive(3))
+        remarks.hear(_inconclusive(4))
+    (warning,) = [w for w in caught if issubclass(w.category, GradientCheckWarning)]
+    message = str(warning.message)
+    assert "the last 3 checks (steps 1, 2, 3) were inconclusive" in message
+    assert "lower precision" in message
+    assert "precision='native'" in message
+
+
+def test_a_conclusive_check_resets_the_count() -> None:
+    from gradwatch.lightning.alerts import Remarks
+
+    remarks = Remarks()
+    ok = CheckReport(step=3, verdict="ok", probes=[], loss=1.0, n_forward=1, n_backward=1, duration_s=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for report in (_inconclusive(1), _inconclusive(2), ok, _inconclusive(4), _inconclusive(5)):
+            remarks.hear(report)
+    assert caught == []

@@ -29,7 +29,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
 from gradwatch.lightning import callback as callback_module
-from gradwatch.lightning.callback import progress_status
+from gradwatch.lightning.publishing import progress_status
 
 SCALAR_TAGS = {
     "gradwatch/rel_error_max",

@@ -63,7 +63,8 @@ class ProbeTask:
         """The finished probe, as reported."""
         result = self.result
         assert result is not None
-        missing = self.missing and result.verdict == "fail"
+        # autograd gave no gradient, or exactly zero, where the loss moves: a missing gradient path
+        missing = result.verdict == "fail" and (self.missing or self.direction.analytic == 0.0)
         return Probe(
             kind=self.kind,
             target=self.target,

@@ -1,0 +1,81 @@
+"""Why a check was inconclusive, in words, and what to do about it.
+
+A run whose checks keep ending inconclusive checks nothing; the callback warns once when that happens
+(:class:`~gradwatch.lightning.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
+that cannot be reproduced, or is too close to zero to check) and the reasons of its inconclusive probes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+from gradwatch.engine.report import CheckReport
+
+
+class Diagnosis(NamedTuple):
+    """Why a check could not decide, and the remedy."""
+
+    reason: str
+    remedy: str
+
+
+_BY_NOTE = (
+    (
+        "not reproducible",
+        Diagnosis(
+            "the loss is not the same function at every evaluation: it draws randomness gradwatch cannot replay (a "
+            "private torch.Generator)",
+            "draw from torch's global generator, or pass GradWatch(loss_fn=...) a loss without that randomness",
+        ),
+    ),
+    (
+        "so close to zero",
+        Diagnosis(
+            "the loss is so close to zero that the rounding of its gradient alone may exceed any error",
+            "check on data the model has not memorised, or train in float64",
+        ),
+    ),
+)
+
+_BY_REASON = {
+    "flat": Diagnosis(
+        "the loss did not change at the probes' steps: it is computed in a lower precision than the probes move the "
+        "parameters (a cast to float32 inside the loss, or a saturated loss)",
+        "GradWatch(precision='native') probes in the model's own dtype",
+    ),
+    "kink": Diagnosis(
+        "the checked points sit on kinks of the loss (ReLU, max-pool, clamp, piecewise-constant ops)",
+        "later checks land on other points; a model made mostly of such operations is checked more surely in float64 "
+        "(precision='float64') or with more probes per check",
+    ),
+    "tie": Diagnosis(
+        "the checked points sit on ties of the loss (max-pool or ReLU at equal values, grid_sample on the grid)",
+        "later checks land on other points; data with exactly constant regions ties at every check",
+    ),
+    "unresolved": Diagnosis(
+        "round-off hides what the probes measure",
+        "GradWatch(precision='float64') probes in float64",
+    ),
+    "unstable": Diagnosis(
+        "the probes' discrepancies did not reproduce from one step to the next (kinks near the point, or a loss that "
+        "varies between evaluations)",
+        "make the loss deterministic (no non-deterministic kernels during checks)",
+    ),
+    "nonfinite": Diagnosis("the loss is not finite near the checked points", "look for overflow in the loss"),
+}
+
+
+def diagnose(report: CheckReport) -> Diagnosis | None:
+    """Why ``report`` is inconclusive and what to do; ``None`` for a conclusive report."""
+    if report.verdict != "inconclusive":
+        return None
+    for fragment, diagnosis in _BY_NOTE:
+        if any(fragment in note for note in report.notes):
+            return diagnosis
+    reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
+    for reason, _ in reasons.most_common():
+        if reason in _BY_REASON:
+            return _BY_REASON[reason]
+    first_note = report.notes[0] if report.notes else "no probe could be made"
+    return Diagnosis(first_note, "see the report's notes")
