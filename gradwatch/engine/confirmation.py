@@ -47,6 +47,15 @@ random direction. Far beyond the probes' steps (about 6e-6 of the same scale in 
 second point cross none of the kinks the shift moved them away from; near enough that the gradient there is the same
 code on almost the same values."""
 
+MOVED_LOSS = 0.2
+"""The most the shift may move the loss, relative to it: a point that far is no longer "a little shifted" (a float
+label compared with ``==``, say, now matches nothing), and a failure is left standing on its confirmations at the
+point rather than judged there."""
+
+VANISHED = 0.01
+"""A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
+the first point's discrepancy: the failure stands."""
+
 LadderFactory = Callable[[Measurements, float], Ladder]
 """Makes the check's ladder around the measurements (and the reference loss) of another point."""
 
@@ -70,6 +79,7 @@ def confirm_at_a_shifted_point(
     failing = [task for task in tasks if task.failed and task.result is not None and task.result.reason != "imprecise"]
     if not failing:
         return
+    original_loss = portfolio.reference.loss
     params = [p for _, p in evaluator.params]
     saved = [p.detach().clone() for p in params]
     generator = torch.Generator().manual_seed(random.Random(f"gradwatch-shift:{seed}").getrandbits(63))
@@ -83,7 +93,10 @@ def confirm_at_a_shifted_point(
             inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
         with evaluator.moved_inputs(inputs):
             reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
-            if math.isfinite(reference.loss):
+            moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)
+            if moved > MOVED_LOSS:
+                problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
+            elif math.isfinite(reference.loss):
                 replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode)
     except RestoreError:
         raise
@@ -152,6 +165,8 @@ def _judge_elsewhere(task: ProbeTask, replica: ProbeTask) -> None:
                 second,
             )
         return
+    if abs(replica.direction.analytic) < VANISHED * abs(task.direction.analytic):
+        return  # the derivative vanished at the shifted point: no evidence either way
     reason = "tie" if second.verdict == "ok" else "unstable"
     task.result = Assessment(first.numeric, first.discrepancy, first.noise, first.scale, "inconclusive", reason)
 

@@ -61,9 +61,13 @@ from rounding and makes no probe."""
 
 def gradient_tolerance(rtol: float, loss: float, dtype: torch.dtype) -> float:
     """``rtol``, raised to what autograd's rounding in ``dtype`` allows for a loss of this size (see
-    :data:`ANALYTIC_ROUNDING`); infinite for a zero loss."""
+    :data:`ANALYTIC_ROUNDING`).
+
+    A loss of exactly zero is not the memorised sample's ``1 - p``: where ``p`` rounds to 1 its gradient rounds to
+    exactly zero too, and an empty batch or a loss crossing zero has a gradient as precise as any other; ``rtol``.
+    """
     if loss == 0.0:
-        return math.inf
+        return rtol
     return max(rtol, ANALYTIC_ROUNDING * machine_epsilon(dtype) / abs(loss))
 
 

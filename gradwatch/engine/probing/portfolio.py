@@ -106,6 +106,11 @@ class Portfolio:
         # instead of 0 in float32) does not read as a 100% error once float64 measures the zero exactly.
         # The round-off is autograd's, so the fraction follows the gradient's dtype, not that of the probes' storage.
         self.negligible = machine_epsilon(native_dtype) ** (1 / 3)
+        # A derivative along a unit direction that would move the loss by less than that fraction of itself over the
+        # parameters' own size is zero for all a gradient's rounding can tell: when the whole gradient is that small
+        # (an exactly constant output, computed as 7e-8 by float32 autograd), it is judged against this, not itself.
+        size = self.param_scale * math.sqrt(sum(p.numel() for _, p in self.params)) or 1.0
+        self.loss_floor = self.negligible * abs(reference.loss) / size
         self.rng = generator(settings.seed, settings.step)
 
     # ---- what a check makes ---------------------------------------------------------------------------------------
@@ -203,7 +208,7 @@ class Portfolio:
         dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
         step = self._relative_step(dtype) * math.sqrt(weighted)
         moves = tuple(range(len(self.params)))
-        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=0.0, moves=moves)
+        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=self.loss_floor, moves=moves)
 
     def _random_anchor(self) -> ProbeTask | None:
         """A random unit direction over every parameter, for a gradient that is exactly zero."""
@@ -216,10 +221,7 @@ class Portfolio:
         direction = VectorDirection([p for _, p in self.params], components, self.grads, 1.0 / size)
         dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
         step = self._relative_step(dtype) * (self.param_scale or 1.0)
-        # a derivative that would move the loss by less than this fraction of itself over the parameters' own size is
-        # zero for all the gradient's rounding can tell
-        parameters = self.param_scale * math.sqrt(sum(p.numel() for _, p in self.params)) or 1.0
-        floor = self.negligible * abs(self.reference.loss) / parameters
+        floor = self.loss_floor
         moves = tuple(range(len(self.params)))
         return ProbeTask("random", DESCENT_TARGET, None, direction, step, scale_floor=floor, missing=True, moves=moves)
 
@@ -244,7 +246,7 @@ class Portfolio:
             return None
         direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
         step = self._relative_step(param.dtype) * self._tensor_scale(i)
-        floor = self.negligible * self.grad_norm
+        floor = max(self.negligible * self.grad_norm, self.loss_floor)
         return ProbeTask("tensor", name, None, direction, step, scale_floor=floor, tensor=i, moves=(i,))
 
     def _random_probe(self, i: int) -> ProbeTask:
