@@ -348,7 +348,14 @@ def _confirm_failures(
         confirm_precision(model, evaluator, portfolio, tasks, plan.native_dtype, plan.fail_on_imprecise)
     step = plan.portfolio
     confirm_at_a_shifted_point(
-        model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), mode, f"{step.seed}:{step.step}"
+        model,
+        evaluator,
+        portfolio,
+        tasks,
+        lambda m, loss: _ladder(plan, m, loss),
+        mode,
+        f"{step.seed}:{step.step}",
+        vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable(),
     )
 
 

@@ -68,6 +68,7 @@ def confirm_at_a_shifted_point(
     ladder: LadderFactory,
     mode: str,
     seed: str,
+    vectorize: bool = False,
 ) -> None:
     """Measure every failing task again at a shifted point (see the module doc); a failure that does not reproduce
     becomes inconclusive (``"tie"`` where the probe agrees there, ``"unstable"`` where it cannot tell).
@@ -97,7 +98,9 @@ def confirm_at_a_shifted_point(
             if moved > MOVED_LOSS:
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
             elif math.isfinite(reference.loss):
-                replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode)
+                replicas = _measured_replicas(
+                    model, evaluator, portfolio, reference, failing, ladder, mode, vectorize
+                )
     except RestoreError:
         raise
     except Exception as error:
@@ -130,6 +133,7 @@ def _measured_replicas(
     failing: Sequence[ProbeTask],
     ladder: LadderFactory,
     mode: str,
+    vectorize: bool,
 ) -> list[ProbeTask] | None:
     """Each failing task, measured again at the evaluator's (shifted) point, around its own centre; ``None`` when
     that point's loss cannot be reproduced."""
@@ -139,12 +143,12 @@ def _measured_replicas(
         reproduced = reproduced_center(evaluator, reference, trial, native_dtype, compute_dtype)
         if reproduced is None:
             return None
-        measuring = ladder(Measurements(evaluator, *reproduced), reference.loss)
-        replicas = []
-        for task in failing:
-            replica = portfolio.replica(task, evaluator, reference)
-            measuring.measure_fully(replica)
-            replicas.append(replica)
+        measurements = Measurements(evaluator, *reproduced)
+        if vectorize:
+            measurements.start_vectorizing()
+        measuring = ladder(measurements, reference.loss)
+        replicas = [portfolio.replica(task, evaluator, reference) for task in failing]
+        measuring.measure_fully(replicas)
     measuring.remeasure_in_float64(replicas)
     return replicas
 

@@ -123,11 +123,13 @@ class Ladder:
             loss_noise=self.loss_noise + self.measurements.jitter,
         )
 
-    def measure_fully(self, task: ProbeTask) -> None:
-        """Measure the task with a full stencil from the start (and on up the ladder): for a probe whose screen would
-        borrow a noise estimate the check does not have (the same probe at another point)."""
-        self._prefetch([(task, FULL_OFFSETS)])
-        self._full(task)
+    def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
+        """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead and together
+        where points are vectorised: for probes whose screens would borrow a noise estimate the check does not have
+        (the same probes at another point)."""
+        self._prefetch([(task, FULL_OFFSETS) for task in tasks])
+        for task in tasks:
+            self._full(task)
 
     def _full(self, task: ProbeTask) -> None:
         """Complete the task's stencil (reusing a screen's ``±h``) and judge it; a failure must be confirmed by an
