@@ -17,6 +17,7 @@ Run: ``python benchmarks/overhead.py`` (about 10 minutes on 2 CPU cores), ``pyth
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import inspect
 import statistics
@@ -402,6 +403,44 @@ def defaults_table() -> None:
         )
 
 
+def check_cost_table(checks: int) -> None:
+    """One healthy check of each model of :data:`REALISTIC` at GradWatch's settings, for a probe batch of one sample
+    and of the default (two): loss evaluations, forward passes and the median time, against one training step."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(GradWatch).parameters.items()
+        if name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "precision", "vectorize")
+    }
+    default_samples = inspect.signature(GradWatch).parameters["probe_batch_size"].default
+    print("| model | probe samples | verdicts | loss evaluations | forward passes | check (median) | training step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (setup, _) in REALISTIC.items():
+        build, loss, loader = setup(4)
+        torch.manual_seed(0)
+        net = build()
+        batch = next(iter(loader))
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        steps = []
+        for _ in range(6):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            loss(net, batch).backward()
+            optimizer.step()
+            steps.append(time.perf_counter() - started)
+        for samples in dict.fromkeys((1, default_samples)):
+            reports = [
+                check_gradients(net, batch, loss, step=step, probe_batch_size=samples, **defaults)
+                for step in range(checks + 1)
+            ][1:]  # the first pays for one-time set-up
+            verdicts = ", ".join(f"{n} {v}" for v, n in sorted(collections.Counter(r.verdict for r in reports).items()))
+            print(
+                f"| {name} | {samples} | {verdicts} | {statistics.median(r.n_forward for r in reports):.0f} | "
+                f"{statistics.median(r.n_passes for r in reports):.0f} | "
+                f"{1e3 * statistics.median(r.duration_s for r in reports):.1f} ms | "
+                f"{1e3 * statistics.median(steps[2:]):.1f} ms |"
+            )
+
+
 def scale(steps: int) -> None:
     defaults = {
         name: p.default
@@ -436,6 +475,7 @@ def main() -> None:
     parser.add_argument(
         "--defaults", action="store_true", help="only GradWatch() at its defaults, on the realistic models as well"
     )
+    parser.add_argument("--check-cost", action="store_true", help="only one healthy check's cost on each model")
     parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
     parser.add_argument("--steps", type=int, default=256, help="training steps per run")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the table's runs train")
@@ -448,6 +488,8 @@ def main() -> None:
         scale(3)
     elif args.defaults:
         defaults_table()
+    elif args.check_cost:
+        check_cost_table(12)
     else:
         overhead_table(args.repeats, args.steps)
         print()
