@@ -37,6 +37,7 @@ from gradwatch.engine.function.conditions import autocast_disabled, probe_condit
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.precision import PRECISIONS, Precision, probe_precision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
@@ -159,10 +160,14 @@ def check_gradients(
     validate.check_bool("fail_on_imprecise", fail_on_imprecise)
 
     started = time.perf_counter()
+    surrogates = find_stock_surrogates(model)
     params: list[tuple[str, Tensor]] = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad and p.is_floating_point() and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+        if p.requires_grad
+        and p.is_floating_point()
+        and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+        and name not in surrogates.unprobed
     ]
     unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
     if unknown:
@@ -180,6 +185,7 @@ def check_gradients(
             step=step,
             rotation=step if rotation is None else rotation,
             focus=focus,
+            exempt={name: mask for name, mask in surrogates.exempt.items() if name in dict(params)},
         ),
         rtol=rtol if rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
@@ -190,10 +196,12 @@ def check_gradients(
     state = TrainingState.capture(model)
     with warnings_withheld() as withheld:
         try:
-            outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
+            with as_autograd_sees_them(surrogates):
+                outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
         finally:
             state.restore()
     evaluator = outcome.evaluator
+    evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
             f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: {withheld[0]}"
@@ -209,7 +217,7 @@ def check_gradients(
         n_backward=evaluator.n_backward,
         n_passes=evaluator.n_passes,
         duration_s=time.perf_counter() - started,
-        notes=list(evaluator.notes),
+        notes=list(dict.fromkeys(evaluator.notes)),
         samples=batch_size(outcome.probe_batch),
         precision=outcome.precision,
         vectorized=outcome.vectorized,

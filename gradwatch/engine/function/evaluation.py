@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
@@ -150,6 +151,10 @@ class LossEvaluator:
         self._reductions_verified = False
         self._float64_inputs = False
         self._grad_mode_evaluations = False
+        self.native_dtype = max((p.dtype for _, p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
+        """The dtype the model trains in (the least precise of its checked parameters)."""
+        self._fidelity: Float64Fidelity | None = Float64Fidelity(self.native_dtype)
+        self._fidelity_settled = False
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
 
@@ -172,9 +177,27 @@ class LossEvaluator:
         self.state.replay_rng()
         self.n_passes += 1
         self.n_forward += 1
-        with torch.set_grad_enabled(grad):
+        fidelity = self._fidelity if self._float64_inputs else None
+        with torch.set_grad_enabled(grad), fidelity or contextlib.nullcontext():
             yield
         self.n_forward += points - 1
+        if fidelity is not None and not self._fidelity_settled:
+            self._settle_fidelity(fidelity)
+
+    def _settle_fidelity(self, fidelity: Float64Fidelity) -> None:
+        """After the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
+        otherwise (it would only cost its dispatch)."""
+        self._fidelity_settled = True
+        if not fidelity.acted:
+            self._fidelity = None
+            return
+        native = str(self.native_dtype).removeprefix("torch.")
+        kept = {
+            "casts": "its casts to a lower precision were kept at float64",
+            "random draws": f"its random draws were made in {native}, as training makes them, and cast",
+        }
+        changes = " and ".join(kept[what] for what in sorted(fidelity.acted))
+        self.notes.append(f"float64 probes evaluate the model's own function: {changes}")
 
     def reference(self, with_inputs: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.

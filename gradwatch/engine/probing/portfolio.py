@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from gradwatch.engine.function.batch import ROOT
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
@@ -53,6 +54,8 @@ class PortfolioSettings:
         step: The training step, which with ``seed`` draws coordinates and directions.
         rotation: Which window of tensors the probes cover.
         focus: Parameters probed along their gradient in this check besides the tensors whose turn it is.
+        exempt: Coordinates not to probe, by parameter name (a boolean mask): those whose gradient is zero by design
+            (an embedding's padding row).
     """
 
     tensor_probes: int
@@ -63,6 +66,7 @@ class PortfolioSettings:
     step: int
     rotation: int
     focus: tuple[str, ...]
+    exempt: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
 
 class Portfolio:
@@ -112,6 +116,7 @@ class Portfolio:
         size = self.param_scale * math.sqrt(sum(p.numel() for _, p in self.params)) or 1.0
         self.loss_floor = self.negligible * abs(reference.loss) / size
         self.rng = generator(settings.seed, settings.step)
+        self.exempt = {i: settings.exempt[name] for i, (name, _) in enumerate(self.params) if name in settings.exempt}
 
     # ---- what a check makes ---------------------------------------------------------------------------------------
 
@@ -216,6 +221,8 @@ class Portfolio:
             return None
         generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
         vectors = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for _, p in self.params]
+        for i, mask in self.exempt.items():
+            vectors[i][mask.cpu()] = 0.0
         size = math.sqrt(sum(float(v.square().sum()) for v in vectors)) or 1.0
         components = [v.to(device=p.device, dtype=p.dtype) for v, (_, p) in zip(vectors, self.params, strict=True)]
         direction = VectorDirection([p for _, p in self.params], components, self.grads, 1.0 / size)
@@ -254,6 +261,8 @@ class Portfolio:
         grad = self.grads[i]
         generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
         vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+        if i in self.exempt:
+            vector[self.exempt[i].cpu()] = 0.0
         vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
         direction = VectorDirection([param], [vector], [grad])
         step = self._relative_step(param.dtype) * self._tensor_scale(i)
@@ -268,6 +277,12 @@ class Portfolio:
         name, param = self.params[tensor]
         if index is None:
             index = _random_index(param.shape, self.rng)
+        for _ in range(8):  # a coordinate whose gradient is zero by design says nothing: another one
+            if tensor not in self.exempt or not bool(self.exempt[tensor][index]):
+                break
+            index = _random_index(param.shape, self.rng)
+        else:
+            return None
         grad = self.grads[tensor]
         direction = CoordinateDirection(param, index, grad[index].item())
         value = direction.value.abs().item()

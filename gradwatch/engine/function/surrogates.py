@@ -1,0 +1,93 @@
+"""Stock layers whose gradient is deliberately not the derivative of their forward, checked on the function autograd
+differentiates.
+
+* ``spectral_norm`` (``torch.nn.utils.parametrizations.spectral_norm`` and the older ``torch.nn.utils.spectral_norm``)
+  in training mode runs a power-iteration step inside forward and treats its vectors ``u``, ``v`` as constants: the
+  gradient is that of ``W / (uᵀWv)`` at fixed ``u``, ``v``, not of the forward, whose vectors move with ``W``. During a
+  check they run as in evaluation mode: no iteration, the vectors as the check found them, constants to autograd and
+  to the finite differences alike.
+* ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``padding_idx``: the padding row is used by forward but gets a zero
+  gradient by design. Its coordinates are not probed (:attr:`StockSurrogates.exempt`).
+* ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
+  design; the weight is not probed.
+
+:func:`find_stock_surrogates` says what a model has, with the note a report gives once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class StockSurrogates:
+    """What of a model is checked as autograd differentiates it rather than as its forward computes it.
+
+    Attributes:
+        power_iterations: The modules whose spectral norm runs without power iteration during a check.
+        exempt: For parameters some of whose coordinates get a zero gradient by design, by parameter name, a boolean
+            mask of those coordinates (the padding row of an embedding).
+        unprobed: Parameters whose whole gradient is deliberately not the derivative (by name, with why).
+    """
+
+    power_iterations: list[nn.Module] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    exempt: dict[str, Tensor] = field(default_factory=dict)
+    unprobed: dict[str, str] = field(default_factory=dict)
+
+    def notes(self) -> list[str]:
+        """What a report says of them."""
+        notes = []
+        if self.names:
+            notes.append(
+                f"spectral norm of {', '.join(self.names)} checked as autograd differentiates it: its power-iteration "
+                "vectors held constant (no iteration) during the check"
+            )
+        for name, mask in self.exempt.items():
+            rows = sorted({int(i) for i in mask.nonzero()[:, 0].tolist()})
+            notes.append(f"padding row {', '.join(map(str, rows))} of {name} not probed: it gets no gradient by design")
+        notes += [f"{name} not probed: {why}" for name, why in self.unprobed.items()]
+        return notes
+
+
+def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
+    """The stock surrogate-gradient layers of ``model`` (see the module doc)."""
+    found = StockSurrogates()
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if type(module).__name__ == "_SpectralNorm" and module.training:
+            found.power_iterations.append(module)
+            found.names.append(name.removesuffix(".parametrizations.weight.0").removesuffix(".0") or "the model")
+        hooks = module._forward_pre_hooks.values()
+        if module.training and any(type(hook).__name__ == "SpectralNorm" for hook in hooks):
+            found.power_iterations.append(module)
+            found.names.append(name or "the model")
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            weight_name = f"{prefix}weight"
+            if getattr(module, "scale_grad_by_freq", False):
+                found.unprobed[weight_name] = (
+                    "scale_grad_by_freq=True divides each row's gradient by its count in the batch, by design"
+                )
+            elif module.padding_idx is not None:
+                mask = torch.zeros_like(module.weight, dtype=torch.bool)
+                mask[module.padding_idx] = True
+                found.exempt[weight_name] = mask
+    return found
+
+
+@contextlib.contextmanager
+def as_autograd_sees_them(found: StockSurrogates) -> Iterator[None]:
+    """Run the spectral norms of ``found`` without power iteration for the duration, then put their modes back."""
+    modes = [(module, module.training) for module in found.power_iterations]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
