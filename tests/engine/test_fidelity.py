@@ -92,7 +92,8 @@ def _lm_loss(model: nn.Module, batch: Tensor) -> Tensor:
 def test_a_loss_cast_to_float32_is_probed_in_float64() -> None:
     batch = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(1))
     report = check_gradients(CastingHead(), batch, _lm_loss)
-    assert report.verdict == "ok" and report.count("inconclusive") == 0, report.summary()
+    assert report.verdict == "ok", report.summary()
+    assert report.count("inconclusive") == 0, report.summary()
     assert any("casts to a lower precision were kept at float64" in note for note in report.notes)
 
 
@@ -132,12 +133,14 @@ def _vae_loss(model: nn.Module, x: Tensor) -> Tensor:
 def test_a_vae_drawing_randn_like_is_conclusive_and_a_decoder_bug_is_caught() -> None:
     x = torch.randn(16, 12, generator=torch.Generator().manual_seed(3))
     healthy = check_gradients(VAE(), x, _vae_loss)
-    assert healthy.verdict == "ok" and healthy.count("inconclusive") == 0, healthy.summary()
+    assert healthy.verdict == "ok", healthy.summary()
+    assert healthy.count("inconclusive") == 0, healthy.summary()
     assert any("random draws were made in float32" in note for note in healthy.notes)
     buggy = check_gradients(VAE(decoder_bug=1.02), x, _vae_loss)
     assert buggy.verdict == "fail", buggy.summary()
     failing = {p.target for p in buggy.failures}
-    assert "encoder.weight" in failing and not any(t.startswith("decoder.") for t in failing), str(buggy)
+    assert "encoder.weight" in failing, str(buggy)
+    assert not any(t.startswith("decoder.") for t in failing), str(buggy)
 
 
 def test_a_latent_drawn_in_the_input_dtype_is_the_training_latent() -> None:
@@ -149,7 +152,8 @@ def test_a_latent_drawn_in_the_input_dtype_is_the_training_latent() -> None:
         return (model(latent) - x).square().mean()
 
     report = check_gradients(generator_net, torch.randn(8, 8), loss)
-    assert report.verdict == "ok" and report.count("inconclusive") == 0, report.summary()
+    assert report.verdict == "ok", report.summary()
+    assert report.count("inconclusive") == 0, report.summary()
 
 
 def test_a_model_that_needs_nothing_keeps_no_fidelity_note() -> None:
