@@ -98,9 +98,7 @@ def confirm_at_a_shifted_point(
             if moved > MOVED_LOSS:
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
             elif math.isfinite(reference.loss):
-                replicas = _measured_replicas(
-                    model, evaluator, portfolio, reference, failing, ladder, mode, vectorize
-                )
+                replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode, vectorize)
     except RestoreError:
         raise
     except Exception as error:
