@@ -86,6 +86,7 @@ def assert_gradients_ok(
         raise AssertionError(
             f"gradients disagree with the loss: {len(failures)} of {len(report.probes)} probes failed "
             f"(descent ratio {report.descent_ratio:.6g}, 1 for a correct gradient)\n{probe_table(failures)}"
+            + "".join(f"\n{finding}" for finding in report.surrogates)
         )
     if report.verdict == "inconclusive" and not allow_inconclusive:
         notes = "".join(f"\nnote: {note}" for note in report.notes)

@@ -20,9 +20,9 @@ Whatever happens, the model's parameters, buffers, ``.grad``, random states and 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,26 +31,23 @@ from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.compiled import compiled_parts, compiled_probes
-from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
-from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
-from gradwatch.engine.function.precision import PRECISIONS, Precision, probe_precision, resolve_precision
+from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.precision import PRECISIONS, Precision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
-from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
     gradient_tolerance,
-    machine_epsilon,
     relative_tolerance,
 )
-from gradwatch.engine.probing.ladder import Ladder
-from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
-from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, reproduced_center
+from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
+from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
 from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
+from gradwatch.engine.selection import checked_parameters, unmatched_patterns
 
 __all__ = ["check_gradients"]
 
@@ -161,21 +158,16 @@ def check_gradients(
 
     started = time.perf_counter()
     surrogates = find_stock_surrogates(model)
-    params: list[tuple[str, Tensor]] = [
-        (name, p)
-        for name, p in model.named_parameters()
-        if p.requires_grad
-        and p.is_floating_point()
-        and not any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
-        and name not in surrogates.unprobed
-    ]
+    params = checked_parameters(model, ignore, surrogates.unprobed)
+    for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
+        warnings.warn(message, UserWarning, stacklevel=2)
     unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
     if unknown:
         raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
-    dtype = _least_precise([p.dtype for _, p in params])
+    dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
-    plan = _Plan(
+    plan = ProbePlan(
         portfolio=PortfolioSettings(
             tensor_probes=tensor_probes,
             random_probes=random_probes,
@@ -224,6 +216,7 @@ def check_gradients(
         rtol=outcome.rtol,
         side_effects=tuple(state.sandbox.changed),
         unrestored=tuple(unrestored),
+        surrogates=outcome.surrogates,
     )
 
 
@@ -238,6 +231,7 @@ class _Outcome:
     precision: str
     vectorized: bool | None
     rtol: float
+    surrogates: tuple[str, ...]
 
 
 def _run(
@@ -246,7 +240,7 @@ def _run(
     loss_fn: LossFn,
     params: list[tuple[str, Tensor]],
     state: TrainingState,
-    plan: _Plan,
+    plan: ProbePlan,
     mode: str,
     probe_batch_size: int | None,
     float64_reductions: bool,
@@ -255,6 +249,7 @@ def _run(
     its compiled gradient with eager autograd's; the caller restores the state."""
     notes: list[str] = []
     used_precision, vectorized = "native", None
+    surrogates: tuple[str, ...] = ()
     with probe_conditions():
         evaluator, reference, probe_batch = reference_on_a_slice(
             model, batch, loss_fn, params, state, probe_batch_size, plan.portfolio.input_probes > 0,
@@ -275,100 +270,13 @@ def _run(
                 f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
             )
         elif not probes:
-            with probe_precision(model, evaluator, mode) as (used_precision, trial):
-                tasks, portfolio, vectorized = _probe(evaluator, reference, grad_norms, trial, plan)
-            if portfolio is not None and any(task.failed for task in tasks):
-                _confirm_failures(model, evaluator, tasks, portfolio, plan, used_precision)
-            probes = [task.probe() for task in tasks]
+            measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
+            probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
+            surrogates = measured.surrogates
     if compiled_parts(model) and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
-    return _Outcome(evaluator, reference.loss, probe_batch, probes, used_precision, vectorized, plan.rtol)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What the probes of a check are asked to do: the portfolio's sizes and turn, and how they are judged."""
-
-    portfolio: PortfolioSettings
-    rtol: float
-    native_dtype: torch.dtype
-    float64_refinement: bool
-    vectorize: bool
-    fail_on_imprecise: bool
-
-
-def _ladder(plan: _Plan, measurements: Measurements, reference_loss: float) -> Ladder:
-    return Ladder(
-        measurements,
-        rtol=plan.rtol,
-        native_dtype=plan.native_dtype,
-        reference_loss=reference_loss,
-        float64_refinement=plan.float64_refinement,
-    )
-
-
-def _probe(
-    evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: _Plan
-) -> tuple[list[ProbeTask], Portfolio | None, bool | None]:
-    """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
-    replacements of coordinates that crossed a kink. Returns the probes, their portfolio and whether points were
-    vectorised."""
-    compute_dtype = _least_precise([p.dtype for _, p in evaluator.params])
-    reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
-    if reproduced is None:
-        return [], None, None
-    measurements = Measurements(evaluator, *reproduced)
-    portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype)
-    ladder = _ladder(plan, measurements, reference.loss)
-    anchor = portfolio.anchor()
-    if anchor is None:
-        evaluator.notes.append("no probe made: the model has no parameter to check and no input with a gradient")
-        return [], None, None
-    screens = portfolio.screens(input_direction=anchor.kind != "input")
-    unrestorable = evaluator.state.sandbox.unrestorable()
-    if plan.vectorize and unrestorable:
-        # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
-        evaluator.notes.append(f"points evaluated one by one: the loss changes {unrestorable[0]} in place")
-    elif plan.vectorize:
-        measurements.start_vectorizing()
-    ladder.first_round(anchor, screens)
-    done = [anchor, *screens]
-    ladder.remeasure_in_float64(done)
-    if any(task.failed for task in done):
-        extra = portfolio.localization(done)
-        ladder.screen_and_escalate(extra)
-        ladder.remeasure_in_float64(extra)
-        done += extra
-    replacements = portfolio.replacements(done)
-    ladder.screen_and_escalate(replacements)
-    done += replacements
-    return done, portfolio, measurements.vectorized_outcome
-
-
-def _confirm_failures(
-    model: nn.Module, evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: _Plan, mode: str
-) -> None:
-    """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
-    only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
-    :mod:`gradwatch.engine.confirmation`."""
-    if mode == "float64":
-        confirm_precision(model, evaluator, portfolio, tasks, plan.native_dtype, plan.fail_on_imprecise)
-    step = plan.portfolio
-    confirm_at_a_shifted_point(
-        model,
-        evaluator,
-        portfolio,
-        tasks,
-        lambda m, loss: _ladder(plan, m, loss),
-        mode,
-        f"{step.seed}:{step.step}",
-        vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable(),
-    )
-
-
-def _least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    return max(dtypes, key=machine_epsilon, default=torch.float32)
+    return _Outcome(evaluator, reference.loss, probe_batch, probes, used_precision, vectorized, plan.rtol, surrogates)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:

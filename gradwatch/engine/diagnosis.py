@@ -62,6 +62,10 @@ _BY_REASON = {
         "varies between evaluations)",
         "make the loss deterministic (no non-deterministic kernels during checks)",
     ),
+    "surrogate": Diagnosis(
+        "the loss is piecewise constant in tensors whose gradient is a straight-through estimator",
+        "exempt them with ignore= (the report's surrogates give the pattern)",
+    ),
     "nonfinite": Diagnosis("the loss is not finite near the checked points", "look for overflow in the loss"),
 }
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.sandbox import RestoreError
@@ -79,6 +80,10 @@ def reproduced_center(
     """The loss at the unperturbed point in the probes' precision (``center``, if already evaluated, else NaN) and the
     jitter between two evaluations of it; ``None``, with a note, if it is not the reference loss.
 
+    Raises:
+        UnfaithfulFloat64Error: The probes evaluate in float64 a model that trains in a lower precision, and the float64
+            loss is not the reference loss: the check probes natively instead.
+
     A loss that differs under ``torch.no_grad()`` (kernels or random draws that depend on grad mode) is evaluated with
     autograd recording from then on, with a note.
     """
@@ -92,6 +97,8 @@ def reproduced_center(
             evaluator.use_grad_mode()
             native = evaluator.native_loss()
             if abs(native - expected) > tolerance:
+                if compute_dtype == torch.float64 != native_dtype:
+                    raise UnfaithfulFloat64Error(f"its loss is {center:.9g} there, {expected:.9g} in training")
                 evaluator.notes.append(
                     f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {native:.9g} "
                     "when evaluated again with the same random state); it draws randomness gradwatch cannot replay"

@@ -58,8 +58,9 @@ class Probe:
         reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"`` (the parameter received
             no gradient, but the loss depends on it), ``"unresolved"`` (noise too large to tell), ``"kink"`` (the loss
             is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
-            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step)
-            or ``"nonfinite"``.
+            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step),
+            ``"surrogate"`` (a straight-through estimator: the loss is piecewise constant in the tensor, its gradient
+            deliberately not the derivative; see :attr:`CheckReport.surrogates`) or ``"nonfinite"``.
         evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
             a confirmation at a second step, more when it was measured again in float64.
     """
@@ -124,6 +125,9 @@ class CheckReport:
             (:mod:`gradwatch.engine.function.sandbox`).
         unrestored: What the loss changed that the check could not put back (a tensor changed in place of which no
             copy was kept): the run is not exactly as it would have been without the check.
+        surrogates: Gradients that are deliberately not the derivative, recognised by their signature (a
+            straight-through estimator, a stop-gradient), each in words with the ``ignore=`` pattern that exempts it
+            (:mod:`gradwatch.engine.signatures`).
     """
 
     step: int
@@ -141,6 +145,7 @@ class CheckReport:
     vectorized: bool | None = None
     side_effects: tuple[str, ...] = ()
     unrestored: tuple[str, ...] = ()
+    surrogates: tuple[str, ...] = ()
 
     @property
     def failures(self) -> list[Probe]:
@@ -223,6 +228,7 @@ class CheckReport:
     def __str__(self) -> str:
         lines = [self.summary()]
         lines += [f"  {p.describe()}" for p in self.probes]
+        lines += [f"  surrogate: {finding}" for finding in self.surrogates]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -236,5 +242,6 @@ class GradientCheckError(RuntimeError):
 
     def __init__(self, report: CheckReport) -> None:
         failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        super().__init__(f"gradient check failed at step {report.step}:\n{failures}")
+        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
+        super().__init__(f"gradient check failed at step {report.step}:\n{failures}{findings}")
         self.report = report

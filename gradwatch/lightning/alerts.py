@@ -49,6 +49,7 @@ def failure_message(report: CheckReport, limit: int = 5) -> str:
     lines += [f"  {probe.describe()}" for probe in failures[:limit]]
     if len(failures) > limit:
         lines.append(f"  ... and {len(failures) - limit} more")
+    lines += [f"  {finding}" for finding in report.surrogates]
     return "\n".join(lines)
 
 
@@ -105,8 +106,9 @@ BLIND_AFTER = 3
 
 class Remarks:
     """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record; a
-    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed, and the
-    first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy)."""
+    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed, the first
+    time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and for each surrogate
+    gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
 
     def __init__(self) -> None:
         self._noted: set[str] = set()
@@ -120,6 +122,10 @@ class Remarks:
             if note not in self._noted:  # a note that comes back at every check is said once
                 self._noted.add(note)
                 log.info("gradwatch (step %d): %s", report.step, note)
+        for finding in report.surrogates:
+            if finding not in self._noted:
+                self._noted.add(finding)
+                warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
         if report.unrestored and not self._warned_unrestored:
             self._warned_unrestored = True
             warnings.warn(

@@ -7,6 +7,7 @@ trainer's loggers (:mod:`gradwatch.tensorboard` for what only TensorBoard shows)
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 import warnings
@@ -21,6 +22,7 @@ from typing_extensions import override
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
+from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.lightning.distributed import agree, distributed
 from gradwatch.lightning.publishing import (
@@ -155,6 +157,7 @@ class GradWatch(Callback):
         self._vectorize = self.vectorize  # off once a check found the loss cannot be vectorised
         self.fail_on_imprecise = validate.check_bool("fail_on_imprecise", fail_on_imprecise)
         self.ignore = validate.check_patterns("ignore", ignore)
+        self._ignore = self.ignore  # those of the patterns that match a parameter of the module (see setup)
         self.tensor_probes = validate.check_int("tensor_probes", tensor_probes, minimum=0)
         self.random_probes = validate.check_int("random_probes", random_probes, minimum=0)
         self.param_probes = validate.check_int("param_probes", param_probes, minimum=0)
@@ -194,6 +197,12 @@ class GradWatch(Callback):
                 "training_step steps the optimizers, so gradwatch cannot call it to probe the loss. Pass the loss to "
                 "check instead: GradWatch(loss_fn=lambda module, batch: ...)"
             )
+        if stage == "fit":
+            # said once here, with the module's names; the checks then get only the patterns that match something
+            names = [name for name, _ in pl_module.named_parameters()]
+            for message in unmatched_patterns(self.ignore, names):
+                warnings.warn(f"gradwatch: {message}", GradientCheckWarning, stacklevel=2)
+            self._ignore = tuple(p for p in self.ignore if any(fnmatch.fnmatchcase(name, p) for name in names))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -300,7 +309,7 @@ class GradWatch(Callback):
                     precision=self.precision,
                     vectorize=self._vectorize,
                     fail_on_imprecise=self.fail_on_imprecise,
-                    ignore=self.ignore,
+                    ignore=self._ignore,
                     rtol=self.rtol,
                     seed=self.seed,
                     rotation=self._checks,

@@ -54,6 +54,7 @@ def failures_markdown(report: CheckReport) -> str:
             f"| {probe.kind} | `{probe.target}` | {index} | {probe.analytic:.6g} | {probe.numeric:.6g} | "
             f"{probe.rel_error:.3g} | {probe.noise:.2g} | {probe.reason} |"
         )
+    rows += ["", *(f"* {finding}" for finding in report.surrogates)] if report.surrogates else []
     return "\n".join(rows)
 
 

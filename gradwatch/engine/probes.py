@@ -1,0 +1,173 @@
+"""The probes of a check, made, measured and confirmed: :func:`measured_probes`.
+
+The portfolio (:mod:`.probing.portfolio`) says which probes a check makes, the ladder (:mod:`.probing.ladder`) measures
+each up from a two-point screen, the measuring service (:mod:`.measuring.points`) evaluates the points they ask for.
+A failure is confirmed before it stands (:mod:`.confirmation`), and float64 probes that turn out to measure another
+function than the model's are measured again natively (:mod:`.faithfulness`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
+from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.reference import reproduced_center
+from gradwatch.engine.report import Probe
+from gradwatch.engine.signatures import stop_gradients, straight_through
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """What the probes of a check are asked to do: the portfolio's sizes and turn, and how they are judged."""
+
+    portfolio: PortfolioSettings
+    rtol: float
+    native_dtype: torch.dtype
+    float64_refinement: bool
+    vectorize: bool
+    fail_on_imprecise: bool
+
+
+def _ladder(plan: ProbePlan, measurements: Measurements, reference_loss: float) -> Ladder:
+    return Ladder(
+        measurements,
+        rtol=plan.rtol,
+        native_dtype=plan.native_dtype,
+        reference_loss=reference_loss,
+        float64_refinement=plan.float64_refinement,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredProbes:
+    """What :func:`measured_probes` found.
+
+    Attributes:
+        probes: The finished probes.
+        precision: The precision they were measured in (``"native"`` or ``"float64"``).
+        vectorized: Whether points were evaluated in vectorised passes (``None``: not tried).
+        surrogates: Deliberate surrogate gradients recognised, in words, with the ``ignore=`` pattern for each.
+    """
+
+    probes: list[Probe]
+    precision: str
+    vectorized: bool | None
+    surrogates: tuple[str, ...]
+
+
+def measured_probes(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    reference: Reference,
+    grad_norms: Sequence[float],
+    plan: ProbePlan,
+    mode: str,
+) -> MeasuredProbes:
+    """The check's probes, measured in the precision ``mode`` asks for (again natively, with a note, when the float64
+    evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate gradients
+    recognised (:mod:`gradwatch.engine.signatures`)."""
+    with probe_precision(model, evaluator, mode) as (precision, trial):
+        try:
+            tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, trial, plan)
+            unfaithful = None
+            if precision == "float64" and measurements is not None:
+                unfaithful = quantised(tasks, measurements, reference.loss)
+        except UnfaithfulFloat64Error as error:
+            unfaithful = str(error)
+    if unfaithful is not None:
+        evaluator.notes.append(f"probes run in the native precision: float64 evaluates another function ({unfaithful})")
+        precision = "native"
+        tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, math.nan, plan)
+    vectorized = None if measurements is None else measurements.vectorized_outcome
+    surrogates: list[str] = []
+    if portfolio is not None:
+        surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
+        if any(task.failed for task in tasks):
+            _confirm_failures(model, evaluator, tasks, portfolio, plan, precision)
+        surrogates += stop_gradients(evaluator, tasks)
+    return MeasuredProbes([task.probe() for task in tasks], precision, vectorized, tuple(surrogates))
+
+
+def _probe(
+    evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
+) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
+    """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
+    replacements of coordinates that crossed a kink. Returns the probes, their portfolio and their measurements."""
+    compute_dtype = least_precise([p.dtype for _, p in evaluator.params])
+    reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
+    if reproduced is None:
+        return [], None, None
+    measurements = Measurements(evaluator, *reproduced)
+    portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype)
+    ladder = _ladder(plan, measurements, reference.loss)
+    anchor = portfolio.anchor()
+    if anchor is None:
+        evaluator.notes.append("no probe made: the model has no parameter to check and no input with a gradient")
+        return [], None, None
+    screens = portfolio.screens(input_direction=anchor.kind != "input")
+    unrestorable = evaluator.state.sandbox.unrestorable()
+    if plan.vectorize and unrestorable:
+        # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
+        evaluator.notes.append(f"points evaluated one by one: the loss changes {unrestorable[0]} in place")
+    elif plan.vectorize:
+        measurements.start_vectorizing()
+    ladder.first_round(anchor, screens)
+    done = [anchor, *screens]
+    ladder.remeasure_in_float64(done)
+    if any(task.failed for task in done):
+        extra = portfolio.localization(done)
+        ladder.screen_and_escalate(extra)
+        ladder.remeasure_in_float64(extra)
+        done += extra
+    replacements = portfolio.replacements(done)
+    ladder.screen_and_escalate(replacements)
+    done += replacements
+    return done, portfolio, measurements
+
+
+def _confirm_failures(
+    model: nn.Module, evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: ProbePlan, mode: str
+) -> None:
+    """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
+    only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
+    :mod:`gradwatch.engine.confirmation`."""
+    if mode == "float64":
+        confirm_precision(
+            model,
+            evaluator,
+            portfolio,
+            tasks,
+            plan.native_dtype,
+            plan.fail_on_imprecise,
+            lambda m, loss: _ladder(plan, m, loss),
+            plan.rtol,
+        )
+    step = plan.portfolio
+    confirm_at_a_shifted_point(
+        model,
+        evaluator,
+        portfolio,
+        tasks,
+        lambda m, loss: _ladder(plan, m, loss),
+        mode,
+        f"{step.seed}:{step.step}",
+        vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable(),
+    )
+
+
+def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype of largest machine epsilon among ``dtypes`` (float32 if there is none)."""
+    return max(dtypes, key=machine_epsilon, default=torch.float32)

@@ -1,0 +1,58 @@
+"""Which parameters a check probes: every trainable floating parameter but those ``ignore=`` exempts and those whose
+gradient is deliberately not the derivative by design (:mod:`gradwatch.engine.function.surrogates`).
+
+An ``ignore=`` pattern that matches no parameter is almost always a pattern written against other names than the
+model's (``"encoder.*"`` for a LightningModule whose parameters are ``model.encoder.…``); it would silently exempt
+nothing. :func:`unmatched_patterns` says so, with the names it was probably meant for.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Collection, Sequence
+
+from torch import Tensor, nn
+
+
+def checked_parameters(
+    model: nn.Module, ignore: Sequence[str], unprobed: Collection[str] = ()
+) -> list[tuple[str, Tensor]]:
+    """The parameters of ``model`` a check probes, by name: trainable, floating, not matched by a pattern of
+    ``ignore`` and not in ``unprobed``."""
+    return [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and p.is_floating_point()
+        and not any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+        and name not in unprobed
+    ]
+
+
+def unmatched_patterns(patterns: Sequence[str], names: Sequence[str], argument: str = "ignore") -> list[str]:
+    """A message for each of ``patterns`` that matches none of the parameter ``names``, with the closest names."""
+    messages = []
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            continue
+        suggestions = _prefixed(pattern, names) or difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(repr(s) for s in suggestions)}?" if suggestions else ""
+        example = f" (they read like {names[0]!r})" if names and not suggestions else ""
+        messages.append(f"`{argument}` pattern {pattern!r} matches no parameter of the model{example}{hint}")
+    return messages
+
+
+def _prefixed(pattern: str, names: Sequence[str]) -> list[str]:
+    """``pattern`` behind the module prefixes under which it would match (``"model.encoder.*"`` for ``"encoder.*"``)."""
+    found: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            candidate = ".".join(parts[:depth]) + "." + pattern
+            if fnmatch.fnmatchcase(name, candidate) and candidate not in found:
+                found.append(candidate)
+                break
+        if len(found) == 3:
+            break
+    return found
