@@ -183,7 +183,14 @@ class GradWatch(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, seed=self.seed)
+        # Two GradWatch callbacks that check different losses (one per optimizer of a GAN) need keys of their own;
+        # a callback with neither keeps the key it always had, so its checkpoints still load.
+        distinct: dict[str, Any] = {}
+        if self.loss_fn is not None:
+            distinct["loss_fn"] = getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__qualname__)
+        if self.ignore:
+            distinct["ignore"] = list(self.ignore)
+        return self._generate_state_key(every_n_steps=self.every_n_steps, seed=self.seed, **distinct)
 
     def due(self, previous_step: int, step: int) -> bool:
         """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
