@@ -147,6 +147,7 @@ def test_accumulation_checks_the_last_micro_batch_of_optimizer_steps_only(tmp_pa
 def test_bf16_mixed_native_probes_run_outside_autocast_in_float32_and_are_as_clean(tmp_path: Path) -> None:
     verdicts = {}
     for precision in ("32-true", "bf16-mixed"):
+        pl.seed_everything(0, verbose=False)  # the same model and dropout masks in both runs
         model = _Recording()
         watch = GradWatch(every_n_steps=2, precision="native")  # no float64 re-measurement
         trainer(tmp_path, [watch], max_steps=4, precision=precision).fit(model, loader(classification_batch()))
