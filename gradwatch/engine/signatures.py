@@ -58,8 +58,7 @@ def straight_through(
     flat = [
         i
         for i, probes in by_tensor.items()
-        if all(task.result.numeric == 0.0 for task in probes if task.result is not None)
-        and any(task.result.verdict != "ok" and task.direction.analytic != 0.0 for task in probes if task.result)
+        if all(_flat(task) for task in probes) and any(task.result.verdict != "ok" for task in probes if task.result)
     ]
     found = [i for i in flat if _moves_coarsely(evaluator, portfolio, i)]
     if not found:
@@ -101,6 +100,21 @@ def _by_tensor(tasks: Sequence[ProbeTask]) -> dict[int, list[ProbeTask]]:
         if task.kind in _TENSOR_KINDS and task.tensor >= 0 and task.result is not None:
             by_tensor.setdefault(task.tensor, []).append(task)
     return by_tensor
+
+
+def _flat(task: ProbeTask) -> bool:
+    """Whether the probe measured no slope (zero, or within its noise: float64 reductions leave an ulp) where autograd
+    gives one, or agreed with a slope that is itself negligible."""
+    result = task.result
+    assert result is not None
+    if result.verdict == "ok":
+        return abs(result.numeric) <= SIGNIFICANCE * result.noise or result.numeric == 0.0
+    if result.reason == "flat":
+        return task.direction.analytic != 0.0
+    return (
+        abs(result.numeric) <= SIGNIFICANCE * result.noise
+        and abs(task.direction.analytic) > SIGNIFICANCE * result.noise
+    )
 
 
 def _moves_coarsely(evaluator: LossEvaluator, portfolio: Portfolio, i: int) -> bool:
