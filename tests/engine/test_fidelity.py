@@ -162,3 +162,14 @@ def test_a_model_that_needs_nothing_keeps_no_fidelity_note() -> None:
     report = check_gradients(model, torch.randn(6, 5), lambda m, x: m(x).square().mean())
     assert report.verdict == "ok"
     assert not any("model's own function" in note for note in report.notes)
+
+
+def test_fractional_max_pool_samples_its_regions_as_training_does() -> None:
+    # F.fractional_max_pool2d draws its pooling regions with torch.rand(..., dtype=input.dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.FractionalMaxPool2d(2, output_ratio=0.5), nn.Flatten(), nn.LazyLinear(3))
+    images = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(1))
+    model(images)  # materialise the lazy layer
+    report = check_gradients(model, images, lambda m, x: m(x).square().mean())
+    assert report.verdict == "ok", str(report)
+    assert report.precision == "float64"
