@@ -23,7 +23,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -276,6 +276,34 @@ class Bug:
     plant: Callable[[nn.Module, Case], set[str]]
     """Plants the bug in the model; returns the tensors it touches (``INPUT`` for the input gradient)."""
     applies: Callable[[Case], bool] = lambda case: True
+    holder: Callable[[Case], str] = lambda case: ""
+    """The module holding the bug: the owner of the weight whose gradient a hook changes, or the model itself (``""``)
+    for a bug in its own ``forward`` (the custom SiLU, the detached side branch and the input gate live there)."""
+
+
+def _owner(case: Case) -> str:
+    return case.weight.rsplit(".", 1)[0]
+
+
+def culprit_named(report: CheckReport, holder: str) -> bool:
+    """Whether the report's first culprit is the module holding the bug or a module inside it (for a bug in the model's
+    own code, the model itself: every module is inside it, so nothing else counts)."""
+    if not report.culprits:
+        return False
+    named = report.culprits[0]
+    return named == holder or (holder != "" and named.startswith(f"{holder}."))
+
+
+SEARCH_KINDS = ("activation", "module_input", "module_params")
+
+CULPRITS = [0, 0]
+"""Culprits named, and bugs detected, over the bug table."""
+
+
+def search_evaluations(report: CheckReport) -> int:
+    """Loss evaluations the culprit search spent: its probes', and its recording pass when it made probes."""
+    spent = [p.evaluations for p in report.probes if p.kind in SEARCH_KINDS]
+    return sum(spent) + (1 if spent else 0)
 
 
 def _hook(model: nn.Module, name: str, fn: Callable[[Tensor], Tensor]) -> None:
@@ -317,11 +345,11 @@ def _wrong_input(model: nn.Module, case: Case) -> set[str]:
 
 
 BUGS = [
-    Bug("weight grad x1.01", _scaled(1.01)),
-    Bug("weight grad x1.10", _scaled(1.10)),
-    Bug("sign flip", _scaled(-1.0)),
+    Bug("weight grad x1.01", _scaled(1.01), holder=_owner),
+    Bug("weight grad x1.10", _scaled(1.10), holder=_owner),
+    Bug("sign flip", _scaled(-1.0), holder=_owner),
     Bug("missing backward term", _missing_term, lambda case: bool(case.upstream)),
-    Bug("error in a slice (10% rows x1.1)", _slice),
+    Bug("error in a slice (10% rows x1.1)", _slice, holder=_owner),
     Bug("detached branch", _detached, lambda case: bool(case.upstream)),
     Bug("wrong input grad (x1.02)", _wrong_input, lambda case: case.name != CASES[2].name),
 ]
@@ -409,6 +437,9 @@ class Detection:
     runs: int = 0
     checks_to_detect: list[int] | None = None
     evaluations: list[int] | None = None
+    culprits: int = 0
+    search: list[int] = field(default_factory=list)
+    named: list[str] = field(default_factory=list)
 
 
 def _localized(report: CheckReport, touched: set[str]) -> bool:
@@ -434,6 +465,9 @@ def detect(case: Case, bug: Bug, dtype: torch.dtype, seeds: int, checks: int = 3
                 assert result.evaluations is not None
                 result.checks_to_detect.append(step + 1)
                 result.evaluations.append(report.n_forward)
+                result.culprits += culprit_named(report, bug.holder(case))
+                result.search.append(search_evaluations(report))
+                result.named.append(report.culprits[0] if report.culprits else "-")
                 if not _localized(report, touched):
                     print(f"  NOT LOCALIZED {case.name} {dtype} {bug.name} seed {seed}:\n{report}")
                 break
@@ -474,6 +508,7 @@ def main() -> None:
         _false_alarm_table(dtypes, seeds, steps)
     if args.part in ("all", "bugs"):
         _bug_table(dtypes, bug_seeds)
+        print(f"\nculprit named for {CULPRITS[0]} of {CULPRITS[1]} detected bugs ({CULPRITS[0] / CULPRITS[1]:.0%})")
     if args.part in ("all", "sensitivity"):
         _sensitivity_table(dtypes, bug_seeds)
 
@@ -510,8 +545,11 @@ def _false_alarm_table(dtypes: tuple[torch.dtype, ...], seeds: int, steps: int) 
 
 def _bug_table(dtypes: tuple[torch.dtype, ...], bug_seeds: int) -> None:
     print("\n## Planted bugs (3 checks at consecutive training steps per seed)\n")
-    print("| model | dtype | bug | detected | localized | checks until detection (mean / max) | loss evaluations |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| model | dtype | bug | detected | localized | checks until detection (mean / max) | loss evaluations | "
+        "culprit named | culprit (first seed) | of which the culprit search |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         for dtype in dtypes:
             for bug in BUGS:
@@ -522,10 +560,16 @@ def _bug_table(dtypes: tuple[torch.dtype, ...], bug_seeds: int) -> None:
                 assert d.evaluations is not None
                 until = f"{statistics.mean(d.checks_to_detect):.1f} / {max(d.checks_to_detect)}" if d.detected else "-"
                 evals = f"{statistics.mean(d.evaluations):.0f}" if d.detected else "-"
+                holder = f"`{bug.holder(case)}`" if bug.holder(case) else 'the model (`""`)'
+                first = f"`{d.named[0]}`" if d.named else "-"
+                search = f"{statistics.mean(d.search):.0f}" if d.search else "-"
                 print(
                     f"| {case.name} | {_dtype_name(dtype)} | {bug.name} | {d.detected}/{d.runs} | "
-                    f"{d.localized}/{d.runs} | {until} | {evals} |"
+                    f"{d.localized}/{d.runs} | {until} | {evals} | {d.culprits}/{d.detected} ({holder}) | {first} | "
+                    f"{search} |"
                 )
+                CULPRITS[0] += d.culprits
+                CULPRITS[1] += d.detected
 
 
 def _sensitivity_table(dtypes: tuple[torch.dtype, ...], bug_seeds: int) -> None:

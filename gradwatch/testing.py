@@ -83,8 +83,9 @@ def assert_gradients_ok(
     report = check_gradients(model, batch, loss_fn, **check_kwargs)
     if report.verdict == "fail":
         failures = report.failures
+        culprit = f"{report.culprit_message}\n" if report.culprit_message else ""
         raise AssertionError(
-            f"gradients disagree with the loss: {len(failures)} of {len(report.probes)} probes failed "
+            f"{culprit}gradients disagree with the loss: {len(failures)} of {len(report.probes)} probes failed "
             f"(descent ratio {report.descent_ratio:.6g}, 1 for a correct gradient)\n{probe_table(failures)}"
             + "".join(f"\n{finding}" for finding in report.surrogates)
         )

@@ -100,6 +100,10 @@ def _fmt(value: float, spec: str) -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
 
+_SEARCH_KINDS = ("activation", "module_input", "module_params")
+"""The probes of a culprit search: they locate the victims' culprit, and are not victims themselves."""
+
+
 def describe(name: str, reports: list[CheckReport]) -> str:
     """A table of a run's checks and, for failing ones, the worst probes."""
     lines = [
@@ -119,9 +123,14 @@ def describe(name: str, reports: list[CheckReport]) -> str:
     if failing:
         first = failing[0]
         lines.append(f"\nfirst failing check (step {first.step}):")
-        lines += [f"  {probe.describe()}" for probe in first.failures]
-        tensors = sorted({p.target for r in failing for p in r.failures})
+        if first.culprit_message:
+            lines.append(f"  culprit: {first.culprit_message}")
+        lines += [f"  {probe.describe()}" for probe in first.failures if probe.kind not in _SEARCH_KINDS]
+        tensors = sorted({p.target for r in failing for p in r.failures if p.kind not in _SEARCH_KINDS})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
+        culprits = sorted({r.culprits[0] for r in failing if r.culprits})
+        if culprits:
+            lines.append(f"culprits named over the run: {', '.join(f'`{c}`' for c in culprits)}")
     return "\n".join(lines)
 
 
@@ -135,7 +144,9 @@ def outcome(run: Run, reports: list[CheckReport]) -> tuple[bool, str]:
     if not failing:
         return False, f"NOT CAUGHT: none of {len(reports)} checks failed"
     first = " (the first check)" if reports[0].verdict == "fail" else ""
-    return True, f"caught at step {failing[0]}{first}; {len(failing)} of {len(reports)} checks failed"
+    failed = next(r for r in reports if r.verdict == "fail")
+    culprit = f", culprit `{failed.culprits[0]}`" if failed.culprits else ""
+    return True, f"caught at step {failing[0]}{first}{culprit}; {len(failing)} of {len(reports)} checks failed"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -61,6 +61,11 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
         + (f"; first failure at step {failing_steps[0]}" if failing_steps else "")
         + " ==",
         "",
+        *(
+            [f"culprit at step {step}: {message}" for step, message in list(run.culprits.items())[:3]] + [""]
+            if run.culprits
+            else []
+        ),
         "checks (verdicts over time):",
     ]
     rows = [

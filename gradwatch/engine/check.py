@@ -217,6 +217,8 @@ def check_gradients(
         side_effects=tuple(state.sandbox.changed),
         unrestored=tuple(unrestored),
         surrogates=outcome.surrogates,
+        culprits=outcome.culprits,
+        culprit_message=outcome.culprit_message,
     )
 
 
@@ -232,6 +234,8 @@ class _Outcome:
     vectorized: bool | None
     rtol: float
     surrogates: tuple[str, ...]
+    culprits: list[str]
+    culprit_message: str
 
 
 def _run(
@@ -250,6 +254,8 @@ def _run(
     notes: list[str] = []
     used_precision, vectorized = "native", None
     surrogates: tuple[str, ...] = ()
+    culprits: list[str] = []
+    culprit_message = ""
     with probe_conditions():
         evaluator, reference, probe_batch = reference_on_a_slice(
             model, batch, loss_fn, params, state, probe_batch_size, plan.portfolio.input_probes > 0,
@@ -273,10 +279,22 @@ def _run(
             measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
             surrogates = measured.surrogates
+            culprits, culprit_message = measured.culprits, measured.culprit_message
     if compiled_parts(model) and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
-    return _Outcome(evaluator, reference.loss, probe_batch, probes, used_precision, vectorized, plan.rtol, surrogates)
+    return _Outcome(
+        evaluator,
+        reference.loss,
+        probe_batch,
+        probes,
+        used_precision,
+        vectorized,
+        plan.rtol,
+        surrogates,
+        culprits,
+        culprit_message,
+    )
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
+from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
@@ -60,12 +61,17 @@ class MeasuredProbes:
         precision: The precision they were measured in (``"native"`` or ``"float64"``).
         vectorized: Whether points were evaluated in vectorised passes (``None``: not tried).
         surrogates: Deliberate surrogate gradients recognised, in words, with the ``ignore=`` pattern for each.
+        culprits: The module whose backward is wrong and the modules containing it, most specific first
+            (:mod:`gradwatch.engine.culprits`).
+        culprit_message: The culprit in words.
     """
 
     probes: list[Probe]
     precision: str
     vectorized: bool | None
     surrogates: tuple[str, ...]
+    culprits: list[str]
+    culprit_message: str
 
 
 def measured_probes(
@@ -93,12 +99,20 @@ def measured_probes(
         tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, math.nan, plan)
     vectorized = None if measurements is None else measurements.vectorized_outcome
     surrogates: list[str] = []
+    culprits: list[str] = []
+    message = ""
     if portfolio is not None:
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
         if any(task.failed for task in tasks):
             _confirm_failures(model, evaluator, tasks, portfolio, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
-    return MeasuredProbes([task.probe() for task in tasks], precision, vectorized, tuple(surrogates))
+        found = localize(model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), precision)
+        if found is not None:
+            evaluator.notes += found.notes
+            culprits, message = found.culprits, found.message
+            tasks = [*tasks, *found.tasks]
+    probes = [task.probe() for task in tasks]
+    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message)
 
 
 def _probe(

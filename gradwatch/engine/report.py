@@ -16,7 +16,9 @@ Verdict = Literal["ok", "fail", "inconclusive"]
 """``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
 error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
 
-ProbeKind = Literal["descent", "tensor", "random", "param", "input", "loss", "compiled"]
+ProbeKind = Literal[
+    "descent", "tensor", "random", "param", "input", "loss", "compiled", "activation", "module_input", "module_params"
+]
 """``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``: along
 one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one parameter
 tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the batch's floating
@@ -24,7 +26,10 @@ inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the l
 not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``) through the training's compiled
 graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm), which the other probes check against
 finite differences; ``rel_error`` is the norm of their difference relative to the larger (see
-:mod:`gradwatch.engine.compiled`)."""
+:mod:`gradwatch.engine.compiled`). The culprit search of a failing check (:mod:`gradwatch.engine.culprits`) adds probes
+of one module (``target`` its name as in ``named_modules()``, ``""`` the model itself), each displacing what that
+module alone sees along autograd's gradient there: ``"activation"`` its output, ``"module_input"`` its inputs as it
+receives them, ``"module_params"`` its own parameters during its own forward."""
 
 VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -81,7 +86,7 @@ class Probe:
     def location(self) -> str:
         """``target[index]`` as a user would type it, e.g. ``"fc.weight[3, 7]"``; ``"*"`` for the descent probe."""
         if self.index is None:
-            return self.target
+            return self.target or "(the model)"
         return f"{self.target}[{', '.join(str(i) for i in self.index)}]"
 
     @property
@@ -128,6 +133,12 @@ class CheckReport:
         surrogates: Gradients that are deliberately not the derivative, recognised by their signature (a
             straight-through estimator, a stop-gradient), each in words with the ``ignore=`` pattern that exempts it
             (:mod:`gradwatch.engine.signatures`).
+        culprits: For a failing check, the module whose backward is wrong, followed by the modules proven to contain
+            it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
+            itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
+            singled out (:mod:`gradwatch.engine.culprits`).
+        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+            gradient is 2.7% off while its output gradient is right"``.
     """
 
     step: int
@@ -146,6 +157,8 @@ class CheckReport:
     side_effects: tuple[str, ...] = ()
     unrestored: tuple[str, ...] = ()
     surrogates: tuple[str, ...] = ()
+    culprits: list[str] = field(default_factory=list)
+    culprit_message: str = ""
 
     @property
     def failures(self) -> list[Probe]:
@@ -227,6 +240,8 @@ class CheckReport:
 
     def __str__(self) -> str:
         lines = [self.summary()]
+        if self.culprit_message:
+            lines.append(f"  culprit: {self.culprit_message}")
         lines += [f"  {p.describe()}" for p in self.probes]
         lines += [f"  surrogate: {finding}" for finding in self.surrogates]
         lines += [f"  note: {note}" for note in self.notes]
@@ -243,5 +258,6 @@ class GradientCheckError(RuntimeError):
     def __init__(self, report: CheckReport) -> None:
         failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
         findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        super().__init__(f"gradient check failed at step {report.step}:\n{failures}{findings}")
+        culprit = f" {report.culprit_message}" if report.culprit_message else ""
+        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
         self.report = report

@@ -46,6 +46,9 @@ def failure_message(report: CheckReport, limit: int = 5) -> str:
     """A readable account of a failing report: where the gradient is wrong and by how much."""
     failures = report.failures
     lines = [f"gradwatch: gradient check failed at step {report.step} ({len(failures)} of {len(report.probes)} probes)"]
+    if report.culprit_message:
+        lines[0] = f"gradwatch: gradient check failed at step {report.step}: {report.culprit_message}"
+        lines.append(f"  ({len(failures)} of {len(report.probes)} probes failed)")
     lines += [f"  {probe.describe()}" for probe in failures[:limit]]
     if len(failures) > limit:
         lines.append(f"  ... and {len(failures) - limit} more")

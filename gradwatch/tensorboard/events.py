@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 
 from gradwatch.engine.report import VERDICTS
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG
-from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.writer import CULPRIT_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
 
 PREFIX = "gradwatch/"
 VERDICT_TAG = "gradwatch/verdict"
@@ -84,6 +84,8 @@ class RunEvents:
     path: Path
     checks: list[CheckRecord]
     failures: list[FailureRecord] = field(default_factory=list)
+    culprits: dict[int, str] = field(default_factory=dict)
+    """By step, the culprit line of the failures text: the module whose backward is wrong, in words."""
     has_histogram: bool = False
     has_dashboard: bool = False
 
@@ -145,6 +147,14 @@ def parse_failures_table(text: str, step: int) -> list[FailureRecord]:
     return records
 
 
+def parse_culprit(text: str) -> str | None:
+    """The culprit named in a ``gradwatch/failures`` text, or ``None``."""
+    for line in text.splitlines():
+        if line.startswith(CULPRIT_PREFIX):
+            return line.removeprefix(CULPRIT_PREFIX).strip()
+    return None
+
+
 def _text(event: object) -> str:
     proto = event.tensor_proto  # type: ignore[attr-defined]
     return b"".join(proto.string_val).decode("utf-8", errors="replace")
@@ -167,14 +177,20 @@ def read_run(path: Path, name: str) -> RunEvents | None:
                 by_step[event.step][tag] = event.value
     failures_tag = FAILURES_TAG + TEXT_SUFFIX
     failures = []
+    culprits = {}
     if failures_tag in tags["tensors"]:
         for event in accumulator.Tensors(failures_tag):
-            failures += parse_failures_table(_text(event), event.step)
+            text = _text(event)
+            failures += parse_failures_table(text, event.step)
+            culprit = parse_culprit(text)
+            if culprit:
+                culprits[event.step] = culprit
     return RunEvents(
         name=name,
         path=path,
         checks=[CheckRecord(step, scalars) for step, scalars in sorted(by_step.items())],
         failures=failures,
+        culprits=culprits,
         has_histogram=HISTOGRAM_TAG in tags["histograms"],
         has_dashboard=LAYOUT_TAG in tags["tensors"],
     )

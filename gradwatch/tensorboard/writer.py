@@ -19,6 +19,8 @@ from gradwatch.engine.report import CheckReport
 
 HISTOGRAM_TAG = "gradwatch/rel_error_log10"
 FAILURES_TAG = "gradwatch/failures"
+CULPRIT_PREFIX = "culprit: "
+"""The line of the failures text that names the module whose backward is wrong (read back by ``gradwatch report``)."""
 LOG10_FLOOR = -12.0
 """Relative errors below 1e-12 (exact agreement included) are shown at -12."""
 
@@ -45,13 +47,15 @@ def failures_markdown(report: CheckReport) -> str:
     rows = [
         f"gradient check **failed** at step {report.step}: {len(report.failures)} of {len(report.probes)} probes",
         "",
+        *([f"{CULPRIT_PREFIX}{report.culprit_message}", ""] if report.culprit_message else []),
         "| kind | tensor | index | analytic | numeric | rel. error | noise | reason |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for probe in report.failures:
         index = "" if probe.index is None else ", ".join(str(i) for i in probe.index)
+        target = probe.target or "(the model)"
         rows.append(
-            f"| {probe.kind} | `{probe.target}` | {index} | {probe.analytic:.6g} | {probe.numeric:.6g} | "
+            f"| {probe.kind} | `{target}` | {index} | {probe.analytic:.6g} | {probe.numeric:.6g} | "
             f"{probe.rel_error:.3g} | {probe.noise:.2g} | {probe.reason} |"
         )
     rows += ["", *(f"* {finding}" for finding in report.surrogates)] if report.surrogates else []

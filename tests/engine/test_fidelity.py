@@ -167,7 +167,9 @@ def test_a_model_that_needs_nothing_keeps_no_fidelity_note() -> None:
 def test_fractional_max_pool_samples_its_regions_as_training_does() -> None:
     # F.fractional_max_pool2d draws its pooling regions with torch.rand(..., dtype=input.dtype)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.FractionalMaxPool2d(2, output_ratio=0.5), nn.Flatten(), nn.LazyLinear(3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.FractionalMaxPool2d(2, output_ratio=0.5), nn.Flatten(), nn.LazyLinear(3)
+    )
     images = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(1))
     model(images)  # materialise the lazy layer
     report = check_gradients(model, images, lambda m, x: m(x).square().mean())

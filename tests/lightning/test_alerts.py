@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -54,6 +55,16 @@ def test_long_failure_lists_are_truncated() -> None:
     message = failure_message(_report(failures=9), limit=5)
     assert "... and 4 more" in message
     assert message.count("param w[") == 5
+
+
+def test_the_warning_and_the_error_lead_with_the_culprit() -> None:
+    culprit = "the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input gradient is 2.7% off"
+    report = dataclasses.replace(_report(failures=2), culprits=["blocks.0.norm", "blocks.0"], culprit_message=culprit)
+    lines = failure_message(report).splitlines()
+    assert lines[0] == f"gradwatch: gradient check failed at step 3: {culprit}"
+    assert lines[1] == "  (2 of 2 probes failed)"
+    with pytest.raises(GradientCheckError, match=r"failed at step 3: the backward of `blocks\.0\.norm`"):
+        AlertPolicy("raise").handle(report)
 
 
 def test_check_errors_are_rate_limited_separately() -> None:

@@ -23,17 +23,17 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
+def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
     """Return ``obj`` with every tensor ``t`` at ``path`` replaced by ``fn(path, t)``; containers are copied only
     where something below them changed, so untouched parts of the batch keep their identity."""
     if isinstance(obj, Tensor):
         return fn(path, obj)
     if _is_namedtuple(obj):
-        items = [_map_tensors(getattr(obj, f), f"{path}.{f}", fn) for f in obj._fields]
+        items = [map_tensors(getattr(obj, f), f"{path}.{f}", fn) for f in obj._fields]
         changed = any(new is not old for new, old in zip(items, obj, strict=True))
         return type(obj)(*items) if changed else obj
     if isinstance(obj, (list, tuple)):
-        elements = [_map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
+        elements = [map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
         if all(new is old for new, old in zip(elements, obj, strict=True)):
             return obj
         if isinstance(obj, list):
@@ -42,7 +42,7 @@ def _map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> An
             return rebuilt_list
         return type(obj)(elements)
     if isinstance(obj, Mapping):
-        entries = {key: _map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
+        entries = {key: map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
         if all(entries[key] is value for key, value in obj.items()):
             return obj
         rebuilt_mapping: Any = copy.copy(obj)
@@ -51,7 +51,7 @@ def _map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> An
         return rebuilt_mapping
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        fields = {name: _map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+        fields = {name: map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
         if all(fields[name] is value for name, value in values.items()):
             return obj
         rebuilt = copy.copy(obj)
@@ -75,7 +75,7 @@ def floating_tensors(batch: Any) -> dict[str, Tensor]:
             found[path] = tensor
         return tensor
 
-    _map_tensors(batch, ROOT, collect)
+    map_tensors(batch, ROOT, collect)
     return found
 
 
@@ -92,7 +92,7 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
     unknown = sorted(set(replacements) - set(originals))
     if unknown:
         raise KeyError(f"no floating tensor at {unknown} in the batch; known paths: {sorted(originals)}")
-    return _map_tensors(batch, ROOT, lambda path, tensor: by_identity.get(id(tensor), tensor))
+    return map_tensors(batch, ROOT, lambda path, tensor: by_identity.get(id(tensor), tensor))
 
 
 def batch_size(batch: Any) -> int | None:
@@ -107,7 +107,7 @@ def batch_size(batch: Any) -> int | None:
             sizes[tensor.shape[0]] += 1
         return tensor
 
-    _map_tensors(batch, ROOT, count)
+    map_tensors(batch, ROOT, count)
     if not sizes:
         return None
     return max(sizes, key=lambda size: (sizes[size], size))
@@ -122,4 +122,4 @@ def leading_slice(batch: Any, size: int) -> Any:
     full = batch_size(batch)
     if full is None or full <= size:
         return batch
-    return _map_tensors(batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t)
+    return map_tensors(batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t)

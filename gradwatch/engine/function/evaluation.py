@@ -10,7 +10,7 @@ at perturbed points.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +246,27 @@ class LossEvaluator:
         n_params = len(self.params)
         input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
         return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
+
+    def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
+        """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
+        ``created()`` after the forward: zero leaves that hooks add to activations), computed as the reference is.
+        A tensor the loss does not depend on gets ``None``."""
+        self._reset_inputs()
+        completed = False
+        try:
+            with self._evaluation(grad=True):
+                loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+                wanted = list(created())
+                needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
+                found = torch.autograd.grad(loss, needed, allow_unused=True) if needed else ()
+                self.n_backward += 1
+            self.state.skip_unused_generators()
+            completed = True
+        finally:
+            self.state.after_evaluation(completed)
+        by_identity = {id(t): g for t, g in zip(needed, found, strict=True)}
+        grads = [by_identity.get(id(t)) for t in wanted]
+        return float(loss.detach()), [None if g is None else _dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
         if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations

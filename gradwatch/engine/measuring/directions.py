@@ -250,6 +250,42 @@ class VectorDirection:
         return self._norm_squared
 
 
-Direction = CoordinateDirection | VectorDirection
+class HookedDirection:
+    """A displacement that only the forward pass sees: a module's output, its inputs as the module receives them, or
+    its parameters during its own call (see :mod:`gradwatch.engine.culprits`). The direction is a unit vector; hooks
+    the owner installed add ``offset ×`` it where it applies, and :meth:`moving` sets the offset they read.
+
+    Args:
+        analytic: Autograd's derivative along the direction.
+        set_offset: Sets the offset the hooks add (0 turns them off).
+    """
+
+    def __init__(self, analytic: float, set_offset: Callable[[float], None]) -> None:
+        self.analytic = analytic
+        self._set_offset = set_offset
+
+    @contextmanager
+    def moving(self) -> Iterator[Callable[[float], Displacement]]:
+        """Yield ``move(offset)``, which makes the hooks add ``offset ×`` the direction; off again on leaving."""
+
+        def move(offset: float) -> Displacement:
+            self._set_offset(offset)
+            return Displacement(offset, offset * self.analytic)
+
+        try:
+            yield move
+        finally:
+            self._set_offset(0.0)
+
+    @contextmanager
+    def displaced(self, offset: float) -> Iterator[Displacement]:
+        with self.moving() as move:
+            yield move(offset)
+
+    def substitute(self, replacements: Mapping[int, Tensor]) -> None:
+        """Nothing to substitute: the hooks displace whatever tensors the forward computes."""
+
+
+Direction = CoordinateDirection | VectorDirection | HookedDirection
 
 """A direction any probe moves along."""

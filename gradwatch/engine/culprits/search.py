@@ -1,0 +1,347 @@
+"""Name the module whose backward is wrong: a search along the modules the loss runs, on failing checks only.
+
+A wrong backward makes every gradient upstream of it wrong, so a failing check's probes name the victims. The culprit
+is the module at which the gradient turns wrong: autograd's gradient with respect to its output is right, and the one
+it passes to its inputs (or gives its own parameters) is not. Activation probes (:mod:`.sites`) measure exactly that,
+one place of one module at a time, with the verdict discipline of every probe (full stencils, a failure confirmed at a
+second step).
+
+The search descends the call tree, from the loss down (:func:`localize`). At each module whose output gradient is right
+and whose input gradient is wrong, its children are taken in the order the forward ran them; the gradient at their
+outputs is wrong up to some child and right from the next on (the error flows backwards), so a binary search over the
+children finds the boundary in a logarithmic number of probes:
+
+* the first child whose output gradient is right, but whose input gradient is wrong, contains the bug: descend into it;
+* if its input gradient is right too, the gradient turns wrong between two children, in the module's own code (a
+  ``.detach()`` or a custom ``autograd.Function`` called in its ``forward``): the module is the culprit;
+* if every child's output gradient is wrong, the module's own code after its last child is; at the top, that is the
+  loss itself (:data:`LOSS`);
+* if no gradient through the children is wrong, only parameters' gradients are: the module owning them is the culprit
+  if a probe of its parameters, displaced during its own forward only, fails (a wrong weight gradient, a gradient hook);
+  if they are right there, the parameters are used outside their modules, by code whose gradient is missing.
+
+``report.culprits`` lists the culprit and the modules proven to contain it, most specific first.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
+from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
+from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.function.sandbox import RestoreError
+from gradwatch.engine.measuring.directions import HookedDirection
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.assessment import Assessment
+from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.reference import reproduced_center
+
+LOSS = "<loss>"
+"""The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
+
+MAX_PROBES = 40
+"""The most activation probes one search makes; a search that needs more names the deepest module it proved."""
+
+LadderFactory = Callable[[Measurements, float], Ladder]
+
+
+@dataclass
+class Localization:
+    """What a culprit search found.
+
+    Attributes:
+        culprits: The culprit's name and those of the modules proven to contain it, most specific first (empty when
+            no module could be singled out).
+        message: The finding in words, leading with the culprit.
+        tasks: The activation probes the search made, measured.
+        notes: Why a search could not run or stopped short.
+    """
+
+    culprits: list[str] = field(default_factory=list)
+    message: str = ""
+    tasks: list[ProbeTask] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class _ExhaustedError(Exception):
+    """The search made :data:`MAX_PROBES` probes."""
+
+
+def localize(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    tasks: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    precision: str,
+) -> Localization | None:
+    """Search for the culprit of a failing check (see the module doc); ``None`` when the check did not fail on a
+    gradient probe. ``evaluator`` must be on the native parameters and inputs; it is again afterwards."""
+    failing = [
+        t
+        for t in tasks
+        if t.failed
+        and t.kind in ("descent", "tensor", "random", "param", "input")
+        and t.result is not None
+        and t.result.reason != "imprecise"  # rounding of a correct formula (fail_on_imprecise): no backward to name
+    ]
+    if not failing:
+        return None
+    found = Localization()
+    try:
+        sites = record_sites(model, evaluator)
+    except RestoreError:
+        raise
+    except Exception as error:
+        found.notes.append(f"no culprit search: the loss cannot run with hooks on its modules ({error})")
+        return found
+    if not sites:
+        found.notes.append("no culprit search: the loss runs no module")
+        return found
+    failing_params = {t.target for t in failing if t.kind in ("tensor", "random", "param")}
+    try:
+        with probe_precision(model, evaluator, precision) as (_, trial):
+            native = portfolio.native_dtype
+            compute = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
+            reproduced = reproduced_center(evaluator, portfolio.reference, trial, native, compute)
+            if reproduced is None:
+                return found
+            measurements = Measurements(evaluator, *reproduced)
+            probes = _Probes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
+            _Search(sites, probes, failing_params, found).run()
+            found.tasks = probes.tasks
+    except UnfaithfulFloat64Error as error:
+        found.notes.append(f"no culprit search: float64 evaluates another function ({error})")
+    return found
+
+
+class _Probes:
+    """The activation probes of one search, measured on demand and once each."""
+
+    def __init__(self, sites: dict[str, Site], ladder: Ladder, portfolio: Portfolio, compute: torch.dtype) -> None:
+        self.sites = sites
+        self.ladder = ladder
+        self.portfolio = portfolio
+        self.relative_step = relative_step(compute, portfolio.native_dtype)
+        self.tasks: list[ProbeTask] = []
+        self._measured: dict[tuple[str, str], Assessment | None] = {}
+
+    def verdict(self, site: Site, place: str) -> Assessment | None:
+        """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
+        when there is nothing to displace."""
+        key = (site.name, place)
+        if key in self._measured:
+            return self._measured[key]
+        if place in site.same_as_parent and site.parent is not None:
+            result = self.verdict(self.sites[site.parent], place)
+        elif not site.probeable(place):
+            result = None
+        else:
+            result = self._measure(site, place)
+        self._measured[key] = result
+        return result
+
+    def _measure(self, site: Site, place: str) -> Assessment | None:
+        """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
+        it, such as a dropped projection term) and along a random direction (which sees that error); the place is
+        wrong if either fails, right if both agree."""
+        if len(self.tasks) >= MAX_PROBES:
+            raise _ExhaustedError
+        grads = site.gradients[place]
+        # a module called several times (shared weights, a recurrent cell): the error flows backwards through its
+        # calls, so only its last call's output gradient comes from downstream, and only its last call's input
+        # gradient is the module's own doing; the earlier calls are not displaced
+        first = site.last_call.get(place, 0) if site.calls > 1 and place != "module_params" else 0
+        active = [i >= first for i in range(len(grads))]
+        grads = [g if on else torch.zeros_like(g) for g, on in zip(grads, active, strict=True)]
+        size = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        generator = torch.Generator().manual_seed(random.Random(f"gradwatch:{site.name}:{place}").getrandbits(63))
+        raw = [
+            torch.randn(g.shape, generator=generator, dtype=torch.float64) * on
+            for g, on in zip(grads, active, strict=True)
+        ]
+        norm = math.sqrt(sum(float(r.square().sum()) for r in raw)) or 1.0
+        randomly = [(r / norm).to(device=g.device, dtype=g.dtype) for r, g in zip(raw, grads, strict=True)]
+        directions = [randomly] if size == 0.0 else [[g / size for g in grads], randomly]
+        elements = sum(g.numel() for g in grads) or 1
+        scale = site.scales.get(place, 0.0) / math.sqrt(elements) or self.portfolio.param_scale or 1.0
+        floor = max(self.portfolio.negligible * size, self.portfolio.loss_floor)
+        results = []
+        for components in directions:
+            slope = sum(float((g.double() * c.double()).sum()) for g, c in zip(grads, components, strict=True))
+            displacements = Displacements(site, place, components)
+            direction = HookedDirection(slope, displacements.set_offset)
+            step = self.relative_step * scale
+            task = ProbeTask(place, site.name, None, direction, step, scale_floor=floor)  # type: ignore[arg-type]
+            self.tasks.append(task)
+            with displacements.installed():
+                self.ladder.measure_fully([task])
+            assert task.result is not None
+            results.append(task.result)
+        failed = [r for r in results if r.verdict == "fail"]
+        if failed:
+            return failed[0]  # along the gradient when that one fails: its relative error is the error's share
+        if all(r.verdict == "ok" for r in results):
+            return max(results, key=lambda r: r.rel_error)
+        return next(r for r in results if r.verdict != "ok")
+
+
+class _Search:
+    """The descent of :func:`localize` (see the module doc), writing into ``found``."""
+
+    def __init__(self, sites: dict[str, Site], probes: _Probes, failing_params: set[str], found: Localization) -> None:
+        self.sites = sites
+        self.probes = probes
+        self.failing_params = failing_params
+        self.found = found
+        self.path: list[Site] = []  # modules proven to contain the bug, outermost first
+
+    def run(self) -> None:
+        try:
+            self._descend()
+        except _ExhaustedError:
+            if self.path:
+                deepest = self.path[-1]
+                self._name(deepest, f"the search stopped after {MAX_PROBES} probes inside `{deepest.name}`")
+            self.found.notes.append(f"culprit search stopped after {MAX_PROBES} activation probes")
+
+    def _children(self, node: Site | None) -> list[Site]:
+        names = node.children if node is not None else [n for n, s in self.sites.items() if s.parent is None]
+        return [self.sites[name] for name in names if self.sites[name].probeable("activation")]
+
+    def _verdict(self, site: Site, place: str) -> str | None:
+        result = self.probes.verdict(site, place)
+        return None if result is None else result.verdict
+
+    def _descend(self) -> None:
+        node: Site | None = None
+        while True:
+            children = self._children(node)
+            j = self._boundary(children)
+            if j == len(children):
+                if node is None and children:
+                    last = children[-1]
+                    self._culprit(
+                        None,
+                        f"the loss's own backward is wrong: the gradient at the output of "
+                        f"`{last.name}` (`{last.kind}`) is {self._off(last, 'activation')} off",
+                    )
+                elif node is not None:
+                    where = f" after `{children[-1].name}`" if children else ""
+                    self._culprit(node, self._own_words(node, where))
+                return
+            child = children[j]
+            if self._verdict(child, "activation") != "ok":
+                self._stop(node)
+                return
+            entering = self._verdict(child, "module_input")
+            if entering == "fail":
+                self.path.append(child)
+                node = child
+                continue
+            if entering != "ok" and child.probeable("module_input"):
+                self._stop(node)
+                return
+            if j > 0 and self._verdict(children[j - 1], "activation") == "fail" and node is not None:
+                before = children[j - 1]
+                self._culprit(node, self._own_words(node, f" between `{before.name}` and `{child.name}`"))
+                return
+            if j > 0 and node is None and self._verdict(children[j - 1], "activation") == "fail":
+                self._culprit(
+                    None,
+                    f"the loss's own backward is wrong between `{children[j - 1].name}` and "
+                    f"`{child.name}`: the gradient at the input of `{child.name}` is right, at the output of "
+                    f"`{children[j - 1].name}` {self._off(children[j - 1], 'activation')} off",
+                )
+                return
+            self._parameters_only(node)
+            return
+
+    def _boundary(self, children: list[Site]) -> int:
+        """The first child from which on every output gradient is right (the error flows backwards): a binary search,
+        an undecided probe counting as right (the culprit's own probes must then decide)."""
+        low, high = 0, len(children)
+        while low < high:
+            middle = (low + high) // 2
+            if self._verdict(children[middle], "activation") == "fail":
+                low = middle + 1
+            else:
+                high = middle
+        return low
+
+    def _parameters_only(self, node: Site | None) -> None:
+        """No gradient through the modules is wrong: look at the owners of the failing parameters."""
+        inside = [site for site in self.sites.values() if node is None or _within(site.name, node.name)]
+        owned = {f"{site.name}.{n}" if site.name else n: site for site in inside for n in site.parameters}
+        owners = sorted(
+            {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
+        )
+        for owner in owners:
+            if self._verdict(owner, "module_params") == "fail" and self._verdict(owner, "activation") in ("ok", None):
+                self.path.append(owner)
+                self._culprit(
+                    owner,
+                    f"the backward of `{owner.name}` (`{owner.kind}`) is wrong: the gradient of its "
+                    f"parameters is {self._off(owner, 'module_params')} off while its output gradient is "
+                    "right",
+                )
+                return
+        if owners:
+            names = ", ".join(f"`{o.name}`" for o in owners[:4])
+            if node is None:
+                self._culprit(
+                    None,
+                    f"the loss uses the parameters of {names} outside their modules, and that use "
+                    "gets no gradient or a wrong one: inside their modules their gradients are right",
+                )
+            else:
+                self._culprit(node, self._own_words(node, f", which uses the parameters of {names} outside them"))
+            return
+        if node is not None:
+            self._culprit(node, self._own_words(node, " before its first submodule"))
+
+    def _own_words(self, node: Site, where: str) -> str:
+        evidence = (
+            f"its input gradient is {self._off(node, 'module_input')} off while its output gradient is right"
+            if self._verdict(node, "module_input") == "fail"
+            else "the gradient of its parameters is wrong while its output gradient is right"
+        )
+        named = f"`{node.name}`" if node.name else "the model"
+        code = f" in its own code{where}" if where else ""
+        if not node.children:
+            code = ""
+        return f"the backward of {named} (`{node.kind}`) is wrong{code}: {evidence}"
+
+    def _off(self, site: Site, place: str) -> str:
+        result = self.probes.verdict(site, place)
+        return "?" if result is None else f"{result.rel_error:.1%}"
+
+    def _culprit(self, site: Site | None, message: str) -> None:
+        names = [LOSS] if site is None else [site.name]
+        names += [s.name for s in reversed(self.path) if site is None or s.name != site.name]
+        self.found.culprits = names
+        self.found.message = message
+
+    def _name(self, site: Site, why: str) -> None:
+        self._culprit(site, f"the backward of `{site.name}` (`{site.kind}`) or of a module inside it is wrong ({why})")
+
+    def _stop(self, node: Site | None) -> None:
+        """A probe the descent needs could not decide: name the deepest module proven, if any."""
+        if node is not None:
+            self._culprit(node, self._own_words(node, ""))
+            self.found.notes.append("culprit search stopped: a probe inside it could not decide")
+
+
+def _within(name: str, ancestor: str) -> bool:
+    return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")

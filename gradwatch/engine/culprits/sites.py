@@ -1,0 +1,280 @@
+"""The modules a culprit search probes, and the hooks that displace what only one module sees.
+
+A :class:`Site` is one module of the checked model as the loss's forward pass runs it: how often it is called (a shared
+module, a recurrent cell: several times), which module called it first and which modules it calls. A probe can
+displace three places of a site, each seen by that module alone:
+
+* ``"activation"``: every floating tensor the module returns, displaced after its forward;
+* ``"module_input"``: every floating tensor it receives, displaced before its forward as this module sees it (the
+  same tensor fed elsewhere is untouched);
+* ``"module_params"``: its own parameters (not its children's), displaced during its own forward only.
+
+:func:`record_sites` runs the loss once with autograd and a zero leaf added at every place of every module, so that one
+backward pass gives the gradient autograd computes at each of them (a parameter's gradient hooks applied, as training
+applies them). :class:`Displacements` then adds ``offset × v`` at the places a probe moves, for the loss evaluations
+of a central difference. Every hook is removed when the recording or the displacement ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from gradwatch.engine.function.batch import map_tensors
+from gradwatch.engine.function.evaluation import LossEvaluator
+
+PLACES = ("activation", "module_input", "module_params")
+"""Where a probe can displace a site (see the module doc)."""
+
+
+@dataclass
+class Site:
+    """One module as the loss's forward runs it.
+
+    Attributes:
+        name: As in ``model.named_modules()`` (``""`` for the model itself).
+        module: The module.
+        order: The position of its first call among all module calls.
+        parent: The name of the site whose forward called it first (``None``: the loss function's own code did).
+        children: The sites its first call called directly, in order.
+        calls: How many times the forward called it.
+        gradients: By place, autograd's gradient at each displaced tensor, in call order (zeros where the loss does
+            not depend on it through autograd).
+        scales: By place, the norm of the displaced tensors, which the probe's step is relative to.
+        same_as_parent: The places that hold exactly the parent's tensors (a wrapper whose forward only calls this
+            module): their probes would measure the parent's again.
+    """
+
+    name: str
+    module: nn.Module
+    order: int
+    parent: str | None
+    children: list[str] = field(default_factory=list)
+    calls: int = 0
+    gradients: dict[str, list[Tensor]] = field(default_factory=dict)
+    scales: dict[str, float] = field(default_factory=dict)
+    same_as_parent: set[str] = field(default_factory=set)
+    parameters: list[str] = field(default_factory=list)
+    """The attribute names of its own trainable floating parameters (``"weight"``, ``"bias"``), in order."""
+    last_call: dict[str, int] = field(default_factory=dict)
+    """By place, the position in :attr:`gradients` of the first tensor of the last call."""
+
+    @property
+    def kind(self) -> str:
+        """The module's class name."""
+        return type(self.module).__name__
+
+    def probeable(self, place: str) -> bool:
+        """Whether the place holds a floating tensor to displace."""
+        return bool(self.gradients.get(place))
+
+
+def _floating(obj: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+
+    def collect(_path: str, tensor: Tensor) -> Tensor:
+        if tensor.is_floating_point():
+            found.append(tensor)
+        return tensor
+
+    map_tensors(obj, "", collect)
+    return found
+
+
+def _direct_parameters(module: nn.Module) -> dict[str, Tensor]:
+    return {
+        name: p
+        for name, p in module.named_parameters(recurse=False)
+        if p is not None and p.is_floating_point() and p.requires_grad
+    }
+
+
+class _Recorder:
+    """The hooks of :func:`record_sites`: zero leaves added at every place, the call tree written down."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sites: dict[str, Site] = {}
+        self.leaves: list[tuple[str, str, Tensor]] = []  # (site, place, leaf)
+        self.params: list[tuple[str, Tensor]] = []  # (site, parameter) of each module_params leaf
+        self.values: dict[tuple[str, str], list[Tensor]] = {}
+        self._stack: list[str] = []
+        self._open: list[contextlib.ExitStack] = []
+        self._received: dict[str, set[int]] = {}  # ids of the inputs each site's first call received, displaced
+        self._returned: dict[str, set[int]] = {}  # ids of the outputs each site's first call returned, displaced
+
+    def _mark_call(self, site: Site, place: str) -> None:
+        site.last_call[place] = len(self.values.get((site.name, place), []))
+
+    def _leaf(self, site: str, place: str, tensor: Tensor) -> Tensor:
+        leaf = torch.zeros_like(tensor, requires_grad=True)
+        self.leaves.append((site, place, leaf))
+        self.values.setdefault((site, place), []).append(tensor.detach())
+        return tensor + leaf
+
+    def before(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        site = self.sites.get(name)
+        first = site is None
+        if site is None:
+            parent = self._stack[-1] if self._stack else None
+            site = self.sites[name] = Site(name, module, len(self.sites), parent)
+            if parent is not None:
+                self.sites[parent].children.append(name)
+        site.calls += 1
+        self._stack.append(name)
+        raw = {id(t) for t in _floating((args, kwargs))}
+        self._mark_call(site, "module_input")
+        self._mark_call(site, "module_params")
+        args, kwargs = map_tensors(
+            (args, kwargs), "", lambda _p, t: self._leaf(name, "module_input", t) if t.is_floating_point() else t
+        )
+        if first:
+            self._received[name] = {id(t) for t in _floating((args, kwargs))}
+            if site.parent is not None and raw and raw == self._received.get(site.parent):
+                site.same_as_parent.add("module_input")
+        stack = contextlib.ExitStack()
+        direct = _direct_parameters(module)
+        if first:
+            site.parameters = list(direct)
+        if direct:
+            displaced = {}
+            for param_name, param in direct.items():
+                displaced[param_name] = self._leaf(name, "module_params", param)
+                self.params.append((name, param))
+            stack.enter_context(_reparametrize_module(module, displaced, strict=False))
+        self._open.append(stack)
+        return args, kwargs
+
+    def after(self, name: str, output: Any) -> Any:
+        self._open.pop().close()
+        self._stack.pop()
+        site = self.sites[name]
+        raw = {id(t) for t in _floating(output)}
+        self._mark_call(site, "activation")
+        output = map_tensors(
+            output, "", lambda _p, t: self._leaf(name, "activation", t) if t.is_floating_point() else t
+        )
+        if site.calls == 1:
+            self._returned[name] = {id(t) for t in _floating(output)}
+            for child in site.children:  # a wrapper that returns its child's output unchanged
+                if raw and self._returned.get(child) == raw:
+                    self.sites[child].same_as_parent.add("activation")
+        return output
+
+    def close(self) -> None:
+        while self._open:
+            self._open.pop().close()
+
+
+def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
+    """Every module the loss's forward runs, with autograd's gradient at each of its places (see the module doc), from
+    one forward and backward pass on the evaluator's (native) parameters. Modules are keyed by name, in call order."""
+    recorder = _Recorder(model)
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, k, name=name: recorder.before(name, m, a, k), with_kwargs=True
+                )
+            )
+            handles.append(module.register_forward_hook(lambda m, a, o, name=name: recorder.after(name, o)))
+        _, grads = evaluator.gradients_wrt(lambda: [leaf for _, _, leaf in recorder.leaves])
+    finally:
+        recorder.close()
+        for handle in handles:
+            handle.remove()
+    sites = recorder.sites
+    hooks_of = _parameter_hooks(recorder.params)
+    param_leaves = iter(hooks_of)
+    for (name, place, leaf), grad in zip(recorder.leaves, grads, strict=True):
+        if grad is None:
+            grad = torch.zeros_like(leaf)
+        if place == "module_params":
+            for hook in next(param_leaves):
+                changed = hook(grad)
+                grad = changed if changed is not None else grad
+        sites[name].gradients.setdefault(place, []).append(grad.detach())
+    for (name, place), values in recorder.values.items():
+        sites[name].scales[place] = float(torch.sqrt(sum(v.double().square().sum() for v in values)))
+    return dict(sorted(sites.items(), key=lambda item: item[1].order))
+
+
+def _parameter_hooks(params: list[tuple[str, Tensor]]) -> list[list[Any]]:
+    """The gradient hooks registered on each parameter (``register_hook``), which autograd runs on the parameter's
+    total gradient in training: a bug living in such a hook belongs to the module that owns the parameter."""
+    return [list((getattr(param, "_backward_hooks", None) or {}).values()) for _, param in params]
+
+
+class Displacements:
+    """Hooks that add ``offset × v`` at one place of one site during the loss evaluations of a probe.
+
+    Args:
+        site: The site to displace.
+        place: One of :data:`PLACES`.
+        direction: ``v``, one tensor per displaced tensor in call order (as in :attr:`Site.gradients`).
+    """
+
+    def __init__(self, site: Site, place: str, direction: list[Tensor]) -> None:
+        self.site = site
+        self.place = place
+        self.direction = direction
+        self.offset = 0.0
+        self._position = 0
+        self._handles: list[Any] = []
+        self._open: list[contextlib.ExitStack] = []
+
+    def set_offset(self, offset: float) -> None:
+        """Displace by ``offset`` from the next evaluation on (0: not at all)."""
+        self.offset = offset
+        self._position = 0
+
+    def _next(self, tensor: Tensor) -> Tensor:
+        if self._position >= len(self.direction):
+            return tensor
+        component = self.direction[self._position]
+        self._position += 1
+        if self.offset == 0.0 or component.shape != tensor.shape:
+            return tensor
+        return tensor + self.offset * component.to(dtype=tensor.dtype, device=tensor.device)
+
+    def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stack = contextlib.ExitStack()
+        if self.place == "module_input":
+            args, kwargs = map_tensors((args, kwargs), "", lambda _p, t: self._next(t) if t.is_floating_point() else t)
+        elif self.place == "module_params":
+            # by name: under float64 storage the module holds float64 substitutes, not its Parameters
+            moved = {name: self._next(getattr(module, name)) for name in self.site.parameters}
+            stack.enter_context(_reparametrize_module(module, moved, strict=False))
+        self._open.append(stack)
+        return args, kwargs
+
+    def _after(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._open:
+            self._open.pop().close()
+        if self.place == "activation":
+            output = map_tensors(output, "", lambda _p, t: self._next(t) if t.is_floating_point() else t)
+        return output
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Displacements]:
+        """The hooks on the site's module for the duration; removed (and any open substitution closed) on leaving."""
+        module = self.site.module
+        self._handles = [
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after),
+        ]
+        try:
+            yield self
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            while self._open:
+                self._open.pop().close()
+            self.offset = 0.0
