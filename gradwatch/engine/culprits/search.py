@@ -50,8 +50,9 @@ from gradwatch.engine.reference import reproduced_center
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
 
-MAX_PROBES = 40
-"""The most activation probes one search makes; a search that needs more names the deepest module it proved."""
+MAX_PROBES = 64
+"""The most activation probes one search makes (two per place probed); a search that needs more names the deepest
+module it proved."""
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -216,9 +217,14 @@ class _Search:
                 self._name(deepest, f"the search stopped after {MAX_PROBES} probes inside `{deepest.name}`")
             self.found.notes.append(f"culprit search stopped after {MAX_PROBES} activation probes")
 
-    def _children(self, node: Site | None) -> list[Site]:
+    def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
+        """The node's children whose output can be displaced, in the order the forward ran them: the chain (a gradient
+        flows through them to their inputs) and the sources (token embeddings, position tables, rotary tables: no
+        floating input, or one autograd gives no gradient)."""
         names = node.children if node is not None else [n for n, s in self.sites.items() if s.parent is None]
-        return [self.sites[name] for name in names if self.sites[name].probeable("activation")]
+        children = [self.sites[name] for name in names if self.sites[name].probeable("activation")]
+        chain = [c for c in children if any(bool(g.any()) for g in c.gradients.get("module_input", []))]
+        return chain, [c for c in children if c not in chain]
 
     def _verdict(self, site: Site, place: str) -> str | None:
         result = self.probes.verdict(site, place)
@@ -227,46 +233,66 @@ class _Search:
     def _descend(self) -> None:
         node: Site | None = None
         while True:
-            children = self._children(node)
-            j = self._boundary(children)
-            if j == len(children):
-                if node is None and children:
-                    last = children[-1]
-                    self._culprit(
-                        None,
-                        f"the loss's own backward is wrong: the gradient at the output of "
-                        f"`{last.name}` (`{last.kind}`) is {self._off(last, 'activation')} off",
-                    )
-                elif node is not None:
-                    where = f" after `{children[-1].name}`" if children else ""
-                    self._culprit(node, self._own_words(node, where))
-                return
-            child = children[j]
-            if self._verdict(child, "activation") != "ok":
+            chain, sources = self._children(node)
+            j = self._boundary(chain)
+            child = chain[j] if j < len(chain) else None
+            if child is not None and self._verdict(child, "activation") != "ok":
                 self._stop(node)
                 return
-            entering = self._verdict(child, "module_input")
-            if entering == "fail":
+            entering = None if child is None else self._verdict(child, "module_input")
+            if child is not None and entering == "fail":
                 self.path.append(child)
                 node = child
                 continue
-            if entering != "ok" and child.probeable("module_input"):
+            source = self._failing_source(sources)
+            if source is not None:  # out right, parameters inside wrong, no input gradient to tell by
+                self.path.append(source)
+                node = source
+                continue
+            if child is not None and entering != "ok":
                 self._stop(node)
                 return
-            if j > 0 and self._verdict(children[j - 1], "activation") == "fail" and node is not None:
-                before = children[j - 1]
-                self._culprit(node, self._own_words(node, f" between `{before.name}` and `{child.name}`"))
-                return
-            if j > 0 and node is None and self._verdict(children[j - 1], "activation") == "fail":
-                self._culprit(
-                    None,
-                    f"the loss's own backward is wrong between `{children[j - 1].name}` and "
-                    f"`{child.name}`: the gradient at the input of `{child.name}` is right, at the output of "
-                    f"`{children[j - 1].name}` {self._off(children[j - 1], 'activation')} off",
-                )
-                return
-            self._parameters_only(node)
+            if child is None and chain:
+                self._after_last(node, chain[-1])
+            elif child is not None and j > 0 and self._verdict(chain[j - 1], "activation") == "fail":
+                self._between(node, chain[j - 1], child)
+            else:
+                self._parameters_only(node)
             return
+
+    def _failing_source(self, sources: list[Site]) -> Site | None:
+        """The last source whose output gradient is right and inside which parameters fail."""
+        for source in reversed(sources):
+            if self._holds_failing_parameters(source) and self._verdict(source, "activation") == "ok":
+                return source
+        return None
+
+    def _after_last(self, node: Site | None, last: Site) -> None:
+        """Even the last child's output gradient is wrong: the node's own code after it (the loss, at the top)."""
+        if node is None:
+            self._culprit(
+                None,
+                f"the loss's own backward is wrong: the gradient at the output of `{last.name}` (`{last.kind}`) is "
+                f"{self._off(last, 'activation')} off",
+            )
+        else:
+            self._culprit(node, self._own_words(node, f" after `{last.name}`"))
+
+    def _between(self, node: Site | None, before: Site, after: Site) -> None:
+        """The gradient is right at ``after``'s input and wrong at ``before``'s output: the node's own code."""
+        if node is None:
+            self._culprit(
+                None,
+                f"the loss's own backward is wrong between `{before.name}` and `{after.name}`: the gradient at the "
+                f"input of `{after.name}` is right, at the output of `{before.name}` "
+                f"{self._off(before, 'activation')} off",
+            )
+        else:
+            self._culprit(node, self._own_words(node, f" between `{before.name}` and `{after.name}`"))
+
+    def _holds_failing_parameters(self, site: Site) -> bool:
+        prefix = f"{site.name}." if site.name else ""
+        return any(name.startswith(prefix) for name in self.failing_params)
 
     def _boundary(self, children: list[Site]) -> int:
         """The first child from which on every output gradient is right (the error flows backwards): a binary search,
