@@ -120,10 +120,17 @@ def localize(
                 return found
             measurements = Measurements(evaluator, *reproduced)
             probes = _Probes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
+            found.tasks = probes.tasks  # the same list: filled as the search measures
             _Search(sites, probes, failing_params, found).run()
-            found.tasks = probes.tasks
     except UnfaithfulFloat64Error as error:
         found.notes.append(f"no culprit search: float64 evaluates another function ({error})")
+    except RestoreError:
+        raise
+    except Exception as error:  # the search must never cost the check its verdict
+        found.culprits, found.message = [], ""
+        found.notes.append(
+            f"culprit search abandoned: the loss raised {type(error).__name__} under its hooks ({error})"
+        )
     return found
 
 
