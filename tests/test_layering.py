@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.report", "engine.validation"),
+    ("engine.sharding",),
     ("engine.numerics",),
     ("engine.function",),
     ("engine.measuring",),

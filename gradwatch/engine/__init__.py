@@ -4,6 +4,7 @@
 first (each imports only from the layers below it):
 
 * :mod:`.report` and :mod:`.validation`: results as data, argument checks;
+* :mod:`.sharding`: the reductions across the ranks of a sharded (FSDP2) check, the identity everywhere else;
 * :mod:`.numerics`: steps, tolerances, stencils and their verdicts, norms;
 * :mod:`.function`: the loss as one deterministic function (batch structure, state snapshot and restore, float64
   storage and reductions, probe conditions, the evaluator);

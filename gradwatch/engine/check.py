@@ -48,6 +48,10 @@ from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
 from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
 from gradwatch.engine.selection import checked_parameters, unmatched_patterns
+from gradwatch.engine.sharding import SHARDED_NOTE
+from gradwatch.engine.sharding.collective import Collective, sharded
+from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.parameters import is_sharded, local_shards, lockstep, register_like
 
 __all__ = ["check_gradients"]
 
@@ -167,6 +171,12 @@ def check_gradients(
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
+    collective, sharding_notes = None, []
+    if is_sharded(params):
+        collective, params = local_shards(params)
+        surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
+                             surrogates.exempt.items() if name in dict(params)}  # fmt: skip
+        sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
     plan = ProbePlan(
         portfolio=PortfolioSettings(
             tensor_probes=tensor_probes,
@@ -181,18 +191,19 @@ def check_gradients(
         ),
         rtol=rtol if rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
-        float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64,
+        float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64 and collective is None,
         vectorize=vectorize,
         fail_on_imprecise=fail_on_imprecise,
     )
     state = TrainingState.capture(model)
     with warnings_withheld() as withheld:
         try:
-            with as_autograd_sees_them(surrogates):
+            with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
                 outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
         finally:
             state.restore()
     evaluator = outcome.evaluator
+    evaluator.notes[:0] = sharding_notes
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
@@ -280,7 +291,12 @@ def _run(
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
-    if compiled_parts(model) and math.isfinite(plan.rtol) and not any(p.reason == "nonfinite" for p in probes):
+    if (
+        sharding_active() is None
+        and compiled_parts(model)
+        and math.isfinite(plan.rtol)
+        and not any(p.reason == "nonfinite" for p in probes)
+    ):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
     return _Outcome(
@@ -295,6 +311,28 @@ def _run(
         culprits,
         culprit_message,
     )
+
+
+def _sharded_settings(collective: Collective, mode: str) -> tuple[list[str], str, bool]:
+    """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
+    notes = [
+        f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+        "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+        "forward pass; no input coordinate probes and no culprit search"
+    ]
+    if mode == "float64":
+        notes.append("float64 probes are not made on shards (FSDP gathers parameters in their own dtype)")
+    return notes, "native", False
+
+
+def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
+    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
+    if hasattr(mask, "to_local"):
+        local = mask.to_local()
+    else:
+        found = collective.layouts[id(shard)]
+        local = mask[found.offset : found.offset + found.rows]
+    return register_like(collective, local, shard)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:

@@ -30,11 +30,10 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.conditions import compiler_disabled
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
-from gradwatch.engine.report import DESCENT_TARGET, Probe
+from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
@@ -76,7 +75,7 @@ def compiled_probes(
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             compiled_loss, compiled = _gradient(model, batch, loss_fn, tensors, state)
-    except RestoreError:
+    except CheckAbandonedError:
         raise
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]

@@ -10,16 +10,17 @@ A discrepancy that the ladder confirmed at a second step along the same line can
   there and measures each failing probe again along the same direction. A wrong backward is wrong at any point and
   fails again; a tie does not survive the shift, and the probe ends ``inconclusive`` with reason ``"tie"``.
 * **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
-  derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned
-  op such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
+  derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
+  such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
   :func:`confirm_precision` computes the gradient in float64 along the same direction: if float64 autograd agrees with
   the float64 finite difference, the formula is right in float64. The probe is then measured once more in the native
-  precision: if the native gradient agrees with the native finite difference, float64 computed another function and
-  the native verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more
-  reliable than its gradient) the size of the error decides: beyond :data:`IMPRECISION_LIMIT` times the tolerance the
-  backward is wrong in the native dtype only (a kernel specialised by dtype) and the failure stands; within it only
-  float32's rounding is left and the probe ends ``ok`` with reason ``"imprecise"`` (``fail_on_imprecise=True`` fails
-  it instead), its ``rel_error`` the precision lost.
+  precision: if the native gradient agrees with the native finite difference, float64 computed another function and the
+  native verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more reliable
+  than its gradient) the size of the error decides, measured against the norm of the gradient over what the probe moves
+  (a random direction's small slope would inflate it): beyond :data:`IMPRECISION_LIMIT` times the tolerance the backward
+  is wrong in the native dtype only (a kernel specialised by dtype) and the failure stands; within it only float32's
+  rounding is left and the probe ends ``ok`` with reason ``"imprecise"`` (``fail_on_imprecise=True`` fails it instead),
+  its ``rel_error`` the precision lost.
 
 Both run only on probes that failed, so a healthy check pays nothing for them.
 """
@@ -35,7 +36,6 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, probe_precision
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import rms
@@ -44,6 +44,7 @@ from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
+from gradwatch.engine.report import CheckAbandonedError
 
 SHIFT = 1e-2
 """How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a
@@ -108,7 +109,7 @@ def confirm_at_a_shifted_point(
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
             elif math.isfinite(reference.loss):
                 replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode, vectorize)
-    except RestoreError:
+    except CheckAbandonedError:
         raise
     except Exception as error:
         problem = f"the loss raised {type(error).__name__} there ({error})"
@@ -182,6 +183,18 @@ def _judge_elsewhere(task: ProbeTask, replica: ProbeTask) -> None:
     task.result = Assessment(first.numeric, first.discrepancy, first.noise, first.scale, "inconclusive", reason)
 
 
+def _vector_error(task: ProbeTask, result: Assessment, portfolio: Portfolio) -> float:
+    """The probe's discrepancy relative to the norm of the gradient over what it moves: a bound on the relative error
+    of that gradient as a vector. Float32 rounding of an ill-conditioned formula errs by some fraction of the gradient
+    in every direction; along a direction nearly orthogonal to the gradient (a random one) the slope is small, and the
+    same error would read as a much larger relative error of the slope."""
+    params = [i for i in task.moves if isinstance(i, int)]
+    if len(params) != len(task.moves) or not params:
+        return result.rel_error
+    size = math.sqrt(sum(portfolio.tensor_grad_norms[i] ** 2 for i in params))
+    return min(result.rel_error, abs(result.discrepancy) / size) if size > 0 else result.rel_error
+
+
 def confirm_precision(
     model: nn.Module,
     evaluator: LossEvaluator,
@@ -230,7 +243,7 @@ def confirm_precision(
         assert first is not None
         if right and native is not None and native.verdict != "fail":
             task.result = native  # float64 is another function in this check: the native measurement cannot tell
-        elif first.rel_error > limit:
+        elif _vector_error(task, first, portfolio) > limit:
             beyond.append(task.target)
         else:
             _mark_imprecise(task, fail_on_imprecise)

@@ -27,6 +27,7 @@ from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
 from gradwatch.engine.report import Probe
+from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.signatures import stop_gradients, straight_through
 
 
@@ -106,7 +107,9 @@ def measured_probes(
         if any(task.failed for task in tasks):
             _confirm_failures(model, evaluator, tasks, portfolio, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
-        found = localize(model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), precision)
+        found = None
+        if sharding_active() is None:  # the search's activation probes are per rank: not a global function
+            found = localize(model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), precision)
         if found is not None:
             evaluator.notes += found.notes
             culprits, message = found.culprits, found.message

@@ -20,10 +20,11 @@ from torch import Tensor, nn
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import Probe, ProbeKind
+from gradwatch.engine.report import CheckAbandonedError, Probe, ProbeKind
+from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.collective import global_index
 
 BATCH_NORM_SAMPLES = 4
 """The slice probes fall back to when the loss refuses a smaller one (BatchNorm in training mode refuses one sample).
@@ -59,7 +60,7 @@ def reference_on_a_slice(
         evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
         try:
             return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
-        except RestoreError:
+        except CheckAbandonedError:
             raise
         except Exception as error:
             refused = True
@@ -131,7 +132,9 @@ def nonfinite_probes(
         positions = (~torch.isfinite(grad)).nonzero()
         if len(positions):
             index = tuple(int(i) for i in positions[0])
-            probes.append(_nonfinite_probe("param", name, index, grad[index].item()))
+            probes.append(_nonfinite_probe("param", name, global_index(grad, index), grad[index].item()))
+        elif sharding_active():  # another rank's shard holds it: every rank must fail alike (and probe no further)
+            probes.append(_nonfinite_probe("param", name, None, size))
     return probes
 
 

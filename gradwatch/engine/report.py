@@ -261,3 +261,9 @@ class GradientCheckError(RuntimeError):
         culprit = f" {report.culprit_message}" if report.culprit_message else ""
         super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
         self.report = report
+
+
+class CheckAbandonedError(RuntimeError):
+    """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
+    sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
+    slice, no vectorised pass, no input probes) let it through."""

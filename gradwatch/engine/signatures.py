@@ -22,12 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import measure
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.norms import norm
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -122,7 +121,7 @@ def _moves_coarsely(evaluator: LossEvaluator, portfolio: Portfolio, i: int) -> b
     param = evaluator.params[i][1]
     grad = portfolio.grads[i]
     grad_norm = portfolio.tensor_grad_norms[i]
-    size = float(torch.linalg.vector_norm(param.detach().double()))
+    size = norm([param])
     if grad_norm == 0.0 or size == 0.0:
         return False
     direction = VectorDirection([param], [grad], [grad], 1.0 / grad_norm, components_norm=grad_norm)

@@ -1,5 +1,6 @@
-"""Checks under DDP: every process checks its own batch shard at the same coordinates; one gather then gives every
-process the same report, so that warnings, stops and raises agree across processes."""
+"""Checks under DDP and FSDP2: under DDP every process checks its own batch shard at the same coordinates; under FSDP2
+the processes run one check of the global loss together (:mod:`gradwatch.engine.sharding`). Either way one gather then
+gives every process the same report, so that warnings, stops and raises agree across processes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 
 from gradwatch.engine.report import VERDICTS, CheckReport
+from gradwatch.engine.sharding import SHARDED_NOTE
 
 
 def distributed(trainer: pl.Trainer) -> bool:
@@ -40,5 +42,8 @@ def agree(trainer: pl.Trainer, report: CheckReport | None, error: Exception | No
     verdicts = ", ".join(
         f"rank {r}: {outcome[0].verdict if outcome[0] else 'skipped'}" for r, outcome in enumerate(outcomes)
     )
-    note = f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s"
+    if any(note.startswith(SHARDED_NOTE) for note in chosen.notes):
+        note = f"one check of the global loss, run together by every process ({verdicts}); this report is rank {rank}'s"
+    else:
+        note = f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s"
     return dataclasses.replace(chosen, notes=[*chosen.notes, note])

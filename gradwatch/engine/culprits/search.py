@@ -37,7 +37,6 @@ from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment
@@ -46,6 +45,7 @@ from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
+from gradwatch.engine.report import CheckAbandonedError
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
@@ -102,7 +102,7 @@ def localize(
     found = Localization()
     try:
         sites = record_sites(model, evaluator)
-    except RestoreError:
+    except CheckAbandonedError:
         raise
     except Exception as error:
         found.notes.append(f"no culprit search: the loss cannot run with hooks on its modules ({error})")
@@ -124,7 +124,7 @@ def localize(
             _Search(sites, probes, failing_params, found).run()
     except UnfaithfulFloat64Error as error:
         found.notes.append(f"no culprit search: float64 evaluates another function ({error})")
-    except RestoreError:
+    except CheckAbandonedError:
         raise
     except Exception as error:  # the search must never cost the check its verdict
         found.culprits, found.message = [], ""

@@ -22,8 +22,10 @@ from torch.nn.utils.stateless import _reparametrize_module
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.reductions import Float64Reductions
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.sharding import collective as sharding
+from gradwatch.engine.sharding.parameters import sharded_backward
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
@@ -178,7 +180,7 @@ class LossEvaluator:
         self.n_passes += 1
         self.n_forward += 1
         fidelity = self._fidelity if self._float64_inputs else None
-        with torch.set_grad_enabled(grad), fidelity or contextlib.nullcontext():
+        with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity or contextlib.nullcontext():
             yield
         self.n_forward += points - 1
         if fidelity is not None and not self._fidelity_settled:
@@ -209,7 +211,7 @@ class LossEvaluator:
         if with_inputs and self.inputs:
             try:
                 return self._reference(with_inputs=True)
-            except RestoreError:
+            except CheckAbandonedError:
                 raise
             except RuntimeError as error:
                 self.notes.append(
@@ -235,7 +237,12 @@ class LossEvaluator:
                         "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
                         "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
                     )
-                grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+                collective = sharding.active()
+                if collective is None:
+                    value = float(loss.detach())
+                    grads = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                else:
+                    value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                 self.n_backward += 1
             self.state.skip_unused_generators()
             completed = True
@@ -245,7 +252,7 @@ class LossEvaluator:
         grads = [_dense(grad) for grad in grads]
         n_params = len(self.params)
         input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
-        return Reference(float(loss.detach()), list(grads[:n_params]), input_grads)
+        return Reference(value, list(grads[:n_params]), input_grads)
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
         """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
@@ -315,7 +322,7 @@ class LossEvaluator:
         mode = Float64Reductions(verify=verify)
         try:
             value = self._forward(mode)
-        except RestoreError:
+        except CheckAbandonedError:
             raise
         except Exception as error:
             if not verify:
@@ -323,8 +330,10 @@ class LossEvaluator:
             # the model may not cope with a float64 scalar where it expects float32; the native run decides
             mode.mismatch = f"the loss raised {type(error).__name__}: {error}"
         self._reductions_verified = True
-        if mode.mismatch is None:
+        if not sharding.any_rank([mode.mismatch is not None])[0]:
             return value
+        if mode.mismatch is None:
+            mode.mismatch = "they differ on another rank"
         self.float64_reductions = False
         self.notes.append(f"float64 reductions switched off ({mode.mismatch})")
         return self._forward(contextlib.nullcontext())
@@ -343,7 +352,7 @@ class LossEvaluator:
         finally:
             self.state.after_evaluation(completed)
         self.value_dtype = value.dtype
-        return float(value.detach().double())
+        return sharding.global_loss(float(value.detach().double()))
 
     def use_float64_inputs(self) -> None:
         """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""

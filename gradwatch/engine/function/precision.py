@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.function.sandbox import RestoreError
+from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
 """``"native"``: probes evaluate the loss in the parameters' own dtype. ``"float64"``: in float64, on float64 copies
@@ -106,7 +106,7 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         evaluator.use_float64_inputs()
         try:
             trial = evaluator.loss()
-        except RestoreError:
+        except CheckAbandonedError:
             raise
         except Exception as error:
             problem = f"the loss raised {type(error).__name__} in float64 ({error})"

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.report import CheckAbandonedError
+
 MODULE_BOOKKEEPING = frozenset(
     {
         "training",
@@ -65,7 +67,7 @@ MAX_DEPTH = 8
 _CONTAINERS = (Tensor, nn.Module, list, collections.deque, dict, set, tuple)
 
 
-class RestoreError(RuntimeError):
+class RestoreError(CheckAbandonedError):
     """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
     the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
 

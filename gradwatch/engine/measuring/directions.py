@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.sharding.collective import layout, summed
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Displacement:
 
 
 class CoordinateDirection:
-    """One coordinate ``tensor[index]``; its analytic derivative is ``gradient``.
+    """One coordinate ``tensor[index]``; its analytic derivative is ``gradient``. In a sharded check ``index`` is
+    global and ``tensor`` a shard: the rank that holds the coordinate moves it, the others move nothing.
 
     Args:
         tensor: A parameter, or a working input of the evaluator.
@@ -50,8 +52,15 @@ class CoordinateDirection:
         self.tensor = tensor
         self.index = index
         self.analytic = gradient
-        self.value = tensor.detach()[index].clone()
+        found = layout(tensor)
+        self._local = index if found is None else found.local_index(index)  # None: another rank's shard holds it
+        self.value = tensor.detach()[self._local].clone() if self._local is not None else tensor.new_zeros(())
         self._after_write = after_write
+
+    @property
+    def magnitude(self) -> float:
+        """``|value|``, the same on every rank of a sharded check."""
+        return summed([self.value.abs().item()])[0]
 
     @property
     def tensors(self) -> list[Tensor]:
@@ -95,7 +104,7 @@ class CoordinateDirection:
         """The value ``value + offset`` as represented in the tensor's dtype, and the displacement that is."""
         origin = self.value.double()
         moved = (origin + offset).to(self.tensor.dtype)
-        actual = (moved.double() - origin).item()
+        actual = summed([(moved.double() - origin).item() if self._local is not None else 0.0])[0]
         return moved, Displacement(actual, self.analytic * actual)
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
@@ -103,8 +112,10 @@ class CoordinateDirection:
         self.tensor = replacements.get(id(self.tensor), self.tensor)
 
     def _write(self, value: Tensor) -> None:
+        if self._local is None:
+            return
         with torch.no_grad():
-            self.tensor[self.index] = value
+            self.tensor[self._local] = value
         if self._after_write is not None:
             self._after_write()
 

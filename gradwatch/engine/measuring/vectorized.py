@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.directions import Direction, Displacement
+from gradwatch.engine.report import CheckAbandonedError
 
 AGREEMENT = 1e-11
 """How closely, relative to the loss, a pass must reproduce the loss at the unperturbed point evaluated on its own:
@@ -182,7 +182,7 @@ class VectorizedLoss:
         inputs = {self._paths[key]: stack for key, stack in stacks.items() if key in self._paths}
         try:
             values = self.evaluator.losses(params, inputs, points)
-        except RestoreError:
+        except CheckAbandonedError:
             raise
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
             first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links

@@ -1,5 +1,8 @@
 """Norms and dot products of tensors, accumulated in float64 where a probe's numbers depend on them, with one host
-transfer per device (a device sync per tensor would dominate a probe on a GPU)."""
+transfer per device (a device sync per tensor would dominate a probe on a GPU).
+
+In a sharded check the tensors are each rank's shards: every norm, sum and element count here is of the whole tensors,
+reduced across the ranks (:mod:`gradwatch.engine.sharding`)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from gradwatch.engine.sharding.collective import active, summed
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -24,9 +29,9 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
 def total(terms: Sequence[Tensor]) -> float:
     """The sum of 0-dim tensors, possibly on several devices (a model split across GPUs), as one host value."""
     if not terms:
-        return 0.0
+        return summed([0.0])[0]
     device = terms[0].device
-    return torch.stack([t.to(device) for t in terms]).sum().item()
+    return summed([torch.stack([t.to(device) for t in terms]).sum().item()])[0]
 
 
 def norm(tensors: Sequence[Tensor]) -> float:
@@ -48,6 +53,19 @@ def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
     """
     if not tensors:
         return []
+    if active() is not None:
+        squares = summed([value**2 for value in _local_norms(tensors, exact=True)])
+        return [math.sqrt(value) for value in squares]
+    values = _local_norms(tensors, exact)
+    low, high = _RELIABLE_NORMS
+    for i, value in enumerate(values):
+        if not exact and not low < value < high:
+            values[i] = torch.linalg.vector_norm(tensors[i].detach(), dtype=torch.float64).item()
+    return values
+
+
+def _local_norms(tensors: Sequence[Tensor], exact: bool) -> list[float]:
+    """The norm of each tensor on this process."""
     groups: dict[torch.device, list[int]] = {}
     for i, tensor in enumerate(tensors):
         groups.setdefault(tensor.device, []).append(i)
@@ -56,10 +74,6 @@ def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
         batch = [_norm_input(tensors[i]) for i in positions]
         for i, value in zip(positions, torch.stack(_foreach_norm(batch, exact)).tolist(), strict=True):
             values[i] = value
-    low, high = _RELIABLE_NORMS
-    for i, value in enumerate(values):
-        if not exact and not low < value < high:
-            values[i] = torch.linalg.vector_norm(tensors[i].detach(), dtype=torch.float64).item()
     return values
 
 
@@ -81,5 +95,5 @@ def _foreach_norm(tensors: list[Tensor], exact: bool) -> list[Tensor]:
 def rms(*tensors: Tensor) -> float:
     """Root mean square over all elements of the tensors: each tensor's norm as :func:`norms` computes it, combined in
     float64. Precise enough for the scales steps are relative to."""
-    count = sum(t.numel() for t in tensors)
+    count = summed([sum(t.numel() for t in tensors)])[0]
     return norm(tensors) / math.sqrt(count) if count else 0.0

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-from gradwatch.engine.function.sandbox import RestoreError
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.report import CheckAbandonedError
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
@@ -104,7 +104,7 @@ class Ladder:
                     task.step = task.initial_step * scale
                     task.stencil = None
                     self._full(task)
-        except RestoreError:
+        except CheckAbandonedError:
             raise
         except Exception as error:
             notes.append(f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")

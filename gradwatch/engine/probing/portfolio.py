@@ -39,6 +39,7 @@ from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.report import DESCENT_TARGET, ProbeKind
+from gradwatch.engine.sharding.collective import active, any_rank, every_rank, global_numel, global_shape, value_at
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,14 @@ class Portfolio:
         self.settings = settings
         self.native_dtype = native_dtype
         self.params = evaluator.params
-        self.missing = [g is None for g in reference.param_grads]
+        self.missing = every_rank([g is None for g in reference.param_grads])
         self.grads = [
             g if g is not None else torch.zeros_like(p)
             for (_, p), g in zip(self.params, reference.param_grads, strict=True)
         ]
         param_norms = norms([p for _, p in self.params])
-        sizes = [max(p.numel(), 1) for _, p in self.params]
+        self.numels = [global_numel(p) for _, p in self.params]
+        sizes = [max(n, 1) for n in self.numels]
         self.param_rms = [n / math.sqrt(size) for n, size in zip(param_norms, sizes, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(sizes) or 1)
         self.tensor_grad_norms = list(grad_norms)
@@ -113,7 +115,7 @@ class Portfolio:
         # A derivative along a unit direction that would move the loss by less than that fraction of itself over the
         # parameters' own size is zero for all a gradient's rounding can tell: when the whole gradient is that small
         # (an exactly constant output, computed as 7e-8 by float32 autograd), it is judged against this, not itself.
-        size = self.param_scale * math.sqrt(sum(p.numel() for _, p in self.params)) or 1.0
+        size = self.param_scale * math.sqrt(sum(self.numels)) or 1.0
         self.loss_floor = self.negligible * abs(reference.loss) / size
         self.rng = generator(settings.seed, settings.step)
         self.exempt = {i: settings.exempt[name] for i, (name, _) in enumerate(self.params) if name in settings.exempt}
@@ -143,7 +145,7 @@ class Portfolio:
         old = task.direction
         direction: Direction
         if isinstance(old, CoordinateDirection):
-            direction = CoordinateDirection(tensors[0], old.index, grads[0][old.index].item(), after)
+            direction = CoordinateDirection(tensors[0], old.index, value_at(grads[0], old.index), after)
         else:
             direction = VectorDirection(tensors, old.components, grads, old.coefficient, after)
         return dataclasses.replace(
@@ -166,7 +168,7 @@ class Portfolio:
         chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
         chosen += [others[i] for i in rotating_window(len(others), settings.random_probes, settings.rotation + 1)]
         pending += [self._random_probe(i) for i in chosen]
-        shapes = [tuple(p.shape) for _, p in self.params]
+        shapes = [tuple(global_shape(p)) for _, p in self.params]
         for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
             pending.append(self._coordinate_probe("param", coordinate.tensor, coordinate.index))
         if input_direction:
@@ -219,11 +221,11 @@ class Portfolio:
         """A random unit direction over every parameter, for a gradient that is exactly zero."""
         if not self.params:
             return None
-        generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
+        generator = _shard_generator(self.rng.getrandbits(63))
         vectors = [torch.randn(p.shape, generator=generator, dtype=torch.float64) for _, p in self.params]
         for i, mask in self.exempt.items():
             vectors[i][mask.cpu()] = 0.0
-        size = math.sqrt(sum(float(v.square().sum()) for v in vectors)) or 1.0
+        size = norm(vectors) or 1.0
         components = [v.to(device=p.device, dtype=p.dtype) for v, (_, p) in zip(vectors, self.params, strict=True)]
         direction = VectorDirection([p for _, p in self.params], components, self.grads, 1.0 / size)
         dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
@@ -234,7 +236,8 @@ class Portfolio:
 
     def _input_direction(self) -> ProbeTask | None:
         grads = self.reference.input_grads
-        paths = [path for path, g in grads.items() if bool(g.any())]
+        nonzero = any_rank([bool(g.any()) for g in grads.values()])
+        paths = [path for path, moved in zip(grads, nonzero, strict=True) if moved]
         if not paths or self.settings.input_probes == 0:
             return None
         tensors = [self.evaluator.inputs[path] for path in paths]
@@ -259,40 +262,43 @@ class Portfolio:
     def _random_probe(self, i: int) -> ProbeTask:
         name, param = self.params[i]
         grad = self.grads[i]
-        generator = torch.Generator().manual_seed(self.rng.getrandbits(63))
+        generator = _shard_generator(self.rng.getrandbits(63))
         vector = torch.randn(param.shape, generator=generator, dtype=torch.float64)
         if i in self.exempt:
             vector[self.exempt[i].cpu()] = 0.0
-        vector = vector.div_(torch.linalg.vector_norm(vector)).to(device=param.device, dtype=param.dtype)
+        vector = vector.div_(norm([vector]) or 1.0).to(device=param.device, dtype=param.dtype)
         direction = VectorDirection([param], [vector], [grad])
         step = self._relative_step(param.dtype) * self._tensor_scale(i)
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
         expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
-        floor = expected / math.sqrt(max(param.numel(), 1))
+        floor = expected / math.sqrt(max(self.numels[i], 1))
         return ProbeTask("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i], moves=(i,))
 
     def _coordinate_probe(self, kind: ProbeKind, tensor: int, index: tuple[int, ...] | None = None) -> ProbeTask | None:
         if kind == "input":
             return self._input_coordinate(tensor, index)
         name, param = self.params[tensor]
+        shape = global_shape(param)
         if index is None:
-            index = _random_index(param.shape, self.rng)
+            index = _random_index(shape, self.rng)
         for _ in range(8):  # a coordinate whose gradient is zero by design says nothing: another one
-            if tensor not in self.exempt or not bool(self.exempt[tensor][index]):
+            if tensor not in self.exempt or not value_at(self.exempt[tensor], index):
                 break
-            index = _random_index(param.shape, self.rng)
+            index = _random_index(shape, self.rng)
         else:
             return None
         grad = self.grads[tensor]
-        direction = CoordinateDirection(param, index, grad[index].item())
-        value = direction.value.abs().item()
-        step = self._relative_step(param.dtype) * max(value, self._tensor_scale(tensor))
-        grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(param.numel(), 1))
-        floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(param.numel()))
+        direction = CoordinateDirection(param, index, value_at(grad, index))
+        step = self._relative_step(param.dtype) * max(direction.magnitude, self._tensor_scale(tensor))
+        numel = self.numels[tensor]
+        grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(numel, 1))
+        floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(numel))
         missing = self.missing[tensor]
         return ProbeTask("param", name, index, direction, step, floor, tensor=tensor, missing=missing, moves=(tensor,))
 
     def _input_coordinates(self) -> list[ProbeTask | None]:
+        if active() is not None:  # each rank's inputs differ in shape and number: only the input direction is global
+            return []
         grads = self.reference.input_grads
         inputs = [self.evaluator.inputs[path] for path in grads]
         coordinates = sample_coordinates(
@@ -311,6 +317,14 @@ class Portfolio:
         step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), rms(working)) or 1.0)
         floor = 2 * rms(grad)
         return ProbeTask("input", path, index, direction, step, scale_floor=floor, tensor=tensor, moves=(path,))
+
+
+def _shard_generator(seed: int) -> torch.Generator:
+    """A generator for a random direction: in a sharded check each rank draws its own shard of the direction."""
+    collective = active()
+    if collective is not None:
+        seed = random.Random(f"{seed}:{collective.rank}").getrandbits(63)
+    return torch.Generator().manual_seed(seed)
 
 
 def _random_index(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
