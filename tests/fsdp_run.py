@@ -28,26 +28,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
+from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import GradWatch
-
-
-class ScaledWeightGradient(torch.autograd.Function):
-    """``x @ w.T`` whose backward scales the weight's gradient by ``factor`` (1.0: correct)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, factor: float) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.factor = factor
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, ctx.factor * grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]), None
 
 
 class CustomLinear(nn.Module):

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
@@ -21,19 +22,6 @@ from gradwatch.engine.sharding.parameters import UnsupportedShardingError
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"
 )
-
-
-class ScaledWeightGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, factor: float) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.factor = factor
-        return x @ weight.t()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, ctx.factor * grad.t() @ x, None
 
 
 class Net(nn.Module):
