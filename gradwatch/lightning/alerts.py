@@ -46,8 +46,14 @@ def failure_message(report: CheckReport, limit: int = 5) -> str:
     """A readable account of a failing report: where the gradient is wrong and by how much."""
     failures = report.failures
     lines = [f"gradwatch: gradient check failed at step {report.step} ({len(failures)} of {len(report.probes)} probes)"]
+    if report.fault is not None:  # an applied check: the fault leads
+        lines[0] = f"gradwatch: {report.fault} fault: applied gradient check failed at step {report.step}"
+        lines.append(f"  {report.fault_message}")
     if report.culprit_message:
-        lines[0] = f"gradwatch: gradient check failed at step {report.step}: {report.culprit_message}"
+        if report.fault is None:
+            lines[0] = f"gradwatch: gradient check failed at step {report.step}: {report.culprit_message}"
+        else:
+            lines.append(f"  culprit: {report.culprit_message}")
         lines.append(f"  ({len(failures)} of {len(report.probes)} probes failed)")
     lines += [f"  {probe.describe()}" for probe in failures[:limit]]
     if len(failures) > limit:

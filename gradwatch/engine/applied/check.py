@@ -1,0 +1,343 @@
+"""One check of the gradient the optimizer applies: :func:`check_applied_gradient`.
+
+1. **Consistency across ranks** (DDP): every rank must hold the same reduced gradient; per-tensor checksums are
+   compared, and a rank that disagrees is named (fault ``"reduction"``).
+2. **The noise floor of the path** (:mod:`.verdict`): per tensor, how far a correct gradient of the path's precision is
+   from a more precise one, measured with trusted gradients (:mod:`.gradients`, :mod:`.rounding`).
+3. **The probes** (:mod:`.probes`): central differences of the window's loss (:mod:`.window`), on float64 storage
+   where the model allows it, outside autocast, along the applied gradient and along each tensor's part of it.
+4. **The attribution** of a failure (:mod:`.attribution`), and for a formula fault today's culprit search.
+
+The model's parameters, buffers, ``.grad`` (the very tensors, bit for bit), random states and modes are left as they
+were: the optimizer then steps with the same gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradwatch.engine import validation as validate
+from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
+from gradwatch.engine.applied.probes import AppliedProbes, Measured
+from gradwatch.engine.applied.verdict import floor_multiple, floors, storage_rounding
+from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss, window_loss
+from gradwatch.engine.check import check_gradients
+from gradwatch.engine.compiled import compiled_parts
+from gradwatch.engine.function.conditions import probe_conditions, warnings_withheld
+from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.precision import float64_storage, resolve_precision
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import center_tolerance
+from gradwatch.engine.report import CheckReport, Probe
+
+__all__ = ["check_applied_gradient", "path_autocast"]
+
+
+def path_autocast(path: PathContext | None) -> torch.dtype | None:
+    """The autocast dtype the path's context enables (on any device), or ``None``."""
+    if path is None:
+        return None
+    with path():
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+    return None
+
+
+class _GlobalEvaluator(LossEvaluator):
+    """The evaluator of the window loss, averaged over the ranks of ``group`` (the loss DDP's mean differentiates)."""
+
+    group: Any = None
+
+    def loss(self) -> float:
+        value = super().loss()
+        if self.group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor, group=self.group)
+        return float(tensor.item()) / dist.get_world_size(self.group)
+
+
+def check_applied_gradient(
+    model: nn.Module,
+    batches: Sequence[Any],
+    loss_fn: LossFn,
+    gradients: Mapping[str, Tensor] | Sequence[Tensor] | None = None,
+    *,
+    combine: Combine = "mean",
+    rng_states: Sequence[dict[str, Any] | None] | None = None,
+    path: PathContext | None = None,
+    step: int = 0,
+    group: Any = None,
+    start: Checksums | None = None,
+    tensor_probes: int | None = None,
+    rotation: int = 0,
+    culprit_search: bool = True,
+) -> CheckReport:
+    """Check the gradient the optimizer is about to apply against central differences of the window's loss.
+
+    Args:
+        model: The module whose trainable floating parameters the optimizer updates.
+        batches: The micro-batches of the accumulation window, in order (one for a loop without accumulation).
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss of one micro-batch as the loop computes it.
+        gradients: The gradients to check, by parameter name or in the order of the trainable parameters; by default
+            each parameter's ``.grad`` (read, never changed; a parameter without one is not checked).
+        combine: How the loop combines micro-batch losses: ``"mean"`` (Lightning; a loop dividing each loss by the
+            number of micro-batches), ``"sum"``, or ``combine(losses) -> Tensor``.
+        rng_states: The random state before each micro-batch's forward (``capture_rng()``), replayed so dropout draws
+            the training's masks; ``None`` for a loss without randomness.
+        path: A factory of the context the training's forward ran in, e.g. ``lambda: torch.autocast("cpu",
+            dtype=torch.bfloat16)``; only recomputations of the path use it (finite differences never run in 16 bits).
+        step: The optimizer step, recorded on the report.
+        group: Under DDP, the process group: every rank calls the check together, the loss is the mean of the ranks'
+            window losses, and the ranks' gradients are compared.
+        start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
+            leftover of an earlier window is then recognised as an accumulation fault.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn (``None``: every tensor);
+            every tensor when the descent probe fails.
+        rotation: Which window of tensors the probes cover (the check's position in a series).
+        culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
+            the module whose backward is wrong.
+
+    Returns:
+        A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
+        the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+    batches = list(batches) if isinstance(batches, (list, tuple)) else None  # type: ignore[assignment]
+    if not batches:
+        raise ValueError("`batches` must be a non-empty list or tuple of the window's micro-batches")
+    validate.check_choice("combine", combine, COMBINES, allow_callable=True)
+    states = list(rng_states) if rng_states is not None else [None] * len(batches)
+    if len(states) != len(batches):
+        raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(batches)}); got {len(states)}")
+    validate.check_int("step", step, minimum=0)
+    validate.check_optional_int("tensor_probes", tensor_probes, minimum=1)
+    started = time.perf_counter()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    applied_all = _applied(trainable, gradients)
+    chosen = [i for i, g in enumerate(applied_all) if g is not None]
+    names = [trainable[i][0] for i in chosen]
+    params = [trainable[i][1] for i in chosen]
+    applied = [applied_all[i].detach() for i in chosen]  # type: ignore[union-attr]
+    if start is not None and len(start.sums) == len(trainable):
+        start = Checksums(tuple(start.sums[i] for i in chosen))
+    notes = [f"{len(trainable) - len(chosen)} trainable parameter(s) have no gradient to check"] if len(chosen) < len(
+        trainable
+    ) else []  # fmt: skip
+    autocast = path_autocast(path)
+    native = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
+    path_dtype = autocast or native
+    multiple = floor_multiple(path_dtype)
+    base = dict(step=step, loss=math.nan, n_backward=0, scope="applied", samples=len(batches))
+    if group is not None:
+        disagreeing = _disagreeing_ranks(applied, group)
+        if disagreeing:
+            message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
+            probe = Probe("descent", "*", None, math.nan, math.nan, math.inf, "fail", math.nan, 0.0, "ranks disagree")
+            return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
+                               duration_s=time.perf_counter() - started, notes=notes, fault="reduction",
+                               fault_message=message)  # fmt: skip
+    if not all(bool(torch.isfinite(g).all()) for g in applied):
+        probe = Probe("loss", "*", None, math.inf, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
+        return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
+                           duration_s=time.perf_counter() - started, notes=notes, fault="unknown",
+                           fault_message="the applied gradient holds non-finite values")  # fmt: skip
+    state = TrainingState.capture(model)
+    setting = PathSetting(model, batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
+                          params, state, group, start)  # fmt: skip
+    with warnings_withheld() as withheld:
+        try:
+            outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation, notes)
+        finally:
+            state.restore()
+    measured, evaluator, attribution, floor_values, loss, backward = outcome
+    if withheld:
+        notes.append(f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}")
+    culprits: list[str] = []
+    culprit_message = ""
+    if attribution is not None and attribution.search_culprit and culprit_search:
+        found = check_gradients(model, batches[0], single_loss(loss_fn, states[0], None), step=step)
+        culprits, culprit_message = found.culprits, found.culprit_message
+    probes = [m.probe for m in measured]
+    descent = next((m for m in measured if m.probe.kind == "descent"), None)
+    failing = any(p.verdict == "fail" for p in probes)
+    return CheckReport(
+        step=step,
+        verdict="fail" if failing else ("ok" if any(p.verdict == "ok" for p in probes) else "inconclusive"),
+        probes=probes,
+        loss=loss,
+        n_forward=evaluator.n_forward if evaluator is not None else 0,
+        n_backward=backward,
+        n_passes=evaluator.n_forward if evaluator is not None else 0,
+        duration_s=time.perf_counter() - started,
+        notes=list(dict.fromkeys(notes + (evaluator.notes if evaluator is not None else []))),
+        samples=len(batches),
+        precision="float64" if evaluator is not None and evaluator.value_dtype == torch.float64 else "native",
+        rtol=math.nan,
+        culprits=culprits,
+        culprit_message=culprit_message,
+        scope="applied",
+        fault=attribution.fault if attribution is not None else None,
+        fault_message=attribution.message if attribution is not None else "",
+        noise_floor=descent.probe.floor / descent.probe.analytic if descent and descent.probe.analytic else math.nan,
+        floor_excess=max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan),
+    )
+
+
+def _applied(
+    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
+) -> list[Tensor | None]:
+    if given is None:
+        return [p.grad for _, p in trainable]
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - {n for n, _ in trainable})
+        if unknown:
+            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
+        return [given.get(n) for n, _ in trainable]
+    given = list(given)
+    if len(given) != len(trainable):
+        raise ValueError(f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}")
+    return given
+
+
+def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
+    """The ranks whose gradient checksums differ from rank 0's."""
+    mine = Checksums.of(applied)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
+
+
+def _measure(
+    setting: PathSetting,
+    names: list[str],
+    applied: list[Tensor],
+    native: torch.dtype,
+    path_dtype: torch.dtype,
+    multiple: float,
+    tensor_probes: int | None,
+    rotation: int,
+    notes: list[str],
+) -> tuple[list[Measured], LossEvaluator | None, Attribution | None, list[float], float, int]:
+    model, params, state, group = setting.model, setting.params, setting.state, setting.group
+    named = list(zip(names, params, strict=True))
+    evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), named, state)
+    evaluator.group = group
+    with probe_conditions():
+        reference = evaluator.reference(with_inputs=False)
+    eager = recompute.rank_mean(
+        [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
+        group,
+    )
+    backward = 2
+    if setting.autocast is not None:
+        low, high = recompute.emulated_gradient(model, setting.batches, setting.window(False), params, state,
+                                                setting.autocast, group), eager  # fmt: skip
+    else:
+        try:
+            low, high = eager, recompute.float64_gradient(model, setting.batches, setting.window(False), params, state,
+                                                          group)  # fmt: skip
+        except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
+            notes.append(f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})")
+            low = high = eager
+    applied_norms = norms(applied, exact=True)
+    floor_values = floors(low, high, applied_norms, path_dtype)
+    notes.append(
+        f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
+        f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
+        f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise"
+    )
+    measured = _probe(setting, evaluator, named, applied, floor_values, multiple, native, reference.loss,
+                      tensor_probes, rotation)  # fmt: skip
+    failing = [m for m in measured if m.probe.verdict == "fail"]
+    attribution = None
+    if failing:
+        attribution = attribute(setting, applied, eager, failing, floor_values, multiple)
+    return measured, evaluator, attribution, floor_values, reference.loss, backward
+
+
+def _probe(
+    setting: PathSetting,
+    evaluator: LossEvaluator,
+    named: list[tuple[str, Tensor]],
+    applied: list[Tensor],
+    floor_values: list[float],
+    multiple: float,
+    native: torch.dtype,
+    loss: float,
+    tensor_probes: int | None,
+    rotation: int,
+) -> list[Measured]:
+    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
+    elements = sum(p.numel() for _, p in named)
+    mode = resolve_precision("auto", native, elements)
+    with probe_conditions():
+        if mode == "float64":
+            with float64_storage(setting.model) as substitutes:
+                evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
+                evaluator.use_float64_inputs()
+                try:
+                    return _probes_at(evaluator, named, applied, floor_values, multiple, native, loss, tensor_probes,
+                                      rotation, torch.float64)  # fmt: skip
+                finally:
+                    evaluator.params = named
+                    evaluator.use_native_inputs()
+        return _probes_at(evaluator, named, applied, floor_values, multiple, native, loss, tensor_probes, rotation,
+                          native)  # fmt: skip
+
+
+def _probes_at(
+    evaluator: LossEvaluator,
+    named: list[tuple[str, Tensor]],
+    applied: list[Tensor],
+    floor_values: list[float],
+    multiple: float,
+    native: torch.dtype,
+    loss: float,
+    tensor_probes: int | None,
+    rotation: int,
+    compute: torch.dtype,
+) -> list[Measured]:
+    center = evaluator.loss()
+    if abs(center - loss) > center_tolerance(loss, native, compute):
+        evaluator.notes.append(
+            f"no probe made: the window's loss is {center:.9g} when evaluated again, {loss:.9g} when differentiated; "
+            "it draws randomness that was not recorded (pass rng_states) or is not a function of the parameters"
+        )
+        return []
+    measurements = Measurements(evaluator, center)
+    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
+                           floor_values, multiple, native)  # fmt: skip
+    descent = probes.descent()
+    measured = [descent] if descent is not None else []
+    count = len(named)
+    if descent is not None and descent.probe.verdict == "fail" or tensor_probes is None or tensor_probes >= count:
+        order = list(range(count))
+    else:
+        first = (rotation * tensor_probes) % count
+        order = [(first + k) % count for k in range(tensor_probes)]
+    for i in order:
+        found = probes.tensor(i)
+        if found is not None:
+            measured.append(found)
+    if any(m.probe.verdict == "fail" for m in measured) and len(order) < count:
+        for i in sorted(set(range(count)) - set(order)):  # name every tensor at fault
+            found = probes.tensor(i)
+            if found is not None:
+                measured.append(found)
+    return measured
