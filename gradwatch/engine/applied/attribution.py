@@ -72,14 +72,17 @@ def attribute(
     failing: Sequence[Measured],
     floors: Sequence[float],
     multiple: float,
+    again: list[Tensor] | None = None,
 ) -> Attribution:
-    """The part of the path at fault (see the module doc); ``eager`` is eager float32 autograd's window gradient."""
+    """The part of the path at fault (see the module doc); ``eager`` is eager float32 autograd's window gradient,
+    ``again`` the path's, if the check computed it already."""
 
     def right(grads: list[Tensor]) -> bool:
         return all(probe.agrees(grads, applied) for probe in failing)
 
     model, batches, params, state, group = setting.model, setting.batches, setting.params, setting.state, setting.group
-    again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group)
+    if again is None:
+        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group)
     if right(again):
         return _off_the_path(setting, applied, again, floors, multiple)
     if not right(eager):

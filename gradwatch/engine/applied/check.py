@@ -28,11 +28,11 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.probes import AppliedProbes, Measured
-from gradwatch.engine.applied.verdict import floor_multiple, floors, storage_rounding
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss, window_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
-from gradwatch.engine.function.conditions import probe_conditions, warnings_withheld
+from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import float64_storage, resolve_precision
 from gradwatch.engine.function.state import TrainingState
@@ -238,25 +238,31 @@ def _measure(
     named = list(zip(names, params, strict=True))
     evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), named, state)
     evaluator.group = group
-    with probe_conditions():
+    with recompute.exact_conditions():
         reference = evaluator.reference(with_inputs=False)
     eager = recompute.rank_mean(
         [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
         group,
     )
     backward = 2
+    window = setting.window(with_path=False)
+    again = None
     if setting.autocast is not None:
-        low, high = recompute.emulated_gradient(model, setting.batches, setting.window(False), params, state,
-                                                setting.autocast, group), eager  # fmt: skip
+        emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
+        again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group)
+        scaled = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
+                                         scale=SPREAD_SCALE)  # fmt: skip
+        measured_floors = [distances(emulated, eager), distances(again, scaled)]
+        backward += 2
     else:
         try:
-            low, high = eager, recompute.float64_gradient(model, setting.batches, setting.window(False), params, state,
-                                                          group)  # fmt: skip
+            measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,
+                                                                           state, group))]  # fmt: skip
         except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
             notes.append(f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})")
-            low = high = eager
+            measured_floors = []
     applied_norms = norms(applied, exact=True)
-    floor_values = floors(low, high, applied_norms, path_dtype)
+    floor_values = floors(measured_floors, applied_norms, path_dtype)
     notes.append(
         f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
         f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
@@ -267,7 +273,7 @@ def _measure(
     failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = None
     if failing:
-        attribution = attribute(setting, applied, eager, failing, floor_values, multiple)
+        attribution = attribute(setting, applied, eager, failing, floor_values, multiple, again)
     return measured, evaluator, attribution, floor_values, reference.loss, backward
 
 
@@ -286,7 +292,7 @@ def _probe(
     """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
     elements = sum(p.numel() for _, p in named)
     mode = resolve_precision("auto", native, elements)
-    with probe_conditions():
+    with recompute.exact_conditions():
         if mode == "float64":
             with float64_storage(setting.model) as substitutes:
                 evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]

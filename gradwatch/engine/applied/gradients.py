@@ -8,7 +8,8 @@ random states replayed and the buffers restored by the check's :class:`TrainingS
 * :func:`float64_gradient`: on float64 copies of the parameters, buffers and inputs, the gradient hooks of the
   parameters applied as autograd applies them to the float32 parameters;
 * :func:`path_gradient`: on the training's own path, as the loop runs its forward (its autocast context, its compiled
-  code), or with one element of the path switched off (``compiled=False``: compiled code run eagerly).
+  code), or with one element of the path switched off (``compiled=False``: compiled code run eagerly), or of the loss
+  scaled by a factor (the same gradient, rounded otherwise).
 
 Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
 by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
@@ -18,7 +19,7 @@ by a plain all-reduce of gradwatch's own: the training's reduction (and its comm
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,17 +44,18 @@ def _gradient(
     wrt: Sequence[Tensor],
     state: TrainingState,
     group: Any,
+    scale: float = 1.0,
 ) -> Gradient:
     completed = False
     state.replay_rng()
     try:
         with torch.enable_grad():
             loss = as_scalar_loss(loss_fn(model, batches))
-            found = torch.autograd.grad(loss, list(wrt), allow_unused=True)
+            found = torch.autograd.grad(loss * scale if scale != 1.0 else loss, list(wrt), allow_unused=True)
         completed = True
     finally:
         state.after_evaluation(completed)
-    grads = [g.detach() if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
+    grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
     return rank_mean(grads, group)
 
 
@@ -70,11 +72,20 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
     return reduced
 
 
+@contextlib.contextmanager
+def exact_conditions() -> Iterator[None]:
+    """The conditions of the check's own evaluations: outside autocast, full-precision float32 kernels, compiled code
+    run eagerly. Unlike a recomputed check's, dropout is left exactly as training calls it (the check evaluates points
+    one by one, never in vectorised passes), so that it draws the training's masks."""
+    with autocast_disabled(), full_float32_precision(), compiler_disabled():
+        yield
+
+
 def eager_gradient(
     model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, group: Any = None
 ) -> Gradient:
     """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window)."""
-    with autocast_disabled(), full_float32_precision(), compiler_disabled():
+    with exact_conditions():
         return _gradient(model, batches, loss_fn, params, state, group)
 
 
@@ -88,7 +99,7 @@ def emulated_gradient(
     group: Any = None,
 ) -> Gradient:
     """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
-    with autocast_disabled(), full_float32_precision(), compiler_disabled(), AutocastRounding(dtype):
+    with exact_conditions(), AutocastRounding(dtype):
         return _gradient(model, batches, loss_fn, params, state, group)
 
 
@@ -119,10 +130,12 @@ def path_gradient(
     *,
     compiled: bool = True,
     group: Any = None,
+    scale: float = 1.0,
 ) -> Gradient:
     """Autograd of the window's loss as the training computes it (``loss_fn`` enters the path's context per
-    micro-batch), with compiled code run eagerly if not ``compiled``."""
+    micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, of the loss times it, divided
+    by it (the same gradient, rounded otherwise on a 16-bit path: see :func:`~gradwatch.engine.applied.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())
-        return _gradient(model, batches, loss_fn, params, state, group)
+        return _gradient(model, batches, loss_fn, params, state, group, scale)

@@ -4,11 +4,19 @@ A probe moves the parameters along a unit direction ``d`` and measures the windo
 differences, precisely (float64 storage, or float64 reductions): its own error ``n`` is the stencil's (see
 :mod:`gradwatch.engine.numerics.assessment`). The applied gradient predicts ``a = g·d``. A correct gradient of the
 path still differs from the exact derivative by its rounding, which depends on the path: float32 autograd, bf16
-autocast. That rounding is measured, not assumed (:func:`floors`): per tensor ``T``, the distance
-``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the path's precision and one in a higher precision (for a 16-bit
-autocast path, float32 autograd with autocast's rounding emulated against plain float32 autograd; for a float32 path,
-float32 autograd against float64 autograd), at least the rounding of storing the gradient in the path's dtype. By
-Cauchy-Schwarz the error of that trusted gradient along any unit direction within ``T`` is at most that distance.
+autocast. That rounding is measured, not assumed (:func:`floors`), per tensor ``T``, as the largest of:
+
+* the **forward's and formulas' rounding**: the distance ``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the
+  path's precision and one in a higher precision (for a 16-bit autocast path, float32 autograd with autocast's rounding
+  emulated, :mod:`.rounding`, against plain float32 autograd; for a float32 path, float32 autograd against float64);
+* on a 16-bit path, the **backward kernels' own rounding** (a reduction accumulated in 16 bits inside a norm's
+  backward, which no emulation on float32 kernels reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's
+  gradient of the loss and of three times the loss, which the same kernels round differently. A fault that scales a
+  gradient is the same in both and cancels out of the spread, so it cannot hide itself in the floor;
+* the rounding of storing the gradient in the path's dtype, ``u · ‖g_T‖``.
+
+By Cauchy-Schwarz the error of a gradient that far off along any unit direction within ``T`` is at most that
+distance.
 
 The applied gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
 :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times ``n``, and the discrepancy reproduces at an independent
@@ -44,11 +52,20 @@ def storage_rounding(dtype: torch.dtype) -> float:
     return machine_epsilon(dtype) / 2
 
 
-def floors(low: Sequence[Tensor], high: Sequence[Tensor], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:
-    """Per tensor, the noise floor of a correct gradient on a path computing in ``dtype`` (see the module doc)."""
-    measured = norms([lo.double() - hi.double() for lo, hi in zip(low, high, strict=True)], exact=True)
+SPREAD_SCALE = 3.0
+"""The loss factor of the spread measurement: not a power of two, so that every rounding of the backward changes."""
+
+
+def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
+    """``‖a_T − b_T‖`` per tensor, in float64."""
+    return norms([x.double() - y.double() for x, y in zip(a, b, strict=True)], exact=True)
+
+
+def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:
+    """Per tensor, the noise floor of a correct gradient on a path computing in ``dtype``: the largest of the
+    ``measured`` distances (see the module doc) and the storage rounding."""
     rounding = storage_rounding(dtype)
-    return [max(m, rounding * a) for m, a in zip(measured, applied_norms, strict=True)]
+    return [max(rounding * a, *(m[i] for m in measured)) for i, a in enumerate(applied_norms)]
 
 
 @dataclass(frozen=True)
