@@ -131,7 +131,7 @@ def train_window(
     for batch in batches:
         window.record(batch)
         with path() if path is not None else contextlib.nullcontext():
-            loss = cross_entropy(forward or model, batch)
+            loss = cross_entropy(forward if forward is not None else model, batch)
         (loss / len(batches)).backward()
     return window
 

@@ -82,7 +82,7 @@ def attribute(
 
     model, batches, params, state, group = setting.model, setting.batches, setting.params, setting.state, setting.group
     if again is None:
-        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group)
+        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group)[1]
     if right(again):
         return _off_the_path(setting, applied, again, floors, multiple)
     if not right(eager):
@@ -92,19 +92,19 @@ def attribute(
             "wrong, whatever the path",
             search_culprit=True,
         )
-    if setting.compiled:
-        uncompiled = gradients.path_gradient(model, batches, setting.window(), params, state, compiled=False, group=group)
-        if right(uncompiled):
-            return Attribution(
-                "compiled",
-                "the same path with its compiled code run eagerly gives the right gradient: the compiled graph's "
-                "backward is wrong",
-            )
+    # compiled code may hide in the loss function (a module compiled elsewhere): switching the compiler off is tried
+    uncompiled = gradients.path_gradient(model, batches, setting.window(), params, state, compiled=False, group=group)
+    if right(uncompiled[1]):
+        return Attribution(
+            "compiled",
+            "the same path with its compiled code run eagerly gives the right gradient: the compiled graph's "
+            "backward is wrong",
+        )
     if setting.autocast is not None:
         plain = gradients.path_gradient(
             model, batches, setting.window(with_path=False), params, state, compiled=False, group=group
         )
-        if right(plain):
+        if right(plain[1]):
             dtype = str(setting.autocast).removeprefix("torch.")
             return Attribution(
                 "precision",
@@ -175,7 +175,7 @@ def _recombination(
     for batch, state in zip(setting.batches, setting.rng_states, strict=True):
         loss = single_loss(setting.loss_fn, state, setting.path)
         micro.append(
-            gradients.path_gradient(setting.model, batch, loss, setting.params, setting.state, group=setting.group)
+            gradients.path_gradient(setting.model, batch, loss, setting.params, setting.state, group=setting.group)[1]
         )
     k = len(micro)
     gram = torch.tensor([[total([dot(a, b) for a, b in zip(micro[i], micro[j], strict=True)]) for j in range(k)]

@@ -244,20 +244,31 @@ def _measure(
         [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
         group,
     )
-    backward = 2
+    backward = 1
     window = setting.window(with_path=False)
     again = None
+    if setting.autocast is not None or setting.compiled:
+        path_loss, again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group)
+        backward += 1
+        if abs(path_loss - reference.loss) > center_tolerance(reference.loss, path_dtype, path_dtype):
+            notes.append(
+                f"no probe made: the training's path computes another loss ({path_loss:.9g}) than its eager evaluation "
+                f"({reference.loss:.9g}); compiled code draws its own random numbers (dropout), which an eager "
+                "evaluation cannot replay (torch._inductor.config.fallback_random = True makes them eager's)"
+            )
+            return [], evaluator, None, [], reference.loss, backward
     if setting.autocast is not None:
+        assert again is not None
         emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
-        again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group)
         scaled = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
-                                         scale=SPREAD_SCALE)  # fmt: skip
+                                         scale=SPREAD_SCALE)[1]  # fmt: skip
         measured_floors = [distances(emulated, eager), distances(again, scaled)]
         backward += 2
     else:
         try:
             measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,
                                                                            state, group))]  # fmt: skip
+            backward += 1
         except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
             notes.append(f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})")
             measured_floors = []

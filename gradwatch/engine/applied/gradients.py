@@ -45,7 +45,7 @@ def _gradient(
     state: TrainingState,
     group: Any,
     scale: float = 1.0,
-) -> Gradient:
+) -> tuple[float, Gradient]:
     completed = False
     state.replay_rng()
     try:
@@ -56,7 +56,7 @@ def _gradient(
     finally:
         state.after_evaluation(completed)
     grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
-    return rank_mean(grads, group)
+    return float(loss.detach()), rank_mean(grads, group)
 
 
 def rank_mean(grads: Gradient, group: Any) -> Gradient:
@@ -86,7 +86,7 @@ def eager_gradient(
 ) -> Gradient:
     """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window)."""
     with exact_conditions():
-        return _gradient(model, batches, loss_fn, params, state, group)
+        return _gradient(model, batches, loss_fn, params, state, group)[1]
 
 
 def emulated_gradient(
@@ -100,7 +100,7 @@ def emulated_gradient(
 ) -> Gradient:
     """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
     with exact_conditions(), AutocastRounding(dtype):
-        return _gradient(model, batches, loss_fn, params, state, group)
+        return _gradient(model, batches, loss_fn, params, state, group)[1]
 
 
 def float64_gradient(
@@ -111,7 +111,7 @@ def float64_gradient(
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
         wrt = [substitutes.get(id(p), p).requires_grad_(True) for p in params]
-        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, None)
+        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, None)[1]
     hooked = []
     for param, grad in zip(params, grads, strict=True):
         for hook in (getattr(param, "_backward_hooks", None) or {}).values():
@@ -131,8 +131,8 @@ def path_gradient(
     compiled: bool = True,
     group: Any = None,
     scale: float = 1.0,
-) -> Gradient:
-    """Autograd of the window's loss as the training computes it (``loss_fn`` enters the path's context per
+) -> tuple[float, Gradient]:
+    """The loss and autograd of the window's loss as the training computes it (``loss_fn`` enters the path's context per
     micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, of the loss times it, divided
     by it (the same gradient, rounded otherwise on a 16-bit path: see :func:`~gradwatch.engine.applied.verdict.floors`)."""
     with contextlib.ExitStack() as stack:

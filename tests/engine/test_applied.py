@@ -1,0 +1,166 @@
+"""check_applied_gradient: planted faults on the training's path, each caught at the first check and attributed to
+the right element, while the eager float32 recomputation (check_gradients) stays right; no false alarm on healthy
+models in float32 and bf16 autocast, with and without accumulation; nothing of the run changes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from applied_models import (  # noqa: E402
+    CNN,
+    MLP,
+    ChannelsLastPool,
+    Transformer,
+    batch_for,
+    bf16,
+    cross_entropy,
+    scaled_once,
+    train_window,
+)
+from helpers import assert_bit_identical, snapshot  # noqa: E402
+
+from gradwatch import GradientCheckError, check_gradients  # noqa: E402
+from gradwatch.engine.applied import AppliedWindow, check_applied_gradient  # noqa: E402
+
+
+def _eager_check_passes(model: torch.nn.Module, batch: object) -> bool:
+    return check_gradients(model, batch, cross_entropy).verdict == "ok"
+
+
+def test_a_backward_wrong_only_under_autocast_is_a_precision_fault() -> None:
+    torch.manual_seed(0)
+    model = MLP(autocast_fault=1.5)
+    window = train_window(model, [batch_for(model, seed=1), batch_for(model, seed=2)], bf16)
+    report = window.check(cross_entropy, path=bf16)
+    assert report.scope == "applied"
+    assert report.verdict == "fail"
+    assert report.fault == "precision"
+    assert {p.target for p in report.failures} >= {"fc1.weight", "fc1.bias"}
+    assert "fc2.weight" not in {p.target for p in report.failures}  # before the faulty tanh: right
+    assert report.floor_excess > 1
+    assert _eager_check_passes(model, batch_for(model, seed=1))
+    assert str(report).startswith("precision fault")
+
+
+def test_gradients_not_zeroed_between_windows_are_an_accumulation_fault() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_window(model, [batch_for(model, seed=1)])
+    optimizer.step()
+    window = train_window(model, [batch_for(model, seed=2)], zero=False)  # the loop forgot zero_grad
+    report = window.check(cross_entropy)
+    assert (report.verdict, report.fault) == ("fail", "accumulation")
+    assert "already there when the window began" in report.fault_message
+    assert _eager_check_passes(model, batch_for(model, seed=2))
+
+
+def test_micro_batches_summed_where_the_loss_is_their_mean_is_an_accumulation_fault() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [batch_for(model, seed=s) for s in (1, 2, 3)]
+    model.zero_grad()
+    window = AppliedWindow(model)
+    for batch in batches:
+        window.record(batch)
+        cross_entropy(model, batch).backward()  # not divided by the window size
+    assert window.check(cross_entropy, combine="sum").verdict == "ok"
+    report = window.check(cross_entropy, combine="mean")
+    assert (report.verdict, report.fault) == ("fail", "accumulation")
+    assert "combination of the window's 3 micro-batch gradients" in report.fault_message
+
+
+def test_a_gradient_corrupted_once_is_a_transient_fault() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with scaled_once(model.fc1.weight, 3.0):
+        window = train_window(model, [batch_for(model, seed=1), batch_for(model, seed=2)])
+        report = window.check(cross_entropy)
+    assert (report.verdict, report.fault) == ("fail", "transient")
+    assert [p.target for p in report.failures if p.kind == "tensor"] == ["fc1.weight"]
+
+
+def test_a_hook_scaling_one_tensor_is_seen_by_both_checks_as_a_formula_fault() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    handle = model.fc2.weight.register_hook(lambda grad: grad * 1.02)
+    try:
+        window = train_window(model, [batch_for(model, seed=1)])
+        report = window.check(cross_entropy)
+        recomputed = check_gradients(model, batch_for(model, seed=1), cross_entropy)
+    finally:
+        handle.remove()
+    assert (report.verdict, report.fault) == ("fail", "formula")
+    assert [p.target for p in report.failures if p.kind == "tensor"] == ["fc2.weight"]
+    assert recomputed.verdict == "fail"
+    assert report.culprits and report.culprits[0] == "fc2"
+    with pytest.raises(GradientCheckError, match=r"^formula fault: applied gradient check failed at step 0"):
+        raise GradientCheckError(report)
+
+
+def test_a_backward_wrong_only_when_compiled_is_a_compiled_fault() -> None:
+    """pytorch#197888: adaptive_max_pool3d on a channels-last-3d input at batch 16, compiled (about 15 s)."""
+    torch.manual_seed(0)
+    model = ChannelsLastPool()
+    compiled = torch.compile(model)
+    batches = [batch_for(model, seed=1)]
+    window = train_window(model, batches, forward=compiled)
+    report = check_applied_gradient(compiled, batches, cross_entropy, rng_states=window.rng_states)
+    assert (report.verdict, report.fault) == ("fail", "compiled")
+    assert [p.target for p in report.failures if p.kind == "tensor"] == ["_orig_mod.conv.weight"]
+    assert _eager_check_passes(model, batches[0])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["one-batch", "accumulation"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("model_class", [MLP, CNN, Transformer], ids=["mlp", "cnn-bn-dropout", "transformer-dropout"])
+def test_healthy_models_pass_and_the_run_is_untouched(
+    model_class: type[torch.nn.Module], autocast: bool, accumulate: int
+) -> None:
+    torch.manual_seed(0)
+    model = model_class()
+    path = bf16 if autocast else None
+    window = train_window(model, [batch_for(model, seed=s) for s in range(1, accumulate + 1)], path)
+    grads = [(p.grad, p.grad.clone()) for p in model.parameters()]
+    before = snapshot(model)
+    report = window.check(cross_entropy, path=path)
+    assert_bit_identical(before, snapshot(model))
+    assert all(p.grad is grad and torch.equal(grad, saved) for p, (grad, saved) in zip(model.parameters(), grads))
+    assert report.verdict == "ok", str(report)
+    assert report.fault is None
+    assert 0 < report.floor_excess <= 1
+    assert report.noise_floor > 0
+
+
+def test_compiled_dropout_is_not_checked_rather_than_misjudged() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model)
+    batches = [batch_for(model, seed=1)]
+    window = train_window(model, batches, forward=compiled)
+    report = check_applied_gradient(compiled, batches, cross_entropy, rng_states=window.rng_states)
+    assert report.verdict == "inconclusive"
+    assert any("compiled code draws its own random numbers" in note for note in report.notes)
+
+
+def test_arguments_are_validated() -> None:
+    model = MLP()
+    batch = batch_for(model)
+    with pytest.raises(ValueError, match="`batches` must be a non-empty list"):
+        check_applied_gradient(model, [], cross_entropy)
+    with pytest.raises(ValueError, match="`combine` must be one of 'mean', 'sum' or a callable"):
+        check_applied_gradient(model, [batch], cross_entropy, combine="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`rng_states` must have one entry per micro-batch \(1\); got 2"):
+        check_applied_gradient(model, [batch], cross_entropy, rng_states=[None, None])
+    with pytest.raises(ValueError, match="`gradients` must name trainable parameters"):
+        check_applied_gradient(model, [batch], cross_entropy, {"nope": torch.zeros(1)})
+    with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
+        check_applied_gradient("model", [batch], cross_entropy)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no micro-batch was recorded"):
+        AppliedWindow(model).check(cross_entropy)
