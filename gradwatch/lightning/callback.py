@@ -24,6 +24,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
+from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS, AppliedChecks, AppliedHooks
 from gradwatch.lightning.distributed import agree, distributed
 from gradwatch.lightning.publishing import (
     publish,
@@ -61,7 +62,7 @@ def _grad_scaler(trainer: pl.Trainer) -> Any:
     return scaler if scaler is not None and hasattr(scaler, "get_scale") else None
 
 
-class GradWatch(Callback):
+class GradWatch(AppliedHooks, Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
     At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch with small perturbations of
@@ -109,6 +110,8 @@ class GradWatch(Callback):
         rtol: Relative tolerance of a probe; ``None`` picks it from the parameters' dtype.
         seed: Seed of the coordinate sampling (combined with the step, so every process probes the same coordinates).
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
+        applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
+            optimizer steps (:mod:`gradwatch.lightning.applied`; ``None``: off), within the same ``max_overhead``.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -139,6 +142,7 @@ class GradWatch(Callback):
         rtol: float | None = None,
         seed: int = 0,
         max_reports: int = 1000,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
         chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
@@ -175,6 +179,10 @@ class GradWatch(Callback):
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._warned_no_params = False
         self._remarks = Remarks()
+        applied = validate.check_optional_int("applied_every_n_steps", applied_every_n_steps, minimum=1)
+        self._applied = AppliedChecks(
+            applied, self.first_check_step, self.loss_fn, self.max_overhead, self._schedule.clock
+        )
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -219,6 +227,7 @@ class GradWatch(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self._check_applied(trainer, pl_module)  # the gradient the optimizer applies, before clipping and the step
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
@@ -357,6 +366,7 @@ class GradWatch(Callback):
             **self._schedule.state_dict(),
             "failure_warnings": self._alerts.failures.count,
             "error_warnings": self._alerts.errors.count,
+            **self._applied.state_dict(),
         }
 
     @override
@@ -366,6 +376,7 @@ class GradWatch(Callback):
         self._skipped_checks = int(state_dict.get("skipped_checks", 0))
         self._focus = tuple(str(name) for name in state_dict.get("focus", ()))
         self._schedule.load_state_dict(state_dict)
+        self._applied.load_state_dict(state_dict)
         self._alerts = AlertPolicy(
             self.on_fail,
             Backoff(int(state_dict.get("failure_warnings", 0))),

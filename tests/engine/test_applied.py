@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from applied_models import (  # noqa: E402
+from applied_models import (
     CNN,
     MLP,
     ChannelsLastPool,
@@ -23,10 +23,10 @@ from applied_models import (  # noqa: E402
     scaled_once,
     train_window,
 )
-from helpers import assert_bit_identical, snapshot  # noqa: E402
+from helpers import assert_bit_identical, snapshot
 
-from gradwatch import GradientCheckError, check_gradients  # noqa: E402
-from gradwatch.engine.applied import AppliedWindow, check_applied_gradient  # noqa: E402
+from gradwatch import GradientCheckError, check_gradients
+from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 
 
 def _eager_check_passes(model: torch.nn.Module, batch: object) -> bool:
@@ -96,10 +96,11 @@ def test_a_hook_scaling_one_tensor_is_seen_by_both_checks_as_a_formula_fault() -
         recomputed = check_gradients(model, batch_for(model, seed=1), cross_entropy)
     finally:
         handle.remove()
-    assert (report.verdict, report.fault) == ("fail", "formula")
+    assert report.verdict == "fail"
+    assert report.fault == "formula"
     assert [p.target for p in report.failures if p.kind == "tensor"] == ["fc2.weight"]
     assert recomputed.verdict == "fail"
-    assert report.culprits and report.culprits[0] == "fc2"
+    assert report.culprits[:1] == ["fc2"]
     with pytest.raises(GradientCheckError, match=r"^formula fault: applied gradient check failed at step 0"):
         raise GradientCheckError(report)
 
@@ -131,7 +132,9 @@ def test_healthy_models_pass_and_the_run_is_untouched(
     before = snapshot(model)
     report = window.check(cross_entropy, path=path)
     assert_bit_identical(before, snapshot(model))
-    assert all(p.grad is grad and torch.equal(grad, saved) for p, (grad, saved) in zip(model.parameters(), grads))
+    assert all(
+        p.grad is grad and torch.equal(grad, saved) for p, (grad, saved) in zip(model.parameters(), grads, strict=True)
+    )
     assert report.verdict == "ok", str(report)
     assert report.fault is None
     assert 0 < report.floor_excess <= 1
@@ -160,7 +163,7 @@ def test_arguments_are_validated() -> None:
         check_applied_gradient(model, [batch], cross_entropy, rng_states=[None, None])
     with pytest.raises(ValueError, match="`gradients` must name trainable parameters"):
         check_applied_gradient(model, [batch], cross_entropy, {"nope": torch.zeros(1)})
-    with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"`model` must be a torch\.nn\.Module"):
         check_applied_gradient("model", [batch], cross_entropy)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no micro-batch was recorded"):
         AppliedWindow(model).check(cross_entropy)

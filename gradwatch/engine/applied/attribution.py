@@ -60,6 +60,7 @@ class PathSetting:
     state: TrainingState
     group: Any
     start: Checksums | None
+    loss_scale: float = 1.0
 
     def window(self, with_path: bool = True) -> LossFn:
         return window_loss(self.loss_fn, self.rng_states, self.combine, self.path if with_path else None)
@@ -82,7 +83,8 @@ def attribute(
 
     model, batches, params, state, group = setting.model, setting.batches, setting.params, setting.state, setting.group
     if again is None:
-        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group)[1]
+        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group,
+                                         scale=setting.loss_scale)[1]  # fmt: skip
     if right(again):
         return _off_the_path(setting, applied, again, floors, multiple)
     if not right(eager):
@@ -93,7 +95,9 @@ def attribute(
             search_culprit=True,
         )
     # compiled code may hide in the loss function (a module compiled elsewhere): switching the compiler off is tried
-    uncompiled = gradients.path_gradient(model, batches, setting.window(), params, state, compiled=False, group=group)
+    uncompiled = gradients.path_gradient(
+        model, batches, setting.window(), params, state, compiled=False, group=group, scale=setting.loss_scale
+    )
     if right(uncompiled[1]):
         return Attribution(
             "compiled",
@@ -102,7 +106,14 @@ def attribute(
         )
     if setting.autocast is not None:
         plain = gradients.path_gradient(
-            model, batches, setting.window(with_path=False), params, state, compiled=False, group=group
+            model,
+            batches,
+            setting.window(with_path=False),
+            params,
+            state,
+            compiled=False,
+            group=group,
+            scale=setting.loss_scale,
         )
         if right(plain[1]):
             dtype = str(setting.autocast).removeprefix("torch.")
@@ -175,7 +186,9 @@ def _recombination(
     for batch, state in zip(setting.batches, setting.rng_states, strict=True):
         loss = single_loss(setting.loss_fn, state, setting.path)
         micro.append(
-            gradients.path_gradient(setting.model, batch, loss, setting.params, setting.state, group=setting.group)[1]
+            gradients.path_gradient(
+                setting.model, batch, loss, setting.params, setting.state, group=setting.group, scale=setting.loss_scale
+            )[1]
         )
     k = len(micro)
     gram = torch.tensor([[total([dot(a, b) for a, b in zip(micro[i], micro[j], strict=True)]) for j in range(k)]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.probes import AppliedProbes, Measured
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss, window_loss
+from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
 from gradwatch.engine.function.conditions import warnings_withheld
@@ -39,7 +38,7 @@ from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -84,6 +83,7 @@ def check_applied_gradient(
     tensor_probes: int | None = None,
     rotation: int = 0,
     culprit_search: bool = True,
+    loss_scale: float = 1.0,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -109,6 +109,8 @@ def check_applied_gradient(
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
+        loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
+            path scale it alike, so that its float16 gradients do not underflow where training's did not.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -143,7 +145,7 @@ def check_applied_gradient(
     native = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
     multiple = floor_multiple(path_dtype)
-    base = dict(step=step, loss=math.nan, n_backward=0, scope="applied", samples=len(batches))
+    base: dict[str, Any] = {"step": step, "loss": math.nan, "n_backward": 0, "scope": "applied"}
     if group is not None:
         disagreeing = _disagreeing_ranks(applied, group)
         if disagreeing:
@@ -159,13 +161,13 @@ def check_applied_gradient(
                            fault_message="the applied gradient holds non-finite values")  # fmt: skip
     state = TrainingState.capture(model)
     setting = PathSetting(model, batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
-                          params, state, group, start)  # fmt: skip
+                          params, state, group, start, loss_scale)  # fmt: skip
     with warnings_withheld() as withheld:
         try:
             outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation, notes)
         finally:
             state.restore()
-    measured, evaluator, attribution, floor_values, loss, backward = outcome
+    measured, evaluator, attribution, _, loss, backward = outcome
     if withheld:
         notes.append(f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}")
     culprits: list[str] = []
@@ -186,7 +188,6 @@ def check_applied_gradient(
         n_passes=evaluator.n_forward if evaluator is not None else 0,
         duration_s=time.perf_counter() - started,
         notes=list(dict.fromkeys(notes + (evaluator.notes if evaluator is not None else []))),
-        samples=len(batches),
         precision="float64" if evaluator is not None and evaluator.value_dtype == torch.float64 else "native",
         rtol=math.nan,
         culprits=culprits,
@@ -211,7 +212,9 @@ def _applied(
         return [given.get(n) for n, _ in trainable]
     given = list(given)
     if len(given) != len(trainable):
-        raise ValueError(f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}")
+        raise ValueError(
+            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
+        )
     return given
 
 
@@ -248,7 +251,8 @@ def _measure(
     window = setting.window(with_path=False)
     again = None
     if setting.autocast is not None or setting.compiled:
-        path_loss, again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group)
+        path_loss, again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
+                                                   scale=setting.loss_scale)  # fmt: skip
         backward += 1
         if abs(path_loss - reference.loss) > center_tolerance(reference.loss, path_dtype, path_dtype):
             notes.append(
@@ -261,7 +265,7 @@ def _measure(
         assert again is not None
         emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
         scaled = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
-                                         scale=SPREAD_SCALE)[1]  # fmt: skip
+                                         scale=SPREAD_SCALE * setting.loss_scale)[1]  # fmt: skip
         measured_floors = [distances(emulated, eager), distances(again, scaled)]
         backward += 2
     else:
@@ -302,20 +306,22 @@ def _probe(
 ) -> list[Measured]:
     """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
     elements = sum(p.numel() for _, p in named)
-    mode = resolve_precision("auto", native, elements)
+    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
     with recompute.exact_conditions():
-        if mode == "float64":
-            with float64_storage(setting.model) as substitutes:
-                evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
-                evaluator.use_float64_inputs()
-                try:
-                    return _probes_at(evaluator, named, applied, floor_values, multiple, native, loss, tensor_probes,
-                                      rotation, torch.float64)  # fmt: skip
-                finally:
-                    evaluator.params = named
-                    evaluator.use_native_inputs()
-        return _probes_at(evaluator, named, applied, floor_values, multiple, native, loss, tensor_probes, rotation,
-                          native)  # fmt: skip
+        if resolve_precision("auto", native, elements) == "float64":
+            try:
+                with float64_storage(setting.model) as substitutes:
+                    evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
+                    evaluator.use_float64_inputs()
+                    return _probes_at(evaluator, named, *args, torch.float64)
+            except CheckAbandonedError:
+                raise
+            except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
+                evaluator.notes.append(f"probes run natively: the loss raised {type(error).__name__} in float64")
+            finally:
+                evaluator.params = named
+                evaluator.use_native_inputs()
+        return _probes_at(evaluator, named, *args, native)
 
 
 def _probes_at(
@@ -343,7 +349,7 @@ def _probes_at(
     descent = probes.descent()
     measured = [descent] if descent is not None else []
     count = len(named)
-    if descent is not None and descent.probe.verdict == "fail" or tensor_probes is None or tensor_probes >= count:
+    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes is None or tensor_probes >= count:
         order = list(range(count))
     else:
         first = (rotation * tensor_probes) % count

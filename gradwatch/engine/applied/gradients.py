@@ -132,9 +132,10 @@ def path_gradient(
     group: Any = None,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
-    """The loss and autograd of the window's loss as the training computes it (``loss_fn`` enters the path's context per
-    micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, of the loss times it, divided
-    by it (the same gradient, rounded otherwise on a 16-bit path: see :func:`~gradwatch.engine.applied.verdict.floors`)."""
+    """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
+    per micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, the gradient of the loss
+    times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
+    :func:`~gradwatch.engine.applied.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())

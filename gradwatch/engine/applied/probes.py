@@ -92,8 +92,7 @@ class AppliedProbes:
             return None
         every = tuple(range(len(self.moved)))
         weighted = sum(self._scale(i) ** 2 * (n / self.grad_norm) ** 2 for i, n in enumerate(self.grad_norms))
-        found = self._measure("descent", DESCENT_TARGET, every, self.relative * math.sqrt(weighted), screen_first=False)
-        return found
+        return self._measure("descent", DESCENT_TARGET, every, self.relative * math.sqrt(weighted), screen_first=False)
 
     def tensor(self, i: int) -> Measured | None:
         """The probe along tensor ``i``'s applied gradient; ``None`` when that is zero."""

@@ -129,4 +129,3 @@ class AutocastRounding(TorchDispatchMode):
                 self.low[tensor] = True
             return out
         return tree_map(self._round, out)
-

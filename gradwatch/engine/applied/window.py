@@ -161,7 +161,9 @@ class AppliedWindow:
         from gradwatch.engine.applied.check import check_applied_gradient
 
         if not self.batches:
-            raise ValueError("AppliedWindow.check: no micro-batch was recorded (call record(batch) before each forward)")
+            raise ValueError(
+                "AppliedWindow.check: no micro-batch was recorded (call record(batch) before each forward)"
+            )
         return check_applied_gradient(
             self.model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
         )
