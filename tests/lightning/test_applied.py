@@ -15,11 +15,11 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from applied_models import CNN, MLP, Transformer, batch_for, cross_entropy  # noqa: E402
-from helpers import trainer  # noqa: E402
+from applied_models import CNN, MLP, Transformer, batch_for, cross_entropy
+from helpers import trainer
 
-from gradwatch import GradientCheckWarning, GradWatch  # noqa: E402
-from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS  # noqa: E402
+from gradwatch import GradientCheckWarning, GradWatch
+from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS
 
 
 class _Lit(pl.LightningModule):

@@ -14,6 +14,7 @@ were: the optimizer then steps with the same gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -54,18 +55,22 @@ def path_autocast(path: PathContext | None) -> torch.dtype | None:
     return None
 
 
+def _rank_mean(value: float, group: Any) -> float:
+    """The mean of ``value`` over the ranks of ``group`` (``value`` without one)."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return float(tensor.item()) / dist.get_world_size(group)
+
+
 class _GlobalEvaluator(LossEvaluator):
     """The evaluator of the window loss, averaged over the ranks of ``group`` (the loss DDP's mean differentiates)."""
 
     group: Any = None
 
     def loss(self) -> float:
-        value = super().loss()
-        if self.group is None:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor, group=self.group)
-        return float(tensor.item()) / dist.get_world_size(self.group)
+        return _rank_mean(super().loss(), self.group)
 
 
 def check_applied_gradient(
@@ -243,6 +248,7 @@ def _measure(
     evaluator.group = group
     with recompute.exact_conditions():
         reference = evaluator.reference(with_inputs=False)
+    reference = dataclasses.replace(reference, loss=_rank_mean(reference.loss, group))
     eager = recompute.rank_mean(
         [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
         group,
@@ -253,6 +259,7 @@ def _measure(
     if setting.autocast is not None or setting.compiled:
         path_loss, again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
                                                    scale=setting.loss_scale)  # fmt: skip
+        path_loss = _rank_mean(path_loss, group)
         backward += 1
         if abs(path_loss - reference.loss) > center_tolerance(reference.loss, path_dtype, path_dtype):
             notes.append(
