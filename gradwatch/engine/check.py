@@ -37,6 +37,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import PRECISIONS, Precision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.kinds import Verdict
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -46,7 +47,7 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters, unmatched_patterns
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
@@ -338,9 +339,9 @@ def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
     "inconclusive"."""
-    if any(p.verdict == "fail" for p in probes):
-        return "fail"
-    whole = ("descent", "tensor", "input")
-    if any(p.verdict == "ok" and p.index is None and (p.kind in whole or p.target == DESCENT_TARGET) for p in probes):
-        return "ok"
-    return "inconclusive"
+    if any(p.verdict == Verdict.FAIL for p in probes):
+        return Verdict.FAIL
+    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
+    if any(p.verdict == Verdict.OK for p in whole):
+        return Verdict.OK
+    return Verdict.INCONCLUSIVE

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from gradwatch.engine.function.conditions import compiler_disabled
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.kinds import ProbeKind, Verdict
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
 from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
@@ -135,13 +136,13 @@ def _compare(names: list[str], compiled: list[Tensor], eager: list[Tensor], rtol
 
 def _probe(target: str, compiled: float, eager: float, rel_error: float, verdict: str, reason: str) -> Probe:
     return Probe(
-        kind="compiled",
+        kind=ProbeKind.COMPILED,
         target=target,
         index=None,
         analytic=compiled,
         numeric=eager,
         rel_error=rel_error,
-        verdict=verdict,  # type: ignore[arg-type]
+        verdict=Verdict(verdict),
         noise=0.0,
         step=0.0,
         reason=reason,

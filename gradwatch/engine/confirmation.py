@@ -103,7 +103,7 @@ def confirm_at_a_shifted_point(
                 tensor.add_(_shift(tensor, generator, scale))
             inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
         with evaluator.moved_inputs(inputs):
-            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)
             if moved > MOVED_LOSS:
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
@@ -219,7 +219,7 @@ def confirm_precision(
         evaluator.params = [(name, substitutes.get(id(p), p).requires_grad_()) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
-            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             precise = _with_parameter_hooks(reference, native_params)
             analytic = [portfolio.replica(task, evaluator, precise).direction.analytic for task in failing]
         finally:

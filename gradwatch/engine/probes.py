@@ -134,7 +134,7 @@ def _probe(
     if anchor is None:
         evaluator.notes.append("no probe made: the model has no parameter to check and no input with a gradient")
         return [], None, None
-    screens = portfolio.screens(input_direction=anchor.kind != "input")
+    screens = portfolio.screens(input_direction=not anchor.kind.traits.moves_inputs)
     unrestorable = evaluator.state.sandbox.unrestorable()
     if plan.vectorize and unrestorable:
         # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass

@@ -21,8 +21,9 @@ from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.kinds import ProbeKind, Verdict
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, Probe, ProbeKind
+from gradwatch.engine.report import CheckAbandonedError, Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import global_index
 
@@ -124,7 +125,7 @@ def nonfinite_probes(
     """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry (only a
     gradient whose norm is not finite is searched for one)."""
     if not math.isfinite(reference.loss):
-        return [_nonfinite_probe("loss", "loss", None, reference.loss)]
+        return [_nonfinite_probe(ProbeKind.LOSS, "loss", None, reference.loss)]
     probes = []
     for (name, _), grad, size in zip(params, reference.param_grads, grad_norms, strict=True):
         if grad is None or math.isfinite(size):
@@ -132,11 +133,11 @@ def nonfinite_probes(
         positions = (~torch.isfinite(grad)).nonzero()
         if len(positions):
             index = tuple(int(i) for i in positions[0])
-            probes.append(_nonfinite_probe("param", name, global_index(grad, index), grad[index].item()))
+            probes.append(_nonfinite_probe(ProbeKind.PARAM, name, global_index(grad, index), grad[index].item()))
         elif sharding_active():  # another rank's shard holds it: every rank must fail alike (and probe no further)
-            probes.append(_nonfinite_probe("param", name, None, size))
+            probes.append(_nonfinite_probe(ProbeKind.PARAM, name, None, size))
     return probes
 
 
 def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
-    return Probe(kind, target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
+    return Probe(kind, target, index, value, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0, "nonfinite")

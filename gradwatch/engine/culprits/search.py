@@ -37,6 +37,7 @@ from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment
@@ -93,7 +94,7 @@ def localize(
         t
         for t in tasks
         if t.failed
-        and t.kind in ("descent", "tensor", "random", "param", "input")
+        and t.kind.traits.starts_culprit_search
         and t.result is not None
         and t.result.reason != "imprecise"  # rounding of a correct formula (fail_on_imprecise): no backward to name
     ]
@@ -110,7 +111,7 @@ def localize(
     if not sites:
         found.notes.append("no culprit search: the loss runs no module")
         return found
-    failing_params = {t.target for t in failing if t.kind in ("tensor", "random", "param")}
+    failing_params = {t.target for t in failing if t.kind.traits.one_tensor}
     try:
         with probe_precision(model, evaluator, precision) as (_, trial):
             native = portfolio.native_dtype
@@ -191,7 +192,7 @@ class _Probes:
             displacements = Displacements(site, place, components)
             direction = HookedDirection(slope, displacements.set_offset)
             step = self.relative_step * scale
-            task = ProbeTask(place, site.name, None, direction, step, scale_floor=floor)  # type: ignore[arg-type]
+            task = ProbeTask(ProbeKind(place), site.name, None, direction, step, scale_floor=floor)
             self.tasks.append(task)
             with displacements.installed():
                 self.ladder.measure_fully([task])

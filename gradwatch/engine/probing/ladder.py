@@ -87,7 +87,7 @@ class Ladder:
         pending = [
             task
             for task in tasks
-            if task.kind in ("descent", "tensor", "random", "param")
+            if task.kind.traits.moves_parameters
             and task.result is not None
             and undecided(task.result, self.rtol)
         ]
