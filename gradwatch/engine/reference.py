@@ -22,6 +22,7 @@ from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.kinds import ProbeKind, Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
@@ -42,7 +43,7 @@ def reference_on_a_slice(
     probe_batch_size: int | None,
     with_inputs: bool,
     float64_reductions: bool,
-    notes: list[str],
+    notes: list[Note],
 ) -> tuple[LossEvaluator, Reference, Any]:
     """The evaluator and reference gradient on the first ``probe_batch_size`` samples, or else on the first
     :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says why).
@@ -65,9 +66,14 @@ def reference_on_a_slice(
             raise
         except Exception as error:
             refused = True
-            notes.append(f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")
+            notes.append(
+                Note(
+                    NoteCode.SLICE_REFUSED,
+                    f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})",
+                )
+            )
     if refused:
-        notes.append("probes use the whole batch")
+        notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
     evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
     return evaluator, evaluator.reference(with_inputs=with_inputs), batch
 
@@ -102,11 +108,20 @@ def reproduced_center(
                 if compute_dtype == torch.float64 != native_dtype:
                     raise UnfaithfulFloat64Error(f"its loss is {center:.9g} there, {expected:.9g} in training")
                 evaluator.notes.append(
-                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {native:.9g} "
-                    "when evaluated again with the same random state); it draws randomness gradwatch cannot replay"
+                    Note(
+                        NoteCode.NOT_REPRODUCIBLE,
+                        f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
+                        f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
+                        "cannot replay",
+                    )
                 )
                 return None
-            evaluator.notes.append("evaluations run with autograd recording: the loss differs under torch.no_grad()")
+            evaluator.notes.append(
+                Note(
+                    NoteCode.AUTOGRAD_RECORDING,
+                    "evaluations run with autograd recording: the loss differs under torch.no_grad()",
+                )
+            )
         center = evaluator.loss()
     return center, _jitter(evaluator, center)
 

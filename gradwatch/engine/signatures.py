@@ -45,6 +45,7 @@ ROUNDING = 64
 """A coarse probe's loss change must exceed this many ulps of the loss in the parameter's dtype to count as a move: a
 loss that truly does not depend on the tensor (a bias before BatchNorm) still moves by its rounding."""
 
+
 def straight_through(
     evaluator: LossEvaluator, portfolio: Portfolio, tasks: Sequence[ProbeTask], rtol: float
 ) -> list[str]:
