@@ -9,5 +9,16 @@ from gradwatch.engine.report import (
     ProbeKind,
     Verdict,
 )
+from gradwatch.engine.notes import Note, NoteCode
 
-__all__ = ["DESCENT_TARGET", "VERDICTS", "CheckReport", "GradientCheckError", "Probe", "ProbeKind", "Verdict"]
+__all__ = [
+    "DESCENT_TARGET",
+    "VERDICTS",
+    "CheckReport",
+    "GradientCheckError",
+    "Note",
+    "NoteCode",
+    "Probe",
+    "ProbeKind",
+    "Verdict",
+]
