@@ -25,8 +25,11 @@ from enum import Enum
 
 
 class StrEnum(str, Enum):
-    """An enum whose members are strings that print and format as their value (``enum.StrEnum``, which Python 3.10
-    lacks)."""
+    """An enum whose members are strings that print, format and show as their value (``enum.StrEnum``, which Python
+    3.10 lacks; its ``repr`` too, so that reports and doctests read as they did with plain strings)."""
+
+    def __repr__(self) -> str:
+        return str.__repr__(self)
 
     def __str__(self) -> str:
         return str.__str__(self)

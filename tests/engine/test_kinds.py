@@ -158,6 +158,7 @@ def test_verdicts_format_serialise_and_pickle_as_their_values() -> None:
     assert [VERDICTS.index(v) for v in ("ok", "inconclusive", "fail")] == [0, 1, 2]
     assert f"{Verdict.FAIL}|{ProbeKind.MODULE_INPUT:>14}|{Reason.KINK}" == "fail|  module_input|kink"
     assert str(Verdict.OK) == "ok"
+    assert repr(Verdict.OK) == "'ok'"  # reports and doctests read as with plain strings
     assert "%s" % ProbeKind.DESCENT == "descent"  # noqa: UP031 (how logging formats it)
     assert json.dumps({"verdict": Verdict.FAIL, "kind": ProbeKind.TENSOR}) == '{"verdict": "fail", "kind": "tensor"}'
     assert {"fail": 1}[Verdict.FAIL] == 1
