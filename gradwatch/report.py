@@ -1,5 +1,6 @@
 """Old import path, kept: ``gradwatch.report`` is now :mod:`gradwatch.engine.report`."""
 
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import (
     DESCENT_TARGET,
     VERDICTS,
@@ -9,7 +10,6 @@ from gradwatch.engine.report import (
     ProbeKind,
     Verdict,
 )
-from gradwatch.engine.notes import Note, NoteCode
 
 __all__ = [
     "DESCENT_TARGET",

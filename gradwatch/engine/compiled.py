@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from gradwatch.engine.function.conditions import compiler_disabled
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.kinds import ProbeKind, Verdict
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
@@ -158,5 +158,5 @@ def _probe(target: str, compiled: float, eager: float, rel_error: float, verdict
         verdict=Verdict(verdict),
         noise=0.0,
         step=0.0,
-        reason=reason,
+        reason=Reason(reason),
     )

@@ -181,7 +181,9 @@ class Reason(StrEnum):
     """Why a probe's verdict is what it is (:attr:`gradwatch.engine.report.Probe.reason`)."""
 
     AGREES = "agrees"
+    """The derivatives agree within the tolerance, and the probe could have seen a smaller error."""
     DISCREPANCY = "discrepancy"
+    """They disagree beyond the tolerance and the probe's own error."""
     MISSING = "missing"
     """The parameter received no gradient, but the loss depends on it."""
     UNRESOLVED = "unresolved"
@@ -199,6 +201,7 @@ class Reason(StrEnum):
     SURROGATE = "surrogate"
     """A straight-through estimator: the loss is piecewise constant in the tensor."""
     NONFINITE = "nonfinite"
+    """The loss or the gradient is not finite."""
 
     @property
     def retried(self) -> bool:

@@ -21,7 +21,7 @@ from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.kinds import ProbeKind, Verdict
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, Probe
@@ -155,4 +155,4 @@ def nonfinite_probes(
 
 
 def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
-    return Probe(kind, target, index, value, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0, "nonfinite")
+    return Probe(kind, target, index, value, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0, Reason.NONFINITE)

@@ -66,13 +66,14 @@ class Probe:
     verdict: Verdict
     noise: float
     step: float
-    reason: str
+    reason: Reason
     evaluations: int = 0
 
     def __post_init__(self) -> None:
         # the enums, from the strings older code and users pass: the properties of a kind are then `probe.kind.traits`
         object.__setattr__(self, "kind", _member(ProbeKind, self.kind, "kind"))
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
+        object.__setattr__(self, "reason", _member(Reason, self.reason, "reason"))
 
     @property
     def location(self) -> str:

@@ -134,6 +134,7 @@ def test_probes_and_tasks_take_strings_and_hold_members() -> None:
     probe = _probe("param", "fail", "discrepancy", (0,))
     assert probe.kind is ProbeKind.PARAM
     assert probe.verdict is Verdict.FAIL
+    assert probe.reason is Reason.DISCREPANCY
     assert probe.kind == "param"
     assert probe.verdict == "fail"
     assert probe.describe().startswith("param w[0]: ")
@@ -144,13 +145,17 @@ def test_probes_and_tasks_take_strings_and_hold_members() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argument", "kind", "verdict"), [("kind", "gradient", "ok"), ("verdict", "param", "pass")], ids=["kind", "verdict"]
+    ("argument", "fields"),
+    [
+        ("kind", {"kind": "gradient"}),
+        ("verdict", {"verdict": "pass"}),
+        ("reason", {"reason": "because"}),
+    ],
+    ids=["kind", "verdict", "reason"],
 )
-def test_a_probe_of_an_unknown_kind_or_verdict_is_refused(argument: str, kind: str, verdict: str) -> None:
-    with pytest.raises(
-        ValueError, match=rf"`{argument}` must be one of '.*'; got '{kind if argument == 'kind' else verdict}'"
-    ):
-        _probe(kind, verdict)
+def test_a_probe_of_an_unknown_kind_verdict_or_reason_is_refused(argument: str, fields: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match=rf"`{argument}` must be one of '.*'; got '{fields[argument]}'"):
+        _probe(**{"kind": "param", **fields})
 
 
 def test_verdicts_format_serialise_and_pickle_as_their_values() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradwatch.engine.kinds import ProbeKind, Verdict
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import Stencil
@@ -77,6 +77,6 @@ class ProbeTask:
             verdict=Verdict(result.verdict),
             noise=result.noise,
             step=self.step,
-            reason="missing" if missing else result.reason,
+            reason=Reason.MISSING if missing else Reason(result.reason),
             evaluations=self.evaluations,
         )
