@@ -2,7 +2,11 @@
 
 Warnings are rate-limited with exponential backoff: the 1st, 2nd, 4th, 8th, ... failing check warns, so a bug present
 from step 1 of a week-long run produces a few dozen warnings rather than thousands. Every failing report stays
-available in ``GradWatch.reports`` and in the logs regardless.
+available in ``GradientWatch.reports`` (and ``GradWatch.reports``) regardless.
+
+Each failure is shown once: a warning (which Python's ``logging.captureWarnings`` turns into a log record for those
+who want them in their logs), and a log record of level INFO only for the failing checks whose warning the backoff
+withholds (with ``verbose=False``, not even those).
 """
 
 from __future__ import annotations
@@ -60,15 +64,26 @@ class AlertPolicy:
     """Applies ``on_fail`` to failing reports.
 
     Args:
-        on_fail: ``"warn"``: a :class:`GradientCheckWarning` and a log record (rate-limited). ``"raise"``:
+        on_fail: ``"warn"``: a :class:`GradientCheckWarning` (rate-limited). ``"raise"``:
             :class:`~gradwatch.report.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
             with the failing report.
+        failures: The backoff of failure warnings (restored from a checkpoint).
+        errors: The backoff of the warnings for checks that could not run.
+        verbose: Whether a failure or an error whose warning the backoff withholds gets a log record (INFO).
     """
 
-    def __init__(self, on_fail: OnFail, failures: Backoff | None = None, errors: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        on_fail: OnFail,
+        failures: Backoff | None = None,
+        errors: Backoff | None = None,
+        *,
+        verbose: bool = True,
+    ) -> None:
         self.on_fail = on_fail
         self.failures = failures or Backoff()
         self.errors = errors or Backoff()
+        self.verbose = verbose
 
     def handle(self, report: CheckReport) -> bool:
         """React to a report; returns whether training should stop. Reports that did not fail are ignored."""
@@ -86,21 +101,30 @@ class AlertPolicy:
             else:
                 message += (
                     f"\n  (failing check #{self.failures.count}; the next warning comes at failing check "
-                    f"#{self.failures.next_reported}, every report is kept in GradWatch.reports)"
+                    f"#{self.failures.next_reported}, every report is kept in the reports of the watch)"
                 )
-            log.warning(message)
             warnings.warn(message, GradientCheckWarning, stacklevel=2)
+        elif self.verbose:
+            log.info(
+                "gradwatch: gradient check failed at step %d (failing check #%d, its warning withheld until #%d)%s",
+                report.step,
+                self.failures.count,
+                self.failures.next_reported,
+                f": {report.culprit_message}" if report.culprit_message else "",
+            )
         return self.on_fail == "stop"
 
     def check_error(self, step: int, error: Exception) -> None:
         """Report (rate-limited) a check that could not run; training goes on."""
+        message = (
+            f"gradwatch: the gradient check at step {step} could not run and was skipped "
+            f"({type(error).__name__}: {error}); training is unaffected"
+        )
+        log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
         if self.errors.admit():
-            message = (
-                f"gradwatch: the gradient check at step {step} could not run and was skipped "
-                f"({type(error).__name__}: {error}); training is unaffected"
-            )
-            log.warning(message, exc_info=error)
             warnings.warn(message, GradientCheckWarning, stacklevel=2)
+        elif self.verbose:
+            log.info(message)
 
 
 BLIND_AFTER = 3
@@ -108,12 +132,13 @@ BLIND_AFTER = 3
 
 
 class Remarks:
-    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record; a
-    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed, the first
-    time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and for each surrogate
-    gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
+    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record (INFO,
+    only when ``verbose``); a :class:`GradientCheckWarning` the first time a check could not put back what the loss
+    changed, the first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and
+    (when ``verbose``) for each surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, verbose: bool = True) -> None:
+        self.verbose = verbose
         self._noted: set[str] = set()
         self._warned_unrestored = False
         self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
@@ -124,9 +149,10 @@ class Remarks:
         for note in report.notes:
             if note not in self._noted:  # a note that comes back at every check is said once
                 self._noted.add(note)
-                log.info("gradwatch (step %d): %s", report.step, note)
+                if self.verbose:
+                    log.info("gradwatch (step %d): %s", report.step, note)
         for finding in report.surrogates:
-            if finding not in self._noted:
+            if finding not in self._noted and self.verbose:
                 self._noted.add(finding)
                 warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
         if report.unrestored and not self._warned_unrestored:
@@ -134,7 +160,7 @@ class Remarks:
             warnings.warn(
                 f"gradwatch: at step {report.step} training_step changed {', '.join(report.unrestored)} in place and "
                 "gradwatch could not put it back, so this run is not exactly as it would be without checks; pass "
-                "GradWatch(loss_fn=...) a loss without that side effect",
+                "a loss_fn without that side effect",
                 GradientCheckWarning,
                 stacklevel=2,
             )
@@ -154,5 +180,4 @@ class Remarks:
             f"gradwatch: the last {len(self._inconclusive)} checks (steps {steps}) were inconclusive, so the gradients "
             f"are not being checked: {diagnosis.reason}. Remedy: {diagnosis.remedy}"
         )
-        log.warning(message)
         warnings.warn(message, GradientCheckWarning, stacklevel=3)

@@ -5,7 +5,7 @@ check runs now. Steps are optimizer steps (``trainer.global_step``): the micro-b
 at the same step and are seen once.
 
 The budget (``max_overhead``) keeps gradwatch's time within a fraction of the training time, as the
-:class:`~gradwatch.lightning.overhead.OverheadClock` measures them. A due check that does not fit is postponed by as
+:class:`~gradwatch.watch.overhead.OverheadClock` measures them. A due check that does not fit is postponed by as
 many steps as the training time it still needs: one decision (the caller makes it collective under DDP, rank 0
 deciding for all), and no work at all on the steps in between.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gradwatch.lightning.overhead import OverheadClock
+from gradwatch.watch.overhead import OverheadClock
 
 
 class Schedule:
