@@ -124,6 +124,10 @@ class GradWatchCallback(TrainerCallback):
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
         compute_loss = self._compute_loss
+        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0:
+            # The same count as a number (the loss divides by it exactly either way): the Trainer's float tensor would
+            # be a floating input of the model to the culprit search, which cannot displace it.
+            num_items_in_batch = num_items_in_batch.item()
 
         def loss_fn(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
             return compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
@@ -132,7 +136,11 @@ class GradWatchCallback(TrainerCallback):
 
     def _log(self, report: CheckReport) -> None:
         scalars = {**report.scalars(), "gradwatch/overhead": self.watch.overhead}
+        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
+        # the Trainer would skip (and later average over) the loss it logs at this step
+        should_log = self.trainer.control.should_log
         self.trainer.log({tag: float(value) for tag, value in scalars.items() if value == value})  # NaN dropped
+        self.trainer.control.should_log = should_log
 
 
 def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
