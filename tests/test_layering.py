@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.report", "engine.validation"),
+    ("engine.report", "engine.rendering", "engine.validation"),
     ("engine.sharding",),
     ("engine.numerics",),
     ("engine.function",),
@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.probing",),
     ("engine.reference", "engine.check", "engine"),
     ("tensorboard",),
+    ("outputs",),
     ("lightning",),
     ("cli", "testing", "callback", "check", "report", "__main__", "gradwatch"),
 )

@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gradwatch.engine.rendering import render_text
+
 Verdict = Literal["ok", "fail", "inconclusive"]
 """``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
 error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
@@ -248,6 +250,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
 class GradientCheckError(RuntimeError):
     """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
 
@@ -256,10 +262,7 @@ class GradientCheckError(RuntimeError):
     """
 
     def __init__(self, report: CheckReport) -> None:
-        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        culprit = f" {report.culprit_message}" if report.culprit_message else ""
-        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
         self.report = report
 
 

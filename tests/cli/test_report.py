@@ -39,7 +39,7 @@ def test_demo_prints_verdicts_and_the_tensorboard_command(demo_logdir: tuple[Pat
     logdir, out = demo_logdir
     assert "healthy: no false alarm (3 checks, none failed)" in out
     assert "rmsnorm: caught at step 1 (the first check), culprit `net.1`; 3 of 3 checks failed" in out
-    assert "culprit: the backward of `net.1` (`RMSNorm`) is wrong" in out
+    assert "gradient check failed at step 1: the backward of `net.1` (`RMSNorm`) is wrong" in out
     assert f"tensorboard --logdir {logdir}" in out
     assert f"gradwatch report {logdir / 'rmsnorm'}" in out
     assert sorted(p.name for p in logdir.iterdir()) == ["healthy", "rmsnorm"]
