@@ -111,28 +111,41 @@ class _BadRecordError(ValueError):
     """A field of a record that is not what the format says (caught by :func:`parse_record`)."""
 
 
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def read_number(value: Any, what: str) -> float:
     """A number written by :func:`number`."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, str) and value in _NON_FINITE:
         return _NON_FINITE[value]
-    raise _BadRecordError(f"{what} is {value!r}, not a number")
+    raise _BadRecordError(f"{what} is {_brief(value)}, not a number")
+
+
+def _text(value: str, what: str) -> str:
+    try:
+        value.encode("utf-8")  # a lone surrogate (an escaped "\ud800") would fail when printed
+    except UnicodeEncodeError as error:
+        raise _BadRecordError(f"{what} is not valid Unicode") from error
+    return value
 
 
 def _field(record: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = record.get(name)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise _BadRecordError(f"'{name}' is {value!r}")
-    return value
+        raise _BadRecordError(f"'{name}' is {_brief(value)}")
+    return _text(value, f"'{name}'") if isinstance(value, str) else value
 
 
 def _failure(step: int, item: Any) -> FailureRecord:
     if not isinstance(item, Mapping):
-        raise _BadRecordError(f"a failure is {item!r}, not an object")
+        raise _BadRecordError(f"a failure is {_brief(item)}, not an object")
     index = item.get("index")
     if index is not None and not (isinstance(index, list) and all(type(i) is int for i in index)):
-        raise _BadRecordError(f"a failure's index is {index!r}")
+        raise _BadRecordError(f"a failure's index is {_brief(index)}")
     return FailureRecord(
         step=step,
         kind=_field(item, "kind", str),
@@ -155,16 +168,18 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     try:
         if not isinstance(record, Mapping) or record.get("format") != FORMAT:
             raise _BadRecordError("not a gradwatch check record")
-        if record.get("version") != VERSION:
-            raise _BadRecordError(f"record version {record.get('version')!r}, this gradwatch reads version {VERSION}")
+        version = record.get("version")
+        if type(version) is not int or version != VERSION:
+            raise _BadRecordError(f"record version {_brief(version)}, this gradwatch reads version {VERSION}")
         step = _field(record, "step", int)
         if step < 0:
             raise _BadRecordError(f"'step' is {step}")
         verdict = _field(record, "verdict", str)
         if verdict not in VERDICTS:
-            raise _BadRecordError(f"'verdict' is {verdict!r} (expected one of {', '.join(VERDICTS)})")
+            raise _BadRecordError(f"'verdict' is {_brief(verdict)} (expected one of {', '.join(VERDICTS)})")
         scalars = {
-            str(tag): read_number(value, f"scalar {tag!r}") for tag, value in _field(record, "scalars", dict).items()
+            _text(tag, "a scalar's tag"): read_number(value, f"scalar {_brief(tag)}")
+            for tag, value in _field(record, "scalars", dict).items()
         }
         code = float(VERDICTS.index(verdict))
         if scalars.setdefault(VERDICT_TAG, code) != code:
@@ -173,8 +188,8 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
             )
         failures = [_failure(step, item) for item in _field(record, "failures", list)]
         culprit = record.get("culprit")
-        if culprit is not None and not isinstance(culprit, str):
-            raise _BadRecordError(f"'culprit' is {culprit!r}")
+        if culprit is not None:
+            culprit = _field(record, "culprit", str)
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     return CheckRecord(step, scalars), failures, culprit or None

@@ -86,7 +86,7 @@ def test_report_over_several_runs_fails_if_any_failed(demo_logdir: tuple[Path, s
     ("setup", "message"),
     [
         ("missing", r"log directory .* does not exist"),
-        ("empty", "no TensorBoard event files"),
+        ("empty", r"no gradwatch records under .*: neither a gradwatch\.jsonl nor TensorBoard event files"),
         ("corrupt", "corrupt event file"),
     ],
     ids=["missing", "empty", "corrupt"],

@@ -44,6 +44,9 @@ SCALAR_TAGS = {
     "gradwatch/forward_passes",
     "gradwatch/noise_median",
     "gradwatch/overhead",
+    "gradwatch/rel_error_max_log10",
+    "gradwatch/rel_error_median_log10",
+    "gradwatch/rel_error_min_log10",
 }
 
 
