@@ -267,3 +267,8 @@ class CheckAbandonedError(RuntimeError):
     """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
     sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
     slice, no vectorised pass, no input probes) let it through."""
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""
