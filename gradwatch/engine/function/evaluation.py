@@ -156,6 +156,8 @@ class LossEvaluator:
         self.state = state
         self.float64_reductions = float64_reductions
         self.notes: list[str] = []
+        self.inputs_refused = False
+        """Whether the loss refused displaced inputs: the check then makes no input probe and shifts no input."""
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -254,7 +256,7 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = _gradient(loss, wrt)
                 else:
                     value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                 self.n_backward += 1
