@@ -22,6 +22,7 @@ from typing_extensions import override
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
+from gradwatch.engine.report import UnrestoredStateWarning
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.lightning.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.lightning.distributed import agree, distributed
@@ -214,6 +215,9 @@ class GradWatch(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._schedule.start(trainer.global_step)  # restored from the checkpoint when resuming
+        # a checkpoint's focus may name parameters this module no longer has (a renamed layer): they are left out
+        names = {name for name, _ in pl_module.named_parameters()}
+        self._focus = tuple(name for name in self._focus if name in names)
 
     @override
     def on_before_optimizer_step(
@@ -302,7 +306,9 @@ class GradWatch(Callback):
             return None
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
         try:
-            with local_batch_norm(pl_module), loggers_silenced(pl_module.trainer):
+            with local_batch_norm(pl_module), loggers_silenced(pl_module.trainer), warnings.catch_warnings():
+                # what a check could not put back is warned of once per run, by the remarks
+                warnings.simplefilter("ignore", UnrestoredStateWarning)
                 return check_gradients(
                     pl_module,
                     batch,
@@ -321,6 +327,7 @@ class GradWatch(Callback):
                     seed=self.seed,
                     rotation=self._checks,
                     focus=self._focus,
+                    optimizers=pl_module.trainer.optimizers,
                 )
         except NoLossToCheckError:
             self._skipped_checks += 1
