@@ -88,7 +88,9 @@ def measured_probes(
     recognised (:mod:`gradwatch.engine.signatures`)."""
     with probe_precision(model, evaluator, mode) as (precision, trial):
         try:
-            tasks, portfolio, measurements = _probe_with_inputs_if_accepted(evaluator, reference, grad_norms, trial, plan)
+            tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
+                evaluator, reference, grad_norms, trial, plan
+            )
             unfaithful = None
             if precision == "float64" and measurements is not None:
                 unfaithful = quantised(tasks, measurements, reference.loss)
@@ -97,7 +99,9 @@ def measured_probes(
     if unfaithful is not None:
         evaluator.notes.append(f"probes run in the native precision: float64 evaluates another function ({unfaithful})")
         precision = "native"
-        tasks, portfolio, measurements = _probe_with_inputs_if_accepted(evaluator, reference, grad_norms, math.nan, plan)
+        tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
+            evaluator, reference, grad_norms, math.nan, plan
+        )
     vectorized = None if measurements is None else measurements.vectorized_outcome
     surrogates: list[str] = []
     culprits: list[str] = []

@@ -43,11 +43,12 @@ def mse(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 def _structure(model: nn.Module) -> list[Any]:
     """What a check must leave as it found it besides values: classes, submodules, parameters, hooks."""
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return [
-        (name, type(m), [id(c) for c in m.children()], {k: id(p) for k, p in m._parameters.items()})
-        + tuple(len(getattr(m, h)) for h in hooks)
+    modules = [
+        (name, type(m), [id(c) for c in m.children()], {k: id(p) for k, p in m._parameters.items()}, *counts)
         for name, m in model.named_modules()
-    ] + [(n, p.requires_grad, len(p._backward_hooks or {})) for n, p in model.named_parameters()]
+        for counts in [[len(getattr(m, h)) for h in hooks]]
+    ]
+    return [*modules, *[(n, p.requires_grad, len(p._backward_hooks or {})) for n, p in model.named_parameters()]]
 
 
 def _global_hooks() -> int:
@@ -106,7 +107,8 @@ def test_every_evaluation_starts_from_the_same_parameters() -> None:
         return _scaled(model, batch)
 
     _checked(loss, vectorize=False)
-    assert len(seen) > 10 and len(set(seen)) == 1  # the edit never accumulates
+    assert len(seen) > 10
+    assert len(set(seen)) == 1  # the edit never accumulates
 
 
 def test_a_change_that_cannot_be_undone_is_named_in_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,7 +300,8 @@ def test_inputs_the_loss_refuses_displaced_cost_the_input_probes_not_the_check(
         warnings.simplefilter("error")
         report = check_gradients(Autoencoder(), batch, loss, precision=precision, input_probes=3)
     assert report.verdict == "ok", str(report)
-    assert report.probes and not any(p.kind == "input" for p in report.probes)
+    assert report.probes
+    assert not any(p.kind == "input" for p in report.probes)
     assert any(note.startswith("input probes skipped: the loss refuses displaced inputs") for note in report.notes)
     assert not any("vectorised" in note for note in report.notes), report.notes  # the refusal is not vmap's
     assert report.vectorized is (True if precision == "float64" else None)

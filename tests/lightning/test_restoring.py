@@ -100,5 +100,6 @@ def test_a_checkpoint_whose_focus_names_a_lost_parameter_resumes_with_every_chec
     loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randint(0, 4, (64,))), batch_size=8)
     second.fit(Classifier(), loader, ckpt_path=path)
     assert resumed.counts["skipped"] == 0
-    assert len(resumed.reports) == 3 and all(r.verdict == "ok" for r in resumed.reports)
+    assert len(resumed.reports) == 3
+    assert all(r.verdict == "ok" for r in resumed.reports)
     assert "net.0.weight" in {p.target for p in resumed.reports[0].probes}  # the name it still has is probed

@@ -21,8 +21,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.guard import loss_gradient
 from gradwatch.engine.function.reductions import Float64Reductions
-from gradwatch.engine.function.guard import LossCallsBackwardError, loss_calls_backward
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
@@ -85,19 +85,6 @@ def _dense(grad: Tensor | None) -> Tensor | None:
     if grad is None or not grad.is_sparse:
         return grad
     return grad.coalesce().to_dense()
-
-
-def _gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
-    """``torch.autograd.grad`` of the loss (``None`` for a tensor the loss made not require grad); a graph the loss
-    already ran backward through is said in gradwatch's words."""
-    differentiable = [t for t in wrt if t.requires_grad]
-    try:
-        found = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
-        return [next(found) if t.requires_grad else None for t in wrt]
-    except RuntimeError as error:
-        if "backward through the graph a second time" in str(error):
-            raise LossCallsBackwardError(loss_calls_backward("its graph was already freed by a backward")) from error
-        raise
 
 
 def as_scalar_loss(value: object) -> Tensor:
@@ -256,7 +243,7 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads: list[Tensor | None] = _gradient(loss, wrt)
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
                 else:
                     value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                 self.n_backward += 1

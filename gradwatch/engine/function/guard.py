@@ -74,6 +74,19 @@ def loss_calls_backward(evidence: str) -> str:
     )
 
 
+def loss_gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
+    """``torch.autograd.grad`` of the loss (``None`` for a tensor the loss made not require grad); a graph the loss
+    already ran backward through is said in gradwatch's words."""
+    differentiable = [t for t in wrt if t.requires_grad]
+    try:
+        found = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
+        return [next(found) if t.requires_grad else None for t in wrt]
+    except RuntimeError as error:
+        if "backward through the graph a second time" in str(error):
+            raise LossCallsBackwardError(loss_calls_backward("its graph was already freed by a backward")) from error
+        raise
+
+
 def same_bits(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors hold the same bits (NaNs and signed zeros included)."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
@@ -82,7 +95,9 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
         integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
         if integer is not None and not a.is_complex():
             return torch.equal(a.view(integer), b.view(integer))
-        return torch.equal(torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b)
+        return torch.equal(
+            torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b
+        )
     return torch.equal(a, b)
 
 
@@ -135,13 +150,10 @@ class _Slot:
             self.owner.requires_grad_(self.value)
             return
         if getattr(self.owner, self.attribute, None) is not self.value:
-            object.__setattr__(self.owner, self.attribute, self.value) if isinstance(
-                self.owner, nn.Module
-            ) else setattr(self.owner, self.attribute, self.value)
-        if isinstance(self.items, list):
-            self.value.clear()
-            self.value.update(self.items)
-        elif isinstance(self.items, frozenset):
+            # a module's own containers sit in its __dict__ (nn.Module.__setattr__ would file them elsewhere)
+            setter = object.__setattr__ if isinstance(self.owner, nn.Module) else setattr
+            setter(self.owner, self.attribute, self.value)
+        if self.items is not None:  # the items of a dict, the members of a set
             self.value.clear()
             self.value.update(self.items)
 
@@ -161,9 +173,7 @@ class _Parameter:
         t, a = self.tensor, self.alias
         if hasattr(t, "to_local"):  # a sharded parameter: its shards are the sharding's business
             return False
-        return (
-            t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
-        )
+        return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
 
 
 class ModelGuard:

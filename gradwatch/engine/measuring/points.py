@@ -40,7 +40,7 @@ def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets
         InputsRefusedError: ``direction`` moves inputs and the loss raised there.
     """
     inputs = {id(tensor) for tensor in evaluator.inputs.values()}
-    moves_inputs = any(id(tensor) in inputs for tensor in direction.tensors)
+    moves_inputs = any(id(tensor) in inputs for tensor in getattr(direction, "tensors", ()))  # activations: none
     points = []
     with direction.moving() as move:
         for offset in offsets:
