@@ -212,8 +212,8 @@ def _forward_context(trainer: pl.Trainer) -> Iterator[None]:
 
 
 class AppliedHooks(Callback):
-    """The hooks ``GradWatch`` runs applied checks from (a mixin: ``GradWatch`` holds ``_applied``, ``_record``,
-    ``_alerts`` and ``overhead``)."""
+    """The hooks ``GradWatch`` runs applied checks from (a mixin: ``GradWatch`` holds ``_applied`` and the watch whose
+    alert policy applied failures go through)."""
 
     _applied: AppliedChecks
 
@@ -231,21 +231,21 @@ class AppliedHooks(Callback):
     def _check_applied(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the applied gradient if this optimizer step is due; keep, publish and alert. A check that raises
         never ends the run (unless ``on_fail="raise"``): it is reported like a recomputed check that raised."""
-        watch: Any = self
+        alerts: Any = self._watch._alerts  # type: ignore[attr-defined]  # GradWatch's
         try:
             report = self._applied.check(trainer, pl_module)
         except NoLossToCheckError:
             return
         except Exception as error:
-            if watch.on_fail == "raise":
+            if alerts.on_fail == "raise":
                 raise
-            watch._alerts.check_error(trainer.global_step + 1, error)
+            alerts.check_error(trainer.global_step + 1, error)
             return
         if report is None:
             return
         self._applied.reports.append(report)
         publish_applied(trainer, report)
-        if watch._alerts.handle(report):
+        if alerts.handle(report):
             trainer.should_stop = True
 
 
