@@ -36,7 +36,9 @@ from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import float64_storage, resolve_precision
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
@@ -143,9 +145,10 @@ def check_applied_gradient(
     applied = [applied_all[i].detach() for i in chosen]  # type: ignore[union-attr]
     if start is not None and len(start.sums) == len(trainable):
         start = Checksums(tuple(start.sums[i] for i in chosen))
-    notes = [f"{len(trainable) - len(chosen)} trainable parameter(s) have no gradient to check"] if len(chosen) < len(
-        trainable
-    ) else []  # fmt: skip
+    unchecked = len(trainable) - len(chosen)
+    notes: list[Note] = []
+    if unchecked:
+        notes.append(Note(NoteCode.APPLIED_UNCHECKED, f"{unchecked} trainable parameter(s) have no gradient to check"))
     autocast = path_autocast(path)
     native = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
@@ -155,18 +158,20 @@ def check_applied_gradient(
         disagreeing = _disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
-            probe = Probe("descent", "*", None, math.nan, math.nan, math.inf, "fail", math.nan, 0.0, "ranks disagree")
+            probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
+                          Reason.DISCREPANCY)  # fmt: skip
             return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
                                duration_s=time.perf_counter() - started, notes=notes, fault="reduction",
                                fault_message=message)  # fmt: skip
     if not all(bool(torch.isfinite(g).all()) for g in applied):
-        probe = Probe("loss", "*", None, math.inf, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
+        probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
+                      Reason.NONFINITE)  # fmt: skip
         return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
                            duration_s=time.perf_counter() - started, notes=notes, fault="unknown",
                            fault_message="the applied gradient holds non-finite values")  # fmt: skip
     state = TrainingState.capture(model)
-    setting = PathSetting(model, batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
-                          params, state, group, start, loss_scale)  # fmt: skip
+    setting = PathSetting(model, list(batches), loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
+                          list[Tensor](params), state, group, start, loss_scale)  # fmt: skip
     with warnings_withheld() as withheld:
         try:
             outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation, notes)
@@ -174,7 +179,8 @@ def check_applied_gradient(
             state.restore()
     measured, evaluator, attribution, _, loss, backward = outcome
     if withheld:
-        notes.append(f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}")
+        text = f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}"
+        notes.append(Note(NoteCode.WARNINGS_WITHHELD, text))
     culprits: list[str] = []
     culprit_message = ""
     if attribution is not None and attribution.search_culprit and culprit_search:
@@ -185,14 +191,16 @@ def check_applied_gradient(
     failing = any(p.verdict == "fail" for p in probes)
     return CheckReport(
         step=step,
-        verdict="fail" if failing else ("ok" if any(p.verdict == "ok" for p in probes) else "inconclusive"),
+        verdict=Verdict.FAIL
+        if failing
+        else (Verdict.OK if any(p.verdict == "ok" for p in probes) else Verdict.INCONCLUSIVE),
         probes=probes,
         loss=loss,
         n_forward=evaluator.n_forward if evaluator is not None else 0,
         n_backward=backward,
         n_passes=evaluator.n_forward if evaluator is not None else 0,
         duration_s=time.perf_counter() - started,
-        notes=list(dict.fromkeys(notes + (evaluator.notes if evaluator is not None else []))),
+        notes=list(dict.fromkeys([*notes, *(evaluator.notes if evaluator is not None else [])])),
         precision="float64" if evaluator is not None and evaluator.value_dtype == torch.float64 else "native",
         rtol=math.nan,
         culprits=culprits,
@@ -220,7 +228,7 @@ def _applied(
         raise ValueError(
             f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
         )
-    return given
+    return list[Tensor | None](given)
 
 
 def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
@@ -240,7 +248,7 @@ def _measure(
     multiple: float,
     tensor_probes: int | None,
     rotation: int,
-    notes: list[str],
+    notes: list[Note],
 ) -> tuple[list[Measured], LossEvaluator | None, Attribution | None, list[float], float, int]:
     model, params, state, group = setting.model, setting.params, setting.state, setting.group
     named = list(zip(names, params, strict=True))
@@ -263,9 +271,13 @@ def _measure(
         backward += 1
         if abs(path_loss - reference.loss) > center_tolerance(reference.loss, path_dtype, path_dtype):
             notes.append(
-                f"no probe made: the training's path computes another loss ({path_loss:.9g}) than its eager evaluation "
-                f"({reference.loss:.9g}); compiled code draws its own random numbers (dropout), which an eager "
-                "evaluation cannot replay (torch._inductor.config.fallback_random = True makes them eager's)"
+                Note(
+                    NoteCode.APPLIED_PATH_DIFFERS,
+                    f"no probe made: the training's path computes another loss ({path_loss:.9g}) than its eager "
+                    f"evaluation ({reference.loss:.9g}); compiled code draws its own random numbers (dropout), "
+                    "which an eager evaluation cannot replay (torch._inductor.config.fallback_random = True makes "
+                    "them eager's)",
+                )
             )
             return [], evaluator, None, [], reference.loss, backward
     if setting.autocast is not None:
@@ -281,14 +293,18 @@ def _measure(
                                                                            state, group))]  # fmt: skip
             backward += 1
         except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
-            notes.append(f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})")
+            text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
+            notes.append(Note(NoteCode.APPLIED_FLOOR, text))
             measured_floors = []
     applied_norms = norms(applied, exact=True)
     floor_values = floors(measured_floors, applied_norms, path_dtype)
     notes.append(
-        f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
-        f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
-        f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise"
+        Note(
+            NoteCode.APPLIED_FLOOR,
+            f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
+            f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
+            f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise",
+        )
     )
     measured = _probe(setting, evaluator, named, applied, floor_values, multiple, native, reference.loss,
                       tensor_probes, rotation)  # fmt: skip
@@ -324,7 +340,8 @@ def _probe(
             except CheckAbandonedError:
                 raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
-                evaluator.notes.append(f"probes run natively: the loss raised {type(error).__name__} in float64")
+                text = f"probes run natively: the loss raised {type(error).__name__} in float64"
+                evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
@@ -346,8 +363,12 @@ def _probes_at(
     center = evaluator.loss()
     if abs(center - loss) > center_tolerance(loss, native, compute):
         evaluator.notes.append(
-            f"no probe made: the window's loss is {center:.9g} when evaluated again, {loss:.9g} when differentiated; "
-            "it draws randomness that was not recorded (pass rng_states) or is not a function of the parameters"
+            Note(
+                NoteCode.APPLIED_NOT_REPRODUCIBLE,
+                f"no probe made: the window's loss is {center:.9g} when evaluated again, {loss:.9g} when "
+                "differentiated; it draws randomness that was not recorded (pass rng_states) or is not a function "
+                "of the parameters",
+            )
         )
         return []
     measurements = Measurements(evaluator, center)

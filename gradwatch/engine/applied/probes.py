@@ -16,13 +16,14 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
+from gradwatch.engine.kinds import ProbeKind, Reason
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, machine_epsilon, relative_step
-from gradwatch.engine.report import DESCENT_TARGET, Probe, ProbeKind
+from gradwatch.engine.report import DESCENT_TARGET, Probe
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 
@@ -92,13 +93,15 @@ class AppliedProbes:
             return None
         every = tuple(range(len(self.moved)))
         weighted = sum(self._scale(i) ** 2 * (n / self.grad_norm) ** 2 for i, n in enumerate(self.grad_norms))
-        return self._measure("descent", DESCENT_TARGET, every, self.relative * math.sqrt(weighted), screen_first=False)
+        return self._measure(
+            ProbeKind.DESCENT, DESCENT_TARGET, every, self.relative * math.sqrt(weighted), screen_first=False
+        )
 
     def tensor(self, i: int) -> Measured | None:
         """The probe along tensor ``i``'s applied gradient; ``None`` when that is zero."""
         if not self.grad_norms[i] > 0 or not math.isfinite(self.grad_norms[i]):
             return None
-        return self._measure("tensor", self.names[i], (i,), self.relative * self._scale(i), screen_first=True)
+        return self._measure(ProbeKind.TENSOR, self.names[i], (i,), self.relative * self._scale(i), screen_first=True)
 
     def _measure(
         self, kind: ProbeKind, target: str, tensors: tuple[int, ...], step: float, *, screen_first: bool
@@ -175,7 +178,7 @@ class AppliedProbes:
             verdict=judgement.verdict,  # type: ignore[arg-type]
             noise=assessment.noise,
             step=stencil.step,
-            reason=judgement.reason,
+            reason=Reason(judgement.reason),
             evaluations=evaluations,
             floor=floor,
         )
