@@ -9,7 +9,7 @@ Usage: ``python benchmarks/applied.py [--seeds N] [--steps N]`` (CPU, a few minu
    healthy check in units of its tolerance (a failure needs more than 1);
 3. **cost** per model and precision: one applied check in training steps (an optimizer step of the same model, batch
    and precision, timed the same way), its loss evaluations, and what the default cadence
-   (``applied_every_n_steps=1000``) costs before the budget.
+   (``applied_every_n_steps``) costs before the budget.
 """
 
 from __future__ import annotations
