@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +33,6 @@ from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.report import FAULTS, VERDICTS
 from gradwatch.engine.sharding.parameters import is_sharded
-from gradwatch.lightning.alerts import GradientCheckWarning
 from gradwatch.lightning.distributed import distributed
 from gradwatch.lightning.overhead import OverheadClock
 from gradwatch.lightning.training_step import (
@@ -75,6 +73,7 @@ class AppliedChecks:
         max_overhead: The share of the training time all checks may take (``None``: no budget).
         clock: The clock of gradwatch's time against the training's, shared with the recomputed checks.
         tensor_probes: Tensors probed per check, in turn.
+        ignore: Patterns of parameter names not to check (``GradWatch(ignore=...)``).
     """
 
     def __init__(
@@ -85,7 +84,9 @@ class AppliedChecks:
         max_overhead: float | None,
         clock: OverheadClock,
         tensor_probes: int = DEFAULT_APPLIED_TENSOR_PROBES,
+        ignore: tuple[str, ...] = (),
     ) -> None:
+        self.ignore = ignore
         self.every_n_steps = every_n_steps
         self.first_check_step = first_check_step
         self.loss_fn = loss_fn
@@ -137,21 +138,27 @@ class AppliedChecks:
         return bool(trainer.strategy.broadcast(fits, src=0)) if distributed(trainer) else fits
 
     def _supported(self, module: pl.LightningModule) -> bool:
+        if len(module.trainer.optimizers) > 1:
+            self._unsupported(
+                "several optimizers: which loss each optimizer's gradient comes from is the module's own business"
+            )
+            return False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()]
         if not named:  # nothing to check (the recomputed checks say so)
             return False
         if not is_sharded(named):
             return True
-        if not self._said_unsupported:
-            self._said_unsupported = True
-            warnings.warn(
-                "gradwatch: the applied gradient is not checked under sharded parameters (FSDP2): its reduce-scatter "
-                "leaves each rank a shard of the gradient, which this version does not yet compare with the loss; "
-                "the recomputed checks go on",
-                GradientCheckWarning,
-                stacklevel=2,
-            )
+        self._unsupported(
+            "sharded parameters (FSDP2): its reduce-scatter leaves each rank a shard of the gradient, which this "
+            "version does not yet compare with the loss"
+        )
         return False
+
+    def _unsupported(self, reason: str) -> None:
+        """Say once why the applied gradient of this run cannot be checked."""
+        if not self._said_unsupported:  # a log record, not a warning: nothing is wrong with the run
+            self._said_unsupported = True
+            log.warning("gradwatch: the applied gradient is not checked under %s; the recomputed checks go on", reason)
 
     def check(self, trainer: pl.Trainer, module: pl.LightningModule) -> CheckReport | None:
         """Check the applied gradient if this optimizer step's window was recorded (once per window)."""
@@ -191,6 +198,7 @@ class AppliedChecks:
                 tensor_probes=self.tensor_probes,
                 rotation=self._checks,
                 loss_scale=_grad_scale(trainer),
+                ignore=self.ignore,
             )
         self._checks += 1
         self.last_seconds = time.perf_counter() - started

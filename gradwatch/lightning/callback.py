@@ -113,7 +113,9 @@ class GradWatch(AppliedHooks, Callback):
             setattr(self, name, getattr(watch.settings, name))
         applied = validate.check_optional_int("applied_every_n_steps", applied_every_n_steps, minimum=1)
         clock = watch._schedule.clock  # shared: the applied checks spend the same budget
-        self._applied = AppliedChecks(applied, self.first_check_step, self.loss_fn, self.max_overhead, clock)
+        self._applied = AppliedChecks(
+            applied, self.first_check_step, self.loss_fn, self.max_overhead, clock, ignore=watch.settings.ignore
+        )
 
     @property
     def reports(self) -> list[CheckReport]:

@@ -167,3 +167,33 @@ def test_arguments_are_validated() -> None:
         check_applied_gradient("model", [batch], cross_entropy)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no micro-batch was recorded"):
         AppliedWindow(model).check(cross_entropy)
+
+
+def test_stock_surrogates_and_ignored_tensors_are_checked_as_the_recomputed_check_checks_them() -> None:
+    """Spectral norm (power iteration held constant), padding rows, and a straight-through estimator left out with
+    ``ignore``: no false alarm."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8, padding_idx=0)
+            self.fc = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 8))
+            self.quant = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.fc(self.embed(x).mean(1)))
+            w = self.quant.weight
+            w = w + (torch.round(w * 20) / 20 - w).detach()  # straight-through fake quantisation
+            return torch.nn.functional.linear(h, w, self.quant.bias)
+
+    model = Net()
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 10, (16, 5), generator=generator), torch.randint(0, 4, (16,), generator=generator))
+    window = AppliedWindow(model)
+    window.record(batch)
+    cross_entropy(model, batch).backward()
+    report = window.check(cross_entropy, ignore=["quant.weight"])
+    assert report.verdict == "ok", str(report)
+    assert "quant.weight" not in {p.target for p in report.probes}
+    assert any(note.code == "spectral-norm" for note in report.notes)

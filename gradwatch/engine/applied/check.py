@@ -36,12 +36,14 @@ from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import float64_storage, resolve_precision
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.selection import checked_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -91,6 +93,7 @@ def check_applied_gradient(
     rotation: int = 0,
     culprit_search: bool = True,
     loss_scale: float = 1.0,
+    ignore: Sequence[str] = (),
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -116,6 +119,9 @@ def check_applied_gradient(
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
+        ignore: Shell-style patterns of parameter names not to check (straight-through estimators: their gradient is
+            not the derivative by design). Stock surrogates (spectral norm's power iteration, padding rows, embeddings
+            with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles them.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
 
@@ -137,18 +143,22 @@ def check_applied_gradient(
     validate.check_int("step", step, minimum=0)
     validate.check_optional_int("tensor_probes", tensor_probes, minimum=1)
     started = time.perf_counter()
+    ignore = validate.check_patterns("ignore", ignore)
+    surrogates = find_stock_surrogates(model)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
     applied_all = _applied(trainable, gradients)
-    chosen = [i for i, g in enumerate(applied_all) if g is not None]
+    probed = {name for name, _ in checked_parameters(model, ignore, surrogates.unprobed)}
+    chosen = [i for i, g in enumerate(applied_all) if g is not None and trainable[i][0] in probed]
     names = [trainable[i][0] for i in chosen]
     params = [trainable[i][1] for i in chosen]
     applied = [applied_all[i].detach() for i in chosen]  # type: ignore[union-attr]
     if start is not None and len(start.sums) == len(trainable):
         start = Checksums(tuple(start.sums[i] for i in chosen))
     unchecked = len(trainable) - len(chosen)
-    notes: list[Note] = []
+    notes: list[Note] = surrogates.notes()
     if unchecked:
-        notes.append(Note(NoteCode.APPLIED_UNCHECKED, f"{unchecked} trainable parameter(s) have no gradient to check"))
+        text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
+        notes.append(Note(NoteCode.APPLIED_UNCHECKED, text))
     autocast = path_autocast(path)
     native = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
@@ -172,7 +182,7 @@ def check_applied_gradient(
     state = TrainingState.capture(model)
     setting = PathSetting(model, list(batches), loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           list[Tensor](params), state, group, start, loss_scale)  # fmt: skip
-    with warnings_withheld() as withheld:
+    with warnings_withheld() as withheld, as_autograd_sees_them(surrogates):
         try:
             outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation, notes)
         finally:
