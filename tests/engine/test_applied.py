@@ -197,3 +197,9 @@ def test_stock_surrogates_and_ignored_tensors_are_checked_as_the_recomputed_chec
     assert report.verdict == "ok", str(report)
     assert "quant.weight" not in {p.target for p in report.probes}
     assert any(note.code == "spectral-norm" for note in report.notes)
+    # without ignore=, the estimator is recognised by its signature, as the recomputed check recognises it
+    unignored = window.check(cross_entropy)
+    assert unignored.verdict != "fail"
+    assert unignored.fault is None
+    assert {p.target for p in unignored.probes if p.reason == "surrogate"} == {"*", "quant.weight"}
+    assert any("quant.weight" in finding for finding in unignored.surrogates)

@@ -27,22 +27,20 @@ from torch import Tensor, nn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
-from gradwatch.engine.applied.probes import AppliedProbes, Measured
+from gradwatch.engine.applied.probes import Measured, measure
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import float64_storage, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
-from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.report import CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
@@ -193,10 +191,19 @@ def check_applied_gradient(
         notes.append(Note(NoteCode.WARNINGS_WITHHELD, text))
     culprits: list[str] = []
     culprit_message = ""
-    if attribution is not None and attribution.search_culprit and culprit_search:
-        found = check_gradients(model, batches[0], single_loss(loss_fn, states[0], None), step=step)
-        culprits, culprit_message = found.culprits, found.culprit_message
+    surrogates_found: tuple[str, ...] = ()
     probes = [m.probe for m in measured]
+    if attribution is not None and attribution.search_culprit:
+        # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
+        # not faults of the formula, and a check whose failures they explain is not a failure
+        found = check_gradients(model, batches[0], single_loss(loss_fn, states[0], None), step=step)
+        surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
+        failing_targets = {p.target for p in probes if p.verdict == "fail"}
+        if failing_targets and failing_targets <= surrogate:
+            probes = [_undecided(p) if p.verdict == "fail" or p.target in surrogate else p for p in probes]
+            surrogates_found, attribution = found.surrogates, None
+        elif culprit_search:
+            culprits, culprit_message = found.culprits, found.culprit_message
     descent = next((m for m in measured if m.probe.kind == "descent"), None)
     failing = any(p.verdict == "fail" for p in probes)
     return CheckReport(
@@ -215,12 +222,19 @@ def check_applied_gradient(
         rtol=math.nan,
         culprits=culprits,
         culprit_message=culprit_message,
+        surrogates=surrogates_found,
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
         noise_floor=descent.probe.floor / descent.probe.analytic if descent and descent.probe.analytic else math.nan,
         floor_excess=max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan),
     )
+
+
+def _undecided(probe: Probe) -> Probe:
+    """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
+    design (``ignore=`` it to leave it out)."""
+    return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
 
 
 def _applied(
@@ -316,89 +330,10 @@ def _measure(
             f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise",
         )
     )
-    measured = _probe(setting, evaluator, named, applied, floor_values, multiple, native, reference.loss,
+    measured = measure(setting.model, evaluator, named, applied, floor_values, multiple, native, reference.loss,
                       tensor_probes, rotation)  # fmt: skip
     failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = None
     if failing:
         attribution = attribute(setting, applied, eager, failing, floor_values, multiple, again)
     return measured, evaluator, attribution, floor_values, reference.loss, backward
-
-
-def _probe(
-    setting: PathSetting,
-    evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
-    loss: float,
-    tensor_probes: int | None,
-    rotation: int,
-) -> list[Measured]:
-    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
-    elements = sum(p.numel() for _, p in named)
-    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
-    with recompute.exact_conditions():
-        if resolve_precision("auto", native, elements) == "float64":
-            try:
-                with float64_storage(setting.model) as substitutes:
-                    evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
-                    evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, named, *args, torch.float64)
-            except CheckAbandonedError:
-                raise
-            except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
-                text = f"probes run natively: the loss raised {type(error).__name__} in float64"
-                evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
-            finally:
-                evaluator.params = named
-                evaluator.use_native_inputs()
-        return _probes_at(evaluator, named, *args, native)
-
-
-def _probes_at(
-    evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
-    loss: float,
-    tensor_probes: int | None,
-    rotation: int,
-    compute: torch.dtype,
-) -> list[Measured]:
-    center = evaluator.loss()
-    if abs(center - loss) > center_tolerance(loss, native, compute):
-        evaluator.notes.append(
-            Note(
-                NoteCode.APPLIED_NOT_REPRODUCIBLE,
-                f"no probe made: the window's loss is {center:.9g} when evaluated again, {loss:.9g} when "
-                "differentiated; it draws randomness that was not recorded (pass rng_states) or is not a function "
-                "of the parameters",
-            )
-        )
-        return []
-    measurements = Measurements(evaluator, center)
-    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
-                           floor_values, multiple, native)  # fmt: skip
-    descent = probes.descent()
-    measured = [descent] if descent is not None else []
-    count = len(named)
-    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes is None or tensor_probes >= count:
-        order = list(range(count))
-    else:
-        first = (rotation * tensor_probes) % count
-        order = [(first + k) % count for k in range(tensor_probes)]
-    for i in order:
-        found = probes.tensor(i)
-        if found is not None:
-            measured.append(found)
-    if any(m.probe.verdict == "fail" for m in measured) and len(order) < count:
-        for i in sorted(set(range(count)) - set(order)):  # name every tensor at fault
-            found = probes.tensor(i)
-            if found is not None:
-                measured.append(found)
-    return measured

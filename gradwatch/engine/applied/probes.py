@@ -13,17 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
+from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.precision import float64_storage, resolve_precision
 from gradwatch.engine.kinds import ProbeKind, Reason
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
-from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, machine_epsilon, relative_step
-from gradwatch.engine.report import DESCENT_TARGET, Probe
+from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
+from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 
@@ -183,3 +187,82 @@ class AppliedProbes:
             floor=floor,
         )
         return Measured(probe, tensors, 1.0 / size, judgement.tolerance, judgement.excess)
+
+
+def measure(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    named: list[tuple[str, Tensor]],
+    applied: list[Tensor],
+    floor_values: list[float],
+    multiple: float,
+    native: torch.dtype,
+    loss: float,
+    tensor_probes: int | None,
+    rotation: int,
+) -> list[Measured]:
+    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
+    elements = sum(p.numel() for _, p in named)
+    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
+    with exact_conditions():
+        if resolve_precision("auto", native, elements) == "float64":
+            try:
+                with float64_storage(model) as substitutes:
+                    evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
+                    evaluator.use_float64_inputs()
+                    return _probes_at(evaluator, named, *args, torch.float64)
+            except CheckAbandonedError:
+                raise
+            except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
+                text = f"probes run natively: the loss raised {type(error).__name__} in float64"
+                evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
+            finally:
+                evaluator.params = named
+                evaluator.use_native_inputs()
+        return _probes_at(evaluator, named, *args, native)
+
+
+def _probes_at(
+    evaluator: LossEvaluator,
+    named: list[tuple[str, Tensor]],
+    applied: list[Tensor],
+    floor_values: list[float],
+    multiple: float,
+    native: torch.dtype,
+    loss: float,
+    tensor_probes: int | None,
+    rotation: int,
+    compute: torch.dtype,
+) -> list[Measured]:
+    center = evaluator.loss()
+    if abs(center - loss) > center_tolerance(loss, native, compute):
+        evaluator.notes.append(
+            Note(
+                NoteCode.APPLIED_NOT_REPRODUCIBLE,
+                f"no probe made: the window's loss is {center:.9g} when evaluated again, {loss:.9g} when "
+                "differentiated; it draws randomness that was not recorded (pass rng_states) or is not a function "
+                "of the parameters",
+            )
+        )
+        return []
+    measurements = Measurements(evaluator, center)
+    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
+                           floor_values, multiple, native)  # fmt: skip
+    descent = probes.descent()
+    measured = [descent] if descent is not None else []
+    count = len(named)
+    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes is None or tensor_probes >= count:
+        order = list(range(count))
+    else:
+        first = (rotation * tensor_probes) % count
+        order = [(first + k) % count for k in range(tensor_probes)]
+    for i in order:
+        found = probes.tensor(i)
+        if found is not None:
+            measured.append(found)
+    if any(m.probe.verdict == "fail" for m in measured) and len(order) < count:
+        for i in sorted(set(range(count)) - set(order)):  # name every tensor at fault
+            found = probes.tensor(i)
+            if found is not None:
+                measured.append(found)
+    return measured
