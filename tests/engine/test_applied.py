@@ -203,3 +203,59 @@ def test_stock_surrogates_and_ignored_tensors_are_checked_as_the_recomputed_chec
     assert unignored.fault is None
     assert {p.target for p in unignored.probes if p.reason == "surrogate"} == {"*", "quant.weight"}
     assert any("quant.weight" in finding for finding in unignored.surrogates)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tiny_hugging_face_language_models_pass(family: str, autocast: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config)  # dropout 0.1 everywhere
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2)]
+
+    def lm_loss(m: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, labels=ids).loss
+
+    path = bf16 if autocast else None
+    window = AppliedWindow(model)
+    for ids in batches:
+        window.record(ids)
+        with path() if path is not None else torch.autocast("cpu", enabled=False):
+            loss = lm_loss(model, ids)
+        (loss / len(batches)).backward()
+    report = window.check(lm_loss, path=path)
+    assert report.verdict == "ok", str(report)
+
+
+@pytest.mark.parametrize(("model_class", "fault"), [(MLP, 1.0), (CNN, None), (Transformer, None), (MLP, 1.5)],
+                         ids=["mlp", "cnn", "transformer", "mlp-autocast-fault"])  # fmt: skip
+def test_float16_autocast_with_a_loss_scale_as_16_mixed_computes_it(
+    model_class: type[torch.nn.Module], fault: float | None
+) -> None:
+    """16-mixed: float16 autocast, the loss scaled for backward and the gradient unscaled before the check."""
+    torch.manual_seed(0)
+    model = model_class(autocast_fault=fault) if fault is not None else model_class()  # type: ignore[call-arg]
+    fp16 = lambda: torch.autocast("cpu", dtype=torch.float16)  # noqa: E731
+    scale = 2.0**12
+    window = AppliedWindow(model)
+    for seed in (1, 2):
+        batch = batch_for(model, seed=seed)
+        window.record(batch)
+        with fp16():
+            loss = cross_entropy(model, batch)
+        (loss * scale / 2).backward()
+    for param in model.parameters():
+        param.grad /= scale  # what GradScaler.unscale_ does before on_before_optimizer_step
+    report = window.check(cross_entropy, path=fp16, loss_scale=scale)
+    expected = ("fail", "precision") if fault == 1.5 else ("ok", None)
+    assert (report.verdict, report.fault) == expected, str(report)
