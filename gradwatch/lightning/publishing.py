@@ -93,10 +93,10 @@ def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:
     if callable(log_text):  # WandbLogger: a one-row table
         return lambda tag, text, step: log_text(key=tag, columns=["step", "failures"], data=[[step, text]], step=step)
     if hasattr(type(logger), "run_id"):  # MLFlowLogger: a markdown artifact per failing check
-        client = getattr(logger, "experiment", None)
-        if callable(getattr(client, "log_text", None)):
+        client_log_text = getattr(getattr(logger, "experiment", None), "log_text", None)
+        if callable(client_log_text):
             run_id = logger.run_id  # type: ignore[attr-defined]
-            return lambda tag, text, step: client.log_text(run_id, text, f"{tag}/step_{step}.md")
+            return lambda tag, text, step: client_log_text(run_id, text, f"{tag}/step_{step}.md")
     return None
 
 

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
-from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.util import tensor_util
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[import-untyped]
+from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
+from tensorboard.util import tensor_util  # type: ignore[import-untyped]
 
 from gradwatch.engine.rendering import CULPRIT_PREFIX
 from gradwatch.engine.report import VERDICTS

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import CRC_INIT, crc_finalize, crc_update
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import CRC_INIT, crc_finalize, crc_update  # type: ignore[import-untyped]
 
 HEADER_BYTES = 12
 FOOTER_BYTES = 4

@@ -80,7 +80,8 @@ def _refused(argv: list[str], reason: str) -> str:
     assert code == 2, (out, err)
     assert out == ""
     lines = err.splitlines()
-    assert lines and all(line.startswith("gradwatch report: error: ") for line in lines)
+    assert lines
+    assert all(line.startswith("gradwatch report: error: ") for line in lines)
     assert reason in err, err
     return err
 
@@ -136,7 +137,8 @@ def test_names_that_are_not_utf8_are_refused_by_path(tmp_path: Path) -> None:
     err = _refused(["report", str(tmp_path)], "a file name that is not valid UTF-8, which gradwatch cannot decode")
     assert "caf\\xe9" in err
     done = _subprocess("report", str(tmp_path))
-    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -227,13 +229,16 @@ def test_fuzz_corrupt_event_files_exit_as_documented_within_a_time_bound(tmp_pat
         if must_refuse:
             assert code == 2, (name, out)
         if code == 2:
-            assert out == "" and len(err.splitlines()) == 1 and str(run) in err, (name, err)
+            assert out == "", name
+            assert len(err.splitlines()) == 1, (name, err)
+            assert str(run) in err, (name, err)
     for name, content, _ in cases[::20]:  # two through the real entry point: no traceback
         run = tmp_path / "subprocess" / name.replace(" ", "_")
         run.mkdir(parents=True)
         (run / source.name).write_bytes(content)
         done = _subprocess("report", str(run))
-        assert done.returncode in EXIT_CODES and "Traceback" not in done.stderr, (name, done.stderr)
+        assert done.returncode in EXIT_CODES, (name, done.stderr)
+        assert "Traceback" not in done.stderr, (name, done.stderr)
 
 
 def test_head_ends_the_output_quietly_and_the_verdict_stands(tmp_path: Path) -> None:
@@ -259,7 +264,8 @@ def test_worst_tensors_are_tensors_and_every_culprit_is_listed_up_to_the_limit(t
     assert code == 1
     worst = out.split("worst tensors", 1)[1].split("failures:", 1)[0]
     assert "net.0.weight" in worst
-    assert "(the model)" not in worst and "net.1" not in worst
+    assert "(the model)" not in worst
+    assert "net.1" not in worst
     assert "(the model)" in out.split("failures:", 1)[1]  # still listed among the failures
     culprits = [line for line in out.splitlines() if line.startswith("culprit at step")]
     assert len(culprits) == 20

@@ -49,7 +49,8 @@ def test_the_culprit_search_probes_come_after_the_probes_that_found_the_bug() ->
     report = dataclasses.replace(report, probes=[report.probes[0], *report.probes[3:], *report.probes[1:3]])
     assert [p.kind for p in ordered_failures(report)] == ["param", "param", "activation", "activation"]
     lines = render_text(report, limit=3).splitlines()
-    assert lines[1].startswith("  param w[0]") and lines[3].startswith("  activation blocks.0")
+    assert lines[1].startswith("  param w[0]")
+    assert lines[3].startswith("  activation blocks.0")
     assert lines[4] == "  ... and 1 more"
 
 
