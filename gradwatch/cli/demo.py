@@ -29,8 +29,8 @@ from gradwatch.cli.demo_models import (
 )
 from gradwatch.engine.rendering import SEARCH_KINDS, render_text
 from gradwatch.engine.report import CheckReport
-from gradwatch.lightning.alerts import GradientCheckWarning
 from gradwatch.lightning.callback import GradWatch
+from gradwatch.watch.alerts import GradientCheckWarning
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,15 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gradwatch.engine.kinds import kinds_where
+
 if TYPE_CHECKING:  # the report imports this module (GradientCheckError renders itself)
     from gradwatch.engine.report import CheckReport, Probe
 
 CULPRIT_PREFIX = "culprit: "
 """The line of the markdown form that names the module whose backward is wrong (read back by ``gradwatch report``)."""
 
-SEARCH_KINDS = ("activation", "module_input", "module_params")
+SEARCH_KINDS = kinds_where(culprit_search=True)
 """The probe kinds of a culprit search: they locate the module the other failing probes point to, so they are listed
 after those, and their target is a module, not a tensor."""
 
