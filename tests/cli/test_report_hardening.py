@@ -272,3 +272,10 @@ def test_worst_tensors_are_tensors_and_every_culprit_is_listed_up_to_the_limit(t
     assert "... and 5 more culprit lines (--max-rows 0 shows all)" in out
     code, out, _ = _run(["report", str(tmp_path), "--max-rows", "0"])
     assert sum(line.startswith("culprit at step") for line in out.splitlines()) == 25
+
+
+def test_the_command_line_imports_lightning_only_to_train_a_demo() -> None:
+    done = _subprocess(
+        f"{sys.executable} -c \"import sys, gradwatch.cli.main; assert 'lightning' not in sys.modules\"", shell=True
+    )
+    assert done.returncode == 0, done.stderr
