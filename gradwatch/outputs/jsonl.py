@@ -8,7 +8,8 @@ One line per check::
      "culprit": "the backward of `net.1` (`RMSNorm`) is wrong: ...", "culprits": ["net.1", "net"],
      "failures": [{"kind": "tensor", "target": "net.0.weight", "index": null, "location": "net.0.weight",
                    "analytic": 1.02, "numeric": 0.98, "rel_error": 0.04, "noise": 1e-06, "reason": "discrepancy"}],
-     "surrogates": [], "notes": ["..."], "loss": 0.7, "duration_s": 0.05, "scope": ..., "fault": ...}
+     "surrogates": [], "notes": [{"code": "unvectorised-refused", "text": "points evaluated one by one: ..."}],
+     "loss": 0.7, "duration_s": 0.05, "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
 read back as the float. ``scope`` and ``fault`` are there when the report has them.
@@ -96,7 +97,7 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         "culprits": list(report.culprits),
         "failures": [probe_json(probe) for probe in ordered_failures(report)],
         "surrogates": [str(finding) for finding in report.surrogates],
-        "notes": [str(note) for note in report.notes],
+        "notes": [{"code": jsonable(getattr(note, "code", None)), "text": str(note)} for note in report.notes],
         "loss": number(report.loss),
         "duration_s": number(report.duration_s),
     }

@@ -105,6 +105,8 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     expected = (4, "fail", failing.culprit_message, ["fc", ""])
     assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == expected
     assert first["scalars"]["gradwatch/overhead"] == 0.01
+    assert first["notes"] == [{"code": str(note.code), "text": str(note)} for note in failing.notes]  # type: ignore[attr-defined]
+    assert first["notes"]  # the seed model's custom Function cannot be vectorised: a note with its code
     assert "scope" not in first
     assert "fault" not in first
     assert second["scope"] == "optimizer"
