@@ -181,3 +181,11 @@ def test_verdicts_format_serialise_and_pickle_as_their_values() -> None:
 def test_undecided_reasons_are_the_retried_ones() -> None:
     assert set(UNDECIDED_REASONS) == {"kink", "unresolved", "unstable", "tie"}
     assert not Reason.FLAT.retried
+
+
+def test_the_documentation_lists_every_kind_with_its_properties() -> None:
+    page = (PACKAGE.parent / "docs" / "kinds-and-notes.md").read_text()
+    flags = [f.name for f in dataclasses.fields(KindTraits) if f.name != "meaning"]
+    for kind, row in PROBE_KINDS.items():
+        cells = ["✓" if getattr(row, flag) else "" for flag in flags]
+        assert f"| `{kind}` | {row.meaning} | {' | '.join(cells)} |" in page, kind
