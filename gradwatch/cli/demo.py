@@ -28,8 +28,8 @@ from gradwatch.cli.demo_models import (
     synthetic_loader,
 )
 from gradwatch.engine.report import CheckReport
-from gradwatch.lightning.alerts import GradientCheckWarning
 from gradwatch.lightning.callback import GradWatch
+from gradwatch.watch.alerts import GradientCheckWarning
 
 
 @dataclass(frozen=True)

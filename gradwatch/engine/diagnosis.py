@@ -1,7 +1,7 @@
 """Why a check was inconclusive, in words, and what to do about it.
 
 A run whose checks keep ending inconclusive checks nothing; the callback warns once when that happens
-(:class:`~gradwatch.lightning.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
+(:class:`~gradwatch.watch.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
 that cannot be reproduced, or is too close to zero to check) and the reasons of its inconclusive probes.
 """
 
