@@ -377,12 +377,8 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
         )
     ]
     if mode == "float64":
-        notes.append(
-            Note(
-                NoteCode.SHARDED_NATIVE,
-                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
-            )
-        )
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
     return notes, "native", False
 
 

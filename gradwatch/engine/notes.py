@@ -48,7 +48,10 @@ class NoteCode(StrEnum):
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
     FLOAT64_CASTS_KEPT = "float64-casts-kept", "float64 probes keep the model's casts to a lower precision"
     FLOAT64_DRAWS_NATIVE = "float64-draws-native", "float64 probes make random draws in the native dtype, as training"
-    FLOAT64_REDUCTIONS_OFF = "float64-reductions-off", "float64 reductions switched off: they changed the loss"
+    FLOAT64_REDUCTIONS_OFF = (
+        "float64-reductions-off",
+        "float64 reductions switched off: one differed from the native result, or the loss raised",
+    )
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
