@@ -17,12 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.substitution import substituted
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
 from gradwatch.engine.sharding.parameters import sharded_backward
@@ -291,10 +291,11 @@ class LossEvaluator:
         Raises whatever vmap or the loss raises on code it cannot vectorise.
         """
         model, loss_fn = self.model, self.loss_fn
+        by_name = dict(self.params)
 
         def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
-            with _reparametrize_module(model, params, tie_weights=True, strict=False):
+            with substituted(model, {id(by_name[name]): value for name, value in params.items()}):
                 return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()

@@ -28,9 +28,9 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.substitution import substituted
 from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
@@ -39,6 +39,17 @@ of the parameters, buffers and floating inputs. ``"auto"``: float64 up to :data:
 parameter elements; native beyond, with undecided probes measured again in float64."""
 
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
+
+_PROMOTED = {
+    torch.float16: torch.float64,
+    torch.bfloat16: torch.float64,
+    torch.float32: torch.float64,
+    torch.float64: torch.float64,
+    torch.complex32: torch.complex128,
+    torch.complex64: torch.complex128,
+    torch.complex128: torch.complex128,
+}
+"""The dtype a float64 evaluation gives a parameter, buffer or input of each dtype: complex ones become complex128."""
 
 AUTO_FLOAT64_ELEMENTS = 2**25
 """The most floating parameter elements ``precision="auto"`` probes in float64 (about 33M: a 256 MiB float64 copy)."""
@@ -68,20 +79,18 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     Yields:
         The float64 substitute of each parameter, keyed by ``id(parameter)``: probes perturb those.
     """
-    substitutes: dict[str, Tensor] = {}
     by_identity: dict[int, Tensor] = {}
-    for name, parameter in model.named_parameters():
-        if parameter.is_floating_point() and parameter.dtype != torch.float64:
-            substitutes[name] = parameter.detach().to(torch.float64)
-            by_identity[id(parameter)] = substitutes[name]
+    for parameter in model.parameters():
+        if parameter.dtype in _PROMOTED and parameter.dtype not in (torch.float64, torch.complex128):
+            by_identity[id(parameter)] = parameter.detach().to(_PROMOTED[parameter.dtype])
     saved: list[tuple[Tensor, Tensor]] = []
     try:
         with torch.no_grad():
             for buffer in model.buffers():
-                if buffer.is_floating_point() and buffer.dtype != torch.float64:
+                if buffer.dtype in _PROMOTED and buffer.dtype not in (torch.float64, torch.complex128):
                     saved.append((buffer, buffer.data))
-                    buffer.data = buffer.data.to(torch.float64)
-        with _reparametrize_module(model, substitutes, tie_weights=True, strict=False):
+                    buffer.data = buffer.data.to(_PROMOTED[buffer.dtype])
+        with substituted(model, by_identity):
             yield by_identity
     finally:
         for buffer, original in reversed(saved):
