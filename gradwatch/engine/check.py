@@ -230,6 +230,7 @@ def check_gradients(
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
+        probed_inputs=outcome.probed_inputs,
     )
 
 
@@ -247,6 +248,7 @@ class _Outcome:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    probed_inputs: tuple[str, ...]
 
 
 def _run(
@@ -310,6 +312,7 @@ def _run(
         surrogates,
         culprits,
         culprit_message,
+        tuple(reference.input_grads),
     )
 
 

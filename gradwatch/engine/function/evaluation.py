@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import substituted
+from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
 from gradwatch.engine.sharding.parameters import sharded_backward
@@ -31,47 +32,8 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
 
 
-@contextlib.contextmanager
-def _running_statistics_frozen(model: nn.Module) -> Iterator[None]:
-    """Let BatchNorm layers in training mode normalise by the batch's statistics without updating their running ones
-    (their output is the same either way), then put their settings back."""
-    frozen = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-    for module in frozen:
-        module.track_running_stats = False
-    try:
-        yield
-    finally:
-        for module in frozen:
-            module.track_running_stats = True
-
-
-@contextlib.contextmanager
-def _flat_linear() -> Iterator[None]:
-    """Let ``torch.nn.functional.linear`` flatten an input of more than two dimensions into rows, for the duration of
-    a vectorised pass.
-
-    Under ``vmap``, a linear layer whose weight differs between points and whose input has several leading dimensions
-    (attention's ``(length, batch, width)``) is computed by broadcasting the weight over those dimensions: a copy of the
-    weight per row. With the input flattened to ``(rows, width)`` it is one batched matrix product. Same function,
-    rounded alike to within a few units of float64 (the pass's reproduction of the centre checks that); the 64-token
-    GPT of the cost benchmark evaluates a 2-sample probe batch's points 5x faster.
-    """
-    linear = F.linear
-
-    def flat(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if input.dim() <= 2:
-            return linear(input, weight, bias)
-        return linear(input.reshape(-1, input.shape[-1]), weight, bias).reshape(*input.shape[:-1], -1)
-
-    F.linear = flat  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        F.linear = linear
+def _first_line(error: BaseException) -> str:
+    return str(error).split("\n", 1)[0][:200]
 
 
 def _unpack(tensor: Tensor) -> Tensor:
@@ -210,13 +172,17 @@ class LossEvaluator:
         """
         if with_inputs and self.inputs:
             try:
-                return self._reference(with_inputs=True)
+                reference = self._reference(with_inputs=True)
             except CheckAbandonedError:
                 raise
-            except RuntimeError as error:
+            except Exception as error:
+                # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
-                    f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})"
+                    "input probes skipped: the loss cannot be differentiated with respect to its inputs "
+                    f"({type(error).__name__}: {_first_line(error)})"
                 )
+            else:
+                return reference
         return self._reference(with_inputs=False)
 
     def _reference(self, with_inputs: bool) -> Reference:
@@ -227,9 +193,10 @@ class LossEvaluator:
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
         completed = False
+        watch = StopGradientWatch(leaves) if leaves else contextlib.nullcontext()
         try:
             with self._evaluation(grad=True):
-                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
+                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack), watch:
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [p for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
@@ -251,7 +218,15 @@ class LossEvaluator:
             self.state.after_evaluation(completed)
         grads = [_dense(grad) for grad in grads]
         n_params = len(self.params)
-        input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
+        detached = watch.detached if isinstance(watch, StopGradientWatch) else set()
+        input_grads = {
+            path: grad
+            for path, grad in zip(leaves, grads[n_params:], strict=True)
+            if grad is not None and path not in detached
+        }
+        note = unprobed_note(detached)
+        if note is not None:
+            self.notes.append(note)
         return Reference(value, list(grads[:n_params]), input_grads)
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
@@ -301,7 +276,7 @@ class LossEvaluator:
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=False, points=points), _running_statistics_frozen(model), _flat_linear():
+            with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
                 values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
             completed = True
         finally:
@@ -344,10 +319,31 @@ class LossEvaluator:
         return self._forward(contextlib.nullcontext())
 
     def _forward(self, mode: contextlib.AbstractContextManager[Any]) -> float:
+        if self._grad_mode_evaluations:
+            return self._forward_once(mode)
+        try:
+            return self._forward_once(mode)
+        except CheckAbandonedError:
+            raise
+        except RuntimeError as error:
+            # a loss that differentiates inside itself (a gradient penalty, a PDE residual: torch.autograd.grad with
+            # create_graph=True) needs autograd recording; it raises under torch.no_grad()
+            try:
+                value = self._forward_once(mode, grad=True)
+            except Exception:
+                raise error from None
+            self.use_grad_mode()
+            self.notes.append(
+                "evaluations run with autograd recording: the loss differentiates inside itself "
+                f"(under torch.no_grad() it raised {type(error).__name__}: {_first_line(error)})"
+            )
+            return value
+
+    def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=self._grad_mode_evaluations), mode:
+            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode:
                 value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:
