@@ -18,12 +18,18 @@ from torch import Tensor, nn
 
 class ScaledBackward(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by ``factor``: a planted bug in a hand-written backward.
-    Differentiable twice (its backward is built from differentiable ops), so double-backward losses can use it."""
+    Differentiable twice (its backward is built from differentiable ops) and vmap-able, so double-backward losses and
+    vectorised passes can use it."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
+    def forward(x: Tensor, factor: float) -> Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.factor = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.function.precision import float64_storage, probe_precision
+from gradwatch.engine.function.complex_params import autograd_tensor
+from gradwatch.engine.function.precision import float64_storage, probe_precision, substitute_of
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import rms
@@ -216,7 +217,9 @@ def confirm_precision(
     native_params = evaluator.params
     with float64_storage(model) as substitutes:
         # float64 copies to differentiate: leaves of their own, so the parameters' accumulators never see them
-        evaluator.params = [(name, substitutes.get(id(p), p).requires_grad_()) for name, p in native_params]
+        for _, p in native_params:
+            substitutes.get(id(autograd_tensor(p)), p).requires_grad_()
+        evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
             reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))

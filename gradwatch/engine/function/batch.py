@@ -1,9 +1,12 @@
 """Finding the floating tensors of a batch, and rebuilding a batch with some of them replaced.
 
-A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples and dataclasses. Each floating tensor is
-named by the path a user would type to reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input
-probes are reported. Integer and boolean tensors (token ids, masks) are left alone, except by :func:`leading_slice`,
-which cuts every per-sample tensor of a batch down to its first samples.
+A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples, dataclasses and records: objects with
+tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' batches are (torch_geometric's
+``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
+reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
+tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
+batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample).
+Objects holding tensors that none of these describe are :func:`opaque_parts`: a check names them in a note.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 ROOT = "batch"
 
@@ -23,17 +27,52 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
+def _is_record(obj: object) -> bool:
+    """An object with tensor attributes and the ``.to()``/``.apply()`` protocol of graph batches."""
+    kind = type(obj)
+    return callable(getattr(kind, "apply", None)) and callable(getattr(kind, "to", None)) and not isinstance(obj, Module)
+
+
+def _record_fields(obj: Any) -> dict[str, Any]:
+    """A record's attributes: its ``keys()`` (torch_geometric) or else its instance attributes, in sorted order."""
+    keys = getattr(obj, "keys", None)
+    if callable(keys):
+        try:
+            return {str(key): obj[key] for key in sorted(keys())}
+        except (TypeError, KeyError):
+            pass
+    return {name: value for name, value in sorted(vars(obj).items())} if hasattr(obj, "__dict__") else {}
+
+
+def _map_record(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
+    values = _record_fields(obj)
+    fields = {name: map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+    if all(fields[name] is value for name, value in values.items()):
+        return obj
+    rebuilt = copy.copy(obj)  # torch_geometric's copy gets its own attribute store
+    for name, value in fields.items():
+        if value is not values[name]:
+            if callable(getattr(obj, "keys", None)):
+                rebuilt[name] = value
+            else:
+                setattr(rebuilt, name, value)
+    return rebuilt
+
+
+def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor], records: bool = True) -> Any:
     """Return ``obj`` with every tensor ``t`` at ``path`` replaced by ``fn(path, t)``; containers are copied only
-    where something below them changed, so untouched parts of the batch keep their identity."""
+    where something below them changed, so untouched parts of the batch keep their identity. Records (graph batches)
+    are traversed unless ``records`` is false."""
     if isinstance(obj, Tensor):
         return fn(path, obj)
+    if not records and _is_record(obj):
+        return obj
     if _is_namedtuple(obj):
-        items = [map_tensors(getattr(obj, f), f"{path}.{f}", fn) for f in obj._fields]
+        items = [map_tensors(getattr(obj, f), f"{path}.{f}", fn, records) for f in obj._fields]
         changed = any(new is not old for new, old in zip(items, obj, strict=True))
         return type(obj)(*items) if changed else obj
     if isinstance(obj, (list, tuple)):
-        elements = [map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
+        elements = [map_tensors(item, f"{path}[{i}]", fn, records) for i, item in enumerate(obj)]
         if all(new is old for new, old in zip(elements, obj, strict=True)):
             return obj
         if isinstance(obj, list):
@@ -42,7 +81,7 @@ def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any
             return rebuilt_list
         return type(obj)(elements)
     if isinstance(obj, Mapping):
-        entries = {key: map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
+        entries = {key: map_tensors(value, f"{path}[{key!r}]", fn, records) for key, value in obj.items()}
         if all(entries[key] is value for key, value in obj.items()):
             return obj
         rebuilt_mapping: Any = copy.copy(obj)
@@ -51,13 +90,15 @@ def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any
         return rebuilt_mapping
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        fields = {name: map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+        fields = {name: map_tensors(value, f"{path}.{name}", fn, records) for name, value in values.items()}
         if all(fields[name] is value for name, value in values.items()):
             return obj
         rebuilt = copy.copy(obj)
         for name, value in fields.items():
             object.__setattr__(rebuilt, name, value)  # works for frozen dataclasses too
         return rebuilt
+    if records and _is_record(obj):
+        return _map_record(obj, path, fn)
     return obj
 
 
@@ -107,7 +148,7 @@ def batch_size(batch: Any) -> int | None:
             sizes[tensor.shape[0]] += 1
         return tensor
 
-    map_tensors(batch, ROOT, count)
+    map_tensors(batch, ROOT, count, records=False)
     if not sizes:
         return None
     return max(sizes, key=lambda size: (sizes[size], size))
@@ -122,4 +163,29 @@ def leading_slice(batch: Any, size: int) -> Any:
     full = batch_size(batch)
     if full is None or full <= size:
         return batch
-    return map_tensors(batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t)
+    return map_tensors(
+        batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t, records=False
+    )
+
+
+def opaque_parts(batch: Any) -> list[str]:
+    """The paths of objects in ``batch`` that hold tensors as attributes but are neither containers nor records: their
+    tensors are neither probed nor promoted to float64."""
+    found: list[str] = []
+
+    def visit(obj: Any, path: str) -> None:
+        if isinstance(obj, Tensor) or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        if isinstance(obj, (list, tuple)):
+            for i, item in enumerate(obj):
+                visit(item, f"{path}[{i}]")
+        elif isinstance(obj, Mapping):
+            for key, value in obj.items():
+                visit(value, f"{path}[{key!r}]")
+        elif (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or _is_record(obj):
+            return
+        elif any(isinstance(v, Tensor) for v in getattr(obj, "__dict__", {}).values()):
+            found.append(path)
+
+    visit(batch, ROOT)
+    return found

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
@@ -198,7 +199,7 @@ class LossEvaluator:
             with self._evaluation(grad=True):
                 with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack), watch:
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
-                wrt = [p for _, p in self.params] + list(leaves.values())
+                wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
                     raise ValueError(
                         "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
@@ -216,8 +217,9 @@ class LossEvaluator:
         finally:
             # after the backward: BatchNorm keeps its buffers for the backward pass
             self.state.after_evaluation(completed)
-        grads = [_dense(grad) for grad in grads]
         n_params = len(self.params)
+        grads = [_dense(grad) for grad in grads]
+        grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
         detached = watch.detached if isinstance(watch, StopGradientWatch) else set()
         input_grads = {
             path: grad
@@ -270,7 +272,8 @@ class LossEvaluator:
 
         def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
-            with substituted(model, {id(by_name[name]): value for name, value in params.items()}):
+            moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
+            with substituted(model, moved):
                 return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.substitution import substituted
 from gradwatch.engine.report import CheckAbandonedError
@@ -97,6 +98,14 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
             buffer.data = original
 
 
+def substitute_of(checked: Tensor, substitutes: dict[int, Tensor]) -> Tensor:
+    """The float64 tensor a check perturbs in place of ``checked`` (a parameter, or a complex one's real view)."""
+    found = substitutes.get(id(autograd_tensor(checked)))
+    if found is None:
+        return checked
+    return checked_view(found) if is_real_view(checked) else found
+
+
 @contextlib.contextmanager
 def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[tuple[str, float]]:
     """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used and the loss
@@ -111,7 +120,7 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         return
     native_params = evaluator.params
     with float64_storage(model) as substitutes:
-        evaluator.params = [(name, substitutes.get(id(p), p)) for name, p in native_params]
+        evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
             trial = evaluator.loss()
