@@ -270,7 +270,7 @@ class CausalTransformer(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
         mask = torch.full((t, t), float("-inf")).triu(1)
-        return self.head(self.layer(self.embed(tokens), src_mask=mask))
+        return self.head(self.layer(self.embed(tokens), mask))
 
 
 def lm_loss(model: nn.Module, batch: Any) -> Tensor:

@@ -182,7 +182,7 @@ def check_gradients(
             tensor_probes=tensor_probes,
             random_probes=random_probes,
             param_probes=param_probes,
-            input_probes=input_probes,
+            input_probes=0 if surrogates.fake_quantisers else input_probes,
             seed=seed,
             step=step,
             rotation=step if rotation is None else rotation,

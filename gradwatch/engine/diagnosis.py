@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
+from gradwatch.engine.function.precision import FLOAT64_REFUSED_NOTE
+from gradwatch.engine.function.surrogates import FAKE_QUANTISATION_NOTE
 from gradwatch.engine.report import CheckReport
 
 
@@ -21,6 +23,16 @@ class Diagnosis(NamedTuple):
 
 
 _BY_NOTE = (
+    (
+        FAKE_QUANTISATION_NOTE,
+        Diagnosis(
+            "the loss is piecewise constant: fake quantisation (straight-through estimators by design) sits in the "
+            "model",
+            "check with fake quantisation off during the check's steps (model.apply(torch.ao.quantization."
+            "disable_fake_quant) before, enable_fake_quant after), or check the float model before preparing it for "
+            "quantisation-aware training",
+        ),
+    ),
     (
         "not reproducible",
         Diagnosis(
@@ -80,6 +92,19 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
     reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
     for reason, _ in reasons.most_common():
         if reason in _BY_REASON:
-            return _BY_REASON[reason]
+            return _feasible(_BY_REASON[reason], report)
     first_note = report.notes[0] if report.notes else "no probe could be made"
     return Diagnosis(first_note, "see the report's notes")
+
+
+def _feasible(diagnosis: Diagnosis, report: CheckReport) -> Diagnosis:
+    """``diagnosis`` with a remedy that can work on the model: no float64 advice where the loss does not run in
+    float64 (an operation without a float64 kernel)."""
+    refused = next((note for note in report.notes if note.startswith(FLOAT64_REFUSED_NOTE)), None)
+    if refused is None or "float64" not in diagnosis.remedy:
+        return diagnosis
+    return Diagnosis(
+        diagnosis.reason,
+        "float64 probes cannot be used on this model (" + refused.removeprefix(FLOAT64_REFUSED_NOTE).strip(": ") + "); more "
+        "probes per check (tensor_probes=, random_probes=) or checks at more points decide more often",
+    )

@@ -161,7 +161,9 @@ class LossEvaluator:
             "casts": "its casts to a lower precision were kept at float64",
             "random draws": f"its random draws were made in {native}, as training makes them, and cast",
         }
-        changes = " and ".join(kept[what] for what in sorted(fidelity.acted))
+        if not fidelity.acted & set(kept):  # only tensors created in the default dtype: promoted without a word
+            return
+        changes = " and ".join(kept[what] for what in sorted(fidelity.acted & set(kept)))
         self.notes.append(f"float64 probes evaluate the model's own function: {changes}")
 
     def reference(self, with_inputs: bool = True) -> Reference:

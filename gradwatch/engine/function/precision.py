@@ -41,6 +41,9 @@ parameter elements; native beyond, with undecided probes measured again in float
 
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
 
+FLOAT64_REFUSED_NOTE = "probes run in the native precision"
+"""How a report's note begins when the loss does not run in float64 (:mod:`gradwatch.engine.diagnosis` reads it)."""
+
 _PROMOTED = {
     torch.float16: torch.float64,
     torch.bfloat16: torch.float64,
@@ -136,6 +139,6 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
             return
         finally:
             evaluator.params = native_params
-    evaluator.notes.append(f"probes run in the native precision: {problem}")
+    evaluator.notes.append(f"{FLOAT64_REFUSED_NOTE}: {problem}")
     evaluator.use_native_inputs()
     yield "native", math.nan
