@@ -390,5 +390,7 @@ CORRECT = (
 BUGGY = (
     LibraryCase("FNO, 5% on the complex weight", lambda: FNO(bug=1.05), field_batches, mse, bug="spectral.weight"),
     LibraryCase("PINN, 5% in a hidden backward", lambda: PINN(bug=1.05), pinn_batches, pinn_loss, bug="net.0"),
-    LibraryCase("WGAN-GP, 5% in a hidden backward", lambda: Critic(bug=1.05), critic_batches, wgan_gp_loss, bug="net.0"),
+    LibraryCase(
+        "WGAN-GP, 5% in a hidden backward", lambda: Critic(bug=1.05), critic_batches, wgan_gp_loss, bug="net.0"
+    ),
 )

@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.complex_params import autograd_tensor
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, probe_precision, substitute_of
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
@@ -229,7 +229,10 @@ def confirm_precision(
             evaluator.params = native_params
             evaluator.use_native_inputs()
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
-    natively = _measured_natively(evaluator, portfolio, formula_right, native_dtype, ladder)
+    formula_wrong = [task for task in failing if task not in formula_right]
+    natively = _measured_natively(evaluator, portfolio, formula_right + formula_wrong, native_dtype, ladder)
+    natively, wrong_natively = natively[: len(formula_right)], natively[len(formula_right) :]
+    unreproduced = _unreproduced(formula_wrong, wrong_natively)
     limit = IMPRECISION_LIMIT * rtol
     right, rest = [], []
     for task, native in zip(formula_right, natively, strict=True):
@@ -251,6 +254,11 @@ def confirm_precision(
         else:
             _mark_imprecise(task, fail_on_imprecise)
     dtype = str(native_dtype).removeprefix("torch.")
+    if unreproduced:
+        evaluator.notes.append(
+            f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
+            f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another function)"
+        )
     if right:
         evaluator.notes.append(
             f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
@@ -262,6 +270,17 @@ def confirm_precision(
             f"the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct formula "
             f"explains (a backward wrong in {dtype} only?)"
         )
+
+
+def _unreproduced(tasks: Sequence[ProbeTask], natively: Sequence[Assessment | None]) -> list[str]:
+    """Take the native measurement of each task whose float64 failure the native precision does not reproduce (it
+    measures ``ok`` there: a float64 path that computes another function, a mixed-dtype kernel); their targets."""
+    found = []
+    for task, native in zip(tasks, natively, strict=True):
+        if native is not None and native.verdict == "ok":
+            task.result = native
+            found.append(task.target)
+    return found
 
 
 def _measured_natively(

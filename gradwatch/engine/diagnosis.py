@@ -105,6 +105,8 @@ def _feasible(diagnosis: Diagnosis, report: CheckReport) -> Diagnosis:
         return diagnosis
     return Diagnosis(
         diagnosis.reason,
-        "float64 probes cannot be used on this model (" + refused.removeprefix(FLOAT64_REFUSED_NOTE).strip(": ") + "); more "
+        "float64 probes cannot be used on this model ("
+        + refused.removeprefix(FLOAT64_REFUSED_NOTE).strip(": ")
+        + "); more "
         "probes per check (tensor_probes=, random_probes=) or checks at more points decide more often",
     )

@@ -30,7 +30,9 @@ def _is_namedtuple(obj: object) -> bool:
 def _is_record(obj: object) -> bool:
     """An object with tensor attributes and the ``.to()``/``.apply()`` protocol of graph batches."""
     kind = type(obj)
-    return callable(getattr(kind, "apply", None)) and callable(getattr(kind, "to", None)) and not isinstance(obj, Module)
+    return (
+        callable(getattr(kind, "apply", None)) and callable(getattr(kind, "to", None)) and not isinstance(obj, Module)
+    )
 
 
 def _record_fields(obj: Any) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def _record_fields(obj: Any) -> dict[str, Any]:
             return {str(key): obj[key] for key in sorted(keys())}
         except (TypeError, KeyError):
             pass
-    return {name: value for name, value in sorted(vars(obj).items())} if hasattr(obj, "__dict__") else {}
+    return dict(sorted(vars(obj).items())) if hasattr(obj, "__dict__") else {}
 
 
 def _map_record(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 def checked_view(parameter: Tensor) -> Tensor:
-    """The real tensor a check perturbs for ``parameter``: ``view_as_real`` of a complex one, the parameter otherwise."""
+    """The real tensor a check perturbs for ``parameter``: ``view_as_real`` of a complex one, else the parameter."""
     return torch.view_as_real(parameter) if parameter.is_complex() else parameter
 
 

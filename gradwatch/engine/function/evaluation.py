@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.batch import floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
@@ -173,6 +173,8 @@ class LossEvaluator:
         cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
         an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
         """
+        for path in opaque_parts(self._batch) if with_inputs else ():
+            self.notes.append(f"{path} holds tensors in an object gradwatch cannot look into: not probed, not promoted")
         if with_inputs and self.inputs:
             try:
                 reference = self._reference(with_inputs=True)
@@ -210,9 +212,10 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
                 else:
-                    value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
+                    value, sharded = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
+                    grads = list(sharded)
                 self.n_backward += 1
             self.state.skip_unused_generators()
             completed = True

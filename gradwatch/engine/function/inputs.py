@@ -58,9 +58,9 @@ class StopGradientWatch(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad:
-            if len(self.detached) < len(self._wanted):
-                self.detached |= _reached_leaves(args[0], self._wanted)
+        cutting = func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad
+        if cutting and len(self.detached) < len(self._wanted):
+            self.detached |= _reached_leaves(args[0], self._wanted)
         return func(*args, **(kwargs or {}))
 
 

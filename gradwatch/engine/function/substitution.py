@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
+_Slot = tuple[dict[str, Any], str, Tensor]
+"""A module's ``_parameters`` or ``_buffers`` table, a name in it and the tensor it holds."""
 
-def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[tuple[dict[str, Tensor | None], str, Tensor]]:
+
+def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
     """Every ``(module._parameters or module._buffers, name, tensor)`` of the model's modules (each module object
     once) whose tensor is one of ``wanted``."""
-    found = []
+    found: list[_Slot] = []
     for module in model.modules():  # each module object once, however many names reach it
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
@@ -38,7 +42,7 @@ def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterato
     gradient accumulator.
     """
     slots = _slots(model, replacements)
-    done: list[tuple[dict[str, Tensor | None], str, Tensor]] = []
+    done: list[_Slot] = []
     try:
         for table, name, original in slots:
             table[name] = replacements[id(original)]
