@@ -144,6 +144,7 @@ def test_a_failure_only_the_float64_path_shows_is_not_reported() -> None:
 
 
 def test_graph_batches_are_traversed_promoted_and_probed() -> None:
+    pytest.importorskip("torch_geometric")
     torch.manual_seed(0)
     data = lm.graph_batches()[0]
     assert list(floating_tensors(data)) == ["batch.x"]
