@@ -153,11 +153,16 @@ def test_graph_batches_are_traversed_promoted_and_probed() -> None:
     assert data.x.dtype == torch.float32
     assert moved.edge_index is data.edge_index
     assert moved.num_graphs == data.num_graphs
-    assert leading_slice((data, torch.randn(4, 2)), 1)[0] is data  # node tensors are not per-sample: never cut
-    report = check_gradients(lm.GCN(), data, lm.graph_loss)
-    assert report.verdict == "ok"
-    assert report.precision == "float64"
-    assert report.probed_inputs == ("batch.x",)
+    graphs, extra = leading_slice((data, torch.randn(4, 2)), 1)  # a Batch is cut into its first graphs
+    assert graphs.num_graphs == 1 and torch.equal(graphs.x, data.x[: int(data.ptr[1])]) and extra.shape == (1, 2)
+    single = data.to_data_list()[0]  # a Data has no graphs to cut: its node tensors are not per-sample
+    assert leading_slice((single, torch.randn(4, 2)), 1)[0] is single
+    for probe_batch_size in (None, 1):
+        report = check_gradients(lm.GCN(), data, lm.graph_loss, probe_batch_size=probe_batch_size)
+        assert report.verdict == "ok"
+        assert report.precision == "float64"
+        assert report.probed_inputs == ("batch.x",)
+        assert report.samples == (probe_batch_size or data.num_graphs)
 
 
 def test_objects_gradwatch_cannot_look_into_are_named() -> None:

@@ -5,7 +5,8 @@ tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' bat
 ``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
 reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
 tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
-batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample).
+batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a torch_geometric ``Batch`` is cut
+into its first graphs instead).
 Objects holding tensors that none of these describe are :func:`opaque_parts`: a check names them in a note.
 """
 
@@ -138,11 +139,23 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
     return map_tensors(batch, ROOT, lambda path, tensor: by_identity.get(id(tensor), tensor))
 
 
-def batch_size(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the most common first dimension of its tensors (``None`` without any).
+def _graphs(obj: object) -> int | None:
+    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``:
+    ``to_data_list`` and ``from_data_list``), else ``None``."""
+    if not (_is_record(obj) and callable(getattr(obj, "to_data_list", None))):
+        return None
+    if not callable(getattr(type(obj), "from_data_list", None)):
+        return None
+    count = getattr(obj, "num_graphs", None)
+    return count if isinstance(count, int) else None
 
-    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
-    """
+
+def _first_graphs(obj: Any, size: int) -> Any:
+    return type(obj).from_data_list(obj.to_data_list()[:size])
+
+
+def _sizes(batch: Any) -> Counter[int]:
+    """The first dimensions of the batch's tensors outside records, and the graph count of each graph batch."""
     sizes: Counter[int] = Counter()
 
     def count(_path: str, tensor: Tensor) -> Tensor:
@@ -151,23 +164,62 @@ def batch_size(batch: Any) -> int | None:
         return tensor
 
     map_tensors(batch, ROOT, count, records=False)
+    for graphs in _graph_batches(batch):
+        sizes[graphs] += 1
+    return sizes
+
+
+def _graph_batches(obj: Any) -> list[int]:
+    """The graph counts of the graph batches in ``obj`` (at its top or in its tuples, lists and dicts)."""
+    found = _graphs(obj)
+    if found is not None:
+        return [found]
+    if isinstance(obj, (list, tuple)):
+        return [n for item in obj for n in _graph_batches(item)]
+    if isinstance(obj, Mapping):
+        return [n for value in obj.values() for n in _graph_batches(value)]
+    return []
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the most common first dimension of its tensors, a graph batch counting its
+    graphs (``None`` without any).
+
+    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
+    """
+    sizes = _sizes(batch)
     if not sizes:
         return None
     return max(sizes, key=lambda size: (sizes[size], size))
 
 
 def leading_slice(batch: Any, size: int) -> Any:
-    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries.
+    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries, and every
+    graph batch of that many graphs cut to its first ``size`` graphs.
 
-    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept. The slices are
-    views, so nothing is copied. The batch itself is returned when it has no more than ``size`` samples.
+    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept, and so are the
+    tensors inside records, whose node and edge dimensions are not per-sample. The slices are views, so nothing is
+    copied (but for graph batches, rebuilt from their first graphs). The batch itself is returned when it has no more
+    than ``size`` samples.
     """
     full = batch_size(batch)
     if full is None or full <= size:
         return batch
-    return map_tensors(
-        batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t, records=False
-    )
+    return _cut(batch, size, full)
+
+
+def _cut(obj: Any, size: int, full: int) -> Any:
+    if _graphs(obj) == full:
+        return _first_graphs(obj, size)
+    if isinstance(obj, (list, tuple)) and not _is_namedtuple(obj) and any(_graph_batches(item) for item in obj):
+        items = [_cut(item, size, full) for item in obj]
+        return type(obj)(items) if isinstance(obj, tuple) else items
+    if isinstance(obj, Mapping) and any(_graph_batches(value) for value in obj.values()):
+        rebuilt: Any = copy.copy(obj)
+        for key, value in obj.items():
+            rebuilt[key] = _cut(value, size, full)
+        return rebuilt
+    return map_tensors(obj, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t, records=False)
 
 
 def opaque_parts(batch: Any) -> list[str]:
