@@ -1,6 +1,7 @@
 """Verdicts and cost per check on models of the kinds third-party libraries train (``tests/library_models.py``).
 
-Each model trains with SGD on synthetic batches, with a check after every training step; the table gives the verdicts,
+Each model trains with SGD on synthetic batches, with a check after every training step (on the first 2 samples of the
+batch, as ``GradWatch`` checks); the table gives the verdicts,
 the loss evaluations and wall time per check, and the cost of a check in training steps (check time over the median
 time of one training step of the same run). "model left changed" counts checks after which a parameter or buffer slot
 of the model held another tensor or dtype than before; "training crashed" counts training steps that raised after a
@@ -27,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from library_models import BUGGY, CORRECT, LibraryCase
 
 from gradwatch import CheckReport, check_gradients
+
+PROBE_BATCH_SIZE = 2
+"""As ``GradWatch`` probes: the loss of the first 2 samples (or graphs) of the batch."""
 
 
 def _slots(model: torch.nn.Module) -> dict[tuple[int, str, str], tuple[int, torch.dtype]]:
@@ -61,7 +65,7 @@ def run(case: LibraryCase, steps: int) -> dict[str, object]:
         step_times.append(time.perf_counter() - started)
         before = _slots(model)
         try:
-            reports.append(check_gradients(model, batch, case.loss_fn, step=step))
+            reports.append(check_gradients(model, batch, case.loss_fn, step=step, probe_batch_size=PROBE_BATCH_SIZE))
         except Exception as error:
             raised.append(f"{type(error).__name__}: {str(error)[:60]}")
         changed += _slots(model) != before

@@ -129,7 +129,7 @@ class GCN(nn.Module):
         return self.head(self.pool(h, data.batch))
 
 
-def graph_batches(n: int = 4, graphs: int = 4, seed: int = 0) -> list[Any]:
+def graph_batches(n: int = 4, graphs: int = 16, seed: int = 0) -> list[Any]:
     from torch_geometric.data import Batch, Data
 
     g = torch.Generator().manual_seed(seed)
@@ -304,27 +304,60 @@ class QATNet(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    """Top-1 routing with ``nonzero``: data-dependent shapes that vmap refuses."""
+    """Top-2 routing with ``nonzero``: data-dependent shapes that vmap refuses."""
 
-    def __init__(self, width: int = 8, experts: int = 4) -> None:
+    def __init__(self, width: int = 16, experts: int = 4, k: int = 2) -> None:
         super().__init__()
+        self.k = k
+        self.inp = nn.Linear(6, width)
         self.router = nn.Linear(width, experts)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, width)) for _ in range(experts)
+            nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, width)) for _ in range(experts)
         )
-        self.inp = nn.Linear(6, width)
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.inp(x))
-        gates = torch.softmax(self.router(h), dim=-1)
-        weight, choice = gates.max(dim=-1)
+        h = F.relu(self.inp(x))
+        weights, chosen = self.router(h).topk(self.k, dim=-1)
+        weights = torch.softmax(weights, dim=-1)
         out = torch.zeros_like(h)
-        for i, expert in enumerate(self.experts):
-            rows = (choice == i).nonzero().squeeze(-1)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
-                out = out.index_add(0, rows, weight[rows, None] * expert(h[rows]))
+                out = out.index_add(0, rows, weights[rows, slot, None] * expert(h[rows]))
         return self.head(h + out)
+
+
+class CouplingFlow(nn.Module):
+    """A RealNVP-style flow whose forward leaves its loop early on a data-dependent test (``float(...)``, as adaptive
+    solvers do): vmap refuses it."""
+
+    def __init__(self, features: int = 6, layers: int = 4) -> None:
+        super().__init__()
+        half = features // 2
+        self.nets = nn.ModuleList(
+            nn.Sequential(nn.Linear(half, 32), nn.Tanh(), nn.Linear(32, 2 * half)) for _ in range(layers)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logdet = x.new_zeros(x.shape[0])
+        for i, net in enumerate(self.nets):
+            a, b = x.chunk(2, dim=-1)
+            if i % 2:
+                a, b = b, a
+            scale, shift = net(a).chunk(2, dim=-1)
+            scale = torch.tanh(scale)
+            b = b * torch.exp(scale) + shift
+            logdet = logdet + scale.sum(-1)
+            if float(b.abs().max()) > 1e6:  # a data-dependent exit
+                break
+            x = torch.cat([b, a] if i % 2 else [a, b], dim=-1)
+        return x, logdet
+
+
+def flow_loss(model: nn.Module, batch: Any) -> Tensor:
+    z, logdet = model(batch[0])
+    return (0.5 * z.pow(2).sum(-1) - logdet).mean()
 
 
 # --- the matrix -----------------------------------------------------------------------------------------------------
@@ -384,7 +417,8 @@ CORRECT = (
     LibraryCase("causal transformer (-inf mask)", CausalTransformer, token_batches, lm_loss),
     LibraryCase("Hugging Face GPT-2 (tiny)", _tiny_gpt2, token_batches, hf_loss),
     LibraryCase("QAT (fused fake quant)", QATNet, regression_batches, mse, expected="inconclusive"),
-    LibraryCase("MoE (top-1, nonzero)", TinyMoE, regression_batches, mse),
+    LibraryCase("MoE (top-2, nonzero)", TinyMoE, regression_batches, mse),
+    LibraryCase("coupling flow (data-dependent exit)", CouplingFlow, regression_batches, flow_loss),
 )
 
 BUGGY = (

@@ -153,8 +153,10 @@ def test_graph_batches_are_traversed_promoted_and_probed() -> None:
     assert data.x.dtype == torch.float32
     assert moved.edge_index is data.edge_index
     assert moved.num_graphs == data.num_graphs
-    graphs, extra = leading_slice((data, torch.randn(4, 2)), 1)  # a Batch is cut into its first graphs
-    assert graphs.num_graphs == 1 and torch.equal(graphs.x, data.x[: int(data.ptr[1])]) and extra.shape == (1, 2)
+    graphs, extra = leading_slice((data, torch.randn(data.num_graphs, 2)), 1)  # a Batch is cut into its first graphs
+    assert graphs.num_graphs == 1
+    assert torch.equal(graphs.x, data.x[: int(data.ptr[1])])
+    assert extra.shape == (1, 2)
     single = data.to_data_list()[0]  # a Data has no graphs to cut: its node tensors are not per-sample
     assert leading_slice((single, torch.randn(4, 2)), 1)[0] is single
     for probe_batch_size in (None, 1):

@@ -5,9 +5,9 @@ tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' bat
 ``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
 reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
 tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
-batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a torch_geometric ``Batch`` is cut
-into its first graphs instead).
-Objects holding tensors that none of these describe are :func:`opaque_parts`: a check names them in a note.
+batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a
+torch_geometric ``Batch`` is cut into its first graphs instead). Objects holding tensors that none of these describe
+are :func:`opaque_parts`: a check names them in a note.
 """
 
 from __future__ import annotations
