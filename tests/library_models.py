@@ -93,6 +93,27 @@ class MarginalLikelihood(nn.Module):
         return 0.5 * (((self.model(x) - y) ** 2) / noise + torch.log(noise)).mean()
 
 
+class NoiseLikelihood:
+    """A library's likelihood object (not a module) that holds the model's noise parameter itself."""
+
+    def __init__(self, log_noise: Tensor) -> None:
+        self.log_noise = log_noise
+
+    def __call__(self, pred: Tensor, target: Tensor) -> Tensor:
+        return (((pred - target) ** 2) * torch.exp(-self.log_noise) + self.log_noise).mean()
+
+
+def _with_likelihood() -> nn.Module:
+    model = Regressor()
+    model.likelihood_object = NoiseLikelihood(model.log_noise)  # a plain attribute: outside the module tree
+    return model
+
+
+def likelihood_loss(model: nn.Module, batch: Any) -> Tensor:
+    x, y = batch
+    return model.likelihood_object(model(x), y)
+
+
 def mse(model: nn.Module, batch: Any) -> Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)
@@ -409,6 +430,7 @@ CORRECT = (
     LibraryCase("tied weights", TiedWeights, regression_batches, mse),
     LibraryCase("Fabric wrapper", _fabric_wrapped, regression_batches, mse),
     LibraryCase("GP-like objective (model held twice)", _gp_object, regression_batches, gp_loss),
+    LibraryCase("parameter held outside the tree", _with_likelihood, regression_batches, likelihood_loss),
     LibraryCase("target asserted without grad", Regressor, regression_batches, target_asserting_mse),
     LibraryCase("torch_geometric GCN", GCN, graph_batches, graph_loss),
     LibraryCase("FNO (complex weights)", FNO, field_batches, mse),

@@ -35,6 +35,10 @@ def _train_step(model: nn.Module, batch: Any, loss_fn: Any) -> None:
     optimizer.step()
 
 
+def _case(prefix: str) -> lm.LibraryCase:
+    return next(case for case in lm.CORRECT if case.name.startswith(prefix))
+
+
 SHARED = list(lm.CORRECT[:4])
 
 
@@ -73,6 +77,18 @@ def test_a_check_that_raised_leaves_the_model_as_it_found_it() -> None:
     assert torch.float64 in calls
     assert _slots(model) == before
     _train_step(model, batch, lm.mse)
+
+
+def test_a_parameter_held_outside_the_module_tree_is_probed_where_the_loss_sees_it() -> None:
+    torch.manual_seed(0)
+    model = _case("parameter held").build()
+    before = _slots(model)
+    report = check_gradients(model, lm.regression_batches()[0], lm.likelihood_loss)
+    assert report.verdict == "ok"
+    assert report.precision == "native"  # float64 copies would leave the likelihood object on the original
+    assert any("outside the module tree" in note for note in report.notes)
+    assert all(p.reason != "flat" for p in report.probes if p.target == "log_noise")
+    assert _slots(model) == before
 
 
 def test_a_loss_refusing_a_target_that_requires_grad_is_checked_without_input_probes() -> None:
@@ -193,7 +209,7 @@ def test_a_complex_gradient_is_checked_as_the_real_derivative() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [lm.CORRECT[6], lm.CORRECT[7], lm.CORRECT[8]],
+    [_case("FNO"), _case("PINN"), _case("WGAN")],
     ids=["fno", "pinn", "wgan-gp"],
 )
 def test_complex_weights_and_double_backward_losses_are_checked(case: lm.LibraryCase) -> None:

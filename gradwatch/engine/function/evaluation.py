@@ -23,7 +23,7 @@ from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.function.substitution import substituted
+from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
@@ -278,7 +278,8 @@ class LossEvaluator:
         def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
-            with substituted(model, moved):
+            originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
+            with substituted(model, moved), OriginalsWatch(originals):
                 return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.function.substitution import substituted
+from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
@@ -123,11 +123,14 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         yield "native", math.nan
         return
     native_params = evaluator.params
+    named = {id(p): name for name, p in model.named_parameters()}
     with float64_storage(model) as substitutes:
         evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
+        originals = {key: name for key, name in named.items() if key in substitutes}
         try:
-            trial = evaluator.loss()
+            with OriginalsWatch(originals):  # the trial alone: a loss that uses an original uses it every time
+                trial = evaluator.loss()
         except CheckAbandonedError:
             raise
         except Exception as error:

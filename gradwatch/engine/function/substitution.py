@@ -7,15 +7,20 @@ user's module as ``_forward_module`` and ``_original_module``, weights tied betw
 as the "original", and the restore leaves it in place. The model then trains on float64 copies, or on a tensor batched
 by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, every slot of it that holds a
 replaced tensor once, and restores them all, in reverse order, even when the body raised.
+
+What holds a parameter outside the module tree (a likelihood object of a Gaussian-process library keeping the model's
+noise parameter, a module registered nowhere under the model) still sees the original: a substituted evaluation is then
+another function. :class:`OriginalsWatch`, active during a substituted evaluation, tells when the loss uses an original.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 _Slot = tuple[dict[str, Any], str, Tensor]
 """A module's ``_parameters`` or ``_buffers`` table, a name in it and the tensor it holds."""
@@ -63,3 +68,33 @@ def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
                 if tensor is not None:
                     slots[(id(module), kind, name)] = tensor
     return slots
+
+
+class OutsideTreeError(Exception):
+    """The loss used a parameter that a substitution could not reach: it holds it outside the module tree."""
+
+
+class OriginalsWatch(TorchFunctionMode):
+    """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
+    substitution replaced) while the module tree holds their substitutes."""
+
+    def __init__(self, originals: Mapping[int, str]) -> None:
+        super().__init__()
+        self._originals = originals
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, Tensor) and id(item) in self._originals:
+                    raise OutsideTreeError(
+                        f"the loss uses {self._originals[id(item)]} from outside the module tree (an object that "
+                        "holds it besides the model), where gradwatch cannot substitute it"
+                    )
+        return func(*args, **kwargs)
