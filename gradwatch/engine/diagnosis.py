@@ -1,7 +1,7 @@
 """Why a check was inconclusive, in words, and what to do about it.
 
 A run whose checks keep ending inconclusive checks nothing; the callback warns once when that happens
-(:class:`~gradwatch.lightning.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
+(:class:`~gradwatch.watch.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
 that cannot be reproduced, or is too close to zero to check) and the reasons of its inconclusive probes.
 """
 
@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-from gradwatch.engine.function.precision import FLOAT64_REFUSED_NOTE
-from gradwatch.engine.function.surrogates import FAKE_QUANTISATION_NOTE
+from gradwatch.engine.notes import NoteCode
 from gradwatch.engine.report import CheckReport
 
 
@@ -24,7 +23,7 @@ class Diagnosis(NamedTuple):
 
 _BY_NOTE = (
     (
-        FAKE_QUANTISATION_NOTE,
+        NoteCode.FAKE_QUANTISATION,
         Diagnosis(
             "the loss is piecewise constant: fake quantisation (straight-through estimators by design) sits in the "
             "model",
@@ -34,7 +33,7 @@ _BY_NOTE = (
         ),
     ),
     (
-        "not reproducible",
+        NoteCode.NOT_REPRODUCIBLE,
         Diagnosis(
             "the loss is not the same function at every evaluation: it draws randomness gradwatch cannot replay (a "
             "private torch.Generator)",
@@ -42,7 +41,7 @@ _BY_NOTE = (
         ),
     ),
     (
-        "so close to zero",
+        NoteCode.LOSS_NEAR_ZERO,
         Diagnosis(
             "the loss is so close to zero that the rounding of its gradient alone may exceed any error",
             "check on data the model has not memorised, or train in float64",
@@ -86,8 +85,8 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
     """Why ``report`` is inconclusive and what to do; ``None`` for a conclusive report."""
     if report.verdict != "inconclusive":
         return None
-    for fragment, diagnosis in _BY_NOTE:
-        if any(fragment in note for note in report.notes):
+    for code, diagnosis in _BY_NOTE:
+        if report.noted(code):
             return diagnosis
     reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
     for reason, _ in reasons.most_common():
@@ -98,15 +97,16 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
 
 
 def _feasible(diagnosis: Diagnosis, report: CheckReport) -> Diagnosis:
-    """``diagnosis`` with a remedy that can work on the model: no float64 advice where the loss does not run in
-    float64 (an operation without a float64 kernel)."""
-    refused = next((note for note in report.notes if note.startswith(FLOAT64_REFUSED_NOTE)), None)
+    """``diagnosis`` with a remedy that can work on the model: no float64 advice where float64 probes cannot be used
+    (the loss does not run in float64, or float64 evaluates another function)."""
+    refused = next((note for note in report.notes if getattr(note, "code", None) in _NO_FLOAT64), None)
     if refused is None or "float64" not in diagnosis.remedy:
         return diagnosis
     return Diagnosis(
         diagnosis.reason,
-        "float64 probes cannot be used on this model ("
-        + refused.removeprefix(FLOAT64_REFUSED_NOTE).strip(": ")
-        + "); more "
-        "probes per check (tensor_probes=, random_probes=) or checks at more points decide more often",
+        f"float64 probes cannot be used on this model ({refused}); more probes per check (tensor_probes=, "
+        "random_probes=) or checks at more points decide more often",
     )
+
+
+_NO_FLOAT64 = (NoteCode.NATIVE_PRECISION, NoteCode.FLOAT64_UNFAITHFUL)

@@ -24,40 +24,15 @@ from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
 from gradwatch.engine.sharding.parameters import sharded_backward
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).split("\n", 1)[0][:200]
-
-
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
-
-
-def _dense(grad: Tensor | None) -> Tensor | None:
-    """A gradient as a dense tensor: a sparse one (``nn.Embedding(sparse=True)``) is checked like any other, coordinates
-    it leaves out being exactly zero."""
-    if grad is None or not grad.is_sparse:
-        return grad
-    return grad.coalesce().to_dense()
-
-
-def as_scalar_loss(value: object) -> Tensor:
-    """``value`` as a 0-dim floating tensor, or a ``TypeError``/``ValueError`` saying why it is not a loss."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
-    if value.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor; got a tensor of shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise ValueError(f"loss_fn must return a floating-point tensor; got dtype {value.dtype}")
-    return value.reshape(())
 
 
 @dataclass(frozen=True)
@@ -71,6 +46,10 @@ class Reference:
     loss: float
     param_grads: list[Tensor | None]
     input_grads: dict[str, Tensor]
+
+
+def _unpacked(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 class LossEvaluator:
@@ -104,7 +83,7 @@ class LossEvaluator:
         self.params = params
         self.state = state
         self.float64_reductions = float64_reductions
-        self.notes: list[str] = []
+        self.notes: list[Note] = []
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -161,10 +140,9 @@ class LossEvaluator:
             "casts": "its casts to a lower precision were kept at float64",
             "random draws": f"its random draws were made in {native}, as training makes them, and cast",
         }
-        if not fidelity.acted & set(kept):  # only tensors created in the default dtype: promoted without a word
-            return
-        changes = " and ".join(kept[what] for what in sorted(fidelity.acted & set(kept)))
-        self.notes.append(f"float64 probes evaluate the model's own function: {changes}")
+        codes = {"casts": NoteCode.FLOAT64_CASTS_KEPT, "random draws": NoteCode.FLOAT64_DRAWS_NATIVE}
+        for what in sorted(fidelity.acted & set(codes)):  # a note for each, with its own code; none for factories
+            self.notes.append(Note(codes[what], f"float64 probes evaluate the model's own function: {kept[what]}"))
 
     def reference(self, with_inputs: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
@@ -174,7 +152,9 @@ class LossEvaluator:
         an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
         """
         for path in opaque_parts(self._batch) if with_inputs else ():
-            self.notes.append(f"{path} holds tensors in an object gradwatch cannot look into: not probed, not promoted")
+            self.notes.append(
+                Note(NoteCode.BATCH_OPAQUE, f"{path} holds tensors in an object gradwatch cannot look into: not probed")
+            )
         if with_inputs and self.inputs:
             try:
                 reference = self._reference(with_inputs=True)
@@ -183,8 +163,11 @@ class LossEvaluator:
             except Exception as error:
                 # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
-                    "input probes skipped: the loss cannot be differentiated with respect to its inputs "
-                    f"({type(error).__name__}: {_first_line(error)})"
+                    Note(
+                        NoteCode.INPUT_PROBES_REFUSED,
+                        "input probes skipped: the loss cannot be differentiated with respect to its inputs "
+                        f"({type(error).__name__}: {first_line(error)})",
+                    )
                 )
             else:
                 return reference
@@ -201,7 +184,7 @@ class LossEvaluator:
         watch = StopGradientWatch(leaves) if leaves else contextlib.nullcontext()
         try:
             with self._evaluation(grad=True):
-                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack), watch:
+                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked), watch:
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
@@ -223,7 +206,7 @@ class LossEvaluator:
             # after the backward: BatchNorm keeps its buffers for the backward pass
             self.state.after_evaluation(completed)
         n_params = len(self.params)
-        grads = [_dense(grad) for grad in grads]
+        grads = [dense(grad) for grad in grads]
         grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
         detached = watch.detached if isinstance(watch, StopGradientWatch) else set()
         input_grads = {
@@ -233,7 +216,7 @@ class LossEvaluator:
         }
         note = unprobed_note(detached)
         if note is not None:
-            self.notes.append(note)
+            self.notes.append(Note(NoteCode.INPUTS_DETACHED, note))
         return Reference(value, list(grads[:n_params]), input_grads)
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
@@ -255,7 +238,7 @@ class LossEvaluator:
             self.state.after_evaluation(completed)
         by_identity = {id(t): g for t, g in zip(needed, found, strict=True)}
         grads = [by_identity.get(id(t)) for t in wanted]
-        return float(loss.detach()), [None if g is None else _dense(g) for g in grads]
+        return float(loss.detach()), [None if g is None else dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
         if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
@@ -320,7 +303,7 @@ class LossEvaluator:
         if mode.mismatch is None:
             mode.mismatch = "they differ on another rank"
         self.float64_reductions = False
-        self.notes.append(f"float64 reductions switched off ({mode.mismatch})")
+        self.notes.append(Note(NoteCode.FLOAT64_REDUCTIONS_OFF, f"float64 reductions switched off ({mode.mismatch})"))
         return self._forward(contextlib.nullcontext())
 
     def native_loss(self) -> float:
@@ -343,8 +326,11 @@ class LossEvaluator:
                 raise error from None
             self.use_grad_mode()
             self.notes.append(
-                "evaluations run with autograd recording: the loss differentiates inside itself "
-                f"(under torch.no_grad() it raised {type(error).__name__}: {_first_line(error)})"
+                Note(
+                    NoteCode.DOUBLE_BACKWARD,
+                    "evaluations run with autograd recording: the loss differentiates inside itself "
+                    f"(under torch.no_grad() it raised {type(error).__name__}: {first_line(error)})",
+                )
             )
             return value
 

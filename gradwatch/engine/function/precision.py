@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
@@ -43,9 +44,6 @@ ResolvedPrecision = Literal["native", "float64"]
 """What a check's probes evaluate the loss in, once ``"auto"`` is resolved."""
 
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
-
-FLOAT64_REFUSED_NOTE = "probes run in the native precision"
-"""How a report's note begins when the loss does not run in float64 (:mod:`gradwatch.engine.diagnosis` reads it)."""
 
 _PROMOTED = {
     torch.float16: torch.float64,
@@ -143,6 +141,6 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
             return
         finally:
             evaluator.params = native_params
-    evaluator.notes.append(f"{FLOAT64_REFUSED_NOTE}: {problem}")
+    evaluator.notes.append(Note(NoteCode.NATIVE_PRECISION, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.notes import Note, NoteCode
+
 
 @dataclass
 class StockSurrogates:
@@ -45,28 +47,36 @@ class StockSurrogates:
     unprobed: dict[str, str] = field(default_factory=dict)
     fake_quantisers: list[str] = field(default_factory=list)
 
-    def notes(self) -> list[str]:
+    def notes(self) -> list[Note]:
         """What a report says of them."""
-        notes = []
+        notes: list[Note] = []
         if self.names:
             notes.append(
-                f"spectral norm of {', '.join(self.names)} checked as autograd differentiates it: its power-iteration "
-                "vectors held constant (no iteration) during the check"
+                Note(
+                    NoteCode.SPECTRAL_NORM,
+                    f"spectral norm of {', '.join(self.names)} checked as autograd differentiates it: its "
+                    "power-iteration vectors held constant (no iteration) during the check",
+                )
             )
         for name, mask in self.exempt.items():
             rows = sorted({int(i) for i in mask.nonzero()[:, 0].tolist()})
-            notes.append(f"padding row {', '.join(map(str, rows))} of {name} not probed: it gets no gradient by design")
-        notes += [f"{name} not probed: {why}" for name, why in self.unprobed.items()]
+            notes.append(
+                Note(
+                    NoteCode.PADDING_EXEMPT,
+                    f"padding row {', '.join(map(str, rows))} of {name} not probed: it gets no gradient by design",
+                )
+            )
+        notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
         if self.fake_quantisers:
             notes.append(
-                f"{FAKE_QUANTISATION_NOTE} ({', '.join(self.fake_quantisers[:4])}): the loss is piecewise constant "
-                "upstream of them and their gradient a straight-through estimator; the batch's inputs are not probed"
+                Note(
+                    NoteCode.FAKE_QUANTISATION,
+                    f"fake quantisation enabled ({', '.join(self.fake_quantisers[:4])}): the loss is piecewise "
+                    "constant upstream of them and their gradient a straight-through estimator; the batch's inputs "
+                    "are not probed",
+                )
             )
         return notes
-
-
-FAKE_QUANTISATION_NOTE = "fake quantisation enabled"
-"""How a report's note on fake quantisation begins (:mod:`gradwatch.engine.diagnosis` reads it)."""
 
 
 def _fake_quantising(module: nn.Module) -> bool:
