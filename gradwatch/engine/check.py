@@ -54,7 +54,7 @@ from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.parameters import is_sharded, local_shards, lockstep, register_like
+from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
 
 __all__ = ["check_gradients"]
 
@@ -213,7 +213,7 @@ def _check(
     sharding_notes: list[Note] = []
     if is_sharded(params):
         collective, params = local_shards(params)
-        surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
+        surrogates.exempt = {name: local_mask(collective, mask, dict(params)[name]) for name, mask in
                              surrogates.exempt.items() if name in dict(params)}  # fmt: skip
         sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
     plan = ProbePlan(
@@ -383,16 +383,6 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
             )
         )
     return notes, "native", False
-
-
-def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
-    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
-    if hasattr(mask, "to_local"):
-        local = mask.to_local()
-    else:
-        found = collective.layouts[id(shard)]
-        local = mask[found.offset : found.offset + found.rows]
-    return register_like(collective, local, shard)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:

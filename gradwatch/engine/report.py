@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -254,6 +255,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
 class GradientCheckError(RuntimeError):
     """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
 
@@ -262,10 +267,7 @@ class GradientCheckError(RuntimeError):
     """
 
     def __init__(self, report: CheckReport) -> None:
-        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        culprit = f" {report.culprit_message}" if report.culprit_message else ""
-        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
         self.report = report
 
 

@@ -27,8 +27,10 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import Precision
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.outputs.records import records_of
+from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
-from gradwatch.watch.hooks import Agree, Context, Decide, NoLossToCheckError, Sink, as_decided, no_context, records_of
+from gradwatch.watch.hooks import Agree, Context, Decide, NoLossToCheckError, as_decided, no_context
 from gradwatch.watch.schedule import Schedule
 
 log = logging.getLogger(__name__)
