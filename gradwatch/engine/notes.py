@@ -32,7 +32,7 @@ class NoteCode(StrEnum):
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
     INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
-    BATCH_OPAQUE = "batch-opaque", "an object of the batch holds tensors gradwatch cannot look into: not probed"
+    BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
     DOUBLE_BACKWARD = "double-backward", "evaluations run with autograd on: the loss differentiates inside itself"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
     # the model's state

@@ -17,15 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import library_models as lm
 
-from gradwatch import check_gradients
+from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.diagnosis import diagnose
 from gradwatch.engine.function.batch import floating_tensors, leading_slice, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import checked_gradient, checked_view
 from gradwatch.engine.function.substitution import tensor_slots
+from gradwatch.engine.notes import NoteCode
 
 
 def _slots(model: nn.Module) -> dict[tuple[int, str, str], tuple[int, torch.dtype]]:
     return {key: (id(t), t.dtype) for key, t in tensor_slots(model).items()}
+
+
+def _noted(report: CheckReport, code: NoteCode) -> list[str]:
+    return [note for note in report.notes if getattr(note, "code", None) == code]
 
 
 def _train_step(model: nn.Module, batch: Any, loss_fn: Any) -> None:
@@ -86,7 +91,7 @@ def test_a_parameter_held_outside_the_module_tree_is_probed_where_the_loss_sees_
     report = check_gradients(model, lm.regression_batches()[0], lm.likelihood_loss)
     assert report.verdict == "ok"
     assert report.precision == "native"  # float64 copies would leave the likelihood object on the original
-    assert any("outside the module tree" in note for note in report.notes)
+    assert any("outside the module tree" in note for note in _noted(report, NoteCode.NATIVE_PRECISION))
     assert all(p.reason != "flat" for p in report.probes if p.target == "log_noise")
     assert _slots(model) == before
 
@@ -97,7 +102,7 @@ def test_a_loss_refusing_a_target_that_requires_grad_is_checked_without_input_pr
     assert report.verdict == "ok"
     assert report.probed_inputs == ()
     assert not any(p.kind == "input" for p in report.probes)
-    assert any("input probes skipped" in note and "AssertionError" in note for note in report.notes)
+    assert any("AssertionError" in note for note in _noted(report, NoteCode.INPUT_PROBES_REFUSED))
 
 
 def test_inputs_a_loss_detaches_are_not_probed_and_probed_inputs_are_named() -> None:
@@ -113,7 +118,7 @@ def test_inputs_a_loss_detaches_are_not_probed_and_probed_inputs_are_named() -> 
     report = check_gradients(model, (x, y, noise), loss_fn)
     assert report.verdict == "ok"
     assert report.probed_inputs == ("batch[0]", "batch[1]")
-    assert any("batch[2]" in note and "detaches" in note for note in report.notes)
+    assert any("batch[2]" in note for note in _noted(report, NoteCode.INPUTS_DETACHED))
 
 
 def test_the_float64_path_promotes_a_causal_mask_built_in_forward() -> None:
@@ -156,7 +161,7 @@ def test_a_failure_only_the_float64_path_shows_is_not_reported() -> None:
     batch = (torch.randn(8, 6), torch.randn(8, 4))
     report = check_gradients(model, batch, lm.mse, input_probes=0)
     assert report.verdict != "fail", report.probes
-    assert any("does not reproduce in float32" in note for note in report.notes)
+    assert _noted(report, NoteCode.FLOAT64_UNREPRODUCED)
 
 
 def test_graph_batches_are_traversed_promoted_and_probed() -> None:
@@ -188,7 +193,14 @@ def test_objects_gradwatch_cannot_look_into_are_named() -> None:
         def __init__(self) -> None:
             self.features = torch.randn(3)
 
-    assert opaque_parts((torch.randn(2), {"extra": Holder()})) == ["batch[1]['extra']"]
+    batch = (torch.randn(8, 6), {"extra": Holder(), "phase": torch.randn(8, dtype=torch.cfloat)}, torch.randn(8, 1))
+    assert opaque_parts(batch) == ["batch[1]['extra']"]
+    report = check_gradients(lm.Regressor(), batch, lambda m, b: F.mse_loss(m(b[0]), b[2]))
+    assert report.verdict == "ok"
+    named = _noted(report, NoteCode.BATCH_OPAQUE)
+    assert len(named) == 2
+    assert "batch[1]['extra']" in named[0]
+    assert "batch[1]['phase']" in named[1]
 
 
 def test_a_complex_gradient_is_checked_as_the_real_derivative() -> None:

@@ -222,6 +222,19 @@ def _cut(obj: Any, size: int, full: int) -> Any:
     return map_tensors(obj, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t, records=False)
 
 
+def complex_inputs(batch: Any) -> list[str]:
+    """The paths of the complex tensors of ``batch``: they are neither probed nor promoted (a note names them)."""
+    found: list[str] = []
+
+    def collect(path: str, tensor: Tensor) -> Tensor:
+        if tensor.is_complex():
+            found.append(path)
+        return tensor
+
+    map_tensors(batch, ROOT, collect)
+    return found
+
+
 def opaque_parts(batch: Any) -> list[str]:
     """The paths of objects in ``batch`` that hold tensors as attributes but are neither containers nor records: their
     tensors are neither probed nor promoted to float64."""

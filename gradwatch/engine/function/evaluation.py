@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.batch import floating_tensors, opaque_parts, replace_tensors
+from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
@@ -155,6 +155,8 @@ class LossEvaluator:
             self.notes.append(
                 Note(NoteCode.BATCH_OPAQUE, f"{path} holds tensors in an object gradwatch cannot look into: not probed")
             )
+        for path in complex_inputs(self._batch) if with_inputs else ():
+            self.notes.append(Note(NoteCode.BATCH_OPAQUE, f"{path} is a complex input: not probed, not promoted"))
         if with_inputs and self.inputs:
             try:
                 reference = self._reference(with_inputs=True)
