@@ -216,7 +216,7 @@ def _check(
             tensor_probes=settings.tensor_probes,
             random_probes=settings.random_probes,
             param_probes=settings.param_probes,
-            input_probes=settings.input_probes,
+            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
             seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
@@ -279,6 +279,7 @@ def _check(
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
+        probed_inputs=outcome.probed_inputs,
     )
 
 
@@ -296,6 +297,7 @@ class _Outcome:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    probed_inputs: tuple[str, ...]
 
 
 def _run(
@@ -363,6 +365,7 @@ def _run(
         surrogates,
         culprits,
         culprit_message,
+        tuple(reference.input_grads),
     )
 
 

@@ -31,6 +31,9 @@ class NoteCode(StrEnum):
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
+    INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
+    BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
+    DOUBLE_BACKWARD = "double-backward", "evaluations run with autograd on: the loss differentiates inside itself"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
@@ -43,6 +46,7 @@ class NoteCode(StrEnum):
     SPECTRAL_NORM = "spectral-norm", "spectral norms checked with their power iteration held constant"
     PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"
     NOT_PROBED = "not-probed", "a parameter not probed, and why (its gradient is not the derivative by design)"
+    FAKE_QUANTISATION = "fake-quantisation", "fake quantisation enabled: a piecewise-constant loss; inputs not probed"
     # precision
     NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
@@ -63,6 +67,7 @@ class NoteCode(StrEnum):
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
+    FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
     IMPRECISE_BEYOND_ROUNDING = "imprecise-beyond-rounding", "a native gradient is off by more than its rounding"
     # the culprit search
     CULPRIT_HOOKS_REFUSED = "culprit-hooks-refused", "no culprit search: the loss cannot run with hooks on its modules"
