@@ -256,6 +256,12 @@ class _Search:
                 self.path.append(source)
                 node = source
                 continue
+            if child is not None and entering == "ok" and self._wrong_inside(child):
+                # in and out right, but a gradient to parameters inside it is wrong there: its own code (a custom
+                # Function between two of its children) or a child's
+                self.path.append(child)
+                node = child
+                continue
             if child is not None and entering != "ok":
                 self._stop(node)
                 return
@@ -297,6 +303,17 @@ class _Search:
         else:
             self._culprit(node, self._own_words(node, f" between `{before.name}` and `{after.name}`"))
 
+    def _wrong_inside(self, site: Site) -> bool:
+        """Whether a failing parameter inside ``site`` has a wrong gradient as its own module uses it (a probe
+        displacing it during that module's forward only fails): the error arises inside ``site``, not in a use of
+        the parameter outside the modules."""
+        if not site.children or not self._holds_failing_parameters(site):
+            return False
+        inside = [s for s in self.sites.values() if s is not site and _within(s.name, site.name)]
+        owned = {f"{s.name}.{n}" if s.name else n: s for s in inside for n in s.parameters}
+        owners = sorted({owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order)
+        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
+
     def _holds_failing_parameters(self, site: Site) -> bool:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
@@ -330,6 +347,15 @@ class _Search:
                     "right",
                 )
                 return
+        fed = [o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"]
+        if fed:  # the gradient reaching an owner's output is wrong, the node's is right: the node's own code after it
+            after = f"`{fed[0].name}`"
+            if node is None:
+                self._culprit(None, f"the loss's own backward is wrong after {after}: the gradient at its output is "
+                              f"{self._off(fed[0], 'activation')} off")
+            else:
+                self._culprit(node, self._own_words(node, f" after {after}"))
+            return
         if owners:
             names = ", ".join(f"`{o.name}`" for o in owners[:4])
             if node is None:
