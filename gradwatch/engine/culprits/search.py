@@ -54,6 +54,12 @@ MAX_PROBES = 64
 """The most activation probes one search makes (two per place probed); a search that needs more names the deepest
 module it proved."""
 
+BORDERLINE = (0.25, 2.0)
+"""A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
+this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
+upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
+historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
+
 LadderFactory = Callable[[Measurements, float], Ladder]
 
 
@@ -199,10 +205,20 @@ class _Probes:
             results.append(task.result)
         failed = [r for r in results if r.verdict == "fail"]
         if failed:
-            return failed[0]  # along the gradient when that one fails: its relative error is the error's share
+            # along the gradient when that one fails: its relative error is the error's share
+            return self._decisive(failed[0], max(r.rel_error for r in failed) >= BORDERLINE[1] * self.ladder.rtol)
         if all(r.verdict == "ok" for r in results):
-            return max(results, key=lambda r: r.rel_error)
+            worst = max(results, key=lambda r: r.rel_error)
+            return self._decisive(worst, worst.rel_error <= BORDERLINE[0] * self.ladder.rtol)
         return next(r for r in results if r.verdict != "ok")
+
+    @staticmethod
+    def _decisive(result: Assessment, clear: bool) -> Assessment:
+        """The result, or, where its error is too near the tolerance to steer the search, an inconclusive one."""
+        if clear:
+            return result
+        fields = (result.numeric, result.discrepancy, result.noise, result.scale)
+        return Assessment(*fields, "inconclusive", "borderline", result.loss_noise)
 
 
 class _Search:
@@ -256,7 +272,7 @@ class _Search:
                 self.path.append(source)
                 node = source
                 continue
-            if child is not None and entering == "ok" and self._wrong_inside(child):
+            if child is not None and entering in ("ok", "inconclusive") and self._wrong_inside(child):
                 # in and out right, but a gradient to parameters inside it is wrong there: its own code (a custom
                 # Function between two of its children) or a child's
                 self.path.append(child)

@@ -108,6 +108,9 @@ class _Recorder:
         self._open: list[contextlib.ExitStack] = []
         self._received: dict[str, set[int]] = {}  # ids of the inputs each site's first call received, displaced
         self._returned: dict[str, set[int]] = {}  # ids of the outputs each site's first call returned, displaced
+        # the tensors those ids name, held for the recording: a freed tensor's id is reused by a later one, and a
+        # module's output would pass for its child's (a child whose output gradient is then never measured)
+        self._held: list[Tensor] = []
 
     def _mark_call(self, site: Site, place: str) -> None:
         site.last_call[place] = len(self.values.get((site.name, place), []))
@@ -135,7 +138,9 @@ class _Recorder:
             (args, kwargs), "", lambda _p, t: self._leaf(name, "module_input", t) if t.is_floating_point() else t
         )
         if first:
-            self._received[name] = {id(t) for t in _floating((args, kwargs))}
+            received = _floating((args, kwargs))
+            self._held += received
+            self._received[name] = {id(t) for t in received}
             if site.parent is not None and raw and raw == self._received.get(site.parent):
                 site.same_as_parent.add("module_input")
         stack = contextlib.ExitStack()
@@ -161,7 +166,9 @@ class _Recorder:
             output, "", lambda _p, t: self._leaf(name, "activation", t) if t.is_floating_point() else t
         )
         if site.calls == 1:
-            self._returned[name] = {id(t) for t in _floating(output)}
+            returned = _floating(output)
+            self._held += returned
+            self._returned[name] = {id(t) for t in returned}
             for child in site.children:  # a wrapper that returns its child's output unchanged
                 if raw and self._returned.get(child) == raw:
                     self.sites[child].same_as_parent.add("activation")
@@ -170,6 +177,7 @@ class _Recorder:
     def close(self) -> None:
         while self._open:
             self._open.pop().close()
+        self._held.clear()
 
 
 def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
