@@ -54,7 +54,7 @@ MAX_PROBES = 64
 """The most activation probes one search makes (two per place probed); a search that needs more names the deepest
 module it proved."""
 
-BORDERLINE = (0.25, 2.0)
+BORDERLINE = (0.25, 1.25)
 """A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
 this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
 upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
