@@ -332,3 +332,71 @@ class NormMLP(nn.Module):
         for block in self.blocks:
             h = h + block(h)
         return self.head(h)
+
+
+# ---- a diffusion UNet in miniature, with attention --------------------------------------------------------------
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels_in: int, channels_out: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(4, channels_in)
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, padding=1)
+        self.norm2 = nn.GroupNorm(4, channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(channels_in, channels_out, 1) if channels_in != channels_out else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv2(F.silu(self.norm2(self.conv1(F.silu(self.norm1(x))))))
+        return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
+
+
+class Attention(nn.Module):
+    """Self-attention over the pixels, as diffusers' ``Attention`` in a UNet's mid block."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.group_norm = nn.GroupNorm(4, channels)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(channels, channels) for _ in range(3))
+        self.to_out = nn.Linear(channels, channels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, height, width = x.shape
+        h = self.group_norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)
+        weights = torch.softmax(q @ k.transpose(1, 2) / c**0.5, dim=-1)
+        out = self.to_out(weights @ v).transpose(1, 2).reshape(b, c, height, width)
+        return x + out
+
+
+class TinyUNet(nn.Module):
+    """A UNet of two resolutions with attention at the lower one, predicting the noise of noisy images;
+    ``bug`` plants a 2% input-gradient bug in the named linear layer (``"mid.attention.to_out"``, say)."""
+
+    def __init__(self, bug: str | None = None, factor: float = 1.02) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv_in = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = ResBlock(8, 16)
+        self.downsample = nn.Conv2d(16, 16, 3, stride=2, padding=1)
+        self.mid = nn.ModuleDict({"res": ResBlock(16, 16), "attention": Attention(16)})
+        self.upsample = nn.ConvTranspose2d(16, 16, 2, stride=2)
+        self.up = ResBlock(32, 8)
+        self.conv_out = nn.Conv2d(8, 3, 3, padding=1)
+        if bug is not None:
+            plant_linear_bug(self.get_submodule(bug), factor)  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor) -> Tensor:
+        skip = self.down(self.conv_in(x))
+        h = self.mid["attention"](self.mid["res"](self.downsample(skip)))
+        return self.conv_out(self.up(torch.cat([self.upsample(h), skip], 1)))
+
+
+def noisy_images() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    images, noise = torch.randn(4, 3, 16, 16, generator=generator), torch.randn(4, 3, 16, 16, generator=generator)
+    return 0.8 * images + 0.6 * noise, noise
+
+
+def noise_prediction_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])

@@ -232,7 +232,7 @@ class _Probes:
         if clear:
             return result
         fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-        return Assessment(*fields, "inconclusive", "borderline", result.loss_noise)
+        return Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
 
 
 class _Search:
@@ -274,11 +274,19 @@ class _Search:
         while True:
             chain, sources = self._children(node)
             j = self._boundary(chain)
+            if j is None:
+                self._stop(node)
+                return
             child = chain[j] if j < len(chain) else None
             if child is not None and self._verdict(child, "activation") != "ok":
                 self._stop(node)
                 return
             entering = None if child is None else self._verdict(child, "module_input")
+            if child is not None and entering == "ok":
+                # children that run side by side (an attention's query, key and value projections) are no chain: a
+                # later child whose output gradient is right can still pass a wrong one to the same input
+                child = next((c for c in chain[j + 1 :] if self._parallel_culprit(c)), child)
+                entering = self._verdict(child, "module_input")
             if child is not None and entering == "fail":
                 self.path.append(child)
                 node = child
@@ -304,6 +312,10 @@ class _Search:
             else:
                 self._parameters_only(node)
             return
+
+    def _parallel_culprit(self, site: Site) -> bool:
+        """Whether a child after the boundary passes a wrong gradient to its input, its output gradient right."""
+        return self._verdict(site, "module_input") == "fail" and self._verdict(site, "activation") == "ok"
 
     def _failing_source(self, sources: list[Site]) -> Site | None:
         """The last source whose output gradient is right and inside which parameters fail."""
@@ -350,16 +362,24 @@ class _Search:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
 
-    def _boundary(self, children: list[Site]) -> int:
-        """The first child from which on every output gradient is right (the error flows backwards): a binary search,
-        an undecided probe counting as right (the culprit's own probes must then decide)."""
+    def _boundary(self, children: list[Site]) -> int | None:
+        """The first child from which on every output gradient is right (the error flows backwards): a binary search
+        over the children whose probes decide, passing over the undecided ones; ``None`` when the boundary lies among
+        undecided children (the evidence is within the noise there)."""
         low, high = 0, len(children)
+        undecided: set[int] = set()
         while low < high:
-            middle = (low + high) // 2
-            if self._verdict(children[middle], "activation") == "fail":
+            open_ = [i for i in range(low, high) if i not in undecided]
+            if not open_:
+                return None
+            middle = open_[len(open_) // 2]
+            verdict = self._verdict(children[middle], "activation")
+            if verdict == "fail":
                 low = middle + 1
-            else:
+            elif verdict == "ok":
                 high = middle
+            else:
+                undecided.add(middle)
         return low
 
     def _parameters_only(self, node: Site | None) -> None:
