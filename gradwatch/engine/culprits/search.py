@@ -56,6 +56,12 @@ MAX_PROBES = 64
 """The most activation probes one search makes (two per place probed); a search that needs more names the deepest
 module it proved."""
 
+MAX_EVALUATIONS = 240
+"""The most loss evaluations one search spends (a full stencil is 4, a confirmed failure 8): about what the check's
+own probes and confirmations cost, so that a failing check costs at most about twice a check without the search. On a
+large model evaluated point by point a search could otherwise cost minutes; a less specific culprit (the deepest module
+proved when the budget ran out) is preferred to a slow one."""
+
 BORDERLINE = (0.25, 1.25)
 """A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
 this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
@@ -165,6 +171,11 @@ class _Probes:
         self.tasks: list[ProbeTask] = []
         self._measured: dict[tuple[str, str], Assessment | None] = {}
 
+    @property
+    def evaluations(self) -> int:
+        """The loss evaluations the search spent so far."""
+        return sum(task.evaluations for task in self.tasks)
+
     def verdict(self, site: Site, place: str) -> Assessment | None:
         """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
         when there is nothing to displace."""
@@ -184,7 +195,7 @@ class _Probes:
         """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
         it, such as a dropped projection term) and along a random direction (which sees that error); the place is
         wrong if either fails, right if both agree."""
-        if len(self.tasks) >= MAX_PROBES:
+        if len(self.tasks) >= MAX_PROBES or self.evaluations >= MAX_EVALUATIONS:
             raise _ExhaustedError
         grads = site.gradients[place]
         # a module called several times (shared weights, a recurrent cell): the error flows backwards through its
@@ -217,6 +228,8 @@ class _Probes:
                 self.ladder.measure_fully([task])
             assert task.result is not None
             results.append(task.result)
+            if task.result.verdict == "fail" and task.result.rel_error >= BORDERLINE[1] * self.ladder.rtol:
+                break  # wrong along autograd's gradient: the random direction has nothing to add
         failed = [r for r in results if r.verdict == "fail"]
         if failed:
             # along the gradient when that one fails: its relative error is the error's share
@@ -249,11 +262,17 @@ class _Search:
         try:
             self._descend()
         except _ExhaustedError:
+            spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
             if self.path:
                 deepest = self.path[-1]
-                self._name(deepest, f"the search stopped after {MAX_PROBES} probes inside `{deepest.name}`")
+                self._name(deepest, f"the search stopped at its budget ({spent}) inside `{deepest.name}`")
             self.found.notes.append(
-                Note(NoteCode.CULPRIT_PROBE_LIMIT, f"culprit search stopped after {MAX_PROBES} activation probes")
+                Note(
+                    NoteCode.CULPRIT_PROBE_LIMIT,
+                    f"culprit search stopped at its budget ({spent}): "
+                    + (f"`{self.path[-1].name}` is the deepest module proved to hold the bug" if self.path else
+                       "no module proved to hold the bug"),
+                )
             )
 
     def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
