@@ -45,9 +45,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import special_point_models as special  # noqa: E402
+import special_point_models as special
 
-from gradwatch import CheckReport, GradWatch, check_gradients  # noqa: E402
+from gradwatch import CheckReport, GradWatch, check_gradients
 
 DEFAULTS = {
     name: parameter.default

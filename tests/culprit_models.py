@@ -321,7 +321,10 @@ class NormMLP(nn.Module):
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.Linear(width, width), RMSNorm(width, correct_backward=i != bug_at), nn.GELU(), nn.Linear(width, width)
+                nn.Linear(width, width),
+                RMSNorm(width, correct_backward=i != bug_at),
+                nn.GELU(),
+                nn.Linear(width, width),
             )
             for i in range(blocks)
         )

@@ -97,7 +97,7 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
 def _common_ancestor(names: Sequence[str]) -> str:
     parts = [name.split(".") if name else [] for name in names]
     common: list[str] = []
-    for level in zip(*parts):
+    for level in zip(*parts, strict=False):  # as deep as the shallowest
         if len(set(level)) > 1:
             break
         common.append(level[0])

@@ -39,8 +39,8 @@ from gradwatch.engine.function.precision import float64_storage, probe_precision
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.kinks import smooth_at_the_point
 from gradwatch.engine.numerics.norms import rms
-from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, relative_tolerance
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
@@ -59,6 +59,10 @@ MOVED_LOSS = 0.2
 label compared with ``==``, say, now matches nothing), and a failure is left standing on its confirmations at the
 point rather than judged there."""
 
+CONFIRMED_AT_ONCE = 4
+"""How many failing probes are measured again at the shifted point at a time, the most significant first; once one of
+them stands, the others are not measured (a note says how many)."""
+
 VANISHED = 0.01
 """A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
 the first point's discrepancy: the failure stands."""
@@ -68,12 +72,18 @@ IMPRECISION_LIMIT = 10.0
 rounding (5e-3 for float32): more than float32 rounding of a sane computation reaches (``logcumsumexp`` over values
 near 1e4: 9e-4; TF32 matmuls: ~1e-3), less than the smallest bug a check must catch (1%)."""
 
-SMOOTH_RATIO = (1.5, 2.5)
-"""The range of the ratio of the one-sided jumps at ``h`` and ``h/2`` that marks a smooth point: curvature makes the
-right and left difference quotients differ by about ``φ''·h`` (ratio 2), a kink by the same amount at any step (ratio
-1), round-off by more at the smaller step. A discrepancy at a smooth point has no tie to explain it: it stands even
-where a shifted point agrees, since a backward can be wrong exactly at a special point of a smooth loss (logit 0, an
-exact zero factor, a sample exactly on a border)."""
+CONFIRMED_AT_ONCE = 4
+"""How many failing probes are measured again at the shifted point at a time, the most significant first; once one of
+them stands, the others are not measured (a note says how many)."""
+
+VANISHED = 0.01
+"""A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
+the first point's discrepancy: the failure stands."""
+
+IMPRECISION_LIMIT = 10.0
+"""The most a native gradient whose float64 formula is right may be off, in multiples of the tolerance, to pass for
+rounding (5e-3 for float32): more than float32 rounding of a sane computation reaches (``logcumsumexp`` over values
+near 1e4: 9e-4; TF32 matmuls: ~1e-3), less than the smallest bug a check must catch (1%)."""
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 """Makes the check's ladder around the measurements (and the reference loss) of another point."""
@@ -97,8 +107,43 @@ def confirm_at_a_shifted_point(
     """
     # an "imprecise" failure (fail_on_imprecise) is rounding, which no other point reproduces: float64 has settled it
     failing = [task for task in tasks if task.failed and task.result is not None and task.result.reason != "imprecise"]
-    if not failing:
-        return
+    # the most significant first, a few at a time: one failure that stands fails the check, and a wrong backward
+    # upstream of many tensors fails them all (confirming each cost a diffusion UNet minutes per failing check)
+    failing.sort(key=_significance, reverse=True)
+    for start in range(0, len(failing), CONFIRMED_AT_ONCE):
+        batch = failing[start : start + CONFIRMED_AT_ONCE]
+        if not _confirm_batch(model, evaluator, portfolio, batch, ladder, mode, seed, vectorize):
+            return
+        rest = failing[start + len(batch) :]
+        if any(task.failed for task in batch) and rest:
+            evaluator.notes.append(
+                Note(
+                    NoteCode.SHIFT_BUDGET,
+                    f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
+                    f"{sum(task.failed for task in batch)} most significant failure(s) stood there",
+                )
+            )
+            return
+
+
+def _significance(task: ProbeTask) -> float:
+    result = task.result
+    assert result is not None
+    return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
+
+
+def _confirm_batch(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    failing: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+    seed: str,
+    vectorize: bool,
+) -> bool:
+    """Measure ``failing`` again at the shifted point and judge them; ``False`` when that point could not be measured
+    (the failures stand, with a note)."""
     original_loss = portfolio.reference.loss
     params = [p for _, p in evaluator.params]
     saved = [p.detach().clone() for p in params]
@@ -131,9 +176,10 @@ def confirm_at_a_shifted_point(
         evaluator.notes.append(
             Note(NoteCode.SHIFT_UNMEASURED, f"the failures could not be measured again at a shifted point: {problem}")
         )
-        return
+        return False
     for task, replica in zip(failing, replicas, strict=True):
         _judge_elsewhere(task, replica)
+    return True
 
 
 def _shift(tensor: Tensor, generator: torch.Generator, scale: float) -> Tensor:
@@ -194,35 +240,6 @@ def _judge_elsewhere(task: ProbeTask, replica: ProbeTask) -> None:
         return  # no kink at the point that a tie would need: the backward is wrong at that very point
     reason = "tie" if second.verdict == "ok" else "unstable"
     task.result = Assessment(first.numeric, first.discrepancy, first.noise, first.scale, "inconclusive", reason)
-
-
-def one_sided_jumps(stencil: Stencil) -> tuple[float, float]:
-    """The right minus the left difference quotient of a full stencil, at ``h`` and at ``h/2``: about ``φ''·h`` and
-    half that at a smooth point, the same amount at both steps at a kink (the jump of the slope)."""
-    deviations = stencil.deviations()
-    jumps = []
-    for pair in (0, 1):
-        plus, minus = stencil.points[2 * pair], stencil.points[2 * pair + 1]
-        jumps.append(deviations[2 * pair] / plus.along - deviations[2 * pair + 1] / minus.along)
-    return jumps[0], jumps[1]
-
-
-def smooth_at_the_point(stencil: Stencil | None) -> bool:
-    """Whether the loss is smooth at the point along the stencil's direction: the jump between the one-sided
-    difference quotients halves with the step (:data:`SMOOTH_RATIO`), as curvature makes it, and is well above the
-    stencil's round-off; at a tie (a kink at the point) it stays the same at both steps. A stencil that cannot tell
-    (round-off, a partial stencil) counts as a tie."""
-    if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
-        return False
-    at_h, at_half = one_sided_jumps(stencil)
-    noise = abs(stencil.odd_residual)
-    import os
-    if os.environ.get("GW_DEBUG"):
-        print("JUMPS", at_h, at_half, "ratio", at_h / at_half if at_half else None, "odd", noise, "d", stencil.richardson)
-    if at_half == 0.0 or abs(at_half) <= 2 * SIGNIFICANCE * noise:
-        return False
-    low, high = SMOOTH_RATIO
-    return low <= at_h / at_half <= high
 
 
 def _vector_error(task: ProbeTask, result: Assessment, portfolio: Portfolio) -> float:

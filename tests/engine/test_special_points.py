@@ -8,7 +8,7 @@ import torch
 from special_point_models import CASES
 
 from gradwatch import check_gradients
-from gradwatch.engine.confirmation import one_sided_jumps, smooth_at_the_point
+from gradwatch.engine.numerics.kinks import one_sided_jumps, smooth_at_the_point
 from gradwatch.engine.numerics.stencil import Point, Stencil
 
 

@@ -25,24 +25,19 @@ children finds the boundary in a logarithmic number of probes:
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
+from gradwatch.engine.culprits.probes import ActivationProbes, ExhaustedError
+from gradwatch.engine.culprits.sites import Site, record_sites
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
-from gradwatch.engine.kinds import ProbeKind
-from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.numerics.assessment import Assessment
-from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -51,22 +46,6 @@ from gradwatch.engine.report import CheckAbandonedError
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
-
-MAX_PROBES = 64
-"""The most activation probes one search makes (two per place probed); a search that needs more names the deepest
-module it proved."""
-
-MAX_EVALUATIONS = 240
-"""The most loss evaluations one search spends (a full stencil is 4, a confirmed failure 8): about what the check's
-own probes and confirmations cost, so that a failing check costs at most about twice a check without the search. On a
-large model evaluated point by point a search could otherwise cost minutes; a less specific culprit (the deepest module
-proved when the budget ran out) is preferred to a slow one."""
-
-BORDERLINE = (0.25, 1.25)
-"""A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
-this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
-upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
-historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -87,10 +66,6 @@ class Localization:
     message: str = ""
     tasks: list[ProbeTask] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
-
-
-class _ExhaustedError(Exception):
-    """The search made :data:`MAX_PROBES` probes."""
 
 
 def localize(
@@ -138,7 +113,7 @@ def localize(
             if reproduced is None:
                 return found
             measurements = Measurements(evaluator, *reproduced)
-            probes = _Probes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
+            probes = ActivationProbes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
             found.tasks = probes.tasks  # the same list: filled as the search measures
             _Search(sites, probes, failing_params, found).run()
     except UnfaithfulFloat64Error as error:
@@ -160,98 +135,12 @@ def localize(
     return found
 
 
-class _Probes:
-    """The activation probes of one search, measured on demand and once each."""
-
-    def __init__(self, sites: dict[str, Site], ladder: Ladder, portfolio: Portfolio, compute: torch.dtype) -> None:
-        self.sites = sites
-        self.ladder = ladder
-        self.portfolio = portfolio
-        self.relative_step = relative_step(compute, portfolio.native_dtype)
-        self.tasks: list[ProbeTask] = []
-        self._measured: dict[tuple[str, str], Assessment | None] = {}
-
-    @property
-    def evaluations(self) -> int:
-        """The loss evaluations the search spent so far."""
-        return sum(task.evaluations for task in self.tasks)
-
-    def verdict(self, site: Site, place: str) -> Assessment | None:
-        """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
-        when there is nothing to displace."""
-        key = (site.name, place)
-        if key in self._measured:
-            return self._measured[key]
-        if place in site.same_as_parent and site.parent is not None:
-            result = self.verdict(self.sites[site.parent], place)
-        elif not site.probeable(place):
-            result = None
-        else:
-            result = self._measure(site, place)
-        self._measured[key] = result
-        return result
-
-    def _measure(self, site: Site, place: str) -> Assessment | None:
-        """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
-        it, such as a dropped projection term) and along a random direction (which sees that error); the place is
-        wrong if either fails, right if both agree."""
-        if len(self.tasks) >= MAX_PROBES or self.evaluations >= MAX_EVALUATIONS:
-            raise _ExhaustedError
-        grads = site.gradients[place]
-        # a module called several times (shared weights, a recurrent cell): the error flows backwards through its
-        # calls, so only its last call's output gradient comes from downstream, and only its last call's input
-        # gradient is the module's own doing; the earlier calls are not displaced
-        first = site.last_call.get(place, 0) if site.calls > 1 and place != "module_params" else 0
-        active = [i >= first for i in range(len(grads))]
-        grads = [g if on else torch.zeros_like(g) for g, on in zip(grads, active, strict=True)]
-        size = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
-        generator = torch.Generator().manual_seed(random.Random(f"gradwatch:{site.name}:{place}").getrandbits(63))
-        raw = [
-            torch.randn(g.shape, generator=generator, dtype=torch.float64) * on
-            for g, on in zip(grads, active, strict=True)
-        ]
-        norm = math.sqrt(sum(float(r.square().sum()) for r in raw)) or 1.0
-        randomly = [(r / norm).to(device=g.device, dtype=g.dtype) for r, g in zip(raw, grads, strict=True)]
-        directions = [randomly] if size == 0.0 else [[g / size for g in grads], randomly]
-        elements = sum(g.numel() for g in grads) or 1
-        scale = site.scales.get(place, 0.0) / math.sqrt(elements) or self.portfolio.param_scale or 1.0
-        floor = max(self.portfolio.negligible * size, self.portfolio.loss_floor)
-        results = []
-        for components in directions:
-            slope = sum(float((g.double() * c.double()).sum()) for g, c in zip(grads, components, strict=True))
-            displacements = Displacements(site, place, components)
-            direction = HookedDirection(slope, displacements.set_offset)
-            step = self.relative_step * scale
-            task = ProbeTask(ProbeKind(place), site.name, None, direction, step, scale_floor=floor)
-            self.tasks.append(task)
-            with displacements.installed():
-                self.ladder.measure_fully([task])
-            assert task.result is not None
-            results.append(task.result)
-            if task.result.verdict == "fail" and task.result.rel_error >= BORDERLINE[1] * self.ladder.rtol:
-                break  # wrong along autograd's gradient: the random direction has nothing to add
-        failed = [r for r in results if r.verdict == "fail"]
-        if failed:
-            # along the gradient when that one fails: its relative error is the error's share
-            return self._decisive(failed[0], max(r.rel_error for r in failed) >= BORDERLINE[1] * self.ladder.rtol)
-        if all(r.verdict == "ok" for r in results):
-            worst = max(results, key=lambda r: r.rel_error)
-            return self._decisive(worst, worst.rel_error <= BORDERLINE[0] * self.ladder.rtol)
-        return next(r for r in results if r.verdict != "ok")
-
-    @staticmethod
-    def _decisive(result: Assessment, clear: bool) -> Assessment:
-        """The result, or, where its error is too near the tolerance to steer the search, an inconclusive one."""
-        if clear:
-            return result
-        fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-        return Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
-
-
 class _Search:
     """The descent of :func:`localize` (see the module doc), writing into ``found``."""
 
-    def __init__(self, sites: dict[str, Site], probes: _Probes, failing_params: set[str], found: Localization) -> None:
+    def __init__(
+        self, sites: dict[str, Site], probes: ActivationProbes, failing_params: set[str], found: Localization
+    ) -> None:
         self.sites = sites
         self.probes = probes
         self.failing_params = failing_params
@@ -261,7 +150,7 @@ class _Search:
     def run(self) -> None:
         try:
             self._descend()
-        except _ExhaustedError:
+        except ExhaustedError:
             spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
             if self.path:
                 deepest = self.path[-1]
@@ -270,8 +159,11 @@ class _Search:
                 Note(
                     NoteCode.CULPRIT_PROBE_LIMIT,
                     f"culprit search stopped at its budget ({spent}): "
-                    + (f"`{self.path[-1].name}` is the deepest module proved to hold the bug" if self.path else
-                       "no module proved to hold the bug"),
+                    + (
+                        f"`{self.path[-1].name}` is the deepest module proved to hold the bug"
+                        if self.path
+                        else "no module proved to hold the bug"
+                    ),
                 )
             )
 
@@ -374,7 +266,9 @@ class _Search:
             return False
         inside = [s for s in self.sites.values() if s is not site and _within(s.name, site.name)]
         owned = {f"{s.name}.{n}" if s.name else n: s for s in inside for n in s.parameters}
-        owners = sorted({owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order)
+        owners = sorted(
+            {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
+        )
         return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
 
     def _holds_failing_parameters(self, site: Site) -> bool:
@@ -418,12 +312,17 @@ class _Search:
                     "right",
                 )
                 return
-        fed = [o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"]
+        fed = [
+            o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"
+        ]
         if fed:  # the gradient reaching an owner's output is wrong, the node's is right: the node's own code after it
             after = f"`{fed[0].name}`"
             if node is None:
-                self._culprit(None, f"the loss's own backward is wrong after {after}: the gradient at its output is "
-                              f"{self._off(fed[0], 'activation')} off")
+                self._culprit(
+                    None,
+                    f"the loss's own backward is wrong after {after}: the gradient at its output is "
+                    f"{self._off(fed[0], 'activation')} off",
+                )
             else:
                 self._culprit(node, self._own_words(node, f" after {after}"))
             return
