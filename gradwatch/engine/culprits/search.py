@@ -184,8 +184,11 @@ class _Search:
         node: Site | None = None
         while True:
             chain, sources = self._children(node)
-            j = self._boundary(chain)
-            if j is None:
+            j, settled = self._boundary(chain)
+            if not settled and not (j < len(chain) and self._proved_inside(chain[j])):
+                # the boundary lies among undecided children, unless the first child known right passes a wrong
+                # gradient to its input or to parameters inside it (which proves the bug inside it, whatever the
+                # children before it say)
                 self._stop(node)
                 return
             child = chain[j] if j < len(chain) else None
@@ -227,6 +230,11 @@ class _Search:
     def _parallel_culprit(self, site: Site) -> bool:
         """Whether a child after the boundary passes a wrong gradient to its input, its output gradient right."""
         return self._verdict(site, "module_input") == "fail" and self._verdict(site, "activation") == "ok"
+
+    def _proved_inside(self, site: Site) -> bool:
+        """Whether the bug is proved inside ``site`` (its output gradient right): its input gradient is wrong, or a
+        parameter inside it is, as its own module uses it."""
+        return self._parallel_culprit(site) or (self._verdict(site, "activation") == "ok" and self._wrong_inside(site))
 
     def _failing_source(self, sources: list[Site]) -> Site | None:
         """The last source whose output gradient is right and inside which parameters fail."""
@@ -275,16 +283,16 @@ class _Search:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
 
-    def _boundary(self, children: list[Site]) -> int | None:
+    def _boundary(self, children: list[Site]) -> tuple[int, bool]:
         """The first child from which on every output gradient is right (the error flows backwards): a binary search
-        over the children whose probes decide, passing over the undecided ones; ``None`` when the boundary lies among
-        undecided children (the evidence is within the noise there)."""
+        over the children whose probes decide, passing over the undecided ones; and whether it is settled (``False``
+        where the boundary lies among undecided children, the first child known right returned)."""
         low, high = 0, len(children)
         undecided: set[int] = set()
         while low < high:
             open_ = [i for i in range(low, high) if i not in undecided]
             if not open_:
-                return None
+                return high, False
             middle = open_[len(open_) // 2]
             verdict = self._verdict(children[middle], "activation")
             if verdict == "fail":
@@ -293,7 +301,7 @@ class _Search:
                 high = middle
             else:
                 undecided.add(middle)
-        return low
+        return low, True
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
