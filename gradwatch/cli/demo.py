@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradwatch.engine.rendering import render_text, searches
+from gradwatch.engine.rendering import render_text
 from gradwatch.engine.report import CheckReport
 from gradwatch.watch.alerts import GradientCheckWarning
 
@@ -138,7 +138,7 @@ def describe(name: str, reports: list[CheckReport]) -> str:
     if failing:
         first = failing[0]
         lines.append(f"\nfirst failing check:\n{render_text(first, prefix='', limit=DEMO_LIMIT)}")
-        tensors = sorted({p.target for r in failing for p in r.failures if not searches(p.kind)})
+        tensors = sorted({p.target for r in failing for p in r.failures if not p.kind.traits.culprit_search})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
         culprits = sorted({r.culprits[0] for r in failing if r.culprits})
         if culprits:

@@ -66,7 +66,9 @@ def searches(kind: str) -> bool:
 def ordered_failures(report: CheckReport) -> list[Probe]:
     """The failing probes, those that found the discrepancy first and the culprit search's after them."""
     failures = report.failures
-    return [p for p in failures if not searches(p.kind)] + [p for p in failures if searches(p.kind)]
+    return [p for p in failures if not p.kind.traits.culprit_search] + [
+        p for p in failures if p.kind.traits.culprit_search
+    ]
 
 
 def headline(report: CheckReport, prefix: str = "") -> str:

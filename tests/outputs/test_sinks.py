@@ -14,6 +14,7 @@ import torch
 from helpers import SeedModel, seed_batch, seed_loss
 
 from gradwatch import check_gradients
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
 from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
@@ -105,7 +106,8 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     expected = (4, "fail", failing.culprit_message, ["fc", ""])
     assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == expected
     assert first["scalars"]["gradwatch/overhead"] == 0.01
-    assert first["notes"] == [{"code": str(note.code), "text": str(note)} for note in failing.notes]  # type: ignore[attr-defined]
+    assert first["notes"] == [str(note) for note in failing.notes]
+    assert first["note_codes"] == [str(note.code) for note in failing.notes]  # type: ignore[attr-defined]
     assert first["notes"]  # the seed model's custom Function cannot be vectorised: a note with its code
     assert "scope" not in first
     assert "fault" not in first
@@ -126,3 +128,10 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     assert failures[-1].numeric == math.inf
     assert failures[-1].index == "1, 2"
     assert [f.tensor for f in failures[:-1]] == [p.target for p in failing.failures]
+
+
+def test_the_json_record_carries_each_notes_code(failing: CheckReport) -> None:
+    notes = [Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"), "a plain remark"]
+    record = json.loads(json.dumps(record_json(records_of(dataclasses.replace(failing, notes=notes)))))
+    assert record["notes"] == ["probes use the whole batch", "a plain remark"]
+    assert record["note_codes"] == ["whole-batch", None]
