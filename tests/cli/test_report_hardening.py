@@ -211,7 +211,7 @@ def _boundaries(data: bytes) -> set[int]:
     return offsets
 
 
-def test_fuzz_corrupt_event_files_exit_as_documented_within_a_time_bound(tmp_path: Path) -> None:
+def test_fuzz_corrupt_event_files_exit_as_documented_within_time_and_memory_bounds(tmp_path: Path) -> None:
     rng = random.Random(0)
     source = _event_file(tmp_path / "source")
     data = source.read_bytes()
@@ -223,8 +223,14 @@ def test_fuzz_corrupt_event_files_exit_as_documented_within_a_time_bound(tmp_pat
         run.mkdir(parents=True)
         (run / source.name).write_bytes(content)
         started = time.perf_counter()
-        code, out, err = _run(["report", str(run)])
+        tracemalloc.start()
+        try:
+            code, out, err = _run(["report", str(run)])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
         assert time.perf_counter() - started < 10, name
+        assert peak < 2_000_000, (name, peak)  # whatever the header claims (2^62 bytes included)
         assert code in EXIT_CODES, name
         if must_refuse:
             assert code == 2, (name, out)
