@@ -238,6 +238,9 @@ class _Run:
 
 
 def _tensor_scalar(path: Path, step: int, value: Summary.Value) -> float:
+    dims = [dim.size for dim in value.tensor.tensor_shape.dim]
+    if any(size != 1 for size in dims):  # checked first: a shape of 2^40 would be allocated by make_ndarray
+        raise EventFilesError(f"{shown(path)}: the scalar {value.tag!r} at step {step} has the shape {dims}")
     try:
         array = tensor_util.make_ndarray(value.tensor)
         return float(array.reshape(()))

@@ -285,3 +285,23 @@ def test_the_command_line_imports_lightning_only_to_train_a_demo() -> None:
         f"{sys.executable} -c \"import sys, gradwatch.cli.main; assert 'lightning' not in sys.modules\"", shell=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_scalar_tensor_claiming_a_huge_shape_is_refused_before_it_is_allocated(tmp_path: Path) -> None:
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    tensor = TensorProto(
+        dtype=1, float_val=[2.0], tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1 << 40)])
+    )
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
+    value = Summary.Value(tag="gradwatch/verdict", tensor=tensor, metadata=metadata)
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "events.out.tfevents.1.host"
+    with open(path, "wb") as handle:
+        RecordWriter(handle).write(Event(step=1, summary=Summary(value=[value])).SerializeToString())
+    _refused(["report", str(tmp_path)], f"{path}: the scalar 'gradwatch/verdict' at step 1 has the shape [{1 << 40}]")
