@@ -11,7 +11,7 @@ through ``trainer.log`` (so to every ``report_to`` integration) at the steps wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -82,7 +82,7 @@ class GradWatchCallback(TrainerCallback):
             self._compute_loss = self.trainer.compute_loss
             self.trainer.compute_loss = self._keeping_compute_loss  # type: ignore[method-assign]
             self._wrapped = True
-        self.watch.setup(self.trainer.model)
+        self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
@@ -102,7 +102,7 @@ class GradWatchCallback(TrainerCallback):
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
         loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else _no_micro_batch)
         self.watch.maybe_check(
-            self.trainer.model,
+            self._model,
             inputs,
             loss_fn,
             step=state.global_step,
@@ -110,6 +110,13 @@ class GradWatchCallback(TrainerCallback):
         )
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
+
+    @property
+    def _model(self) -> nn.Module:
+        """The model the Trainer trains (unwrapped: a DDP wrapper would run its reductions on the check's passes)."""
+        if self.trainer.model is None:
+            raise RuntimeError("gradwatch: the Trainer has no model yet")
+        return self.trainer.model
 
     def _keeping_compute_loss(
         self,
@@ -124,13 +131,14 @@ class GradWatchCallback(TrainerCallback):
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
         compute_loss = self._compute_loss
+        count: Any = num_items_in_batch
         if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0:
             # The same count as a number (the loss divides by it exactly either way): the Trainer's float tensor would
             # be a floating input of the model to the culprit search, which cannot displace it.
-            num_items_in_batch = num_items_in_batch.item()
+            count = num_items_in_batch.item()
 
         def loss_fn(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-            return compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
         return loss_fn
 
