@@ -100,10 +100,6 @@ def _fmt(value: float, spec: str) -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
 
-_SEARCH_KINDS = ("activation", "module_input", "module_params")
-"""The probes of a culprit search: they locate the victims' culprit, and are not victims themselves."""
-
-
 def describe(name: str, reports: list[CheckReport]) -> str:
     """A table of a run's checks and, for failing ones, the worst probes."""
     lines = [
@@ -125,8 +121,8 @@ def describe(name: str, reports: list[CheckReport]) -> str:
         lines.append(f"\nfirst failing check (step {first.step}):")
         if first.culprit_message:
             lines.append(f"  culprit: {first.culprit_message}")
-        lines += [f"  {probe.describe()}" for probe in first.failures if probe.kind not in _SEARCH_KINDS]
-        tensors = sorted({p.target for r in failing for p in r.failures if p.kind not in _SEARCH_KINDS})
+        lines += [f"  {probe.describe()}" for probe in first.failures if not probe.kind.traits.culprit_search]
+        tensors = sorted({p.target for r in failing for p in r.failures if not p.kind.traits.culprit_search})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
         culprits = sorted({r.culprits[0] for r in failing if r.culprits})
         if culprits:

@@ -34,9 +34,11 @@ from gradwatch.engine.compiled import compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import Precision, resolve_precision
+from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.kinds import Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -46,7 +48,7 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters, unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding import SHARDED_NOTE
@@ -207,7 +209,8 @@ def _check(
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
-    collective, sharding_notes = None, []
+    collective: Collective | None = None
+    sharding_notes: list[Note] = []
     if is_sharded(params):
         collective, params = local_shards(params)
         surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
@@ -246,7 +249,11 @@ def _check(
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
-            f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: {withheld[0]}"
+            Note(
+                NoteCode.WARNINGS_WITHHELD,
+                f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: "
+                f"{withheld[0]}",
+            )
         )
     unrestored = state.sandbox.unrestorable()
     evaluator.notes += state.sandbox.notes(unrestored)
@@ -301,7 +308,7 @@ def _run(
 ) -> _Outcome:
     """The reference, the probes (unless the reference rules them out), and for a compiled model the comparison of
     its compiled gradient with eager autograd's; the caller restores the state."""
-    notes: list[str] = []
+    notes: list[Note] = []
     used_precision, vectorized = "native", None
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = []
@@ -322,8 +329,11 @@ def _run(
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
             evaluator.notes.append(
-                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
+                Note(
+                    NoteCode.LOSS_NEAR_ZERO,
+                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                    f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}",
+                )
             )
         elif not probes:
             measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
@@ -352,15 +362,23 @@ def _run(
     )
 
 
-def _sharded_settings(collective: Collective, mode: str) -> tuple[list[str], str, bool]:
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
     """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
     notes = [
-        f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
-        "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
-        "forward pass; no input coordinate probes and no culprit search"
+        Note(
+            NoteCode.SHARDED,
+            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+            "forward pass; no input coordinate probes and no culprit search",
+        )
     ]
     if mode == "float64":
-        notes.append("float64 probes are not made on shards (FSDP gathers parameters in their own dtype)")
+        notes.append(
+            Note(
+                NoteCode.SHARDED_NATIVE,
+                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
+            )
+        )
     return notes, "native", False
 
 
@@ -377,9 +395,9 @@ def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
     "inconclusive"."""
-    if any(p.verdict == "fail" for p in probes):
-        return "fail"
-    whole = ("descent", "tensor", "input")
-    if any(p.verdict == "ok" and p.index is None and (p.kind in whole or p.target == DESCENT_TARGET) for p in probes):
-        return "ok"
-    return "inconclusive"
+    if any(p.verdict == Verdict.FAIL for p in probes):
+        return Verdict.FAIL
+    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
+    if any(p.verdict == Verdict.OK for p in whole):
+        return Verdict.OK
+    return Verdict.INCONCLUSIVE

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
+from gradwatch.engine.notes import NoteCode
 from gradwatch.engine.report import CheckReport
 
 
@@ -22,7 +23,7 @@ class Diagnosis(NamedTuple):
 
 _BY_NOTE = (
     (
-        "not reproducible",
+        NoteCode.NOT_REPRODUCIBLE,
         Diagnosis(
             "the loss is not the same function at every evaluation: it draws randomness gradwatch cannot replay (a "
             "private torch.Generator)",
@@ -30,7 +31,7 @@ _BY_NOTE = (
         ),
     ),
     (
-        "so close to zero",
+        NoteCode.LOSS_NEAR_ZERO,
         Diagnosis(
             "the loss is so close to zero that the rounding of its gradient alone may exceed any error",
             "check on data the model has not memorised, or train in float64",
@@ -74,8 +75,8 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
     """Why ``report`` is inconclusive and what to do; ``None`` for a conclusive report."""
     if report.verdict != "inconclusive":
         return None
-    for fragment, diagnosis in _BY_NOTE:
-        if any(fragment in note for note in report.notes):
+    for code, diagnosis in _BY_NOTE:
+        if report.noted(code):
             return diagnosis
     reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
     for reason, _ in reasons.most_common():

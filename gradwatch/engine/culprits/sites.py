@@ -18,6 +18,7 @@ of a central difference. Every hook is removed when the recording or the displac
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import map_tensors
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.kinds import kinds_where
 
-PLACES = ("activation", "module_input", "module_params")
+PLACES = kinds_where(culprit_search=True)
 """Where a probe can displace a site (see the module doc)."""
 
 
@@ -202,7 +204,7 @@ def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
                 grad = changed if changed is not None else grad
         sites[name].gradients.setdefault(place, []).append(grad.detach())
     for (name, place), values in recorder.values.items():
-        sites[name].scales[place] = float(torch.sqrt(sum(v.double().square().sum() for v in values)))
+        sites[name].scales[place] = math.sqrt(sum(float(v.double().square().sum()) for v in values))
     return dict(sorted(sites.items(), key=lambda item: item[1].order))
 
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
@@ -38,15 +39,16 @@ Precision = Literal["auto", "native", "float64"]
 of the parameters, buffers and floating inputs. ``"auto"``: float64 up to :data:`AUTO_FLOAT64_ELEMENTS` floating
 parameter elements; native beyond, with undecided probes measured again in float64."""
 
+ResolvedPrecision = Literal["native", "float64"]
+"""What a check's probes evaluate the loss in, once ``"auto"`` is resolved."""
+
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
 
 AUTO_FLOAT64_ELEMENTS = 2**25
 """The most floating parameter elements ``precision="auto"`` probes in float64 (about 33M: a 256 MiB float64 copy)."""
 
 
-def resolve_precision(
-    precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int
-) -> Literal["native", "float64"]:
+def resolve_precision(precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int) -> ResolvedPrecision:
     """What ``precision`` means for a model with ``parameter_elements`` floating parameter elements, the least precise
     of them in ``parameter_dtype``."""
     if parameter_dtype == torch.float64:
@@ -118,6 +120,6 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
             return
         finally:
             evaluator.params = native_params
-    evaluator.notes.append(f"probes run in the native precision: {problem}")
+    evaluator.notes.append(Note(NoteCode.NATIVE_PRECISION, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan

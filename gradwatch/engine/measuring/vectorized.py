@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.measuring.directions import Direction, Displacement
+from gradwatch.engine.measuring.directions import CoordinateDirection, Displacement, VectorDirection
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 AGREEMENT = 1e-11
@@ -53,7 +54,9 @@ SPLIT_ACTIVATIONS = 2**20
 MEMORY = 2**28
 """The least memory a pass may take, in bytes (256 MiB); see :func:`memory_budget`."""
 
-Move = tuple[Direction, float]
+Move = tuple[CoordinateDirection | VectorDirection, float]
+"""A point of a vectorised pass: a direction that writes stacked rows (hooked directions are evaluated one by one)
+and the offset along it."""
 """A point: a direction and the offset along it."""
 
 
@@ -186,19 +189,24 @@ class VectorizedLoss:
             raise
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
             first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links
-            self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {first_line})")
+            self._give_up(
+                NoteCode.NOT_VECTORISABLE, f"the loss cannot be vectorised ({type(error).__name__}: {first_line})"
+            )
             return None
         if validate:
             center, values = values[0], values[1:]
             if not abs(center - self.center) <= AGREEMENT * abs(self.center):
-                self._give_up(f"a vectorised pass gave {center!r} at the unperturbed point, {self.center!r} on its own")
+                self._give_up(
+                    NoteCode.VECTORISED_MISMATCH,
+                    f"a vectorised pass gave {center!r} at the unperturbed point, {self.center!r} on its own",
+                )
                 return None
             self._validated = True
         return list(zip(values, displacements, strict=True))
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, code: NoteCode, reason: str) -> None:
         self.usable = False
-        self.evaluator.notes.append(f"points evaluated one by one: {reason}")
+        self.evaluator.notes.append(Note(code, f"points evaluated one by one: {reason}"))
 
 
 def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], list[Displacement]]:
@@ -209,7 +217,8 @@ def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], 
     Consecutive points of one direction write their rows in one operation per tensor; only rows that no direction
     writes whole are filled with copies, a block at a time.
     """
-    runs: list[tuple[Direction, list[float], int]] = []  # (direction, offsets, first row) of consecutive points
+    # (direction, offsets, first row) of consecutive points
+    runs: list[tuple[CoordinateDirection | VectorDirection, list[float], int]] = []
     for slot, (direction, offset) in enumerate(moves, start=first_slot):
         if runs and runs[-1][0] is direction and runs[-1][2] + len(runs[-1][1]) == slot:
             runs[-1][1].append(offset)
@@ -231,27 +240,26 @@ def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], 
                 stack[filled:start].copy_(t.expand(start - filled, *t.shape))
             filled = max(filled, stop)
         stacks[key] = stack
-    displacements = []
+    displacements: list[Displacement] = []
     for direction, offsets, start in runs:
         rows = {id(t): stacks[id(t)][start : start + len(offsets)] for t in direction.tensors}
         displacements += direction.displace_rows(offsets, rows)
     return stacks, displacements
 
 
-def obstacle(evaluator: LossEvaluator) -> str | None:
+def obstacle(evaluator: LossEvaluator) -> Note | None:
     """Why the evaluator's points cannot be evaluated together, or ``None`` if they can: every parameter and input
     it moves must be float64, and no forward hook may see the pass (it would get, and might keep, the batched tensors
     of all points instead of one point's activations)."""
     tensors = [p for _, p in evaluator.params] + list(evaluator.inputs.values())
     if not tensors or any(t.dtype != torch.float64 for t in tensors):
-        return "the probes are not float64"
+        return Note(NoteCode.NOT_FLOAT64_UNVECTORISED, "the probes are not float64")
     hooked = [name or "the model" for name, module in evaluator.model.named_modules() if _forward_hooks(module)]
     if _forward_hooks(None):
         hooked.insert(0, "every module (global hooks)")
     if hooked:
-        return (
-            f"forward hooks on {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''} would see vectorised passes"
-        )
+        listed = f"{', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}"
+        return Note(NoteCode.HOOKS_UNVECTORISED, f"forward hooks on {listed} would see vectorised passes")
     return None
 
 
