@@ -165,26 +165,7 @@ def check_gradients(
     }
     focus = validate.check_patterns("focus", focus)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    return _check(model, batch, loss_fn, _settings(settings, options), step, rotation, focus)
-
-
-def _settings(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
-    """``settings`` when given (the options one by one left at their defaults), else the options one by one."""
-    if settings is None:
-        return ProbeSettings(**options)
-    if not isinstance(settings, ProbeSettings):
-        raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
-    default = ProbeSettings()
-    given = sorted(
-        name
-        for name, value in options.items()
-        if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
-    )
-    if given:
-        raise ValueError(
-            f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
-        )
-    return settings
+    return _check(model, batch, loss_fn, ProbeSettings.chosen(settings, options), step, rotation, focus)
 
 
 def _check(
