@@ -18,6 +18,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatchCallback"]
@@ -61,6 +62,9 @@ class GradWatchCallback(TrainerCallback):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.loss_fn = loss_fn
+        # several processes (DDP): rank 0 decides the budget and every process acts on the same report
+        options.setdefault("decide", rank0_decides)
+        options.setdefault("agree", agree_across_ranks)
         self.watch = GradientWatch(every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept

@@ -194,7 +194,7 @@ class GradWatch(Callback):
         assert self._trainer is not None
         return int(self._trainer.strategy.broadcast(wait, src=0))
 
-    def _agree(self, report: CheckReport | None, error: Exception | None) -> CheckReport | None:
+    def _agree(self, report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
         assert self._trainer is not None
         return agree(self._trainer, report, error) if distributed(self._trainer) else report
 

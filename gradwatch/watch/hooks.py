@@ -34,7 +34,7 @@ class Sink(Protocol):
 
 
 Decide = Callable[[int], int]
-Agree = Callable[[CheckReport | None, Exception | None], CheckReport | None]
+Agree = Callable[[CheckReport | None, Exception | None, int], CheckReport | None]
 Context = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 
 

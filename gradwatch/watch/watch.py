@@ -87,8 +87,9 @@ class GradientWatch:
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
         decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
             the steps to wait), returns the decision (under DDP, rank 0's, broadcast). Default: the proposal.
-        agree: Under DDP, turns this process's report (or the error that ended its check) into the report every
-            process acts on (a gather). Called on every check when given.
+        agree: ``agree(report, error, step)``: under DDP, turns this process's report (or the error that ended its
+            check) into the report every process acts on (a gather). Called on every check when given.
+            :mod:`gradwatch.watch.distributed` has both, for any ``torch.distributed`` run.
         context: ``context(model)``, a context manager around each check (silenced loggers, local batch norm).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
 
@@ -297,10 +298,10 @@ class GradientWatch:
         except Exception as error:
             # on_fail="raise": under DDP every process must learn of it before any raises, or the others would wait
             if self._agree is not None:
-                self._agree(None, error)
+                self._agree(None, error, step)
             raise
         if self._agree is not None:
-            report = self._agree(report, None)
+            report = self._agree(report, None, step)
         self._schedule.ran(started, time.perf_counter())
         if report is None:
             return None

@@ -92,7 +92,7 @@ def test_what_a_loop_lends_the_watch() -> None:
         calls.append(f"decide {wait}")
         return 0
 
-    def agree(report: CheckReport | None, error: Exception | None) -> CheckReport | None:
+    def agree(report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
         calls.append(f"agree {report.verdict if report else None}")
         return report
 
