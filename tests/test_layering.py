@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.kinds", "engine.notes", "engine.report", "engine.validation"),
+    ("engine.kinds", "engine.notes", "engine.report", "engine.rendering", "engine.validation"),
     ("engine.sharding",),
     ("engine.numerics",),
     ("engine.function",),

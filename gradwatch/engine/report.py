@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -250,6 +251,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
 class GradientCheckError(RuntimeError):
     """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
 
@@ -258,10 +263,7 @@ class GradientCheckError(RuntimeError):
     """
 
     def __init__(self, report: CheckReport) -> None:
-        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        culprit = f" {report.culprit_message}" if report.culprit_message else ""
-        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
         self.report = report
 
 
@@ -278,3 +280,8 @@ def _member(enum: type[_E], value: str, argument: str) -> _E:
     except ValueError:
         choices = ", ".join(repr(member.value) for member in enum)
         raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""

@@ -111,6 +111,7 @@ class GradWatchCallback(TrainerCallback):
             loss_fn,
             step=state.global_step,
             skipped=lambda: bool(getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False)),
+            optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
         )
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False

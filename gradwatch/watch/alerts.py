@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from gradwatch.engine.diagnosis import diagnose
+from gradwatch.engine.rendering import DEFAULT_LIMIT, render_text
 from gradwatch.engine.report import CheckReport, GradientCheckError
 
 log = logging.getLogger(__name__)
@@ -46,18 +47,10 @@ class Backoff:
         return 1 << self.count.bit_length()
 
 
-def failure_message(report: CheckReport, limit: int = 5) -> str:
-    """A readable account of a failing report: where the gradient is wrong and by how much."""
-    failures = report.failures
-    lines = [f"gradwatch: gradient check failed at step {report.step} ({len(failures)} of {len(report.probes)} probes)"]
-    if report.culprit_message:
-        lines[0] = f"gradwatch: gradient check failed at step {report.step}: {report.culprit_message}"
-        lines.append(f"  ({len(failures)} of {len(report.probes)} probes failed)")
-    lines += [f"  {probe.describe()}" for probe in failures[:limit]]
-    if len(failures) > limit:
-        lines.append(f"  ... and {len(failures) - limit} more")
-    lines += [f"  {finding}" for finding in report.surrogates]
-    return "\n".join(lines)
+def failure_message(report: CheckReport, limit: int = DEFAULT_LIMIT) -> str:
+    """A readable account of a failing report: the culprit, where the gradient is wrong and by how much (see
+    :func:`gradwatch.engine.rendering.render_text`)."""
+    return render_text(report, limit=limit)
 
 
 class AlertPolicy:

@@ -6,31 +6,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
 from gradwatch.engine import CheckReport
 
-try:  # the outputs layer turns a report into records for every backend
-    from gradwatch.outputs.records import records_of  # type: ignore[import-not-found, unused-ignore]
-except ImportError:  # pragma: no cover - until the outputs layer is merged, sinks receive the report itself
-
-    def records_of(report: CheckReport, overhead: float | None = None) -> Any:
-        return report
-
 
 class NoLossToCheckError(Exception):
     """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
     is skipped, silently."""
-
-
-class Sink(Protocol):
-    """Where the records of each check go (a TensorBoard writer, a JSON lines file; see ``gradwatch.outputs``)."""
-
-    def write(self, records: Any) -> None: ...
-
-    def flush(self) -> None: ...
 
 
 Decide = Callable[[int], int]

@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.guard import loss_gradient
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.notes import Note, NoteCode
@@ -143,6 +144,8 @@ class LossEvaluator:
         self.state = state
         self.float64_reductions = float64_reductions
         self.notes: list[Note] = []
+        self.inputs_refused = False
+        """Whether the loss refused displaced inputs: the check then makes no input probe and shifts no input."""
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -177,7 +180,7 @@ class LossEvaluator:
     def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
         """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
         replayed."""
-        self.state.replay_rng()
+        self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
         fidelity = self._fidelity if self._float64_inputs else None
@@ -245,7 +248,7 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
                 else:
                     value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                 self.n_backward += 1
