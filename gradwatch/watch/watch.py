@@ -1,12 +1,8 @@
-"""``GradientWatch``: a series of gradient checks over a training run, in any training loop.
-
-Everything that turns single checks (:func:`gradwatch.check_gradients`) into the monitoring of a run lives here, free
-of any framework: the schedule and its budget (:mod:`.schedule`), the rotation of the probed tensors and the focus on
-those a check could not decide, the probe slice that grows when the loss refuses a smaller one, giving up on
-vectorised passes the loss cannot run, the alerts and their backoff (:mod:`.alerts`), the counters and the state a
-checkpoint carries. The adapters (``GradWatch`` for Lightning, ``GradWatchCallback`` for Hugging Face) only turn their
-loop's events into :meth:`GradientWatch.maybe_check` and lend it what only the loop knows, through the keyword-only
-arguments of the constructor.
+"""``GradientWatch``: a series of gradient checks over a training run, in any training loop, free of any framework:
+the schedule and its budget (:mod:`.schedule`), the rotation of the probed tensors and the focus on those a check could
+not decide, the probe slice the loss accepts, vectorised passes given up, the alerts (:mod:`.alerts`), the counters and
+the checkpoint state. Adapters (Lightning's ``GradWatch``, Hugging Face's ``GradWatchCallback``) turn their loop's
+events into :meth:`GradientWatch.maybe_check`, lending what only the loop knows through the constructor's keywords.
 """
 
 from __future__ import annotations
@@ -260,14 +256,9 @@ class GradientWatch:
         return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
 
     def check(
-        self,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: LossFn | None = None,
-        *,
-        step: int,
+        self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int,
         optimizers: Sequence[torch.optim.Optimizer] = (),
-    ) -> CheckReport | None:
+    ) -> CheckReport | None:  # fmt: skip
         """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check. ``None`` when the
         check was skipped (an error the alert reported, no loss, no trainable parameter)."""
         return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter(), tuple(optimizers))
@@ -297,14 +288,9 @@ class GradientWatch:
         return wait
 
     def _run(
-        self,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: LossFn,
-        step: int,
-        started: float,
+        self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
-    ) -> CheckReport | None:
+    ) -> CheckReport | None:  # fmt: skip
         try:
             report = self._attempt(model, batch, loss_fn, step, optimizers)
         except Exception as error:
@@ -349,15 +335,9 @@ class GradientWatch:
                 # what a check could not put back is warned of once per run, by the remarks
                 warnings.simplefilter("ignore", UnrestoredStateWarning)
                 return self._check_gradients(
-                    model,
-                    batch,
-                    loss_fn,
-                    step=step,
-                    settings=self._active,
-                    rotation=self._checks,
-                    focus=self._focus,
+                    model, batch, loss_fn, step=step, settings=self._active, rotation=self._checks, focus=self._focus,
                     optimizers=optimizers,
-                )
+                )  # fmt: skip
         except NoLossToCheckError:
             self._skipped_checks += 1
             log.debug("gradwatch: the loss_fn had no loss at step %d; check skipped", step)
