@@ -165,6 +165,9 @@ class CheckReport:
         floor_excess: Applied checks: the largest ``|analytic − numeric|`` of the check's probes in units of that
             probe's tolerance (its noise floor times the allowed multiple, plus the finite difference's noise); above
             1 is a failure.
+        probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
+            (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
+            that require grad, or detaches them).
     """
 
     step: int
@@ -190,6 +193,7 @@ class CheckReport:
     fault_message: str = ""
     noise_floor: float = math.nan
     floor_excess: float = math.nan
+    probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))

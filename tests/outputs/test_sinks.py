@@ -14,6 +14,7 @@ import torch
 from helpers import SeedModel, seed_batch, seed_loss
 
 from gradwatch import check_gradients
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
 from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
@@ -102,9 +103,12 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     assert len(lines) == 2
     first, second = (_strict(line) for line in lines)
     assert first == _strict(json.dumps(record_json(records_of(failing, overhead=0.01))))
-    assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == (4, "fail", failing.culprit_message,
-                                                                                      ["fc", ""])  # fmt: skip
+    expected = (4, "fail", failing.culprit_message, ["fc", ""])
+    assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == expected
     assert first["scalars"]["gradwatch/overhead"] == 0.01
+    assert first["notes"] == [str(note) for note in failing.notes]
+    assert first["note_codes"] == [str(note.code) for note in failing.notes]  # type: ignore[attr-defined]
+    assert first["notes"]  # the seed model's custom Function cannot be vectorised: a note with its code
     assert first["scope"] == "recomputed"  # every report has a scope (issue 23); a fault only when one was named
     assert "fault" not in first
     assert second["scope"] == "optimizer"
@@ -117,7 +121,17 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
         [1, 2],
     )
     check, failures, culprit = parse_record(second)
-    assert check.verdict == "fail" and check.step == 4
+    assert check.verdict == "fail"
+    assert check.step == 4
     assert culprit == failing.culprit_message
-    assert math.isnan(failures[-1].analytic) and failures[-1].numeric == math.inf and failures[-1].index == "1, 2"
+    assert math.isnan(failures[-1].analytic)
+    assert failures[-1].numeric == math.inf
+    assert failures[-1].index == "1, 2"
     assert [f.tensor for f in failures[:-1]] == [p.target for p in failing.failures]
+
+
+def test_the_json_record_carries_each_notes_code(failing: CheckReport) -> None:
+    notes = [Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"), "a plain remark"]
+    record = json.loads(json.dumps(record_json(records_of(dataclasses.replace(failing, notes=notes)))))
+    assert record["notes"] == ["probes use the whole batch", "a plain remark"]
+    assert record["note_codes"] == ["whole-batch", None]
