@@ -196,7 +196,7 @@ def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
 
 
 def test_not_verbose_logs_no_info_and_warns_only_for_failures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False)
+    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False, applied_every_n_steps=None)
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
         trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 3))
     assert [r for r in caplog.records if r.name.startswith("gradwatch") and r.levelno >= logging.INFO] == []
