@@ -16,13 +16,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import capture_rng, set_rng
+
+if TYPE_CHECKING:
+    from gradwatch.engine.report import CheckReport
 
 Combine = Literal["mean", "sum"] | Callable[[list[Tensor]], Tensor]
 """How a loop combines its micro-batch losses into the window's loss: ``"mean"`` (Lightning, and a loop that divides
@@ -155,10 +158,10 @@ class AppliedWindow:
         """Forget the window (after the optimizer step)."""
         self.batches, self.rng_states, self.start = [], [], None
 
-    def check(self, loss_fn: LossFn, **options: Any) -> Any:
+    def check(self, loss_fn: LossFn, **options: Any) -> CheckReport:
         """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window;
         ``options`` are passed on (``combine``, ``path``, ``step``, ...)."""
-        from gradwatch.engine.applied.check import check_applied_gradient
+        from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
             raise ValueError(
