@@ -188,13 +188,17 @@ class AppliedChecks:
         def combine(losses: list[torch.Tensor]) -> torch.Tensor:
             return sum(losses[1:], losses[0]) / accumulate  # Lightning divides each loss, then sums
 
-        with local_batch_norm(module), loggers_silenced(trainer):
+        group = torch.distributed.group.WORLD if distributed(trainer) else None
+        # Under DDP every rank runs the check's evaluations together, so SyncBatchNorm keeps the training's function
+        # (statistics over every rank); in a single process it is a BatchNorm
+        norms = contextlib.nullcontext() if group is not None else local_batch_norm(module)
+        with norms, loggers_silenced(trainer):
             report = window.check(
                 loss_fn,
                 combine=combine,
                 path=lambda: _forward_context(trainer),
                 step=trainer.global_step + 1,
-                group=torch.distributed.group.WORLD if distributed(trainer) else None,
+                group=group,
                 tensor_probes=self.tensor_probes,
                 rotation=self._checks,
                 loss_scale=_grad_scale(trainer),
