@@ -103,7 +103,9 @@ def confirm_at_a_shifted_point(
         with torch.no_grad():
             for tensor in params:
                 tensor.add_(_shift(tensor, generator, scale))
-            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
+            # inputs the loss refuses displaced stay where they are (a target in [0, 1])
+            movable = {} if evaluator.inputs_refused else evaluator.inputs
+            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in movable.items()}
         with evaluator.moved_inputs(inputs):
             reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)

@@ -38,6 +38,10 @@ class NoteCode(StrEnum):
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
     STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
+    MODEL_EDITED = "model-edited", "the loss changes the model itself (parameters, hooks, submodules); put back"
+    EDITED_NOT_PROBED = "edited-not-probed", "parameters the loss changes itself are put back but not probed"
+    INPUTS_REFUSED = "inputs-refused", "input probes skipped: the loss refuses displaced inputs (a target, a mask)"
+    FOCUS_UNKNOWN = "focus-unknown", "names of `focus` that are no parameters of the model were left out"
     # tensors exempt or treated apart
     SPECTRAL_NORM = "spectral-norm", "spectral norms checked with their power iteration held constant"
     PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"

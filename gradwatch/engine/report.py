@@ -284,3 +284,8 @@ def _member(enum: type[_E], value: str, argument: str) -> _E:
     except ValueError:
         choices = ", ".join(repr(member.value) for member in enum)
         raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""

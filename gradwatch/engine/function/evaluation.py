@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.guard import loss_gradient
 from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
@@ -84,6 +85,8 @@ class LossEvaluator:
         self.state = state
         self.float64_reductions = float64_reductions
         self.notes: list[Note] = []
+        self.inputs_refused = False
+        """Whether the loss refused displaced inputs: the check then makes no input probe and shifts no input."""
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -99,6 +102,8 @@ class LossEvaluator:
         """The dtype the model trains in (the least precise of its checked parameters)."""
         self._fidelity: Float64Fidelity | None = Float64Fidelity(self.native_dtype)
         self._fidelity_settled = False
+        self.watch: contextlib.AbstractContextManager[Any] | None = None
+        """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
 
@@ -118,7 +123,7 @@ class LossEvaluator:
     def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
         """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
         replayed."""
-        self.state.replay_rng()
+        self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
         fidelity = self._fidelity if self._float64_inputs else None
@@ -197,7 +202,7 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
                 else:
                     value, sharded = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                     grads = list(sharded)
@@ -340,7 +345,8 @@ class LossEvaluator:
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode:
+            watch = self.watch or contextlib.nullcontext()
+            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode, watch:
                 value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:

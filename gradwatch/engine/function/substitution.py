@@ -90,6 +90,8 @@ class OriginalsWatch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__get__", "__set__"):  # reading .grad or .shape computes nothing
+            return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, Tensor) and id(item) in self._originals:
