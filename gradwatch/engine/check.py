@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.compiled import compiled_parts, compiled_probes
+from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
@@ -354,6 +354,8 @@ def _run(
     ):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
+        if not culprits:
+            culprits, culprit_message = compiled_culprit(model, probes)
     return _Outcome(
         evaluator,
         reference.loss,
@@ -380,12 +382,8 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
         )
     ]
     if mode == "float64":
-        notes.append(
-            Note(
-                NoteCode.SHARDED_NATIVE,
-                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
-            )
-        )
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
     return notes, "native", False
 
 

@@ -52,7 +52,10 @@ class NoteCode(StrEnum):
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
     FLOAT64_CASTS_KEPT = "float64-casts-kept", "float64 probes keep the model's casts to a lower precision"
     FLOAT64_DRAWS_NATIVE = "float64-draws-native", "float64 probes make random draws in the native dtype, as training"
-    FLOAT64_REDUCTIONS_OFF = "float64-reductions-off", "float64 reductions switched off: they changed the loss"
+    FLOAT64_REDUCTIONS_OFF = (
+        "float64-reductions-off",
+        "float64 reductions switched off: one differed from the native result, or the loss raised",
+    )
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
@@ -63,6 +66,7 @@ class NoteCode(StrEnum):
     VECTORISED_MISMATCH = "unvectorised-mismatch", "points evaluated one by one: a vectorised pass gave another loss"
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
+    SHIFT_BUDGET = "shift-budget", "failures not measured again at a shifted point: more significant ones stood there"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
     FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
     IMPRECISE_BEYOND_ROUNDING = "imprecise-beyond-rounding", "a native gradient is off by more than its rounding"

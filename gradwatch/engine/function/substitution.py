@@ -90,7 +90,7 @@ class OriginalsWatch(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in ("__get__", "__set__"):  # reading .grad or .shape computes nothing
+        if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
