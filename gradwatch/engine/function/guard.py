@@ -21,9 +21,10 @@ Version counters make the comparison cheap; values are compared bit for bit only
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.modules.module as torch_module
@@ -59,6 +60,22 @@ GLOBAL_HOOKS = tuple(name for name in dir(torch_module) if name.startswith("_glo
 """torch's hooks on every module (``nn.modules.module.register_module_forward_hook``)."""
 
 TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def plain(function: _F) -> _F:
+    """Run ``function`` without ``__torch_function__``: reading ``requires_grad`` or ``.grad`` of a ``Parameter`` (a
+    tensor subclass) goes through it, and under the check's own function modes (float64 reductions, fidelity) that
+    costs microseconds per attribute: a scan of a model's structure would take longer than its forward."""
+
+    @functools.wraps(function)
+    def unwrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return function(*args, **kwargs)
+
+    return unwrapped  # type: ignore[return-value]
 
 
 class LossCallsBackwardError(CheckAbandonedError, ValueError):
@@ -107,37 +124,42 @@ def _local(tensor: Tensor) -> Tensor:
     return to_local() if callable(to_local) else tensor.detach()
 
 
-@dataclass(eq=False)
 class _Slot:
-    """One attribute of one object as it was: a container's items, or a value (a class, a flag, a storage)."""
+    """One attribute of one object as it was: a container's items, or a value (a class, a flag).
 
-    owner: Any
-    attribute: str
-    path: str
-    value: Any
-    items: list[tuple[Any, Any]] | frozenset[Any] | None
+    Thousands are taken per check (one per container of every module): a plain class with ``__slots__``, its path
+    made only when a change is named."""
 
-    @classmethod
-    def take(cls, owner: Any, attribute: str, path: str) -> _Slot:
-        value = owner.__class__ if attribute == "__class__" else getattr(owner, attribute, None)
+    __slots__ = ("attribute", "items", "owner", "value", "where")
+
+    def __init__(self, owner: Any, attribute: str, where: str) -> None:
+        self.owner = owner
+        self.attribute = attribute
+        self.where = where
+        value: Any = owner.__class__ if attribute == "__class__" else getattr(owner, attribute, None)
+        self.value = value
+        self.items: tuple[tuple[Any, Any], ...] | frozenset[Any] | None = None
         if isinstance(value, dict):
-            return cls(owner, attribute, path, value, list(value.items()))
-        if isinstance(value, set):
-            return cls(owner, attribute, path, value, frozenset(value))
-        return cls(owner, attribute, path, value, None)
+            self.items = tuple(value.items()) if value else ()
+        elif isinstance(value, set):
+            self.items = frozenset(value)
 
-    def again(self) -> _Slot:
+    @property
+    def path(self) -> str:
+        return self.where if self.attribute == "__class__" else f"{self.where}.{self.attribute}"
+
+    def again(self) -> list[_Slot]:
         """The same attribute as it is now."""
-        return _Slot.take(self.owner, self.attribute, self.path)
+        return [_Slot(self.owner, self.attribute, self.where)]
 
     def differs(self) -> bool:
         current = self.owner.__class__ if self.attribute == "__class__" else getattr(self.owner, self.attribute, None)
         if current is not self.value and not (self.attribute == "requires_grad" and current == self.value):
             return True
-        if isinstance(self.items, list):
-            return len(current) != len(self.items) or any(
-                current.get(key, _MISSING) is not item for key, item in self.items
-            )
+        if isinstance(self.items, tuple):
+            if len(current) != len(self.items):
+                return True
+            return any(current.get(key, _MISSING) is not item for key, item in self.items)
         if isinstance(self.items, frozenset):
             return current != self.items
         return False
@@ -158,6 +180,39 @@ class _Slot:
             self.value.update(self.items)
 
 
+class _EmptyDicts:
+    """The containers of one module that were empty (most of its hook dicts): one object, not one per container."""
+
+    __slots__ = ("dicts", "names", "owner", "where")
+
+    def __init__(self, owner: nn.Module, names: list[str], where: str) -> None:
+        self.owner = owner
+        self.names = names
+        self.where = where
+        self.dicts = [owner.__dict__[name] for name in names]
+
+    @property
+    def path(self) -> str:
+        attributes = self.owner.__dict__
+        pairs = zip(self.names, self.dicts, strict=True)
+        return ", ".join(f"{self.where}.{n}" for n, d in pairs if attributes.get(n) is not d or d) or self.where
+
+    def differs(self) -> bool:
+        attributes = self.owner.__dict__
+        return any(attributes.get(n) is not d or d for n, d in zip(self.names, self.dicts, strict=True))
+
+    def put_back(self) -> None:
+        attributes = self.owner.__dict__
+        for name, container in zip(self.names, self.dicts, strict=True):
+            if attributes.get(name) is not container:
+                object.__setattr__(self.owner, name, container)
+            if container:
+                container.clear()
+
+    def again(self) -> list[_Slot]:
+        return [_Slot(self.owner, name, self.where) for name in self.names]
+
+
 @dataclass(eq=False)
 class _Parameter:
     """A parameter as the check found it."""
@@ -176,6 +231,41 @@ class _Parameter:
         return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
 
 
+class _FlatCopies:
+    """Copies of the parameters, one flat buffer per dtype and device (up to :data:`PARAMETER_COPY_LIMIT` elements):
+    copied and compared in a few operations rather than a few per parameter. Sets each copied parameter's ``copy``."""
+
+    def __init__(self, parameters: list[_Parameter]) -> None:
+        groups: dict[tuple[torch.dtype, torch.device], list[_Parameter]] = {}
+        copied = 0
+        for parameter in parameters:
+            local = _local(parameter.tensor)
+            if copied + local.numel() <= PARAMETER_COPY_LIMIT:
+                copied += local.numel()
+                groups.setdefault((local.dtype, local.device), []).append(parameter)
+        self._groups: list[tuple[list[_Parameter], Tensor]] = []
+        for members in groups.values():
+            locals_ = [_local(parameter.tensor) for parameter in members]
+            flat = torch.cat([local.reshape(-1) for local in locals_])
+            offset = 0
+            for parameter, local in zip(members, locals_, strict=True):
+                parameter.copy = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+            self._groups.append((members, flat))
+
+    def differing(self) -> set[int]:
+        """``id`` of each copied parameter whose bits differ from its copy now."""
+        found: set[int] = set()
+        for members, flat in self._groups:
+            locals_ = [_local(parameter.tensor) for parameter in members]
+            current = torch.cat([local.reshape(-1) for local in locals_])
+            if same_bits(current, flat):  # the usual case: one comparison for the group
+                continue
+            pairs = zip(members, locals_, strict=True)
+            found |= {id(p) for p, local in pairs if p.copy is not None and not same_bits(local, p.copy)}
+        return found
+
+
 class ModelGuard:
     """The structure and parameter values of a model, saved when a check starts; see the module docstring.
 
@@ -183,30 +273,26 @@ class ModelGuard:
         model: The checked module.
     """
 
+    @plain
     def __init__(self, model: nn.Module) -> None:
         self._model = model
         self._parameters: list[_Parameter] = []
         by_identity: dict[int, _Parameter] = {}
-        copied = 0
         for module_path, module in model.named_modules(remove_duplicate=False):
             for key, parameter in module._parameters.items():
                 if parameter is None:
                     continue
                 saved = by_identity.get(id(parameter))
                 if saved is None:
-                    local = _local(parameter)
-                    copy = None
-                    if copied + local.numel() <= PARAMETER_COPY_LIMIT:
-                        copy = local.clone()
-                        copied += local.numel()
                     path = f"{module_path}.{key}" if module_path else key
-                    saved = _Parameter(parameter, path, parameter.detach(), copy, parameter._version, [])
+                    saved = _Parameter(parameter, path, parameter.detach(), None, parameter._version, [])
                     by_identity[id(parameter)] = saved
                     self._parameters.append(saved)
                 saved.slots.append((module, key))
+        self._copies = _FlatCopies(self._parameters)
         self._start = self._scan()
-        self._baseline: list[_Slot] | None = None  # before the first evaluation
-        self._watched: list[_Slot] | None = None  # what the first evaluation changed
+        self._baseline: list[_Slot | _EmptyDicts] | None = None  # before the first evaluation
+        self._watched: list[_Slot | _EmptyDicts] | None = None  # what the first evaluation changed
         self._before: list[_Slot] = []
         self._bound: list[tuple[_Parameter, Tensor, bool]] = []
         self.edited: list[_Parameter] = []
@@ -218,32 +304,37 @@ class ModelGuard:
 
     # ---- saving ---------------------------------------------------------------------------------------------------
 
-    def _scan(self) -> list[_Slot]:
-        slots: list[_Slot] = []
+    def _scan(self) -> list[_Slot | _EmptyDicts]:
+        slots: list[_Slot | _EmptyDicts] = []
         for path, module in self._model.named_modules():
             where = path or "model"
-            slots.append(_Slot.take(module, "__class__", where))
-            slots += [_Slot.take(module, name, f"{where}.{name}") for name in MODULE_DICTS if name in module.__dict__]
-            slots.append(_Slot.take(module, "_is_full_backward_hook", f"{where}._is_full_backward_hook"))
+            attributes = module.__dict__
+            slots.append(_Slot(module, "__class__", where))
+            present = [name for name in MODULE_DICTS if name in attributes]
+            slots += [_Slot(module, name, where) for name in present if attributes[name]]
+            slots.append(_EmptyDicts(module, [name for name in present if not attributes[name]], where))
+            slots.append(_Slot(module, "_is_full_backward_hook", where))
         for saved in self._parameters:
-            slots.append(_Slot.take(saved.tensor, "requires_grad", f"{saved.path}.requires_grad"))
-            slots += [_Slot.take(saved.tensor, name, f"{saved.path}.{name}") for name in TENSOR_HOOKS]
-        slots += [_Slot.take(torch_module, name, f"torch.nn.modules.module.{name}") for name in GLOBAL_HOOKS]
+            slots += [_Slot(saved.tensor, name, saved.path) for name in ("requires_grad", *TENSOR_HOOKS)]
+        slots += [_Slot(torch_module, name, "torch.nn.modules.module") for name in GLOBAL_HOOKS]
         return slots
 
     # ---- around every evaluation ----------------------------------------------------------------------------------
 
+    @plain
     def before_evaluation(self) -> None:
         """Save what an evaluation may change: everything before the first one, the watched part before the others."""
         if self._watched is None:
             if self._baseline is None:
-                self._baseline = self._scan()
+                # gradwatch may have changed the structure since the start (a sharded check's hooks): then anew
+                self._baseline = self._scan() if any(slot.differs() for slot in self._start) else self._start
                 for parameter in self._parameters:
                     parameter.version = parameter.tensor._version
             return
-        self._before = [slot.again() for slot in self._watched]
+        self._before = [again for slot in self._watched for again in slot.again()]
         self._bound = [(p, b, b.requires_grad) for p in self.edited for b in self._bindings(p)]
 
+    @plain
     def after_evaluation(self) -> None:
         """Put back what the evaluation changed; after the first one, learn what the loss changes."""
         if self._watched is None:
@@ -273,54 +364,59 @@ class ModelGuard:
         changed = [slot for slot in baseline if slot.differs()]
         self._watched = changed
         self.changed = [slot.path for slot in changed]
-        toggled = {id(slot.owner) for slot in changed if slot.attribute == "requires_grad"}
+        toggled = {id(slot.owner) for slot in changed if isinstance(slot, _Slot) and slot.attribute == "requires_grad"}
         rebound = {
             id(old)
             for slot in changed
-            if slot.attribute == "_parameters" and isinstance(slot.items, list)
+            if isinstance(slot, _Slot) and slot.attribute == "_parameters" and isinstance(slot.items, tuple)
             for key, old in slot.items
             if slot.value.get(key, _MISSING) is not old
         }
         for slot in changed:
             slot.put_back()
+        moved = {id(parameter) for parameter in self._parameters if parameter.storage_moved()}
         for parameter in self._parameters:
-            moved = parameter.storage_moved()
-            if moved:
+            if id(parameter) in moved:
                 parameter.tensor.data = parameter.alias
-            values = self._values_changed(parameter)
-            if moved or values or id(parameter.tensor) in toggled | rebound:
+        differing = self._copies.differing()
+        for parameter in self._parameters:
+            values = parameter.tensor._version != parameter.version or id(parameter) in differing
+            if id(parameter) in moved or values or id(parameter.tensor) in toggled | rebound:
                 self.edited.append(parameter)
-                if moved or values:
+                if id(parameter) in moved or values:
                     self.changed.append(parameter.path)
             if values and parameter.copy is None:
                 self.lost.append(parameter.path)
                 parameter.copy = _local(parameter.tensor).clone()  # from now on, this is the value evaluations start at
-        self._put_back_values()
+        self._put_back_values(differing)
 
-    def _values_changed(self, parameter: _Parameter) -> bool:
-        if parameter.tensor._version != parameter.version:
-            return True
-        return parameter.copy is not None and not same_bits(_local(parameter.tensor), parameter.copy)
-
-    def _put_back_values(self) -> None:
+    def _put_back_values(self, differing: set[int]) -> None:
         with torch.no_grad():
             for parameter in self._parameters:
-                if parameter.copy is not None and not same_bits(_local(parameter.tensor), parameter.copy):
+                if id(parameter) in differing and parameter.copy is not None:
                     _local(parameter.tensor).copy_(parameter.copy)
 
     # ---- at the end -------------------------------------------------------------------------------------------------
 
+    @plain
     def restore(self) -> None:
         """Put the structure and the parameter values back as they were when the check started."""
         for slot in self._start:
             if slot.differs():
+                path = slot.path
                 slot.put_back()
-                if slot.path not in self.changed:
-                    self.changed.append(slot.path)
+                if path not in self.changed:
+                    self.changed.append(path)
         for parameter in self._parameters:
             if parameter.storage_moved():
                 parameter.tensor.data = parameter.alias
-        self._put_back_values()
+        differing = self._copies.differing()
+        lost = [
+            p
+            for p in self.edited
+            if p.path in self.lost and p.copy is not None and not same_bits(_local(p.tensor), p.copy)
+        ]
+        self._put_back_values(differing | {id(parameter) for parameter in lost})
 
     def edited_ids(self) -> set[int]:
         """``id`` of each parameter the loss changes (see :attr:`edited`)."""
