@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from gradwatch.engine.function.backward import loss_gradient
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
-from gradwatch.engine.function.guard import loss_gradient
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.report import CheckAbandonedError

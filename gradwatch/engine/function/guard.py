@@ -8,7 +8,7 @@ layer after one check, a weight scaled by 1.001 twenty-four times) and survive t
 
 :class:`ModelGuard` saves, when the check starts, the model's structure (each module's class and the dicts
 ``nn.Module`` keeps its parameters, buffers, submodules and hooks in; torch's global module hooks; each parameter's
-``requires_grad``, storage and tensor hooks) and a copy of its parameters (up to :data:`PARAMETER_COPY_LIMIT` elements).
+``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`).
 The first evaluation of a check is compared with that, in full: what it changed is put back at once and watched; after
 every later evaluation just the watched part is put back, to what it was before that evaluation (gradwatch itself moves
 parameters and swaps float64 copies in between). At the end of the check everything is compared with the start and put
@@ -23,19 +23,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
-from gradwatch.engine.report import CheckAbandonedError
-
-PARAMETER_COPY_LIMIT = 2**26
-"""The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change of a
-parameter by the loss is seen by its version counter after the first evaluation; the values it had before that one
-change cannot be put back, and the report names them (:attr:`~gradwatch.engine.report.CheckReport.unrestored`)."""
+from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
 
 MODULE_DICTS = (
     "_parameters",
@@ -76,52 +70,6 @@ def plain(function: _F) -> _F:
             return function(*args, **kwargs)
 
     return unwrapped  # type: ignore[return-value]
-
-
-class LossCallsBackwardError(CheckAbandonedError, ValueError):
-    """``loss_fn`` called ``backward()`` itself (a parameter's ``.grad`` changed while gradwatch evaluated it)."""
-
-
-def loss_calls_backward(evidence: str) -> str:
-    """The message of a :class:`LossCallsBackwardError`, with what showed it."""
-    return (
-        f"`loss_fn` must return the loss without calling backward() on it ({evidence}): gradwatch differentiates the "
-        "loss it returns itself. The parameters, their .grad and the optimizers' state were put back. Pass a loss_fn "
-        "that only computes the loss (with Lightning's manual optimization: GradWatch(loss_fn=...))"
-    )
-
-
-def loss_gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
-    """``torch.autograd.grad`` of the loss (``None`` for a tensor the loss made not require grad); a graph the loss
-    already ran backward through is said in gradwatch's words."""
-    differentiable = [t for t in wrt if t.requires_grad]
-    try:
-        found = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
-        return [next(found) if t.requires_grad else None for t in wrt]
-    except RuntimeError as error:
-        if "backward through the graph a second time" in str(error):
-            raise LossCallsBackwardError(loss_calls_backward("its graph was already freed by a backward")) from error
-        raise
-
-
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors hold the same bits (NaNs and signed zeros included)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if integer is not None and not a.is_complex():
-            return torch.equal(a.view(integer), b.view(integer))
-        return torch.equal(
-            torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b
-        )
-    return torch.equal(a, b)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """The tensor this process holds: a sharded parameter's local shard (no collective), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor.detach()
 
 
 class _Slot:
@@ -213,59 +161,6 @@ class _EmptyDicts:
         return [_Slot(self.owner, name, self.where) for name in self.names]
 
 
-@dataclass(eq=False)
-class _Parameter:
-    """A parameter as the check found it."""
-
-    tensor: Tensor
-    path: str
-    alias: Tensor  # shares the storage the parameter had (``.data`` rebound is put back to it)
-    copy: Tensor | None
-    version: int
-    slots: list[tuple[nn.Module, str]]
-
-    def storage_moved(self) -> bool:
-        t, a = self.tensor, self.alias
-        if hasattr(t, "to_local"):  # a sharded parameter: its shards are the sharding's business
-            return False
-        return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
-
-
-class _FlatCopies:
-    """Copies of the parameters, one flat buffer per dtype and device (up to :data:`PARAMETER_COPY_LIMIT` elements):
-    copied and compared in a few operations rather than a few per parameter. Sets each copied parameter's ``copy``."""
-
-    def __init__(self, parameters: list[_Parameter]) -> None:
-        groups: dict[tuple[torch.dtype, torch.device], list[_Parameter]] = {}
-        copied = 0
-        for parameter in parameters:
-            local = _local(parameter.tensor)
-            if copied + local.numel() <= PARAMETER_COPY_LIMIT:
-                copied += local.numel()
-                groups.setdefault((local.dtype, local.device), []).append(parameter)
-        self._groups: list[tuple[list[_Parameter], Tensor]] = []
-        for members in groups.values():
-            locals_ = [_local(parameter.tensor) for parameter in members]
-            flat = torch.cat([local.reshape(-1) for local in locals_])
-            offset = 0
-            for parameter, local in zip(members, locals_, strict=True):
-                parameter.copy = flat[offset : offset + local.numel()].view(local.shape)
-                offset += local.numel()
-            self._groups.append((members, flat))
-
-    def differing(self) -> set[int]:
-        """``id`` of each copied parameter whose bits differ from its copy now."""
-        found: set[int] = set()
-        for members, flat in self._groups:
-            locals_ = [_local(parameter.tensor) for parameter in members]
-            current = torch.cat([local.reshape(-1) for local in locals_])
-            if same_bits(current, flat):  # the usual case: one comparison for the group
-                continue
-            pairs = zip(members, locals_, strict=True)
-            found |= {id(p) for p, local in pairs if p.copy is not None and not same_bits(local, p.copy)}
-        return found
-
-
 class ModelGuard:
     """The structure and parameter values of a model, saved when a check starts; see the module docstring.
 
@@ -276,8 +171,8 @@ class ModelGuard:
     @plain
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._parameters: list[_Parameter] = []
-        by_identity: dict[int, _Parameter] = {}
+        self._parameters: list[SavedParameter] = []
+        by_identity: dict[int, SavedParameter] = {}
         for module_path, module in model.named_modules(remove_duplicate=False):
             for key, parameter in module._parameters.items():
                 if parameter is None:
@@ -285,17 +180,17 @@ class ModelGuard:
                 saved = by_identity.get(id(parameter))
                 if saved is None:
                     path = f"{module_path}.{key}" if module_path else key
-                    saved = _Parameter(parameter, path, parameter.detach(), None, parameter._version, [])
+                    saved = SavedParameter(parameter, path, parameter.detach(), None, parameter._version, [])
                     by_identity[id(parameter)] = saved
                     self._parameters.append(saved)
                 saved.slots.append((module, key))
-        self._copies = _FlatCopies(self._parameters)
+        self._copies = FlatCopies(self._parameters)
         self._start = self._scan()
         self._baseline: list[_Slot | _EmptyDicts] | None = None  # before the first evaluation
         self._watched: list[_Slot | _EmptyDicts] | None = None  # what the first evaluation changed
         self._before: list[_Slot] = []
-        self._bound: list[tuple[_Parameter, Tensor, bool]] = []
-        self.edited: list[_Parameter] = []
+        self._bound: list[tuple[SavedParameter, Tensor, bool]] = []
+        self.edited: list[SavedParameter] = []
         """Parameters whose value, storage, ``requires_grad`` or binding the first evaluation changed."""
         self.changed: list[str] = []
         """What the loss changed in the model's structure, as paths (``"fc._forward_hooks"``)."""
@@ -348,9 +243,9 @@ class ModelGuard:
                 if bound.requires_grad != requires_grad:
                     bound.requires_grad_(requires_grad)
                 if parameter.copy is not None:
-                    _local(bound).copy_(parameter.copy)
+                    local_tensor(bound).copy_(parameter.copy)
 
-    def _bindings(self, parameter: _Parameter) -> Iterator[Tensor]:
+    def _bindings(self, parameter: SavedParameter) -> Iterator[Tensor]:
         """The tensors standing at a parameter's places now (the parameter, or a float64 copy during float64 probes)."""
         seen: set[int] = set()
         for module, key in parameter.slots:
@@ -387,14 +282,15 @@ class ModelGuard:
                     self.changed.append(parameter.path)
             if values and parameter.copy is None:
                 self.lost.append(parameter.path)
-                parameter.copy = _local(parameter.tensor).clone()  # from now on, this is the value evaluations start at
+                # from now on, this is the value evaluations start at
+                parameter.copy = local_tensor(parameter.tensor).clone()
         self._put_back_values(differing)
 
     def _put_back_values(self, differing: set[int]) -> None:
         with torch.no_grad():
             for parameter in self._parameters:
                 if id(parameter) in differing and parameter.copy is not None:
-                    _local(parameter.tensor).copy_(parameter.copy)
+                    local_tensor(parameter.tensor).copy_(parameter.copy)
 
     # ---- at the end -------------------------------------------------------------------------------------------------
 
@@ -414,7 +310,7 @@ class ModelGuard:
         lost = [
             p
             for p in self.edited
-            if p.path in self.lost and p.copy is not None and not same_bits(_local(p.tensor), p.copy)
+            if p.path in self.lost and p.copy is not None and not same_bits(local_tensor(p.tensor), p.copy)
         ]
         self._put_back_values(differing | {id(parameter) for parameter in lost})
 

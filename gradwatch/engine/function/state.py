@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.guard import LossCallsBackwardError, ModelGuard, loss_calls_backward, plain
+from gradwatch.engine.function.backward import LossCallsBackwardError, loss_calls_backward
+from gradwatch.engine.function.guard import ModelGuard, plain
 from gradwatch.engine.function.optimizers import OptimizerGuard
 from gradwatch.engine.function.sandbox import Sandbox
 
