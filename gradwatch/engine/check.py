@@ -35,9 +35,11 @@ from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.optimizers import check_optimizers
-from gradwatch.engine.function.precision import PRECISIONS, Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.kinds import Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -47,12 +49,13 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, UnrestoredStateWarning, Verdict
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters, known_focus, refuse_meta, unmatched_patterns
+from gradwatch.engine.settings import ProbeSettings, settings_from
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.parameters import is_sharded, local_shards, lockstep, register_like
+from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
 
 __all__ = ["check_gradients"]
 
@@ -78,6 +81,7 @@ def check_gradients(
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    settings: ProbeSettings | None = None,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
@@ -125,6 +129,9 @@ def check_gradients(
         optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
             rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
+        settings: All the options above but ``step``, ``focus`` and ``rotation`` at once, as one
+            :class:`~gradwatch.engine.settings.ProbeSettings` (what :class:`~gradwatch.GradientWatch` passes, built
+            once for a whole run); those options must then be left at their defaults.
 
     Whatever the loss does to the model during the check is undone before it returns or raises: parameters changed in
     place, hooks registered, submodules added or replaced, parameters rebound, ``requires_grad`` toggled (see
@@ -155,65 +162,81 @@ def check_gradients(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
     validate.check_int("step", step, minimum=0)
-    for name, value in (
-        ("tensor_probes", tensor_probes),
-        ("random_probes", random_probes),
-        ("param_probes", param_probes),
-        ("input_probes", input_probes),
-    ):
-        validate.check_int(name, value, minimum=0)
-    validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
-    validate.check_choice("precision", precision, PRECISIONS)
-    ignore = validate.check_patterns("ignore", ignore)
+    options = {
+        "tensor_probes": tensor_probes,
+        "random_probes": random_probes,
+        "param_probes": param_probes,
+        "input_probes": input_probes,
+        "probe_batch_size": probe_batch_size,
+        "precision": precision,
+        "ignore": ignore,
+        "rtol": rtol,
+        "seed": seed,
+        "float64_reductions": float64_reductions,
+        "vectorize": vectorize,
+        "fail_on_imprecise": fail_on_imprecise,
+    }
     focus = validate.check_patterns("focus", focus)
-    validate.check_fraction("rtol", rtol, optional=True)
-    validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    validate.check_bool("float64_reductions", float64_reductions)
-    validate.check_bool("vectorize", vectorize)
-    validate.check_bool("fail_on_imprecise", fail_on_imprecise)
     protected = check_optimizers(optimizers)
     refuse_meta(model, batch)
+    return _check(model, batch, loss_fn, settings_from(settings, options), step, rotation, focus, protected)
 
+
+def _check(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    settings: ProbeSettings,
+    step: int,
+    rotation: int | None,
+    focus: tuple[str, ...],
+    protected: Sequence[torch.optim.Optimizer] = (),
+) -> CheckReport:
+    """:func:`check_gradients` once its arguments are validated."""
+    ignore, precision, vectorize = settings.ignore, settings.precision, settings.vectorize
     started = time.perf_counter()
     surrogates = find_stock_surrogates(model)
     params = checked_parameters(model, ignore, surrogates.unprobed)
     for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
     collective: Collective | None = None
-    sharding_notes: list[str] = []
+    sharding_notes: list[Note] = []
     if is_sharded(params):
         collective, params = local_shards(params)
-        surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
+        surrogates.exempt = {name: local_mask(collective, mask, dict(params)[name]) for name, mask in
                              surrogates.exempt.items() if name in dict(params)}  # fmt: skip
         sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
     plan = ProbePlan(
         portfolio=PortfolioSettings(
-            tensor_probes=tensor_probes,
-            random_probes=random_probes,
-            param_probes=param_probes,
-            input_probes=input_probes,
-            seed=seed,
+            tensor_probes=settings.tensor_probes,
+            random_probes=settings.random_probes,
+            param_probes=settings.param_probes,
+            input_probes=settings.input_probes,
+            seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
             focus=focus,
             exempt={name: mask for name, mask in surrogates.exempt.items() if name in dict(params)},
         ),
-        rtol=rtol if rtol is not None else relative_tolerance(dtype),
+        rtol=settings.rtol if settings.rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64 and collective is None,
         vectorize=vectorize,
-        fail_on_imprecise=fail_on_imprecise,
+        fail_on_imprecise=settings.fail_on_imprecise,
     )
     state = TrainingState.capture(model, protected)
     with warnings_withheld() as withheld:
         try:
             with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
-                outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
+                outcome = _run(
+                    model, batch, loss_fn, params, state, plan, mode, settings.probe_batch_size,
+                    settings.float64_reductions,
+                )  # fmt: skip
         finally:
             state.restore()
     evaluator = outcome.evaluator
@@ -221,7 +244,11 @@ def check_gradients(
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
-            f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: {withheld[0]}"
+            Note(
+                NoteCode.WARNINGS_WITHHELD,
+                f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: "
+                f"{withheld[0]}",
+            )
         )
     unrestored = state.unrestorable()
     evaluator.notes += state.sandbox.notes(state.sandbox.unrestorable())
@@ -284,7 +311,7 @@ def _run(
 ) -> _Outcome:
     """The reference, the probes (unless the reference rules them out), and for a compiled model the comparison of
     its compiled gradient with eager autograd's; the caller restores the state."""
-    notes: list[str] = []
+    notes: list[Note] = []
     used_precision, vectorized = "native", None
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = []
@@ -306,8 +333,11 @@ def _run(
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
             evaluator.notes.append(
-                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
+                Note(
+                    NoteCode.LOSS_NEAR_ZERO,
+                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                    f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}",
+                )
             )
         elif not probes:
             measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
@@ -336,34 +366,32 @@ def _run(
     )
 
 
-def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[str], ResolvedPrecision, bool]:
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
     """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
     notes = [
-        f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
-        "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
-        "forward pass; no input coordinate probes and no culprit search"
+        Note(
+            NoteCode.SHARDED,
+            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+            "forward pass; no input coordinate probes and no culprit search",
+        )
     ]
     if mode == "float64":
-        notes.append("float64 probes are not made on shards (FSDP gathers parameters in their own dtype)")
+        notes.append(
+            Note(
+                NoteCode.SHARDED_NATIVE,
+                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
+            )
+        )
     return notes, "native", False
-
-
-def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
-    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
-    if hasattr(mask, "to_local"):
-        local = mask.to_local()
-    else:
-        found = collective.layouts[id(shard)]
-        local = mask[found.offset : found.offset + found.rows]
-    return register_like(collective, local, shard)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
     "inconclusive"."""
-    if any(p.verdict == "fail" for p in probes):
-        return "fail"
-    whole = ("descent", "tensor", "input")
-    if any(p.verdict == "ok" and p.index is None and (p.kind in whole or p.target == DESCENT_TARGET) for p in probes):
-        return "ok"
-    return "inconclusive"
+    if any(p.verdict == Verdict.FAIL for p in probes):
+        return Verdict.FAIL
+    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
+    if any(p.verdict == Verdict.OK for p in whole):
+        return Verdict.OK
+    return Verdict.INCONCLUSIVE

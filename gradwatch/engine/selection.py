@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors
+from gradwatch.engine.notes import Note, NoteCode
 
 
 def checked_parameters(
@@ -76,12 +77,15 @@ def refuse_meta(model: nn.Module, batch: Any) -> None:
         raise ValueError(f"`batch` must hold real tensors; got a meta tensor at {meta} (a shape without values)")
 
 
-def known_focus(focus: tuple[str, ...], model: nn.Module) -> tuple[tuple[str, ...], list[str]]:
+def known_focus(focus: tuple[str, ...], model: nn.Module) -> tuple[tuple[str, ...], list[Note]]:
     """The names of ``focus`` that name parameters of the model, and a note on the others (a checkpoint from a
     renamed layer): they are dropped, never the check."""
     names = {name for name, _ in model.named_parameters()}
     unknown = [name for name in focus if name not in names]
     if not unknown:
         return focus, []
-    note = f"`focus` named {unknown}, which the model has no parameter of (renamed or removed?): left out"
+    note = Note(
+        NoteCode.FOCUS_UNKNOWN,
+        f"`focus` named {unknown}, which the model has no parameter of (renamed or removed?): left out",
+    )
     return tuple(name for name in focus if name in names), [note]

@@ -30,6 +30,7 @@ import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
+from gradwatch.engine.notes import Note, NoteCode
 
 MODULE_DICTS = (
     "_parameters",
@@ -318,12 +319,17 @@ class ModelGuard:
         """``id`` of each parameter the loss changes (see :attr:`edited`)."""
         return {id(parameter.tensor) for parameter in self.edited}
 
-    def notes(self) -> list[str]:
+    def notes(self) -> list[Note]:
         """What a report says of the loss's changes to the model, known after the check."""
         if not self.changed:
             return []
         shown = ", ".join(self.changed[:6]) + (f" and {len(self.changed) - 6} more" if len(self.changed) > 6 else "")
-        return [f"the loss changes the model itself ({shown}); gradwatch put it back after every evaluation"]
+        return [
+            Note(
+                NoteCode.MODEL_EDITED,
+                f"the loss changes the model itself ({shown}); gradwatch put it back after every evaluation",
+            )
+        ]
 
     def unrestorable(self) -> list[str]:
         """What could not be put back: parameters changed in place of which no copy was kept."""
