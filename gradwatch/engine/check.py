@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.compiled import compiled_parts, compiled_probes
+from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
@@ -216,7 +216,7 @@ def _check(
             tensor_probes=settings.tensor_probes,
             random_probes=settings.random_probes,
             param_probes=settings.param_probes,
-            input_probes=settings.input_probes,
+            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
             seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
@@ -279,6 +279,7 @@ def _check(
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
+        probed_inputs=outcome.probed_inputs,
     )
 
 
@@ -296,6 +297,7 @@ class _Outcome:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    probed_inputs: tuple[str, ...]
 
 
 def _run(
@@ -352,6 +354,8 @@ def _run(
     ):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
+        if not culprits:
+            culprits, culprit_message = compiled_culprit(model, probes)
     return _Outcome(
         evaluator,
         reference.loss,
@@ -363,6 +367,7 @@ def _run(
         surrogates,
         culprits,
         culprit_message,
+        tuple(reference.input_grads),
     )
 
 
@@ -377,12 +382,8 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
         )
     ]
     if mode == "float64":
-        notes.append(
-            Note(
-                NoteCode.SHARDED_NATIVE,
-                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
-            )
-        )
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
     return notes, "native", False
 
 

@@ -16,19 +16,20 @@ from typing import Any
 from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors
+from gradwatch.engine.function.complex_params import checked_view
 from gradwatch.engine.notes import Note, NoteCode
 
 
 def checked_parameters(
     model: nn.Module, ignore: Sequence[str], unprobed: Collection[str] = ()
 ) -> list[tuple[str, Tensor]]:
-    """The parameters of ``model`` a check probes, by name: trainable, floating, not matched by a pattern of
-    ``ignore`` and not in ``unprobed``."""
+    """The parameters of ``model`` a check probes, by name: trainable, floating or complex (as its real view, see
+    :mod:`gradwatch.engine.function.complex_params`), not matched by a pattern of ``ignore`` and not in ``unprobed``."""
     return [
-        (name, p)
+        (name, checked_view(p))
         for name, p in model.named_parameters()
         if p.requires_grad
-        and p.is_floating_point()
+        and (p.is_floating_point() or p.is_complex())
         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
         and name not in unprobed
     ]
