@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.backward import loss_gradient
 from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.dataflow import ReferenceFlow, unprobed_note
 from gradwatch.engine.function.fidelity import Float64Fidelity
-from gradwatch.engine.function.guard import loss_gradient
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
