@@ -34,7 +34,8 @@ from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import PRECISIONS, Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.optimizers import check_optimizers
+from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import Verdict
@@ -47,13 +48,14 @@ from gradwatch.engine.numerics.steps import (
 )
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
-from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
-from gradwatch.engine.selection import checked_parameters, unmatched_patterns
+from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, UnrestoredStateWarning
+from gradwatch.engine.selection import checked_parameters, known_focus, refuse_meta, unmatched_patterns
+from gradwatch.engine.settings import ProbeSettings, settings_from
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.parameters import is_sharded, local_shards, lockstep, register_like
+from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
 
 __all__ = ["check_gradients"]
 
@@ -78,6 +80,8 @@ def check_gradients(
     float64_reductions: bool = True,
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    settings: ProbeSettings | None = None,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
@@ -122,13 +126,27 @@ def check_gradients(
         fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
             ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
+        optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
+            rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
+            otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
+        settings: All the options above but ``step``, ``focus`` and ``rotation`` at once, as one
+            :class:`~gradwatch.engine.settings.ProbeSettings` (what :class:`~gradwatch.GradientWatch` passes, built
+            once for a whole run); those options must then be left at their defaults.
+
+    Whatever the loss does to the model during the check is undone before it returns or raises: parameters changed in
+    place, hooks registered, submodules added or replaced, parameters rebound, ``requires_grad`` toggled (see
+    :mod:`gradwatch.engine.function.guard`), besides the user state of :mod:`gradwatch.engine.function.sandbox`. What
+    cannot be undone is named in :attr:`~gradwatch.engine.report.CheckReport.unrestored` and in an
+    :class:`~gradwatch.engine.report.UnrestoredStateWarning`.
 
     Returns:
         A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable or does not return a tensor.
-        ValueError: An argument is out of range, or ``loss_fn`` returns a non-scalar or a loss without a graph.
+        ValueError: An argument is out of range, ``model`` or ``batch`` is on the ``meta`` device, or ``loss_fn``
+            returns a non-scalar or a loss without a graph, or calls ``backward()`` itself
+            (:class:`~gradwatch.engine.function.guard.LossCallsBackwardError`).
 
     Example:
         >>> import torch
@@ -144,32 +162,45 @@ def check_gradients(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
     validate.check_int("step", step, minimum=0)
-    for name, value in (
-        ("tensor_probes", tensor_probes),
-        ("random_probes", random_probes),
-        ("param_probes", param_probes),
-        ("input_probes", input_probes),
-    ):
-        validate.check_int(name, value, minimum=0)
-    validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
-    validate.check_choice("precision", precision, PRECISIONS)
-    ignore = validate.check_patterns("ignore", ignore)
+    options = {
+        "tensor_probes": tensor_probes,
+        "random_probes": random_probes,
+        "param_probes": param_probes,
+        "input_probes": input_probes,
+        "probe_batch_size": probe_batch_size,
+        "precision": precision,
+        "ignore": ignore,
+        "rtol": rtol,
+        "seed": seed,
+        "float64_reductions": float64_reductions,
+        "vectorize": vectorize,
+        "fail_on_imprecise": fail_on_imprecise,
+    }
     focus = validate.check_patterns("focus", focus)
-    validate.check_fraction("rtol", rtol, optional=True)
-    validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    validate.check_bool("float64_reductions", float64_reductions)
-    validate.check_bool("vectorize", vectorize)
-    validate.check_bool("fail_on_imprecise", fail_on_imprecise)
+    protected = check_optimizers(optimizers)
+    refuse_meta(model, batch)
+    return _check(model, batch, loss_fn, settings_from(settings, options), step, rotation, focus, protected)
 
+
+def _check(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    settings: ProbeSettings,
+    step: int,
+    rotation: int | None,
+    focus: tuple[str, ...],
+    protected: Sequence[torch.optim.Optimizer] = (),
+) -> CheckReport:
+    """:func:`check_gradients` once its arguments are validated."""
+    ignore, precision, vectorize = settings.ignore, settings.precision, settings.vectorize
     started = time.perf_counter()
     surrogates = find_stock_surrogates(model)
     params = checked_parameters(model, ignore, surrogates.unprobed)
     for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
-        warnings.warn(message, UserWarning, stacklevel=2)
-    unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
-    if unknown:
-        raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
+        warnings.warn(message, UserWarning, stacklevel=3)
+    focus, focus_notes = known_focus(focus, model)
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
@@ -177,36 +208,39 @@ def check_gradients(
     sharding_notes: list[Note] = []
     if is_sharded(params):
         collective, params = local_shards(params)
-        surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
+        surrogates.exempt = {name: local_mask(collective, mask, dict(params)[name]) for name, mask in
                              surrogates.exempt.items() if name in dict(params)}  # fmt: skip
         sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
     plan = ProbePlan(
         portfolio=PortfolioSettings(
-            tensor_probes=tensor_probes,
-            random_probes=random_probes,
-            param_probes=param_probes,
-            input_probes=input_probes,
-            seed=seed,
+            tensor_probes=settings.tensor_probes,
+            random_probes=settings.random_probes,
+            param_probes=settings.param_probes,
+            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
+            seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
             focus=focus,
             exempt={name: mask for name, mask in surrogates.exempt.items() if name in dict(params)},
         ),
-        rtol=rtol if rtol is not None else relative_tolerance(dtype),
+        rtol=settings.rtol if settings.rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64 and collective is None,
         vectorize=vectorize,
-        fail_on_imprecise=fail_on_imprecise,
+        fail_on_imprecise=settings.fail_on_imprecise,
     )
-    state = TrainingState.capture(model)
+    state = TrainingState.capture(model, protected)
     with warnings_withheld() as withheld:
         try:
             with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
-                outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
+                outcome = _run(
+                    model, batch, loss_fn, params, state, plan, mode, settings.probe_batch_size,
+                    settings.float64_reductions,
+                )  # fmt: skip
         finally:
             state.restore()
     evaluator = outcome.evaluator
-    evaluator.notes[:0] = sharding_notes
+    evaluator.notes[:0] = sharding_notes + focus_notes
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
@@ -216,8 +250,16 @@ def check_gradients(
                 f"{withheld[0]}",
             )
         )
-    unrestored = state.sandbox.unrestorable()
-    evaluator.notes += state.sandbox.notes(unrestored)
+    unrestored = state.unrestorable()
+    evaluator.notes += state.sandbox.notes(state.sandbox.unrestorable())
+    evaluator.notes += state.guard.notes()
+    if unrestored:
+        warnings.warn(
+            f"gradwatch could not put back what the loss changed: {', '.join(unrestored)}; the model is not exactly as "
+            "it was before the check (move that code out of loss_fn)",
+            UnrestoredStateWarning,
+            stacklevel=2,
+        )
     return CheckReport(
         step=step,
         verdict=_overall_verdict(outcome.probes),
@@ -232,11 +274,12 @@ def check_gradients(
         precision=outcome.precision,
         vectorized=outcome.vectorized,
         rtol=outcome.rtol,
-        side_effects=tuple(state.sandbox.changed),
+        side_effects=tuple(state.sandbox.changed + state.guard.changed),
         unrestored=tuple(unrestored),
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
+        probed_inputs=outcome.probed_inputs,
     )
 
 
@@ -254,6 +297,7 @@ class _Outcome:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    probed_inputs: tuple[str, ...]
 
 
 def _run(
@@ -281,6 +325,7 @@ def _run(
         )  # fmt: skip
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
+        params, reference = without_edited(evaluator, params, reference, state.guard.edited_ids())
         grads = [
             g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
         ]
@@ -322,6 +367,7 @@ def _run(
         surrogates,
         culprits,
         culprit_message,
+        tuple(reference.input_grads),
     )
 
 
@@ -336,23 +382,9 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
         )
     ]
     if mode == "float64":
-        notes.append(
-            Note(
-                NoteCode.SHARDED_NATIVE,
-                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
-            )
-        )
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
     return notes, "native", False
-
-
-def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
-    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
-    if hasattr(mask, "to_local"):
-        local = mask.to_local()
-    else:
-        found = collective.layouts[id(shard)]
-        local = mask[found.offset : found.offset + found.rows]
-    return register_like(collective, local, shard)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:

@@ -162,7 +162,7 @@ def _gradient(
 ) -> tuple[float, list[Tensor]]:
     """The loss and its gradient, computed as training computes them (grad mode, the current global settings)."""
     completed = False
-    state.replay_rng()
+    state.before_evaluation()
     try:
         with torch.enable_grad():
             loss = as_scalar_loss(loss_fn(model, batch))

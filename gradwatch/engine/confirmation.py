@@ -34,8 +34,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.function.precision import float64_storage, probe_precision
+from gradwatch.engine.function.precision import float64_storage, probe_precision, substitute_of
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
@@ -155,7 +156,9 @@ def _confirm_batch(
         with torch.no_grad():
             for tensor in params:
                 tensor.add_(_shift(tensor, generator, scale))
-            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
+            # inputs the loss refuses displaced stay where they are (a target in [0, 1])
+            movable = {} if evaluator.inputs_refused else evaluator.inputs
+            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in movable.items()}
         with evaluator.moved_inputs(inputs):
             reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)
@@ -275,7 +278,9 @@ def confirm_precision(
     native_params = evaluator.params
     with float64_storage(model) as substitutes:
         # float64 copies to differentiate: leaves of their own, so the parameters' accumulators never see them
-        evaluator.params = [(name, substitutes.get(id(p), p).requires_grad_()) for name, p in native_params]
+        for _, p in native_params:
+            substitutes.get(id(autograd_tensor(p)), p).requires_grad_()
+        evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
             reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
@@ -285,7 +290,10 @@ def confirm_precision(
             evaluator.params = native_params
             evaluator.use_native_inputs()
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
-    natively = _measured_natively(evaluator, portfolio, formula_right, native_dtype, ladder)
+    formula_wrong = [task for task in failing if task not in formula_right]
+    natively = _measured_natively(evaluator, portfolio, formula_right + formula_wrong, native_dtype, ladder)
+    natively, wrong_natively = natively[: len(formula_right)], natively[len(formula_right) :]
+    unreproduced = _unreproduced(formula_wrong, wrong_natively)
     limit = IMPRECISION_LIMIT * rtol
     right, rest = [], []
     for task, native in zip(formula_right, natively, strict=True):
@@ -307,6 +315,15 @@ def confirm_precision(
         else:
             _mark_imprecise(task, fail_on_imprecise)
     dtype = str(native_dtype).removeprefix("torch.")
+    if unreproduced:
+        evaluator.notes.append(
+            Note(
+                NoteCode.FLOAT64_UNREPRODUCED,
+                f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
+                f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another "
+                "function)",
+            )
+        )
     if right:
         evaluator.notes.append(
             Note(
@@ -324,6 +341,17 @@ def confirm_precision(
                 f"formula explains (a backward wrong in {dtype} only?)",
             )
         )
+
+
+def _unreproduced(tasks: Sequence[ProbeTask], natively: Sequence[Assessment | None]) -> list[str]:
+    """Take the native measurement of each task whose float64 failure the native precision does not reproduce (it
+    measures ``ok`` there: a float64 path that computes another function, a mixed-dtype kernel); their targets."""
+    found = []
+    for task, native in zip(tasks, natively, strict=True):
+        if native is not None and native.verdict == "ok":
+            task.result = native
+            found.append(task.target)
+    return found
 
 
 def _measured_natively(

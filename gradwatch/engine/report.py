@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -133,6 +134,9 @@ class CheckReport:
             singled out (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
+        probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
+            (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
+            that require grad, or detaches them).
     """
 
     step: int
@@ -153,6 +157,7 @@ class CheckReport:
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = field(default_factory=list)
     culprit_message: str = ""
+    probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
@@ -250,6 +255,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
 class GradientCheckError(RuntimeError):
     """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
 
@@ -258,10 +267,7 @@ class GradientCheckError(RuntimeError):
     """
 
     def __init__(self, report: CheckReport) -> None:
-        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        culprit = f" {report.culprit_message}" if report.culprit_message else ""
-        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
         self.report = report
 
 
@@ -278,3 +284,8 @@ def _member(enum: type[_E], value: str, argument: str) -> _E:
     except ValueError:
         choices = ", ".join(repr(member.value) for member in enum)
         raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""

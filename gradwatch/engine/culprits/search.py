@@ -126,6 +126,7 @@ def localize(
         raise
     except Exception as error:  # the search must never cost the check its verdict
         found.culprits, found.message = [], ""
+        found.tasks = [task for task in found.tasks if task.result is not None]  # the probe it raised in is not one
         found.notes.append(
             Note(
                 NoteCode.CULPRIT_ABANDONED,
