@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
+from gradwatch.engine.confirmation import confirm_precision
 from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
@@ -29,6 +29,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
 from gradwatch.engine.report import Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.signatures import stop_gradients, straight_through
 
 LOCALIZED_AT_MOST = 8
