@@ -87,6 +87,12 @@ class NoteCode(StrEnum):
     SHARDED_NATIVE = "sharded-native", "float64 probes are not made on shards"
     RANKS_TOGETHER = "ranks-together", "the verdict of every rank, which ran one check of the global loss together"
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
+    # applied checks (gradwatch.engine.applied)
+    APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
+    APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
+    APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
+    APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
+    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}
