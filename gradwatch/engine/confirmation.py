@@ -98,7 +98,9 @@ def confirm_precision(
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
     natively = _measured_natively(evaluator, portfolio, failing, native_dtype, ladder)
     limit = IMPRECISION_LIMIT * rtol
-    right, unreproduced, rest = [], [], []
+    right: list[str] = []
+    unreproduced: list[str] = []
+    rest: list[tuple[ProbeTask, Assessment | None]] = []
     for task, native in zip(failing, natively, strict=True):
         if native is not None and native.verdict == "ok":
             # resolved natively within the tolerance: the float64 function was another one (where float64 autograd
