@@ -66,6 +66,7 @@ class NoteCode(StrEnum):
     VECTORISED_MISMATCH = "unvectorised-mismatch", "points evaluated one by one: a vectorised pass gave another loss"
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
+    LOCALIZATION_BUDGET = "localization-budget", "tensors that looked wrong on a screen but were not measured further"
     SHIFT_BUDGET = "shift-budget", "failures not measured again at a shifted point: more significant ones stood there"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
     FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
