@@ -203,6 +203,7 @@ class AppliedChecks:
                 rotation=self._checks,
                 loss_scale=_grad_scale(trainer),
                 ignore=self.ignore,
+                optimizers=trainer.optimizers,
             )
         self._checks += 1
         self.last_seconds = time.perf_counter() - started

@@ -34,6 +34,7 @@ from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
@@ -92,6 +93,7 @@ def check_applied_gradient(
     culprit_search: bool = True,
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -120,6 +122,8 @@ def check_applied_gradient(
         ignore: Shell-style patterns of parameter names not to check (straight-through estimators: their gradient is
             not the derivative by design). Stock surrogates (spectral norm's power iteration, padding rows, embeddings
             with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles them.
+        optimizers: Optimizers whose state the check puts back if the loss changes it (a learning rate decayed inside
+            the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
 
@@ -142,6 +146,7 @@ def check_applied_gradient(
     validate.check_optional_int("tensor_probes", tensor_probes, minimum=1)
     started = time.perf_counter()
     ignore = validate.check_patterns("ignore", ignore)
+    protected = check_optimizers(optimizers)
     surrogates = find_stock_surrogates(model)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
     applied_all = _applied(trainable, gradients)
@@ -177,7 +182,7 @@ def check_applied_gradient(
         return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
                            duration_s=time.perf_counter() - started, notes=notes, fault="unknown",
                            fault_message="the applied gradient holds non-finite values")  # fmt: skip
-    state = TrainingState.capture(model)
+    state = TrainingState.capture(model, protected)
     setting = PathSetting(model, list(batches), loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           list[Tensor](params), state, group, start, loss_scale)  # fmt: skip
     with warnings_withheld() as withheld, as_autograd_sees_them(surrogates):

@@ -47,7 +47,7 @@ def _gradient(
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
     completed = False
-    state.replay_rng()
+    state.before_evaluation()
     try:
         with torch.enable_grad():
             loss = as_scalar_loss(loss_fn(model, batches))
