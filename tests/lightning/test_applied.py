@@ -130,3 +130,18 @@ def test_sharded_parameters_are_said_once_not_checked(tmp_path: Path, caplog: py
         assert not checks._supported(module)
     said = [r.getMessage() for r in caplog.records if "not checked under sharded parameters" in r.getMessage()]
     assert len(said) == 1  # said once
+
+
+def test_the_gradient_is_checked_before_clipping(tmp_path: Path) -> None:
+    """Accumulation with clipping: the applied check sees the accumulated gradient before clipping rescales it (a
+    clipped gradient is not the derivative of the loss), and the run trains exactly as without it."""
+    torch.manual_seed(0)
+    watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, first_check_step=None)
+    options = {"accumulate_grad_batches": 2, "gradient_clip_val": 1e-3}
+    checked = _fit(MLP(), [watch], tmp_path, **options)
+    torch.manual_seed(0)
+    plain = _fit(MLP(), [], tmp_path, **options)
+    assert [(r.step, r.verdict) for r in watch.applied_reports] == [(1, "ok"), (2, "ok"), (3, "ok")]
+    assert all(r.descent is not None and r.descent.analytic > 1e-3 for r in watch.applied_reports)  # unclipped norm
+    for (name, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
