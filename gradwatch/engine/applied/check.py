@@ -41,7 +41,7 @@ from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
@@ -201,7 +201,17 @@ def check_applied_gradient(
     if attribution is not None and attribution.search_culprit:
         # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
         # not faults of the formula, and a check whose failures they explain is not a failure
-        found = check_gradients(model, batches[0], single_loss(loss_fn, states[0], None), step=step)
+        try:
+            found = check_gradients(
+                model, batches[0], single_loss(loss_fn, states[0], None), step=step, optimizers=protected
+            )
+        except CheckAbandonedError:
+            raise
+        except Exception as error:  # the verdict stands without it
+            text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
+            notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
+            found = CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
+                                duration_s=0.0)  # fmt: skip
         surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
         failing_targets = {p.target for p in probes if p.verdict == "fail"}
         if failing_targets and failing_targets <= surrogate:
