@@ -7,7 +7,8 @@ Usage: ``python benchmarks/applied.py [--seeds N] [--steps N]`` (CPU, a few minu
 2. **noise floor** per model and precision: the measured floor along the applied gradient relative to ``‖g‖`` (median
    and largest over seeds), the storage rounding of the precision for comparison, and the largest discrepancy of a
    healthy check in units of its tolerance (a failure needs more than 1);
-3. **cost** per model and precision: one applied check in training steps (an optimizer step of the same model, batch
+3. the same floor on tiny **Hugging Face** Llama and GPT-2, with the check's time against the window's training;
+4. **cost** per model and precision: one applied check in training steps (an optimizer step of the same model, batch
    and precision, timed the same way), its loss evaluations, and what the default cadence
    (``applied_every_n_steps``) costs before the budget.
 """
@@ -170,6 +171,55 @@ def cost(steps: int) -> None:
     print()
 
 
+def _language_model(family: str) -> torch.nn.Module:
+    import transformers
+
+    if family == "tiny Llama":
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config).train()
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).train()  # dropout 0.1
+
+
+def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def language_models(seeds: int) -> None:
+    """Tiny Hugging Face Llama and GPT-2 (dropout on), windows of two micro-batches of 4 x 16 tokens."""
+    print("| model | precision | floor / ‖g‖ median | worst healthy excess | applied check / training step |")
+    print("|---|---|---|---|---|")
+    for family in ("tiny Llama", "tiny GPT-2"):
+        for precision, path in PATHS.items():
+            values, excess, ratios = [], [], []
+            for seed in range(seeds):
+                torch.manual_seed(seed)
+                model = _language_model(family)
+                generator = torch.Generator().manual_seed(seed)
+                batches = [torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2)]
+                window = AppliedWindow(model)
+                started = time.perf_counter()
+                for ids in batches:
+                    window.record(ids)
+                    with path() if path is not None else torch.autocast("cpu", enabled=False):
+                        loss = _lm_loss(model, ids)
+                    (loss / 2).backward()
+                step_s = time.perf_counter() - started
+                report = window.check(_lm_loss, path=path, culprit_search=False)
+                assert report.verdict == "ok", str(report)
+                values.append(report.noise_floor)
+                excess.append(report.floor_excess)
+                ratios.append(report.duration_s / step_s)
+            print(
+                f"| {family} | {precision} | {statistics.median(values):.2e} | {max(excess):.2f} "
+                f"| {statistics.median(ratios):.1f} |"
+            )
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -178,6 +228,7 @@ def main() -> None:
     torch.set_num_threads(1)
     planted()
     floors(options.seeds)
+    language_models(options.seeds)
     cost(options.steps)
 
 
