@@ -75,7 +75,8 @@ class Probe:
             a confirmation at a second step, more when it was measured again in float64.
         floor: Applied checks only: the noise floor of the training's path along the probe's direction, in derivative
             units (how far a correct gradient computed on that path may be off); the probe fails when
-            ``|analytic − numeric|`` exceeds a multiple of it plus the finite difference's own noise. ``nan`` otherwise.
+            ``|analytic − numeric|`` exceeds a multiple of it plus the finite difference's own noise. ``None``
+            otherwise.
     """
 
     kind: ProbeKind
@@ -89,7 +90,7 @@ class Probe:
     step: float
     reason: Reason
     evaluations: int = 0
-    floor: float = math.nan
+    floor: float | None = None
 
     def __post_init__(self) -> None:
         # the enums, from the strings older code and users pass: the properties of a kind are then `probe.kind.traits`

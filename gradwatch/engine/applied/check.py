@@ -219,7 +219,7 @@ def check_applied_gradient(
             surrogates_found, attribution = found.surrogates, None
         elif culprit_search:
             culprits, culprit_message = found.culprits, found.culprit_message
-    descent = next((m for m in measured if m.probe.kind == "descent"), None)
+    descent = next((m for m in measured if m.probe.kind == ProbeKind.DESCENT), None)
     failing = any(p.verdict == "fail" for p in probes)
     return CheckReport(
         step=step,
@@ -241,7 +241,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=descent.probe.floor / descent.probe.analytic if descent and descent.probe.analytic else math.nan,
+        noise_floor=_relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan),
     )
 
@@ -352,3 +352,10 @@ def _measure(
     if failing:
         attribution = attribute(setting, applied, eager, failing, floor_values, multiple, again)
     return measured, evaluator, attribution, floor_values, reference.loss, backward
+
+
+def _relative_floor(descent: Probe | None) -> float:
+    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
+    if descent is None or descent.floor is None or not descent.analytic:
+        return math.nan
+    return descent.floor / descent.analytic

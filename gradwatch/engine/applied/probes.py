@@ -132,7 +132,7 @@ class AppliedProbes:
             evaluations += 2
         assessment = self._assess(stencil)
         judgement = judge(assessment, stencil, floor, self.multiple)
-        if kind == "descent" and stencil.finite:
+        if kind == ProbeKind.DESCENT and stencil.finite:
             self.loss_noise = assessment.loss_noise
         if judgement.verdict == "fail":
             step *= CONFIRMATION_STEP
