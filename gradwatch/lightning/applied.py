@@ -26,21 +26,22 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.applied import AppliedWindow
-from gradwatch.engine.report import FAULTS, VERDICTS
 from gradwatch.engine.sharding.parameters import is_sharded
 from gradwatch.lightning.distributed import distributed
 from gradwatch.lightning.overhead import OverheadClock
+from gradwatch.lightning.publishing import write_records
 from gradwatch.lightning.training_step import (
     NoLossToCheckError,
     local_batch_norm,
     loggers_silenced,
     training_step_loss,
 )
+from gradwatch.outputs.records import applied_records_of
+from gradwatch.outputs.records import applied_scalars as applied_scalars  # re-exported: its former home
 
 log = logging.getLogger(__name__)
 
@@ -263,28 +264,11 @@ class AppliedHooks(Callback):
             trainer.should_stop = True
 
 
-def applied_scalars(report: CheckReport) -> dict[str, float]:
-    """The numbers logged for an applied check, under ``gradwatch/applied/``: the verdict (0 ok, 1 inconclusive, 2
-    fail), the fault (0 none, else its position in :data:`~gradwatch.engine.report.FAULTS` plus one), the descent
-    ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
-    and loss evaluations the check took."""
-    values = {
-        "verdict": float(VERDICTS.index(report.verdict)),
-        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
-        "descent_ratio": report.descent_ratio,
-        "noise_floor": report.noise_floor,
-        "floor_excess": report.floor_excess,
-        "check_seconds": report.duration_s,
-        "loss_evaluations": float(report.n_forward),
-    }
-    return {f"gradwatch/applied/{name}": value for name, value in values.items() if value == value}  # no NaN
-
-
 def publish_applied(trainer: pl.Trainer, report: CheckReport) -> None:
-    """Send an applied check's scalars to every logger at its optimizer step; with a TensorBoard logger on rank 0, a
-    failing check's text (led by the fault) too."""
+    """Send an applied check's ``gradwatch/applied/*`` scalars to every logger at its optimizer step, and on rank 0
+    write what each logger can show of it (TensorBoard and loggers with text support: a failing check's text, led by
+    the fault) and its line of the JSON lines record (:func:`gradwatch.lightning.publishing.write_records`)."""
+    records = applied_records_of(report)
     for logger in trainer.loggers:
-        logger.log_metrics(applied_scalars(report), step=report.step)
-        if report.verdict == "fail" and isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-            logger.experiment.add_text("gradwatch/applied/failure", f"```\n{report}\n```", report.step)
-            logger.experiment.flush()
+        logger.log_metrics(records.scalars, step=report.step)
+    write_records(trainer, records)

@@ -13,8 +13,10 @@ The report becomes records once (:func:`gradwatch.outputs.records_of`), and each
   ``<default_root_dir>/gradwatch_records/<logger>-<name>-<version>``): the JSON lines record, ``gradwatch.jsonl``
   (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
 
-Files and texts are written on rank 0 only. A logger that cannot show the failure text or the histograms gets one info
-record per run naming where they are instead, never silence.
+Applied checks (``report.scope == "applied"``) go the same way (:func:`write_records`), their records from
+:func:`gradwatch.outputs.records.applied_records_of`: ``gradwatch/applied/*`` scalars and their text, led by the fault,
+under ``gradwatch/applied/failure``. Files and texts are written on rank 0 only. A logger that cannot show the
+failure text or the histograms gets one info record per run naming where they are instead, never silence.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def publish(trainer: pl.Trainer, report: CheckReport, overhead: float | None) ->
     for logger in trainer.loggers:
         logger.log_metrics(records.scalars, step=trainer.global_step)
     feed_callback_metrics(trainer, records)
+    write_records(trainer, records)
+
+
+def write_records(trainer: pl.Trainer, records: CheckRecords) -> None:
+    """On rank 0, what each logger can show of ``records`` (histograms, the text) and the JSON lines record beside its
+    logs; flushed at once when the check failed. A sink that cannot be written is warned about once, never raised."""
     if not trainer.is_global_zero:
         return
     for sink in sinks(trainer):

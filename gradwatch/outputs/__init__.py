@@ -4,7 +4,16 @@ log directory back (event files and JSON lines) for ``gradwatch report``. Above 
 adapters of the training loops."""
 
 from gradwatch.outputs.jsonl import JSONL_NAME
-from gradwatch.outputs.records import CheckRecords, records_of
+from gradwatch.outputs.records import CheckRecords, applied_records_of, records_of
 from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink
 
-__all__ = ["JSONL_NAME", "CheckRecords", "JsonLinesSink", "Sink", "SummaryWriterSink", "TextSink", "records_of"]
+__all__ = [
+    "JSONL_NAME",
+    "CheckRecords",
+    "JsonLinesSink",
+    "Sink",
+    "SummaryWriterSink",
+    "TextSink",
+    "applied_records_of",
+    "records_of",
+]

@@ -12,8 +12,11 @@ One line per check::
      "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope`` and ``fault`` are there when the report has them. ``note_codes`` holds each note's
-code (:class:`gradwatch.engine.notes.NoteCode`), for readers that act on notes without parsing their wording.
+read back as the float. ``scope`` and ``fault`` are there when the report has them. An applied check
+(``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
+``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
+``note_codes`` holds each note's code (:class:`gradwatch.engine.notes.NoteCode`), for readers that act on notes
+without parsing their wording.
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ from typing import Any
 
 from gradwatch.engine.notes import codes
 from gradwatch.engine.rendering import ordered_failures
-from gradwatch.engine.report import VERDICTS, Probe
+from gradwatch.engine.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
-from gradwatch.tensorboard.events import VERDICT_TAG, CheckRecord, EventFilesError, FailureRecord
+from gradwatch.tensorboard.events import (
+    APPLIED_VERDICT_TAG,
+    VERDICT_TAG,
+    AppliedRecord,
+    CheckRecord,
+    EventFilesError,
+    FailureRecord,
+)
+from gradwatch.tensorboard.writer import APPLIED_PREFIX
 
 JSONL_NAME = "gradwatch.jsonl"
 """The file name of the record, in the directory of the run's logs."""
@@ -108,6 +119,8 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         value = getattr(report, name, None)
         if value is not None:
             record[name] = jsonable(value)
+    if getattr(report, "scope", None) == "applied":
+        record["fault_message"] = report.fault_message or None
     return record
 
 
@@ -197,3 +210,31 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     return CheckRecord(step, scalars), failures, culprit or None
+
+
+def is_applied(record: Any) -> bool:
+    """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
+    return isinstance(record, Mapping) and record.get("scope") == "applied"
+
+
+def parse_applied_record(record: Any) -> AppliedRecord:
+    """One decoded line of an applied check (:func:`is_applied`): the format, version, step and verdict are checked as
+    :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.report.FAULTS`.
+
+    Raises:
+        EventFilesError: A field is malformed. The caller adds the path and line.
+    """
+    check, _, _ = parse_record(record)
+    try:
+        fault = record.get("fault")
+        if fault is not None and fault not in FAULTS:
+            raise _BadRecordError(f"'fault' is {_brief(fault)} (expected null or one of {', '.join(FAULTS)})")
+        message = record.get("fault_message")
+        message = "" if message is None else _field(record, "fault_message", str)
+        code = float(VERDICTS.index(check.verdict))
+        if check.scalars.get(APPLIED_VERDICT_TAG, code) != code:
+            raise _BadRecordError(f"the {APPLIED_VERDICT_TAG} scalar contradicts the verdict {check.verdict!r}")
+    except _BadRecordError as error:
+        raise EventFilesError(str(error)) from error
+    scalars = {tag: value for tag, value in check.scalars.items() if tag.startswith(APPLIED_PREFIX)}
+    return AppliedRecord(check.step, check.verdict, fault, message, scalars)

@@ -14,9 +14,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradwatch.outputs.jsonl import JSONL_NAME, parse_record
+from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
 from gradwatch.tensorboard.events import (
+    APPLIED_VERDICT_TAG,
     VERDICT_TAG,
+    AppliedRecord,
     CheckRecord,
     EventFilesError,
     FailureRecord,
@@ -40,6 +42,8 @@ class JsonLines:
     checks: dict[int, CheckRecord] = field(default_factory=dict)
     failures: dict[int, list[FailureRecord]] = field(default_factory=dict)
     culprits: dict[int, str] = field(default_factory=dict)
+    applied: dict[int, AppliedRecord] = field(default_factory=dict)
+    """The applied checks (``"scope": "applied"``), by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -72,6 +76,10 @@ def read_jsonl(path: Path) -> JsonLines:
                 except RecursionError as error:
                     raise EventFilesError(f"{where}: line {number} is nested too deeply to read") from error
                 try:
+                    if is_applied(decoded):
+                        applied = parse_applied_record(decoded)
+                        found.applied[applied.step] = applied
+                        continue
                     check, failures, culprit = parse_record(decoded)
                 except EventFilesError as error:
                     raise EventFilesError(f"{where}: line {number}: {error}") from error
@@ -91,8 +99,9 @@ def _wanted(name: str) -> bool:
 
 def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLines | None) -> RunEvents | None:
     """One run from its event files and its JSON lines record; the record wins for a step both hold."""
-    if lines is None or not lines.checks:
+    if lines is None or not (lines.checks or lines.applied):
         return events
+    applied = dict(lines.applied)
     checks = dict(lines.checks)
     failures = [f for step in sorted(lines.failures) for f in lines.failures[step]]
     culprits = dict(lines.culprits)
@@ -101,6 +110,8 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
             checks.setdefault(check.step, check)
         failures += [f for f in events.failures if f.step not in lines.checks]
         culprits.update({step: text for step, text in events.culprits.items() if step not in lines.checks})
+        for check in events.applied:
+            applied.setdefault(check.step, check)
     return RunEvents(
         name=name,
         path=directory,
@@ -109,6 +120,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         culprits=dict(sorted(culprits.items())),
         has_histogram=events is not None and events.has_histogram,
         has_dashboard=events is not None and events.has_dashboard,
+        applied=[applied[step] for step in sorted(applied)],
     )
 
 
@@ -141,7 +153,7 @@ def read_logdir(logdir: Path | str) -> list[RunEvents]:
     if not runs:
         raise EventFilesError(
             f"the {len(files)} file(s) under {shown(logdir)} hold no gradwatch data (no check in a {JSONL_NAME}, no "
-            f"'{VERDICT_TAG}' scalar in an event file): was GradWatch among the Trainer's callbacks, and did a check "
-            "run?"
+            f"'{VERDICT_TAG}' or '{APPLIED_VERDICT_TAG}' scalar in an event file): was GradWatch among the Trainer's "
+            "callbacks, and did a check run?"
         )
     return runs

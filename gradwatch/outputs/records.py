@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gradwatch.engine.rendering import log10_rel_error, rel_error_log10, render_markdown
-from gradwatch.engine.report import CheckReport
-from gradwatch.tensorboard.writer import HISTOGRAM_TAG
+from gradwatch.engine.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
+from gradwatch.engine.report import FAULTS, VERDICTS, CheckReport
+from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
 
 OVERHEAD_TAG = "gradwatch/overhead"
 """gradwatch's time so far as a fraction of the training time (a series of checks knows it, a single check not)."""
@@ -37,6 +37,8 @@ class CheckRecords:
         histograms: By tag, values to show as a histogram: ``gradwatch/rel_error_log10``, the log10 relative error
             of every conclusive probe (absent when there is none).
         report: The report itself, for a backend that records more (the JSON lines record).
+        text_tag: The tag a backend shows the text under: :data:`~gradwatch.tensorboard.writer.FAILURES_TAG` for a
+            recomputed check, :data:`APPLIED_FAILURE_TAG` for an applied one.
     """
 
     step: int
@@ -44,6 +46,7 @@ class CheckRecords:
     text: str | None
     histograms: dict[str, list[float]]
     report: CheckReport
+    text_tag: str = FAILURES_TAG
 
     @property
     def failed(self) -> bool:
@@ -71,4 +74,42 @@ def records_of(report: CheckReport, overhead: float | None = None) -> CheckRecor
         text=render_markdown(report) or None,
         histograms={HISTOGRAM_TAG: values} if values else {},
         report=report,
+    )
+
+
+def applied_scalars(report: CheckReport) -> dict[str, float]:
+    """The numbers logged for an applied check, under ``gradwatch/applied/``: the verdict (0 ok, 1 inconclusive, 2
+    fail), the fault (0 none, else its position in :data:`~gradwatch.engine.report.FAULTS` plus one), the descent
+    ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
+    and loss evaluations the check took."""
+    values = {
+        "verdict": float(VERDICTS.index(report.verdict)),
+        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
+        "descent_ratio": report.descent_ratio,
+        "noise_floor": report.noise_floor,
+        "floor_excess": report.floor_excess,
+        "check_seconds": report.duration_s,
+        "loss_evaluations": float(report.n_forward),
+    }
+    return {APPLIED_PREFIX + name: float(value) for name, value in values.items() if not math.isnan(value)}
+
+
+def applied_text(report: CheckReport) -> str | None:
+    """A failing applied check in markdown: its headline first, led by the fault and what named it (``precision
+    fault: applied gradient check failed at step 4: ...``), then the whole report; ``None`` unless it failed."""
+    if report.verdict != "fail":
+        return None
+    return f"{headline(report)}\n\n```\n{report}\n```"
+
+
+def applied_records_of(report: CheckReport) -> CheckRecords:
+    """Everything the outputs show of an applied check (``report.scope == "applied"``): its ``gradwatch/applied/*``
+    scalars and, when it failed, its text under :data:`APPLIED_FAILURE_TAG`; no histogram."""
+    return CheckRecords(
+        step=report.step,
+        scalars=applied_scalars(report),
+        text=applied_text(report),
+        histograms={},
+        report=report,
+        text_tag=APPLIED_FAILURE_TAG,
     )

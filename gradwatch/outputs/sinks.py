@@ -20,7 +20,7 @@ from typing import Protocol
 
 from gradwatch.outputs.jsonl import record_json
 from gradwatch.outputs.records import CheckRecords
-from gradwatch.tensorboard.writer import FAILURES_TAG, SummaryWriterLike, write_histogram
+from gradwatch.tensorboard.writer import SummaryWriterLike, write_histogram
 
 
 class Sink(Protocol):
@@ -57,7 +57,7 @@ class SummaryWriterSink:
         for tag, values in records.histograms.items():
             write_histogram(self.writer, values, records.step, tag)
         if records.text:
-            self.writer.add_text(FAILURES_TAG, records.text, records.step)
+            self.writer.add_text(records.text_tag, records.text, records.step)
 
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)
@@ -69,7 +69,8 @@ class TextSink:
     """The failure text through a backend's own text call, ``log_text(tag, text, step)``, when a check failed.
 
     Args:
-        log_text: Called with :data:`~gradwatch.tensorboard.writer.FAILURES_TAG`, the markdown text and the step.
+        log_text: Called with the records' ``text_tag`` (:data:`~gradwatch.tensorboard.writer.FAILURES_TAG` for a
+            recomputed check), the markdown text and the step.
     """
 
     def __init__(self, log_text: Callable[[str, str, int], object]) -> None:
@@ -77,7 +78,7 @@ class TextSink:
 
     def write(self, records: CheckRecords) -> None:
         if records.text:
-            self.log_text(FAILURES_TAG, records.text, records.step)
+            self.log_text(records.text_tag, records.text, records.step)
 
     def flush(self) -> None:
         """Nothing to do: the backend sends what it was given."""

@@ -30,18 +30,21 @@ from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-
 from tensorboard.util import tensor_util  # type: ignore[import-untyped]
 
 from gradwatch.engine.rendering import CULPRIT_PREFIX
-from gradwatch.engine.report import VERDICTS
+from gradwatch.engine.report import FAULTS, VERDICTS
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG
 from gradwatch.tensorboard.files import EventFilesError, find_files, open_regular, shown
 from gradwatch.tensorboard.tfrecord import CorruptRecordError, records
-from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
 
 PREFIX = "gradwatch/"
 VERDICT_TAG = "gradwatch/verdict"
+APPLIED_VERDICT_TAG = APPLIED_PREFIX + "verdict"
+APPLIED_FAULT_TAG = APPLIED_PREFIX + "fault"
 TEXT_SUFFIX = "/text_summary"
 """``SummaryWriter.add_text`` stores text under the tag plus this suffix."""
 
 __all__ = [
+    "AppliedRecord",
     "CheckRecord",
     "EventFilesError",
     "FailureRecord",
@@ -71,6 +74,42 @@ class CheckRecord:
     def get(self, name: str) -> float:
         """The scalar ``gradwatch/<name>``, NaN when it was not logged for this check."""
         return self.scalars.get(PREFIX + name, math.nan)
+
+
+@dataclass(frozen=True)
+class AppliedRecord:
+    """One check of the applied gradient as logged: its step, verdict, fault (``None`` unless it failed), the fault in
+    words (``""`` when not recorded) and its ``gradwatch/applied/*`` scalars."""
+
+    step: int
+    verdict: str
+    fault: str | None
+    fault_message: str
+    scalars: dict[str, float]
+
+    def get(self, name: str) -> float:
+        """The scalar ``gradwatch/applied/<name>``, NaN when it was not logged for this check."""
+        return self.scalars.get(APPLIED_PREFIX + name, math.nan)
+
+
+def fault_of_code(code: float, where: str, step: int) -> str | None:
+    """The fault a ``gradwatch/applied/fault`` scalar stands for: 0 none, else its position in ``FAULTS`` plus one."""
+    if not (math.isfinite(code) and code in range(len(FAULTS) + 1)):
+        raise EventFilesError(f"{where}: the {APPLIED_FAULT_TAG} scalar at step {step} is {code!r}")
+    return FAULTS[int(code) - 1] if code else None
+
+
+_HEADLINE = re.compile(r"^\w+ fault: applied gradient check failed at step \d+: (.*)$")
+
+
+def parse_fault_message(text: str) -> str:
+    """The fault in words from the text of a failing applied check (its headline, as
+    :func:`gradwatch.engine.rendering.headline` writes it), ``""`` when it has none."""
+    for line in text.splitlines():
+        match = _HEADLINE.match(line.strip())
+        if match:
+            return match.group(1)
+    return ""
 
 
 @dataclass(frozen=True)
@@ -104,11 +143,17 @@ class RunEvents:
     """By step, the culprit line of the failures text: the module whose backward is wrong, in words."""
     has_histogram: bool = False
     has_dashboard: bool = False
+    applied: list[AppliedRecord] = field(default_factory=list)
+    """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
 
     @property
     def failed(self) -> bool:
-        """Whether a failure was recorded: a failing check or a failure table."""
-        return bool(self.failures) or any(check.verdict == "fail" for check in self.checks)
+        """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
+        return (
+            bool(self.failures)
+            or any(check.verdict == "fail" for check in self.checks)
+            or any(check.verdict == "fail" for check in self.applied)
+        )
 
 
 def is_event_file(name: str) -> bool:
@@ -210,6 +255,7 @@ class _Run:
 
     scalars: dict[int, dict[str, float]] = field(default_factory=dict)
     texts: dict[int, str] = field(default_factory=dict)
+    applied_texts: dict[int, str] = field(default_factory=dict)
     has_histogram: bool = False
     has_dashboard: bool = False
 
@@ -225,15 +271,19 @@ class _Run:
         plugin = value.metadata.plugin_data.plugin_name
         if value.tag == HISTOGRAM_TAG and (field == "histo" or plugin == "histograms"):
             self.has_histogram = True
-        elif value.tag in (FAILURES_TAG, FAILURES_TAG + TEXT_SUFFIX) and field == "tensor":
+        elif value.tag.removesuffix(TEXT_SUFFIX) in (FAILURES_TAG, APPLIED_FAILURE_TAG) and field == "tensor":
+            tag = value.tag.removesuffix(TEXT_SUFFIX)
             try:
-                self.texts[step] = b"".join(value.tensor.string_val).decode("utf-8")
+                text = b"".join(value.tensor.string_val).decode("utf-8")
             except UnicodeDecodeError as error:
-                raise EventFilesError(f"{shown(path)}: the {FAILURES_TAG} text at step {step} is not UTF-8") from error
+                raise EventFilesError(f"{shown(path)}: the {tag} text at step {step} is not UTF-8") from error
+            (self.texts if tag == FAILURES_TAG else self.applied_texts)[step] = text
         elif field == "simple_value" or (field == "tensor" and plugin == "scalars"):
             number = value.simple_value if field == "simple_value" else _tensor_scalar(path, step, value)
-            if value.tag == VERDICT_TAG:
+            if value.tag in (VERDICT_TAG, APPLIED_VERDICT_TAG):
                 check_verdict(number, step, shown(path))
+            elif value.tag == APPLIED_FAULT_TAG:
+                fault_of_code(number, shown(path), step)
             self.scalars.setdefault(step, {})[value.tag] = number
 
 
@@ -259,8 +309,14 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
     for file in files:
         for event in _events(file):
             run.add(file, event)
-    checks = [CheckRecord(step, values) for step, values in sorted(run.scalars.items()) if VERDICT_TAG in values]
-    if not checks:
+    checks = [
+        CheckRecord(step, {tag: v for tag, v in values.items() if not tag.startswith(APPLIED_PREFIX)})
+        for step, values in sorted(run.scalars.items())
+        if VERDICT_TAG in values
+    ]
+    applied = [_applied(step, values, run.applied_texts.get(step, "")) for step, values in sorted(run.scalars.items())]
+    applied_checks = [check for check in applied if check is not None]
+    if not checks and not applied_checks:
         return None
     failures: list[FailureRecord] = []
     culprits: dict[int, str] = {}
@@ -272,7 +328,17 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
         culprit = parse_culprit(text)
         if culprit:
             culprits[step] = culprit
-    return RunEvents(name, path, checks, failures, culprits, run.has_histogram, run.has_dashboard)
+    return RunEvents(name, path, checks, failures, culprits, run.has_histogram, run.has_dashboard, applied_checks)
+
+
+def _applied(step: int, values: dict[str, float], text: str) -> AppliedRecord | None:
+    """The applied check logged at ``step``, if one was (its scalars were checked as they were read)."""
+    if APPLIED_VERDICT_TAG not in values:
+        return None
+    scalars = {tag: v for tag, v in values.items() if tag.startswith(APPLIED_PREFIX)}
+    fault = FAULTS[round(scalars[APPLIED_FAULT_TAG]) - 1] if scalars.get(APPLIED_FAULT_TAG) else None
+    verdict = VERDICTS[round(scalars[APPLIED_VERDICT_TAG])]
+    return AppliedRecord(step, verdict, fault, parse_fault_message(text), scalars)
 
 
 def check_directory(logdir: Path) -> None:

@@ -20,6 +20,10 @@ from gradwatch.engine.report import CheckReport
 
 HISTOGRAM_TAG = "gradwatch/rel_error_log10"
 FAILURES_TAG = "gradwatch/failures"
+APPLIED_PREFIX = "gradwatch/applied/"
+"""The applied checks' scalars are logged under this prefix, apart from the recomputed checks' ``gradwatch/*``."""
+APPLIED_FAILURE_TAG = APPLIED_PREFIX + "failure"
+"""The text of a failing applied check, led by the fault."""
 
 __all__ = [
     "CULPRIT_PREFIX",
