@@ -5,8 +5,10 @@ Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI
 fully read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a
 name that is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch
 data) or the command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked
-nothing). Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in
-silence, so exit 0 means every record was read.
+nothing). Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record)
+count as checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault.
+Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so
+exit 0 means every record was read.
 """
 
 from __future__ import annotations
@@ -88,18 +90,54 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
     return [[t, str(len(by_tensor[t])), str(len(steps_by_tensor[t])), _fmt(worst[t])] for t in order]
 
 
+def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
+    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path): each failing
+    one led by its fault and what named it, then a table of every one."""
+    applied = run.applied
+    if not applied:
+        return []
+    counts = {verdict: sum(a.verdict == verdict for a in applied) for verdict in ("ok", "inconclusive", "fail")}
+    lines = [
+        f"applied checks (the gradient the optimizer applied): {len(applied)}, "
+        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+    ]
+    failing = [
+        [f"{a.fault or 'unknown'} fault at step {a.step}: {a.fault_message or '(no message recorded)'}"]
+        for a in applied
+        if a.verdict == "fail"
+    ]
+    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, "failing applied checks")]
+    rows = [
+        [
+            str(a.step),
+            a.verdict,
+            a.fault or "-",
+            _fmt(a.get("floor_excess"), ".3g"),
+            _fmt(a.get("noise_floor"), ".2e"),
+            _fmt(a.get("descent_ratio"), ".6f"),
+        ]
+        for a in applied
+    ]
+    header = ["step", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
+    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<>>>")]
+
+
 def format_run(run: RunEvents, max_rows: int = 20) -> str:
-    """The report of one run: verdict counts, the culprits, the checks over time, the worst tensors and every
-    failure."""
+    """The report of one run: verdict counts, the applied checks (failures led by their fault), the culprits, the
+    checks over time, the worst tensors and every failure."""
     checks = run.checks
     counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in ("ok", "inconclusive", "fail")}
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
+    applied = _applied_lines(run, max_rows)
+    if not checks:
+        return "\n".join([f"== run {run.name}: no recomputed check, {len(run.applied)} applied ==", "", *applied])
     lines = [
         f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "
         + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
         + (f"; first failure at step {failing_steps[0]}" if failing_steps else "")
         + " ==",
         "",
+        *([*applied, ""] if applied else []),
         *_culprit_lines(run, max_rows),
         "checks (verdicts over time):",
     ]
@@ -167,6 +205,8 @@ def plot(runs: Sequence[RunEvents], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         checks = run.checks
+        if not checks:
+            continue  # applied checks only: no relative errors to draw
         steps = [c.step for c in checks]
         median = [c.get("rel_error_median") for c in checks]
         (line,) = axes.plot(steps, median, marker="o", markersize=3, label=f"{run.name}: median")
@@ -195,7 +235,9 @@ def verdict(runs: Sequence[RunEvents]) -> tuple[int, str]:
     if failed:
         names = ", ".join(failed)
         return EXIT_FAILURE_RECORDED, f"result: FAIL, gradient failures recorded in {names} (exit status 1)"
-    blind = [run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in run.checks)]
+    blind = [
+        run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in [*run.checks, *run.applied])
+    ]
     if blind:
         names = ", ".join(blind)
         return EXIT_NOTHING_CHECKED, f"result: NOTHING CHECKED, every check of {names} was inconclusive (exit status 3)"
