@@ -122,6 +122,14 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<>>>")]
 
 
+def _first_fault(run: RunEvents) -> str:
+    """``"; precision fault in the applied gradient at step 4"`` for the first failing applied check, else ``""``."""
+    failing = [a for a in run.applied if a.verdict == "fail"]
+    if not failing:
+        return ""
+    return f"; {failing[0].fault or 'unknown'} fault in the applied gradient at step {failing[0].step}"
+
+
 def format_run(run: RunEvents, max_rows: int = 20) -> str:
     """The report of one run: verdict counts, the applied checks (failures led by their fault), the culprits, the
     checks over time, the worst tensors and every failure."""
@@ -130,11 +138,13 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
     applied = _applied_lines(run, max_rows)
     if not checks:
-        return "\n".join([f"== run {run.name}: no recomputed check, {len(run.applied)} applied ==", "", *applied])
+        header = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{_first_fault(run)} =="
+        return "\n".join([header, "", *applied])
     lines = [
         f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "
         + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
         + (f"; first failure at step {failing_steps[0]}" if failing_steps else "")
+        + _first_fault(run)
         + " ==",
         "",
         *([*applied, ""] if applied else []),

@@ -58,7 +58,9 @@ def test_report_on_the_buggy_run_lists_each_failure_and_exits_1(demo_logdir: tup
     logdir = demo_logdir[0] / "rmsnorm"
     code, out, _ = _run(["report", str(logdir), "--max-rows", "0"])
     assert code == report_command.EXIT_FAILURE_RECORDED
-    assert "3 fail; first failure at step 1 ==" in out
+    # the applied check at the first check step sees the wrong backward too: a formula fault, named in the header
+    assert "3 fail; first failure at step 1; formula fault in the applied gradient at step 1 ==" in out
+    assert "formula fault at step 1: the eager float32 recomputation disagrees with the loss too" in out
     assert "culprit at step 1: the backward of `net.1` (`RMSNorm`) is wrong: its input gradient is" in out
     assert "worst tensors" in out
     assert "net.0.weight" in out  # upstream of the broken backward

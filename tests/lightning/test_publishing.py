@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
 from gradwatch import GradientCheckWarning, GradWatch
 from gradwatch.outputs.jsonl import JSONL_NAME
-from gradwatch.tensorboard.writer import FAILURES_TAG
+from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, FAILURES_TAG
 
 
 class _Quiet(Logger):
@@ -121,9 +121,18 @@ def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) 
         run["tmp"] / "gradwatch_records" / "WandbLike-WandbLike-0",
         run["tmp"] / "gradwatch_records" / "MlflowLike-MlflowLike-0",
     ]
+    applied = [r.step for r in run["watch"].applied_reports]
+    assert applied == [1]  # the applied check at the first check step (its cadence is far longer)
     for directory in directories:
-        assert [line["step"] for line in _lines(directory / JSONL_NAME)] == steps == [1, 2, 4], directory
-    assert all(line["verdict"] == "fail" and line["failures"] for line in _lines(directories[0] / JSONL_NAME))
+        lines = _lines(directory / JSONL_NAME)
+        assert [line["step"] for line in lines if line.get("scope") != "applied"] == steps == [1, 2, 4], directory
+        assert [line["step"] for line in lines if line.get("scope") == "applied"] == applied, directory
+    lines = _lines(directories[0] / JSONL_NAME)
+    assert all(line["verdict"] == "fail" and line["failures"] for line in lines)
+    # the wrong weight is wrong on every path: the applied check names a formula fault
+    assert [(line["fault"], bool(line["fault_message"])) for line in lines if line["scope"] == "applied"] == [
+        ("formula", True)
+    ]
 
 
 def test_scalars_reach_every_logger_and_callback_metrics(run: dict[str, Any]) -> None:
@@ -138,14 +147,17 @@ def test_scalars_reach_every_logger_and_callback_metrics(run: dict[str, Any]) ->
 
 def test_loggers_with_text_support_get_the_failure_text(run: dict[str, Any]) -> None:
     texts = run["loggers"]["wandb"].texts
-    assert [(t["key"], t["step"], t["columns"]) for t in texts] == [
-        (FAILURES_TAG, s, ["step", "failures"]) for s in (1, 2, 4)
-    ]
-    assert "| tensor | `net.fc.weight` |" in texts[0]["data"][0][1]
+    recomputed = [t for t in texts if t["key"] == FAILURES_TAG]
+    assert [(t["step"], t["columns"]) for t in recomputed] == [(s, ["step", "failures"]) for s in (1, 2, 4)]
+    assert "| tensor | `net.fc.weight` |" in recomputed[0]["data"][0][1]
+    # the failing applied check's text, under its own tag, led by its fault
+    (applied,) = [t for t in texts if t["key"] == APPLIED_FAILURE_TAG]
+    assert applied["step"] == 1
+    assert applied["data"][0][1].startswith("formula fault: applied gradient check failed at step 1: ")
     mlflow = run["loggers"]["mlflow"].client.texts
-    assert [(run_id, artifact) for run_id, _, artifact in mlflow] == [
-        ("run-7", f"{FAILURES_TAG}/step_{s}.md") for s in (1, 2, 4)
-    ]
+    assert sorted(artifact for run_id, _, artifact in mlflow if run_id == "run-7") == sorted(
+        [f"{FAILURES_TAG}/step_{s}.md" for s in (1, 2, 4)] + [f"{APPLIED_FAILURE_TAG}/step_1.md"]
+    )
 
 
 def test_what_a_logger_cannot_show_is_said_once_per_logger(run: dict[str, Any]) -> None:
