@@ -138,8 +138,8 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
     applied = _applied_lines(run, max_rows)
     if not checks:
-        header = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{_first_fault(run)} =="
-        return "\n".join([header, "", *applied])
+        title = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{_first_fault(run)} =="
+        return "\n".join([title, "", *applied])
     lines = [
         f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "
         + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
@@ -246,7 +246,10 @@ def verdict(runs: Sequence[RunEvents]) -> tuple[int, str]:
         names = ", ".join(failed)
         return EXIT_FAILURE_RECORDED, f"result: FAIL, gradient failures recorded in {names} (exit status 1)"
     blind = [
-        run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in [*run.checks, *run.applied])
+        run.name
+        for run in runs
+        if not any(check.verdict in ("ok", "fail") for check in run.checks)
+        and not any(check.verdict in ("ok", "fail") for check in run.applied)
     ]
     if blind:
         names = ", ".join(blind)

@@ -110,8 +110,8 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
             checks.setdefault(check.step, check)
         failures += [f for f in events.failures if f.step not in lines.checks]
         culprits.update({step: text for step, text in events.culprits.items() if step not in lines.checks})
-        for check in events.applied:
-            applied.setdefault(check.step, check)
+        for logged in events.applied:
+            applied.setdefault(logged.step, logged)
     return RunEvents(
         name=name,
         path=directory,
