@@ -34,7 +34,7 @@ from gradwatch.engine.compiled import compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import PRECISIONS, Precision, resolve_precision
+from gradwatch.engine.function.precision import PRECISIONS, Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.numerics.norms import norms
@@ -171,7 +171,8 @@ def check_gradients(
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
-    collective, sharding_notes = None, []
+    collective: Collective | None = None
+    sharding_notes: list[str] = []
     if is_sharded(params):
         collective, params = local_shards(params)
         surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
@@ -313,7 +314,7 @@ def _run(
     )
 
 
-def _sharded_settings(collective: Collective, mode: str) -> tuple[list[str], str, bool]:
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[str], ResolvedPrecision, bool]:
     """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
     notes = [
         f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "

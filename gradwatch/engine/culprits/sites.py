@@ -18,6 +18,7 @@ of a central difference. Every hook is removed when the recording or the displac
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,7 +203,7 @@ def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
                 grad = changed if changed is not None else grad
         sites[name].gradients.setdefault(place, []).append(grad.detach())
     for (name, place), values in recorder.values.items():
-        sites[name].scales[place] = float(torch.sqrt(sum(v.double().square().sum() for v in values)))
+        sites[name].scales[place] = math.sqrt(sum(float(v.double().square().sum()) for v in values))
     return dict(sorted(sites.items(), key=lambda item: item[1].order))
 
 

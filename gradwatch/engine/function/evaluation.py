@@ -240,7 +240,7 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
                 else:
                     value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
                 self.n_backward += 1

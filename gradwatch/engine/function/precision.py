@@ -38,15 +38,16 @@ Precision = Literal["auto", "native", "float64"]
 of the parameters, buffers and floating inputs. ``"auto"``: float64 up to :data:`AUTO_FLOAT64_ELEMENTS` floating
 parameter elements; native beyond, with undecided probes measured again in float64."""
 
+ResolvedPrecision = Literal["native", "float64"]
+"""What a check's probes evaluate the loss in, once ``"auto"`` is resolved."""
+
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
 
 AUTO_FLOAT64_ELEMENTS = 2**25
 """The most floating parameter elements ``precision="auto"`` probes in float64 (about 33M: a 256 MiB float64 copy)."""
 
 
-def resolve_precision(
-    precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int
-) -> Literal["native", "float64"]:
+def resolve_precision(precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int) -> ResolvedPrecision:
     """What ``precision`` means for a model with ``parameter_elements`` floating parameter elements, the least precise
     of them in ``parameter_dtype``."""
     if parameter_dtype == torch.float64:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage
-from gradwatch.engine.measuring.directions import Direction, Displacement
+from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, Displacement, VectorDirection
 from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
 from gradwatch.engine.numerics.stencil import Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
@@ -88,6 +88,7 @@ class Measurements:
             for direction, step, offsets in requests
             for offset in offsets
             if (direction, step, offset) not in self._ahead
+            and isinstance(direction, CoordinateDirection | VectorDirection)  # hooked directions: one by one
         ]
         results = self.vectorized.evaluate([(direction, offset * step) for direction, step, offset in wanted])
         for key, result in zip(wanted, results, strict=True):

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.measuring.directions import Direction, Displacement
+from gradwatch.engine.measuring.directions import CoordinateDirection, Displacement, VectorDirection
 from gradwatch.engine.report import CheckAbandonedError
 
 AGREEMENT = 1e-11
@@ -53,7 +53,9 @@ SPLIT_ACTIVATIONS = 2**20
 MEMORY = 2**28
 """The least memory a pass may take, in bytes (256 MiB); see :func:`memory_budget`."""
 
-Move = tuple[Direction, float]
+Move = tuple[CoordinateDirection | VectorDirection, float]
+"""A point of a vectorised pass: a direction that writes stacked rows (hooked directions are evaluated one by one)
+and the offset along it."""
 """A point: a direction and the offset along it."""
 
 
@@ -209,7 +211,8 @@ def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], 
     Consecutive points of one direction write their rows in one operation per tensor; only rows that no direction
     writes whole are filled with copies, a block at a time.
     """
-    runs: list[tuple[Direction, list[float], int]] = []  # (direction, offsets, first row) of consecutive points
+    # (direction, offsets, first row) of consecutive points
+    runs: list[tuple[CoordinateDirection | VectorDirection, list[float], int]] = []
     for slot, (direction, offset) in enumerate(moves, start=first_slot):
         if runs and runs[-1][0] is direction and runs[-1][2] + len(runs[-1][1]) == slot:
             runs[-1][1].append(offset)
@@ -231,7 +234,7 @@ def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], 
                 stack[filled:start].copy_(t.expand(start - filled, *t.shape))
             filled = max(filled, stop)
         stacks[key] = stack
-    displacements = []
+    displacements: list[Displacement] = []
     for direction, offsets, start in runs:
         rows = {id(t): stacks[id(t)][start : start + len(offsets)] for t in direction.tensors}
         displacements += direction.displace_rows(offsets, rows)

@@ -147,6 +147,7 @@ class Portfolio:
         if isinstance(old, CoordinateDirection):
             direction = CoordinateDirection(tensors[0], old.index, value_at(grads[0], old.index), after)
         else:
+            assert isinstance(old, VectorDirection), "only coordinate and vector probes are replicated"
             direction = VectorDirection(tensors, old.components, grads, old.coefficient, after)
         return dataclasses.replace(
             task, direction=direction, step=task.initial_step, stencil=None, result=None, evaluations=0
