@@ -80,6 +80,7 @@ def assert_gradients_ok(
     Raises:
         AssertionError: The check failed (or was inconclusive and ``allow_inconclusive`` is false).
     """
+    __tracebackhide__ = True  # pytest shows the assertion, not this helper's source
     report = check_gradients(model, batch, loss_fn, **check_kwargs)
     if report.verdict == "fail":
         failures = report.failures
