@@ -3,16 +3,19 @@
 TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's two sections
 hold one chart per question a reader has about a run:
 
-* **relative error**: a Margin chart, the median relative error of the conclusive probes of each check inside a band
-  from the smallest to the largest (tags ``gradwatch/rel_error_median``, ``gradwatch/rel_error_min``,
-  ``gradwatch/rel_error_max``);
+* **relative error, log10**: a Margin chart, the median relative error of the conclusive probes of each check inside
+  a band from the smallest to the largest, as log10 (tags ``gradwatch/rel_error_median_log10``,
+  ``gradwatch/rel_error_min_log10``, ``gradwatch/rel_error_max_log10``). TensorBoard's charts have no logarithmic
+  axis, and on a linear one a healthy run (errors near 1e-7) is a flat line at 0 beside a failing run's 1e-2; in log10
+  they are 5 apart, and the float32 tolerance (5e-4) sits at -3.3;
+* **verdict**: 0 ok, 1 inconclusive, 2 fail;
 * **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
 * **probes failing / inconclusive**: counts per check;
-* **verdict**: 0 ok, 1 inconclusive, 2 fail;
 * **check seconds**: the wall time of each check.
 
-The layout names only the fixed scalar tags of :meth:`gradwatch.engine.report.CheckReport.scalars`, so it does not grow
-with the model. It is written through ``add_custom_scalars`` of a ``torch.utils.tensorboard.SummaryWriter``.
+The layout names only fixed scalar tags (those of :meth:`gradwatch.engine.report.CheckReport.scalars` and their log10
+forms, which every logger receives), so it does not grow with the model. It is written through ``add_custom_scalars``
+of a ``torch.utils.tensorboard.SummaryWriter``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from typing import Protocol
 LAYOUT_TAG = "custom_scalars__config__"
 """The tag under which TensorBoard stores a custom-scalars layout (fixed by TensorBoard)."""
 
-REL_ERROR_TAGS = ("gradwatch/rel_error_median", "gradwatch/rel_error_min", "gradwatch/rel_error_max")
-"""The Margin chart's value, lower and upper tags, in the order TensorBoard expects them."""
+REL_ERROR_TAGS = (
+    "gradwatch/rel_error_median_log10",
+    "gradwatch/rel_error_min_log10",
+    "gradwatch/rel_error_max_log10",
+)
+"""The Margin chart's value, lower and upper tags, in the order TensorBoard expects them: the log10 of the relative
+errors (``gradwatch/rel_error_median`` and so on, floored at -12), logged beside them."""
 
 Chart = tuple[str, str, tuple[str, ...]]
 """A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
@@ -33,19 +41,25 @@ Chart = tuple[str, str, tuple[str, ...]]
 # first, has a section of its own, placed first.
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
-        "gradwatch: relative error",
-        (("relative error of the checks (median, band from min to max)", "Margin", REL_ERROR_TAGS),),
+        "gradwatch: relative error (log10)",
+        (
+            (
+                "log10 relative error of the checks (median, band from min to max; float32 tolerance -3.3)",
+                "Margin",
+                REL_ERROR_TAGS,
+            ),
+        ),
     ),
     (
-        "gradwatch: descent ratio, probes, verdicts",
+        "gradwatch: verdicts, descent ratio, probes",
         (
+            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
             ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
             (
                 "probes failing / inconclusive per check",
                 "Multiline",
                 ("gradwatch/failing_probes", "gradwatch/inconclusive_probes"),
             ),
-            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
             ("check seconds", "Multiline", ("gradwatch/check_seconds",)),
         ),
     ),
