@@ -3,12 +3,12 @@
 TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's two sections
 hold one chart per question a reader has about a run:
 
+* **verdict**: 0 ok, 1 inconclusive, 2 fail, in the first section beside the relative error;
 * **relative error, log10**: a Margin chart, the median relative error of the conclusive probes of each check inside
   a band from the smallest to the largest, as log10 (tags ``gradwatch/rel_error_median_log10``,
   ``gradwatch/rel_error_min_log10``, ``gradwatch/rel_error_max_log10``). TensorBoard's charts have no logarithmic
   axis, and on a linear one a healthy run (errors near 1e-7) is a flat line at 0 beside a failing run's 1e-2; in log10
   they are 5 apart, and the float32 tolerance (5e-4) sits at -3.3;
-* **verdict**: 0 ok, 1 inconclusive, 2 fail;
 * **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
 * **probes failing / inconclusive**: counts per check;
 * **check seconds**: the wall time of each check.
@@ -37,12 +37,13 @@ errors (``gradwatch/rel_error_median`` and so on, floored at -12), logged beside
 Chart = tuple[str, str, tuple[str, ...]]
 """A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
 
-# TensorBoard draws a section's Multiline charts before its Margin charts, so the relative error, the chart to read
-# first, has a section of its own, placed first.
+# The first section answers "is the gradient right, and how wrong is it": the verdicts beside the relative error
+# (TensorBoard draws a section's Multiline charts before its Margin charts, so that is also the order on screen).
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
-        "gradwatch: relative error (log10)",
+        "gradwatch: verdicts and relative error",
         (
+            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
             (
                 "log10 relative error of the checks (median, band from min to max; float32 tolerance -3.3)",
                 "Margin",
@@ -51,9 +52,8 @@ SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
         ),
     ),
     (
-        "gradwatch: verdicts, descent ratio, probes",
+        "gradwatch: descent ratio, probes, cost",
         (
-            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
             ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
             (
                 "probes failing / inconclusive per check",
