@@ -148,3 +148,19 @@ def test_each_link_of_the_readme_leads_to_a_file_and_heading_that_exist(link: st
     assert path.exists()
     if anchor:
         assert anchor in _anchors(path)
+
+
+def test_every_page_of_the_docs_is_in_the_sites_navigation() -> None:
+    nav = set(re.findall(r"^\s+- [^:]+: (\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.MULTILINE))
+    pages = {path.relative_to(ROOT / "docs").as_posix() for path in (ROOT / "docs").rglob("*.md")}
+    assert pages <= nav, f"add these pages to the nav of mkdocs.yml: {sorted(pages - nav)}"
+
+
+def test_the_sites_hook_turns_sphinx_roles_into_optional_cross_references() -> None:
+    namespace: dict[str, object] = {}
+    exec((ROOT / "docs" / "hooks.py").read_text(), namespace)
+    html = "see :class:<code>~gradwatch.CheckReport</code> and :func:<code>gradwatch.check_gradients</code>"
+    assert namespace["on_page_content"](html) == (  # type: ignore[operator]
+        'see <autoref identifier="gradwatch.CheckReport" optional><code>CheckReport</code></autoref> and '
+        '<autoref identifier="gradwatch.check_gradients" optional><code>gradwatch.check_gradients</code></autoref>'
+    )
