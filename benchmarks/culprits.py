@@ -43,6 +43,7 @@ import real_models as rm
 from gradwatch import CheckReport, GradWatch, check_gradients
 from gradwatch.cli import demo_models
 from gradwatch.engine import probes as engine_probes
+from gradwatch.engine.kinds import kinds_where
 
 SETTINGS = {
     name: parameter.default
@@ -50,7 +51,7 @@ SETTINGS = {
     if name
     in ("tensor_probes", "random_probes", "param_probes", "input_probes", "probe_batch_size", "precision", "vectorize")
 }
-SEARCH_KINDS = ("activation", "module_input", "module_params")
+SEARCH_KINDS = kinds_where(culprit_search=True)
 
 
 @dataclass(frozen=True)

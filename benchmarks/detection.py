@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch import CheckReport, GradWatch, check_gradients
+from gradwatch.engine.kinds import kinds_where
 
 # ---- planted bugs that live in a model's own code -----------------------------------------------------------------
 
@@ -294,7 +295,7 @@ def culprit_named(report: CheckReport, holder: str) -> bool:
     return named == holder or (holder != "" and named.startswith(f"{holder}."))
 
 
-SEARCH_KINDS = ("activation", "module_input", "module_params")
+SEARCH_KINDS = kinds_where(culprit_search=True)
 
 CULPRITS = [0, 0]
 """Culprits named, and bugs detected, over the bug table."""

@@ -5,12 +5,41 @@ The package is layered; each layer imports only from those before it:
 
 * :mod:`gradwatch.engine`: pure PyTorch, the whole of :func:`check_gradients`;
 * :mod:`gradwatch.tensorboard`: check reports to TensorBoard and back;
-* :mod:`gradwatch.lightning`: the :class:`GradWatch` callback and its alerts;
+* :mod:`gradwatch.watch`: :class:`GradientWatch`, a series of checks over a run in any training loop;
+* the adapters over the watch: :mod:`gradwatch.lightning` (the :class:`GradWatch` callback) and
+  :mod:`gradwatch.integrations` (Hugging Face's ``Trainer``);
 * the faces: :mod:`gradwatch.cli` (``gradwatch demo``, ``gradwatch report``) and :mod:`gradwatch.testing`.
+
+``import gradwatch`` imports neither Lightning nor transformers: :class:`GradWatch` is imported (with Lightning) when
+first used.
 """
 
-from gradwatch.engine import CheckReport, GradientCheckError, Probe, check_gradients
-from gradwatch.lightning import GradientCheckWarning, GradWatch
+from __future__ import annotations
 
-__all__ = ["CheckReport", "GradWatch", "GradientCheckError", "GradientCheckWarning", "Probe", "check_gradients"]
+from typing import TYPE_CHECKING, Any
+
+from gradwatch.engine import CheckReport, GradientCheckError, Probe, check_gradients
+from gradwatch.watch import GradientCheckWarning, GradientWatch
+
+if TYPE_CHECKING:
+    from gradwatch.lightning import GradWatch
+
+__all__ = [
+    "CheckReport",
+    "GradWatch",
+    "GradientCheckError",
+    "GradientCheckWarning",
+    "GradientWatch",
+    "Probe",
+    "check_gradients",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # the Lightning adapter, imported (with Lightning) only by those who use it
+    if name == "GradWatch":
+        from gradwatch.lightning import GradWatch
+
+        return GradWatch
+    raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")

@@ -13,36 +13,14 @@ Example::
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch import nn
 
-from gradwatch.engine import CheckReport, LossFn, Probe, check_gradients
+from gradwatch.engine import CheckReport, LossFn, check_gradients
+from gradwatch.engine.rendering import probe_table, render_text
 
-_HEADER = ("kind", "tensor[index]", "analytic", "numeric", "rel. error", "noise", "reason")
-
-
-def _cells(probe: Probe) -> tuple[str, ...]:
-    return (
-        probe.kind,
-        probe.location,
-        f"{probe.analytic:.6g}",
-        f"{probe.numeric:.6g}",
-        f"{probe.rel_error:.3g}",
-        f"{probe.noise:.2g}" if math.isfinite(probe.noise) else str(probe.noise),
-        probe.reason,
-    )
-
-
-def probe_table(probes: list[Probe]) -> str:
-    """The probes as an aligned plain-text table, one row per probe."""
-    rows = [_HEADER, *(_cells(p) for p in probes)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
-
+__all__ = ["assert_gradients_ok", "probe_table"]
 
 def assert_gradients_ok(
     model: nn.Module,
@@ -83,13 +61,7 @@ def assert_gradients_ok(
     __tracebackhide__ = True  # pytest shows the assertion, not this helper's source
     report = check_gradients(model, batch, loss_fn, **check_kwargs)
     if report.verdict == "fail":
-        failures = report.failures
-        culprit = f"{report.culprit_message}\n" if report.culprit_message else ""
-        raise AssertionError(
-            f"{culprit}gradients disagree with the loss: {len(failures)} of {len(report.probes)} probes failed "
-            f"(descent ratio {report.descent_ratio:.6g}, 1 for a correct gradient)\n{probe_table(failures)}"
-            + "".join(f"\n{finding}" for finding in report.surrogates)
-        )
+        raise AssertionError(render_text(report, limit=None, prefix="", table=True))
     if report.verdict == "inconclusive" and not allow_inconclusive:
         notes = "".join(f"\nnote: {note}" for note in report.notes)
         raise AssertionError(

@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.tensorboard import SummaryWriter
 
 from gradwatch import GradWatch
+from gradwatch.engine.notes import codes
 
 
 class GradsUntouched(pl.Callback):
@@ -96,6 +97,7 @@ def _result(trainer: pl.Trainer, model: pl.LightningModule, watch: GradWatch | N
                 "verdict": report.verdict,
                 "probes": [[p.kind, p.target, list(p.index) if p.index is not None else None] for p in report.probes],
                 "notes": report.notes,
+                "note_codes": codes(report.notes),
             }
         )
     return {

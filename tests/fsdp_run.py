@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import GradWatch
+from gradwatch.engine.notes import codes
 
 
 class CustomLinear(nn.Module):
@@ -145,6 +146,7 @@ def _fit(factor: float, watch: GradWatch | None, *extra: pl.Callback, max_steps:
             "probes": [[p.kind, p.target, p.index and list(p.index), p.verdict] for p in r.probes],
             "failures": [p.target for p in r.failures],
             "notes": r.notes,
+            "note_codes": codes(r.notes),
             "duration_s": r.duration_s,
         }
         for r in (watch.reports if watch is not None else [])

@@ -1,9 +1,13 @@
-"""The package's layers, tested: the engine imports no Lightning and no TensorBoard, and every module imports only
-from its own layer or the layers below it."""
+"""The package's layers, tested: the engine imports no Lightning and no TensorBoard, the watch no framework at all,
+``import gradwatch`` neither Lightning nor transformers, and every module imports only from its own layer or the layers
+below it."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.report", "engine.validation"),
+    ("engine.kinds", "engine.notes", "engine.report", "engine.rendering", "engine.validation"),
     ("engine.sharding",),
     ("engine.numerics",),
     ("engine.function",),
@@ -19,14 +23,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.probing",),
     ("engine.reference", "engine.check", "engine"),
     ("tensorboard",),
-    ("lightning",),
+    ("outputs",),
+    ("watch",),
+    ("lightning", "integrations"),
     ("cli", "testing", "callback", "check", "report", "__main__", "gradwatch"),
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
-those before it. The last layer holds the faces (command line, test helpers), the old import paths kept for users
-(``gradwatch.callback``, ``gradwatch.check``, ``gradwatch.report``) and the package itself."""
+those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
+the adapters over the watch for each training loop (Lightning, and the integrations: Hugging Face). The last layer holds
+the faces (command line, test helpers), the old import paths kept for users (``gradwatch.callback``,
+``gradwatch.check``, ``gradwatch.report``) and the package itself."""
 
-FRAMEWORKS = {"lightning", "pytorch_lightning", "tensorboard", "tensorboardX"}
+FRAMEWORKS = {"lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate"}
 
 
 def _name(path: Path) -> str:
@@ -84,6 +92,28 @@ def _gradwatch_imports(path: Path) -> set[str]:
 def test_engine_imports_no_framework(name: str) -> None:
     frameworks = {n for n in _imports(MODULES[name]) if n.split(".")[0] in FRAMEWORKS}
     assert not frameworks, f"gradwatch.{name} imports {frameworks}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n == "watch" or n.startswith("watch.")))
+def test_the_watch_imports_no_framework(name: str) -> None:
+    frameworks = {n for n in _imports(MODULES[name]) if n.split(".")[0] in FRAMEWORKS}
+    assert not frameworks, f"gradwatch.{name} imports {frameworks}"
+
+
+def test_importing_gradwatch_imports_neither_lightning_nor_transformers() -> None:
+    code = (
+        "import sys, gradwatch\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in {'lightning', 'pytorch_lightning', 'transformers'}]\n"
+        "assert not loaded, loaded\n"
+        "assert gradwatch.GradientWatch is not None\n"
+        "from gradwatch import GradWatch  # the Lightning adapter, imported when asked for\n"
+        "assert 'lightning' in sys.modules\n"
+        "print(gradwatch.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}  # this checkout's gradwatch, not an installed one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).parent == PACKAGE
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("tensorboard")))

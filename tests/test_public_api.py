@@ -15,14 +15,18 @@ def test_the_public_names_are_exported_from_the_package() -> None:
         "GradWatch",
         "GradientCheckError",
         "GradientCheckWarning",
+        "GradientWatch",
         "Probe",
         "check_gradients",
     }
     from gradwatch.engine import check_gradients
     from gradwatch.lightning import GradWatch
+    from gradwatch.watch import GradientCheckWarning, GradientWatch
 
     assert gradwatch.check_gradients is check_gradients
     assert gradwatch.GradWatch is GradWatch
+    assert gradwatch.GradientWatch is GradientWatch
+    assert gradwatch.GradientCheckWarning is GradientCheckWarning
 
 
 @pytest.mark.parametrize(
@@ -32,6 +36,14 @@ def test_the_public_names_are_exported_from_the_package() -> None:
         ("gradwatch.callback", "gradwatch.lightning.publishing", ["progress_status", "PROGRESS_BAR_KEY"]),
         ("gradwatch.callback", "gradwatch.lightning.training_step", ["training_step_loss"]),
         ("gradwatch.check", "gradwatch.engine.check", ["check_gradients"]),
+        ("gradwatch.lightning.schedule", "gradwatch.watch.schedule", ["Schedule"]),
+        ("gradwatch.lightning.overhead", "gradwatch.watch.overhead", ["OverheadClock"]),
+        (
+            "gradwatch.lightning.alerts",
+            "gradwatch.watch.alerts",
+            ["AlertPolicy", "Backoff", "GradientCheckWarning", "Remarks", "failure_message"],
+        ),
+        ("gradwatch.lightning.training_step", "gradwatch.watch.hooks", ["NoLossToCheckError"]),
         ("gradwatch.report", "gradwatch.engine.report", ["CheckReport", "Probe", "GradientCheckError", "VERDICTS"]),
         (
             "gradwatch.tensorboard",
@@ -39,7 +51,18 @@ def test_the_public_names_are_exported_from_the_package() -> None:
             ["write_report", "failures_markdown", "FAILURES_TAG"],
         ),
     ],
-    ids=["callback", "callback-publishing", "callback-loss", "check", "report", "tensorboard"],
+    ids=[
+        "callback",
+        "callback-publishing",
+        "callback-loss",
+        "check",
+        "schedule",
+        "overhead",
+        "alerts",
+        "no-loss",
+        "report",
+        "tensorboard",
+    ],
 )
 def test_old_import_paths_give_the_same_objects(old: str, new: str, names: list[str]) -> None:
     before, now = importlib.import_module(old), importlib.import_module(new)

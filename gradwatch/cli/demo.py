@@ -27,9 +27,10 @@ from gradwatch.cli.demo_models import (
     ScaledGradClassifier,
     synthetic_loader,
 )
+from gradwatch.engine.rendering import SEARCH_KINDS, render_text
 from gradwatch.engine.report import CheckReport
-from gradwatch.lightning.alerts import GradientCheckWarning
 from gradwatch.lightning.callback import GradWatch
+from gradwatch.watch.alerts import GradientCheckWarning
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,8 @@ def _fmt(value: float, spec: str) -> str:
     return "n/a" if math.isnan(value) else format(value, spec)
 
 
-_SEARCH_KINDS = ("activation", "module_input", "module_params")
-"""The probes of a culprit search: they locate the victims' culprit, and are not victims themselves."""
+DEMO_LIMIT = 8
+"""Failing probes of the first failing check the demo lists."""
 
 
 def describe(name: str, reports: list[CheckReport]) -> str:
@@ -122,11 +123,8 @@ def describe(name: str, reports: list[CheckReport]) -> str:
     failing = [r for r in reports if r.verdict == "fail"]
     if failing:
         first = failing[0]
-        lines.append(f"\nfirst failing check (step {first.step}):")
-        if first.culprit_message:
-            lines.append(f"  culprit: {first.culprit_message}")
-        lines += [f"  {probe.describe()}" for probe in first.failures if probe.kind not in _SEARCH_KINDS]
-        tensors = sorted({p.target for r in failing for p in r.failures if p.kind not in _SEARCH_KINDS})
+        lines.append(f"\nfirst failing check:\n{render_text(first, prefix='', limit=DEMO_LIMIT)}")
+        tensors = sorted({p.target for r in failing for p in r.failures if p.kind not in SEARCH_KINDS})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
         culprits = sorted({r.culprits[0] for r in failing if r.culprits})
         if culprits:

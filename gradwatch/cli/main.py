@@ -2,7 +2,7 @@
 
 * ``gradwatch demo [--logdir DIR] [--bug NAME]``: train the example models with gradwatch, print the verdicts and the
   ``tensorboard`` command to look at them (see :mod:`.demo`).
-* ``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch data of the event files under ``LOGDIR`` (see
+* ``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR`` (see
   :mod:`.report`).
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from gradwatch import __version__
 from gradwatch.cli import demo, report
+from gradwatch.cli.output import silence
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,20 +39,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     report_parser = commands.add_parser(
         "report",
-        help="summarise the gradwatch results in TensorBoard event files",
-        description="Summarise the gradwatch results in the TensorBoard event files under LOGDIR: the checks, "
-        "verdicts over time, the worst tensors and every failure. Exit status 0 when no failure was recorded, 1 "
-        "when one was, 2 when the input cannot be read, 3 when every check of a run was inconclusive.",
+        help="summarise the gradwatch results recorded under a log directory",
+        description="Summarise the gradwatch results under LOGDIR (the gradwatch.jsonl every logger's run gets, and "
+        "TensorBoard event files): the culprits, the checks, verdicts over time, the worst tensors and every failure. "
+        "Exit status 0 when no failure was recorded, 1 when one was, 2 when the input cannot be fully read (each "
+        "problem on one line: path and reason), 3 when every check of a run was inconclusive.",
     )
     report.add_arguments(report_parser)
     report_parser.set_defaults(handler=report.report)
     return parser
 
 
+EXIT_OUTPUT_CLOSED = 1
+"""The exit status of a command whose output's reader went away before it ended (``gradwatch demo | head``);
+``gradwatch report`` keeps its own verdict, decided before it prints."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gradwatch`` console script and of ``python -m gradwatch``."""
-    args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    """Entry point of the ``gradwatch`` console script and of ``python -m gradwatch``.
+
+    A reader that goes away (``gradwatch report DIR | head``) ends the output quietly, without a BrokenPipeError
+    traceback (see :mod:`.output`)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.handler(args))
+    except BrokenPipeError:
+        silence(sys.stdout)
+        silence(sys.stderr)
+        return EXIT_OUTPUT_CLOSED
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch data of the event files under ``LOGDIR``.
+"""``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR``: the JSON lines
+record every logger's run gets (``gradwatch.jsonl``) and TensorBoard event files (:mod:`gradwatch.outputs.reading`).
 
-Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be read
-(a missing or empty directory, corrupt event files, no gradwatch data) or the command line is wrong, 3 when a run's
-every check was inconclusive (a gate that passed would have checked nothing).
+Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be
+fully read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a
+name that is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch
+data) or the command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked
+nothing). Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in
+silence, so exit 0 means every record was read.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradwatch.tensorboard.events import EventFilesError, RunEvents, read_logdir
+from gradwatch.cli.output import emit
+from gradwatch.engine.rendering import SEARCH_KINDS
+from gradwatch.outputs.reading import read_logdir
+from gradwatch.tensorboard.events import EventFilesError, FailureRecord, RunEvents
+from gradwatch.tensorboard.files import shown
 
 EXIT_OK = 0
 EXIT_FAILURE_RECORDED = 1
@@ -50,8 +58,39 @@ def _elide(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | 
     return [*rows[:head], marker, *rows[len(rows) - tail :]]
 
 
+def _first(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | str]:
+    """The first ``max_rows`` rows (0: all) of a ranking, then a line saying how many more there are."""
+    if max_rows <= 0 or len(rows) <= max_rows:
+        return list(rows)
+    return [*rows[:max_rows], f"... and {len(rows) - max_rows} more {what} (--max-rows 0 shows all)"]
+
+
+def _culprit_lines(run: RunEvents, max_rows: int) -> list[str]:
+    """One line per check that named a culprit, the first ``max_rows`` (0: all), then how many were left out."""
+    rows = [[f"culprit at step {step}: {message}"] for step, message in run.culprits.items()]
+    lines = [row if isinstance(row, str) else row[0] for row in _first(rows, max_rows, "culprit lines")]
+    return [*lines, ""] if lines else []
+
+
+def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
+    """The tensors with failing probes, most failing probes first. The probes of a culprit search are left out: their
+    target is a module (``""`` the model itself), which the culprit line names better than a count."""
+    by_tensor: dict[str, list[float]] = {}
+    steps_by_tensor: dict[str, set[int]] = {}
+    for f in failures:
+        if f.kind in SEARCH_KINDS:
+            continue
+        by_tensor.setdefault(f.tensor, []).append(f.rel_error)
+        steps_by_tensor.setdefault(f.tensor, set()).add(f.step)
+
+    worst = {t: max((e for e in errors if not math.isnan(e)), default=math.nan) for t, errors in by_tensor.items()}
+    order = sorted(by_tensor, key=lambda t: (-len(by_tensor[t]), -worst[t] if not math.isnan(worst[t]) else 0.0, t))
+    return [[t, str(len(by_tensor[t])), str(len(steps_by_tensor[t])), _fmt(worst[t])] for t in order]
+
+
 def format_run(run: RunEvents, max_rows: int = 20) -> str:
-    """The report of one run: verdict counts, the checks over time, the worst tensors and every failure."""
+    """The report of one run: verdict counts, the culprits, the checks over time, the worst tensors and every
+    failure."""
     checks = run.checks
     counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in ("ok", "inconclusive", "fail")}
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
@@ -61,11 +100,7 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
         + (f"; first failure at step {failing_steps[0]}" if failing_steps else "")
         + " ==",
         "",
-        *(
-            [f"culprit at step {step}: {message}" for step, message in list(run.culprits.items())[:3]] + [""]
-            if run.culprits
-            else []
-        ),
+        *_culprit_lines(run, max_rows),
         "checks (verdicts over time):",
     ]
     rows = [
@@ -84,15 +119,14 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
     lines += _table(header, _elide(rows, max_rows, "checks"), "><>>>>>")
 
     if run.failures:
-        by_tensor: dict[str, list[float]] = {}
-        steps_by_tensor: dict[str, set[int]] = {}
-        for f in run.failures:
-            by_tensor.setdefault(f.tensor, []).append(f.rel_error)
-            steps_by_tensor.setdefault(f.tensor, set()).add(f.step)
-        worst = sorted(by_tensor, key=lambda t: (-len(by_tensor[t]), -max(by_tensor[t])))
-        lines += ["", "worst tensors (by failing probes; '*' is the descent probe along the whole gradient):"]
-        rows = [[t, str(len(by_tensor[t])), str(len(steps_by_tensor[t])), _fmt(max(by_tensor[t]))] for t in worst]
-        lines += _table(["tensor", "failing probes", "in checks", "worst rel. err"], rows, "<>>>")
+        tensors = _worst_tensors(run.failures)
+        if tensors:
+            lines += ["", "worst tensors (by failing probes; '*' is the descent probe along the whole gradient):"]
+            lines += _table(
+                ["tensor", "failing probes", "in checks", "worst rel. err"],
+                _first(tensors, max_rows, "tensors"),
+                "<>>>",
+            )
         lines += ["", "failures:"]
         rows = [
             [str(f.step), f.kind, f.tensor, f.index or "-", f"{f.analytic:.6g}", f"{f.numeric:.6g}", _fmt(f.rel_error)]
@@ -101,7 +135,7 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
         header = ["step", "kind", "tensor", "index", "analytic", "numeric", "rel. err"]
         lines += _table(header, _elide(rows, max_rows, "failures"), "><<<>>>")
     elif failing_steps:
-        lines += ["", "failing checks were logged, but no failure table (was a TensorBoardLogger used?)"]
+        lines += ["", "failing checks were logged, but not their failing probes (no gradwatch.jsonl, no failure text)"]
     return "\n".join(lines)
 
 
@@ -155,35 +189,48 @@ def plot(runs: Sequence[RunEvents], path: Path) -> None:
     plt.close(figure)
 
 
+def verdict(runs: Sequence[RunEvents]) -> tuple[int, str]:
+    """The exit status and the result line of a report over ``runs``."""
+    failed = [run.name for run in runs if run.failed]
+    if failed:
+        names = ", ".join(failed)
+        return EXIT_FAILURE_RECORDED, f"result: FAIL, gradient failures recorded in {names} (exit status 1)"
+    blind = [run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in run.checks)]
+    if blind:
+        names = ", ".join(blind)
+        return EXIT_NOTHING_CHECKED, f"result: NOTHING CHECKED, every check of {names} was inconclusive (exit status 3)"
+    return EXIT_OK, "result: ok, no gradient failure recorded (exit status 0)"
+
+
+def _error(message: str) -> int:
+    emit(f"gradwatch report: error: {message}", sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def report(args: argparse.Namespace) -> int:
-    """``gradwatch report``: print the summary of every run under the log directory; exit status as documented."""
+    """``gradwatch report``: print the summary of every run under the log directory; exit status as documented.
+
+    The exit status is decided before anything is printed, so a reader that stops early (``| head``) changes nothing.
+    """
     try:
         if args.plot is not None:
             _pyplot()  # before reading anything, so a missing extra costs no wait
         runs = read_logdir(args.logdir)
     except (EventFilesError, MissingExtraError) as error:
-        print(f"gradwatch report: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"gradwatch report: {args.logdir} ({len(runs)} run{'s' if len(runs) != 1 else ''})\n")
-    for run in runs:
-        print(format_run(run, args.max_rows))
-        print()
-    failed = [run.name for run in runs if run.failed]
+        return _error(str(error))
+    code, result = verdict(runs)
+    blocks = [f"gradwatch report: {shown(args.logdir)} ({len(runs)} run{'s' if len(runs) != 1 else ''})\n"]
+    blocks += [format_run(run, args.max_rows) + "\n" for run in runs]
+    if not all(emit(block) for block in blocks):
+        return code  # the reader went away; the verdict stands
     if args.plot is not None:
-        plot(runs, args.plot)
-        print(f"plot written to {args.plot}")
-    if failed:
-        print(f"result: FAIL, gradient failures recorded in {', '.join(failed)} (exit status {EXIT_FAILURE_RECORDED})")
-        return EXIT_FAILURE_RECORDED
-    blind = [run.name for run in runs if not any(check.verdict in ("ok", "fail") for check in run.checks)]
-    if blind:
-        print(
-            f"result: NOTHING CHECKED, every check of {', '.join(blind)} was inconclusive (exit status "
-            f"{EXIT_NOTHING_CHECKED})"
-        )
-        return EXIT_NOTHING_CHECKED
-    print(f"result: ok, no gradient failure recorded (exit status {EXIT_OK})")
-    return EXIT_OK
+        try:
+            plot(runs, args.plot)
+        except OSError as error:
+            return _error(f"cannot write the plot {shown(args.plot)} ({error.strerror or error})")
+        emit(f"plot written to {shown(args.plot)}")
+    emit(result)
+    return code
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 :func:`check_gradients` checks one model on one batch and returns a :class:`CheckReport`. Its parts, lowest layer
 first (each imports only from the layers below it):
 
-* :mod:`.report` and :mod:`.validation`: results as data, argument checks;
+* :mod:`.kinds`, :mod:`.notes`, :mod:`.report` and :mod:`.validation`: probe kinds (with the table of their
+  properties), verdicts, reasons and note codes as enums, results as data, argument checks;
 * :mod:`.sharding`: the reductions across the ranks of a sharded (FSDP2) check, the identity everywhere else;
 * :mod:`.numerics`: steps, tolerances, stencils and their verdicts, norms;
 * :mod:`.function`: the loss as one deterministic function (batch structure, state snapshot and restore, float64

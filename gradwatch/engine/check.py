@@ -34,9 +34,11 @@ from gradwatch.engine.compiled import compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import PRECISIONS, Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.kinds import Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -46,12 +48,13 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, Verdict
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters, unmatched_patterns
+from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.parameters import is_sharded, local_shards, lockstep, register_like
+from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
 
 __all__ = ["check_gradients"]
 
@@ -76,6 +79,7 @@ def check_gradients(
     float64_reductions: bool = True,
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
+    settings: ProbeSettings | None = None,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
@@ -120,6 +124,9 @@ def check_gradients(
         fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
             ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
+        settings: All the options above but ``step``, ``focus`` and ``rotation`` at once, as one
+            :class:`~gradwatch.engine.settings.ProbeSettings` (what :class:`~gradwatch.GradientWatch` passes, built
+            once for a whole run); those options must then be left at their defaults.
 
     Returns:
         A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
@@ -142,29 +149,60 @@ def check_gradients(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
     validate.check_int("step", step, minimum=0)
-    for name, value in (
-        ("tensor_probes", tensor_probes),
-        ("random_probes", random_probes),
-        ("param_probes", param_probes),
-        ("input_probes", input_probes),
-    ):
-        validate.check_int(name, value, minimum=0)
-    validate.check_optional_int("probe_batch_size", probe_batch_size, minimum=1)
-    validate.check_choice("precision", precision, PRECISIONS)
-    ignore = validate.check_patterns("ignore", ignore)
+    options = {
+        "tensor_probes": tensor_probes,
+        "random_probes": random_probes,
+        "param_probes": param_probes,
+        "input_probes": input_probes,
+        "probe_batch_size": probe_batch_size,
+        "precision": precision,
+        "ignore": ignore,
+        "rtol": rtol,
+        "seed": seed,
+        "float64_reductions": float64_reductions,
+        "vectorize": vectorize,
+        "fail_on_imprecise": fail_on_imprecise,
+    }
     focus = validate.check_patterns("focus", focus)
-    validate.check_fraction("rtol", rtol, optional=True)
-    validate.check_int("seed", seed, minimum=0)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    validate.check_bool("float64_reductions", float64_reductions)
-    validate.check_bool("vectorize", vectorize)
-    validate.check_bool("fail_on_imprecise", fail_on_imprecise)
+    return _check(model, batch, loss_fn, _settings(settings, options), step, rotation, focus)
 
+
+def _settings(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
+    """``settings`` when given (the options one by one left at their defaults), else the options one by one."""
+    if settings is None:
+        return ProbeSettings(**options)
+    if not isinstance(settings, ProbeSettings):
+        raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
+    default = ProbeSettings()
+    given = sorted(
+        name
+        for name, value in options.items()
+        if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
+    )
+    if given:
+        raise ValueError(
+            f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
+        )
+    return settings
+
+
+def _check(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    settings: ProbeSettings,
+    step: int,
+    rotation: int | None,
+    focus: tuple[str, ...],
+) -> CheckReport:
+    """:func:`check_gradients` once its arguments are validated."""
+    ignore, precision, vectorize = settings.ignore, settings.precision, settings.vectorize
     started = time.perf_counter()
     surrogates = find_stock_surrogates(model)
     params = checked_parameters(model, ignore, surrogates.unprobed)
     for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
-        warnings.warn(message, UserWarning, stacklevel=2)
+        warnings.warn(message, UserWarning, stacklevel=3)
     unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
     if unknown:
         raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
@@ -172,35 +210,38 @@ def check_gradients(
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
     collective: Collective | None = None
-    sharding_notes: list[str] = []
+    sharding_notes: list[Note] = []
     if is_sharded(params):
         collective, params = local_shards(params)
-        surrogates.exempt = {name: _local_mask(collective, mask, dict(params)[name]) for name, mask in
+        surrogates.exempt = {name: local_mask(collective, mask, dict(params)[name]) for name, mask in
                              surrogates.exempt.items() if name in dict(params)}  # fmt: skip
         sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
     plan = ProbePlan(
         portfolio=PortfolioSettings(
-            tensor_probes=tensor_probes,
-            random_probes=random_probes,
-            param_probes=param_probes,
-            input_probes=input_probes,
-            seed=seed,
+            tensor_probes=settings.tensor_probes,
+            random_probes=settings.random_probes,
+            param_probes=settings.param_probes,
+            input_probes=settings.input_probes,
+            seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
             focus=focus,
             exempt={name: mask for name, mask in surrogates.exempt.items() if name in dict(params)},
         ),
-        rtol=rtol if rtol is not None else relative_tolerance(dtype),
+        rtol=settings.rtol if settings.rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
         float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64 and collective is None,
         vectorize=vectorize,
-        fail_on_imprecise=fail_on_imprecise,
+        fail_on_imprecise=settings.fail_on_imprecise,
     )
     state = TrainingState.capture(model)
     with warnings_withheld() as withheld:
         try:
             with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
-                outcome = _run(model, batch, loss_fn, params, state, plan, mode, probe_batch_size, float64_reductions)
+                outcome = _run(
+                    model, batch, loss_fn, params, state, plan, mode, settings.probe_batch_size,
+                    settings.float64_reductions,
+                )  # fmt: skip
         finally:
             state.restore()
     evaluator = outcome.evaluator
@@ -208,7 +249,11 @@ def check_gradients(
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
-            f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: {withheld[0]}"
+            Note(
+                NoteCode.WARNINGS_WITHHELD,
+                f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: "
+                f"{withheld[0]}",
+            )
         )
     unrestored = state.sandbox.unrestorable()
     evaluator.notes += state.sandbox.notes(unrestored)
@@ -263,7 +308,7 @@ def _run(
 ) -> _Outcome:
     """The reference, the probes (unless the reference rules them out), and for a compiled model the comparison of
     its compiled gradient with eager autograd's; the caller restores the state."""
-    notes: list[str] = []
+    notes: list[Note] = []
     used_precision, vectorized = "native", None
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = []
@@ -284,8 +329,11 @@ def _run(
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
             evaluator.notes.append(
-                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}"
+                Note(
+                    NoteCode.LOSS_NEAR_ZERO,
+                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                    f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}",
+                )
             )
         elif not probes:
             measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
@@ -314,34 +362,32 @@ def _run(
     )
 
 
-def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[str], ResolvedPrecision, bool]:
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
     """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
     notes = [
-        f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
-        "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
-        "forward pass; no input coordinate probes and no culprit search"
+        Note(
+            NoteCode.SHARDED,
+            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+            "forward pass; no input coordinate probes and no culprit search",
+        )
     ]
     if mode == "float64":
-        notes.append("float64 probes are not made on shards (FSDP gathers parameters in their own dtype)")
+        notes.append(
+            Note(
+                NoteCode.SHARDED_NATIVE,
+                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
+            )
+        )
     return notes, "native", False
-
-
-def _local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
-    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
-    if hasattr(mask, "to_local"):
-        local = mask.to_local()
-    else:
-        found = collective.layouts[id(shard)]
-        local = mask[found.offset : found.offset + found.rows]
-    return register_like(collective, local, shard)
 
 
 def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
     """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
     "inconclusive"."""
-    if any(p.verdict == "fail" for p in probes):
-        return "fail"
-    whole = ("descent", "tensor", "input")
-    if any(p.verdict == "ok" and p.index is None and (p.kind in whole or p.target == DESCENT_TARGET) for p in probes):
-        return "ok"
-    return "inconclusive"
+    if any(p.verdict == Verdict.FAIL for p in probes):
+        return Verdict.FAIL
+    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
+    if any(p.verdict == Verdict.OK for p in whole):
+        return Verdict.OK
+    return Verdict.INCONCLUSIVE

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from gradwatch.engine.function.conditions import compiler_disabled
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
 from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
@@ -61,7 +63,7 @@ def compiled_probes(
     params: Sequence[tuple[str, Tensor]],
     state: TrainingState,
     rtol: float,
-    notes: list[str],
+    notes: list[Note],
 ) -> list[Probe]:
     """Compare the gradient training's compiled graph gives on ``batch`` with eager autograd's (see the module doc).
 
@@ -69,7 +71,12 @@ def compiled_probes(
     tensor agrees; ``[]``, with a note, when the comparison could not be made.
     """
     if not hasattr(torch.compiler, "set_stance"):
-        notes.append("the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)")
+        notes.append(
+            Note(
+                NoteCode.COMPILED_UNSUPPORTED,
+                "the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)",
+            )
+        )
         return []
     tensors = [p for _, p in params]
     try:
@@ -80,16 +87,23 @@ def compiled_probes(
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
         notes.append(
-            "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph on "
-            f"this batch would recompile it ({type(error).__name__}: {first_line})"
+            Note(
+                NoteCode.COMPILED_WOULD_RECOMPILE,
+                "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph "
+                f"on this batch would recompile it ({type(error).__name__}: {first_line})",
+            )
         )
         return []
     with compiler_disabled():
         eager_loss, eager = _gradient(model, batch, loss_fn, tensors, state)
     if abs(compiled_loss - eager_loss) > REPRODUCIBILITY_TOLERANCE * abs(eager_loss) + 1e-30:
         notes.append(
-            f"the compiled gradient was not compared with eager autograd's: the compiled loss ({compiled_loss:.9g}) is "
-            f"not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks differ from eager ones"
+            Note(
+                NoteCode.COMPILED_LOSS_DIFFERS,
+                "the compiled gradient was not compared with eager autograd's: the compiled loss "
+                f"({compiled_loss:.9g}) is not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks "
+                "differ from eager ones",
+            )
         )
         return []
     return _compare([name for name, _ in params], compiled, eager, rtol)
@@ -135,14 +149,14 @@ def _compare(names: list[str], compiled: list[Tensor], eager: list[Tensor], rtol
 
 def _probe(target: str, compiled: float, eager: float, rel_error: float, verdict: str, reason: str) -> Probe:
     return Probe(
-        kind="compiled",
+        kind=ProbeKind.COMPILED,
         target=target,
         index=None,
         analytic=compiled,
         numeric=eager,
         rel_error=rel_error,
-        verdict=verdict,  # type: ignore[arg-type]
+        verdict=Verdict(verdict),
         noise=0.0,
         step=0.0,
-        reason=reason,
+        reason=Reason(reason),
     )

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, probe_precision
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, relative_tolerance
@@ -103,7 +104,7 @@ def confirm_at_a_shifted_point(
                 tensor.add_(_shift(tensor, generator, scale))
             inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in evaluator.inputs.items()}
         with evaluator.moved_inputs(inputs):
-            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)
             if moved > MOVED_LOSS:
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
@@ -119,7 +120,9 @@ def confirm_at_a_shifted_point(
                 tensor.copy_(value)
     if replicas is None:
         # rare, and no sign of a tie: the failures stand on their confirmations at the point
-        evaluator.notes.append(f"the failures could not be measured again at a shifted point: {problem}")
+        evaluator.notes.append(
+            Note(NoteCode.SHIFT_UNMEASURED, f"the failures could not be measured again at a shifted point: {problem}")
+        )
         return
     for task, replica in zip(failing, replicas, strict=True):
         _judge_elsewhere(task, replica)
@@ -219,7 +222,7 @@ def confirm_precision(
         evaluator.params = [(name, substitutes.get(id(p), p).requires_grad_()) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
-            reference = evaluator.reference(with_inputs=any(task.kind == "input" for task in failing))
+            reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
             precise = _with_parameter_hooks(reference, native_params)
             analytic = [portfolio.replica(task, evaluator, precise).direction.analytic for task in failing]
         finally:
@@ -250,14 +253,20 @@ def confirm_precision(
     dtype = str(native_dtype).removeprefix("torch.")
     if right:
         evaluator.notes.append(
-            f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
-            f"function there (its slope differs from the {dtype} one)"
+            Note(
+                NoteCode.FLOAT64_UNFAITHFUL_THERE,
+                f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
+                f"function there (its slope differs from the {dtype} one)",
+            )
         )
     if beyond:
         evaluator.notes.append(
-            f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference but "
-            f"the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct formula "
-            f"explains (a backward wrong in {dtype} only?)"
+            Note(
+                NoteCode.IMPRECISE_BEYOND_ROUNDING,
+                f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference "
+                f"but the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct "
+                f"formula explains (a backward wrong in {dtype} only?)",
+            )
         )
 
 

@@ -1,7 +1,7 @@
 """Why a check was inconclusive, in words, and what to do about it.
 
 A run whose checks keep ending inconclusive checks nothing; the callback warns once when that happens
-(:class:`~gradwatch.lightning.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
+(:class:`~gradwatch.watch.alerts.Remarks`), with the reason this module reads from the report: its notes (a loss
 that cannot be reproduced, or is too close to zero to check) and the reasons of its inconclusive probes.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
+from gradwatch.engine.notes import NoteCode
 from gradwatch.engine.report import CheckReport
 
 
@@ -22,7 +23,7 @@ class Diagnosis(NamedTuple):
 
 _BY_NOTE = (
     (
-        "not reproducible",
+        NoteCode.NOT_REPRODUCIBLE,
         Diagnosis(
             "the loss is not the same function at every evaluation: it draws randomness gradwatch cannot replay (a "
             "private torch.Generator)",
@@ -30,7 +31,7 @@ _BY_NOTE = (
         ),
     ),
     (
-        "so close to zero",
+        NoteCode.LOSS_NEAR_ZERO,
         Diagnosis(
             "the loss is so close to zero that the rounding of its gradient alone may exceed any error",
             "check on data the model has not memorised, or train in float64",
@@ -74,8 +75,8 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
     """Why ``report`` is inconclusive and what to do; ``None`` for a conclusive report."""
     if report.verdict != "inconclusive":
         return None
-    for fragment, diagnosis in _BY_NOTE:
-        if any(fragment in note for note in report.notes):
+    for code, diagnosis in _BY_NOTE:
+        if report.noted(code):
             return diagnosis
     reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
     for reason, _ in reasons.most_common():

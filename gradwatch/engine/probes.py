@@ -21,6 +21,7 @@ from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
@@ -95,7 +96,12 @@ def measured_probes(
         except UnfaithfulFloat64Error as error:
             unfaithful = str(error)
     if unfaithful is not None:
-        evaluator.notes.append(f"probes run in the native precision: float64 evaluates another function ({unfaithful})")
+        evaluator.notes.append(
+            Note(
+                NoteCode.FLOAT64_UNFAITHFUL,
+                f"probes run in the native precision: float64 evaluates another function ({unfaithful})",
+            )
+        )
         precision = "native"
         tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, math.nan, plan)
     vectorized = None if measurements is None else measurements.vectorized_outcome
@@ -132,13 +138,23 @@ def _probe(
     ladder = _ladder(plan, measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:
-        evaluator.notes.append("no probe made: the model has no parameter to check and no input with a gradient")
+        evaluator.notes.append(
+            Note(
+                NoteCode.NOTHING_TO_PROBE,
+                "no probe made: the model has no parameter to check and no input with a gradient",
+            )
+        )
         return [], None, None
-    screens = portfolio.screens(input_direction=anchor.kind != "input")
+    screens = portfolio.screens(input_direction=not anchor.kind.traits.moves_inputs)
     unrestorable = evaluator.state.sandbox.unrestorable()
     if plan.vectorize and unrestorable:
         # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
-        evaluator.notes.append(f"points evaluated one by one: the loss changes {unrestorable[0]} in place")
+        evaluator.notes.append(
+            Note(
+                NoteCode.IN_PLACE_UNVECTORISED,
+                f"points evaluated one by one: the loss changes {unrestorable[0]} in place",
+            )
+        )
     elif plan.vectorize:
         measurements.start_vectorizing()
     ladder.first_round(anchor, screens)

@@ -21,8 +21,10 @@ from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, Probe, ProbeKind
+from gradwatch.engine.report import CheckAbandonedError, Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import global_index
 
@@ -41,7 +43,7 @@ def reference_on_a_slice(
     probe_batch_size: int | None,
     with_inputs: bool,
     float64_reductions: bool,
-    notes: list[str],
+    notes: list[Note],
 ) -> tuple[LossEvaluator, Reference, Any]:
     """The evaluator and reference gradient on the first ``probe_batch_size`` samples, or else on the first
     :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says why).
@@ -64,9 +66,14 @@ def reference_on_a_slice(
             raise
         except Exception as error:
             refused = True
-            notes.append(f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")
+            notes.append(
+                Note(
+                    NoteCode.SLICE_REFUSED,
+                    f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})",
+                )
+            )
     if refused:
-        notes.append("probes use the whole batch")
+        notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
     evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
     return evaluator, evaluator.reference(with_inputs=with_inputs), batch
 
@@ -101,11 +108,20 @@ def reproduced_center(
                 if compute_dtype == torch.float64 != native_dtype:
                     raise UnfaithfulFloat64Error(f"its loss is {center:.9g} there, {expected:.9g} in training")
                 evaluator.notes.append(
-                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, {native:.9g} "
-                    "when evaluated again with the same random state); it draws randomness gradwatch cannot replay"
+                    Note(
+                        NoteCode.NOT_REPRODUCIBLE,
+                        f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
+                        f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
+                        "cannot replay",
+                    )
                 )
                 return None
-            evaluator.notes.append("evaluations run with autograd recording: the loss differs under torch.no_grad()")
+            evaluator.notes.append(
+                Note(
+                    NoteCode.AUTOGRAD_RECORDING,
+                    "evaluations run with autograd recording: the loss differs under torch.no_grad()",
+                )
+            )
         center = evaluator.loss()
     return center, _jitter(evaluator, center)
 
@@ -124,7 +140,7 @@ def nonfinite_probes(
     """A failing probe for a non-finite loss, or for each parameter whose gradient has a non-finite entry (only a
     gradient whose norm is not finite is searched for one)."""
     if not math.isfinite(reference.loss):
-        return [_nonfinite_probe("loss", "loss", None, reference.loss)]
+        return [_nonfinite_probe(ProbeKind.LOSS, "loss", None, reference.loss)]
     probes = []
     for (name, _), grad, size in zip(params, reference.param_grads, grad_norms, strict=True):
         if grad is None or math.isfinite(size):
@@ -132,11 +148,11 @@ def nonfinite_probes(
         positions = (~torch.isfinite(grad)).nonzero()
         if len(positions):
             index = tuple(int(i) for i in positions[0])
-            probes.append(_nonfinite_probe("param", name, global_index(grad, index), grad[index].item()))
+            probes.append(_nonfinite_probe(ProbeKind.PARAM, name, global_index(grad, index), grad[index].item()))
         elif sharding_active():  # another rank's shard holds it: every rank must fail alike (and probe no further)
-            probes.append(_nonfinite_probe("param", name, None, size))
+            probes.append(_nonfinite_probe(ProbeKind.PARAM, name, None, size))
     return probes
 
 
 def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
-    return Probe(kind, target, index, value, math.nan, math.inf, "fail", math.nan, 0.0, "nonfinite")
+    return Probe(kind, target, index, value, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0, Reason.NONFINITE)

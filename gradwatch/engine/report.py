@@ -10,32 +10,20 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Literal
+from enum import Enum
+from typing import TypeVar
 
-Verdict = Literal["ok", "fail", "inconclusive"]
-"""``"ok"``: the analytic gradient agrees with the loss. ``"fail"``: it does not, beyond the probe's own numerical
-error and the relative tolerance. ``"inconclusive"``: the probe could not tell (too noisy, or it crossed a kink)."""
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.rendering import render_text
 
-ProbeKind = Literal[
-    "descent", "tensor", "random", "param", "input", "loss", "compiled", "activation", "module_input", "module_params"
-]
-"""``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``: along
-one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one parameter
-tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the batch's floating
-inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself, reported only when it is
-not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``) through the training's compiled
-graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm), which the other probes check against
-finite differences; ``rel_error`` is the norm of their difference relative to the larger (see
-:mod:`gradwatch.engine.compiled`). The culprit search of a failing check (:mod:`gradwatch.engine.culprits`) adds probes
-of one module (``target`` its name as in ``named_modules()``, ``""`` the model itself), each displacing what that
-module alone sees along autograd's gradient there: ``"activation"`` its output, ``"module_input"`` its inputs as it
-receives them, ``"module_params"`` its own parameters during its own forward."""
-
-VERDICTS: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
+VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
 
-UNDECIDED_REASONS = ("kink", "unresolved", "unstable", "tie")
+UNDECIDED_REASONS: tuple[Reason, ...] = tuple(reason for reason in Reason if reason.retried)
 """Why a probe may end undecided where the next check, at another point, could decide."""
+
+_E = TypeVar("_E", bound=Enum)
 
 DESCENT_TARGET = "*"
 """The ``target`` of the descent probe, which moves every trainable parameter at once."""
@@ -46,7 +34,7 @@ class Probe:
     """One comparison between an analytic (autograd) derivative and a finite-difference estimate of it.
 
     Attributes:
-        kind: What was perturbed (see :data:`ProbeKind`).
+        kind: What was perturbed (a :class:`~gradwatch.engine.kinds.ProbeKind`, a ``str``: ``probe.kind == "tensor"``).
         target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
             ``"batch['x']"``, ``"*"`` for the descent probe, or ``"loss"``.
         index: The perturbed coordinate within ``target``, or ``None`` for a probe along a direction.
@@ -55,7 +43,7 @@ class Probe:
         rel_error: ``|numeric − analytic| / max(|numeric|, |analytic|)``, with the denominator floored at the size a
             derivative of the probed tensor can be expected to have, so that a derivative whose true value is zero does
             not read as a 100% error.
-        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"`` (a :class:`~gradwatch.engine.kinds.Verdict`, a ``str``).
         noise: The probe's estimate of the absolute error of ``numeric`` (round-off, truncation and the jitter of
             non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
         step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
@@ -79,8 +67,14 @@ class Probe:
     verdict: Verdict
     noise: float
     step: float
-    reason: str
+    reason: Reason
     evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        # the enums, from the strings older code and users pass: the properties of a kind are then `probe.kind.traits`
+        object.__setattr__(self, "kind", _member(ProbeKind, self.kind, "kind"))
+        object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
+        object.__setattr__(self, "reason", _member(Reason, self.reason, "reason"))
 
     @property
     def location(self) -> str:
@@ -92,7 +86,7 @@ class Probe:
     @property
     def conclusive(self) -> bool:
         """Whether the probe could tell a correct derivative from a wrong one."""
-        return self.verdict != "inconclusive"
+        return self.verdict != Verdict.INCONCLUSIVE
 
     def describe(self) -> str:
         """One line naming where the probe looked, both derivatives and the verdict."""
@@ -115,7 +109,8 @@ class CheckReport:
         n_forward: Loss evaluations spent (the reference pass included).
         n_backward: Backward passes spent (one: the reference gradient).
         duration_s: Wall time of the check in seconds.
-        notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient.
+        notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient: each a
+            :class:`~gradwatch.engine.notes.Note`, a ``str`` with a stable ``code`` (see :meth:`noted`).
         samples: How many samples of the batch the probes used (``None`` when the batch has no tensor).
         precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
         rtol: The relative tolerance the probes were judged with: the one asked for, raised where the loss is so
@@ -148,7 +143,7 @@ class CheckReport:
     n_forward: int
     n_backward: int
     duration_s: float
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
     samples: int | None = None
     precision: str = "native"
     rtol: float = math.nan
@@ -160,15 +155,23 @@ class CheckReport:
     culprits: list[str] = field(default_factory=list)
     culprit_message: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
+
+    def noted(self, code: NoteCode | str) -> list[Note]:
+        """The notes with ``code`` (a :class:`~gradwatch.engine.notes.NoteCode`), in order: ``report.noted("sharded")``
+        is the note of a sharded check, ``[]`` if it was not sharded."""
+        return [note for note in self.notes if getattr(note, "code", None) == code]
+
     @property
     def failures(self) -> list[Probe]:
         """The failing probes, in the order they were run."""
-        return [p for p in self.probes if p.verdict == "fail"]
+        return [p for p in self.probes if p.verdict == Verdict.FAIL]
 
     @property
     def descent(self) -> Probe | None:
         """The descent probe, or ``None`` when the check had none (no trainable parameter with a gradient)."""
-        return next((p for p in self.probes if p.kind == "descent"), None)
+        return next((p for p in self.probes if p.kind == ProbeKind.DESCENT), None)
 
     @property
     def descent_ratio(self) -> float:
@@ -186,11 +189,11 @@ class CheckReport:
         names = (
             p.target
             for p in self.probes
-            if p.kind == "tensor" and p.verdict == "inconclusive" and p.reason in UNDECIDED_REASONS
+            if p.kind.traits.refocused and p.verdict == Verdict.INCONCLUSIVE and p.reason in UNDECIDED_REASONS
         )
         return tuple(dict.fromkeys(names))
 
-    def count(self, verdict: Verdict) -> int:
+    def count(self, verdict: Verdict | str) -> int:
         """How many probes ended with ``verdict``."""
         return sum(p.verdict == verdict for p in self.probes)
 
@@ -248,6 +251,10 @@ class CheckReport:
         return "\n".join(lines)
 
 
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
 class GradientCheckError(RuntimeError):
     """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
 
@@ -256,10 +263,7 @@ class GradientCheckError(RuntimeError):
     """
 
     def __init__(self, report: CheckReport) -> None:
-        failures = "\n".join(f"  {p.describe()}" for p in report.failures) or "  (no failing probe)"
-        findings = "".join(f"\n  {finding}" for finding in report.surrogates)
-        culprit = f" {report.culprit_message}" if report.culprit_message else ""
-        super().__init__(f"gradient check failed at step {report.step}:{culprit}\n{failures}{findings}")
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
         self.report = report
 
 
@@ -267,3 +271,12 @@ class CheckAbandonedError(RuntimeError):
     """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
     sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
     slice, no vectorised pass, no input probes) let it through."""
+
+
+def _member(enum: type[_E], value: str, argument: str) -> _E:
+    """``value`` as a member of ``enum``, naming the argument and the choices when it is none."""
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(repr(member.value) for member in enum)
+        raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import measure
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
@@ -43,8 +44,6 @@ tensor (a piecewise-constant function: a straight-through estimator)."""
 ROUNDING = 64
 """A coarse probe's loss change must exceed this many ulps of the loss in the parameter's dtype to count as a move: a
 loss that truly does not depend on the tensor (a bias before BatchNorm) still moves by its rounding."""
-
-_TENSOR_KINDS = ("tensor", "random", "param")
 
 
 def straight_through(
@@ -96,7 +95,7 @@ def _by_tensor(tasks: Sequence[ProbeTask]) -> dict[int, list[ProbeTask]]:
     """The measured probes of each parameter tensor (along its gradient, a random direction or a coordinate)."""
     by_tensor: dict[int, list[ProbeTask]] = {}
     for task in tasks:
-        if task.kind in _TENSOR_KINDS and task.tensor >= 0 and task.result is not None:
+        if task.kind.traits.one_tensor and task.tensor >= 0 and task.result is not None:
             by_tensor.setdefault(task.tensor, []).append(task)
     return by_tensor
 
@@ -144,7 +143,7 @@ def _mark(task: ProbeTask) -> None:
 def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: Sequence[int], rtol: float) -> None:
     """Mark the failing descent probe inconclusive if the straight-through tensors' share of its predicted decrease
     is all it is missing."""
-    descent = next((task for task in tasks if task.kind == "descent"), None)
+    descent = next((task for task in tasks if task.kind == ProbeKind.DESCENT), None)
     if descent is None or not descent.failed or descent.result is None:
         return
     slope = descent.direction.analytic

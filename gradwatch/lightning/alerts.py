@@ -1,158 +1,23 @@
-"""What happens when a check fails: a warning, an exception, a stop request or a user callback.
+"""Old import path, kept: ``gradwatch.lightning.alerts`` is now :mod:`gradwatch.watch.alerts`."""
 
-Warnings are rate-limited with exponential backoff: the 1st, 2nd, 4th, 8th, ... failing check warns, so a bug present
-from step 1 of a week-long run produces a few dozen warnings rather than thousands. Every failing report stays
-available in ``GradWatch.reports`` and in the logs regardless.
-"""
+from gradwatch.watch.alerts import (
+    BLIND_AFTER,
+    ON_FAIL_CHOICES,
+    AlertPolicy,
+    Backoff,
+    GradientCheckWarning,
+    OnFail,
+    Remarks,
+    failure_message,
+)
 
-from __future__ import annotations
-
-import logging
-import warnings
-from collections.abc import Callable
-from typing import Literal
-
-from gradwatch.engine.diagnosis import diagnose
-from gradwatch.engine.report import CheckReport, GradientCheckError
-
-log = logging.getLogger(__name__)
-
-OnFail = Literal["warn", "raise", "stop"] | Callable[[CheckReport], object]
-ON_FAIL_CHOICES = ("warn", "raise", "stop")
-
-
-class GradientCheckWarning(UserWarning):
-    """Issued when a gradient check fails (``on_fail="warn"`` or ``"stop"``) or cannot run."""
-
-
-class Backoff:
-    """Lets through events number 1, 2, 4, 8, ... of a series; the rest are counted."""
-
-    def __init__(self, count: int = 0) -> None:
-        self.count = count
-
-    def admit(self) -> bool:
-        """Count one event; whether it should be reported."""
-        self.count += 1
-        return self.count & (self.count - 1) == 0
-
-    @property
-    def next_reported(self) -> int:
-        """The number of the next event that will be reported."""
-        return 1 << self.count.bit_length()
-
-
-def failure_message(report: CheckReport, limit: int = 5) -> str:
-    """A readable account of a failing report: where the gradient is wrong and by how much."""
-    failures = report.failures
-    lines = [f"gradwatch: gradient check failed at step {report.step} ({len(failures)} of {len(report.probes)} probes)"]
-    if report.culprit_message:
-        lines[0] = f"gradwatch: gradient check failed at step {report.step}: {report.culprit_message}"
-        lines.append(f"  ({len(failures)} of {len(report.probes)} probes failed)")
-    lines += [f"  {probe.describe()}" for probe in failures[:limit]]
-    if len(failures) > limit:
-        lines.append(f"  ... and {len(failures) - limit} more")
-    lines += [f"  {finding}" for finding in report.surrogates]
-    return "\n".join(lines)
-
-
-class AlertPolicy:
-    """Applies ``on_fail`` to failing reports.
-
-    Args:
-        on_fail: ``"warn"``: a :class:`GradientCheckWarning` and a log record (rate-limited). ``"raise"``:
-            :class:`~gradwatch.report.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
-            with the failing report.
-    """
-
-    def __init__(self, on_fail: OnFail, failures: Backoff | None = None, errors: Backoff | None = None) -> None:
-        self.on_fail = on_fail
-        self.failures = failures or Backoff()
-        self.errors = errors or Backoff()
-
-    def handle(self, report: CheckReport) -> bool:
-        """React to a report; returns whether training should stop. Reports that did not fail are ignored."""
-        if report.verdict != "fail":
-            return False
-        if self.on_fail == "raise":
-            raise GradientCheckError(report)
-        if callable(self.on_fail):
-            self.on_fail(report)
-            return False
-        if self.failures.admit():
-            message = failure_message(report)
-            if self.on_fail == "stop":
-                message += "\n  stopping training (on_fail='stop')"
-            else:
-                message += (
-                    f"\n  (failing check #{self.failures.count}; the next warning comes at failing check "
-                    f"#{self.failures.next_reported}, every report is kept in GradWatch.reports)"
-                )
-            log.warning(message)
-            warnings.warn(message, GradientCheckWarning, stacklevel=2)
-        return self.on_fail == "stop"
-
-    def check_error(self, step: int, error: Exception) -> None:
-        """Report (rate-limited) a check that could not run; training goes on."""
-        if self.errors.admit():
-            message = (
-                f"gradwatch: the gradient check at step {step} could not run and was skipped "
-                f"({type(error).__name__}: {error}); training is unaffected"
-            )
-            log.warning(message, exc_info=error)
-            warnings.warn(message, GradientCheckWarning, stacklevel=2)
-
-
-BLIND_AFTER = 3
-"""Inconclusive checks in a row after which the run is warned that it checks nothing."""
-
-
-class Remarks:
-    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record; a
-    :class:`GradientCheckWarning` the first time a check could not put back what ``training_step`` changed, the first
-    time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and for each surrogate
-    gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
-
-    def __init__(self) -> None:
-        self._noted: set[str] = set()
-        self._warned_unrestored = False
-        self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
-        self._warned_blind = False
-
-    def hear(self, report: CheckReport) -> None:
-        self._watch_for_blindness(report)
-        for note in report.notes:
-            if note not in self._noted:  # a note that comes back at every check is said once
-                self._noted.add(note)
-                log.info("gradwatch (step %d): %s", report.step, note)
-        for finding in report.surrogates:
-            if finding not in self._noted:
-                self._noted.add(finding)
-                warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
-        if report.unrestored and not self._warned_unrestored:
-            self._warned_unrestored = True
-            warnings.warn(
-                f"gradwatch: at step {report.step} training_step changed {', '.join(report.unrestored)} in place and "
-                "gradwatch could not put it back, so this run is not exactly as it would be without checks; pass "
-                "GradWatch(loss_fn=...) a loss without that side effect",
-                GradientCheckWarning,
-                stacklevel=2,
-            )
-
-    def _watch_for_blindness(self, report: CheckReport) -> None:
-        if report.verdict != "inconclusive":
-            self._inconclusive.clear()
-            return
-        self._inconclusive.append(report)
-        if len(self._inconclusive) < BLIND_AFTER or self._warned_blind:
-            return
-        self._warned_blind = True
-        diagnosis = diagnose(report)
-        assert diagnosis is not None
-        steps = ", ".join(str(r.step) for r in self._inconclusive)
-        message = (
-            f"gradwatch: the last {len(self._inconclusive)} checks (steps {steps}) were inconclusive, so the gradients "
-            f"are not being checked: {diagnosis.reason}. Remedy: {diagnosis.remedy}"
-        )
-        log.warning(message)
-        warnings.warn(message, GradientCheckWarning, stacklevel=3)
+__all__ = [
+    "BLIND_AFTER",
+    "ON_FAIL_CHOICES",
+    "AlertPolicy",
+    "Backoff",
+    "GradientCheckWarning",
+    "OnFail",
+    "Remarks",
+    "failure_message",
+]

@@ -10,8 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import VERDICTS, CheckReport
-from gradwatch.engine.sharding import SHARDED_NOTE
 
 
 def distributed(trainer: pl.Trainer) -> bool:
@@ -42,8 +42,14 @@ def agree(trainer: pl.Trainer, report: CheckReport | None, error: Exception | No
     verdicts = ", ".join(
         f"rank {r}: {outcome[0].verdict if outcome[0] else 'skipped'}" for r, outcome in enumerate(outcomes)
     )
-    if any(note.startswith(SHARDED_NOTE) for note in chosen.notes):
-        note = f"one check of the global loss, run together by every process ({verdicts}); this report is rank {rank}'s"
+    if chosen.noted(NoteCode.SHARDED):
+        note = Note(
+            NoteCode.RANKS_TOGETHER,
+            f"one check of the global loss, run together by every process ({verdicts}); this report is rank {rank}'s",
+        )
     else:
-        note = f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s"
+        note = Note(
+            NoteCode.RANKS_SHARDS,
+            f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s",
+        )
     return dataclasses.replace(chosen, notes=[*chosen.notes, note])

@@ -1,31 +1,139 @@
-"""Where a check's report goes in a Lightning run: the trainer's loggers (scalars, and for TensorBoard the histogram,
-the failure table and the dashboard layout), and the progress bar."""
+"""Where a check's report goes in a Lightning run: every logger, ``trainer.callback_metrics`` and the progress bar.
+
+The report becomes records once (:func:`gradwatch.outputs.records_of`), and each logger gets what it can show:
+
+* every logger: the ``gradwatch/*`` scalars through ``log_metrics`` (at the trainer's step);
+* ``trainer.callback_metrics``: the same scalars, so ``EarlyStopping(monitor="gradwatch/verdict")`` or a
+  ``ModelCheckpoint`` can act on them (every rank: the ranks agree on the report);
+* TensorBoard: the histogram of log10 relative errors and the failure text (:class:`SummaryWriterSink`) and, once,
+  the dashboard's layout;
+* loggers with text support, found by what they offer, not by importing their libraries: Weights & Biases
+  (``log_text``) and MLflow (``experiment.log_text``) get the failure text with the culprit;
+* every logger's directory (``log_dir``, else ``save_dir``, else the trainer's ``default_root_dir``): the JSON lines
+  record, ``gradwatch.jsonl`` (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
+
+Files and texts are written on rank 0 only. A logger that cannot show the failure text or the histograms gets one info
+record per run naming where they are instead, never silence.
+"""
 
 from __future__ import annotations
 
+import logging
+import weakref
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
+import torch
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from gradwatch.engine.report import CheckReport
+from gradwatch.outputs.jsonl import JSONL_NAME
+from gradwatch.outputs.records import CheckRecords, records_of
+from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink
 from gradwatch.tensorboard.dashboard import write_dashboard
-from gradwatch.tensorboard.writer import write_report
+
+log = logging.getLogger(__name__)
 
 PROGRESS_BAR_KEY = "gradwatch"
 
+_noted: weakref.WeakSet[Logger] = weakref.WeakSet()
+"""Loggers already told what they cannot show (once per logger object, so once per run)."""
+_failed_sinks: set[str] = set()
+"""Sinks (by their ``repr``, a file's path) that could not be written, warned about once per process."""
 
-def publish(trainer: pl.Trainer, report: CheckReport, overhead: float) -> None:
-    """Send the report's scalars (and ``gradwatch/overhead``) to every logger at the trainer's step; with a
-    TensorBoard logger on rank 0, its histogram and failure table too, flushed at once when the check failed."""
-    scalars = {**report.scalars(), "gradwatch/overhead": overhead}
-    metrics = {tag: value for tag, value in scalars.items() if value == value}  # drop NaN
+
+def publish(trainer: pl.Trainer, report: CheckReport, overhead: float | None) -> None:
+    """Send the report to every logger at the trainer's step, put its scalars into ``trainer.callback_metrics``, and
+    on rank 0 write what each logger can show (histogram, failure text) and the JSON lines record beside its logs;
+    flushed at once when the check failed."""
+    records = records_of(report, overhead)
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
-        if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-            write_report(logger.experiment, report, trainer.global_step)
-            if report.verdict == "fail":
-                logger.experiment.flush()
+        logger.log_metrics(records.scalars, step=trainer.global_step)
+    feed_callback_metrics(trainer, records)
+    if not trainer.is_global_zero:
+        return
+    for sink in sinks(trainer):
+        try:
+            sink.write(records)
+            if records.failed:
+                sink.flush()
+        except OSError as error:  # a full disk or a read-only directory must not end the training run
+            _warn_once(sink, error)
+
+
+def _warn_once(sink: Sink, error: OSError) -> None:
+    key = repr(sink)
+    if key not in _failed_sinks:
+        _failed_sinks.add(key)
+        log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete", sink, error)
+
+
+def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
+    """The scalars as tensors in ``trainer.callback_metrics`` (what ``EarlyStopping`` and ``ModelCheckpoint``
+    monitor), as ``LearningRateMonitor`` does."""
+    device = trainer.strategy.root_device
+    trainer.callback_metrics.update({tag: torch.tensor(value, device=device) for tag, value in records.scalars.items()})
+
+
+def _directory(trainer: pl.Trainer, logger: Logger) -> Path:
+    for name in ("log_dir", "save_dir"):
+        value = getattr(logger, name, None)
+        if isinstance(value, (str, Path)) and str(value):
+            return Path(value)
+    return Path(trainer.default_root_dir)
+
+
+def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:
+    """The logger's own way to show a text, if it has one (duck-typed: no import of wandb or mlflow)."""
+    if isinstance(logger, TensorBoardLogger):
+        return None  # its SummaryWriterSink writes the text
+    log_text = getattr(logger, "log_text", None)
+    if callable(log_text):  # WandbLogger: a one-row table
+        return lambda tag, text, step: log_text(key=tag, columns=["step", "failures"], data=[[step, text]], step=step)
+    if hasattr(type(logger), "run_id"):  # MLFlowLogger: a markdown artifact per failing check
+        client = getattr(logger, "experiment", None)
+        if callable(getattr(client, "log_text", None)):
+            run_id = logger.run_id  # type: ignore[attr-defined]
+            return lambda tag, text, step: client.log_text(run_id, text, f"{tag}/step_{step}.md")
+    return None
+
+
+def _note_once(logger: Logger, missing: list[str], record: Path) -> None:
+    if logger in _noted or not missing:
+        return
+    _noted.add(logger)
+    log.info(
+        "gradwatch: %s gets gradwatch's scalars but cannot show %s; every check is recorded in %s (read it with "
+        "`gradwatch report %s`)",
+        type(logger).__name__,
+        " or ".join(missing),
+        record,
+        record.parent,
+    )
+
+
+def sinks(trainer: pl.Trainer) -> list[Sink]:
+    """The sinks of the trainer's loggers (rank 0): one per backend that shows more than scalars, and one JSON lines
+    record per log directory."""
+    found: list[Sink] = []
+    records: dict[Path, JsonLinesSink] = {}
+    for logger in trainer.loggers:
+        record = _directory(trainer, logger) / JSONL_NAME
+        records.setdefault(record, JsonLinesSink(record))
+        missing = []
+        if isinstance(logger, TensorBoardLogger):
+            found.append(SummaryWriterSink(logger.experiment, scalars=False))
+        else:
+            missing.append("histograms")
+            text = _text_call(logger)
+            if text is None:
+                missing.insert(0, "the failure text")
+            else:
+                found.append(TextSink(text))
+        _note_once(logger, missing, record)
+    return found + list(records.values())
 
 
 def publish_dashboard(trainer: pl.Trainer) -> None:

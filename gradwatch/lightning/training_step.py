@@ -19,10 +19,9 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from gradwatch.engine import LossFn
+from gradwatch.watch.hooks import NoLossToCheckError  # training_step returned None: no loss to check
 
-
-class NoLossToCheckError(Exception):
-    """``training_step`` returned ``None`` for the checked batch: there is no loss to check."""
+__all__ = ["NoLossToCheckError", "local_batch_norm", "loggers_silenced", "training_step_loss"]
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

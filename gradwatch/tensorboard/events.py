@@ -1,42 +1,58 @@
-"""Reading gradwatch's results back from TensorBoard event files, with TensorBoard's own reader.
+"""Reading gradwatch's results back from TensorBoard event files, one record at a time.
 
-:func:`read_logdir` finds every run (a directory holding ``events.out.tfevents.*`` files) under a log directory, checks
-that TensorBoard can read each event file to its end, and recovers from each run:
+:func:`read_logdir` finds every run (a directory holding ``events.out.tfevents.*`` files) under a log directory, reads
+each event file to its end (:mod:`.tfrecord`: every record's framing and checksums, memory bounded whatever the file's
+size) and recovers from each run:
 
 * one :class:`CheckRecord` per check, from the ``gradwatch/*`` scalars (keyed by the step they were logged at);
 * one :class:`FailureRecord` per failing probe, from the ``gradwatch/failures`` text, the table that
-  :func:`gradwatch.tensorboard.writer.failures_markdown` writes (its columns are found by their header, so a table with
-  more columns still reads).
+  :func:`gradwatch.engine.rendering.render_markdown` writes (its columns are found by their header, so a table with
+  more columns still reads), and the culprit line above it.
 
-Problems with the input (no such directory, no event files, no gradwatch data, an event file TensorBoard cannot read to
-its end) raise :class:`EventFilesError` with a message meant for the user.
+Problems with the input raise :class:`EventFilesError` with the path and the reason in one line: no such directory, no
+event files, no gradwatch data, an unreadable directory or file, something that is not a regular file, a file name
+that is not UTF-8, a damaged or truncated record, a record that is not an event, a verdict that is not 0, 1 or 2, a
+failures text that is not UTF-8 or has an unreadable row. Nothing is skipped in silence.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tensorboard.backend.event_processing import io_wrapper
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from google.protobuf.message import DecodeError
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.util import tensor_util
 
+from gradwatch.engine.rendering import CULPRIT_PREFIX
 from gradwatch.engine.report import VERDICTS
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG
-from gradwatch.tensorboard.writer import CULPRIT_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.files import EventFilesError, find_files, open_regular, shown
+from gradwatch.tensorboard.tfrecord import CorruptRecordError, records
+from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 
 PREFIX = "gradwatch/"
 VERDICT_TAG = "gradwatch/verdict"
 TEXT_SUFFIX = "/text_summary"
 """``SummaryWriter.add_text`` stores text under the tag plus this suffix."""
 
-# Every record of a TFRecord file is framed by a length (8 bytes) and two CRC-32C checksums (4 bytes each)
-_RECORD_FRAMING = 16
-
-
-class EventFilesError(Exception):
-    """The log directory or its event files cannot give a report (missing, empty, corrupt, without gradwatch data)."""
+__all__ = [
+    "CheckRecord",
+    "EventFilesError",
+    "FailureRecord",
+    "RunEvents",
+    "event_files",
+    "parse_culprit",
+    "parse_failures_table",
+    "read_logdir",
+    "read_run",
+    "verify_event_file",
+]
 
 
 @dataclass(frozen=True)
@@ -95,35 +111,59 @@ class RunEvents:
         return bool(self.failures) or any(check.verdict == "fail" for check in self.checks)
 
 
+def is_event_file(name: str) -> bool:
+    """Whether a file name is a TensorBoard event file's (``events.out.tfevents.*``, as TensorBoard tells them)."""
+    return "tfevents" in name
+
+
 def event_files(logdir: Path) -> list[Path]:
-    """Every TensorBoard event file under ``logdir``, sorted."""
-    return sorted(p for p in logdir.rglob("*tfevents*") if p.is_file() and io_wrapper.IsSummaryEventsFile(str(p)))
+    """Every TensorBoard event file under ``logdir``, sorted (see :func:`~gradwatch.tensorboard.files.find_files` for
+    what raises)."""
+    return find_files(Path(logdir), is_event_file)
+
+
+def _events(path: Path) -> Iterator[Event]:
+    """The events of one file, in order, read one record at a time."""
+    try:
+        with open_regular(path) as file:
+            size = os.fstat(file.fileno()).st_size
+            for data in records(file, size):
+                if data is None:
+                    continue  # a record too long to be gradwatch's, checked and skipped
+                try:
+                    yield Event.FromString(data)
+                except DecodeError as error:
+                    raise CorruptRecordError(f"a record that is not a TensorBoard event ({error})") from error
+    except CorruptRecordError as error:
+        raise EventFilesError(f"corrupt event file {shown(path)}: {error}") from error
+    except OSError as error:
+        raise EventFilesError(f"{shown(path)}: cannot read the file ({error.strerror or error})") from error
 
 
 def verify_event_file(path: Path) -> None:
-    """Raise :class:`EventFilesError` unless TensorBoard's record reader reads ``path`` to its last byte.
+    """Raise :class:`EventFilesError` unless every record of ``path`` is whole and intact, to its last byte.
 
     TensorBoard itself stops silently at the first damaged record, which would turn a corrupt file into a report that
     quietly misses everything after the damage.
     """
-    size = path.stat().st_size
-    read = sum(len(record) + _RECORD_FRAMING for record in RawEventFileLoader(str(path)).Load())
-    if read != size:
-        raise EventFilesError(
-            f"corrupt event file {path}: TensorBoard could read only {read} of its {size} bytes "
-            "(a damaged or truncated record)"
-        )
+    for _ in _events(path):
+        pass
+
+
+def _split_row(line: str) -> list[str]:
+    # a cell may hold an escaped pipe (render_markdown writes `a\|b`)
+    return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
 
 
 def parse_failures_table(text: str, step: int) -> list[FailureRecord]:
     """The failing probes listed in a ``gradwatch/failures`` markdown table (other lines are ignored)."""
-    records: list[FailureRecord] = []
+    found: list[FailureRecord] = []
     header: list[str] | None = None
     for line in text.splitlines():
         line = line.strip()
         if not line.startswith("|"):
             continue
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        cells = _split_row(line)
         if header is None:
             header = cells
             continue
@@ -131,7 +171,7 @@ def parse_failures_table(text: str, step: int) -> list[FailureRecord]:
             continue  # the separator row
         row = dict(zip(header, cells, strict=False))  # a short row leaves columns out: KeyError below
         try:
-            records.append(
+            found.append(
                 FailureRecord(
                     step=step,
                     kind=row["kind"],
@@ -144,7 +184,7 @@ def parse_failures_table(text: str, step: int) -> list[FailureRecord]:
             )
         except (KeyError, ValueError) as error:
             raise EventFilesError(f"unreadable row in the {FAILURES_TAG} text at step {step}: {line!r}") from error
-    return records
+    return found
 
 
 def parse_culprit(text: str) -> str | None:
@@ -155,72 +195,112 @@ def parse_culprit(text: str) -> str | None:
     return None
 
 
-def _text(event: object) -> str:
-    proto = event.tensor_proto  # type: ignore[attr-defined]
-    return b"".join(proto.string_val).decode("utf-8", errors="replace")
+def check_verdict(value: float, step: int, where: str) -> float:
+    """``value`` if it is a verdict's code (0, 1 or 2); else :class:`EventFilesError` naming ``where`` and ``step``."""
+    if not (math.isfinite(value) and value in range(len(VERDICTS))):
+        raise EventFilesError(
+            f"{where}: the {VERDICT_TAG} scalar at step {step} is {value!r} (expected 0 ok, 1 inconclusive or 2 fail)"
+        )
+    return value
 
 
-def read_run(path: Path, name: str) -> RunEvents | None:
-    """The gradwatch data of the run whose event files are in ``path``; ``None`` when it has none."""
-    accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
-    accumulator.Reload()
-    tags = accumulator.Tags()
-    scalar_tags = [tag for tag in tags["scalars"] if tag.startswith(PREFIX)]
-    if VERDICT_TAG not in scalar_tags:
+@dataclass
+class _Run:
+    """What the event files of one run hold about gradwatch, gathered record by record."""
+
+    scalars: dict[int, dict[str, float]] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    has_histogram: bool = False
+    has_dashboard: bool = False
+
+    def add(self, path: Path, event: Event) -> None:
+        for value in event.summary.value:
+            if value.tag == LAYOUT_TAG:
+                self.has_dashboard = True
+            elif value.tag.startswith(PREFIX):
+                self._add_value(path, event.step, value)
+
+    def _add_value(self, path: Path, step: int, value: Summary.Value) -> None:
+        kind = value.WhichOneof("value")
+        plugin = value.metadata.plugin_data.plugin_name
+        if value.tag == HISTOGRAM_TAG and (kind == "histo" or plugin == "histograms"):
+            self.has_histogram = True
+        elif value.tag in (FAILURES_TAG, FAILURES_TAG + TEXT_SUFFIX) and kind == "tensor":
+            try:
+                self.texts[step] = b"".join(value.tensor.string_val).decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise EventFilesError(f"{shown(path)}: the {FAILURES_TAG} text at step {step} is not UTF-8") from error
+        elif kind == "simple_value" or (kind == "tensor" and plugin == "scalars"):
+            number = value.simple_value if kind == "simple_value" else _tensor_scalar(path, step, value)
+            if value.tag == VERDICT_TAG:
+                check_verdict(number, step, shown(path))
+            self.scalars.setdefault(step, {})[value.tag] = number
+
+
+def _tensor_scalar(path: Path, step: int, value: Summary.Value) -> float:
+    try:
+        array = tensor_util.make_ndarray(value.tensor)
+        return float(array.reshape(()))
+    except (ValueError, TypeError) as error:
+        raise EventFilesError(
+            f"{shown(path)}: the scalar {value.tag!r} at step {step} is unreadable ({error})"
+        ) from error
+
+
+def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvents | None:
+    """The gradwatch data of the run whose event files (``files``, by default those directly in ``path``) are in
+    ``path``; ``None`` when it has none."""
+    if files is None:
+        files = [file for file in event_files(path) if file.parent == path]
+    run = _Run()
+    for file in files:
+        for event in _events(file):
+            run.add(file, event)
+    checks = [CheckRecord(step, values) for step, values in sorted(run.scalars.items()) if VERDICT_TAG in values]
+    if not checks:
         return None
-    by_step: dict[int, dict[str, float]] = {}
-    for event in accumulator.Scalars(VERDICT_TAG):
-        by_step[event.step] = {}
-    for tag in scalar_tags:
-        for event in accumulator.Scalars(tag):
-            if event.step in by_step:
-                by_step[event.step][tag] = event.value
-    failures_tag = FAILURES_TAG + TEXT_SUFFIX
-    failures = []
-    culprits = {}
-    if failures_tag in tags["tensors"]:
-        for event in accumulator.Tensors(failures_tag):
-            text = _text(event)
-            failures += parse_failures_table(text, event.step)
-            culprit = parse_culprit(text)
-            if culprit:
-                culprits[event.step] = culprit
-    return RunEvents(
-        name=name,
-        path=path,
-        checks=[CheckRecord(step, scalars) for step, scalars in sorted(by_step.items())],
-        failures=failures,
-        culprits=culprits,
-        has_histogram=HISTOGRAM_TAG in tags["histograms"],
-        has_dashboard=LAYOUT_TAG in tags["tensors"],
-    )
+    failures: list[FailureRecord] = []
+    culprits: dict[int, str] = {}
+    for step, text in sorted(run.texts.items()):
+        try:
+            failures += parse_failures_table(text, step)
+        except EventFilesError as error:
+            raise EventFilesError(f"{shown(path)}: {error}") from error
+        culprit = parse_culprit(text)
+        if culprit:
+            culprits[step] = culprit
+    return RunEvents(name, path, checks, failures, culprits, run.has_histogram, run.has_dashboard)
+
+
+def check_directory(logdir: Path) -> None:
+    """Raise :class:`EventFilesError` unless ``logdir`` is an existing directory."""
+    if not logdir.exists():
+        raise EventFilesError(f"log directory {shown(logdir)} does not exist")
+    if not logdir.is_dir():
+        raise EventFilesError(f"{shown(logdir)} is not a directory (pass the directory that holds the logs)")
 
 
 def read_logdir(logdir: Path | str) -> list[RunEvents]:
-    """The gradwatch data of every run under ``logdir`` that has some, sorted by run name.
+    """The gradwatch data of every run under ``logdir`` that has some in event files, sorted by run name.
 
     Raises:
-        EventFilesError: ``logdir`` does not exist or is not a directory, holds no event files, holds a corrupt event
-            file, or no run in it has gradwatch data.
+        EventFilesError: ``logdir`` does not exist or is not a directory, holds no event files, holds one that cannot
+            be read to its end, or no run in it has gradwatch data (see the module's docstring).
     """
     logdir = Path(logdir)
-    if not logdir.exists():
-        raise EventFilesError(f"log directory {logdir} does not exist")
-    if not logdir.is_dir():
-        raise EventFilesError(f"{logdir} is not a directory (pass the directory that holds the event files)")
+    check_directory(logdir)
     files = event_files(logdir)
     if not files:
-        raise EventFilesError(f"no TensorBoard event files (events.out.tfevents.*) under {logdir}")
-    for path in files:
-        verify_event_file(path)
+        raise EventFilesError(f"no TensorBoard event files (events.out.tfevents.*) under {shown(logdir)}")
     runs = []
     for directory in sorted({path.parent for path in files}):
-        run = read_run(directory, directory.relative_to(logdir).as_posix())
+        own = [path for path in files if path.parent == directory]
+        run = read_run(directory, directory.relative_to(logdir).as_posix(), own)
         if run is not None:
             runs.append(run)
     if not runs:
         raise EventFilesError(
-            f"the {len(files)} event file(s) under {logdir} hold no gradwatch data (no '{VERDICT_TAG}' scalar): "
-            "was GradWatch among the Trainer's callbacks, with a TensorBoardLogger, and did a check run?"
+            f"the {len(files)} event file(s) under {shown(logdir)} hold no gradwatch data (no '{VERDICT_TAG}' scalar): "
+            "was GradWatch among the Trainer's callbacks, and did a check run?"
         )
     return runs

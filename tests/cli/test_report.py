@@ -39,7 +39,7 @@ def test_demo_prints_verdicts_and_the_tensorboard_command(demo_logdir: tuple[Pat
     logdir, out = demo_logdir
     assert "healthy: no false alarm (3 checks, none failed)" in out
     assert "rmsnorm: caught at step 1 (the first check), culprit `net.1`; 3 of 3 checks failed" in out
-    assert "culprit: the backward of `net.1` (`RMSNorm`) is wrong" in out
+    assert "gradient check failed at step 1: the backward of `net.1` (`RMSNorm`) is wrong" in out
     assert f"tensorboard --logdir {logdir}" in out
     assert f"gradwatch report {logdir / 'rmsnorm'}" in out
     assert sorted(p.name for p in logdir.iterdir()) == ["healthy", "rmsnorm"]
@@ -86,7 +86,7 @@ def test_report_over_several_runs_fails_if_any_failed(demo_logdir: tuple[Path, s
     ("setup", "message"),
     [
         ("missing", r"log directory .* does not exist"),
-        ("empty", "no TensorBoard event files"),
+        ("empty", r"no gradwatch records under .*: neither a gradwatch\.jsonl nor TensorBoard event files"),
         ("corrupt", "corrupt event file"),
     ],
     ids=["missing", "empty", "corrupt"],

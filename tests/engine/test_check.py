@@ -25,6 +25,7 @@ from torch import nn
 
 from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.function import precision as precision_module
+from gradwatch.engine.notes import NoteCode, codes
 from gradwatch.engine.report import Probe
 
 
@@ -340,7 +341,7 @@ def test_beyond_the_size_limit_undecided_probes_are_measured_again_in_float64(mo
     assert native.count("inconclusive") >= 4, str(native)  # the staircase defeats float32 finite differences
     auto = check_gradients(model, batch, _offset_loss)
     assert auto.precision == "native"
-    assert any("measured again in float64" in note for note in auto.notes), auto.notes
+    assert auto.noted(NoteCode.REMEASURED_IN_FLOAT64), auto.notes
     parameter_probes = [p for p in auto.probes if p.kind != "input"]
     assert all(p.verdict == "ok" for p in parameter_probes), str(auto)
     model[2].weight.register_hook(lambda g: g * 1.01)
@@ -417,7 +418,8 @@ def test_loss_too_close_to_zero_to_check_makes_no_probe() -> None:
     assert report.verdict == "inconclusive"
     assert report.probes == []
     assert report.n_forward == 1  # the reference alone
-    assert "so close to zero that the rounding of its float32 gradient alone may reach" in report.notes[-1]
+    assert codes(report.notes)[-1] == NoteCode.LOSS_NEAR_ZERO, report.notes
+    assert "float32" in report.notes[-1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -463,5 +465,6 @@ def test_warnings_the_loss_raises_during_a_check_are_withheld_and_noted() -> Non
         warnings.simplefilter("always")
         report = check_gradients(model, classification_batch(), warning_loss)
     assert shown == []
-    assert any("UserWarning: the loss warns at every call" in note for note in report.notes), report.notes
+    (note,) = report.noted(NoteCode.WARNINGS_WITHHELD)
+    assert "UserWarning: the loss warns at every call" in note, report.notes  # the first warning, shown
     assert report.verdict == "ok"

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.engine.compiled import compiled_parts
+from gradwatch.engine.notes import NoteCode
 
 
 class WrongWhenCompiled(torch.autograd.Function):
@@ -102,6 +103,6 @@ def test_a_batch_the_graph_was_not_compiled_for_is_not_compiled_for_the_check() 
     graphs = _graphs()
     other = (batch[0][:5], batch[1][:5])
     report = check_gradients(model, other, _loss)
-    assert any("would recompile" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.COMPILED_WOULD_RECOMPILE), report.notes
     assert not [p for p in report.probes if p.kind == "compiled"]
     assert _graphs() == graphs

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 from gradwatch.engine.diagnosis import diagnose
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
 
 
-def _report(verdict: str, reasons: list[str], notes: list[str] | None = None) -> CheckReport:
+def _report(verdict: str, reasons: list[str], notes: list[Note] | None = None) -> CheckReport:
     probes = [
         Probe("tensor", f"t{i}", None, 1.0, 1.0, 0.0, "inconclusive", 0.0, 1e-3, r) for i, r in enumerate(reasons)
     ]
@@ -30,14 +31,14 @@ def test_flat_probes_point_to_a_lower_precision_inside_the_loss() -> None:
 
 
 def test_notes_come_first() -> None:
-    report = _report("inconclusive", ["kink"], ["no probe made: the loss is not reproducible (1 vs 2)"])
+    report = _report("inconclusive", ["kink"], [Note(NoteCode.NOT_REPRODUCIBLE, "the loss is not reproducible")])
     diagnosis = diagnose(report)
     assert diagnosis is not None
     assert "randomness" in diagnosis.reason
 
 
 def test_an_unknown_cause_repeats_the_first_note() -> None:
-    diagnosis = diagnose(_report("inconclusive", [], ["something odd"]))
+    diagnosis = diagnose(_report("inconclusive", [], [Note(NoteCode.NOT_PROBED, "something odd")]))
     assert diagnosis is not None
     assert diagnosis.reason == "something odd"
     assert not math.isnan(len(diagnosis.remedy))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
+from gradwatch.engine.notes import NoteCode
 
 
 class Float32Extension(torch.autograd.Function):
@@ -79,7 +80,7 @@ def test_a_loss_computed_in_float32_inside_is_probed_natively() -> None:
     assert report.verdict == "ok", str(report)
     assert report.count("inconclusive") <= 1, str(report)
     assert report.precision == "native"
-    assert any("float64 evaluates another function" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.FLOAT64_UNFAITHFUL), report.notes
 
 
 def test_a_bug_behind_a_float32_computation_is_caught() -> None:
@@ -92,9 +93,7 @@ def test_a_backward_wrong_in_float32_only_is_not_taken_for_rounding() -> None:
     report = check_gradients(Net("float32 only bug"), _batch(), _loss)
     assert report.verdict == "fail", str(report)
     assert {"a.weight", "a.bias"} <= {p.target for p in report.failures}, str(report)
-    assert any("more than float32 rounding of a correct formula explains" in note for note in report.notes), (
-        report.notes
-    )
+    assert report.noted(NoteCode.IMPRECISE_BEYOND_ROUNDING), report.notes
 
 
 @pytest.mark.parametrize("fail_on_imprecise", [False, True])
@@ -103,4 +102,4 @@ def test_a_float64_branch_is_not_a_failure_of_the_native_gradient(fail_on_imprec
     # ones: the native gradient is right for the native function
     report = check_gradients(Net("branch"), _batch(), _loss, fail_on_imprecise=fail_on_imprecise)
     assert report.verdict == "ok", str(report)
-    assert any("float64 evaluates another function there" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.FLOAT64_UNFAITHFUL_THERE), report.notes

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.notes import NoteCode, codes
 
 
 def test_casts_down_stay_float64() -> None:
@@ -94,7 +95,7 @@ def test_a_loss_cast_to_float32_is_probed_in_float64() -> None:
     report = check_gradients(CastingHead(), batch, _lm_loss)
     assert report.verdict == "ok", report.summary()
     assert report.count("inconclusive") == 0, report.summary()
-    assert any("casts to a lower precision were kept at float64" in note for note in report.notes)
+    assert report.noted(NoteCode.FLOAT64_CASTS_KEPT), report.notes
 
 
 class VAE(nn.Module):
@@ -135,7 +136,7 @@ def test_a_vae_drawing_randn_like_is_conclusive_and_a_decoder_bug_is_caught() ->
     healthy = check_gradients(VAE(), x, _vae_loss)
     assert healthy.verdict == "ok", healthy.summary()
     assert healthy.count("inconclusive") == 0, healthy.summary()
-    assert any("random draws were made in float32" in note for note in healthy.notes)
+    assert healthy.noted(NoteCode.FLOAT64_DRAWS_NATIVE), healthy.notes
     buggy = check_gradients(VAE(decoder_bug=1.02), x, _vae_loss)
     assert buggy.verdict == "fail", buggy.summary()
     failing = {p.target for p in buggy.failures}
@@ -161,7 +162,7 @@ def test_a_model_that_needs_nothing_keeps_no_fidelity_note() -> None:
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
     report = check_gradients(model, torch.randn(6, 5), lambda m, x: m(x).square().mean())
     assert report.verdict == "ok"
-    assert not any("model's own function" in note for note in report.notes)
+    assert not {NoteCode.FLOAT64_CASTS_KEPT, NoteCode.FLOAT64_DRAWS_NATIVE} & set(codes(report.notes))
 
 
 def test_fractional_max_pool_samples_its_regions_as_training_does() -> None:

@@ -15,6 +15,7 @@ from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements, measure
+from gradwatch.engine.notes import NoteCode, codes
 
 
 def _setup(dtype: torch.dtype) -> tuple[nn.Module, LossEvaluator]:
@@ -86,7 +87,7 @@ def test_a_float64_centre_that_is_another_function_gives_no_substitutes() -> Non
     measurements = Measurements(evaluator, center)
     with measurements.in_float64(center + 1.0, torch.float32) as substitutes:
         assert substitutes is None
-    assert any("no float64 re-measurement" in note for note in evaluator.notes)
+    assert NoteCode.NO_FLOAT64_REMEASUREMENT in codes(evaluator.notes)
     assert not math.isnan(measurements.center)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from gradwatch import check_gradients
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.notes import NoteCode, codes
 from gradwatch.engine.reference import nonfinite_probes, reproduced_center
 
 
@@ -36,7 +37,7 @@ def test_batchnorm_refusing_one_sample_is_probed_on_four() -> None:
     report = check_gradients(DropoutBatchNormNet(), classification_batch(), cross_entropy_loss, probe_batch_size=1)
     assert report.samples == 4
     assert report.verdict == "ok", str(report)
-    assert any("on the first 1 sample(s)" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.SLICE_REFUSED), report.notes
 
 
 def test_loss_refusing_any_slice_is_probed_on_the_whole_batch() -> None:
@@ -50,7 +51,8 @@ def test_loss_refusing_any_slice_is_probed_on_the_whole_batch() -> None:
     report = check_gradients(model, classification_batch(), fixed_size_loss, probe_batch_size=1)
     assert report.samples == 32
     assert report.verdict == "ok", str(report)
-    assert report.notes[-3:] == [
+    assert codes(report.notes[-3:]) == [NoteCode.SLICE_REFUSED, NoteCode.SLICE_REFUSED, NoteCode.WHOLE_BATCH]
+    assert report.notes[-3:] == [  # the wording users read
         "the loss raised ValueError on the first 1 sample(s) (expects 32 samples)",
         "the loss raised ValueError on the first 4 sample(s) (expects 32 samples)",
         "probes use the whole batch",
@@ -70,7 +72,7 @@ def test_loss_that_cannot_be_reproduced_is_inconclusive_not_failed() -> None:
     report = check_gradients(model, classification_batch(), noisy_loss)
     assert report.verdict == "inconclusive"
     assert report.probes == []
-    assert any("not reproducible" in note for note in report.notes)
+    assert report.noted(NoteCode.NOT_REPRODUCIBLE), report.notes
 
 
 def test_nonfinite_loss_is_a_failure_of_its_own_kind() -> None:
@@ -114,7 +116,7 @@ def test_a_loss_that_differs_without_autograd_is_evaluated_with_it() -> None:
     assert center == pytest.approx(reference.loss, rel=1e-6)
     assert jitter == 0.0  # on a CPU
     assert evaluator.grad_mode
-    assert any("autograd recording" in note for note in evaluator.notes)
+    assert NoteCode.AUTOGRAD_RECORDING in codes(evaluator.notes)
 
 
 def test_nonfinite_probes_name_the_first_nonfinite_entry_of_a_gradient() -> None:

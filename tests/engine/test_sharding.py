@@ -15,6 +15,7 @@ from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
+from gradwatch.engine.notes import NoteCode, codes
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Layout, global_loss, summed, value_at
 from gradwatch.engine.sharding.parameters import UnsupportedShardingError
@@ -72,6 +73,7 @@ def test_a_sharded_model_is_checked_as_the_global_loss_and_left_as_it_was(mesh: 
     before = [p.to_local().clone() for p in net.parameters()]
     report = check_gradients(net, _batch(), _loss)
     assert report.verdict == "ok", report
+    assert codes(report.notes)[0] == NoteCode.SHARDED
     assert report.notes[0].startswith(f"{SHARDED_NOTE} 1 ranks")
     assert report.precision == "native"
     assert {p.kind for p in report.probes} >= {"descent", "tensor", "param", "input"}
@@ -95,7 +97,7 @@ def test_a_loss_that_every_rank_refuses_on_a_slice_falls_back_as_unsharded(mesh:
     report = check_gradients(_sharded(mesh), _batch(), loss, probe_batch_size=1)
     assert report.verdict == "ok"
     assert report.samples == 4
-    assert any("raised ValueError on the first 1 sample(s)" in note for note in report.notes)
+    assert report.noted(NoteCode.SLICE_REFUSED), report.notes
 
 
 def test_tensor_parallel_placements_are_refused_with_the_parameter_named(mesh: Any) -> None:

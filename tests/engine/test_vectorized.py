@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.measuring import points as points_module
 from gradwatch.engine.measuring import vectorized as vectorized_module
+from gradwatch.engine.notes import NoteCode
 
 
 def _check(model: nn.Module, vectorize: bool, **kwargs: object) -> CheckReport:
@@ -89,7 +90,7 @@ def test_custom_function_without_a_vmap_rule_is_evaluated_point_by_point() -> No
     # SeedModel's autograd.Function has no setup_context: vmap refuses it
     report = check_gradients(SeedModel(), seed_batch(), seed_loss)
     assert report.vectorized is False
-    assert any("points evaluated one by one: the loss cannot be vectorised" in note for note in report.notes)
+    assert report.noted(NoteCode.NOT_VECTORISABLE), report.notes
     assert report.verdict == "ok", str(report)
     buggy = check_gradients(SeedModel(weight_scale=1.01), seed_batch(), seed_loss)
     assert buggy.verdict == "fail"
@@ -106,7 +107,7 @@ def test_loss_that_computes_something_else_when_vectorised_is_evaluated_point_by
     model = DropoutBatchNormNet()
     report = check_gradients(model, classification_batch(), loss, probe_batch_size=4)
     assert report.vectorized is False
-    assert any("a vectorised pass gave" in note and "on its own" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.VECTORISED_MISMATCH), report.notes
     assert report.verdict == "ok", str(report)
 
 
@@ -135,7 +136,8 @@ def test_model_with_forward_hooks_is_evaluated_point_by_point() -> None:
     report = _check(model, vectorize=True)
     handle.remove()
     assert report.vectorized is None
-    assert "points evaluated one by one: forward hooks on net.2 would see vectorised passes" in report.notes
+    (note,) = report.noted(NoteCode.HOOKS_UNVECTORISED)
+    assert "net.2" in note, report.notes
     assert report.n_passes == report.n_forward
     assert all(output.shape == (4, 32) for output in kept)  # one point's activations each time
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from gradwatch.engine.notes import NoteCode
+
 TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
 
@@ -68,6 +70,7 @@ def test_fit_completes_and_every_rank_probes_the_same_indices(ddp: dict[str, Any
         assert report0["probes"] == report1["probes"]  # same kinds, tensors and indices on both ranks
         assert report0["verdict"] == report1["verdict"] != "fail"
         assert report0["notes"] == report1["notes"]
+        assert report0["note_codes"][-1] == NoteCode.RANKS_SHARDS
         assert "rank 0:" in report0["notes"][-1]
         assert "rank 1:" in report0["notes"][-1]
     assert rank0["counts"] == rank1["counts"] == {"checks": 3, "failed": 0, "skipped": 0, "postponed": 0}
@@ -103,6 +106,7 @@ def test_a_failure_on_one_rank_stops_every_rank_at_the_same_step(ddp: dict[str, 
     assert rank0["reports"] == rank1["reports"]
     (report,) = rank0["reports"]
     assert report["verdict"] == "fail"
+    assert report["note_codes"][-1] == NoteCode.RANKS_SHARDS
     assert "rank 0: ok, rank 1: fail" in report["notes"][-1]
     assert "rank 1's" in report["notes"][-1]
     assert rank0["counts"] == rank1["counts"] == {"checks": 1, "failed": 1, "skipped": 0, "postponed": 0}

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradwatch.engine.notes import NoteCode
+
 TESTS = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
 
@@ -64,8 +66,9 @@ def test_every_rank_checks_the_sharded_model_with_no_false_alarm(fsdp: dict[str,
     for report in rank0["reports"]:
         assert report["verdict"] == "ok"
         assert all(probe[3] != "fail" for probe in report["probes"])
-        assert report["notes"][0].startswith("sharded check across 2 ranks")
-        assert "one check of the global loss, run together by every process" in report["notes"][-1]
+        assert report["note_codes"][0] == NoteCode.SHARDED
+        assert "2 ranks" in report["notes"][0]
+        assert report["note_codes"][-1] == NoteCode.RANKS_TOGETHER
 
 
 def test_both_ranks_report_the_same_probes_and_verdicts(fsdp: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from real_models import BUGGY, CORRECT, GAN, RealModel, fit
 from torch import nn
 
 from gradwatch import GradientCheckWarning, GradWatch
+from gradwatch.engine.notes import NoteCode
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -51,7 +52,7 @@ def test_hugging_face_losses_are_probed_in_float64_on_their_own_function() -> No
     _, (watch,) = fit(model, steps=2)
     (report,) = watch.reports
     assert report.count("inconclusive") == 0, str(report)
-    assert any("casts to a lower precision were kept at float64" in note for note in report.notes), report.notes
+    assert report.noted(NoteCode.FLOAT64_CASTS_KEPT), report.notes
 
 
 @pytest.mark.parametrize("model", BUGGY, ids=[m.name for m in BUGGY])

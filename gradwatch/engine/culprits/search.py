@@ -37,8 +37,10 @@ from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.ladder import Ladder
@@ -72,7 +74,7 @@ class Localization:
     culprits: list[str] = field(default_factory=list)
     message: str = ""
     tasks: list[ProbeTask] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
 
 
 class _ExhaustedError(Exception):
@@ -93,7 +95,7 @@ def localize(
         t
         for t in tasks
         if t.failed
-        and t.kind in ("descent", "tensor", "random", "param", "input")
+        and t.kind.traits.starts_culprit_search
         and t.result is not None
         and t.result.reason != "imprecise"  # rounding of a correct formula (fail_on_imprecise): no backward to name
     ]
@@ -105,12 +107,17 @@ def localize(
     except CheckAbandonedError:
         raise
     except Exception as error:
-        found.notes.append(f"no culprit search: the loss cannot run with hooks on its modules ({error})")
+        found.notes.append(
+            Note(
+                NoteCode.CULPRIT_HOOKS_REFUSED,
+                f"no culprit search: the loss cannot run with hooks on its modules ({error})",
+            )
+        )
         return found
     if not sites:
-        found.notes.append("no culprit search: the loss runs no module")
+        found.notes.append(Note(NoteCode.CULPRIT_NO_MODULE, "no culprit search: the loss runs no module"))
         return found
-    failing_params = {t.target for t in failing if t.kind in ("tensor", "random", "param")}
+    failing_params = {t.target for t in failing if t.kind.traits.one_tensor}
     try:
         with probe_precision(model, evaluator, precision) as (_, trial):
             native = portfolio.native_dtype
@@ -123,13 +130,20 @@ def localize(
             found.tasks = probes.tasks  # the same list: filled as the search measures
             _Search(sites, probes, failing_params, found).run()
     except UnfaithfulFloat64Error as error:
-        found.notes.append(f"no culprit search: float64 evaluates another function ({error})")
+        found.notes.append(
+            Note(
+                NoteCode.CULPRIT_FLOAT64_UNFAITHFUL, f"no culprit search: float64 evaluates another function ({error})"
+            )
+        )
     except CheckAbandonedError:
         raise
     except Exception as error:  # the search must never cost the check its verdict
         found.culprits, found.message = [], ""
         found.notes.append(
-            f"culprit search abandoned: the loss raised {type(error).__name__} under its hooks ({error})"
+            Note(
+                NoteCode.CULPRIT_ABANDONED,
+                f"culprit search abandoned: the loss raised {type(error).__name__} under its hooks ({error})",
+            )
         )
     return found
 
@@ -191,7 +205,7 @@ class _Probes:
             displacements = Displacements(site, place, components)
             direction = HookedDirection(slope, displacements.set_offset)
             step = self.relative_step * scale
-            task = ProbeTask(place, site.name, None, direction, step, scale_floor=floor)  # type: ignore[arg-type]
+            task = ProbeTask(ProbeKind(place), site.name, None, direction, step, scale_floor=floor)
             self.tasks.append(task)
             with displacements.installed():
                 self.ladder.measure_fully([task])
@@ -222,7 +236,9 @@ class _Search:
             if self.path:
                 deepest = self.path[-1]
                 self._name(deepest, f"the search stopped after {MAX_PROBES} probes inside `{deepest.name}`")
-            self.found.notes.append(f"culprit search stopped after {MAX_PROBES} activation probes")
+            self.found.notes.append(
+                Note(NoteCode.CULPRIT_PROBE_LIMIT, f"culprit search stopped after {MAX_PROBES} activation probes")
+            )
 
     def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
         """The node's children whose output can be displaced, in the order the forward ran them: the chain (a gradient
@@ -373,7 +389,9 @@ class _Search:
         """A probe the descent needs could not decide: name the deepest module proven, if any."""
         if node is not None:
             self._culprit(node, self._own_words(node, ""))
-            self.found.notes.append("culprit search stopped: a probe inside it could not decide")
+            self.found.notes.append(
+                Note(NoteCode.CULPRIT_UNDECIDED, "culprit search stopped: a probe inside it could not decide")
+            )
 
 
 def _within(name: str, ancestor: str) -> bool:

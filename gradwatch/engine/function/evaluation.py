@@ -23,6 +23,7 @@ from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
 from gradwatch.engine.sharding.parameters import sharded_backward
@@ -141,7 +142,7 @@ class LossEvaluator:
         self.params = params
         self.state = state
         self.float64_reductions = float64_reductions
-        self.notes: list[str] = []
+        self.notes: list[Note] = []
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -198,8 +199,9 @@ class LossEvaluator:
             "casts": "its casts to a lower precision were kept at float64",
             "random draws": f"its random draws were made in {native}, as training makes them, and cast",
         }
-        changes = " and ".join(kept[what] for what in sorted(fidelity.acted))
-        self.notes.append(f"float64 probes evaluate the model's own function: {changes}")
+        codes = {"casts": NoteCode.FLOAT64_CASTS_KEPT, "random draws": NoteCode.FLOAT64_DRAWS_NATIVE}
+        for what in sorted(fidelity.acted):  # a note for each, with its own code
+            self.notes.append(Note(codes[what], f"float64 probes evaluate the model's own function: {kept[what]}"))
 
     def reference(self, with_inputs: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
@@ -215,7 +217,10 @@ class LossEvaluator:
                 raise
             except RuntimeError as error:
                 self.notes.append(
-                    f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})"
+                    Note(
+                        NoteCode.INPUT_PROBES_REFUSED,
+                        f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})",
+                    )
                 )
         return self._reference(with_inputs=False)
 
@@ -335,7 +340,7 @@ class LossEvaluator:
         if mode.mismatch is None:
             mode.mismatch = "they differ on another rank"
         self.float64_reductions = False
-        self.notes.append(f"float64 reductions switched off ({mode.mismatch})")
+        self.notes.append(Note(NoteCode.FLOAT64_REDUCTIONS_OFF, f"float64 reductions switched off ({mode.mismatch})"))
         return self._forward(contextlib.nullcontext())
 
     def native_loss(self) -> float:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
@@ -119,6 +120,6 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
             return
         finally:
             evaluator.params = native_params
-    evaluator.notes.append(f"probes run in the native precision: {problem}")
+    evaluator.notes.append(Note(NoteCode.NATIVE_PRECISION, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan

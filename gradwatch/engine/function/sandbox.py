@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 MODULE_BOOKKEEPING = frozenset(
@@ -189,19 +190,25 @@ class Sandbox:
         walked = self._walk()
         return [path for path, saved in walked if saved.kind == "tensor" and saved.copy is None and _differs(saved)]
 
-    def notes(self, unrestorable: Sequence[str]) -> list[str]:
+    def notes(self, unrestorable: Sequence[str]) -> list[Note]:
         """What a report says of the loss's side effects: what it changes (known after the first evaluation), and
         what of it could not be put back (``unrestorable``, known after the check)."""
         if unrestorable:
             return [
-                f"the loss changed {_listed(list(unrestorable))} in place, which gradwatch kept no copy of and could "
-                "not put back; move that code into `loss_fn=`"
+                Note(
+                    NoteCode.STATE_UNRESTORED,
+                    f"the loss changed {_listed(list(unrestorable))} in place, which gradwatch kept no copy of and "
+                    "could not put back; move that code into `loss_fn=`",
+                )
             ]
         if not self.changed:
             return []
         return [
-            f"the loss changes the model's state ({_listed(self.changed)}); gradwatch put it back after every "
-            "evaluation"
+            Note(
+                NoteCode.STATE_RESTORED,
+                f"the loss changes the model's state ({_listed(self.changed)}); gradwatch put it back after every "
+                "evaluation",
+            )
         ]
 
     def _walk(self) -> Iterator[tuple[str, _Saved]]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.notes import Note, NoteCode
+
 
 @dataclass
 class StockSurrogates:
@@ -40,18 +42,26 @@ class StockSurrogates:
     exempt: dict[str, Tensor] = field(default_factory=dict)
     unprobed: dict[str, str] = field(default_factory=dict)
 
-    def notes(self) -> list[str]:
+    def notes(self) -> list[Note]:
         """What a report says of them."""
-        notes = []
+        notes: list[Note] = []
         if self.names:
             notes.append(
-                f"spectral norm of {', '.join(self.names)} checked as autograd differentiates it: its power-iteration "
-                "vectors held constant (no iteration) during the check"
+                Note(
+                    NoteCode.SPECTRAL_NORM,
+                    f"spectral norm of {', '.join(self.names)} checked as autograd differentiates it: its "
+                    "power-iteration vectors held constant (no iteration) during the check",
+                )
             )
         for name, mask in self.exempt.items():
             rows = sorted({int(i) for i in mask.nonzero()[:, 0].tolist()})
-            notes.append(f"padding row {', '.join(map(str, rows))} of {name} not probed: it gets no gradient by design")
-        notes += [f"{name} not probed: {why}" for name, why in self.unprobed.items()]
+            notes.append(
+                Note(
+                    NoteCode.PADDING_EXEMPT,
+                    f"padding row {', '.join(map(str, rows))} of {name} not probed: it gets no gradient by design",
+                )
+            )
+        notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
         return notes
 
 

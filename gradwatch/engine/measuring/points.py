@@ -19,6 +19,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, Displacement, VectorDirection
 from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.stencil import Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
 
@@ -76,7 +77,7 @@ class Measurements:
             budget = memory_budget([p for _, p in self.evaluator.params])
             self.vectorized = VectorizedLoss(self.evaluator, self.center, budget)
         elif self.compute_dtype == torch.float64:  # a float64 check that could have been vectorised: say why not
-            self.evaluator.notes.append(f"points evaluated one by one: {reason}")
+            self.evaluator.notes.append(Note(reason.code, f"points evaluated one by one: {reason}"))
 
     def prefetch(self, requests: Sequence[Request]) -> None:
         """Evaluate ahead, together, the requested points that are not known yet, when the check evaluates points in
@@ -128,8 +129,11 @@ class Measurements:
                 self.center = self.evaluator.loss()
                 if abs(self.center - reference_loss) > center_tolerance(reference_loss, native_dtype, torch.float64):
                     self.evaluator.notes.append(
-                        f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
-                        f"{reference_loss:.9g} natively"
+                        Note(
+                            NoteCode.NO_FLOAT64_REMEASUREMENT,
+                            f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
+                            f"{reference_loss:.9g} natively",
+                        )
                     )
                     yield None
                 else:

@@ -34,6 +34,7 @@ from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import CoordinateDirection, Displacement, VectorDirection
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
 AGREEMENT = 1e-11
@@ -188,19 +189,24 @@ class VectorizedLoss:
             raise
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
             first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links
-            self._give_up(f"the loss cannot be vectorised ({type(error).__name__}: {first_line})")
+            self._give_up(
+                NoteCode.NOT_VECTORISABLE, f"the loss cannot be vectorised ({type(error).__name__}: {first_line})"
+            )
             return None
         if validate:
             center, values = values[0], values[1:]
             if not abs(center - self.center) <= AGREEMENT * abs(self.center):
-                self._give_up(f"a vectorised pass gave {center!r} at the unperturbed point, {self.center!r} on its own")
+                self._give_up(
+                    NoteCode.VECTORISED_MISMATCH,
+                    f"a vectorised pass gave {center!r} at the unperturbed point, {self.center!r} on its own",
+                )
                 return None
             self._validated = True
         return list(zip(values, displacements, strict=True))
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, code: NoteCode, reason: str) -> None:
         self.usable = False
-        self.evaluator.notes.append(f"points evaluated one by one: {reason}")
+        self.evaluator.notes.append(Note(code, f"points evaluated one by one: {reason}"))
 
 
 def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], list[Displacement]]:
@@ -241,20 +247,19 @@ def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], 
     return stacks, displacements
 
 
-def obstacle(evaluator: LossEvaluator) -> str | None:
+def obstacle(evaluator: LossEvaluator) -> Note | None:
     """Why the evaluator's points cannot be evaluated together, or ``None`` if they can: every parameter and input
     it moves must be float64, and no forward hook may see the pass (it would get, and might keep, the batched tensors
     of all points instead of one point's activations)."""
     tensors = [p for _, p in evaluator.params] + list(evaluator.inputs.values())
     if not tensors or any(t.dtype != torch.float64 for t in tensors):
-        return "the probes are not float64"
+        return Note(NoteCode.NOT_FLOAT64_UNVECTORISED, "the probes are not float64")
     hooked = [name or "the model" for name, module in evaluator.model.named_modules() if _forward_hooks(module)]
     if _forward_hooks(None):
         hooked.insert(0, "every module (global hooks)")
     if hooked:
-        return (
-            f"forward hooks on {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''} would see vectorised passes"
-        )
+        listed = f"{', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}"
+        return Note(NoteCode.HOOKS_UNVECTORISED, f"forward hooks on {listed} would see vectorised passes")
     return None
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
@@ -87,9 +88,7 @@ class Ladder:
         pending = [
             task
             for task in tasks
-            if task.kind in ("descent", "tensor", "random", "param")
-            and task.result is not None
-            and undecided(task.result, self.rtol)
+            if task.kind.traits.moves_parameters and task.result is not None and undecided(task.result, self.rtol)
         ]
         if not pending or not self.float64_refinement:
             return
@@ -107,9 +106,16 @@ class Ladder:
         except CheckAbandonedError:
             raise
         except Exception as error:
-            notes.append(f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")
+            notes.append(
+                Note(
+                    NoteCode.NO_FLOAT64_REMEASUREMENT,
+                    f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})",
+                )
+            )
             return
-        notes.append(f"{len(pending)} undecided probe(s) measured again in float64")
+        notes.append(
+            Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
+        )
 
     # ---- the rungs ------------------------------------------------------------------------------------------------
 

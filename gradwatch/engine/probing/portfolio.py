@@ -33,12 +33,13 @@ from torch import Tensor
 
 from gradwatch.engine.function.batch import ROOT
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, VectorDirection
 from gradwatch.engine.numerics.norms import norm, norms, rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.report import DESCENT_TARGET, ProbeKind
+from gradwatch.engine.report import DESCENT_TARGET
 from gradwatch.engine.sharding.collective import active, any_rank, every_rank, global_numel, global_shape, value_at
 
 
@@ -171,7 +172,7 @@ class Portfolio:
         pending += [self._random_probe(i) for i in chosen]
         shapes = [tuple(global_shape(p)) for _, p in self.params]
         for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
-            pending.append(self._coordinate_probe("param", coordinate.tensor, coordinate.index))
+            pending.append(self._coordinate_probe(ProbeKind.PARAM, coordinate.tensor, coordinate.index))
         if input_direction:
             pending.append(self._input_direction())
         pending += self._input_coordinates()
@@ -179,7 +180,7 @@ class Portfolio:
 
     def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
         """After a failure: a tensor probe for every tensor not probed along its gradient yet."""
-        covered = {task.tensor for task in done if task.kind == "tensor"}
+        covered = {task.tensor for task in done if task.kind == ProbeKind.TENSOR}
         candidates = [self._tensor_probe(i) for i in range(len(self.params)) if i not in covered]
         return [task for task in candidates if task is not None]
 
@@ -216,7 +217,9 @@ class Portfolio:
         dtype = max((p.dtype for _, p in self.params), key=machine_epsilon)
         step = self._relative_step(dtype) * math.sqrt(weighted)
         moves = tuple(range(len(self.params)))
-        return ProbeTask("descent", DESCENT_TARGET, None, direction, step, scale_floor=self.loss_floor, moves=moves)
+        return ProbeTask(
+            ProbeKind.DESCENT, DESCENT_TARGET, None, direction, step, scale_floor=self.loss_floor, moves=moves
+        )
 
     def _random_anchor(self) -> ProbeTask | None:
         """A random unit direction over every parameter, for a gradient that is exactly zero."""
@@ -233,7 +236,9 @@ class Portfolio:
         step = self._relative_step(dtype) * (self.param_scale or 1.0)
         floor = self.loss_floor
         moves = tuple(range(len(self.params)))
-        return ProbeTask("random", DESCENT_TARGET, None, direction, step, scale_floor=floor, missing=True, moves=moves)
+        return ProbeTask(
+            ProbeKind.RANDOM, DESCENT_TARGET, None, direction, step, scale_floor=floor, missing=True, moves=moves
+        )
 
     def _input_direction(self) -> ProbeTask | None:
         grads = self.reference.input_grads
@@ -247,7 +252,7 @@ class Portfolio:
         direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
         step = self._relative_step(tensors[0].dtype) * (rms(*tensors) or 1.0)
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
-        return ProbeTask("input", target, None, direction, step, scale_floor=0.0, moves=tuple(paths))
+        return ProbeTask(ProbeKind.INPUT, target, None, direction, step, scale_floor=0.0, moves=tuple(paths))
 
     def _tensor_probe(self, i: int) -> ProbeTask | None:
         name, param = self.params[i]
@@ -258,7 +263,7 @@ class Portfolio:
         direction = VectorDirection([param], [grad], [grad], 1.0 / size, components_norm=size)
         step = self._relative_step(param.dtype) * self._tensor_scale(i)
         floor = max(self.negligible * self.grad_norm, self.loss_floor)
-        return ProbeTask("tensor", name, None, direction, step, scale_floor=floor, tensor=i, moves=(i,))
+        return ProbeTask(ProbeKind.TENSOR, name, None, direction, step, scale_floor=floor, tensor=i, moves=(i,))
 
     def _random_probe(self, i: int) -> ProbeTask:
         name, param = self.params[i]
@@ -273,10 +278,12 @@ class Portfolio:
         # |r·g| is about ‖g_T‖/√n for a random unit r; a tensor without gradient is compared with the whole model's
         expected = max(self.tensor_grad_norms[i], self.negligible * self.grad_norm)
         floor = expected / math.sqrt(max(self.numels[i], 1))
-        return ProbeTask("random", name, None, direction, step, floor, tensor=i, missing=self.missing[i], moves=(i,))
+        return ProbeTask(
+            ProbeKind.RANDOM, name, None, direction, step, floor, tensor=i, missing=self.missing[i], moves=(i,)
+        )
 
     def _coordinate_probe(self, kind: ProbeKind, tensor: int, index: tuple[int, ...] | None = None) -> ProbeTask | None:
-        if kind == "input":
+        if kind.traits.moves_inputs:
             return self._input_coordinate(tensor, index)
         name, param = self.params[tensor]
         shape = global_shape(param)
@@ -295,7 +302,9 @@ class Portfolio:
         grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(numel, 1))
         floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(numel))
         missing = self.missing[tensor]
-        return ProbeTask("param", name, index, direction, step, floor, tensor=tensor, missing=missing, moves=(tensor,))
+        return ProbeTask(
+            ProbeKind.PARAM, name, index, direction, step, floor, tensor=tensor, missing=missing, moves=(tensor,)
+        )
 
     def _input_coordinates(self) -> list[ProbeTask | None]:
         if active() is not None:  # each rank's inputs differ in shape and number: only the input direction is global
@@ -317,7 +326,7 @@ class Portfolio:
         direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
         step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), rms(working)) or 1.0)
         floor = 2 * rms(grad)
-        return ProbeTask("input", path, index, direction, step, scale_floor=floor, tensor=tensor, moves=(path,))
+        return ProbeTask(ProbeKind.INPUT, path, index, direction, step, scale_floor=floor, tensor=tensor, moves=(path,))
 
 
 def _shard_generator(seed: int) -> torch.Generator:

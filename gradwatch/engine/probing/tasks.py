@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import Stencil
-from gradwatch.engine.report import Probe, ProbeKind
+from gradwatch.engine.report import Probe
 
 
 @dataclass
@@ -19,7 +20,7 @@ class ProbeTask:
     """A probe being measured.
 
     Attributes:
-        kind: See :data:`~gradwatch.engine.report.ProbeKind`.
+        kind: See :class:`~gradwatch.engine.kinds.ProbeKind`.
         target: The parameter name, input path or ``"*"`` the probe reports.
         index: The coordinate, or ``None`` for a direction.
         direction: What the probe moves.
@@ -52,6 +53,7 @@ class ProbeTask:
     moves: tuple[int | str, ...] = ()
 
     def __post_init__(self) -> None:
+        self.kind = ProbeKind(self.kind)  # from a plain string too: its properties are `task.kind.traits`
         self.initial_step = self.step
 
     @property
@@ -72,9 +74,9 @@ class ProbeTask:
             analytic=self.direction.analytic,
             numeric=result.numeric,
             rel_error=result.rel_error,
-            verdict=result.verdict,  # type: ignore[arg-type]
+            verdict=Verdict(result.verdict),
             noise=result.noise,
             step=self.step,
-            reason="missing" if missing else result.reason,
+            reason=Reason.MISSING if missing else Reason(result.reason),
             evaluations=self.evaluations,
         )

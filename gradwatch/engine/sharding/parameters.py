@@ -136,3 +136,13 @@ def lockstep(model: nn.Module, enabled: bool = True) -> Iterator[None]:
             handle.remove()
         for module in modules:
             module.reshard()  # type: ignore[operator]
+
+
+def local_mask(collective: Collective, mask: Tensor, shard: Tensor) -> Tensor:
+    """A mask over a sharded parameter (a DTensor or a whole-parameter tensor), as a mask over this rank's shard."""
+    if hasattr(mask, "to_local"):
+        local = mask.to_local()
+    else:
+        found = collective.layouts[id(shard)]
+        local = mask[found.offset : found.offset + found.rows]
+    return register_like(collective, local, shard)

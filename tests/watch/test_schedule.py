@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradwatch.lightning.schedule import Schedule
+from gradwatch.watch.schedule import Schedule
 
 
 def _run(schedule: Schedule, steps: int, step_seconds: float, check_seconds: float) -> tuple[list[int], list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradwatch.lightning.overhead import OverheadClock
+from gradwatch.watch.overhead import OverheadClock
 
 
 def test_training_time_is_measured_between_batches_and_checks_are_apart() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from gradwatch import GradientCheckError, GradientCheckWarning
 from gradwatch.engine.report import CheckReport, Probe
-from gradwatch.lightning.alerts import AlertPolicy, Backoff, failure_message
+from gradwatch.watch.alerts import AlertPolicy, Backoff, failure_message
 
 
 def _report(verdict: str = "fail", failures: int = 1) -> CheckReport:
@@ -84,7 +84,7 @@ def _inconclusive(step: int) -> CheckReport:
 
 
 def test_three_inconclusive_checks_in_a_row_warn_once_with_the_reason_and_the_remedy() -> None:
-    from gradwatch.lightning.alerts import Remarks
+    from gradwatch.watch.alerts import Remarks
 
     remarks = Remarks()
     with warnings.catch_warnings(record=True) as caught:
@@ -102,7 +102,7 @@ def test_three_inconclusive_checks_in_a_row_warn_once_with_the_reason_and_the_re
 
 
 def test_a_conclusive_check_resets_the_count() -> None:
-    from gradwatch.lightning.alerts import Remarks
+    from gradwatch.watch.alerts import Remarks
 
     remarks = Remarks()
     ok = CheckReport(step=3, verdict="ok", probes=[], loss=1.0, n_forward=1, n_backward=1, duration_s=0.0)

@@ -1,0 +1,104 @@
+"""The remarks of a report (:attr:`CheckReport.notes <gradwatch.engine.report.CheckReport.notes>`) as data: each a
+:class:`Note`, a ``str`` (its text, as users read it) with a stable :class:`NoteCode`, so that code and tests ask
+``note.code`` instead of searching the wording, and the wording can change without breaking them.
+
+Every code the engine emits is a member of :class:`NoteCode`, with its one-line meaning (``NoteCode.X.meaning``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gradwatch.engine.kinds import StrEnum
+
+
+class NoteCode(StrEnum):
+    """Every note's code, with what it means (``.meaning``)."""
+
+    meaning: str
+
+    def __new__(cls, code: str, meaning: str) -> NoteCode:
+        member = str.__new__(cls, code)
+        member._value_ = code
+        member.meaning = meaning
+        return member
+
+    # the batch, the loss and its reference point
+    SLICE_REFUSED = "slice-refused", "the loss raised on the probe slice of the batch"
+    WHOLE_BATCH = "whole-batch", "probes use the whole batch because the loss refused a slice of it"
+    NOT_REPRODUCIBLE = "not-reproducible", "no probe made: the loss draws randomness gradwatch cannot replay"
+    AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
+    LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
+    NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
+    INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
+    WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
+    # the model's state
+    STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
+    STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
+    # tensors exempt or treated apart
+    SPECTRAL_NORM = "spectral-norm", "spectral norms checked with their power iteration held constant"
+    PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"
+    NOT_PROBED = "not-probed", "a parameter not probed, and why (its gradient is not the derivative by design)"
+    # precision
+    NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
+    FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
+    FLOAT64_CASTS_KEPT = "float64-casts-kept", "float64 probes keep the model's casts to a lower precision"
+    FLOAT64_DRAWS_NATIVE = "float64-draws-native", "float64 probes make random draws in the native dtype, as training"
+    FLOAT64_REDUCTIONS_OFF = "float64-reductions-off", "float64 reductions switched off: they changed the loss"
+    REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
+    NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
+    # vectorised passes
+    NOT_FLOAT64_UNVECTORISED = "unvectorised-not-float64", "points evaluated one by one: the probes are not float64"
+    HOOKS_UNVECTORISED = "unvectorised-hooks", "points evaluated one by one: forward hooks would see the passes"
+    IN_PLACE_UNVECTORISED = "unvectorised-in-place", "points evaluated one by one: the loss changes a tensor in place"
+    NOT_VECTORISABLE = "unvectorised-refused", "points evaluated one by one: the loss cannot be vectorised"
+    VECTORISED_MISMATCH = "unvectorised-mismatch", "points evaluated one by one: a vectorised pass gave another loss"
+    # confirmation of failures
+    SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
+    FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
+    IMPRECISE_BEYOND_ROUNDING = "imprecise-beyond-rounding", "a native gradient is off by more than its rounding"
+    # the culprit search
+    CULPRIT_HOOKS_REFUSED = "culprit-hooks-refused", "no culprit search: the loss cannot run with hooks on its modules"
+    CULPRIT_NO_MODULE = "culprit-no-module", "no culprit search: the loss runs no module"
+    CULPRIT_FLOAT64_UNFAITHFUL = "culprit-float64-unfaithful", "no culprit search: float64 evaluates another function"
+    CULPRIT_ABANDONED = "culprit-abandoned", "culprit search abandoned: the loss raised under its hooks"
+    CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
+    CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
+    # compiled graphs
+    COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
+    COMPILED_WOULD_RECOMPILE = "compiled-would-recompile", "compiled gradient not compared: the batch would recompile"
+    COMPILED_LOSS_DIFFERS = "compiled-loss-differs", "compiled gradient not compared: its loss is not the eager one"
+    # several processes
+    SHARDED = "sharded", "one check of the global loss, run on shards by every rank together"
+    SHARDED_NATIVE = "sharded-native", "float64 probes are not made on shards"
+    RANKS_TOGETHER = "ranks-together", "the verdict of every rank, which ran one check of the global loss together"
+    RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
+
+
+_BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}
+
+
+class Note(str):
+    """One remark of a report: its text, as users read it, with a stable :attr:`code`.
+
+    A ``str``, so it prints, compares, hashes, joins and serialises as its text (``Note(code, "x") == "x"``); pickles
+    and copies keep the code.
+    """
+
+    code: NoteCode
+
+    def __new__(cls, code: NoteCode | str, text: str) -> Note:
+        found = _BY_VALUE.get(code)
+        if found is None:
+            raise ValueError(f"`code` must be a NoteCode (gradwatch.engine.notes); got {code!r}")
+        note = super().__new__(cls, text)
+        note.code = found
+        return note
+
+    def __reduce__(self) -> tuple[type[Note], tuple[str, str]]:
+        return (Note, (self.code.value, str(self)))
+
+
+def codes(notes: Iterable[str]) -> list[NoteCode | None]:
+    """The code of each note, in order (``None`` for a plain string)."""
+    return [getattr(note, "code", None) for note in notes]

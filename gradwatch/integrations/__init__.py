@@ -1,0 +1,4 @@
+"""Adapters of the watch to other training loops, one module each, imported only by those who use them (``import
+gradwatch`` imports none of their frameworks): :mod:`gradwatch.integrations.huggingface` for ``transformers.Trainer``.
+Lightning Fabric, Accelerate and plain loops need no adapter: they call :class:`gradwatch.GradientWatch` directly
+(see ``docs/loops.md``)."""

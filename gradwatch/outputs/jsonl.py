@@ -1,0 +1,195 @@
+"""The backend-neutral record of a check: one JSON object per line of ``gradwatch.jsonl``, written beside a run's
+logs whatever the logger (:class:`gradwatch.outputs.sinks.JsonLinesSink`) and read back by ``gradwatch report``.
+
+One line per check::
+
+    {"format": "gradwatch-check", "version": 1, "step": 4, "verdict": "fail",
+     "scalars": {"gradwatch/rel_error_max": 0.09, ...},
+     "culprit": "the backward of `net.1` (`RMSNorm`) is wrong: ...", "culprits": ["net.1", "net"],
+     "failures": [{"kind": "tensor", "target": "net.0.weight", "index": null, "location": "net.0.weight",
+                   "analytic": 1.02, "numeric": 0.98, "rel_error": 0.04, "noise": 1e-06, "reason": "discrepancy"}],
+     "surrogates": [], "notes": ["..."], "loss": 0.7, "duration_s": 0.05, "scope": ..., "fault": ...}
+
+A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
+read back as the float. ``scope`` and ``fault`` are there when the report has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+from gradwatch.engine.rendering import ordered_failures
+from gradwatch.engine.report import VERDICTS, Probe
+from gradwatch.outputs.records import CheckRecords
+from gradwatch.tensorboard.events import VERDICT_TAG, CheckRecord, EventFilesError, FailureRecord
+
+JSONL_NAME = "gradwatch.jsonl"
+"""The file name of the record, in the directory of the run's logs."""
+
+FORMAT = "gradwatch-check"
+VERSION = 1
+OPTIONAL_FIELDS = ("scope", "fault")
+"""Attributes of a report recorded when it has them (set by other parts of gradwatch, any JSON-able shape)."""
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def number(value: float) -> float | str:
+    """``value`` as JSON can hold it: the float, or ``"nan"``, ``"inf"``, ``"-inf"``."""
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data: enums by their value, dataclasses and mappings as objects, sequences as lists,
+    non-finite floats as strings (:func:`number`), anything else by its ``str``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return number(value)
+    if isinstance(value, Enum):
+        return jsonable(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(key): jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(item) for item in value]
+    return str(value)
+
+
+def _word(value: Any) -> str:
+    return str(getattr(value, "value", value))  # a kind or verdict that is an Enum: its value
+
+
+def probe_json(probe: Probe) -> dict[str, Any]:
+    """One failing probe as a JSON object."""
+    return {
+        "kind": _word(probe.kind),
+        "target": probe.target,
+        "index": None if probe.index is None else [int(i) for i in probe.index],
+        "location": probe.location,
+        "analytic": number(probe.analytic),
+        "numeric": number(probe.numeric),
+        "rel_error": number(probe.rel_error),
+        "noise": number(probe.noise),
+        "reason": _word(probe.reason),
+    }
+
+
+def record_json(records: CheckRecords) -> dict[str, Any]:
+    """The JSON object of one check (see the module's docstring)."""
+    report = records.report
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(records.step),
+        "verdict": _word(report.verdict),
+        "scalars": {tag: number(value) for tag, value in records.scalars.items()},
+        "culprit": report.culprit_message or None,
+        "culprits": list(report.culprits),
+        "failures": [probe_json(probe) for probe in ordered_failures(report)],
+        "surrogates": [str(finding) for finding in report.surrogates],
+        "notes": [str(note) for note in report.notes],
+        "loss": number(report.loss),
+        "duration_s": number(report.duration_s),
+    }
+    for name in OPTIONAL_FIELDS:
+        value = getattr(report, name, None)
+        if value is not None:
+            record[name] = jsonable(value)
+    return record
+
+
+class _BadRecordError(ValueError):
+    """A field of a record that is not what the format says (caught by :func:`parse_record`)."""
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_number(value: Any, what: str) -> float:
+    """A number written by :func:`number`."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    raise _BadRecordError(f"{what} is {_brief(value)}, not a number")
+
+
+def _text(value: str, what: str) -> str:
+    try:
+        value.encode("utf-8")  # a lone surrogate (an escaped "\ud800") would fail when printed
+    except UnicodeEncodeError as error:
+        raise _BadRecordError(f"{what} is not valid Unicode") from error
+    return value
+
+
+def _field(record: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = record.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise _BadRecordError(f"'{name}' is {_brief(value)}")
+    return _text(value, f"'{name}'") if isinstance(value, str) else value
+
+
+def _failure(step: int, item: Any) -> FailureRecord:
+    if not isinstance(item, Mapping):
+        raise _BadRecordError(f"a failure is {_brief(item)}, not an object")
+    index = item.get("index")
+    if index is not None and not (isinstance(index, list) and all(type(i) is int for i in index)):
+        raise _BadRecordError(f"a failure's index is {_brief(index)}")
+    return FailureRecord(
+        step=step,
+        kind=_field(item, "kind", str),
+        tensor=_field(item, "target", str) or "(the model)",
+        index="" if index is None else ", ".join(str(i) for i in index),
+        analytic=read_number(item.get("analytic"), "a failure's analytic derivative"),
+        numeric=read_number(item.get("numeric"), "a failure's numeric derivative"),
+        rel_error=read_number(item.get("rel_error", "nan"), "a failure's relative error"),
+    )
+
+
+def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | None]:
+    """One decoded line: the check, its failing probes and its culprit in words (``None`` when none was named).
+
+    Raises:
+        EventFilesError: The object is not a gradwatch check record of a known version, or a field is malformed
+            (a verdict that is not ``ok``, ``inconclusive`` or ``fail``, a step that is not a whole number ≥ 0, a
+            verdict scalar that contradicts the verdict, ...). The caller adds the path and line.
+    """
+    try:
+        if not isinstance(record, Mapping) or record.get("format") != FORMAT:
+            raise _BadRecordError("not a gradwatch check record")
+        version = record.get("version")
+        if type(version) is not int or version != VERSION:
+            raise _BadRecordError(f"record version {_brief(version)}, this gradwatch reads version {VERSION}")
+        step = _field(record, "step", int)
+        if step < 0:
+            raise _BadRecordError(f"'step' is {step}")
+        verdict = _field(record, "verdict", str)
+        if verdict not in VERDICTS:
+            raise _BadRecordError(f"'verdict' is {_brief(verdict)} (expected one of {', '.join(VERDICTS)})")
+        scalars = {
+            _text(tag, "a scalar's tag"): read_number(value, f"scalar {_brief(tag)}")
+            for tag, value in _field(record, "scalars", dict).items()
+        }
+        code = float(VERDICTS.index(verdict))
+        if scalars.setdefault(VERDICT_TAG, code) != code:
+            raise _BadRecordError(
+                f"the {VERDICT_TAG} scalar {scalars[VERDICT_TAG]!r} contradicts the verdict {verdict!r}"
+            )
+        failures = [_failure(step, item) for item in _field(record, "failures", list)]
+        culprit = record.get("culprit")
+        if culprit is not None:
+            culprit = _field(record, "culprit", str)
+    except _BadRecordError as error:
+        raise EventFilesError(str(error)) from error
+    return CheckRecord(step, scalars), failures, culprit or None

@@ -1,0 +1,74 @@
+"""One place turns a check's report into what every output backend shows: :func:`records_of`.
+
+A backend (a sink, :mod:`.sinks`) picks from the :class:`CheckRecords` what it can show: every logger takes the
+scalars, TensorBoard the histogram and the text too, Weights & Biases and MLflow the text, the JSON lines record all of
+it. The numbers are computed once here, so two backends never disagree about a check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gradwatch.engine.rendering import log10_rel_error, rel_error_log10, render_markdown
+from gradwatch.engine.report import CheckReport
+from gradwatch.tensorboard.writer import HISTOGRAM_TAG
+
+OVERHEAD_TAG = "gradwatch/overhead"
+"""gradwatch's time so far as a fraction of the training time (a series of checks knows it, a single check not)."""
+
+LOG10_SUFFIX = "_log10"
+LOG10_OF = ("gradwatch/rel_error_max", "gradwatch/rel_error_median", "gradwatch/rel_error_min")
+"""The relative errors also logged as log10 (tag plus :data:`LOG10_SUFFIX`, floored at -12): a healthy run's 1e-7
+and a failing one's 1e-2 are 5 apart on a chart, where on a linear one the healthy run is a flat line at 0."""
+
+
+@dataclass(frozen=True)
+class CheckRecords:
+    """What the outputs show of one check.
+
+    Attributes:
+        step: The step the check ran at.
+        scalars: The ``gradwatch/*`` scalars (:meth:`CheckReport.scalars`, ``gradwatch/overhead`` when known, and the
+            log10 of the relative errors, e.g. ``gradwatch/rel_error_max_log10``), finite ones only: a backend never
+            receives a NaN (a check without a descent probe has no descent ratio).
+        text: The failing report in markdown, culprit first (:func:`gradwatch.engine.rendering.render_markdown`);
+            ``None`` when no probe failed.
+        histograms: By tag, values to show as a histogram: ``gradwatch/rel_error_log10``, the log10 relative error
+            of every conclusive probe (absent when there is none).
+        report: The report itself, for a backend that records more (the JSON lines record).
+    """
+
+    step: int
+    scalars: dict[str, float]
+    text: str | None
+    histograms: dict[str, list[float]]
+    report: CheckReport
+
+    @property
+    def failed(self) -> bool:
+        """Whether the check failed (a backend flushes at once then, so a crash does not lose the evidence)."""
+        return self.report.verdict == "fail"
+
+
+def scalars_of(report: CheckReport, overhead: float | None = None) -> dict[str, float]:
+    """The finite ``gradwatch/*`` scalars of a report, with their log10 forms and ``gradwatch/overhead``."""
+    scalars = dict(report.scalars())
+    if overhead is not None:
+        scalars[OVERHEAD_TAG] = float(overhead)
+    for tag in LOG10_OF:
+        if tag in scalars:
+            scalars[tag + LOG10_SUFFIX] = log10_rel_error(scalars[tag])
+    return {tag: float(value) for tag, value in scalars.items() if math.isfinite(value)}
+
+
+def records_of(report: CheckReport, overhead: float | None = None) -> CheckRecords:
+    """Everything the outputs show of ``report``; ``overhead``: gradwatch's share of the training time so far."""
+    values = rel_error_log10(report)
+    return CheckRecords(
+        step=report.step,
+        scalars=scalars_of(report, overhead),
+        text=render_markdown(report) or None,
+        histograms={HISTOGRAM_TAG: values} if values else {},
+        report=report,
+    )

@@ -1,0 +1,110 @@
+"""A sink per output backend: each writes what its backend can show of a check's :class:`CheckRecords`.
+
+* :class:`SummaryWriterSink`: TensorBoard (a ``SummaryWriter``): the histogram of log10 relative errors, the failure
+  text with the culprit and, unless a logger already sends them, the scalars;
+* :class:`TextSink`: any backend with a text call (Weights & Biases' ``log_text``, MLflow's ``log_text``, a Hugging
+  Face ``trainer.log``): the failure text;
+* :class:`JsonLinesSink`: the backend-neutral record (:mod:`.jsonl`), one JSON object per check appended to a file
+  beside the logs, which ``gradwatch report`` reads whatever the logger.
+
+Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from gradwatch.outputs.jsonl import record_json
+from gradwatch.outputs.records import CheckRecords
+from gradwatch.tensorboard.writer import FAILURES_TAG, SummaryWriterLike, write_histogram
+
+
+class Sink(Protocol):
+    """Where the records of each check go."""
+
+    def write(self, records: CheckRecords) -> None:
+        """Record one check."""
+
+    def flush(self) -> None:
+        """Make what was written durable (called at once after a failing check)."""
+
+
+class ScalarWriterLike(SummaryWriterLike, Protocol):
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> object: ...
+
+
+class SummaryWriterSink:
+    """TensorBoard through a ``torch.utils.tensorboard.SummaryWriter`` (or anything with its ``add_*`` methods).
+
+    Args:
+        writer: The writer (a Lightning ``TensorBoardLogger``'s ``experiment``).
+        scalars: Also write the scalars; ``False`` where a logger's ``log_metrics`` already sends them.
+    """
+
+    def __init__(self, writer: SummaryWriterLike, *, scalars: bool = True) -> None:
+        self.writer = writer
+        self.scalars = scalars
+
+    def write(self, records: CheckRecords) -> None:
+        if self.scalars:
+            add_scalar = self.writer.add_scalar  # type: ignore[attr-defined]
+            for tag, value in records.scalars.items():
+                add_scalar(tag, value, records.step)
+        for tag, values in records.histograms.items():
+            write_histogram(self.writer, values, records.step, tag)
+        if records.text:
+            self.writer.add_text(FAILURES_TAG, records.text, records.step)
+
+    def flush(self) -> None:
+        flush = getattr(self.writer, "flush", None)
+        if callable(flush):
+            flush()
+
+
+class TextSink:
+    """The failure text through a backend's own text call, ``log_text(tag, text, step)``, when a check failed.
+
+    Args:
+        log_text: Called with :data:`~gradwatch.tensorboard.writer.FAILURES_TAG`, the markdown text and the step.
+    """
+
+    def __init__(self, log_text: Callable[[str, str, int], object]) -> None:
+        self.log_text = log_text
+
+    def write(self, records: CheckRecords) -> None:
+        if records.text:
+            self.log_text(FAILURES_TAG, records.text, records.step)
+
+    def flush(self) -> None:
+        """Nothing to do: the backend sends what it was given."""
+
+
+class JsonLinesSink:
+    """One JSON object per check appended to ``path`` (see :mod:`gradwatch.outputs.jsonl`), flushed at once.
+
+    The file is opened for each check and closed after it, so a sink holds no file handle (it pickles, survives a
+    fork, and a run killed between checks leaves only whole lines). The directory is created when missing.
+
+    Args:
+        path: The file, by convention ``<log_dir>/gradwatch.jsonl``
+            (:data:`~gradwatch.outputs.jsonl.JSONL_NAME`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def write(self, records: CheckRecords) -> None:
+        line = json.dumps(record_json(records), allow_nan=False, ensure_ascii=False) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write(line)  # one write per record: a reader never sees half a line of a run that goes on
+
+    def flush(self) -> None:
+        """Nothing to do: each record is flushed (the file closed) as it is written."""
+
+    def __repr__(self) -> str:
+        return f"JsonLinesSink({str(self.path)!r})"

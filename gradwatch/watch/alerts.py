@@ -1,0 +1,176 @@
+"""What happens when a check fails: a warning, an exception, a stop request or a user callback.
+
+Warnings are rate-limited with exponential backoff: the 1st, 2nd, 4th, 8th, ... failing check warns, so a bug present
+from step 1 of a week-long run produces a few dozen warnings rather than thousands. Every failing report stays
+available in ``GradientWatch.reports`` (and ``GradWatch.reports``) regardless.
+
+Each failure is shown once: a warning (which Python's ``logging.captureWarnings`` turns into a log record for those
+who want them in their logs), and a log record of level INFO only for the failing checks whose warning the backoff
+withholds (with ``verbose=False``, not even those).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+from gradwatch.engine.diagnosis import diagnose
+from gradwatch.engine.rendering import DEFAULT_LIMIT, render_text
+from gradwatch.engine.report import CheckReport, GradientCheckError
+
+log = logging.getLogger(__name__)
+
+OnFail = Literal["warn", "raise", "stop"] | Callable[[CheckReport], object]
+ON_FAIL_CHOICES = ("warn", "raise", "stop")
+
+
+class GradientCheckWarning(UserWarning):
+    """Issued when a gradient check fails (``on_fail="warn"`` or ``"stop"``) or cannot run."""
+
+
+class Backoff:
+    """Lets through events number 1, 2, 4, 8, ... of a series; the rest are counted."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+
+    def admit(self) -> bool:
+        """Count one event; whether it should be reported."""
+        self.count += 1
+        return self.count & (self.count - 1) == 0
+
+    @property
+    def next_reported(self) -> int:
+        """The number of the next event that will be reported."""
+        return 1 << self.count.bit_length()
+
+
+def failure_message(report: CheckReport, limit: int = DEFAULT_LIMIT) -> str:
+    """A readable account of a failing report: the culprit, where the gradient is wrong and by how much (see
+    :func:`gradwatch.engine.rendering.render_text`)."""
+    return render_text(report, limit=limit)
+
+
+class AlertPolicy:
+    """Applies ``on_fail`` to failing reports.
+
+    Args:
+        on_fail: ``"warn"``: a :class:`GradientCheckWarning` (rate-limited). ``"raise"``:
+            :class:`~gradwatch.report.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
+            with the failing report.
+        failures: The backoff of failure warnings (restored from a checkpoint).
+        errors: The backoff of the warnings for checks that could not run.
+        verbose: Whether a failure or an error whose warning the backoff withholds gets a log record (INFO).
+    """
+
+    def __init__(
+        self,
+        on_fail: OnFail,
+        failures: Backoff | None = None,
+        errors: Backoff | None = None,
+        *,
+        verbose: bool = True,
+    ) -> None:
+        self.on_fail = on_fail
+        self.failures = failures or Backoff()
+        self.errors = errors or Backoff()
+        self.verbose = verbose
+
+    def handle(self, report: CheckReport) -> bool:
+        """React to a report; returns whether training should stop. Reports that did not fail are ignored."""
+        if report.verdict != "fail":
+            return False
+        if self.on_fail == "raise":
+            raise GradientCheckError(report)
+        if callable(self.on_fail):
+            self.on_fail(report)
+            return False
+        if self.failures.admit():
+            message = failure_message(report)
+            if self.on_fail == "stop":
+                message += "\n  stopping training (on_fail='stop')"
+            else:
+                message += (
+                    f"\n  (failing check #{self.failures.count}; the next warning comes at failing check "
+                    f"#{self.failures.next_reported}, every report is kept in the reports of the watch)"
+                )
+            warnings.warn(message, GradientCheckWarning, stacklevel=2)
+        elif self.verbose:
+            log.info(
+                "gradwatch: gradient check failed at step %d (failing check #%d, its warning withheld until #%d)%s",
+                report.step,
+                self.failures.count,
+                self.failures.next_reported,
+                f": {report.culprit_message}" if report.culprit_message else "",
+            )
+        return self.on_fail == "stop"
+
+    def check_error(self, step: int, error: Exception) -> None:
+        """Report (rate-limited) a check that could not run; training goes on."""
+        message = (
+            f"gradwatch: the gradient check at step {step} could not run and was skipped "
+            f"({type(error).__name__}: {error}); training is unaffected"
+        )
+        log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
+        if self.errors.admit():
+            warnings.warn(message, GradientCheckWarning, stacklevel=2)
+        elif self.verbose:
+            log.info(message)
+
+
+BLIND_AFTER = 3
+"""Inconclusive checks in a row after which the run is warned that it checks nothing."""
+
+
+class Remarks:
+    """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record (INFO,
+    only when ``verbose``); a :class:`GradientCheckWarning` the first time a check could not put back what the loss
+    changed, the first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and
+    (when ``verbose``) for each surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
+
+    def __init__(self, *, verbose: bool = True) -> None:
+        self.verbose = verbose
+        self._noted: set[str] = set()
+        self._warned_unrestored = False
+        self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
+        self._warned_blind = False
+
+    def hear(self, report: CheckReport) -> None:
+        self._watch_for_blindness(report)
+        for note in report.notes:
+            if note not in self._noted:  # a note that comes back at every check is said once
+                self._noted.add(note)
+                if self.verbose:
+                    log.info("gradwatch (step %d): %s", report.step, note)
+        for finding in report.surrogates:
+            if finding not in self._noted and self.verbose:
+                self._noted.add(finding)
+                warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
+        if report.unrestored and not self._warned_unrestored:
+            self._warned_unrestored = True
+            warnings.warn(
+                f"gradwatch: at step {report.step} training_step changed {', '.join(report.unrestored)} in place and "
+                "gradwatch could not put it back, so this run is not exactly as it would be without checks; pass "
+                "a loss_fn without that side effect",
+                GradientCheckWarning,
+                stacklevel=2,
+            )
+
+    def _watch_for_blindness(self, report: CheckReport) -> None:
+        if report.verdict != "inconclusive":
+            self._inconclusive.clear()
+            return
+        self._inconclusive.append(report)
+        if len(self._inconclusive) < BLIND_AFTER or self._warned_blind:
+            return
+        self._warned_blind = True
+        diagnosis = diagnose(report)
+        assert diagnosis is not None
+        steps = ", ".join(str(r.step) for r in self._inconclusive)
+        message = (
+            f"gradwatch: the last {len(self._inconclusive)} checks (steps {steps}) were inconclusive, so the gradients "
+            f"are not being checked: {diagnosis.reason}. Remedy: {diagnosis.remedy}"
+        )
+        warnings.warn(message, GradientCheckWarning, stacklevel=3)

@@ -1,0 +1,69 @@
+"""gradwatch's own time against the training time, for the ``gradwatch/overhead`` scalar and the budget mode.
+
+Training time is measured between the ends of consecutive training batches, minus the time the checks took; time
+before the first batch (set-up, a resumed run's restart) does not count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class OverheadClock:
+    """Accumulates the time spent in checks and the time spent training."""
+
+    def __init__(self) -> None:
+        self.check_seconds = 0.0
+        self.train_seconds = 0.0
+        self.last_check_seconds = 0.0
+        self._mark: float | None = None  # the end of the last training batch (or check)
+
+    def restart(self) -> None:
+        """Training (re)starts: the time until the next batch ends is not training time."""
+        self._mark = None
+
+    def batch_ended(self, now: float) -> None:
+        """A training batch ended at ``now``: the time since the last mark was training."""
+        if self._mark is not None:
+            self.train_seconds += now - self._mark
+        self._mark = now
+
+    def check_ran(self, started: float, ended: float) -> None:
+        """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
+        self.last_check_seconds = ended - started
+        self.check_seconds += self.last_check_seconds
+        self._mark = ended  # the check's own time is not training time
+
+    @property
+    def fraction(self) -> float:
+        """gradwatch's time so far as a fraction of the training time."""
+        return self.check_seconds / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    def affordable(self, budget: float) -> bool:
+        """Whether another check, costing what the last one did, keeps gradwatch's time within ``budget`` (a
+        fraction) of the training time."""
+        return self.check_seconds + self.last_check_seconds <= budget * self.train_seconds
+
+    def steps_until_affordable(self, budget: float, steps: int) -> int:
+        """How many more optimizer steps, at the mean training time of the ``steps`` trained so far, until another
+        check is :meth:`affordable` (at least 1)."""
+        needed = (self.check_seconds + self.last_check_seconds) / budget - self.train_seconds
+        per_step = self.train_seconds / steps if steps > 0 and self.train_seconds > 0 else 0.0
+        if needed <= 0:
+            return 1
+        if per_step <= 0:
+            return 1
+        return max(1, math.ceil(needed / per_step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "check_seconds": self.check_seconds,
+            "train_seconds": self.train_seconds,
+            "last_check_seconds": self.last_check_seconds,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_seconds = float(state.get("check_seconds", 0.0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_check_seconds = float(state.get("last_check_seconds", 0.0))

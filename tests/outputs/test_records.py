@@ -1,0 +1,67 @@
+"""records_of: one report, the records every backend shows (finite scalars with log10 forms, text, histograms)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from helpers import SeedModel, seed_batch, seed_loss
+
+from gradwatch import check_gradients
+from gradwatch.engine.rendering import CULPRIT_PREFIX
+from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.outputs import records_of
+from gradwatch.outputs.records import LOG10_OF, LOG10_SUFFIX, OVERHEAD_TAG
+from gradwatch.tensorboard.writer import HISTOGRAM_TAG
+
+
+@pytest.fixture(scope="module")
+def healthy() -> CheckReport:
+    return check_gradients(SeedModel(), seed_batch(), seed_loss)
+
+
+@pytest.fixture(scope="module")
+def failing() -> CheckReport:
+    return check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
+
+
+def test_a_healthy_check_has_scalars_and_a_histogram_but_no_text(healthy: CheckReport) -> None:
+    records = records_of(healthy, overhead=0.004)
+    assert records.step == healthy.step
+    assert records.report is healthy
+    assert records.text is None
+    assert not records.failed
+    assert records.scalars[OVERHEAD_TAG] == 0.004
+    for tag, value in healthy.scalars().items():
+        assert records.scalars[tag] == value if math.isfinite(value) else tag not in records.scalars
+    assert len(records.histograms[HISTOGRAM_TAG]) == len(healthy.conclusive_rel_errors)
+
+
+def test_relative_errors_are_also_scalars_on_a_log10_scale(healthy: CheckReport, failing: CheckReport) -> None:
+    for report in (healthy, failing):
+        scalars = records_of(report).scalars
+        for tag in LOG10_OF:
+            assert scalars[tag + LOG10_SUFFIX] == pytest.approx(math.log10(scalars[tag]))
+    assert records_of(healthy).scalars["gradwatch/rel_error_max_log10"] < -4  # far below a failing check's
+    assert records_of(failing).scalars["gradwatch/rel_error_max_log10"] > -2
+
+
+def test_a_failing_check_has_the_markdown_text(failing: CheckReport) -> None:
+    records = records_of(failing)
+    assert records.failed
+    assert records.text is not None and records.text.startswith("gradient check **failed** at step 0")
+    assert "| tensor | `fc.weight` |" in records.text
+    culprit = dataclasses.replace(failing, culprit_message="the backward of `fc` is wrong", culprits=["fc"])
+    assert f"{CULPRIT_PREFIX}the backward of `fc` is wrong" in str(records_of(culprit).text)
+
+
+def test_no_backend_receives_a_non_finite_scalar() -> None:
+    probe = Probe("param", "w", (0,), math.nan, math.nan, math.nan, "inconclusive", math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
+    report = CheckReport(step=1, verdict="inconclusive", probes=[probe], loss=math.nan, n_forward=1, n_backward=1,
+                         duration_s=0.1)  # fmt: skip
+    records = records_of(report, overhead=math.inf)
+    assert all(math.isfinite(value) for value in records.scalars.values())
+    assert "gradwatch/descent_ratio" not in records.scalars
+    assert OVERHEAD_TAG not in records.scalars
+    assert records.histograms == {}

@@ -1,0 +1,122 @@
+"""The sinks: TensorBoard through a SummaryWriter, text-capable backends, and the JSON lines record."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import SeedModel, seed_batch, seed_loss
+
+from gradwatch import check_gradients
+from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, TextSink, records_of
+from gradwatch.outputs.jsonl import parse_record, record_json
+from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
+
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.flushed = 0
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None:
+        self.calls.append(("scalar", tag, global_step))
+
+    def add_histogram(self, tag: str, values: torch.Tensor, global_step: int) -> None:
+        self.calls.append(("histogram", tag, global_step))
+
+    def add_text(self, tag: str, text_string: str, global_step: int) -> None:
+        self.calls.append(("text", tag, global_step))
+
+    def flush(self) -> None:
+        self.flushed += 1
+
+
+@pytest.fixture(scope="module")
+def failing() -> CheckReport:
+    report = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss, step=4)
+    return dataclasses.replace(report, culprit_message="the backward of `fc` is wrong", culprits=["fc", ""])
+
+
+@pytest.mark.parametrize("scalars", [True, False], ids=["with-scalars", "without-scalars"])
+def test_summary_writer_sink_writes_histogram_text_and_optionally_scalars(failing: CheckReport, scalars: bool) -> None:
+    writer = FakeWriter()
+    sink = SummaryWriterSink(writer, scalars=scalars)
+    records = records_of(failing)
+    sink.write(records)
+    sink.flush()
+    kinds = [(kind, tag) for kind, tag, step in writer.calls if step == 4]
+    assert len(kinds) == len(writer.calls)
+    assert ("histogram", HISTOGRAM_TAG) in kinds
+    assert ("text", FAILURES_TAG) in kinds
+    assert sum(kind == "scalar" for kind, _ in kinds) == (len(records.scalars) if scalars else 0)
+    assert writer.flushed == 1
+
+
+def test_text_sink_gets_the_failure_text_only(failing: CheckReport) -> None:
+    received: list[tuple[str, str, int]] = []
+    sink = TextSink(lambda tag, text, step: received.append((tag, text, step)))
+    sink.write(records_of(failing))
+    sink.write(records_of(check_gradients(SeedModel(), seed_batch(), seed_loss)))  # a healthy check: no text
+    ((tag, text, step),) = received
+    assert (tag, step) == (FAILURES_TAG, 4)
+    assert text.splitlines()[2] == "culprit: the backward of `fc` is wrong"
+
+
+class Scope(Enum):
+    OPTIMIZER = "optimizer"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScopedReport(CheckReport):
+    """A report with the attributes other parts of gradwatch add (read through getattr)."""
+
+    scope: Scope = Scope.OPTIMIZER
+    fault: Any = None
+
+
+def _strict(line: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path, failing: CheckReport) -> None:
+    path = tmp_path / "run" / "gradwatch.jsonl"
+    sink = JsonLinesSink(path)
+    bad = Probe("param", "w", (1, 2), math.nan, math.inf, math.nan, "fail", -math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
+    fields = {f.name: getattr(failing, f.name) for f in dataclasses.fields(CheckReport)}
+    fields.update(probes=[*failing.probes, bad], fault={"at": "loss", "value": math.nan})
+    reports = [failing, ScopedReport(**fields)]
+    for report in reports:
+        sink.write(records_of(report, overhead=0.01))
+        sink.flush()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2
+    first, second = (_strict(line) for line in lines)
+    assert first == _strict(json.dumps(record_json(records_of(failing, overhead=0.01))))
+    assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == (4, "fail", failing.culprit_message,
+                                                                                      ["fc", ""])  # fmt: skip
+    assert first["scalars"]["gradwatch/overhead"] == 0.01
+    assert "scope" not in first and "fault" not in first
+    assert second["scope"] == "optimizer"
+    assert second["fault"] == {"at": "loss", "value": "nan"}
+    written = second["failures"][-1]
+    assert (written["analytic"], written["numeric"], written["noise"], written["index"]) == (
+        "nan",
+        "inf",
+        "-inf",
+        [1, 2],
+    )
+    check, failures, culprit = parse_record(second)
+    assert check.verdict == "fail" and check.step == 4
+    assert culprit == failing.culprit_message
+    assert math.isnan(failures[-1].analytic) and failures[-1].numeric == math.inf and failures[-1].index == "1, 2"
+    assert [f.tensor for f in failures[:-1]] == [p.target for p in failing.failures]
