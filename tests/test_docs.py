@@ -8,6 +8,7 @@ broken link or an API object that does not exist.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -166,3 +167,23 @@ def test_the_sites_hook_turns_sphinx_roles_into_optional_cross_references() -> N
         'see <autoref identifier="gradwatch.CheckReport" optional><code>CheckReport</code></autoref> and '
         '<autoref identifier="gradwatch.check_gradients" optional><code>gradwatch.check_gradients</code></autoref>'
     )
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+IMPORTS = sorted(
+    {
+        (module, name.strip())
+        for path in DOCS
+        for module, names in re.findall(r"^\s*from (gradwatch[\w.]*) import ([\w, ]+)$", path.read_text(), re.MULTILINE)
+        for name in names.split(",")
+    }
+)
+
+
+def test_the_docs_import_something_from_gradwatch() -> None:
+    assert ("gradwatch", "GradWatch") in IMPORTS
+
+
+@pytest.mark.parametrize(("module", "name"), IMPORTS, ids=[f"{m}.{n}" for m, n in IMPORTS])
+def test_each_import_the_docs_show_works(module: str, name: str) -> None:
+    assert hasattr(importlib.import_module(module), name)
