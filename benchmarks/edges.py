@@ -15,6 +15,11 @@ Correct cases (a fail is a false alarm; an inconclusive check is a check that sa
 Planted bugs that only show with more than one sample: a centring backward that subtracts the mean over the whole
 batch instead of each sample's, and a sparsemax backward with ``.squeeze()`` instead of ``.squeeze(-1)``.
 
+Planted bugs at special points of a smooth loss, where a shifted point no longer shows them
+(``tests/special_point_models.py``): a BCE-with-logits backward wrong at logit 0 (a zero-initialised head), a
+segment-product backward wrong at an exact zero factor (sparse counts), a ``grid_sample`` border gradient wrong exactly
+on the border (an identity-initialised warp); their correct twins run with the correct models.
+
 Each case is checked with the defaults of ``GradWatch()`` (or of ``check_gradients`` where it says so) at several
 training steps; bugs are caught if a check fails within three.
 
@@ -27,14 +32,20 @@ import argparse
 import collections
 import inspect
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import special_point_models as special
 
 from gradwatch import CheckReport, GradWatch, check_gradients
 
@@ -376,9 +387,18 @@ BUGS = [
     ),
 ]
 
+SPECIAL_POINTS = [
+    Case(name, lambda build=build: build(correct=False), batch, loss)
+    for name, (build, batch, loss) in special.CASES.items()
+]
+
 CONTROLS = [
     Case("centring backward (correct)", lambda: Centred(correct=True), BUGS[1].batch, _classification),
     Case("sparsemax backward (correct)", lambda: Sparsemax(correct=True), BUGS[2].batch, _sparsemax_loss),
+    *(
+        Case(f"{name.split(',')[0]} (correct)", lambda build=build: build(correct=True), batch, loss)
+        for name, (build, batch, loss) in special.CASES.items()
+    ),
 ]
 
 
@@ -420,21 +440,26 @@ def run(case: Case, seeds: int, steps: int) -> Tally:
     return tally
 
 
-def caught(case: Case, seeds: int) -> list[int | None]:
-    """For each seed, the check (1-3) that first failed, or ``None``."""
+def caught(case: Case, seeds: int, train: bool = False) -> list[int | None]:
+    """For each seed, the check (1-3) that first failed, or ``None``; with ``train``, a training step (on the buggy
+    gradient) between checks."""
     found: list[int | None] = []
     for seed in range(seeds):
         torch.manual_seed(seed)
         model = case.build()
         generator = torch.Generator().manual_seed(100 + seed)
+        optimizer = case.optimizer(list(model.parameters()))
         first = None
         for step in range(3):
-            report = check_gradients(
-                model, case.batch(generator), case.loss, step=step, **{**DEFAULTS, **case.settings}
-            )
+            batch = case.batch(generator)
+            report = check_gradients(model, batch, case.loss, step=step, **{**DEFAULTS, **case.settings})
             if report.verdict == "fail":
                 first = step + 1
                 break
+            if train:
+                optimizer.zero_grad()
+                case.loss(model, batch).backward()
+                optimizer.step()
         found.append(first)
     return found
 
@@ -469,6 +494,13 @@ def main() -> None:
     print("|---|---|---|")
     for case in BUGS:
         found = caught(case, seeds)
+        hits = [f for f in found if f is not None]
+        print(f"| {case.name} | {len(hits)}/{seeds} | {', '.join(str(f) for f in hits) or '-'} |")
+    print("\n## Bugs at special points of a smooth loss (3 checks per seed, training between them)\n")
+    print("| bug | caught (seeds) | at check |")
+    print("|---|---|---|")
+    for case in SPECIAL_POINTS:
+        found = caught(case, seeds, train=True)
         hits = [f for f in found if f is not None]
         print(f"| {case.name} | {len(hits)}/{seeds} | {', '.join(str(f) for f in hits) or '-'} |")
 

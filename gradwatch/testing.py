@@ -22,6 +22,7 @@ from gradwatch.engine.rendering import probe_table, render_text
 
 __all__ = ["assert_gradients_ok", "probe_table"]
 
+
 def assert_gradients_ok(
     model: nn.Module,
     batch: Any,

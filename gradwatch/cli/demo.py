@@ -27,7 +27,7 @@ from gradwatch.cli.demo_models import (
     ScaledGradClassifier,
     synthetic_loader,
 )
-from gradwatch.engine.rendering import SEARCH_KINDS, render_text
+from gradwatch.engine.rendering import render_text
 from gradwatch.engine.report import CheckReport
 from gradwatch.lightning.callback import GradWatch
 from gradwatch.watch.alerts import GradientCheckWarning
@@ -124,7 +124,7 @@ def describe(name: str, reports: list[CheckReport]) -> str:
     if failing:
         first = failing[0]
         lines.append(f"\nfirst failing check:\n{render_text(first, prefix='', limit=DEMO_LIMIT)}")
-        tensors = sorted({p.target for r in failing for p in r.failures if p.kind not in SEARCH_KINDS})
+        tensors = sorted({p.target for r in failing for p in r.failures if not p.kind.traits.culprit_search})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
         culprits = sorted({r.culprits[0] for r in failing if r.culprits})
         if culprits:

@@ -30,10 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.compiled import compiled_parts, compiled_probes
+from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
@@ -47,10 +48,10 @@ from gradwatch.engine.numerics.steps import (
 )
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
-from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
-from gradwatch.engine.selection import checked_parameters, unmatched_patterns
-from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, UnrestoredStateWarning
+from gradwatch.engine.selection import checked_parameters, known_focus, refuse_meta, unmatched_patterns
+from gradwatch.engine.settings import ProbeSettings, settings_from
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
@@ -79,6 +80,7 @@ def check_gradients(
     float64_reductions: bool = True,
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
@@ -124,16 +126,27 @@ def check_gradients(
         fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
             ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
+        optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
+            rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
+            otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
         settings: All the options above but ``step``, ``focus`` and ``rotation`` at once, as one
             :class:`~gradwatch.engine.settings.ProbeSettings` (what :class:`~gradwatch.GradientWatch` passes, built
             once for a whole run); those options must then be left at their defaults.
+
+    Whatever the loss does to the model during the check is undone before it returns or raises: parameters changed in
+    place, hooks registered, submodules added or replaced, parameters rebound, ``requires_grad`` toggled (see
+    :mod:`gradwatch.engine.function.guard`), besides the user state of :mod:`gradwatch.engine.function.sandbox`. What
+    cannot be undone is named in :attr:`~gradwatch.engine.report.CheckReport.unrestored` and in an
+    :class:`~gradwatch.engine.report.UnrestoredStateWarning`.
 
     Returns:
         A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable or does not return a tensor.
-        ValueError: An argument is out of range, or ``loss_fn`` returns a non-scalar or a loss without a graph.
+        ValueError: An argument is out of range, ``model`` or ``batch`` is on the ``meta`` device, or ``loss_fn``
+            returns a non-scalar or a loss without a graph, or calls ``backward()`` itself
+            (:class:`~gradwatch.engine.function.guard.LossCallsBackwardError`).
 
     Example:
         >>> import torch
@@ -165,26 +178,9 @@ def check_gradients(
     }
     focus = validate.check_patterns("focus", focus)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    return _check(model, batch, loss_fn, _settings(settings, options), step, rotation, focus)
-
-
-def _settings(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
-    """``settings`` when given (the options one by one left at their defaults), else the options one by one."""
-    if settings is None:
-        return ProbeSettings(**options)
-    if not isinstance(settings, ProbeSettings):
-        raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
-    default = ProbeSettings()
-    given = sorted(
-        name
-        for name, value in options.items()
-        if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
-    )
-    if given:
-        raise ValueError(
-            f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
-        )
-    return settings
+    protected = check_optimizers(optimizers)
+    refuse_meta(model, batch)
+    return _check(model, batch, loss_fn, settings_from(settings, options), step, rotation, focus, protected)
 
 
 def _check(
@@ -195,6 +191,7 @@ def _check(
     step: int,
     rotation: int | None,
     focus: tuple[str, ...],
+    protected: Sequence[torch.optim.Optimizer] = (),
 ) -> CheckReport:
     """:func:`check_gradients` once its arguments are validated."""
     ignore, precision, vectorize = settings.ignore, settings.precision, settings.vectorize
@@ -203,9 +200,7 @@ def _check(
     params = checked_parameters(model, ignore, surrogates.unprobed)
     for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
         warnings.warn(message, UserWarning, stacklevel=3)
-    unknown = sorted(set(focus) - {name for name, _ in model.named_parameters()})
-    if unknown:
-        raise ValueError(f"`focus` must name parameters of the model; got {unknown}, which are not")
+    focus, focus_notes = known_focus(focus, model)
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(precision, dtype, floating_elements)
@@ -221,7 +216,7 @@ def _check(
             tensor_probes=settings.tensor_probes,
             random_probes=settings.random_probes,
             param_probes=settings.param_probes,
-            input_probes=settings.input_probes,
+            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
             seed=settings.seed,
             step=step,
             rotation=step if rotation is None else rotation,
@@ -234,7 +229,7 @@ def _check(
         vectorize=vectorize,
         fail_on_imprecise=settings.fail_on_imprecise,
     )
-    state = TrainingState.capture(model)
+    state = TrainingState.capture(model, protected)
     with warnings_withheld() as withheld:
         try:
             with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
@@ -245,7 +240,7 @@ def _check(
         finally:
             state.restore()
     evaluator = outcome.evaluator
-    evaluator.notes[:0] = sharding_notes
+    evaluator.notes[:0] = sharding_notes + focus_notes
     evaluator.notes += surrogates.notes()
     if withheld:
         evaluator.notes.append(
@@ -255,8 +250,16 @@ def _check(
                 f"{withheld[0]}",
             )
         )
-    unrestored = state.sandbox.unrestorable()
-    evaluator.notes += state.sandbox.notes(unrestored)
+    unrestored = state.unrestorable()
+    evaluator.notes += state.sandbox.notes(state.sandbox.unrestorable())
+    evaluator.notes += state.guard.notes()
+    if unrestored:
+        warnings.warn(
+            f"gradwatch could not put back what the loss changed: {', '.join(unrestored)}; the model is not exactly as "
+            "it was before the check (move that code out of loss_fn)",
+            UnrestoredStateWarning,
+            stacklevel=2,
+        )
     return CheckReport(
         step=step,
         verdict=_overall_verdict(outcome.probes),
@@ -271,11 +274,12 @@ def _check(
         precision=outcome.precision,
         vectorized=outcome.vectorized,
         rtol=outcome.rtol,
-        side_effects=tuple(state.sandbox.changed),
+        side_effects=tuple(state.sandbox.changed + state.guard.changed),
         unrestored=tuple(unrestored),
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
+        probed_inputs=outcome.probed_inputs,
     )
 
 
@@ -293,6 +297,7 @@ class _Outcome:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    probed_inputs: tuple[str, ...]
 
 
 def _run(
@@ -320,6 +325,7 @@ def _run(
         )  # fmt: skip
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
+        params, reference = without_edited(evaluator, params, reference, state.guard.edited_ids())
         grads = [
             g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
         ]
@@ -348,6 +354,8 @@ def _run(
     ):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
+        if not culprits:
+            culprits, culprit_message = compiled_culprit(model, probes)
     return _Outcome(
         evaluator,
         reference.loss,
@@ -359,6 +367,7 @@ def _run(
         surrogates,
         culprits,
         culprit_message,
+        tuple(reference.input_grads),
     )
 
 
@@ -373,12 +382,8 @@ def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[
         )
     ]
     if mode == "float64":
-        notes.append(
-            Note(
-                NoteCode.SHARDED_NATIVE,
-                "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)",
-            )
-        )
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
     return notes, "native", False
 
 

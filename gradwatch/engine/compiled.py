@@ -56,6 +56,54 @@ def compiled_parts(model: nn.Module) -> list[str]:
     return parts
 
 
+def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[str], str]:
+    """The compiled module whose compiled gradient differs from eager autograd's (``"compiled"`` probes failed), with
+    the modules containing it (``""`` for the model itself, as culprits name it); ``([], "")`` when no compiled probe
+    failed. The compiled graph as a whole is named: its failing tensors are victims of a wrong backward somewhere in
+    its code, which the eager search (on eager code) cannot see."""
+    failing = [p for p in probes if p.kind == "compiled" and p.verdict == "fail"]
+    if not failing:
+        return [], ""
+    compiled = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module).__name__ == "OptimizedModule"
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or any(callable(v) and hasattr(v, "_torchdynamo_orig_callable") for v in vars(module).values())
+    ]
+    # a wrong compiled backward makes the gradients upstream of it wrong too, outside the compiled module: the compiled
+    # modules holding a failing tensor are the suspects, and their innermost common ancestor the culprit
+    holding = [n for n, _ in compiled if any(p.target.startswith(f"{n}.") or not n for p in failing)] or [
+        n for n, _ in compiled
+    ]
+    if not holding:
+        return [], ""
+    name = _common_ancestor(holding)
+    module = model.get_submodule(name)
+    parts = name.split(".") if name else []
+    culprits = [name] + [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+    worst = max(failing, key=lambda p: p.rel_error)
+    named = f"`{name}`" if name else "the model"
+    message = (
+        f"the compiled backward of {named} (`{type(module).__name__}`) is wrong: its compiled gradient differs from "
+        f"eager autograd's ({worst.rel_error:.1%} on `{worst.target}`), and eager autograd's agrees with the loss"
+        if not any(p.verdict == "fail" for p in probes if p.kind != "compiled")
+        else f"the compiled backward of {named} (`{type(module).__name__}`) differs from eager autograd's "
+        f"({worst.rel_error:.1%} on `{worst.target}`)"
+    )
+    return culprits, message
+
+
+def _common_ancestor(names: Sequence[str]) -> str:
+    parts = [name.split(".") if name else [] for name in names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):  # as deep as the shallowest
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
 def compiled_probes(
     model: nn.Module,
     batch: Any,
@@ -114,7 +162,7 @@ def _gradient(
 ) -> tuple[float, list[Tensor]]:
     """The loss and its gradient, computed as training computes them (grad mode, the current global settings)."""
     completed = False
-    state.replay_rng()
+    state.before_evaluation()
     try:
         with torch.enable_grad():
             loss = as_scalar_loss(loss_fn(model, batch))

@@ -23,6 +23,16 @@ class Diagnosis(NamedTuple):
 
 _BY_NOTE = (
     (
+        NoteCode.FAKE_QUANTISATION,
+        Diagnosis(
+            "the loss is piecewise constant: fake quantisation (straight-through estimators by design) sits in the "
+            "model",
+            "check with fake quantisation off during the check's steps (model.apply(torch.ao.quantization."
+            "disable_fake_quant) before, enable_fake_quant after), or check the float model before preparing it for "
+            "quantisation-aware training",
+        ),
+    ),
+    (
         NoteCode.NOT_REPRODUCIBLE,
         Diagnosis(
             "the loss is not the same function at every evaluation: it draws randomness gradwatch cannot replay (a "
@@ -81,6 +91,22 @@ def diagnose(report: CheckReport) -> Diagnosis | None:
     reasons = Counter(p.reason for p in report.probes if p.verdict == "inconclusive")
     for reason, _ in reasons.most_common():
         if reason in _BY_REASON:
-            return _BY_REASON[reason]
+            return _feasible(_BY_REASON[reason], report)
     first_note = report.notes[0] if report.notes else "no probe could be made"
     return Diagnosis(first_note, "see the report's notes")
+
+
+def _feasible(diagnosis: Diagnosis, report: CheckReport) -> Diagnosis:
+    """``diagnosis`` with a remedy that can work on the model: no float64 advice where float64 probes cannot be used
+    (the loss does not run in float64, or float64 evaluates another function)."""
+    refused = next((note for note in report.notes if getattr(note, "code", None) in _NO_FLOAT64), None)
+    if refused is None or "float64" not in diagnosis.remedy:
+        return diagnosis
+    return Diagnosis(
+        diagnosis.reason,
+        f"float64 probes cannot be used on this model ({refused}); more probes per check (tensor_probes=, "
+        "random_probes=) or checks at more points decide more often",
+    )
+
+
+_NO_FLOAT64 = (NoteCode.NATIVE_PRECISION, NoteCode.FLOAT64_UNFAITHFUL)

@@ -15,7 +15,8 @@ Adding a probe kind touches this module, the module that measures it, and their 
 2. the module that makes and measures the probes (the portfolio for probes of parameters and inputs,
    :mod:`gradwatch.engine.culprits` for probes of one module, :mod:`gradwatch.engine.compiled` for comparisons of
    gradients), which creates ``ProbeTask(ProbeKind.NEW, ...)`` or ``Probe(ProbeKind.NEW, ...)``;
-3. tests of that module; ``tests/engine/test_kinds.py`` already checks that every kind has a row.
+3. tests of that module; ``tests/engine/test_kinds.py`` already checks that every kind has a row, that no other module
+   spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
 """
 
 from __future__ import annotations

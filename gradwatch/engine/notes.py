@@ -31,20 +31,31 @@ class NoteCode(StrEnum):
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
+    INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
+    BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
+    DOUBLE_BACKWARD = "double-backward", "evaluations run with autograd on: the loss differentiates inside itself"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
     STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
+    MODEL_EDITED = "model-edited", "the loss changes the model itself (parameters, hooks, submodules); put back"
+    EDITED_NOT_PROBED = "edited-not-probed", "parameters the loss changes itself are put back but not probed"
+    INPUTS_REFUSED = "inputs-refused", "input probes skipped: the loss refuses displaced inputs (a target, a mask)"
+    FOCUS_UNKNOWN = "focus-unknown", "names of `focus` that are no parameters of the model were left out"
     # tensors exempt or treated apart
     SPECTRAL_NORM = "spectral-norm", "spectral norms checked with their power iteration held constant"
     PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"
     NOT_PROBED = "not-probed", "a parameter not probed, and why (its gradient is not the derivative by design)"
+    FAKE_QUANTISATION = "fake-quantisation", "fake quantisation enabled: a piecewise-constant loss; inputs not probed"
     # precision
     NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
     FLOAT64_CASTS_KEPT = "float64-casts-kept", "float64 probes keep the model's casts to a lower precision"
     FLOAT64_DRAWS_NATIVE = "float64-draws-native", "float64 probes make random draws in the native dtype, as training"
-    FLOAT64_REDUCTIONS_OFF = "float64-reductions-off", "float64 reductions switched off: they changed the loss"
+    FLOAT64_REDUCTIONS_OFF = (
+        "float64-reductions-off",
+        "float64 reductions switched off: one differed from the native result, or the loss raised",
+    )
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
@@ -55,7 +66,9 @@ class NoteCode(StrEnum):
     VECTORISED_MISMATCH = "unvectorised-mismatch", "points evaluated one by one: a vectorised pass gave another loss"
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
+    SHIFT_BUDGET = "shift-budget", "failures not measured again at a shifted point: more significant ones stood there"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
+    FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
     IMPRECISE_BEYOND_ROUNDING = "imprecise-beyond-rounding", "a native gradient is off by more than its rounding"
     # the culprit search
     CULPRIT_HOOKS_REFUSED = "culprit-hooks-refused", "no culprit search: the loss cannot run with hooks on its modules"

@@ -20,7 +20,7 @@ from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
-from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
@@ -89,7 +89,9 @@ def measured_probes(
     recognised (:mod:`gradwatch.engine.signatures`)."""
     with probe_precision(model, evaluator, mode) as (precision, trial):
         try:
-            tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, trial, plan)
+            tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
+                evaluator, reference, grad_norms, trial, plan
+            )
             unfaithful = None
             if precision == "float64" and measurements is not None:
                 unfaithful = quantised(tasks, measurements, reference.loss)
@@ -103,7 +105,9 @@ def measured_probes(
             )
         )
         precision = "native"
-        tasks, portfolio, measurements = _probe(evaluator, reference, grad_norms, math.nan, plan)
+        tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
+            evaluator, reference, grad_norms, math.nan, plan
+        )
     vectorized = None if measurements is None else measurements.vectorized_outcome
     surrogates: list[str] = []
     culprits: list[str] = []
@@ -122,6 +126,31 @@ def measured_probes(
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
     return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message)
+
+
+def _probe_with_inputs_if_accepted(
+    evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
+) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
+    """:func:`_probe`; when the loss refuses displaced inputs (an input that is also a target in [0, 1], a mask), the
+    probes again without input probes, with a note: the refusal costs the input probes, never the check."""
+    if not evaluator.inputs_refused:
+        noted = len(evaluator.notes)
+        try:
+            return _probe(evaluator, reference, grad_norms, center, plan)
+        except InputsRefusedError as refused:
+            del evaluator.notes[noted:]  # the attempt's notes (a vectorised pass the refusal made fail) do not hold
+            evaluator.inputs_refused = True
+            evaluator.notes.append(
+                Note(
+                    NoteCode.INPUTS_REFUSED,
+                    f"input probes skipped: the loss refuses displaced inputs ({refused}), as it does for an input "
+                    "that is also its target (in [0, 1] for binary_cross_entropy), a probability or a mask; parameters "
+                    "are probed",
+                )
+            )
+    settings = dataclasses.replace(plan.portfolio, input_probes=0)
+    without = dataclasses.replace(reference, input_grads={})
+    return _probe(evaluator, without, grad_norms, center, dataclasses.replace(plan, portfolio=settings))
 
 
 def _probe(

@@ -10,6 +10,7 @@ differ under ``torch.no_grad()``) and no probe could be trusted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,35 @@ def reference_on_a_slice(
         notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
     evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
     return evaluator, evaluator.reference(with_inputs=with_inputs), batch
+
+
+def without_edited(
+    evaluator: LossEvaluator, params: list[tuple[str, Tensor]], reference: Reference, edited: set[int]
+) -> tuple[list[tuple[str, Tensor]], Reference]:
+    """The parameters to probe and their reference gradients, without those the loss changes itself (``edited``, by
+    ``id``: values changed in place, rebound, ``requires_grad`` toggled; see :mod:`gradwatch.engine.function.guard`).
+
+    The loss evaluated at a displaced parameter it then changes is a function of that parameter autograd does not
+    differentiate (a clamp or a normalisation applied under ``torch.no_grad()``): probing it would raise false alarms.
+    Every evaluation starts from the parameter's own value, so the function of the other parameters is the same at
+    every evaluation, and they are probed as usual.
+    """
+    keep = [i for i, (_, p) in enumerate(params) if id(p) not in edited]
+    if len(keep) == len(params):
+        return params, reference
+    names = [name for i, (name, _) in enumerate(params) if i not in keep]
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    evaluator.notes.append(
+        Note(
+            NoteCode.EDITED_NOT_PROBED,
+            f"not probed: {shown}, which the loss changes itself (in place, rebound or requires_grad toggled), so the "
+            "function of them it evaluates is not the one autograd differentiates; gradwatch put them back after every "
+            "evaluation",
+        )
+    )
+    params = [params[i] for i in keep]
+    evaluator.params = params
+    return params, dataclasses.replace(reference, param_grads=[reference.param_grads[i] for i in keep])
 
 
 def reproduced_center(

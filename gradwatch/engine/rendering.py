@@ -57,7 +57,9 @@ def rel_error_log10(report: CheckReport) -> list[float]:
 def ordered_failures(report: CheckReport) -> list[Probe]:
     """The failing probes, those that found the discrepancy first and the culprit search's after them."""
     failures = report.failures
-    return [p for p in failures if p.kind not in SEARCH_KINDS] + [p for p in failures if p.kind in SEARCH_KINDS]
+    return [p for p in failures if not p.kind.traits.culprit_search] + [
+        p for p in failures if p.kind.traits.culprit_search
+    ]
 
 
 def headline(report: CheckReport, prefix: str = "") -> str:

@@ -134,6 +134,9 @@ class CheckReport:
             singled out (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
+        probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
+            (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
+            that require grad, or detaches them).
     """
 
     step: int
@@ -154,6 +157,7 @@ class CheckReport:
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = field(default_factory=list)
     culprit_message: str = ""
+    probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
@@ -280,3 +284,8 @@ def _member(enum: type[_E], value: str, argument: str) -> _E:
     except ValueError:
         choices = ", ".join(repr(member.value) for member in enum)
         raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""

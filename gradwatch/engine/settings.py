@@ -8,6 +8,7 @@ check, so that the options are validated, documented and defaulted in this one p
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
@@ -91,3 +92,23 @@ class ProbeSettings:
     def option_names(cls) -> tuple[str, ...]:
         """The names of the fields, in order (the keyword arguments of :func:`gradwatch.check_gradients` they are)."""
         return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
+    """What :func:`gradwatch.check_gradients` checks with: ``settings`` when given (the options one by one left at
+    their defaults), else the options one by one."""
+    if settings is None:
+        return ProbeSettings(**options)
+    if not isinstance(settings, ProbeSettings):
+        raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
+    default = ProbeSettings()
+    given = sorted(
+        name
+        for name, value in options.items()
+        if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
+    )
+    if given:
+        raise ValueError(
+            f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
+        )
+    return settings

@@ -183,7 +183,9 @@ class GradWatch(Callback):
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
         self._trainer = trainer
         try:
-            self._watch.maybe_check(pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped)
+            self._watch.maybe_check(
+                pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
+            )
         finally:
             self._trainer = None
         if self._watch.should_stop:  # on_fail="stop" and the check failed

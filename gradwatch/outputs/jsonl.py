@@ -8,10 +8,12 @@ One line per check::
      "culprit": "the backward of `net.1` (`RMSNorm`) is wrong: ...", "culprits": ["net.1", "net"],
      "failures": [{"kind": "tensor", "target": "net.0.weight", "index": null, "location": "net.0.weight",
                    "analytic": 1.02, "numeric": 0.98, "rel_error": 0.04, "noise": 1e-06, "reason": "discrepancy"}],
-     "surrogates": [], "notes": ["..."], "loss": 0.7, "duration_s": 0.05, "scope": ..., "fault": ...}
+     "surrogates": [], "notes": ["..."], "note_codes": ["whole-batch"], "loss": 0.7, "duration_s": 0.05,
+     "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope`` and ``fault`` are there when the report has them.
+read back as the float. ``scope`` and ``fault`` are there when the report has them. ``note_codes`` holds each note's
+code (:class:`gradwatch.engine.notes.NoteCode`), for readers that act on notes without parsing their wording.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from gradwatch.engine.notes import codes
 from gradwatch.engine.rendering import ordered_failures
 from gradwatch.engine.report import VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
@@ -97,6 +100,7 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         "failures": [probe_json(probe) for probe in ordered_failures(report)],
         "surrogates": [str(finding) for finding in report.surrogates],
         "notes": [str(note) for note in report.notes],
+        "note_codes": [None if code is None else str(code) for code in codes(report.notes)],
         "loss": number(report.loss),
         "duration_s": number(report.duration_s),
     }

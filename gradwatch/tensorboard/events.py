@@ -221,17 +221,17 @@ class _Run:
                 self._add_value(path, event.step, value)
 
     def _add_value(self, path: Path, step: int, value: Summary.Value) -> None:
-        kind = value.WhichOneof("value")
+        field = value.WhichOneof("value")
         plugin = value.metadata.plugin_data.plugin_name
-        if value.tag == HISTOGRAM_TAG and (kind == "histo" or plugin == "histograms"):
+        if value.tag == HISTOGRAM_TAG and (field == "histo" or plugin == "histograms"):
             self.has_histogram = True
-        elif value.tag in (FAILURES_TAG, FAILURES_TAG + TEXT_SUFFIX) and kind == "tensor":
+        elif value.tag in (FAILURES_TAG, FAILURES_TAG + TEXT_SUFFIX) and field == "tensor":
             try:
                 self.texts[step] = b"".join(value.tensor.string_val).decode("utf-8")
             except UnicodeDecodeError as error:
                 raise EventFilesError(f"{shown(path)}: the {FAILURES_TAG} text at step {step} is not UTF-8") from error
-        elif kind == "simple_value" or (kind == "tensor" and plugin == "scalars"):
-            number = value.simple_value if kind == "simple_value" else _tensor_scalar(path, step, value)
+        elif field == "simple_value" or (field == "tensor" and plugin == "scalars"):
+            number = value.simple_value if field == "simple_value" else _tensor_scalar(path, step, value)
             if value.tag == VERDICT_TAG:
                 check_verdict(number, step, shown(path))
             self.scalars.setdefault(step, {})[value.tag] = number

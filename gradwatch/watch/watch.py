@@ -20,11 +20,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import Precision
+from gradwatch.engine.report import UnrestoredStateWarning
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.outputs.records import records_of
@@ -238,6 +240,7 @@ class GradientWatch:
         *,
         step: int,
         skipped: bool | Callable[[], bool] = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> CheckReport | None:
         """Check ``loss_fn(model, batch)`` if a check is due at optimizer step ``step`` and fits the budget.
 
@@ -248,6 +251,8 @@ class GradientWatch:
             step: The number of optimizer steps taken so far (1 after the first).
             skipped: Whether the optimizer skipped this step (a grad scaler that found non-finite gradients), or a
                 function that says so, called only at a due step: the due check moves to the next step.
+            optimizers: The loop's optimizers: if the loss changes their state (steps one, changes a learning rate),
+                the check puts it back (see :func:`gradwatch.check_gradients`).
 
         Returns:
             The check's report, or ``None`` when no check ran (not due, postponed, skipped).
@@ -264,12 +269,20 @@ class GradientWatch:
             return None
         if not self._schedule.runs_now(step, lambda wait: self._decided(step, wait)):
             return None
-        return self._run(model, batch, loss_fn, step, now)
+        return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
 
-    def check(self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int) -> CheckReport | None:
+    def check(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn | None = None,
+        *,
+        step: int,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> CheckReport | None:
         """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check. ``None`` when the
         check was skipped (an error the alert reported, no loss, no trainable parameter)."""
-        return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter())
+        return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter(), tuple(optimizers))
 
     def flush(self) -> None:
         """Flush every sink."""
@@ -295,9 +308,17 @@ class GradientWatch:
             )
         return wait
 
-    def _run(self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float) -> CheckReport | None:
+    def _run(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        step: int,
+        started: float,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+    ) -> CheckReport | None:
         try:
-            report = self._attempt(model, batch, loss_fn, step)
+            report = self._attempt(model, batch, loss_fn, step, optimizers)
         except Exception as error:
             # on_fail="raise": under DDP every process must learn of it before any raises, or the others would wait
             if self._agree is not None:
@@ -319,7 +340,9 @@ class GradientWatch:
             self.should_stop = True
         return report
 
-    def _attempt(self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int) -> CheckReport | None:
+    def _attempt(
+        self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, optimizers: tuple[torch.optim.Optimizer, ...]
+    ) -> CheckReport | None:
         if not any(p.requires_grad and p.is_floating_point() for p in model.parameters()):
             self._skipped_checks += 1
             if not self._warned_no_params:
@@ -334,9 +357,18 @@ class GradientWatch:
         if self._set_up_for != id(model):
             self.setup(model)
         try:
-            with self._context(model):
+            with self._context(model), warnings.catch_warnings():
+                # what a check could not put back is warned of once per run, by the remarks
+                warnings.simplefilter("ignore", UnrestoredStateWarning)
                 return self._check_gradients(
-                    model, batch, loss_fn, step=step, settings=self._active, rotation=self._checks, focus=self._focus
+                    model,
+                    batch,
+                    loss_fn,
+                    step=step,
+                    settings=self._active,
+                    rotation=self._checks,
+                    focus=self._focus,
+                    optimizers=optimizers,
                 )
         except NoLossToCheckError:
             self._skipped_checks += 1

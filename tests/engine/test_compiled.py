@@ -106,3 +106,20 @@ def test_a_batch_the_graph_was_not_compiled_for_is_not_compiled_for_the_check() 
     assert report.noted(NoteCode.COMPILED_WOULD_RECOMPILE), report.notes
     assert not [p for p in report.probes if p.kind == "compiled"]
     assert _graphs() == graphs
+
+
+def test_a_wrong_compiled_backward_names_the_compiled_module() -> None:
+    model, batch = _compiled_and_trained_once(1.03)
+    report = check_gradients(model, batch, _loss)
+    assert report.culprits == [""], str(report)  # the model itself is the compiled module
+    assert report.culprit_message.startswith("the compiled backward of the model (`OptimizedModule`) is wrong")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inner = Net(1.03)
+    inner.compile()
+    outer = nn.Sequential(nn.Linear(16, 16), inner)
+    _loss(outer, batch).backward()
+    report = check_gradients(outer, batch, _loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits == ["1", ""], str(report)
+    assert report.culprit_message.startswith("the compiled backward of `1` (`Net`) is wrong")

@@ -94,7 +94,8 @@ def test_the_demo_rmsnorm_is_named() -> None:
 def test_a_wrong_parameter_gradient_names_its_module() -> None:
     torch.manual_seed(0)
     report = check_gradients(ScaledGradClassifier(1.01), _classification(), _classifier_loss)
-    assert report.culprits == ["net.4"], str(report)
+    assert report.culprits[0] == "net.4", str(report)
+    assert set(report.culprits[1:]) <= {"net", ""}, str(report)  # the modules proven to contain it
     assert "the gradient of its parameters is" in report.culprit_message
 
 

@@ -13,6 +13,7 @@ from gradwatch.engine.notes import NoteCode, codes
 
 def test_casts_down_stay_float64() -> None:
     x = torch.randn(3, 4, dtype=torch.float64)
+    other = torch.ones(1)
     with Float64Fidelity(torch.float32) as fidelity:
         results = [
             x.float(),
@@ -20,7 +21,7 @@ def test_casts_down_stay_float64() -> None:
             x.to(torch.float32),
             x.to("cpu", torch.float32),
             x.to(dtype=torch.bfloat16),
-            x.to(torch.ones(1)),
+            x.to(other),
             x.type(torch.float32),
             F.softmax(x, dim=-1, dtype=torch.float32),
             x.sum(dtype=torch.float32),
@@ -29,6 +30,19 @@ def test_casts_down_stay_float64() -> None:
     assert all(r.dtype == torch.float64 for r in results), [r.dtype for r in results]
     assert fidelity.acted == {"casts"}
     assert torch.equal(results[0], x)
+
+
+def test_factories_without_a_dtype_make_float64_with_the_training_values() -> None:
+    with Float64Fidelity(torch.float32) as fidelity:
+        mask = torch.full((3, 3), float("-inf")).triu(1)
+        steps = torch.linspace(0, 1, 7)
+        constant = torch.tensor([0.1, 0.2])
+        positions = torch.arange(4)
+    assert mask.dtype == steps.dtype == constant.dtype == torch.float64
+    assert positions.dtype == torch.int64  # integer results are kept
+    assert torch.equal(steps, torch.linspace(0, 1, 7).double())  # the float32 numbers, not float64 ones
+    assert torch.equal(constant, torch.tensor([0.1, 0.2]).double())
+    assert fidelity.acted == {"factories"}
 
 
 def test_float32_tensors_and_integer_casts_are_untouched() -> None:

@@ -19,13 +19,14 @@ from gradwatch.engine.culprits.sites import PLACES
 from gradwatch.engine.kinds import PROBE_KINDS, KindTraits, ProbeKind, Reason, Verdict, kinds_where
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.rendering import SEARCH_KINDS, ordered_failures
 from gradwatch.engine.report import UNDECIDED_REASONS, VERDICTS, CheckReport, Probe
 
 PACKAGE = Path(kinds.__file__).resolve().parents[1]
 KIND_NAMES = {kind.value for kind in ProbeKind}
-OWN_KINDS = {"engine/kinds.py", "engine/function/sandbox.py"}
-"""Modules allowed to spell kind names: the table itself, and the sandbox, whose saved objects have kinds of their own
-("tensor", "module", "dict")."""
+OWN_KINDS = {"engine/kinds.py", "engine/function/sandbox.py", "tensorboard/events.py"}
+"""Modules allowed to spell kind names: the table itself, the sandbox, whose saved objects have kinds of their own
+("tensor", "module", "dict"), and the reader of event files, whose protobuf values have kinds ("tensor", "histo")."""
 
 
 def _probe(kind: str, verdict: str = "ok", reason: str = "agrees", index: tuple[int, ...] | None = None) -> Probe:
@@ -116,15 +117,16 @@ def test_an_agreeing_probe_of_a_vouching_kind_makes_the_check_ok(monkeypatch: py
     assert _overall_verdict([along_inputs, _probe("param", "fail", "discrepancy", (0,))]) == "fail"
 
 
-def test_culprit_search_probes_are_left_out_of_the_failures_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_culprit_search_probes_are_listed_after_the_victims_and_are_none() -> None:
     failing = _report(
-        _probe("tensor", "fail", "discrepancy"),
         Probe("activation", "blocks.0", None, 1.0, 2.0, 0.5, "fail", 0.0, 1e-3, "discrepancy"),  # type: ignore[arg-type]
+        _probe("tensor", "fail", "discrepancy"),
         verdict="fail",
     )
-    assert "activation blocks.0" not in describe("run", [failing])
-    _patched(monkeypatch, ProbeKind.ACTIVATION, culprit_search=False)
-    assert "activation blocks.0" in describe("run", [failing])
+    assert kinds_where(culprit_search=True) == SEARCH_KINDS
+    assert [p.kind for p in ordered_failures(failing)] == ["tensor", "activation"]
+    listed = [line for line in describe("run", [failing]).splitlines() if line.startswith("tensors with failing")]
+    assert listed == ["tensors with failing probes over the run: w"]
 
 
 # ---- the enums are the strings they replaced ---------------------------------------------------------------------
@@ -181,3 +183,11 @@ def test_verdicts_format_serialise_and_pickle_as_their_values() -> None:
 def test_undecided_reasons_are_the_retried_ones() -> None:
     assert set(UNDECIDED_REASONS) == {"kink", "unresolved", "unstable", "tie"}
     assert not Reason.FLAT.retried
+
+
+def test_the_documentation_lists_every_kind_with_its_properties() -> None:
+    page = (PACKAGE.parent / "docs" / "kinds-and-notes.md").read_text()
+    flags = [f.name for f in dataclasses.fields(KindTraits) if f.name != "meaning"]
+    for kind, row in PROBE_KINDS.items():
+        cells = ["✓" if getattr(row, flag) else "" for flag in flags]
+        assert f"| `{kind}` | {row.meaning} | {' | '.join(cells)} |" in page, kind

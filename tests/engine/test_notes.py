@@ -133,3 +133,9 @@ def test_the_notes_of_real_checks_carry_codes() -> None:
     assert report.notes
     assert all(isinstance(note, Note) for note in report.notes), report.notes
     assert {NoteCode.SLICE_REFUSED, NoteCode.WHOLE_BATCH, NoteCode.WARNINGS_WITHHELD} <= set(codes(report.notes))
+
+
+def test_the_documentation_lists_every_code_with_its_meaning() -> None:
+    page = (PACKAGE.parent / "docs" / "kinds-and-notes.md").read_text()
+    missing = [code.value for code in NoteCode if f"| `{code}` | {code.meaning} |" not in page]
+    assert not missing, f"docs/kinds-and-notes.md does not list {missing}"

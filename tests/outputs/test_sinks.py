@@ -14,6 +14,7 @@ import torch
 from helpers import SeedModel, seed_batch, seed_loss
 
 from gradwatch import check_gradients
+from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
 from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
@@ -120,3 +121,10 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     assert culprit == failing.culprit_message
     assert math.isnan(failures[-1].analytic) and failures[-1].numeric == math.inf and failures[-1].index == "1, 2"
     assert [f.tensor for f in failures[:-1]] == [p.target for p in failing.failures]
+
+
+def test_the_json_record_carries_each_notes_code(failing: CheckReport) -> None:
+    notes = [Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"), "a plain remark"]
+    record = json.loads(json.dumps(record_json(records_of(dataclasses.replace(failing, notes=notes)))))
+    assert record["notes"] == ["probes use the whole batch", "a plain remark"]
+    assert record["note_codes"] == ["whole-batch", None]

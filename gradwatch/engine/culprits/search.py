@@ -25,24 +25,19 @@ children finds the boundary in a logarithmic number of probes:
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from gradwatch.engine.culprits.sites import Displacements, Site, record_sites
+from gradwatch.engine.culprits.probes import ActivationProbes, ExhaustedError
+from gradwatch.engine.culprits.sites import Site, record_sites
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
-from gradwatch.engine.kinds import ProbeKind
-from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.numerics.assessment import Assessment
-from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -51,10 +46,6 @@ from gradwatch.engine.report import CheckAbandonedError
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
-
-MAX_PROBES = 64
-"""The most activation probes one search makes (two per place probed); a search that needs more names the deepest
-module it proved."""
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -75,10 +66,6 @@ class Localization:
     message: str = ""
     tasks: list[ProbeTask] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
-
-
-class _ExhaustedError(Exception):
-    """The search made :data:`MAX_PROBES` probes."""
 
 
 def localize(
@@ -126,7 +113,7 @@ def localize(
             if reproduced is None:
                 return found
             measurements = Measurements(evaluator, *reproduced)
-            probes = _Probes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
+            probes = ActivationProbes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
             found.tasks = probes.tasks  # the same list: filled as the search measures
             _Search(sites, probes, failing_params, found).run()
     except UnfaithfulFloat64Error as error:
@@ -139,6 +126,7 @@ def localize(
         raise
     except Exception as error:  # the search must never cost the check its verdict
         found.culprits, found.message = [], ""
+        found.tasks = [task for task in found.tasks if task.result is not None]  # the probe it raised in is not one
         found.notes.append(
             Note(
                 NoteCode.CULPRIT_ABANDONED,
@@ -148,81 +136,12 @@ def localize(
     return found
 
 
-class _Probes:
-    """The activation probes of one search, measured on demand and once each."""
-
-    def __init__(self, sites: dict[str, Site], ladder: Ladder, portfolio: Portfolio, compute: torch.dtype) -> None:
-        self.sites = sites
-        self.ladder = ladder
-        self.portfolio = portfolio
-        self.relative_step = relative_step(compute, portfolio.native_dtype)
-        self.tasks: list[ProbeTask] = []
-        self._measured: dict[tuple[str, str], Assessment | None] = {}
-
-    def verdict(self, site: Site, place: str) -> Assessment | None:
-        """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
-        when there is nothing to displace."""
-        key = (site.name, place)
-        if key in self._measured:
-            return self._measured[key]
-        if place in site.same_as_parent and site.parent is not None:
-            result = self.verdict(self.sites[site.parent], place)
-        elif not site.probeable(place):
-            result = None
-        else:
-            result = self._measure(site, place)
-        self._measured[key] = result
-        return result
-
-    def _measure(self, site: Site, place: str) -> Assessment | None:
-        """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
-        it, such as a dropped projection term) and along a random direction (which sees that error); the place is
-        wrong if either fails, right if both agree."""
-        if len(self.tasks) >= MAX_PROBES:
-            raise _ExhaustedError
-        grads = site.gradients[place]
-        # a module called several times (shared weights, a recurrent cell): the error flows backwards through its
-        # calls, so only its last call's output gradient comes from downstream, and only its last call's input
-        # gradient is the module's own doing; the earlier calls are not displaced
-        first = site.last_call.get(place, 0) if site.calls > 1 and place != "module_params" else 0
-        active = [i >= first for i in range(len(grads))]
-        grads = [g if on else torch.zeros_like(g) for g, on in zip(grads, active, strict=True)]
-        size = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
-        generator = torch.Generator().manual_seed(random.Random(f"gradwatch:{site.name}:{place}").getrandbits(63))
-        raw = [
-            torch.randn(g.shape, generator=generator, dtype=torch.float64) * on
-            for g, on in zip(grads, active, strict=True)
-        ]
-        norm = math.sqrt(sum(float(r.square().sum()) for r in raw)) or 1.0
-        randomly = [(r / norm).to(device=g.device, dtype=g.dtype) for r, g in zip(raw, grads, strict=True)]
-        directions = [randomly] if size == 0.0 else [[g / size for g in grads], randomly]
-        elements = sum(g.numel() for g in grads) or 1
-        scale = site.scales.get(place, 0.0) / math.sqrt(elements) or self.portfolio.param_scale or 1.0
-        floor = max(self.portfolio.negligible * size, self.portfolio.loss_floor)
-        results = []
-        for components in directions:
-            slope = sum(float((g.double() * c.double()).sum()) for g, c in zip(grads, components, strict=True))
-            displacements = Displacements(site, place, components)
-            direction = HookedDirection(slope, displacements.set_offset)
-            step = self.relative_step * scale
-            task = ProbeTask(ProbeKind(place), site.name, None, direction, step, scale_floor=floor)
-            self.tasks.append(task)
-            with displacements.installed():
-                self.ladder.measure_fully([task])
-            assert task.result is not None
-            results.append(task.result)
-        failed = [r for r in results if r.verdict == "fail"]
-        if failed:
-            return failed[0]  # along the gradient when that one fails: its relative error is the error's share
-        if all(r.verdict == "ok" for r in results):
-            return max(results, key=lambda r: r.rel_error)
-        return next(r for r in results if r.verdict != "ok")
-
-
 class _Search:
     """The descent of :func:`localize` (see the module doc), writing into ``found``."""
 
-    def __init__(self, sites: dict[str, Site], probes: _Probes, failing_params: set[str], found: Localization) -> None:
+    def __init__(
+        self, sites: dict[str, Site], probes: ActivationProbes, failing_params: set[str], found: Localization
+    ) -> None:
         self.sites = sites
         self.probes = probes
         self.failing_params = failing_params
@@ -232,12 +151,21 @@ class _Search:
     def run(self) -> None:
         try:
             self._descend()
-        except _ExhaustedError:
+        except ExhaustedError:
+            spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
             if self.path:
                 deepest = self.path[-1]
-                self._name(deepest, f"the search stopped after {MAX_PROBES} probes inside `{deepest.name}`")
+                self._name(deepest, f"the search stopped at its budget ({spent}) inside `{deepest.name}`")
             self.found.notes.append(
-                Note(NoteCode.CULPRIT_PROBE_LIMIT, f"culprit search stopped after {MAX_PROBES} activation probes")
+                Note(
+                    NoteCode.CULPRIT_PROBE_LIMIT,
+                    f"culprit search stopped at its budget ({spent}): "
+                    + (
+                        f"`{self.path[-1].name}` is the deepest module proved to hold the bug"
+                        if self.path
+                        else "no module proved to hold the bug"
+                    ),
+                )
             )
 
     def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
@@ -257,12 +185,23 @@ class _Search:
         node: Site | None = None
         while True:
             chain, sources = self._children(node)
-            j = self._boundary(chain)
+            j, settled = self._boundary(chain)
+            if not settled and not (j < len(chain) and self._proved_inside(chain[j])):
+                # the boundary lies among undecided children, unless the first child known right passes a wrong
+                # gradient to its input or to parameters inside it (which proves the bug inside it, whatever the
+                # children before it say)
+                self._stop(node)
+                return
             child = chain[j] if j < len(chain) else None
             if child is not None and self._verdict(child, "activation") != "ok":
                 self._stop(node)
                 return
             entering = None if child is None else self._verdict(child, "module_input")
+            if child is not None and entering == "ok":
+                # children that run side by side (an attention's query, key and value projections) are no chain: a
+                # later child whose output gradient is right can still pass a wrong one to the same input
+                child = next((c for c in chain[j + 1 :] if self._parallel_culprit(c)), child)
+                entering = self._verdict(child, "module_input")
             if child is not None and entering == "fail":
                 self.path.append(child)
                 node = child
@@ -271,6 +210,12 @@ class _Search:
             if source is not None:  # out right, parameters inside wrong, no input gradient to tell by
                 self.path.append(source)
                 node = source
+                continue
+            if child is not None and entering in ("ok", "inconclusive") and self._wrong_inside(child):
+                # in and out right, but a gradient to parameters inside it is wrong there: its own code (a custom
+                # Function between two of its children) or a child's
+                self.path.append(child)
+                node = child
                 continue
             if child is not None and entering != "ok":
                 self._stop(node)
@@ -282,6 +227,15 @@ class _Search:
             else:
                 self._parameters_only(node)
             return
+
+    def _parallel_culprit(self, site: Site) -> bool:
+        """Whether a child after the boundary passes a wrong gradient to its input, its output gradient right."""
+        return self._verdict(site, "module_input") == "fail" and self._verdict(site, "activation") == "ok"
+
+    def _proved_inside(self, site: Site) -> bool:
+        """Whether the bug is proved inside ``site`` (its output gradient right): its input gradient is wrong, or a
+        parameter inside it is, as its own module uses it."""
+        return self._parallel_culprit(site) or (self._verdict(site, "activation") == "ok" and self._wrong_inside(site))
 
     def _failing_source(self, sources: list[Site]) -> Site | None:
         """The last source whose output gradient is right and inside which parameters fail."""
@@ -313,21 +267,42 @@ class _Search:
         else:
             self._culprit(node, self._own_words(node, f" between `{before.name}` and `{after.name}`"))
 
+    def _wrong_inside(self, site: Site) -> bool:
+        """Whether a failing parameter inside ``site`` has a wrong gradient as its own module uses it (a probe
+        displacing it during that module's forward only fails): the error arises inside ``site``, not in a use of
+        the parameter outside the modules."""
+        if not site.children or not self._holds_failing_parameters(site):
+            return False
+        inside = [s for s in self.sites.values() if s is not site and _within(s.name, site.name)]
+        owned = {f"{s.name}.{n}" if s.name else n: s for s in inside for n in s.parameters}
+        owners = sorted(
+            {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
+        )
+        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
+
     def _holds_failing_parameters(self, site: Site) -> bool:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
 
-    def _boundary(self, children: list[Site]) -> int:
-        """The first child from which on every output gradient is right (the error flows backwards): a binary search,
-        an undecided probe counting as right (the culprit's own probes must then decide)."""
+    def _boundary(self, children: list[Site]) -> tuple[int, bool]:
+        """The first child from which on every output gradient is right (the error flows backwards): a binary search
+        over the children whose probes decide, passing over the undecided ones; and whether it is settled (``False``
+        where the boundary lies among undecided children, the first child known right returned)."""
         low, high = 0, len(children)
+        undecided: set[int] = set()
         while low < high:
-            middle = (low + high) // 2
-            if self._verdict(children[middle], "activation") == "fail":
+            open_ = [i for i in range(low, high) if i not in undecided]
+            if not open_:
+                return high, False
+            middle = open_[len(open_) // 2]
+            verdict = self._verdict(children[middle], "activation")
+            if verdict == "fail":
                 low = middle + 1
-            else:
+            elif verdict == "ok":
                 high = middle
-        return low
+            else:
+                undecided.add(middle)
+        return low, True
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
@@ -346,6 +321,20 @@ class _Search:
                     "right",
                 )
                 return
+        fed = [
+            o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"
+        ]
+        if fed:  # the gradient reaching an owner's output is wrong, the node's is right: the node's own code after it
+            after = f"`{fed[0].name}`"
+            if node is None:
+                self._culprit(
+                    None,
+                    f"the loss's own backward is wrong after {after}: the gradient at its output is "
+                    f"{self._off(fed[0], 'activation')} off",
+                )
+            else:
+                self._culprit(node, self._own_words(node, f" after {after}"))
+            return
         if owners:
             names = ", ".join(f"`{o.name}`" for o in owners[:4])
             if node is None:

@@ -110,6 +110,19 @@ class _Recorder:
         self._open: list[contextlib.ExitStack] = []
         self._received: dict[str, set[int]] = {}  # ids of the inputs each site's first call received, displaced
         self._returned: dict[str, set[int]] = {}  # ids of the outputs each site's first call returned, displaced
+        # the tensors those ids name, held for the recording: a freed tensor's id is reused by a later one, and a
+        # module's output would pass for its child's (a child whose output gradient is then never measured)
+        self._held: list[Tensor] = []
+        self._skipped: list[bool] = []  # for each open call, whether it is left alone
+        self.done = False
+        """Set once the forward pass has run: activation checkpointing runs modules again during the backward pass,
+        to recompute what it did not keep, and those calls are left alone (the gradients flow through the leaves the
+        forward added, and the recomputed values equal the forward's, the leaves being zeros)."""
+
+    def created(self) -> list[Tensor]:
+        """The leaves the forward pass added; the recording ends there."""
+        self.done = True
+        return [leaf for _, _, leaf in self.leaves]
 
     def _mark_call(self, site: Site, place: str) -> None:
         site.last_call[place] = len(self.values.get((site.name, place), []))
@@ -121,6 +134,11 @@ class _Recorder:
         return tensor + leaf
 
     def before(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # a call with grad disabled (inside reentrant activation checkpointing, or a frozen part of the model) gives
+        # its leaves no gradient: it is not recorded, and the search names a module around it instead
+        self._skipped.append(self.done or not torch.is_grad_enabled())
+        if self._skipped[-1]:
+            return None
         site = self.sites.get(name)
         first = site is None
         if site is None:
@@ -137,7 +155,9 @@ class _Recorder:
             (args, kwargs), "", lambda _p, t: self._leaf(name, "module_input", t) if t.is_floating_point() else t
         )
         if first:
-            self._received[name] = {id(t) for t in _floating((args, kwargs))}
+            received = _floating((args, kwargs))
+            self._held += received
+            self._received[name] = {id(t) for t in received}
             if site.parent is not None and raw and raw == self._received.get(site.parent):
                 site.same_as_parent.add("module_input")
         stack = contextlib.ExitStack()
@@ -154,6 +174,8 @@ class _Recorder:
         return args, kwargs
 
     def after(self, name: str, output: Any) -> Any:
+        if not self._skipped or self._skipped.pop():
+            return None
         self._open.pop().close()
         self._stack.pop()
         site = self.sites[name]
@@ -163,7 +185,9 @@ class _Recorder:
             output, "", lambda _p, t: self._leaf(name, "activation", t) if t.is_floating_point() else t
         )
         if site.calls == 1:
-            self._returned[name] = {id(t) for t in _floating(output)}
+            returned = _floating(output)
+            self._held += returned
+            self._returned[name] = {id(t) for t in returned}
             for child in site.children:  # a wrapper that returns its child's output unchanged
                 if raw and self._returned.get(child) == raw:
                     self.sites[child].same_as_parent.add("activation")
@@ -172,6 +196,7 @@ class _Recorder:
     def close(self) -> None:
         while self._open:
             self._open.pop().close()
+        self._held.clear()
 
 
 def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
@@ -187,7 +212,7 @@ def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
                 )
             )
             handles.append(module.register_forward_hook(lambda m, a, o, name=name: recorder.after(name, o)))
-        _, grads = evaluator.gradients_wrt(lambda: [leaf for _, _, leaf in recorder.leaves])
+        _, grads = evaluator.gradients_wrt(recorder.created)
     finally:
         recorder.close()
         for handle in handles:

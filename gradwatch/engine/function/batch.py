@@ -1,9 +1,13 @@
 """Finding the floating tensors of a batch, and rebuilding a batch with some of them replaced.
 
-A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples and dataclasses. Each floating tensor is
-named by the path a user would type to reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input
-probes are reported. Integer and boolean tensors (token ids, masks) are left alone, except by :func:`leading_slice`,
-which cuts every per-sample tensor of a batch down to its first samples.
+A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples, dataclasses and records: objects with
+tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' batches are (torch_geometric's
+``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
+reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
+tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
+batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a
+torch_geometric ``Batch`` is cut into its first graphs instead). Objects holding tensors that none of these describe
+are :func:`opaque_parts`: a check names them in a note.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 ROOT = "batch"
 
@@ -23,17 +28,54 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
+def _is_record(obj: object) -> bool:
+    """An object with tensor attributes and the ``.to()``/``.apply()`` protocol of graph batches."""
+    kind = type(obj)
+    return (
+        callable(getattr(kind, "apply", None)) and callable(getattr(kind, "to", None)) and not isinstance(obj, Module)
+    )
+
+
+def _record_fields(obj: Any) -> dict[str, Any]:
+    """A record's attributes: its ``keys()`` (torch_geometric) or else its instance attributes, in sorted order."""
+    keys = getattr(obj, "keys", None)
+    if callable(keys):
+        try:
+            return {str(key): obj[key] for key in sorted(keys())}
+        except (TypeError, KeyError):
+            pass
+    return dict(sorted(vars(obj).items())) if hasattr(obj, "__dict__") else {}
+
+
+def _map_record(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any:
+    values = _record_fields(obj)
+    fields = {name: map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+    if all(fields[name] is value for name, value in values.items()):
+        return obj
+    rebuilt = copy.copy(obj)  # torch_geometric's copy gets its own attribute store
+    for name, value in fields.items():
+        if value is not values[name]:
+            if callable(getattr(obj, "keys", None)):
+                rebuilt[name] = value
+            else:
+                setattr(rebuilt, name, value)
+    return rebuilt
+
+
+def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor], records: bool = True) -> Any:
     """Return ``obj`` with every tensor ``t`` at ``path`` replaced by ``fn(path, t)``; containers are copied only
-    where something below them changed, so untouched parts of the batch keep their identity."""
+    where something below them changed, so untouched parts of the batch keep their identity. Records (graph batches)
+    are traversed unless ``records`` is false."""
     if isinstance(obj, Tensor):
         return fn(path, obj)
+    if not records and _is_record(obj):
+        return obj
     if _is_namedtuple(obj):
-        items = [map_tensors(getattr(obj, f), f"{path}.{f}", fn) for f in obj._fields]
+        items = [map_tensors(getattr(obj, f), f"{path}.{f}", fn, records) for f in obj._fields]
         changed = any(new is not old for new, old in zip(items, obj, strict=True))
         return type(obj)(*items) if changed else obj
     if isinstance(obj, (list, tuple)):
-        elements = [map_tensors(item, f"{path}[{i}]", fn) for i, item in enumerate(obj)]
+        elements = [map_tensors(item, f"{path}[{i}]", fn, records) for i, item in enumerate(obj)]
         if all(new is old for new, old in zip(elements, obj, strict=True)):
             return obj
         if isinstance(obj, list):
@@ -42,7 +84,7 @@ def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any
             return rebuilt_list
         return type(obj)(elements)
     if isinstance(obj, Mapping):
-        entries = {key: map_tensors(value, f"{path}[{key!r}]", fn) for key, value in obj.items()}
+        entries = {key: map_tensors(value, f"{path}[{key!r}]", fn, records) for key, value in obj.items()}
         if all(entries[key] is value for key, value in obj.items()):
             return obj
         rebuilt_mapping: Any = copy.copy(obj)
@@ -51,13 +93,15 @@ def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any
         return rebuilt_mapping
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        fields = {name: map_tensors(value, f"{path}.{name}", fn) for name, value in values.items()}
+        fields = {name: map_tensors(value, f"{path}.{name}", fn, records) for name, value in values.items()}
         if all(fields[name] is value for name, value in values.items()):
             return obj
         rebuilt = copy.copy(obj)
         for name, value in fields.items():
             object.__setattr__(rebuilt, name, value)  # works for frozen dataclasses too
         return rebuilt
+    if records and _is_record(obj):
+        return _map_record(obj, path, fn)
     return obj
 
 
@@ -95,11 +139,23 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
     return map_tensors(batch, ROOT, lambda path, tensor: by_identity.get(id(tensor), tensor))
 
 
-def batch_size(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the most common first dimension of its tensors (``None`` without any).
+def _graphs(obj: object) -> int | None:
+    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``:
+    ``to_data_list`` and ``from_data_list``), else ``None``."""
+    if not (_is_record(obj) and callable(getattr(obj, "to_data_list", None))):
+        return None
+    if not callable(getattr(type(obj), "from_data_list", None)):
+        return None
+    count = getattr(obj, "num_graphs", None)
+    return count if isinstance(count, int) else None
 
-    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
-    """
+
+def _first_graphs(obj: Any, size: int) -> Any:
+    return type(obj).from_data_list(obj.to_data_list()[:size])
+
+
+def _sizes(batch: Any) -> Counter[int]:
+    """The first dimensions of the batch's tensors outside records, and the graph count of each graph batch."""
     sizes: Counter[int] = Counter()
 
     def count(_path: str, tensor: Tensor) -> Tensor:
@@ -107,19 +163,96 @@ def batch_size(batch: Any) -> int | None:
             sizes[tensor.shape[0]] += 1
         return tensor
 
-    map_tensors(batch, ROOT, count)
+    map_tensors(batch, ROOT, count, records=False)
+    for graphs in _graph_batches(batch):
+        sizes[graphs] += 1
+    return sizes
+
+
+def _graph_batches(obj: Any) -> list[int]:
+    """The graph counts of the graph batches in ``obj`` (at its top or in its tuples, lists and dicts)."""
+    found = _graphs(obj)
+    if found is not None:
+        return [found]
+    if isinstance(obj, (list, tuple)):
+        return [n for item in obj for n in _graph_batches(item)]
+    if isinstance(obj, Mapping):
+        return [n for value in obj.values() for n in _graph_batches(value)]
+    return []
+
+
+def batch_size(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the most common first dimension of its tensors, a graph batch counting its
+    graphs (``None`` without any).
+
+    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
+    """
+    sizes = _sizes(batch)
     if not sizes:
         return None
     return max(sizes, key=lambda size: (sizes[size], size))
 
 
 def leading_slice(batch: Any, size: int) -> Any:
-    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries.
+    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries, and every
+    graph batch of that many graphs cut to its first ``size`` graphs.
 
-    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept. The slices are
-    views, so nothing is copied. The batch itself is returned when it has no more than ``size`` samples.
+    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept, and so are the
+    tensors inside records, whose node and edge dimensions are not per-sample. The slices are views, so nothing is
+    copied (but for graph batches, rebuilt from their first graphs). The batch itself is returned when it has no more
+    than ``size`` samples.
     """
     full = batch_size(batch)
     if full is None or full <= size:
         return batch
-    return map_tensors(batch, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t)
+    return _cut(batch, size, full)
+
+
+def _cut(obj: Any, size: int, full: int) -> Any:
+    if _graphs(obj) == full:
+        return _first_graphs(obj, size)
+    if isinstance(obj, (list, tuple)) and not _is_namedtuple(obj) and any(_graph_batches(item) for item in obj):
+        items = [_cut(item, size, full) for item in obj]
+        return type(obj)(items) if isinstance(obj, tuple) else items
+    if isinstance(obj, Mapping) and any(_graph_batches(value) for value in obj.values()):
+        rebuilt: Any = copy.copy(obj)
+        for key, value in obj.items():
+            rebuilt[key] = _cut(value, size, full)
+        return rebuilt
+    return map_tensors(obj, ROOT, lambda _path, t: t[:size] if t.dim() > 0 and t.shape[0] == full else t, records=False)
+
+
+def complex_inputs(batch: Any) -> list[str]:
+    """The paths of the complex tensors of ``batch``: they are neither probed nor promoted (a note names them)."""
+    found: list[str] = []
+
+    def collect(path: str, tensor: Tensor) -> Tensor:
+        if tensor.is_complex():
+            found.append(path)
+        return tensor
+
+    map_tensors(batch, ROOT, collect)
+    return found
+
+
+def opaque_parts(batch: Any) -> list[str]:
+    """The paths of objects in ``batch`` that hold tensors as attributes but are neither containers nor records: their
+    tensors are neither probed nor promoted to float64."""
+    found: list[str] = []
+
+    def visit(obj: Any, path: str) -> None:
+        if isinstance(obj, Tensor) or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            return
+        if isinstance(obj, (list, tuple)):
+            for i, item in enumerate(obj):
+                visit(item, f"{path}[{i}]")
+        elif isinstance(obj, Mapping):
+            for key, value in obj.items():
+                visit(value, f"{path}[{key!r}]")
+        elif (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or _is_record(obj):
+            return
+        elif any(isinstance(v, Tensor) for v in getattr(obj, "__dict__", {}).values()):
+            found.append(path)
+
+    visit(batch, ROOT)
+    return found

@@ -15,14 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
-from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
+from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.guard import loss_gradient
+from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
+from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 from gradwatch.engine.sharding import collective as sharding
@@ -30,72 +34,6 @@ from gradwatch.engine.sharding.parameters import sharded_backward
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
-
-
-@contextlib.contextmanager
-def _running_statistics_frozen(model: nn.Module) -> Iterator[None]:
-    """Let BatchNorm layers in training mode normalise by the batch's statistics without updating their running ones
-    (their output is the same either way), then put their settings back."""
-    frozen = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-    for module in frozen:
-        module.track_running_stats = False
-    try:
-        yield
-    finally:
-        for module in frozen:
-            module.track_running_stats = True
-
-
-@contextlib.contextmanager
-def _flat_linear() -> Iterator[None]:
-    """Let ``torch.nn.functional.linear`` flatten an input of more than two dimensions into rows, for the duration of
-    a vectorised pass.
-
-    Under ``vmap``, a linear layer whose weight differs between points and whose input has several leading dimensions
-    (attention's ``(length, batch, width)``) is computed by broadcasting the weight over those dimensions: a copy of the
-    weight per row. With the input flattened to ``(rows, width)`` it is one batched matrix product. Same function,
-    rounded alike to within a few units of float64 (the pass's reproduction of the centre checks that); the 64-token
-    GPT of the cost benchmark evaluates a 2-sample probe batch's points 5x faster.
-    """
-    linear = F.linear
-
-    def flat(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if input.dim() <= 2:
-            return linear(input, weight, bias)
-        return linear(input.reshape(-1, input.shape[-1]), weight, bias).reshape(*input.shape[:-1], -1)
-
-    F.linear = flat  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        F.linear = linear
-
-
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
-
-
-def _dense(grad: Tensor | None) -> Tensor | None:
-    """A gradient as a dense tensor: a sparse one (``nn.Embedding(sparse=True)``) is checked like any other, coordinates
-    it leaves out being exactly zero."""
-    if grad is None or not grad.is_sparse:
-        return grad
-    return grad.coalesce().to_dense()
-
-
-def as_scalar_loss(value: object) -> Tensor:
-    """``value`` as a 0-dim floating tensor, or a ``TypeError``/``ValueError`` saying why it is not a loss."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"loss_fn must return a scalar torch.Tensor; got {type(value).__name__}")
-    if value.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor; got a tensor of shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise ValueError(f"loss_fn must return a floating-point tensor; got dtype {value.dtype}")
-    return value.reshape(())
 
 
 @dataclass(frozen=True)
@@ -109,6 +47,10 @@ class Reference:
     loss: float
     param_grads: list[Tensor | None]
     input_grads: dict[str, Tensor]
+
+
+def _unpacked(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 class LossEvaluator:
@@ -143,6 +85,8 @@ class LossEvaluator:
         self.state = state
         self.float64_reductions = float64_reductions
         self.notes: list[Note] = []
+        self.inputs_refused = False
+        """Whether the loss refused displaced inputs: the check then makes no input probe and shifts no input."""
         self.n_forward = 0
         self.n_backward = 0
         self.n_passes = 0
@@ -177,7 +121,7 @@ class LossEvaluator:
     def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
         """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
         replayed."""
-        self.state.replay_rng()
+        self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
         fidelity = self._fidelity if self._float64_inputs else None
@@ -200,7 +144,7 @@ class LossEvaluator:
             "random draws": f"its random draws were made in {native}, as training makes them, and cast",
         }
         codes = {"casts": NoteCode.FLOAT64_CASTS_KEPT, "random draws": NoteCode.FLOAT64_DRAWS_NATIVE}
-        for what in sorted(fidelity.acted):  # a note for each, with its own code
+        for what in sorted(fidelity.acted & set(codes)):  # a note for each, with its own code; none for factories
             self.notes.append(Note(codes[what], f"float64 probes evaluate the model's own function: {kept[what]}"))
 
     def reference(self, with_inputs: bool = True) -> Reference:
@@ -210,18 +154,28 @@ class LossEvaluator:
         cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
         an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
         """
+        for path in opaque_parts(self._batch) if with_inputs else ():
+            self.notes.append(
+                Note(NoteCode.BATCH_OPAQUE, f"{path} holds tensors in an object gradwatch cannot look into: not probed")
+            )
+        for path in complex_inputs(self._batch) if with_inputs else ():
+            self.notes.append(Note(NoteCode.BATCH_OPAQUE, f"{path} is a complex input: not probed, not promoted"))
         if with_inputs and self.inputs:
             try:
-                return self._reference(with_inputs=True)
+                reference = self._reference(with_inputs=True)
             except CheckAbandonedError:
                 raise
-            except RuntimeError as error:
+            except Exception as error:
+                # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
                     Note(
                         NoteCode.INPUT_PROBES_REFUSED,
-                        f"input probes skipped: the loss cannot be differentiated with respect to its inputs ({error})",
+                        "input probes skipped: the loss cannot be differentiated with respect to its inputs "
+                        f"({type(error).__name__}: {first_line(error)})",
                     )
                 )
+            else:
+                return reference
         return self._reference(with_inputs=False)
 
     def _reference(self, with_inputs: bool) -> Reference:
@@ -232,11 +186,12 @@ class LossEvaluator:
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
         completed = False
+        watch = StopGradientWatch(leaves) if leaves else contextlib.nullcontext()
         try:
             with self._evaluation(grad=True):
-                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpack):
+                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked), watch:
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
-                wrt = [p for _, p in self.params] + list(leaves.values())
+                wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
                     raise ValueError(
                         "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
@@ -245,18 +200,28 @@ class LossEvaluator:
                 collective = sharding.active()
                 if collective is None:
                     value = float(loss.detach())
-                    grads: list[Tensor | None] = list(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ())
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
                 else:
-                    value, grads = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
+                    value, sharded = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
+                    grads = list(sharded)
                 self.n_backward += 1
             self.state.skip_unused_generators()
             completed = True
         finally:
             # after the backward: BatchNorm keeps its buffers for the backward pass
             self.state.after_evaluation(completed)
-        grads = [_dense(grad) for grad in grads]
         n_params = len(self.params)
-        input_grads = {path: grad for path, grad in zip(leaves, grads[n_params:], strict=True) if grad is not None}
+        grads = [dense(grad) for grad in grads]
+        grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
+        detached = watch.detached if isinstance(watch, StopGradientWatch) else set()
+        input_grads = {
+            path: grad
+            for path, grad in zip(leaves, grads[n_params:], strict=True)
+            if grad is not None and path not in detached
+        }
+        note = unprobed_note(detached)
+        if note is not None:
+            self.notes.append(Note(NoteCode.INPUTS_DETACHED, note))
         return Reference(value, list(grads[:n_params]), input_grads)
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
@@ -278,7 +243,7 @@ class LossEvaluator:
             self.state.after_evaluation(completed)
         by_identity = {id(t): g for t, g in zip(needed, found, strict=True)}
         grads = [by_identity.get(id(t)) for t in wanted]
-        return float(loss.detach()), [None if g is None else _dense(g) for g in grads]
+        return float(loss.detach()), [None if g is None else dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
         if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
@@ -296,16 +261,19 @@ class LossEvaluator:
         Raises whatever vmap or the loss raises on code it cannot vectorise.
         """
         model, loss_fn = self.model, self.loss_fn
+        by_name = dict(self.params)
 
         def loss_at(params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
-            with _reparametrize_module(model, params, tie_weights=True, strict=False):
+            moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
+            originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
+            with substituted(model, moved), OriginalsWatch(originals):
                 return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=False, points=points), _running_statistics_frozen(model), _flat_linear():
+            with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
                 values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
             completed = True
         finally:
@@ -348,10 +316,34 @@ class LossEvaluator:
         return self._forward(contextlib.nullcontext())
 
     def _forward(self, mode: contextlib.AbstractContextManager[Any]) -> float:
+        if self._grad_mode_evaluations:
+            return self._forward_once(mode)
+        try:
+            return self._forward_once(mode)
+        except CheckAbandonedError:
+            raise
+        except RuntimeError as error:
+            # a loss that differentiates inside itself (a gradient penalty, a PDE residual: torch.autograd.grad with
+            # create_graph=True) needs autograd recording; it raises under torch.no_grad()
+            try:
+                value = self._forward_once(mode, grad=True)
+            except Exception:
+                raise error from None
+            self.use_grad_mode()
+            self.notes.append(
+                Note(
+                    NoteCode.DOUBLE_BACKWARD,
+                    "evaluations run with autograd recording: the loss differentiates inside itself "
+                    f"(under torch.no_grad() it raised {type(error).__name__}: {first_line(error)})",
+                )
+            )
+            return value
+
+    def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=self._grad_mode_evaluations), mode:
+            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode:
                 value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:

@@ -6,12 +6,16 @@ that another function:
 * **Casts down inside the model.** Hugging Face causal LMs compute their loss on ``logits.float()`` and their softmax
   in float32: on float64 storage the loss is float32 again, probes' steps of 6e-6 vanish in its rounding, and every
   probe reads ``flat``.
+* **Tensors created in the default dtype.** ``torch.full((t, t), float("-inf")).triu(1)``, the tutorials' causal mask
+  built in forward, stays float32 beside float64 queries, and a mixed-dtype kernel path (attention with a float32
+  additive mask on CPU) computes another function.
 * **Random draws in the input's dtype.** ``torch.randn(..., dtype=x.dtype)`` (GAN latents), ``torch.randn_like(mu)``
   (a VAE's reparameterisation), diffusion noise, ``fractional_max_pool``'s samples: from the same random state, float64
   draws are other numbers than float32 draws.
 
 :class:`Float64Fidelity`, active during float64 evaluations, keeps casts from float64 to a lower floating dtype at
-float64 (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32`` arguments) and makes random draws in the model's
+float64 (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32`` arguments), promotes the floating tensors
+factories create in the default dtype to float64 (the same numbers, in float64) and makes random draws in the model's
 own dtype before casting them to float64, so that they are the numbers training draws. Its first evaluation of a check
 tells whether the loss does either (:attr:`Float64Fidelity.acted`); when it does not, it is not used again, and costs
 nothing.
@@ -75,11 +79,21 @@ class Float64Fidelity(TorchFunctionMode):
             if drawn is not None:
                 return drawn
         dtype = kwargs.get("dtype")
+        if dtype is None and func in _DEFAULT_DTYPE_FACTORIES:
+            return self._promoted(func(*args, **kwargs))
         if dtype in _LOWER and (any(_is_float64(a) for a in args) or func in _FACTORIES):
             # softmax(x, dtype=torch.float32), x.sum(dtype=...), torch.zeros(..., dtype=torch.float32)
             self.acted.add("casts")
             kwargs["dtype"] = torch.float64
         return func(*args, **kwargs)
+
+    def _promoted(self, created: Any) -> Any:
+        """A tensor a factory made in the default dtype (``torch.full((t, t), float("-inf"))``, a causal mask built
+        in forward), as float64: the numbers training creates, in the precision of the rest of the evaluation."""
+        if isinstance(created, Tensor) and created.dtype in _LOWER and created.dtype == torch.get_default_dtype():
+            self.acted.add("factories")
+            return created.to(torch.float64)
+        return created
 
     def _to(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``x.to(torch.float32)``, ``x.to(other)``, ``x.to(device, torch.float32)``, ``x.type(torch.float32)``: kept at
@@ -152,3 +166,18 @@ _FACTORIES = {
 }
 """Functions that create a tensor of the ``dtype`` they are given: asked for float32 during a float64 evaluation, they
 create float64, so that the computation they feed stays float64."""
+
+_DEFAULT_DTYPE_FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.arange,
+    torch.linspace,
+    torch.logspace,
+    torch.eye,
+    torch.tensor,
+    torch.as_tensor,
+}
+"""Functions that, without a ``dtype``, create floating tensors in the default dtype (float32) whatever the model's
+tensors are; during a float64 evaluation their floating results are promoted (their integer results are kept)."""

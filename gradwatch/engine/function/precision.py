@@ -28,9 +28,10 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
+from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
@@ -43,6 +44,17 @@ ResolvedPrecision = Literal["native", "float64"]
 """What a check's probes evaluate the loss in, once ``"auto"`` is resolved."""
 
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
+
+_PROMOTED = {
+    torch.float16: torch.float64,
+    torch.bfloat16: torch.float64,
+    torch.float32: torch.float64,
+    torch.float64: torch.float64,
+    torch.complex32: torch.complex128,
+    torch.complex64: torch.complex128,
+    torch.complex128: torch.complex128,
+}
+"""The dtype a float64 evaluation gives a parameter, buffer or input of each dtype: complex ones become complex128."""
 
 AUTO_FLOAT64_ELEMENTS = 2**25
 """The most floating parameter elements ``precision="auto"`` probes in float64 (about 33M: a 256 MiB float64 copy)."""
@@ -70,24 +82,30 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     Yields:
         The float64 substitute of each parameter, keyed by ``id(parameter)``: probes perturb those.
     """
-    substitutes: dict[str, Tensor] = {}
     by_identity: dict[int, Tensor] = {}
-    for name, parameter in model.named_parameters():
-        if parameter.is_floating_point() and parameter.dtype != torch.float64:
-            substitutes[name] = parameter.detach().to(torch.float64)
-            by_identity[id(parameter)] = substitutes[name]
+    for parameter in model.parameters():
+        if parameter.dtype in _PROMOTED and parameter.dtype not in (torch.float64, torch.complex128):
+            by_identity[id(parameter)] = parameter.detach().to(_PROMOTED[parameter.dtype])
     saved: list[tuple[Tensor, Tensor]] = []
     try:
         with torch.no_grad():
             for buffer in model.buffers():
-                if buffer.is_floating_point() and buffer.dtype != torch.float64:
+                if buffer.dtype in _PROMOTED and buffer.dtype not in (torch.float64, torch.complex128):
                     saved.append((buffer, buffer.data))
-                    buffer.data = buffer.data.to(torch.float64)
-        with _reparametrize_module(model, substitutes, tie_weights=True, strict=False):
+                    buffer.data = buffer.data.to(_PROMOTED[buffer.dtype])
+        with substituted(model, by_identity):
             yield by_identity
     finally:
         for buffer, original in reversed(saved):
             buffer.data = original
+
+
+def substitute_of(checked: Tensor, substitutes: dict[int, Tensor]) -> Tensor:
+    """The float64 tensor a check perturbs in place of ``checked`` (a parameter, or a complex one's real view)."""
+    found = substitutes.get(id(autograd_tensor(checked)))
+    if found is None:
+        return checked
+    return checked_view(found) if is_real_view(checked) else found
 
 
 @contextlib.contextmanager
@@ -103,11 +121,14 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         yield "native", math.nan
         return
     native_params = evaluator.params
+    named = {id(p): name for name, p in model.named_parameters()}
     with float64_storage(model) as substitutes:
-        evaluator.params = [(name, substitutes.get(id(p), p)) for name, p in native_params]
+        evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
+        originals = {key: name for key, name in named.items() if key in substitutes}
         try:
-            trial = evaluator.loss()
+            with OriginalsWatch(originals):  # the trial alone: a loss that uses an original uses it every time
+                trial = evaluator.loss()
         except CheckAbandonedError:
             raise
         except Exception as error:

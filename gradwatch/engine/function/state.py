@@ -4,20 +4,24 @@ A check evaluates the loss dozens of times. Each evaluation would otherwise draw
 BatchNorm running statistics and advance the random number generators. :class:`TrainingState` saves all of that once
 and puts it back bit-exactly: random states (torch CPU and CUDA, Python's ``random``, NumPy's global generator),
 buffers, ``.grad`` tensors and train/eval modes. Parameters are restored by the probes that perturb them, by copying
-saved values back (never by subtracting the step, which float32 does not round-trip).
+saved values back (never by subtracting the step, which float32 does not round-trip). What the loss itself does to the
+model (parameters changed in place, hooks, submodules, ``requires_grad``) is undone by the :class:`ModelGuard`, the
+state of the optimizers it touches by the :class:`OptimizerGuard`, the rest of the module tree by the :class:`Sandbox`.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.guard import LossCallsBackwardError, ModelGuard, loss_calls_backward
+from gradwatch.engine.function.optimizers import OptimizerGuard
 from gradwatch.engine.function.sandbox import Sandbox
 
 
@@ -70,17 +74,18 @@ class TrainingState:
     """The random states, buffers, ``.grad`` tensors, modes and user state of a model, saved so a check can leave no
     trace.
 
-    Use :meth:`capture` before the first evaluation, :meth:`replay_rng` before every evaluation (so each one draws the
-    same dropout masks), :meth:`after_evaluation` after every evaluation, and :meth:`restore` once at the end, in a
-    ``finally`` block. What the loss changes in the module tree besides parameters and buffers (lists, counters,
-    caches, metric states) is the :attr:`sandbox`'s.
+    Use :meth:`capture` before the first evaluation, :meth:`before_evaluation` before every evaluation (it replays the
+    random state, so each one draws the same dropout masks), :meth:`after_evaluation` after every evaluation, and
+    :meth:`restore` once at the end, in a ``finally`` block. What the loss changes in the module tree besides
+    parameters and buffers (lists, counters, caches, metric states) is the :attr:`sandbox`'s; what it does to the
+    model's parameters and structure the :attr:`guard`'s; to the optimizers, the :attr:`optimizers`'.
 
     While the state is captured, every parameter's ``.grad`` is detached (set to ``None``) and held here; the very same
     tensor objects are put back by :meth:`restore`. Nothing a loss function does during the check (even calling
     ``backward()``) can therefore change them.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self._rng = _capture_rng()
         self._replayed = set(self._rng)  # the generators replay_rng sets
         self._modes = [(module, module.training) for module in model.modules()]
@@ -96,11 +101,18 @@ class TrainingState:
             parameter.grad = None
         tensors = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
         self.sandbox = Sandbox(model, exclude=tensors)
+        self.guard = ModelGuard(model)
+        self.optimizers = OptimizerGuard(optimizers)
 
     @classmethod
-    def capture(cls, model: nn.Module) -> TrainingState:
-        """Save the state of ``model`` and of the global random generators."""
-        return cls(model)
+    def capture(cls, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> TrainingState:
+        """Save the state of ``model``, of ``optimizers`` and of the global random generators."""
+        return cls(model, optimizers)
+
+    def before_evaluation(self) -> None:
+        """Before an evaluation of the loss: replay the random state, save what the evaluation may change."""
+        self.replay_rng()
+        self.guard.before_evaluation()
 
     def replay_rng(self) -> None:
         """Reset the random generators to their captured state (all of them, or after :meth:`skip_unused_generators`
@@ -134,22 +146,43 @@ class TrainingState:
         that raised, everything is restored, as it may have stopped anywhere.
         """
         self.restore_buffers()
+        self.guard.after_evaluation()
         if not completed:
             self.sandbox.restore()
         elif self.sandbox.settled:
             self.sandbox.restore_watched()
         else:
             self.sandbox.settle()
+        self._refuse_backward()
+
+    def _refuse_backward(self) -> None:
+        """A ``.grad`` that appeared during an evaluation: the loss called ``backward()`` itself."""
+        touched = [parameter for parameter, _ in self._grads if parameter.grad is not None]
+        if not touched:
+            return
+        for parameter in touched:
+            parameter.grad = None
+        stepped = self.optimizers.stepped
+        also = f", and it stepped {stepped[0]}" if stepped else ""
+        raise LossCallsBackwardError(loss_calls_backward(f"the parameters' .grad changed while it was evaluated{also}"))
 
     def restore(self) -> None:
         """Put back random states, buffers, ``.grad`` tensors, train/eval modes and user state exactly as captured;
         all of them, even when restoring one raises (the error is raised afterwards)."""
-        try:
-            self.sandbox.restore()
-        finally:
-            self.restore_buffers()
-            for module, training in self._modes:
-                module.training = training
-            for parameter, grad in self._grads:
-                parameter.grad = grad
-            _set_rng(self._rng)
+        errors: list[Exception] = []
+        for part in (self.guard.restore, self.optimizers.restore, self.sandbox.restore, self.restore_buffers):
+            try:
+                part()
+            except Exception as error:  # keep restoring the rest
+                errors.append(error)
+        for module, training in self._modes:
+            module.training = training
+        for parameter, grad in self._grads:
+            parameter.grad = grad
+        _set_rng(self._rng)
+        if errors:
+            raise errors[0]
+
+    def unrestorable(self) -> list[str]:
+        """What the loss changed that could not be put back, named."""
+        return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()

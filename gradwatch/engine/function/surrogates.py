@@ -10,6 +10,10 @@ differentiates.
   gradient by design. Its coordinates are not probed (:attr:`StockSurrogates.exempt`).
 * ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
   design; the weight is not probed.
+* Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, fused or not, with fake quantisation
+  enabled): the loss is piecewise constant in everything upstream of a quantiser, whose gradient is a straight-through
+  estimator by design. Probes of parameters end inconclusive, as they should; the batch's inputs are not probed (an
+  activation quantiser makes their gradient a straight-through one too, and a staircase can read as a clean slope).
 
 :func:`find_stock_surrogates` says what a model has, with the note a report gives once.
 """
@@ -41,6 +45,7 @@ class StockSurrogates:
     names: list[str] = field(default_factory=list)
     exempt: dict[str, Tensor] = field(default_factory=dict)
     unprobed: dict[str, str] = field(default_factory=dict)
+    fake_quantisers: list[str] = field(default_factory=list)
 
     def notes(self) -> list[Note]:
         """What a report says of them."""
@@ -62,7 +67,26 @@ class StockSurrogates:
                 )
             )
         notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
+        if self.fake_quantisers:
+            notes.append(
+                Note(
+                    NoteCode.FAKE_QUANTISATION,
+                    f"fake quantisation enabled ({', '.join(self.fake_quantisers[:4])}): the loss is piecewise "
+                    "constant upstream of them and their gradient a straight-through estimator; the batch's inputs "
+                    "are not probed",
+                )
+            )
         return notes
+
+
+def _fake_quantising(module: nn.Module) -> bool:
+    """A ``torch.ao.quantization`` fake quantiser with fake quantisation enabled."""
+    quantization = getattr(torch.ao, "quantization", None)
+    base = getattr(quantization, "FakeQuantizeBase", None)
+    if base is None or not isinstance(module, base):
+        return False
+    enabled = getattr(module, "fake_quant_enabled", None)
+    return bool(enabled[0]) if isinstance(enabled, Tensor) and enabled.numel() else True
 
 
 def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
@@ -70,6 +94,8 @@ def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
     found = StockSurrogates()
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
+        if _fake_quantising(module):
+            found.fake_quantisers.append(name or "the model")
         if type(module).__name__ == "_SpectralNorm" and module.training:
             found.power_iterations.append(module)
             found.names.append(name.removesuffix(".parametrizations.weight.0").removesuffix(".0") or "the model")

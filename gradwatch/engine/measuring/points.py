@@ -22,18 +22,40 @@ from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget,
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.stencil import Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
+from gradwatch.engine.report import CheckAbandonedError
 
 Request = tuple[Direction, float, Sequence[float]]
 """Points to evaluate ahead: a direction, a step and the offsets (in units of the step) along it."""
 
 
+class InputsRefusedError(Exception):
+    """The loss raised at displaced inputs: an input that is also a target in [0, 1] (an autoencoder's
+    ``binary_cross_entropy(recon, x)``), a probability, a mask or a label stored as floats. The check drops its input
+    probes, never the check (:func:`gradwatch.engine.probes.measured_probes`)."""
+
+
 def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
-    """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``, one point at a time."""
+    """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``, one point at a time.
+
+    Raises:
+        InputsRefusedError: ``direction`` moves inputs and the loss raised there.
+    """
+    inputs = {id(tensor) for tensor in evaluator.inputs.values()}
+    moves_inputs = any(id(tensor) in inputs for tensor in getattr(direction, "tensors", ()))  # activations: none
     points = []
     with direction.moving() as move:
         for offset in offsets:
             displacement = move(offset * step)
-            points.append(Point(offset, evaluator.loss(), displacement.along, displacement.predicted))
+            try:
+                value = evaluator.loss()
+            except CheckAbandonedError:
+                raise
+            except Exception as error:
+                if not moves_inputs:
+                    raise
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                raise InputsRefusedError(f"{type(error).__name__}: {first_line}") from error
+            points.append(Point(offset, value, displacement.along, displacement.predicted))
     return tuple(points)
 
 

@@ -1,0 +1,102 @@
+"""Substituting tensors for a model's parameters wherever the model holds them, and putting every one back.
+
+A module may be reachable under several names: a decoder that reuses the encoder (``self.dec = self.enc``), a
+marginal-likelihood object holding the model and its likelihood a second time, Lightning Fabric's wrapper holding the
+user's module as ``_forward_module`` and ``_original_module``, weights tied between two modules. Substituting by name
+(``torch.nn.utils.stateless``) visits such a slot once per name: the second visit records the first one's substitute
+as the "original", and the restore leaves it in place. The model then trains on float64 copies, or on a tensor batched
+by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, every slot of it that holds a
+replaced tensor once, and restores them all, in reverse order, even when the body raised.
+
+What holds a parameter outside the module tree (a likelihood object of a Gaussian-process library keeping the model's
+noise parameter, a module registered nowhere under the model) still sees the original: a substituted evaluation is then
+another function. :class:`OriginalsWatch`, active during a substituted evaluation, tells when the loss uses an original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+_Slot = tuple[dict[str, Any], str, Tensor]
+"""A module's ``_parameters`` or ``_buffers`` table, a name in it and the tensor it holds."""
+
+
+def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
+    """Every ``(module._parameters or module._buffers, name, tensor)`` of the model's modules (each module object
+    once) whose tensor is one of ``wanted``."""
+    found: list[_Slot] = []
+    for module in model.modules():  # each module object once, however many names reach it
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) in wanted:
+                    found.append((table, name, tensor))
+    return found
+
+
+@contextlib.contextmanager
+def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterator[None]:
+    """Let ``model`` see ``replacements[id(t)]`` wherever it holds the parameter or buffer ``t``, for the duration.
+
+    The module tree's tables are changed directly (no ``__setattr__``, so a plain tensor may stand in for a
+    ``Parameter``), and each slot gets exactly the object it held back: the same ``Parameter``, ``.grad``, hooks and
+    gradient accumulator.
+    """
+    slots = _slots(model, replacements)
+    done: list[_Slot] = []
+    try:
+        for table, name, original in slots:
+            table[name] = replacements[id(original)]
+            done.append((table, name, original))
+        yield
+    finally:
+        for table, name, original in reversed(done):
+            table[name] = original
+
+
+def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
+    """Every parameter and buffer slot of the model (``(id(module), "param"/"buffer", name)`` to the tensor it holds):
+    what a check must leave exactly as it found it."""
+    slots: dict[tuple[int, str, str], Tensor] = {}
+    for module in model.modules():
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    slots[(id(module), kind, name)] = tensor
+    return slots
+
+
+class OutsideTreeError(Exception):
+    """The loss used a parameter that a substitution could not reach: it holds it outside the module tree."""
+
+
+class OriginalsWatch(TorchFunctionMode):
+    """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
+    substitution replaced) while the module tree holds their substitutes."""
+
+    def __init__(self, originals: Mapping[int, str]) -> None:
+        super().__init__()
+        self._originals = originals
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
+            return func(*args, **kwargs)
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, Tensor) and id(item) in self._originals:
+                    raise OutsideTreeError(
+                        f"the loss uses {self._originals[id(item)]} from outside the module tree (an object that "
+                        "holds it besides the model), where gradwatch cannot substitute it"
+                    )
+        return func(*args, **kwargs)

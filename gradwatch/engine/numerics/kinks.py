@@ -1,0 +1,52 @@
+"""Whether the loss has a kink at the point along a probe's direction: the one-sided difference quotients of a full
+stencil, at two steps.
+
+At a tie (max-pool windows over an exactly constant background, ReLU at exactly zero, ``grid_sample`` with every
+sample on the grid) the loss has a left and a right derivative that differ by an amount that does not shrink with the
+step; at a smooth point they differ only by curvature, ``φ''·h``, which halves with the step. A discrepancy that a
+shifted point does not reproduce is a tie only where such a kink is measured: a backward can be wrong exactly at a
+special point of a smooth loss (a logit at 0, an exact zero factor of a product, a sample exactly on a border), and
+a shift moves away from that point too.
+
+That autograd's value lies between the one-sided derivatives at a tie holds for one kink, not for compositions of
+them: on a LeNet over exactly constant backgrounds autograd lies far outside both (ReLU's zero derivative at 0 chosen
+below a max-pool's first index), so only the shape of the jump is used.
+"""
+
+from __future__ import annotations
+
+from gradwatch.engine.numerics.assessment import SIGNIFICANCE
+from gradwatch.engine.numerics.stencil import Stencil
+
+SMOOTH_RATIO = (1.5, 2.5)
+"""The range of the ratio of the one-sided jumps at ``h`` and ``h/2`` that marks a smooth point: curvature makes the
+right and left difference quotients differ by about ``φ''·h`` (ratio 2), a kink by the same amount at any step (ratio
+1), round-off by more at the smaller step. A discrepancy at a smooth point has no tie to explain it: it stands even
+where a shifted point agrees, since a backward can be wrong exactly at a special point of a smooth loss (logit 0, an
+exact zero factor, a sample exactly on a border)."""
+
+
+def one_sided_jumps(stencil: Stencil) -> tuple[float, float]:
+    """The right minus the left difference quotient of a full stencil, at ``h`` and at ``h/2``: about ``φ''·h`` and
+    half that at a smooth point, the same amount at both steps at a kink (the jump of the slope)."""
+    deviations = stencil.deviations()
+    jumps = []
+    for pair in (0, 1):
+        plus, minus = stencil.points[2 * pair], stencil.points[2 * pair + 1]
+        jumps.append(deviations[2 * pair] / plus.along - deviations[2 * pair + 1] / minus.along)
+    return jumps[0], jumps[1]
+
+
+def smooth_at_the_point(stencil: Stencil | None) -> bool:
+    """Whether the loss is smooth at the point along the stencil's direction: the jump between the one-sided
+    difference quotients halves with the step (:data:`SMOOTH_RATIO`), as curvature makes it, and is well above the
+    stencil's round-off; at a tie (a kink at the point) it stays the same at both steps. A stencil that cannot tell
+    (round-off, a partial stencil) counts as a tie."""
+    if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
+        return False
+    at_h, at_half = one_sided_jumps(stencil)
+    noise = abs(stencil.odd_residual)
+    if at_half == 0.0 or abs(at_half) <= 2 * SIGNIFICANCE * noise:
+        return False
+    low, high = SMOOTH_RATIO
+    return low <= at_h / at_half <= high
