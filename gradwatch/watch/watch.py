@@ -62,9 +62,7 @@ class GradientWatch:
 
     Steps are optimizer steps. Under gradient accumulation, call it once per optimizer step with the optimizer step's
     number and one micro-batch (the check is of that micro-batch's loss); a second call with the same step is ignored.
-
-    The probe options (``precision``, ``vectorize``, ``fail_on_imprecise``, ``ignore``, ``tensor_probes``,
-    ``random_probes``, ``param_probes``, ``input_probes``, ``rtol``, ``seed``) are documented once, in
+    The probe options (``precision`` to ``seed`` in the signature) are documented once, in
     :class:`~gradwatch.engine.settings.ProbeSettings`; ``ignore`` patterns that match no parameter warn once, at the
     first check (or :meth:`setup`).
 
