@@ -443,7 +443,8 @@ def fit(pattern: Pattern, with_watch: bool, **watch_options: Any) -> Observed:
         params={name: value.detach().clone() for name, value in module.state_dict().items()},
         optimizer=copy.deepcopy(trainer.optimizers[0].state_dict()),
         logged=[(step, values) for step, values in logged if values],
-        callback_metrics={k: v.clone() for k, v in trainer.callback_metrics.items()},
+        # gradwatch's own scalars are its output (monitorable by EarlyStopping); everything else must be as without it
+        callback_metrics={k: v.clone() for k, v in trainer.callback_metrics.items() if not k.startswith("gradwatch/")},
         progress_bar={k: v for k, v in trainer.progress_bar_metrics.items() if k != "gradwatch"},
         own=module.observe(),  # type: ignore[operator]
         graphs=int(counters["stats"]["unique_graphs"]),

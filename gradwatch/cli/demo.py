@@ -16,21 +16,29 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
-from gradwatch.cli.demo_models import (
-    CustomNormClassifier,
-    DetachedPenaltyClassifier,
-    HealthyClassifier,
-    ScaledGradClassifier,
-    synthetic_loader,
-)
 from gradwatch.engine.rendering import render_text
 from gradwatch.engine.report import CheckReport
-from gradwatch.lightning.callback import GradWatch
 from gradwatch.watch.alerts import GradientCheckWarning
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Lightning and the demo's models are imported when a demo trains, not when the command line is built: `gradwatch
+# report` shares this parser and needs neither (Lightning takes seconds to import).
+
+
+def _model(name: str, **kwargs: Any) -> Callable[[], pl.LightningModule]:
+    """A builder of the demo model ``name`` of :mod:`.demo_models`, imported when it is called."""
+
+    def build() -> pl.LightningModule:
+        from gradwatch.cli import demo_models
+
+        model: pl.LightningModule = getattr(demo_models, name)(**kwargs)
+        return model
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -47,17 +55,17 @@ class Run:
 
 
 RUNS: dict[str, Run] = {
-    "none": Run("healthy", "healthy MLP (BatchNorm, ReLU, Dropout, GELU)", HealthyClassifier),
+    "none": Run("healthy", "healthy MLP (BatchNorm, ReLU, Dropout, GELU)", _model("HealthyClassifier")),
     "rmsnorm": Run(
         "rmsnorm",
         "custom RMSNorm autograd Function whose backward drops the d(1/rms)/dx term",
-        lambda: CustomNormClassifier(correct_backward=False),
+        _model("CustomNormClassifier", correct_backward=False),
     ),
-    "scale": Run("scale", "a gradient hook multiplies net.4.weight's gradient by 1.01", ScaledGradClassifier),
+    "scale": Run("scale", "a gradient hook multiplies net.4.weight's gradient by 1.01", _model("ScaledGradClassifier")),
     "detach": Run(
         "detach",
         "an L2 penalty built from detached weights: in the loss, not in its gradient",
-        DetachedPenaltyClassifier,
+        _model("DetachedPenaltyClassifier"),
     ),
 }
 """The runs ``--bug`` chooses from, by name."""
@@ -68,6 +76,12 @@ DEFAULT_BUGS = ("none", "rmsnorm")
 def train(run: Run, logdir: Path, steps: int, every: int, progress_bar: bool = True) -> tuple[list[CheckReport], str]:
     """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch; returns the reports and the
     run's log directory. The same arguments give the same run."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from gradwatch.cli.demo_models import synthetic_loader
+    from gradwatch.lightning.callback import GradWatch
+
     pl.seed_everything(0, verbose=False)
     model = run.make_model()
     watch = GradWatch(every_n_steps=every)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.cli.output import emit
-from gradwatch.engine.rendering import SEARCH_KINDS
+from gradwatch.engine.rendering import searches
 from gradwatch.outputs.reading import read_logdir
 from gradwatch.tensorboard.events import EventFilesError, FailureRecord, RunEvents
 from gradwatch.tensorboard.files import shown
@@ -78,7 +78,7 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
     by_tensor: dict[str, list[float]] = {}
     steps_by_tensor: dict[str, set[int]] = {}
     for f in failures:
-        if f.kind in SEARCH_KINDS:
+        if searches(f.kind):
             continue
         by_tensor.setdefault(f.tensor, []).append(f.rel_error)
         steps_by_tensor.setdefault(f.tensor, set()).add(f.step)

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradwatch.engine.kinds import kinds_where
+from gradwatch.engine.kinds import ProbeKind, kinds_where
 
 if TYPE_CHECKING:  # the report imports this module (GradientCheckError renders itself)
     from gradwatch.engine.report import CheckReport, Probe
@@ -27,8 +27,8 @@ CULPRIT_PREFIX = "culprit: "
 """The line of the markdown form that names the module whose backward is wrong (read back by ``gradwatch report``)."""
 
 SEARCH_KINDS = kinds_where(culprit_search=True)
-"""The probe kinds of a culprit search: they locate the module the other failing probes point to, so they are listed
-after those, and their target is a module, not a tensor."""
+"""The probe kinds of a culprit search (as the kinds table says when this module is imported; the functions below ask
+the table at each call)."""
 
 DEFAULT_LIMIT = 5
 """Failing probes listed in the plain-text form before "... and N more"."""
@@ -52,6 +52,15 @@ def log10_rel_error(value: float) -> float:
 def rel_error_log10(report: CheckReport) -> list[float]:
     """log10 of the finite relative errors of the report's conclusive probes, floored at :data:`LOG10_FLOOR`."""
     return [log10_rel_error(error) for error in report.conclusive_rel_errors if math.isfinite(error)]
+
+
+def searches(kind: str) -> bool:
+    """Whether probes of ``kind`` (a :class:`ProbeKind` or its word, as read back from a log) belong to a culprit
+    search: they locate the module the other failing probes point to, and their target is a module, not a tensor."""
+    try:
+        return ProbeKind(kind).traits.culprit_search
+    except ValueError:  # a kind this version does not know
+        return False
 
 
 def ordered_failures(report: CheckReport) -> list[Probe]:
@@ -109,7 +118,8 @@ def render_text(
 ) -> str:
     """A failing report as plain text: the headline (with the culprit), the failing probes (at most ``limit``,
     ``None`` for all; one :meth:`Probe.describe` line each, or an aligned table with ``table=True``), "... and N
-    more", then the surrogate findings and the notes, each on a line of its own.
+    more", the count of the culprit search's failing probes (the culprit says what they found), then the surrogate
+    findings and the notes, each on a line of its own.
 
     Example::
 
@@ -120,7 +130,7 @@ def render_text(
           surrogate: ...
           note: ...
     """
-    failures = ordered_failures(report)
+    failures = [p for p in report.failures if not searches(p.kind)]
     shown = failures if limit is None else failures[: max(limit, 0)]
     lines = [headline(report, prefix)]
     if report.culprit_message:
@@ -130,6 +140,9 @@ def render_text(
     else:
         lines += [f"  {probe.describe()}" for probe in shown]
     lines += [f"  {line}" for line in _more(len(failures) - len(shown))]
+    searched = len(report.failures) - len(failures)
+    if searched:
+        lines.append(f"  (and {searched} failing probe{'s' if searched > 1 else ''} of the culprit search)")
     lines += [f"  surrogate: {finding}" for finding in report.surrogates]
     lines += [f"  note: {note}" for note in report.notes]
     return "\n".join(lines)

@@ -11,13 +11,14 @@ through ``trainer.log`` (so to every ``report_to`` integration) at the steps wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatchCallback"]
@@ -61,6 +62,9 @@ class GradWatchCallback(TrainerCallback):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.loss_fn = loss_fn
+        # several processes (DDP): rank 0 decides the budget and every process acts on the same report
+        options.setdefault("decide", rank0_decides)
+        options.setdefault("agree", agree_across_ranks)
         self.watch = GradientWatch(every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
@@ -82,7 +86,7 @@ class GradWatchCallback(TrainerCallback):
             self._compute_loss = self.trainer.compute_loss
             self.trainer.compute_loss = self._keeping_compute_loss  # type: ignore[method-assign]
             self._wrapped = True
-        self.watch.setup(self.trainer.model)
+        self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
@@ -102,14 +106,22 @@ class GradWatchCallback(TrainerCallback):
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
         loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else _no_micro_batch)
         self.watch.maybe_check(
-            self.trainer.model,
+            self._model,
             inputs,
             loss_fn,
             step=state.global_step,
             skipped=lambda: bool(getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False)),
+            optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
         )
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
+
+    @property
+    def _model(self) -> nn.Module:
+        """The model the Trainer trains (unwrapped: a DDP wrapper would run its reductions on the check's passes)."""
+        if self.trainer.model is None:
+            raise RuntimeError("gradwatch: the Trainer has no model yet")
+        return self.trainer.model
 
     def _keeping_compute_loss(
         self,
@@ -124,13 +136,14 @@ class GradWatchCallback(TrainerCallback):
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
         compute_loss = self._compute_loss
+        count: Any = num_items_in_batch
         if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0:
             # The same count as a number (the loss divides by it exactly either way): the Trainer's float tensor would
             # be a floating input of the model to the culprit search, which cannot displace it.
-            num_items_in_batch = num_items_in_batch.item()
+            count = num_items_in_batch.item()
 
         def loss_fn(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-            return compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
         return loss_fn
 

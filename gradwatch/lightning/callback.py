@@ -97,10 +97,12 @@ class GradWatch(Callback):
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._watch = _Watch(
-            every_n_steps, first_check_step, on_fail, loss_fn, probe_batch_size, max_overhead, precision, vectorize,
-            fail_on_imprecise, ignore, tensor_probes, random_probes, param_probes, input_probes, rtol, seed,
-            max_reports, verbose, decide=self._decide, agree=self._agree, context=self._context,
-            on_report=self._publish,
+            every_n_steps=every_n_steps, first_check_step=first_check_step, on_fail=on_fail, loss_fn=loss_fn,
+            probe_batch_size=probe_batch_size, max_overhead=max_overhead, precision=precision, vectorize=vectorize,
+            fail_on_imprecise=fail_on_imprecise, ignore=ignore, tensor_probes=tensor_probes,
+            random_probes=random_probes, param_probes=param_probes, input_probes=input_probes, rtol=rtol, seed=seed,
+            max_reports=max_reports, verbose=verbose,
+            decide=self._decide, agree=self._agree, context=self._context, on_report=self._publish,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
@@ -196,7 +198,7 @@ class GradWatch(Callback):
         assert self._trainer is not None
         return int(self._trainer.strategy.broadcast(wait, src=0))
 
-    def _agree(self, report: CheckReport | None, error: Exception | None) -> CheckReport | None:
+    def _agree(self, report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
         assert self._trainer is not None
         return agree(self._trainer, report, error) if distributed(self._trainer) else report
 

@@ -9,8 +9,9 @@ The report becomes records once (:func:`gradwatch.outputs.records_of`), and each
   the dashboard's layout;
 * loggers with text support, found by what they offer, not by importing their libraries: Weights & Biases
   (``log_text``) and MLflow (``experiment.log_text``) get the failure text with the culprit;
-* every logger's directory (``log_dir``, else ``save_dir``, else the trainer's ``default_root_dir``): the JSON lines
-  record, ``gradwatch.jsonl`` (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
+* every logger's run directory (``log_dir``; for loggers without one, such as W&B and MLflow,
+  ``<default_root_dir>/gradwatch/<logger>-<name>-<version>``): the JSON lines record, ``gradwatch.jsonl``
+  (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
 
 Files and texts are written on rank 0 only. A logger that cannot show the failure text or the histograms gets one info
 record per run naming where they are instead, never silence.
@@ -19,6 +20,7 @@ record per run naming where they are instead, never silence.
 from __future__ import annotations
 
 import logging
+import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -78,11 +80,14 @@ def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
 
 
 def _directory(trainer: pl.Trainer, logger: Logger) -> Path:
-    for name in ("log_dir", "save_dir"):
-        value = getattr(logger, name, None)
-        if isinstance(value, (str, Path)) and str(value):
-            return Path(value)
-    return Path(trainer.default_root_dir)
+    """Where the logger's run keeps the JSON lines record: the run's own directory (``log_dir``: CSV, TensorBoard);
+    for a logger without one (W&B and MLflow share a ``save_dir`` among runs), a directory of its own for this run
+    under the trainer's ``default_root_dir``, ``gradwatch/<logger>-<name>-<version>``."""
+    log_dir = getattr(logger, "log_dir", None)
+    if isinstance(log_dir, (str, Path)) and str(log_dir):
+        return Path(log_dir)
+    run = f"{type(logger).__name__}-{logger.name}-{logger.version}"
+    return Path(trainer.default_root_dir) / "gradwatch" / re.sub(r"[^A-Za-z0-9._-]", "_", run)
 
 
 def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:
@@ -93,10 +98,10 @@ def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:
     if callable(log_text):  # WandbLogger: a one-row table
         return lambda tag, text, step: log_text(key=tag, columns=["step", "failures"], data=[[step, text]], step=step)
     if hasattr(type(logger), "run_id"):  # MLFlowLogger: a markdown artifact per failing check
-        client = getattr(logger, "experiment", None)
-        if callable(getattr(client, "log_text", None)):
+        client_log_text = getattr(getattr(logger, "experiment", None), "log_text", None)
+        if callable(client_log_text):
             run_id = logger.run_id  # type: ignore[attr-defined]
-            return lambda tag, text, step: client.log_text(run_id, text, f"{tag}/step_{step}.md")
+            return lambda tag, text, step: client_log_text(run_id, text, f"{tag}/step_{step}.md")
     return None
 
 

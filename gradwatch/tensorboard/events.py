@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from google.protobuf.message import DecodeError
-from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.util import tensor_util
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[import-untyped]
+from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
+from tensorboard.util import tensor_util  # type: ignore[import-untyped]
 
 from gradwatch.engine.rendering import CULPRIT_PREFIX
 from gradwatch.engine.report import VERDICTS
@@ -238,6 +238,9 @@ class _Run:
 
 
 def _tensor_scalar(path: Path, step: int, value: Summary.Value) -> float:
+    dims = [dim.size for dim in value.tensor.tensor_shape.dim]
+    if any(size != 1 for size in dims):  # checked first: a shape of 2^40 would be allocated by make_ndarray
+        raise EventFilesError(f"{shown(path)}: the scalar {value.tag!r} at step {step} has the shape {dims}")
     try:
         array = tensor_util.make_ndarray(value.tensor)
         return float(array.reshape(()))

@@ -13,13 +13,49 @@ import struct
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import CRC_INIT, crc_finalize, crc_update
-
 HEADER_BYTES = 12
 FOOTER_BYTES = 4
 MAX_RECORD_BYTES = 16 << 20
 """Records longer than this are verified in chunks and skipped (``None``), never held in memory whole."""
 _CHUNK = 1 << 20
+
+_POLY = 0x82F63B78
+"""CRC-32C (Castagnoli), reflected: the checksum of TFRecord framing."""
+
+
+def _tables() -> tuple[tuple[int, ...], ...]:
+    """Slicing-by-8 tables: ``tables[k][b]`` is the CRC of byte ``b`` followed by ``k`` zero bytes."""
+    first = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ _POLY if crc & 1 else crc >> 1
+        first.append(crc)
+    tables = [first]
+    for _ in range(7):
+        tables.append([(crc >> 8) ^ first[crc & 0xFF] for crc in tables[-1]])
+    return tuple(tuple(table) for table in tables)
+
+
+_T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7 = _tables()
+CRC_INIT = 0
+
+
+def crc_update(crc: int, data: bytes) -> int:
+    """The CRC-32C of what ``crc`` covered followed by ``data`` (``crc_update(CRC_INIT, data)`` for ``data`` alone).
+
+    Eight bytes a step (slicing-by-8), about twice as fast in pure Python as TensorBoard's byte-a-step reader."""
+    crc ^= 0xFFFFFFFF
+    whole = len(data) - len(data) % 8
+    for low, high in struct.iter_unpack("<II", memoryview(data)[:whole]):
+        x = crc ^ low
+        crc = (
+            _T7[x & 0xFF] ^ _T6[(x >> 8) & 0xFF] ^ _T5[(x >> 16) & 0xFF] ^ _T4[x >> 24]
+            ^ _T3[high & 0xFF] ^ _T2[(high >> 8) & 0xFF] ^ _T1[(high >> 16) & 0xFF] ^ _T0[high >> 24]
+        )  # fmt: skip
+    for byte in data[whole:]:
+        crc = _T0[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
 
 
 class CorruptRecordError(ValueError):
@@ -27,7 +63,6 @@ class CorruptRecordError(ValueError):
 
 
 def _masked(crc: int) -> int:
-    crc = crc_finalize(crc)
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 

@@ -19,7 +19,7 @@ class NoLossToCheckError(Exception):
 
 
 Decide = Callable[[int], int]
-Agree = Callable[[CheckReport | None, Exception | None], CheckReport | None]
+Agree = Callable[[CheckReport | None, Exception | None, int], CheckReport | None]
 Context = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 
 

@@ -1,12 +1,8 @@
-"""``GradientWatch``: a series of gradient checks over a training run, in any training loop.
-
-Everything that turns single checks (:func:`gradwatch.check_gradients`) into the monitoring of a run lives here, free
-of any framework: the schedule and its budget (:mod:`.schedule`), the rotation of the probed tensors and the focus on
-those a check could not decide, the probe slice that grows when the loss refuses a smaller one, giving up on
-vectorised passes the loss cannot run, the alerts and their backoff (:mod:`.alerts`), the counters and the state a
-checkpoint carries. The adapters (``GradWatch`` for Lightning, ``GradWatchCallback`` for Hugging Face) only turn their
-loop's events into :meth:`GradientWatch.maybe_check` and lend it what only the loop knows, through the keyword-only
-arguments of the constructor.
+"""``GradientWatch``: a series of gradient checks over a training run, in any training loop, free of any framework:
+the schedule and its budget (:mod:`.schedule`), the rotation of the probed tensors and the focus on those a check could
+not decide, the probe slice the loss accepts, vectorised passes given up, the alerts (:mod:`.alerts`), the counters and
+the checkpoint state. Adapters (Lightning's ``GradWatch``, Hugging Face's ``GradWatchCallback``) turn their loop's
+events into :meth:`GradientWatch.maybe_check`, lending what only the loop knows through the constructor's keywords.
 """
 
 from __future__ import annotations
@@ -32,24 +28,13 @@ from gradwatch.engine.settings import ProbeSettings
 from gradwatch.outputs.records import records_of
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
+from gradwatch.watch.defaults import DEFAULT_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD, DEFAULT_PROBE_BATCH_SIZE
 from gradwatch.watch.hooks import Agree, Context, Decide, NoLossToCheckError, as_decided, no_context
 from gradwatch.watch.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-
-DEFAULT_EVERY_N_STEPS = 500
-"""The default cadence: a check every this many optimizer steps (besides the first, at step 1)."""
-
-DEFAULT_PROBE_BATCH_SIZE = 2
-"""The samples a check probes by default: two, so that code that mixes the samples of a batch (a backward that
-averages over the whole batch instead of each sample, a ``.squeeze()`` that drops the batch dimension of one sample)
-is checked as it runs in training; one sample hides such bugs."""
-
-DEFAULT_MAX_OVERHEAD = 0.01
-"""The default budget: checks take at most this fraction of the training time, so that the default cadence holds on
-models whose check costs many training steps (a ResNet-18 on a CPU: about 8 steps per check)."""
 
 
 class GradientWatch:
@@ -91,8 +76,9 @@ class GradientWatch:
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
         decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
             the steps to wait), returns the decision (under DDP, rank 0's, broadcast). Default: the proposal.
-        agree: Under DDP, turns this process's report (or the error that ended its check) into the report every
-            process acts on (a gather). Called on every check when given.
+        agree: ``agree(report, error, step)``: under DDP, turns this process's report (or the error that ended its
+            check) into the report every process acts on (a gather). Called on every check when given.
+            :mod:`gradwatch.watch.distributed` has both, for any ``torch.distributed`` run.
         context: ``context(model)``, a context manager around each check (silenced loggers, local batch norm).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
 
@@ -270,14 +256,9 @@ class GradientWatch:
         return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
 
     def check(
-        self,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: LossFn | None = None,
-        *,
-        step: int,
+        self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int,
         optimizers: Sequence[torch.optim.Optimizer] = (),
-    ) -> CheckReport | None:
+    ) -> CheckReport | None:  # fmt: skip
         """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check. ``None`` when the
         check was skipped (an error the alert reported, no loss, no trainable parameter)."""
         return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter(), tuple(optimizers))
@@ -307,23 +288,18 @@ class GradientWatch:
         return wait
 
     def _run(
-        self,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: LossFn,
-        step: int,
-        started: float,
+        self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
-    ) -> CheckReport | None:
+    ) -> CheckReport | None:  # fmt: skip
         try:
             report = self._attempt(model, batch, loss_fn, step, optimizers)
         except Exception as error:
             # on_fail="raise": under DDP every process must learn of it before any raises, or the others would wait
             if self._agree is not None:
-                self._agree(None, error)
+                self._agree(None, error, step)
             raise
         if self._agree is not None:
-            report = self._agree(report, None)
+            report = self._agree(report, None, step)
         self._schedule.ran(started, time.perf_counter())
         if report is None:
             return None
@@ -359,15 +335,9 @@ class GradientWatch:
                 # what a check could not put back is warned of once per run, by the remarks
                 warnings.simplefilter("ignore", UnrestoredStateWarning)
                 return self._check_gradients(
-                    model,
-                    batch,
-                    loss_fn,
-                    step=step,
-                    settings=self._active,
-                    rotation=self._checks,
-                    focus=self._focus,
+                    model, batch, loss_fn, step=step, settings=self._active, rotation=self._checks, focus=self._focus,
                     optimizers=optimizers,
-                )
+                )  # fmt: skip
         except NoLossToCheckError:
             self._skipped_checks += 1
             log.debug("gradwatch: the loss_fn had no loss at step %d; check skipped", step)

@@ -107,7 +107,8 @@ def test_parameters_used_outside_their_modules_name_the_loss() -> None:
 
 
 def test_assert_gradients_ok_leads_with_the_culprit() -> None:
-    with pytest.raises(AssertionError, match=r"^the backward of `blocks\.3\.act` \(`Tanh`\) is wrong"):
+    culprit_first = r"^gradient check failed at step 0: the backward of `blocks\.3\.act` \(`Tanh`\) is wrong"
+    with pytest.raises(AssertionError, match=culprit_first):
         assert_gradients_ok(Stack(bug_at=3), _batch(), _cross_entropy)
 
 

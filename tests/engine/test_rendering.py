@@ -48,9 +48,10 @@ def test_the_culprit_search_probes_come_after_the_probes_that_found_the_bug() ->
     report = _report(failures=2, search=2)
     report = dataclasses.replace(report, probes=[report.probes[0], *report.probes[3:], *report.probes[1:3]])
     assert [p.kind for p in ordered_failures(report)] == ["param", "param", "activation", "activation"]
-    lines = render_text(report, limit=3).splitlines()
-    assert lines[1].startswith("  param w[0]") and lines[3].startswith("  activation blocks.0")
-    assert lines[4] == "  ... and 1 more"
+    lines = render_text(report, limit=1).splitlines()
+    assert lines[1].startswith("  param w[0]")
+    assert lines[2:] == ["  ... and 1 more", "  (and 2 failing probes of the culprit search)"]
+    assert "| activation | `blocks.1` |" in render_markdown(report).splitlines()[-1]
 
 
 @pytest.mark.parametrize(("limit", "shown", "more"), [(None, 9, None), (5, 5, 4), (0, 0, 9)], ids=["all", "5", "0"])

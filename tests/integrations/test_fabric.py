@@ -28,19 +28,12 @@ def _train(watch: GradientWatch | None, steps: int = 6, bug: bool = False, check
         fabric.backward(cross_entropy(model, batch))
         optimizer.step()
         if watch is not None:
-            # the module Fabric wraps (model.module), or the wrapper itself
+            # the module Fabric wraps (model.module, the recipe), or the wrapper itself, which holds the module twice
             watch.maybe_check(model.module if check == "module" else model, batch, cross_entropy, step=step)
     return state_of(model.module, optimizer.optimizer)
 
 
-WRAPPER_SHARES_ITS_MODULE = pytest.mark.xfail(
-    reason="Fabric's wrapper holds the module twice (_forward_module, _original_module): a check of the wrapper leaves "
-    "float64 parameters behind until the engine handles modules registered twice; check model.module",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("check", ["module", pytest.param("wrapper", marks=WRAPPER_SHARES_ITS_MODULE)])
+@pytest.mark.parametrize("check", ["module", "wrapper"])
 def test_a_fabric_loop_checks_on_schedule_and_trains_as_without_the_watch(check: str) -> None:
     watch = GradientWatch(every_n_steps=2)
     with warnings.catch_warnings():

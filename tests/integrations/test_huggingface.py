@@ -22,12 +22,14 @@ BUGGY = "model.layers.0.self_attn.o_proj"
 """The module the bug is planted in: one of the tensors the first check's rotation probes along their gradient."""
 
 
-def _train(tmp_path: Path, bug_in: str | None = None, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+def _train(
+    tmp_path: Path, bug_in: str | None = None, steps: int = 6, **options: Any
+) -> tuple[Any, GradWatchCallback | None]:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         gradient_accumulation_steps=2,
         per_device_train_batch_size=4,
-        max_steps=6,
+        max_steps=steps,
         report_to=[],
         use_cpu=True,
         save_strategy="no",
@@ -97,7 +99,7 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
 
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match=r"failed at step 1: the backward of `model\.layers\.0\.self_attn"):
-        _, callback = _train(tmp_path, bug_in=BUGGY, every_n_steps=2)
+        _, callback = _train(tmp_path, bug_in=BUGGY, steps=2, every_n_steps=2)
     assert callback is not None
     first = callback.reports[0]
     assert (first.step, first.verdict) == (1, "fail")

@@ -117,8 +117,9 @@ def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) 
     directories = [
         Path(loggers["csv"].log_dir),
         Path(loggers["tb"].log_dir),
-        run["tmp"],  # the W&B-like logger has no directory: the trainer's default_root_dir
-        run["tmp"] / "mlruns",
+        # loggers without a run directory of their own: one per logger and run under the trainer's root
+        run["tmp"] / "gradwatch" / "WandbLike-WandbLike-0",
+        run["tmp"] / "gradwatch" / "MlflowLike-MlflowLike-0",
     ]
     for directory in directories:
         assert [line["step"] for line in _lines(directory / JSONL_NAME)] == steps == [1, 2, 4], directory
@@ -169,3 +170,17 @@ def test_early_stopping_can_monitor_the_verdict(tmp_path: Path) -> None:
         fit.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert fit.global_step == 4  # one epoch of four batches, not three
     assert stop.stopped_epoch == 0
+
+
+def test_gradwatch_report_reads_every_loggers_record(run: dict[str, Any]) -> None:
+    from gradwatch.outputs.reading import read_logdir
+
+    runs = {found.name: found for found in read_logdir(run["tmp"])}
+    assert sorted(runs) == [
+        "csv/version_0",
+        "gradwatch/MlflowLike-MlflowLike-0",
+        "gradwatch/WandbLike-WandbLike-0",
+        "tb/version_0",
+    ]
+    assert all([c.step for c in found.checks] == [1, 2, 4] and found.failed for found in runs.values())
+    assert runs["tb/version_0"].has_histogram  # the TensorBoard run: its event files and its JSON record, merged

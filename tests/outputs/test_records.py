@@ -50,7 +50,8 @@ def test_relative_errors_are_also_scalars_on_a_log10_scale(healthy: CheckReport,
 def test_a_failing_check_has_the_markdown_text(failing: CheckReport) -> None:
     records = records_of(failing)
     assert records.failed
-    assert records.text is not None and records.text.startswith("gradient check **failed** at step 0")
+    assert records.text is not None
+    assert records.text.startswith("gradient check **failed** at step 0")
     assert "| tensor | `fc.weight` |" in records.text
     culprit = dataclasses.replace(failing, culprit_message="the backward of `fc` is wrong", culprits=["fc"])
     assert f"{CULPRIT_PREFIX}the backward of `fc` is wrong" in str(records_of(culprit).text)

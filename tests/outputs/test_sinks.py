@@ -103,10 +103,14 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     assert len(lines) == 2
     first, second = (_strict(line) for line in lines)
     assert first == _strict(json.dumps(record_json(records_of(failing, overhead=0.01))))
-    assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == (4, "fail", failing.culprit_message,
-                                                                                      ["fc", ""])  # fmt: skip
+    expected = (4, "fail", failing.culprit_message, ["fc", ""])
+    assert (first["step"], first["verdict"], first["culprit"], first["culprits"]) == expected
     assert first["scalars"]["gradwatch/overhead"] == 0.01
-    assert "scope" not in first and "fault" not in first
+    assert first["notes"] == [str(note) for note in failing.notes]
+    assert first["note_codes"] == [str(note.code) for note in failing.notes]  # type: ignore[attr-defined]
+    assert first["notes"]  # the seed model's custom Function cannot be vectorised: a note with its code
+    assert "scope" not in first
+    assert "fault" not in first
     assert second["scope"] == "optimizer"
     assert second["fault"] == {"at": "loss", "value": "nan"}
     written = second["failures"][-1]
@@ -117,9 +121,12 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
         [1, 2],
     )
     check, failures, culprit = parse_record(second)
-    assert check.verdict == "fail" and check.step == 4
+    assert check.verdict == "fail"
+    assert check.step == 4
     assert culprit == failing.culprit_message
-    assert math.isnan(failures[-1].analytic) and failures[-1].numeric == math.inf and failures[-1].index == "1, 2"
+    assert math.isnan(failures[-1].analytic)
+    assert failures[-1].numeric == math.inf
+    assert failures[-1].index == "1, 2"
     assert [f.tensor for f in failures[:-1]] == [p.target for p in failing.failures]
 
 

@@ -92,7 +92,7 @@ def test_what_a_loop_lends_the_watch() -> None:
         calls.append(f"decide {wait}")
         return 0
 
-    def agree(report: CheckReport | None, error: Exception | None) -> CheckReport | None:
+    def agree(report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
         calls.append(f"agree {report.verdict if report else None}")
         return report
 
@@ -210,3 +210,12 @@ def test_arguments_are_validated_at_construction(kwargs: dict[str, Any], message
 def test_a_loss_is_needed() -> None:
     with pytest.raises(ValueError, match="`loss_fn` must be given"):
         GradientWatch().maybe_check(MLP(), classification_batches(1)[0], step=1)
+
+
+def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
+    # GradWatch's checkpoints (state version 1) load into the watch it now adapts: the same keys, the same meaning
+    assert set(GradientWatch().state_dict()) == {
+        "version", "checks", "failed_checks", "skipped_checks", "focus", "last_step", "pending", "postponed_checks",
+        "resume_at", "timed_steps", "check_seconds", "train_seconds", "last_check_seconds", "failure_warnings",
+        "error_warnings",
+    }  # fmt: skip
