@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import logging
+import os
 import statistics
 import sys
 import time
@@ -95,6 +96,7 @@ def main() -> None:
     for name in ("lightning", "lightning.fabric", "transformers", "gradwatch"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.simplefilter("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(1)
 
     print(f"## Correct models ({args.steps} checks, one every {STEPS_PER_CHECK} training steps)\n")

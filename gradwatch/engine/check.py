@@ -146,7 +146,7 @@ def check_gradients(
         TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable or does not return a tensor.
         ValueError: An argument is out of range, ``model`` or ``batch`` is on the ``meta`` device, or ``loss_fn``
             returns a non-scalar or a loss without a graph, or calls ``backward()`` itself
-            (:class:`~gradwatch.engine.function.guard.LossCallsBackwardError`).
+            (:class:`~gradwatch.engine.function.backward.LossCallsBackwardError`).
 
     Example:
         >>> import torch

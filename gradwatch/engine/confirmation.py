@@ -73,19 +73,6 @@ IMPRECISION_LIMIT = 10.0
 rounding (5e-3 for float32): more than float32 rounding of a sane computation reaches (``logcumsumexp`` over values
 near 1e4: 9e-4; TF32 matmuls: ~1e-3), less than the smallest bug a check must catch (1%)."""
 
-CONFIRMED_AT_ONCE = 4
-"""How many failing probes are measured again at the shifted point at a time, the most significant first; once one of
-them stands, the others are not measured (a note says how many)."""
-
-VANISHED = 0.01
-"""A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
-the first point's discrepancy: the failure stands."""
-
-IMPRECISION_LIMIT = 10.0
-"""The most a native gradient whose float64 formula is right may be off, in multiples of the tolerance, to pass for
-rounding (5e-3 for float32): more than float32 rounding of a sane computation reaches (``logcumsumexp`` over values
-near 1e4: 9e-4; TF32 matmuls: ~1e-3), less than the smallest bug a check must catch (1%)."""
-
 LadderFactory = Callable[[Measurements, float], Ladder]
 """Makes the check's ladder around the measurements (and the reference loss) of another point."""
 
@@ -290,17 +277,16 @@ def confirm_precision(
             evaluator.params = native_params
             evaluator.use_native_inputs()
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
-    formula_wrong = [task for task in failing if task not in formula_right]
-    natively = _measured_natively(evaluator, portfolio, formula_right + formula_wrong, native_dtype, ladder)
-    natively, wrong_natively = natively[: len(formula_right)], natively[len(formula_right) :]
-    unreproduced = _unreproduced(formula_wrong, wrong_natively)
+    natively = _measured_natively(evaluator, portfolio, failing, native_dtype, ladder)
     limit = IMPRECISION_LIMIT * rtol
-    right, rest = [], []
-    for task, native in zip(formula_right, natively, strict=True):
+    right, unreproduced, rest = [], [], []
+    for task, native in zip(failing, natively, strict=True):
         if native is not None and native.verdict == "ok":
-            task.result = native  # resolved natively within the tolerance: the float64 function was another one
-            right.append(task.target)
-        else:
+            # resolved natively within the tolerance: the float64 function was another one (where float64 autograd
+            # disagrees with it too: a mixed-dtype kernel path, a float64-only branch; never the training's failure)
+            task.result = native
+            (right if task in formula_right else unreproduced).append(task.target)
+        elif task in formula_right:
             # a native failure proves little on its own: float32 rounding of an ill-conditioned loss (logcumsumexp
             # near 1e4) misleads a native finite difference as much as the gradient
             rest.append((task, native))
@@ -341,17 +327,6 @@ def confirm_precision(
                 f"formula explains (a backward wrong in {dtype} only?)",
             )
         )
-
-
-def _unreproduced(tasks: Sequence[ProbeTask], natively: Sequence[Assessment | None]) -> list[str]:
-    """Take the native measurement of each task whose float64 failure the native precision does not reproduce (it
-    measures ``ok`` there: a float64 path that computes another function, a mixed-dtype kernel); their targets."""
-    found = []
-    for task, native in zip(tasks, natively, strict=True):
-        if native is not None and native.verdict == "ok":
-            task.result = native
-            found.append(task.target)
-    return found
 
 
 def _measured_natively(

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from gradwatch import check_gradients
-from gradwatch.engine.function import guard
-from gradwatch.engine.function.guard import LossCallsBackwardError
+from gradwatch.engine.function import copies
+from gradwatch.engine.function.backward import LossCallsBackwardError
 from gradwatch.engine.report import UnrestoredStateWarning
 
 
@@ -112,7 +112,7 @@ def test_every_evaluation_starts_from_the_same_parameters() -> None:
 
 
 def test_a_change_that_cannot_be_undone_is_named_in_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(guard, "PARAMETER_COPY_LIMIT", 0)  # a model too large to copy
+    monkeypatch.setattr(copies, "PARAMETER_COPY_LIMIT", 0)  # a model too large to copy
     model = Net()
     original = model.fc1.weight.detach().clone()
     with pytest.warns(UnrestoredStateWarning, match="fc1.weight"):

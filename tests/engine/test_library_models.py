@@ -254,3 +254,20 @@ def test_fake_quantisation_is_inconclusive_with_a_remedy_that_can_work() -> None
         assert diagnosis is not None
         assert "float64" not in diagnosis.remedy
         assert "disable_fake_quant" in diagnosis.remedy
+
+
+@pytest.mark.parametrize(("prefix", "operation"), [("MoE", "nonzero()"), ("coupling", "float()")], ids=["moe", "flow"])
+def test_a_loss_vmap_refuses_is_known_from_the_reference_pass(prefix: str, operation: str) -> None:
+    torch.manual_seed(0)
+    case = _case(prefix)
+    report = check_gradients(case.build(), case.batches()[0], case.loss_fn, probe_batch_size=2)
+    assert report.verdict == "ok"
+    assert report.vectorized is None  # no vectorised pass was tried, none failed
+    assert any(operation in note for note in _noted(report, NoteCode.NOT_VECTORISABLE))
+
+
+def test_a_vectorisable_graph_network_stays_vectorised() -> None:
+    pytest.importorskip("torch_geometric")
+    torch.manual_seed(0)
+    report = check_gradients(lm.GCN(), lm.graph_batches()[0], lm.graph_loss, probe_batch_size=2)
+    assert report.vectorized is True

@@ -15,7 +15,7 @@ from lightning_patterns import Classifier, Pattern, compare, fit
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradwatch import GradWatch
+from gradwatch import GradientCheckWarning, GradWatch
 
 
 class InPlaceProjection(Classifier):
@@ -82,6 +82,26 @@ def test_a_training_step_with_such_effects_trains_as_without_gradwatch(pattern: 
     assert all(report.verdict == "ok" for report in with_checks.reports), [r.summary() for r in with_checks.reports]
     if pattern.module is Reconstruction:
         assert all(any(n.startswith("input probes skipped") for n in r.notes) for r in with_checks.reports)
+
+
+def _stepping_loss(module: pl.LightningModule, batch: Any) -> Tensor:
+    """A loss_fn that trains by itself (manual optimization's training_step passed as the loss)."""
+    optimizer = module.optimizers()
+    assert not isinstance(optimizer, list)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(module(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def test_a_loss_fn_that_steps_the_optimizer_skips_the_check_in_gradwatchs_words_and_changes_nothing() -> None:
+    pattern = Pattern("steps the optimizer", Classifier)
+    without = fit(pattern, with_watch=False)
+    with pytest.warns(GradientCheckWarning, match=r"`loss_fn` must return the loss without calling backward\(\)"):
+        with_checks = fit(pattern, with_watch=True, loss_fn=_stepping_loss)
+    assert with_checks.reports == []
+    assert compare(without, with_checks) == []  # parameters and Adam's state put back before the check ended
 
 
 def test_a_checkpoint_whose_focus_names_a_lost_parameter_resumes_with_every_check_made(tmp_path: Any) -> None:

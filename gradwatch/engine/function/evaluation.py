@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.backward import loss_gradient
 from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
+from gradwatch.engine.function.dataflow import ReferenceFlow, unprobed_note
 from gradwatch.engine.function.fidelity import Float64Fidelity
-from gradwatch.engine.function.guard import loss_gradient
-from gradwatch.engine.function.inputs import StopGradientWatch, unprobed_note
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
@@ -102,6 +102,10 @@ class LossEvaluator:
         """The dtype the model trains in (the least precise of its checked parameters)."""
         self._fidelity: Float64Fidelity | None = Float64Fidelity(self.native_dtype)
         self._fidelity_settled = False
+        self.data_dependent: str | None = None
+        """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
+        self.watch: contextlib.AbstractContextManager[Any] | None = None
+        """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
 
@@ -186,7 +190,7 @@ class LossEvaluator:
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
         completed = False
-        watch = StopGradientWatch(leaves) if leaves else contextlib.nullcontext()
+        watch = ReferenceFlow(leaves)
         try:
             with self._evaluation(grad=True):
                 with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked), watch:
@@ -213,7 +217,8 @@ class LossEvaluator:
         n_params = len(self.params)
         grads = [dense(grad) for grad in grads]
         grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
-        detached = watch.detached if isinstance(watch, StopGradientWatch) else set()
+        detached = watch.detached
+        self.data_dependent = self.data_dependent or watch.data_dependent
         input_grads = {
             path: grad
             for path, grad in zip(leaves, grads[n_params:], strict=True)
@@ -343,7 +348,8 @@ class LossEvaluator:
         self._reset_inputs()
         completed = False
         try:
-            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode:
+            watch = self.watch or contextlib.nullcontext()
+            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode, watch:
                 value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:

@@ -8,7 +8,7 @@ layer after one check, a weight scaled by 1.001 twenty-four times) and survive t
 
 :class:`ModelGuard` saves, when the check starts, the model's structure (each module's class and the dicts
 ``nn.Module`` keeps its parameters, buffers, submodules and hooks in; torch's global module hooks; each parameter's
-``requires_grad``, storage and tensor hooks) and a copy of its parameters (up to :data:`PARAMETER_COPY_LIMIT` elements).
+``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`).
 The first evaluation of a check is compared with that, in full: what it changed is put back at once and watched; after
 every later evaluation just the watched part is put back, to what it was before that evaluation (gradwatch itself moves
 parameters and swaps float64 copies in between). At the end of the check everything is compared with the start and put
@@ -21,21 +21,16 @@ Version counters make the comparison cheap; values are compared bit for bit only
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
+from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
 from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckAbandonedError
-
-PARAMETER_COPY_LIMIT = 2**26
-"""The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change of a
-parameter by the loss is seen by its version counter after the first evaluation; the values it had before that one
-change cannot be put back, and the report names them (:attr:`~gradwatch.engine.report.CheckReport.unrestored`)."""
 
 MODULE_DICTS = (
     "_parameters",
@@ -62,83 +57,58 @@ GLOBAL_HOOKS = tuple(name for name in dir(torch_module) if name.startswith("_glo
 TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
-class LossCallsBackwardError(CheckAbandonedError, ValueError):
-    """``loss_fn`` called ``backward()`` itself (a parameter's ``.grad`` changed while gradwatch evaluated it)."""
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def loss_calls_backward(evidence: str) -> str:
-    """The message of a :class:`LossCallsBackwardError`, with what showed it."""
-    return (
-        f"`loss_fn` must return the loss without calling backward() on it ({evidence}): gradwatch differentiates the "
-        "loss it returns itself. The parameters, their .grad and the optimizers' state were put back. Pass a loss_fn "
-        "that only computes the loss (with Lightning's manual optimization: GradWatch(loss_fn=...))"
-    )
+def plain(function: _F) -> _F:
+    """Run ``function`` without ``__torch_function__``: reading ``requires_grad`` or ``.grad`` of a ``Parameter`` (a
+    tensor subclass) goes through it, and under the check's own function modes (float64 reductions, fidelity) that
+    costs microseconds per attribute: a scan of a model's structure would take longer than its forward."""
+
+    @functools.wraps(function)
+    def unwrapped(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return function(*args, **kwargs)
+
+    return unwrapped  # type: ignore[return-value]
 
 
-def loss_gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
-    """``torch.autograd.grad`` of the loss (``None`` for a tensor the loss made not require grad); a graph the loss
-    already ran backward through is said in gradwatch's words."""
-    differentiable = [t for t in wrt if t.requires_grad]
-    try:
-        found = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
-        return [next(found) if t.requires_grad else None for t in wrt]
-    except RuntimeError as error:
-        if "backward through the graph a second time" in str(error):
-            raise LossCallsBackwardError(loss_calls_backward("its graph was already freed by a backward")) from error
-        raise
-
-
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors hold the same bits (NaNs and signed zeros included)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-        if integer is not None and not a.is_complex():
-            return torch.equal(a.view(integer), b.view(integer))
-        return torch.equal(
-            torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b
-        )
-    return torch.equal(a, b)
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """The tensor this process holds: a sharded parameter's local shard (no collective), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor.detach()
-
-
-@dataclass(eq=False)
 class _Slot:
-    """One attribute of one object as it was: a container's items, or a value (a class, a flag, a storage)."""
+    """One attribute of one object as it was: a container's items, or a value (a class, a flag).
 
-    owner: Any
-    attribute: str
-    path: str
-    value: Any
-    items: list[tuple[Any, Any]] | frozenset[Any] | None
+    Thousands are taken per check (one per container of every module): a plain class with ``__slots__``, its path
+    made only when a change is named."""
 
-    @classmethod
-    def take(cls, owner: Any, attribute: str, path: str) -> _Slot:
-        value = owner.__class__ if attribute == "__class__" else getattr(owner, attribute, None)
+    __slots__ = ("attribute", "items", "owner", "value", "where")
+
+    def __init__(self, owner: Any, attribute: str, where: str) -> None:
+        self.owner = owner
+        self.attribute = attribute
+        self.where = where
+        value: Any = owner.__class__ if attribute == "__class__" else getattr(owner, attribute, None)
+        self.value = value
+        self.items: tuple[tuple[Any, Any], ...] | frozenset[Any] | None = None
         if isinstance(value, dict):
-            return cls(owner, attribute, path, value, list(value.items()))
-        if isinstance(value, set):
-            return cls(owner, attribute, path, value, frozenset(value))
-        return cls(owner, attribute, path, value, None)
+            self.items = tuple(value.items()) if value else ()
+        elif isinstance(value, set):
+            self.items = frozenset(value)
 
-    def again(self) -> _Slot:
+    @property
+    def path(self) -> str:
+        return self.where if self.attribute == "__class__" else f"{self.where}.{self.attribute}"
+
+    def again(self) -> list[_Slot]:
         """The same attribute as it is now."""
-        return _Slot.take(self.owner, self.attribute, self.path)
+        return [_Slot(self.owner, self.attribute, self.where)]
 
     def differs(self) -> bool:
         current = self.owner.__class__ if self.attribute == "__class__" else getattr(self.owner, self.attribute, None)
         if current is not self.value and not (self.attribute == "requires_grad" and current == self.value):
             return True
-        if isinstance(self.items, list):
-            return len(current) != len(self.items) or any(
-                current.get(key, _MISSING) is not item for key, item in self.items
-            )
+        if isinstance(self.items, tuple):
+            if len(current) != len(self.items):
+                return True
+            return any(current.get(key, _MISSING) is not item for key, item in self.items)
         if isinstance(self.items, frozenset):
             return current != self.items
         return False
@@ -159,22 +129,37 @@ class _Slot:
             self.value.update(self.items)
 
 
-@dataclass(eq=False)
-class _Parameter:
-    """A parameter as the check found it."""
+class _EmptyDicts:
+    """The containers of one module that were empty (most of its hook dicts): one object, not one per container."""
 
-    tensor: Tensor
-    path: str
-    alias: Tensor  # shares the storage the parameter had (``.data`` rebound is put back to it)
-    copy: Tensor | None
-    version: int
-    slots: list[tuple[nn.Module, str]]
+    __slots__ = ("dicts", "names", "owner", "where")
 
-    def storage_moved(self) -> bool:
-        t, a = self.tensor, self.alias
-        if hasattr(t, "to_local"):  # a sharded parameter: its shards are the sharding's business
-            return False
-        return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
+    def __init__(self, owner: nn.Module, names: list[str], where: str) -> None:
+        self.owner = owner
+        self.names = names
+        self.where = where
+        self.dicts = [owner.__dict__[name] for name in names]
+
+    @property
+    def path(self) -> str:
+        attributes = self.owner.__dict__
+        pairs = zip(self.names, self.dicts, strict=True)
+        return ", ".join(f"{self.where}.{n}" for n, d in pairs if attributes.get(n) is not d or d) or self.where
+
+    def differs(self) -> bool:
+        attributes = self.owner.__dict__
+        return any(attributes.get(n) is not d or d for n, d in zip(self.names, self.dicts, strict=True))
+
+    def put_back(self) -> None:
+        attributes = self.owner.__dict__
+        for name, container in zip(self.names, self.dicts, strict=True):
+            if attributes.get(name) is not container:
+                object.__setattr__(self.owner, name, container)
+            if container:
+                container.clear()
+
+    def again(self) -> list[_Slot]:
+        return [_Slot(self.owner, name, self.where) for name in self.names]
 
 
 class ModelGuard:
@@ -184,33 +169,29 @@ class ModelGuard:
         model: The checked module.
     """
 
+    @plain
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._parameters: list[_Parameter] = []
-        by_identity: dict[int, _Parameter] = {}
-        copied = 0
+        self._parameters: list[SavedParameter] = []
+        by_identity: dict[int, SavedParameter] = {}
         for module_path, module in model.named_modules(remove_duplicate=False):
             for key, parameter in module._parameters.items():
                 if parameter is None:
                     continue
                 saved = by_identity.get(id(parameter))
                 if saved is None:
-                    local = _local(parameter)
-                    copy = None
-                    if copied + local.numel() <= PARAMETER_COPY_LIMIT:
-                        copy = local.clone()
-                        copied += local.numel()
                     path = f"{module_path}.{key}" if module_path else key
-                    saved = _Parameter(parameter, path, parameter.detach(), copy, parameter._version, [])
+                    saved = SavedParameter(parameter, path, parameter.detach(), None, parameter._version, [])
                     by_identity[id(parameter)] = saved
                     self._parameters.append(saved)
                 saved.slots.append((module, key))
+        self._copies = FlatCopies(self._parameters)
         self._start = self._scan()
-        self._baseline: list[_Slot] | None = None  # before the first evaluation
-        self._watched: list[_Slot] | None = None  # what the first evaluation changed
+        self._baseline: list[_Slot | _EmptyDicts] | None = None  # before the first evaluation
+        self._watched: list[_Slot | _EmptyDicts] | None = None  # what the first evaluation changed
         self._before: list[_Slot] = []
-        self._bound: list[tuple[_Parameter, Tensor, bool]] = []
-        self.edited: list[_Parameter] = []
+        self._bound: list[tuple[SavedParameter, Tensor, bool]] = []
+        self.edited: list[SavedParameter] = []
         """Parameters whose value, storage, ``requires_grad`` or binding the first evaluation changed."""
         self.changed: list[str] = []
         """What the loss changed in the model's structure, as paths (``"fc._forward_hooks"``)."""
@@ -219,32 +200,37 @@ class ModelGuard:
 
     # ---- saving ---------------------------------------------------------------------------------------------------
 
-    def _scan(self) -> list[_Slot]:
-        slots: list[_Slot] = []
+    def _scan(self) -> list[_Slot | _EmptyDicts]:
+        slots: list[_Slot | _EmptyDicts] = []
         for path, module in self._model.named_modules():
             where = path or "model"
-            slots.append(_Slot.take(module, "__class__", where))
-            slots += [_Slot.take(module, name, f"{where}.{name}") for name in MODULE_DICTS if name in module.__dict__]
-            slots.append(_Slot.take(module, "_is_full_backward_hook", f"{where}._is_full_backward_hook"))
+            attributes = module.__dict__
+            slots.append(_Slot(module, "__class__", where))
+            present = [name for name in MODULE_DICTS if name in attributes]
+            slots += [_Slot(module, name, where) for name in present if attributes[name]]
+            slots.append(_EmptyDicts(module, [name for name in present if not attributes[name]], where))
+            slots.append(_Slot(module, "_is_full_backward_hook", where))
         for saved in self._parameters:
-            slots.append(_Slot.take(saved.tensor, "requires_grad", f"{saved.path}.requires_grad"))
-            slots += [_Slot.take(saved.tensor, name, f"{saved.path}.{name}") for name in TENSOR_HOOKS]
-        slots += [_Slot.take(torch_module, name, f"torch.nn.modules.module.{name}") for name in GLOBAL_HOOKS]
+            slots += [_Slot(saved.tensor, name, saved.path) for name in ("requires_grad", *TENSOR_HOOKS)]
+        slots += [_Slot(torch_module, name, "torch.nn.modules.module") for name in GLOBAL_HOOKS]
         return slots
 
     # ---- around every evaluation ----------------------------------------------------------------------------------
 
+    @plain
     def before_evaluation(self) -> None:
         """Save what an evaluation may change: everything before the first one, the watched part before the others."""
         if self._watched is None:
             if self._baseline is None:
-                self._baseline = self._scan()
+                # gradwatch may have changed the structure since the start (a sharded check's hooks): then anew
+                self._baseline = self._scan() if any(slot.differs() for slot in self._start) else self._start
                 for parameter in self._parameters:
                     parameter.version = parameter.tensor._version
             return
-        self._before = [slot.again() for slot in self._watched]
+        self._before = [again for slot in self._watched for again in slot.again()]
         self._bound = [(p, b, b.requires_grad) for p in self.edited for b in self._bindings(p)]
 
+    @plain
     def after_evaluation(self) -> None:
         """Put back what the evaluation changed; after the first one, learn what the loss changes."""
         if self._watched is None:
@@ -258,9 +244,9 @@ class ModelGuard:
                 if bound.requires_grad != requires_grad:
                     bound.requires_grad_(requires_grad)
                 if parameter.copy is not None:
-                    _local(bound).copy_(parameter.copy)
+                    local_tensor(bound).copy_(parameter.copy)
 
-    def _bindings(self, parameter: _Parameter) -> Iterator[Tensor]:
+    def _bindings(self, parameter: SavedParameter) -> Iterator[Tensor]:
         """The tensors standing at a parameter's places now (the parameter, or a float64 copy during float64 probes)."""
         seen: set[int] = set()
         for module, key in parameter.slots:
@@ -274,54 +260,60 @@ class ModelGuard:
         changed = [slot for slot in baseline if slot.differs()]
         self._watched = changed
         self.changed = [slot.path for slot in changed]
-        toggled = {id(slot.owner) for slot in changed if slot.attribute == "requires_grad"}
+        toggled = {id(slot.owner) for slot in changed if isinstance(slot, _Slot) and slot.attribute == "requires_grad"}
         rebound = {
             id(old)
             for slot in changed
-            if slot.attribute == "_parameters" and isinstance(slot.items, list)
+            if isinstance(slot, _Slot) and slot.attribute == "_parameters" and isinstance(slot.items, tuple)
             for key, old in slot.items
             if slot.value.get(key, _MISSING) is not old
         }
         for slot in changed:
             slot.put_back()
+        moved = {id(parameter) for parameter in self._parameters if parameter.storage_moved()}
         for parameter in self._parameters:
-            moved = parameter.storage_moved()
-            if moved:
+            if id(parameter) in moved:
                 parameter.tensor.data = parameter.alias
-            values = self._values_changed(parameter)
-            if moved or values or id(parameter.tensor) in toggled | rebound:
+        differing = self._copies.differing()
+        for parameter in self._parameters:
+            values = parameter.tensor._version != parameter.version or id(parameter) in differing
+            if id(parameter) in moved or values or id(parameter.tensor) in toggled | rebound:
                 self.edited.append(parameter)
-                if moved or values:
+                if id(parameter) in moved or values:
                     self.changed.append(parameter.path)
             if values and parameter.copy is None:
                 self.lost.append(parameter.path)
-                parameter.copy = _local(parameter.tensor).clone()  # from now on, this is the value evaluations start at
-        self._put_back_values()
+                # from now on, this is the value evaluations start at
+                parameter.copy = local_tensor(parameter.tensor).clone()
+        self._put_back_values(differing)
 
-    def _values_changed(self, parameter: _Parameter) -> bool:
-        if parameter.tensor._version != parameter.version:
-            return True
-        return parameter.copy is not None and not same_bits(_local(parameter.tensor), parameter.copy)
-
-    def _put_back_values(self) -> None:
+    def _put_back_values(self, differing: set[int]) -> None:
         with torch.no_grad():
             for parameter in self._parameters:
-                if parameter.copy is not None and not same_bits(_local(parameter.tensor), parameter.copy):
-                    _local(parameter.tensor).copy_(parameter.copy)
+                if id(parameter) in differing and parameter.copy is not None:
+                    local_tensor(parameter.tensor).copy_(parameter.copy)
 
     # ---- at the end -------------------------------------------------------------------------------------------------
 
+    @plain
     def restore(self) -> None:
         """Put the structure and the parameter values back as they were when the check started."""
         for slot in self._start:
             if slot.differs():
+                path = slot.path
                 slot.put_back()
-                if slot.path not in self.changed:
-                    self.changed.append(slot.path)
+                if path not in self.changed:
+                    self.changed.append(path)
         for parameter in self._parameters:
             if parameter.storage_moved():
                 parameter.tensor.data = parameter.alias
-        self._put_back_values()
+        differing = self._copies.differing()
+        lost = [
+            p
+            for p in self.edited
+            if p.path in self.lost and p.copy is not None and not same_bits(local_tensor(p.tensor), p.copy)
+        ]
+        self._put_back_values(differing | {id(parameter) for parameter in lost})
 
     def edited_ids(self) -> set[int]:
         """``id`` of each parameter the loss changes (see :attr:`edited`)."""

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradwatch.engine.function.guard import same_bits
+from gradwatch.engine.function.copies import same_bits
 
 
 def check_optimizers(value: Any) -> tuple[Optimizer, ...]:

@@ -127,8 +127,11 @@ def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> It
         evaluator.use_float64_inputs()
         originals = {key: name for key, name in named.items() if key in substitutes}
         try:
-            with OriginalsWatch(originals):  # the trial alone: a loss that uses an original uses it every time
+            evaluator.watch = OriginalsWatch(originals)  # the trial alone: a loss using an original does every time
+            try:
                 trial = evaluator.loss()
+            finally:
+                evaluator.watch = None
         except CheckAbandonedError:
             raise
         except Exception as error:

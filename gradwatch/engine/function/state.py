@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.guard import LossCallsBackwardError, ModelGuard, loss_calls_backward
+from gradwatch.engine.function.backward import LossCallsBackwardError, loss_calls_backward
+from gradwatch.engine.function.guard import ModelGuard, plain
 from gradwatch.engine.function.optimizers import OptimizerGuard
 from gradwatch.engine.function.sandbox import Sandbox
 
@@ -155,6 +156,7 @@ class TrainingState:
             self.sandbox.settle()
         self._refuse_backward()
 
+    @plain
     def _refuse_backward(self) -> None:
         """A ``.grad`` that appeared during an evaluation: the loss called ``backward()`` itself."""
         touched = [parameter for parameter, _ in self._grads if parameter.grad is not None]

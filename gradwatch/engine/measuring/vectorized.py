@@ -260,6 +260,12 @@ def obstacle(evaluator: LossEvaluator) -> Note | None:
     if hooked:
         listed = f"{', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''}"
         return Note(NoteCode.HOOKS_UNVECTORISED, f"forward hooks on {listed} would see vectorised passes")
+    if evaluator.data_dependent is not None:  # known from the reference pass: spare a pass that would fail
+        return Note(
+            NoteCode.NOT_VECTORISABLE,
+            f"the loss cannot be vectorised (it calls {evaluator.data_dependent} on a value computed from the "
+            "parameters)",
+        )
     return None
 
 

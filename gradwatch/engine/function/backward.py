@@ -1,0 +1,41 @@
+"""A loss that calls ``backward()`` itself, said in gradwatch's words.
+
+gradwatch differentiates the loss ``loss_fn`` returns (``torch.autograd.grad``, which leaves ``.grad`` alone). A loss
+that runs ``backward()`` first (or steps an optimizer: ``zero_grad``, ``backward``, ``step``) frees the graph and writes
+``.grad``; torch would say "Trying to backward through the graph a second time". The check ends instead with a
+:class:`LossCallsBackwardError` naming ``loss_fn``, after everything the loss changed was put back
+(:class:`~gradwatch.engine.function.state.TrainingState` sees a ``.grad`` appear; :func:`loss_gradient` a freed graph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.report import CheckAbandonedError
+
+
+class LossCallsBackwardError(CheckAbandonedError, ValueError):
+    """``loss_fn`` called ``backward()`` itself (a parameter's ``.grad`` changed while gradwatch evaluated it)."""
+
+
+def loss_calls_backward(evidence: str) -> str:
+    """The message of a :class:`LossCallsBackwardError`, with what showed it."""
+    return (
+        f"`loss_fn` must return the loss without calling backward() on it ({evidence}): gradwatch differentiates the "
+        "loss it returns itself. The parameters, their .grad and the optimizers' state were put back. Pass a loss_fn "
+        "that only computes the loss (with Lightning's manual optimization: GradWatch(loss_fn=...))"
+    )
+
+
+def loss_gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
+    """``torch.autograd.grad`` of the loss (``None`` for a tensor the loss made not require grad); a graph the loss
+    already ran backward through is said in gradwatch's words."""
+    differentiable = [t for t in wrt if t.requires_grad]
+    try:
+        found = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
+        return [next(found) if t.requires_grad else None for t in wrt]
+    except RuntimeError as error:
+        if "backward through the graph a second time" in str(error):
+            raise LossCallsBackwardError(loss_calls_backward("its graph was already freed by a backward")) from error
+        raise

@@ -1,0 +1,91 @@
+"""The parameters of a model as a check found them: copied once, compared cheaply, put back exactly.
+
+:class:`FlatCopies` copies the parameters into one flat buffer per dtype and device, so that copying and comparing
+them takes a few operations however many tensors the model has; :func:`same_bits` compares bit for bit (NaNs and
+signed zeros included), which is what "put back exactly" means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+PARAMETER_COPY_LIMIT = 2**26
+"""The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change of a
+parameter by the loss is seen by its version counter after the first evaluation; the values it had before that one
+change cannot be put back, and the report names them (:attr:`~gradwatch.engine.report.CheckReport.unrestored`)."""
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors hold the same bits (NaNs and signed zeros included)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if integer is not None and not a.is_complex():
+            return torch.equal(a.view(integer), b.view(integer))
+        return torch.equal(
+            torch.view_as_real(a) if a.is_complex() else a, torch.view_as_real(b) if b.is_complex() else b
+        )
+    return torch.equal(a, b)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The tensor this process holds: a sharded parameter's local shard (no collective), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor.detach()
+
+
+@dataclass(eq=False)
+class SavedParameter:
+    """A parameter as the check found it."""
+
+    tensor: Tensor
+    path: str
+    alias: Tensor  # shares the storage the parameter had (``.data`` rebound is put back to it)
+    copy: Tensor | None
+    version: int
+    slots: list[tuple[nn.Module, str]]
+
+    def storage_moved(self) -> bool:
+        t, a = self.tensor, self.alias
+        if hasattr(t, "to_local"):  # a sharded parameter: its shards are the sharding's business
+            return False
+        return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
+
+
+class FlatCopies:
+    """Copies of the parameters, one flat buffer per dtype and device (up to :data:`PARAMETER_COPY_LIMIT` elements):
+    copied and compared in a few operations rather than a few per parameter. Sets each copied parameter's ``copy``."""
+
+    def __init__(self, parameters: list[SavedParameter]) -> None:
+        groups: dict[tuple[torch.dtype, torch.device], list[SavedParameter]] = {}
+        copied = 0
+        for parameter in parameters:
+            local = local_tensor(parameter.tensor)
+            if copied + local.numel() <= PARAMETER_COPY_LIMIT:
+                copied += local.numel()
+                groups.setdefault((local.dtype, local.device), []).append(parameter)
+        self._groups: list[tuple[list[SavedParameter], Tensor]] = []
+        for members in groups.values():
+            locals_ = [local_tensor(parameter.tensor) for parameter in members]
+            flat = torch.cat([local.reshape(-1) for local in locals_])
+            offset = 0
+            for parameter, local in zip(members, locals_, strict=True):
+                parameter.copy = flat[offset : offset + local.numel()].view(local.shape)
+                offset += local.numel()
+            self._groups.append((members, flat))
+
+    def differing(self) -> set[int]:
+        """``id`` of each copied parameter whose bits differ from its copy now."""
+        found: set[int] = set()
+        for members, flat in self._groups:
+            locals_ = [local_tensor(parameter.tensor) for parameter in members]
+            current = torch.cat([local.reshape(-1) for local in locals_])
+            if same_bits(current, flat):  # the usual case: one comparison for the group
+                continue
+            pairs = zip(members, locals_, strict=True)
+            found |= {id(p) for p, local in pairs if p.copy is not None and not same_bits(local, p.copy)}
+        return found

@@ -1,0 +1,129 @@
+"""What the reference pass learns about the loss's dataflow: inputs it detaches, values it reads out of the graph.
+
+Input probes make the batch's floating tensors require grad for the reference pass. That is only sound when the loss
+does not look: a metric library that asserts ``not target.requires_grad`` refuses it (the check then differentiates no
+input, with a note), and a loss that detaches an input (a gradient penalty's ``interpolates.detach()``, a PDE
+residual's ``x.detach().requires_grad_()``) computes a gradient with respect to it that is deliberately not its
+derivative. :class:`ReferenceFlow`, active during the reference pass, finds the inputs a ``detach`` reaches, and those
+are not probed (a note names them).
+
+The same pass tells whether ``torch.func.vmap`` can evaluate the loss at many points at once: a loss that turns a value
+computed from the parameters into Python (``float(x)``, ``x.item()``, ``if x.any():``) or into a data-dependent shape
+(``mask.nonzero()``: a mixture of experts' routing) cannot be vectorised. Knowing it from the reference pass spares the
+check a vectorised pass that would fail; its points are evaluated one by one from the start.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+_DETACHES = {Tensor.detach, torch.detach, Tensor.detach_, Tensor.data.__get__}  # type: ignore[attr-defined]
+
+_DATA_DEPENDENT = {
+    Tensor.item: "item()",
+    Tensor.tolist: "tolist()",
+    Tensor.numpy: "numpy()",
+    Tensor.__bool__: "bool()",
+    Tensor.__float__: "float()",
+    Tensor.__int__: "int()",
+    Tensor.__index__: "an index",
+    torch.nonzero: "nonzero()",
+    Tensor.nonzero: "nonzero()",
+    torch.argwhere: "argwhere()",
+    torch.masked_select: "masked_select()",
+    Tensor.masked_select: "masked_select()",
+    torch.unique: "unique()",
+    Tensor.unique: "unique()",
+    torch.unique_consecutive: "unique_consecutive()",
+}
+"""Operations vmap refuses on a batched tensor: a value read into Python, or a shape that depends on the values."""
+
+
+def _reached_leaves(tensor: Tensor, wanted: Mapping[int, str]) -> set[str]:
+    """The paths of the ``wanted`` leaves (by ``id``) that ``tensor`` depends on through autograd's graph."""
+    if id(tensor) in wanted:
+        return {wanted[id(tensor)]}
+    found: set[str] = set()
+    stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None and id(variable) in wanted:
+            found.add(wanted[id(variable)])
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return found
+
+
+def _tensors(values: Any) -> list[Tensor]:
+    found = []
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, Tensor):
+                found.append(item)
+    return found
+
+
+class ReferenceFlow(TorchFunctionMode):
+    """Records which of the input leaves ``leaves`` (path to tensor) a ``detach`` inside the loss cuts off, and the
+    first operation vmap would refuse on a value computed from what the probes move (see the module doc).
+
+    Only tensors that require grad are followed back for a detach; a detach of an activation that depends on
+    parameters alone (a GAN's ``fake.detach()``) walks the graph once and finds nothing. Values computed from the
+    parameters are those that require grad, and the integer and boolean tensors computed from them (a router's
+    ``topk`` indices, ``indices == e``).
+    """
+
+    def __init__(self, leaves: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self._wanted = {id(tensor): path for path, tensor in leaves.items()}
+        self.detached: set[str] = set()
+        self.data_dependent: str | None = None
+        """The first operation vmap would refuse, in words (``"nonzero()"``), or ``None``."""
+        self._derived: dict[int, weakref.ref[Tensor]] = {}  # weak: a freed tensor's id may come back for another
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        cutting = func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad
+        if cutting and len(self.detached) < len(self._wanted):
+            self.detached |= _reached_leaves(args[0], self._wanted)
+        if self.data_dependent is not None:
+            return func(*args, **kwargs)
+        derived = any(t.requires_grad or self._is_derived(t) for t in _tensors((*args, *kwargs.values())))
+        if derived and func in _DATA_DEPENDENT:
+            self.data_dependent = _DATA_DEPENDENT[func]
+        result = func(*args, **kwargs)
+        if derived:
+            for tensor in _tensors(result if isinstance(result, tuple) else (result,)):
+                if not tensor.requires_grad:
+                    self._derived[id(tensor)] = weakref.ref(tensor)
+        return result
+
+    def _is_derived(self, tensor: Tensor) -> bool:
+        ref = self._derived.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+
+def unprobed_note(detached: set[str]) -> str | None:
+    """The note naming the inputs a ``detach`` in the loss reaches, which are not probed."""
+    if not detached:
+        return None
+    return (
+        f"inputs not probed: {', '.join(sorted(detached))} (the loss detaches them: their gradient is deliberately "
+        "not their derivative)"
+    )
