@@ -1,14 +1,15 @@
 """The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
 
-TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's two sections
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's three sections
 hold one chart per question a reader has about a run:
 
-* **verdict**: 0 ok, 1 inconclusive, 2 fail, in the first section beside the relative error;
-* **relative error, log10**: a Margin chart, the median relative error of the conclusive probes of each check inside
-  a band from the smallest to the largest, as log10 (tags ``gradwatch/rel_error_median_log10``,
-  ``gradwatch/rel_error_min_log10``, ``gradwatch/rel_error_max_log10``). TensorBoard's charts have no logarithmic
-  axis, and on a linear one a healthy run (errors near 1e-7) is a flat line at 0 beside a failing run's 1e-2; in log10
-  they are 5 apart, and the float32 tolerance (5e-4) sits at -3.3;
+* **verdict**: 0 ok, 1 inconclusive, 2 fail;
+* **largest relative error, log10** (``gradwatch/rel_error_max_log10``), beside it: a wrong backward lifts it by
+  orders of magnitude, even at checks where most probes agree. TensorBoard's charts have no logarithmic axis, and on a
+  linear one a healthy run (1e-5 to 1e-3) is a flat line at 0 beside a failing run's 1e-1; in log10 they are apart;
+* **relative error band, log10**: a Margin chart, the median relative error of the conclusive probes of each check
+  inside a band from the smallest to the largest (tags ``gradwatch/rel_error_median_log10``,
+  ``gradwatch/rel_error_min_log10``, ``gradwatch/rel_error_max_log10``);
 * **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
 * **probes failing / inconclusive**: counts per check;
 * **check seconds**: the wall time of each check.
@@ -34,22 +35,26 @@ REL_ERROR_TAGS = (
 """The Margin chart's value, lower and upper tags, in the order TensorBoard expects them: the log10 of the relative
 errors (``gradwatch/rel_error_median`` and so on, floored at -12), logged beside them."""
 
+MAX_REL_ERROR_TAG = REL_ERROR_TAGS[2]
+"""The log10 of the largest relative error of a check, charted on its own beside the verdicts."""
+
 Chart = tuple[str, str, tuple[str, ...]]
 """A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
 
-# The first section answers "is the gradient right, and how wrong is it": the verdicts beside the relative error
-# (TensorBoard draws a section's Multiline charts before its Margin charts, so that is also the order on screen).
+# The first section answers "is the gradient right, and how wrong is it": the verdicts beside the largest relative
+# error of each check, which a wrong backward lifts by orders of magnitude even where most probes of its check agree.
+# TensorBoard draws a section's Multiline charts before its Margin charts, so the band has a section of its own.
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
         "gradwatch: verdicts and relative error",
         (
             ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
-            (
-                "log10 relative error of the checks (median, band from min to max; float32 tolerance -3.3)",
-                "Margin",
-                REL_ERROR_TAGS,
-            ),
+            ("log10 largest relative error of each check", "Multiline", (MAX_REL_ERROR_TAG,)),
         ),
+    ),
+    (
+        "gradwatch: relative error band",
+        (("log10 relative error of the checks (median, band from min to max)", "Margin", REL_ERROR_TAGS),),
     ),
     (
         "gradwatch: descent ratio, probes, cost",

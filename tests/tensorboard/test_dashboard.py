@@ -41,9 +41,13 @@ def test_margin_band_is_min_to_max_around_the_median() -> None:
     median, low, high = (scalars[_linear(tag)] for tag in REL_ERROR_TAGS)
     assert low <= median <= high
     assert low < high  # a failing check mixes agreeing probes with a 5% error
+    charts = [chart for section in layout().values() for chart in section.values()]
+    assert ["Margin", list(REL_ERROR_TAGS)] in charts
     first_section = next(iter(layout().values()))
-    assert ["Margin", list(REL_ERROR_TAGS)] in first_section.values()
-    assert ["Multiline", ["^gradwatch/verdict$"]] in first_section.values()
+    assert list(first_section.values()) == [
+        ["Multiline", ["^gradwatch/verdict$"]],
+        ["Multiline", ["^gradwatch/rel_error_max_log10$"]],
+    ]
 
 
 def test_multiline_expressions_are_anchored() -> None:
@@ -73,6 +77,6 @@ def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) ->
     charts = [chart for category in parsed.category for chart in category.chart]
     margins = [chart.margin.series[0] for chart in charts if chart.HasField("margin")]
     assert [(m.value, m.lower, m.upper) for m in margins] == [REL_ERROR_TAGS]
-    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 5
+    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 6
     # every tag the dashboard draws was logged
     assert layout_tags() <= set(events.Tags()["scalars"])
