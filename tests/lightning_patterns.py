@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import math
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -259,14 +260,20 @@ class DirectLogging(Classifier):
 
 
 class RaisesDuringChecks(CountersAndCaches):
-    """Counts and caches like :class:`CountersAndCaches`, then raises when called without autograd (as a check's
-    evaluations are): a check that fails half-way."""
+    """Counts and caches like :class:`CountersAndCaches`, then raises when called a second time for one batch (as a
+    check calls it, and training never does): a check that fails half-way, whatever fallback it tries (grad mode,
+    another probe slice, point by point). The calls are counted outside the module, where no check puts them back."""
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
-        if not torch.is_grad_enabled():
-            raise RuntimeError("training_step cannot run without autograd")
+        key = (id(self), self.trainer.current_epoch, batch_idx)
+        _CALLS_PER_BATCH[key] = _CALLS_PER_BATCH.get(key, 0) + 1
+        if _CALLS_PER_BATCH[key] > 1:
+            raise RuntimeError("training_step called twice for one batch")
         return loss
+
+
+_CALLS_PER_BATCH: dict[tuple[int, int, int], int] = {}
 
 
 class CompiledSubmodule(Classifier):
@@ -424,6 +431,7 @@ def fit(pattern: Pattern, with_watch: bool, **watch_options: Any) -> Observed:
     logger = RecordingLogger()
     watch = GradWatch(every_n_steps=2, **watch_options) if with_watch else None
     trainer = pl.Trainer(
+        default_root_dir=tempfile.mkdtemp(prefix="gradwatch-pattern-"),  # what loggers write, outside the tree
         accelerator="cpu",
         devices=1,
         max_steps=-1 if pattern.max_epochs else 6,

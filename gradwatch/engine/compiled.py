@@ -61,7 +61,7 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
     the modules containing it (``""`` for the model itself, as culprits name it); ``([], "")`` when no compiled probe
     failed. The compiled graph as a whole is named: its failing tensors are victims of a wrong backward somewhere in
     its code, which the eager search (on eager code) cannot see."""
-    failing = [p for p in probes if p.kind == "compiled" and p.verdict == "fail"]
+    failing = [p for p in probes if p.kind == ProbeKind.COMPILED and p.verdict == "fail"]
     if not failing:
         return [], ""
     compiled = [
@@ -87,7 +87,7 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
     message = (
         f"the compiled backward of {named} (`{type(module).__name__}`) is wrong: its compiled gradient differs from "
         f"eager autograd's ({worst.rel_error:.1%} on `{worst.target}`), and eager autograd's agrees with the loss"
-        if not any(p.verdict == "fail" for p in probes if p.kind != "compiled")
+        if not any(p.verdict == "fail" for p in probes if p.kind != ProbeKind.COMPILED)
         else f"the compiled backward of {named} (`{type(module).__name__}`) differs from eager autograd's "
         f"({worst.rel_error:.1%} on `{worst.target}`)"
     )

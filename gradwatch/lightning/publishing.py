@@ -10,7 +10,7 @@ The report becomes records once (:func:`gradwatch.outputs.records_of`), and each
 * loggers with text support, found by what they offer, not by importing their libraries: Weights & Biases
   (``log_text``) and MLflow (``experiment.log_text``) get the failure text with the culprit;
 * every logger's run directory (``log_dir``; for loggers without one, such as W&B and MLflow,
-  ``<default_root_dir>/gradwatch/<logger>-<name>-<version>``): the JSON lines record, ``gradwatch.jsonl``
+  ``<default_root_dir>/gradwatch_records/<logger>-<name>-<version>``): the JSON lines record, ``gradwatch.jsonl``
   (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
 
 Files and texts are written on rank 0 only. A logger that cannot show the failure text or the histograms gets one info
@@ -82,12 +82,12 @@ def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
 def _directory(trainer: pl.Trainer, logger: Logger) -> Path:
     """Where the logger's run keeps the JSON lines record: the run's own directory (``log_dir``: CSV, TensorBoard);
     for a logger without one (W&B and MLflow share a ``save_dir`` among runs), a directory of its own for this run
-    under the trainer's ``default_root_dir``, ``gradwatch/<logger>-<name>-<version>``."""
+    under the trainer's ``default_root_dir``, ``gradwatch_records/<logger>-<name>-<version>``."""
     log_dir = getattr(logger, "log_dir", None)
     if isinstance(log_dir, (str, Path)) and str(log_dir):
         return Path(log_dir)
     run = f"{type(logger).__name__}-{logger.name}-{logger.version}"
-    return Path(trainer.default_root_dir) / "gradwatch" / re.sub(r"[^A-Za-z0-9._-]", "_", run)
+    return Path(trainer.default_root_dir) / "gradwatch_records" / re.sub(r"[^A-Za-z0-9._-]", "_", run)
 
 
 def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:

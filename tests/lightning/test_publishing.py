@@ -118,8 +118,8 @@ def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) 
         Path(loggers["csv"].log_dir),
         Path(loggers["tb"].log_dir),
         # loggers without a run directory of their own: one per logger and run under the trainer's root
-        run["tmp"] / "gradwatch" / "WandbLike-WandbLike-0",
-        run["tmp"] / "gradwatch" / "MlflowLike-MlflowLike-0",
+        run["tmp"] / "gradwatch_records" / "WandbLike-WandbLike-0",
+        run["tmp"] / "gradwatch_records" / "MlflowLike-MlflowLike-0",
     ]
     for directory in directories:
         assert [line["step"] for line in _lines(directory / JSONL_NAME)] == steps == [1, 2, 4], directory
