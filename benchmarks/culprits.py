@@ -10,13 +10,21 @@ with GradWatch's engine settings over several seeds of the probe sampling:
   norm;
 * the demo's models: the RMSNorm bug, a gradient hook scaling one weight's gradient by 1.01, a penalty on detached
   weights;
-* a peft LoRA adapter and a VAE decoder with a 2% error in a hand-written backward.
+* a peft LoRA adapter and a VAE decoder with a 2% error in a hand-written backward;
+* 2% backward bugs in library modules: a tiny Llama's MLP down-projection (which once named the correct
+  ``post_attention_layernorm`` upstream of it), an attention output projection, the token embedding, a norm; a residual
+  branch, with and without activation checkpointing; the historical RMSNorm bug near the float32 tolerance in an MLP
+  (which once named a correct ``fc2``); the attention projections of a small diffusion UNet (ours, and diffusers'
+  ``UNet2DModel`` when diffusers is installed);
+* the bugs at special points of ``tests/special_point_models.py`` (a custom Function in the model's own code or in
+  the loss).
 
-A culprit is named when ``report.culprits[0]`` is the module holding the bug or a module inside it (for a bug in the
-model's own code, the model itself). The search runs on failing checks only; the last table shows healthy checks cost
-the same evaluations with and without it.
+Each culprit is judged against the module at fault: **right** (that module, or one inside it; for a bug in the model's
+own code, the model; in the loss, ``<loss>``), **ancestor** (a module containing it: less specific, still true) or
+**wrong** (any other module: a false accusation). The search runs on failing checks only; the last tables show what a
+failing check costs and that healthy checks cost the same evaluations with and without the search.
 
-Run: ``python benchmarks/culprits.py`` (about a minute on 2 CPU cores).
+Run: ``python benchmarks/culprits.py`` (a few minutes on 2 CPU cores; ``--seeds 1`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import culprit_models as cm
 import real_models as rm
+import special_point_models as sp
 
 from gradwatch import CheckReport, GradWatch, check_gradients
 from gradwatch.cli import demo_models
@@ -121,11 +130,122 @@ CASES = [
 ]
 
 
-def named(report: CheckReport, holder: str) -> bool:
+def judged(report: CheckReport, holder: str) -> str:
+    """``"right"``, ``"ancestor"``, ``"wrong"`` or ``"none"`` (no culprit named) for the report's culprit."""
     if not report.culprits:
-        return False
+        return "none"
     first = report.culprits[0]
-    return first == holder or (holder not in ("", "<loss>") and first.startswith(f"{holder}."))
+    if first == holder or (holder not in ("", "<loss>") and first.startswith(f"{holder}.")):
+        return "right"
+    if holder != "<loss>" and first != "<loss>" and (first == "" or holder.startswith(f"{first}.")):
+        return "ancestor"
+    return "wrong"
+
+
+def _diffusers_unet(bug: str) -> nn.Module:
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    cm.plant_linear_bug(model.get_submodule(bug), 1.02)
+    return model
+
+
+def _diffusion_batch() -> Any:
+    generator = torch.Generator().manual_seed(0)
+    images, noise = torch.randn(4, 3, 16, 16, generator=generator), torch.randn(4, 3, 16, 16, generator=generator)
+    return images, torch.tensor([10, 200, 500, 900]), noise
+
+
+def _diffusion_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch[0], batch[1]).sample, batch[2])
+
+
+def _special(name: str) -> Callable[[], Any]:
+    return lambda: sp.CASES[name][1](torch.Generator().manual_seed(100))
+
+
+LIBRARY_CASES = [
+    Case(
+        "Llama MLP down-projection, 2%",
+        lambda: cm.llama_with_bug("model.layers.0.mlp.down_proj"),
+        cm.tokens,
+        cm.causal_lm_loss,
+        "model.layers.0.mlp.down_proj",
+    ),
+    Case(
+        "Llama attention output projection, 2%",
+        lambda: cm.llama_with_bug("model.layers.1.self_attn.o_proj"),
+        cm.tokens,
+        cm.causal_lm_loss,
+        "model.layers.1.self_attn.o_proj",
+    ),
+    Case(
+        "Llama token embedding, 2%",
+        lambda: cm.llama_with_bug("model.embed_tokens"),
+        cm.tokens,
+        cm.causal_lm_loss,
+        "model.embed_tokens",
+    ),
+    Case(
+        "Llama post-attention norm",
+        lambda: cm.llama_with_bug("model.layers.0.post_attention_layernorm"),
+        cm.tokens,
+        cm.causal_lm_loss,
+        "model.layers.0.post_attention_layernorm",
+    ),
+    Case("residual branch, 2%", cm.Residual, cm.batch, cm.cross_entropy, "blocks.1.branch.1"),
+    Case(
+        "residual branch, activation checkpointing",
+        lambda: cm.Residual(checkpointed=True),
+        cm.batch,
+        cm.cross_entropy,
+        "blocks.1.branch.1",
+    ),
+    Case("RMSNorm near the float32 tolerance (MLP)", cm.NormMLP, cm.batch, cm.cross_entropy, "blocks.1.1"),
+    *(
+        Case(
+            f"UNet attention `{bug}`, 2%",
+            lambda bug=bug: cm.TinyUNet(bug),
+            cm.noisy_images,
+            cm.noise_prediction_loss,
+            bug,
+        )
+        for bug in ("mid.attention.to_out", "mid.attention.to_v")
+    ),
+    Case("BCE at logit 0", sp.ZeroHead, _special("BCE with logits, wrong at logit 0"), sp.bce_loss, "<loss>"),
+    Case(
+        "segment product at a zero",
+        sp.CountFeatures,
+        _special("segment product, wrong at an exact zero"),
+        sp.regression_loss,
+        "",
+    ),
+    Case(
+        "grid_sample on the border", sp.Warp, _special("grid_sample, wrong on the border"), sp.classification_loss, ""
+    ),
+]
+
+DIFFUSERS_CASES = [
+    Case(
+        f"diffusers UNet2DModel `{bug}`, 2%",
+        lambda bug=bug: _diffusers_unet(bug),
+        _diffusion_batch,
+        _diffusion_loss,
+        bug,
+    )
+    for bug in ("mid_block.attentions.0.to_out.0", "down_blocks.1.attentions.0.to_v")
+]
 
 
 def search_evaluations(report: CheckReport) -> int:
@@ -133,30 +253,41 @@ def search_evaluations(report: CheckReport) -> int:
     return sum(spent) + (1 if spent else 0)
 
 
-def culprit_table(seeds: int) -> None:
+def culprit_table(cases: list[Case], seeds: int) -> None:
     print(f"## Planted bugs ({seeds} seeds of the probe sampling each)\n")
     print(
-        "| bug | module holding it | named | culprit named (first seed) | search evaluations (mean) | "
-        "check evaluations (mean) |"
+        "| bug | module at fault | failing checks | right | ancestor | wrong | none | culprit named (first) | "
+        "search evaluations (mean) | check evaluations (mean) | s per failing check |"
     )
-    print("|---|---|---|---|---|---|")
-    total = found = 0
-    for case in CASES:
-        reports = []
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    tally: dict[str, int] = {"right": 0, "ancestor": 0, "wrong": 0, "none": 0}
+    for case in cases:
+        reports, seconds = [], []
         for seed in range(seeds):
             torch.manual_seed(0)
             model = case.build()
+            started = time.perf_counter()
             reports.append(check_gradients(model, case.batch(), case.loss, seed=seed, **SETTINGS))  # type: ignore[arg-type]
-        failing = [r for r in reports if r.verdict == "fail"]
-        hits = sum(named(r, case.holder) for r in failing)
-        total += len(reports)
-        found += hits
-        first = f"`{failing[0].culprits[0]}`" if failing and failing[0].culprits else "-"
-        search = statistics.mean(search_evaluations(r) for r in failing) if failing else float("nan")
-        evaluations = statistics.mean(r.n_forward for r in failing) if failing else float("nan")
+            seconds.append(time.perf_counter() - started)
+        failing = [(r, t) for r, t in zip(reports, seconds, strict=True) if r.verdict == "fail"]
+        verdicts = [judged(r, case.holder) for r, _ in failing]
+        for verdict in verdicts:
+            tally[verdict] += 1
+        first = f"`{failing[0][0].culprits[0]}`" if failing and failing[0][0].culprits else "-"
+        search = statistics.mean(search_evaluations(r) for r, _ in failing) if failing else float("nan")
+        evaluations = statistics.mean(r.n_forward for r, _ in failing) if failing else float("nan")
+        spent = statistics.mean(t for _, t in failing) if failing else float("nan")
         holder = f"`{case.holder}`" if case.holder else 'the model (`""`)'
-        print(f"| {case.name} | {holder} | {hits}/{len(reports)} | {first} | {search:.0f} | {evaluations:.0f} |")
-    print(f"\nculprit named in {found} of {total} failing checks ({found / total:.0%})\n")
+        counts = " | ".join(str(verdicts.count(v)) for v in ("right", "ancestor", "wrong", "none"))
+        print(
+            f"| {case.name} | {holder} | {len(failing)}/{len(reports)} | {counts} | {first} | {search:.0f} | "
+            f"{evaluations:.0f} | {spent:.1f} |"
+        )
+    total = sum(tally.values())
+    print(
+        f"\nof {total} failing checks: culprit right {tally['right']}, an ancestor {tally['ancestor']}, "
+        f"wrong {tally['wrong']}, none {tally['none']}\n"
+    )
 
 
 def healthy_cost(seeds: int) -> None:
@@ -195,7 +326,14 @@ def main() -> None:
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     started = time.perf_counter()
-    culprit_table(args.seeds)
+    cases = CASES + LIBRARY_CASES
+    try:
+        import diffusers  # noqa: F401
+
+        cases += DIFFUSERS_CASES
+    except ImportError:
+        print("(diffusers is not installed: its UNet2DModel cases are left out)\n")
+    culprit_table(cases, args.seeds)
     healthy_cost(args.seeds)
     print(f"({time.perf_counter() - started:.0f} s; torch {torch.__version__})")
 

@@ -3,7 +3,7 @@ its loss.
 
 The package is layered; each layer imports only from those before it:
 
-* :mod:`gradwatch.engine`: pure PyTorch, the whole of :func:`check_gradients`;
+* :mod:`gradwatch.engine`: pure PyTorch, the whole of :func:`check_gradients` and :func:`check_applied_gradient`;
 * :mod:`gradwatch.tensorboard`: check reports to TensorBoard and back;
 * :mod:`gradwatch.watch`: :class:`GradientWatch`, a series of checks over a run in any training loop;
 * the adapters over the watch: :mod:`gradwatch.lightning` (the :class:`GradWatch` callback) and
@@ -19,18 +19,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gradwatch.engine import CheckReport, GradientCheckError, Probe, check_gradients
+from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.watch import GradientCheckWarning, GradientWatch
 
 if TYPE_CHECKING:
     from gradwatch.lightning import GradWatch
 
 __all__ = [
+    "AppliedWindow",
     "CheckReport",
     "GradWatch",
     "GradientCheckError",
     "GradientCheckWarning",
     "GradientWatch",
     "Probe",
+    "check_applied_gradient",
     "check_gradients",
 ]
 __version__ = "0.1.0"

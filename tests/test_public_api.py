@@ -11,12 +11,14 @@ import gradwatch
 
 def test_the_public_names_are_exported_from_the_package() -> None:
     assert set(gradwatch.__all__) == {
+        "AppliedWindow",
         "CheckReport",
         "GradWatch",
         "GradientCheckError",
         "GradientCheckWarning",
         "GradientWatch",
         "Probe",
+        "check_applied_gradient",
         "check_gradients",
     }
     from gradwatch.engine import check_gradients
@@ -24,6 +26,10 @@ def test_the_public_names_are_exported_from_the_package() -> None:
     from gradwatch.watch import GradientCheckWarning, GradientWatch
 
     assert gradwatch.check_gradients is check_gradients
+    from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
+
+    assert gradwatch.check_applied_gradient is check_applied_gradient
+    assert gradwatch.AppliedWindow is AppliedWindow
     assert gradwatch.GradWatch is GradWatch
     assert gradwatch.GradientWatch is GradientWatch
     assert gradwatch.GradientCheckWarning is GradientCheckWarning

@@ -66,6 +66,7 @@ class NoteCode(StrEnum):
     VECTORISED_MISMATCH = "unvectorised-mismatch", "points evaluated one by one: a vectorised pass gave another loss"
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
+    LOCALIZATION_BUDGET = "localization-budget", "tensors that looked wrong on a screen but were not measured further"
     SHIFT_BUDGET = "shift-budget", "failures not measured again at a shifted point: more significant ones stood there"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
     FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
@@ -86,6 +87,12 @@ class NoteCode(StrEnum):
     SHARDED_NATIVE = "sharded-native", "float64 probes are not made on shards"
     RANKS_TOGETHER = "ranks-together", "the verdict of every rank, which ran one check of the global loss together"
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
+    # applied checks (gradwatch.engine.applied)
+    APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
+    APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
+    APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
+    APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
+    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

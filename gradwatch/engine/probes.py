@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gradwatch.engine.confirmation import confirm_at_a_shifted_point, confirm_precision
+from gradwatch.engine.confirmation import confirm_precision
 from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
@@ -29,7 +29,14 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
 from gradwatch.engine.report import Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.signatures import stop_gradients, straight_through
+
+LOCALIZED_AT_MOST = 8
+"""After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
+significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
+(full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
+search, not the list of victims, says where the bug is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +198,16 @@ def _probe(
     ladder.remeasure_in_float64(done)
     if any(task.failed for task in done):
         extra = portfolio.localization(done)
-        ladder.screen_and_escalate(extra)
+        left = ladder.screen_and_escalate(extra, most=LOCALIZED_AT_MOST)
+        if left:
+            evaluator.notes.append(
+                Note(
+                    NoteCode.LOCALIZATION_BUDGET,
+                    f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
+                    f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
+                    f"only the {LOCALIZED_AT_MOST} most significant were",
+                )
+            )
         ladder.remeasure_in_float64(extra)
         done += extra
     replacements = portfolio.replacements(done)

@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
@@ -22,6 +22,23 @@ VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 
 UNDECIDED_REASONS: tuple[Reason, ...] = tuple(reason for reason in Reason if reason.retried)
 """Why a probe may end undecided where the next check, at another point, could decide."""
+
+Scope = Literal["applied", "recomputed"]
+"""What a check compared with the loss: ``"applied"``, the gradient the optimizer is about to apply, as the training's
+own path computed it (autocast, compiled graph, accumulation, cross-rank reduction, hooks;
+:mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
+(:func:`~gradwatch.engine.check.check_gradients`)."""
+
+Fault = Literal["formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown"]
+"""Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
+``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
+(right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
+``"reduction"`` (the local gradients are right, the cross-rank reduced one is not, or ranks disagree),
+``"accumulation"`` (the window's micro-batch gradients are right, their sum in the applied gradient is not: leftovers
+of an earlier window, a micro-batch counted twice or not at all), ``"transient"`` (the same path computed again gives
+the right gradient: a one-off corruption) or ``"unknown"``."""
+
+FAULTS: tuple[Fault, ...] = ("formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown")
 
 _E = TypeVar("_E", bound=Enum)
 
@@ -56,6 +73,9 @@ class Probe:
             deliberately not the derivative; see :attr:`CheckReport.surrogates`) or ``"nonfinite"``.
         evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
             a confirmation at a second step, more when it was measured again in float64.
+        floor: Applied checks only: the noise floor of the training's path along the probe's direction, in derivative
+            units (how far a correct gradient computed on that path may be off); the probe fails when
+            ``|analytic − numeric|`` exceeds a multiple of it plus the finite difference's own noise. ``nan`` otherwise.
     """
 
     kind: ProbeKind
@@ -69,6 +89,7 @@ class Probe:
     step: float
     reason: Reason
     evaluations: int = 0
+    floor: float = math.nan
 
     def __post_init__(self) -> None:
         # the enums, from the strings older code and users pass: the properties of a kind are then `probe.kind.traits`
@@ -134,6 +155,16 @@ class CheckReport:
             singled out (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
+        scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
+            gradwatch's own recomputation (see :data:`Scope`).
+        fault: For a failing applied check, the part of the training's path at fault (see :data:`Fault`); ``None``
+            when the check passed, and for recomputed checks.
+        fault_message: The fault in words, with the evidence that named it.
+        noise_floor: Applied checks: the path's noise floor along the descent probe, relative to ``‖g‖`` (how far a
+            correct gradient of this precision may be off along it).
+        floor_excess: Applied checks: the largest ``|analytic − numeric|`` of the check's probes in units of that
+            probe's tolerance (its noise floor times the allowed multiple, plus the finite difference's noise); above
+            1 is a failure.
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -157,6 +188,11 @@ class CheckReport:
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = field(default_factory=list)
     culprit_message: str = ""
+    scope: Scope = "recomputed"
+    fault: Fault | None = None
+    fault_message: str = ""
+    noise_floor: float = math.nan
+    floor_excess: float = math.nan
     probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -216,11 +252,14 @@ class CheckReport:
         return [p.rel_error for p in self.probes if p.conclusive]
 
     def summary(self) -> str:
-        """One line: step, verdict, counts, worst relative error and the descent ratio."""
+        """One line: step, verdict (led by the fault for a failing applied check), counts, worst relative error and the
+        descent ratio."""
         errors = self.conclusive_rel_errors
         worst = f"{max(errors):.2g}" if errors else "n/a"
+        lead = f"{self.fault} fault in the applied gradient; " if self.fault is not None else ""
+        scope = "applied " if self.scope == "applied" else ""
         return (
-            f"step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
+            f"{lead}{scope}step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
             f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
             f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} loss evaluations in {self.n_passes} forward "
             f"passes, {self.n_backward} backward, "
@@ -247,6 +286,8 @@ class CheckReport:
 
     def __str__(self) -> str:
         lines = [self.summary()]
+        if self.fault_message:
+            lines.append(f"  fault: {self.fault_message}")
         if self.culprit_message:
             lines.append(f"  culprit: {self.culprit_message}")
         lines += [f"  {p.describe()}" for p in self.probes]

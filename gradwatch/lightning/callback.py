@@ -19,8 +19,10 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
+from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import Precision
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS, AppliedChecks, AppliedHooks
 from gradwatch.lightning.distributed import agree, distributed
 from gradwatch.lightning.publishing import publish, publish_dashboard, show_in_progress_bar
 from gradwatch.lightning.training_step import local_batch_norm, loggers_silenced, training_step_loss
@@ -41,7 +43,7 @@ class _Watch(GradientWatch):
         return check_gradients(model, batch, loss_fn, **arguments)  # this module's name, which tests may wrap
 
 
-class GradWatch(Callback):
+class GradWatch(AppliedHooks, Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
     At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch (the module's own
@@ -61,6 +63,8 @@ class GradWatch(Callback):
     Args:
         loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
+            optimizer steps (:mod:`gradwatch.lightning.applied`; ``None``: off), within the same ``max_overhead``.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -92,6 +96,7 @@ class GradWatch(Callback):
         seed: int = 0,
         max_reports: int = 1000,
         verbose: bool = True,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
     ) -> None:
         super().__init__()
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
@@ -110,6 +115,11 @@ class GradWatch(Callback):
         self.verbose = verbose
         for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
             setattr(self, name, getattr(watch.settings, name))
+        applied = validate.check_optional_int("applied_every_n_steps", applied_every_n_steps, minimum=1)
+        clock = watch._schedule.clock  # shared: the applied checks spend the same budget
+        self._applied = AppliedChecks(
+            applied, self.first_check_step, self.loss_fn, self.max_overhead, clock, ignore=watch.settings.ignore
+        )
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -165,6 +175,7 @@ class GradWatch(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self._check_applied(trainer, pl_module)  # the gradient the optimizer applies, before clipping and the step
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
@@ -215,8 +226,9 @@ class GradWatch(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._watch.state_dict()
+        return {**self._watch.state_dict(), **self._applied.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._watch.load_state_dict(state_dict)
+        self._applied.load_state_dict(state_dict)

@@ -17,6 +17,7 @@ class OverheadClock:
         self.check_seconds = 0.0
         self.train_seconds = 0.0
         self.last_check_seconds = 0.0
+        self.applied_seconds = 0.0
         self._mark: float | None = None  # the end of the last training batch (or check)
 
     def restart(self) -> None:
@@ -35,20 +36,30 @@ class OverheadClock:
         self.check_seconds += self.last_check_seconds
         self._mark = ended  # the check's own time is not training time
 
+    def add_check(self, seconds: float) -> None:
+        """An applied check took ``seconds`` inside a training batch (at the optimizer step): its time is gradwatch's,
+        not training's, and counts against the budget both kinds of check share."""
+        self.applied_seconds += seconds
+        if self._mark is not None:
+            self._mark += seconds
+
     @property
     def fraction(self) -> float:
         """gradwatch's time so far as a fraction of the training time."""
-        return self.check_seconds / self.train_seconds if self.train_seconds > 0 else 0.0
+        spent = self.check_seconds + self.applied_seconds
+        return spent / self.train_seconds if self.train_seconds > 0 else 0.0
 
     def affordable(self, budget: float) -> bool:
         """Whether another check, costing what the last one did, keeps gradwatch's time within ``budget`` (a
         fraction) of the training time."""
-        return self.check_seconds + self.last_check_seconds <= budget * self.train_seconds
+        if self.check_seconds == 0.0:  # the first check measures what one costs (the applied checks keep their own)
+            return True
+        return self.check_seconds + self.applied_seconds + self.last_check_seconds <= budget * self.train_seconds
 
     def steps_until_affordable(self, budget: float, steps: int) -> int:
         """How many more optimizer steps, at the mean training time of the ``steps`` trained so far, until another
         check is :meth:`affordable` (at least 1)."""
-        needed = (self.check_seconds + self.last_check_seconds) / budget - self.train_seconds
+        needed = (self.check_seconds + self.applied_seconds + self.last_check_seconds) / budget - self.train_seconds
         per_step = self.train_seconds / steps if steps > 0 and self.train_seconds > 0 else 0.0
         if needed <= 0:
             return 1
@@ -61,9 +72,11 @@ class OverheadClock:
             "check_seconds": self.check_seconds,
             "train_seconds": self.train_seconds,
             "last_check_seconds": self.last_check_seconds,
+            "applied_seconds": self.applied_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_seconds = float(state.get("check_seconds", 0.0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_check_seconds = float(state.get("last_check_seconds", 0.0))
+        self.applied_seconds = float(state.get("applied_seconds", 0.0))

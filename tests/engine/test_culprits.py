@@ -6,20 +6,28 @@ import pytest
 import torch
 from culprit_models import (
     Functional,
+    NormMLP,
+    Residual,
     Shared,
     Stack,
+    TinyUNet,
     TupleModel,
     causal_lm_loss,
+    llama_with_bug,
     llama_with_wrong_norm,
     loss_with_wrong_backward,
+    noise_prediction_loss,
+    noisy_images,
     tokens,
 )
 from culprit_models import batch as _batch
 from culprit_models import cross_entropy as _cross_entropy
+from special_point_models import CASES as SPECIAL_CASES
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.cli.demo_models import CustomNormClassifier, DetachedPenaltyClassifier, ScaledGradClassifier
+from gradwatch.engine.culprits.probes import MAX_EVALUATIONS
 from gradwatch.engine.culprits.search import LOSS
 from gradwatch.testing import assert_gradients_ok
 
@@ -131,3 +139,66 @@ def test_hooks_are_removed_whatever_happens() -> None:
     for module in model.modules():
         assert not module._forward_hooks
         assert not module._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("module", "seed"),
+    [
+        ("model.layers.0.mlp.down_proj", 0),  # once named the correct post_attention_layernorm upstream of it
+        ("model.embed_tokens", 0),
+        ("model.layers.0.post_attention_layernorm", 0),
+    ],
+    ids=["mlp-down-projection", "embedding", "norm"],
+)
+def test_a_llama_bug_names_its_module_never_a_correct_one(module: str, seed: int) -> None:
+    pytest.importorskip("transformers")
+    report = check_gradients(llama_with_bug(module), tokens(), causal_lm_loss, seed=seed, probe_batch_size=2)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == module, str(report)
+    assert all(module.startswith(f"{name}.") or name == "" for name in report.culprits[1:]), report.culprits
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
+def test_a_residual_branch_bug_is_named_through_activation_checkpointing(checkpointed: bool) -> None:
+    report = check_gradients(Residual(checkpointed=checkpointed), _batch(), _cross_entropy)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == "blocks.1.branch.1", str(report)
+    assert not any(note.code == "culprit-hooks-refused" for note in report.notes), report.notes
+
+
+def test_an_rmsnorm_bug_near_the_tolerance_names_the_norm() -> None:
+    report = check_gradients(NormMLP(), _batch(), _cross_entropy)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == "blocks.1.1", str(report)
+
+
+def test_a_unet_attention_bug_names_the_projection_at_a_bounded_cost() -> None:
+    bug = "mid.attention.to_v"
+    report = check_gradients(TinyUNet(bug), noisy_images(), noise_prediction_loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == bug, str(report)  # the value projection runs beside the query and key ones
+    search = sum(p.evaluations for p in report.probes if p.kind in SEARCH_KINDS)
+    assert search <= MAX_EVALUATIONS + 16, search  # the budget, and the last probe it allowed
+    assert report.n_forward < 420, report.n_forward  # was 453 before the confirmations were budgeted
+
+
+def test_a_bug_in_the_models_own_code_before_a_parameter_names_the_model() -> None:
+    """grid_sample's grid gradient wrong in the model's forward: the theta layer's input and output are fine as
+    seen from outside it, and its parameters are victims; the model's own code is at fault."""
+    build, batch, loss = SPECIAL_CASES["grid_sample, wrong on the border"]
+    torch.manual_seed(0)
+    report = check_gradients(build(), batch(torch.Generator().manual_seed(100)), loss, step=0, probe_batch_size=2)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == "", str(report)
+    assert "in its own code after `theta`" in report.culprit_message, report.culprit_message
+
+
+def test_the_search_stops_at_its_budget_naming_the_deepest_module_proved(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradwatch.engine.culprits import probes
+
+    monkeypatch.setattr(probes, "MAX_EVALUATIONS", 40)
+    report = check_gradients(Stack(bug_at=3), _batch(), _cross_entropy)
+    assert report.verdict == "fail", str(report)
+    assert all("blocks.3.act".startswith(f"{name}.") or name in ("", "blocks.3.act") for name in report.culprits)
+    assert any(note.code == "culprit-probe-limit" for note in report.notes), report.notes
+    assert sum(p.evaluations for p in report.probes if p.kind in SEARCH_KINDS) <= 40 + 8

@@ -30,6 +30,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
 from gradwatch.engine.notes import NoteCode
 from gradwatch.lightning import callback as callback_module
+from gradwatch.lightning.applied import applied_scalars
 from gradwatch.lightning.publishing import progress_status
 
 SCALAR_TAGS = {
@@ -80,7 +81,9 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
     gradwatch_tags = [
         t for kind in ("scalars", "histograms", "tensors") for t in tags[kind] if t.startswith("gradwatch")
     ]
-    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 2
+    applied = [t for t in gradwatch_tags if t.startswith("gradwatch/applied/")]  # the applied check at step 1
+    assert set(applied) == {*applied_scalars(watch.applied_reports[0]), "gradwatch/applied/failure/text_summary"}
+    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 2 + len(applied)
 
 
 def test_healthy_run_logs_no_failure_text(tmp_path: Path) -> None:
@@ -151,7 +154,7 @@ def test_no_logger_is_fine(tmp_path: Path) -> None:
 
 def test_on_fail_raise(tmp_path: Path) -> None:
     with pytest.raises(GradientCheckError, match=r"(?s)gradient check failed at step 1\b.*\n.*fc\.weight"):
-        trainer(tmp_path, [GradWatch(on_fail="raise")], max_steps=4).fit(
+        trainer(tmp_path, [GradWatch(on_fail="raise", applied_every_n_steps=None)], max_steps=4).fit(
             LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4)
         )
 
@@ -166,7 +169,7 @@ def test_on_fail_stop_stops_the_trainer_cleanly(tmp_path: Path) -> None:
 
 def test_on_fail_callable_receives_the_report(tmp_path: Path) -> None:
     received: list[CheckReport] = []
-    watch = GradWatch(every_n_steps=2, on_fail=received.append)
+    watch = GradWatch(every_n_steps=2, on_fail=received.append, applied_every_n_steps=None)
     trainer(tmp_path, [watch], max_steps=4).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert [r.step for r in received] == [1, 2, 4]
     assert all(r.verdict == "fail" and r in watch.reports for r in received)
@@ -175,7 +178,7 @@ def test_on_fail_callable_receives_the_report(tmp_path: Path) -> None:
 def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0)
+    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, applied_every_n_steps=None)
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
         trainer(tmp_path, [watch], max_steps=9).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 9))
     assert watch.counts["failed"] == 9
@@ -193,7 +196,7 @@ def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
 
 
 def test_not_verbose_logs_no_info_and_warns_only_for_failures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False)
+    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False, applied_every_n_steps=None)
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
         trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 3))
     assert [r for r in caplog.records if r.name.startswith("gradwatch") and r.levelno >= logging.INFO] == []

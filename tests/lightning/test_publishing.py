@@ -178,8 +178,8 @@ def test_gradwatch_report_reads_every_loggers_record(run: dict[str, Any]) -> Non
     runs = {found.name: found for found in read_logdir(run["tmp"])}
     assert sorted(runs) == [
         "csv/version_0",
-        "gradwatch/MlflowLike-MlflowLike-0",
-        "gradwatch/WandbLike-WandbLike-0",
+        "gradwatch_records/MlflowLike-MlflowLike-0",
+        "gradwatch_records/WandbLike-WandbLike-0",
         "tb/version_0",
     ]
     assert all([c.step for c in found.checks] == [1, 2, 4] and found.failed for found in runs.values())

@@ -133,7 +133,7 @@ def _clean(report: CheckReport) -> bool:
 
 def test_accumulation_checks_the_last_micro_batch_of_optimizer_steps_only(tmp_path: Path) -> None:
     model = _Recording()
-    watch = GradWatch(every_n_steps=2, first_check_step=1, param_probes=2, input_probes=0)
+    watch = GradWatch(every_n_steps=2, first_check_step=1, param_probes=2, input_probes=0, applied_every_n_steps=None)
     trainer(tmp_path, [watch], max_steps=5, accumulate_grad_batches=4).fit(model, loader(classification_batch(), 20))
     assert [r.step for r in watch.reports] == [1, 2, 4]  # optimizer steps, not the 20 micro-batches
     # the check runs after the optimizer step, on the window's last micro-batch: batches 3, 7 and 15

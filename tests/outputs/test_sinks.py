@@ -94,7 +94,7 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     sink = JsonLinesSink(path)
     bad = Probe("param", "w", (1, 2), math.nan, math.inf, math.nan, "fail", -math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
     fields = {f.name: getattr(failing, f.name) for f in dataclasses.fields(CheckReport)}
-    fields.update(probes=[*failing.probes, bad], fault={"at": "loss", "value": math.nan})
+    fields.update(probes=[*failing.probes, bad], fault={"at": "loss", "value": math.nan}, scope=Scope.OPTIMIZER)
     reports = [failing, ScopedReport(**fields)]
     for report in reports:
         sink.write(records_of(report, overhead=0.01))
@@ -109,7 +109,7 @@ def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path,
     assert first["notes"] == [str(note) for note in failing.notes]
     assert first["note_codes"] == [str(note.code) for note in failing.notes]  # type: ignore[attr-defined]
     assert first["notes"]  # the seed model's custom Function cannot be vectorised: a note with its code
-    assert "scope" not in first
+    assert first["scope"] == "recomputed"  # every report has a scope (issue 23); a fault only when one was named
     assert "fault" not in first
     assert second["scope"] == "optimizer"
     assert second["fault"] == {"at": "loss", "value": "nan"}

@@ -217,5 +217,5 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
     assert set(GradientWatch().state_dict()) == {
         "version", "checks", "failed_checks", "skipped_checks", "focus", "last_step", "pending", "postponed_checks",
         "resume_at", "timed_steps", "check_seconds", "train_seconds", "last_check_seconds", "failure_warnings",
-        "error_warnings",
+        "error_warnings", "applied_seconds",
     }  # fmt: skip

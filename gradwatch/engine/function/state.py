@@ -188,3 +188,14 @@ class TrainingState:
     def unrestorable(self) -> list[str]:
         """What the loss changed that could not be put back, named."""
         return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every global random generator (torch CPU and CUDA, Python's ``random``, NumPy's), as a
+    :class:`TrainingState` saves it: what a loop records before a micro-batch so a check can replay its dropout."""
+    return _capture_rng()
+
+
+def set_rng(state: dict[str, Any]) -> None:
+    """Set every global random generator to ``state`` (from :func:`capture_rng`)."""
+    _set_rng(state)

@@ -34,6 +34,12 @@ FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
 
 
+def _screen_significance(task: ProbeTask) -> float:
+    result = task.result
+    assert result is not None
+    return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
+
+
 class Ladder:
     """Measures probes and escalates those that need it (see the module doc).
 
@@ -72,15 +78,26 @@ class Ladder:
         self.loss_noise = anchor.result.loss_noise
         self.screen_and_escalate(screens)
 
-    def screen_and_escalate(self, tasks: Sequence[ProbeTask]) -> None:
-        """Screen every task; complete the suspect ones into full stencils (and on up the ladder)."""
+    def screen_and_escalate(self, tasks: Sequence[ProbeTask], most: int | None = None) -> list[ProbeTask]:
+        """Screen every task; complete the suspect ones into full stencils (and on up the ladder), at most ``most`` of
+        them, the most significant first. Returns the suspects left unmeasured, made inconclusive."""
         self._prefetch([(task, PAIR_OFFSETS) for task in tasks])
         for task in tasks:
             self._screen(task)
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
+        left: list[ProbeTask] = []
+        if most is not None and len(suspects) > most:
+            suspects.sort(key=_screen_significance, reverse=True)
+            suspects, left = suspects[:most], suspects[most:]
+            for task in left:
+                result = task.result
+                assert result is not None
+                fields = (result.numeric, result.discrepancy, result.noise, result.scale)
+                task.result = Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
         self._prefetch([(task, HALF_OFFSETS) for task in suspects])
         for task in suspects:
             self._full(task)
+        return left
 
     def remeasure_in_float64(self, tasks: Sequence[ProbeTask]) -> None:
         """Measure again, on float64 storage, the parameter probes whose native stencils saw a discrepancy beyond the

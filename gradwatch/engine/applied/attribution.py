@@ -1,0 +1,202 @@
+"""Which part of the training's path an applied gradient that disagrees with the loss went wrong in.
+
+The failing probes measured the window loss's derivative along their directions; any gradient can be held against
+those measurements (:meth:`~gradwatch.engine.applied.probes.Measured.agrees`) at the cost of one backward pass, with
+no new loss evaluation. The attribution recomputes the window's gradient along paths that differ from the training's in
+one element at a time:
+
+1. **the same path again** (same micro-batches, same random states, the path's autocast and compiled code, gradwatch's
+   own plain mean across ranks). If it is right, the path computes the right gradient and what the optimizer got is
+   something else: leftovers of an earlier window (the residual has the fingerprint of the gradients present when the
+   window began) or another combination of the window's micro-batch gradients → ``"accumulation"``; under DDP the
+   training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; otherwise
+   the path gives another answer when run again → ``"transient"``.
+2. the path reproduces the wrong gradient: **eager float32** (today's recomputation) wrong too → ``"formula"``;
+3. eager right: the **compiled** code run eagerly under the path's autocast is right → ``"compiled"``; then **autocast
+   off** is right → ``"precision"``; else ``"unknown"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.applied import gradients
+from gradwatch.engine.applied.probes import Measured
+from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.numerics.norms import dot, norms, total
+from gradwatch.engine.report import Fault
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The fault, in words, and whether today's check should search the module whose backward is wrong."""
+
+    fault: Fault
+    message: str
+    search_culprit: bool = False
+
+
+@dataclass
+class PathSetting:
+    """The training's path, as the check can run it again (see :func:`attribute`)."""
+
+    model: nn.Module
+    batches: list[Any]
+    loss_fn: LossFn
+    rng_states: Sequence[dict[str, Any] | None]
+    combine: Combine
+    path: PathContext | None
+    autocast: torch.dtype | None
+    compiled: bool
+    params: list[Tensor]
+    state: TrainingState
+    group: Any
+    start: Checksums | None
+    loss_scale: float = 1.0
+
+    def window(self, with_path: bool = True) -> LossFn:
+        return window_loss(self.loss_fn, self.rng_states, self.combine, self.path if with_path else None)
+
+
+def attribute(
+    setting: PathSetting,
+    applied: list[Tensor],
+    eager: list[Tensor],
+    failing: Sequence[Measured],
+    floors: Sequence[float],
+    multiple: float,
+    again: list[Tensor] | None = None,
+) -> Attribution:
+    """The part of the path at fault (see the module doc); ``eager`` is eager float32 autograd's window gradient,
+    ``again`` the path's, if the check computed it already."""
+
+    def right(grads: list[Tensor]) -> bool:
+        return all(probe.agrees(grads, applied) for probe in failing)
+
+    model, batches, params, state, group = setting.model, setting.batches, setting.params, setting.state, setting.group
+    if again is None:
+        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group,
+                                         scale=setting.loss_scale)[1]  # fmt: skip
+    if right(again):
+        return _off_the_path(setting, applied, again, floors, multiple)
+    if not right(eager):
+        return Attribution(
+            "formula",
+            "the eager float32 recomputation disagrees with the loss too: a backward formula or a gradient hook is "
+            "wrong, whatever the path",
+            search_culprit=True,
+        )
+    # compiled code may hide in the loss function (a module compiled elsewhere): switching the compiler off is tried
+    uncompiled = gradients.path_gradient(
+        model, batches, setting.window(), params, state, compiled=False, group=group, scale=setting.loss_scale
+    )
+    if right(uncompiled[1]):
+        return Attribution(
+            "compiled",
+            "the same path with its compiled code run eagerly gives the right gradient: the compiled graph's "
+            "backward is wrong",
+        )
+    if setting.autocast is not None:
+        plain = gradients.path_gradient(
+            model,
+            batches,
+            setting.window(with_path=False),
+            params,
+            state,
+            compiled=False,
+            group=group,
+            scale=setting.loss_scale,
+        )
+        if right(plain[1]):
+            dtype = str(setting.autocast).removeprefix("torch.")
+            return Attribution(
+                "precision",
+                f"the same path without {dtype} autocast gives the right gradient: a kernel or backward that runs "
+                f"only under {dtype} autocast is wrong",
+            )
+    return Attribution(
+        "unknown",
+        "the training's path computes this wrong gradient again, while eager float32 autograd is right, and neither "
+        "running compiled code eagerly nor switching autocast off (where they apply) makes it right",
+    )
+
+
+def _off_the_path(
+    setting: PathSetting, applied: list[Tensor], again: list[Tensor], floors: Sequence[float], multiple: float
+) -> Attribution:
+    """The path recomputes the right gradient: what reached the optimizer was made of something else."""
+    residual = [a.double() - b.double() for a, b in zip(applied, again, strict=True)]
+    if setting.start is not None and _leftover(setting.start, residual, floors, multiple):
+        return Attribution(
+            "accumulation",
+            "the applied gradient is the window's gradient plus the gradients that were already there when the window "
+            "began (not zeroed between optimizer steps)",
+        )
+    if len(setting.batches) > 1:
+        weights = _recombination(setting, applied, floors, multiple)
+        if weights is not None:
+            listed = ", ".join(f"{w:.3g}" for w in weights)
+            return Attribution(
+                "accumulation",
+                f"the applied gradient is another combination of the window's {len(weights)} micro-batch gradients "
+                f"(weights {listed}) than the loop's loss",
+            )
+    if setting.group is not None:
+        return Attribution(
+            "reduction",
+            "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "
+            "cross-rank reduction delivered is not (a communication hook, a missed or corrupted reduction)",
+        )
+    return Attribution(
+        "transient",
+        "the same path, run again on the same micro-batches with the same random states, gives the right gradient: the "
+        "applied one was corrupted once (hardware, a race, a hook that fired once)",
+    )
+
+
+def _leftover(start: Checksums, residual: list[Tensor], floors: Sequence[float], multiple: float) -> bool:
+    """Whether the residual has the fingerprint of the gradients present when the window began, tensor by tensor,
+    within the path's floor (``|‖r‖ − ‖s‖| ≤ ‖r − s‖``, ``|Σr − Σs| ≤ √n ‖r − s‖``)."""
+    if start.empty or len(start.sums) != len(residual):
+        return False
+    found = Checksums.of(residual)
+    for before, now, floor, tensor in zip(start.sums, found.sums, floors, residual, strict=True):
+        slack = multiple * floor
+        if abs(math.sqrt(now[2]) - math.sqrt(before[2])) > slack:
+            return False
+        if abs(now[0] - before[0]) > math.sqrt(max(tensor.numel(), 1)) * slack:
+            return False
+    return True
+
+
+def _recombination(
+    setting: PathSetting, applied: list[Tensor], floors: Sequence[float], multiple: float
+) -> list[float] | None:
+    """The weights ``c`` with ``applied ≈ Σ c_i G_i`` over the micro-batch gradients ``G_i`` recomputed on the path,
+    if the applied gradient is such a combination within the path's floor; ``None`` otherwise."""
+    micro = []
+    for batch, state in zip(setting.batches, setting.rng_states, strict=True):
+        loss = single_loss(setting.loss_fn, state, setting.path)
+        micro.append(
+            gradients.path_gradient(
+                setting.model, batch, loss, setting.params, setting.state, group=setting.group, scale=setting.loss_scale
+            )[1]
+        )
+    k = len(micro)
+    gram = torch.tensor([[total([dot(a, b) for a, b in zip(micro[i], micro[j], strict=True)]) for j in range(k)]
+                         for i in range(k)], dtype=torch.float64)  # fmt: skip
+    target = torch.tensor([total([dot(g, a) for g, a in zip(micro[i], applied, strict=True)]) for i in range(k)],
+                          dtype=torch.float64)  # fmt: skip
+    weights = torch.linalg.lstsq(gram, target.unsqueeze(1)).solution.squeeze(1).tolist()
+    residual = [a.double() - sum(w * g[t].double() for w, g in zip(weights, micro, strict=True))
+                for t, a in enumerate(applied)]  # fmt: skip
+    distance = math.hypot(*norms(residual, exact=True))
+    return weights if distance <= multiple * math.hypot(*floors) else None

@@ -1,0 +1,142 @@
+"""The window's gradient computed again along other paths: what a noise floor and an attribution compare.
+
+Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), with the
+random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions:
+
+* :func:`eager_gradient`: today's recomputation, eager float32, outside autocast, full-precision kernels;
+* :func:`emulated_gradient`: the same with the rounding of a 16-bit autocast path (:mod:`.rounding`);
+* :func:`float64_gradient`: on float64 copies of the parameters, buffers and inputs, the gradient hooks of the
+  parameters applied as autograd applies them to the float32 parameters;
+* :func:`path_gradient`: on the training's own path, as the loop runs its forward (its autocast context, its compiled
+  code), or with one element of the path switched off (``compiled=False``: compiled code run eagerly), or of the loss
+  scaled by a factor (the same gradient, rounded otherwise).
+
+Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
+by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
+``"reduction"`` attribution leaves out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradwatch.engine.applied.rounding import AutocastRounding
+from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.conditions import autocast_disabled, compiler_disabled, full_float32_precision
+from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
+from gradwatch.engine.function.precision import float64_storage
+from gradwatch.engine.function.state import TrainingState
+
+Gradient = list[Tensor]
+"""One tensor per checked parameter (zeros where autograd gave none)."""
+
+
+def _gradient(
+    model: nn.Module,
+    batches: Any,
+    loss_fn: LossFn,
+    wrt: Sequence[Tensor],
+    state: TrainingState,
+    group: Any,
+    scale: float = 1.0,
+) -> tuple[float, Gradient]:
+    completed = False
+    state.replay_rng()
+    try:
+        with torch.enable_grad():
+            loss = as_scalar_loss(loss_fn(model, batches))
+            found = torch.autograd.grad(loss * scale if scale != 1.0 else loss, list(wrt), allow_unused=True)
+        completed = True
+    finally:
+        state.after_evaluation(completed)
+    grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
+    return float(loss.detach()), rank_mean(grads, group)
+
+
+def rank_mean(grads: Gradient, group: Any) -> Gradient:
+    """The mean over the ranks of ``group`` (a plain all-reduce); ``grads`` without one."""
+    if group is None:
+        return grads
+    world = dist.get_world_size(group)
+    reduced = []
+    for grad in grads:
+        copy = grad.clone()
+        dist.all_reduce(copy, group=group)
+        reduced.append(copy / world)
+    return reduced
+
+
+@contextlib.contextmanager
+def exact_conditions() -> Iterator[None]:
+    """The conditions of the check's own evaluations: outside autocast, full-precision float32 kernels, compiled code
+    run eagerly. Unlike a recomputed check's, dropout is left exactly as training calls it (the check evaluates points
+    one by one, never in vectorised passes), so that it draws the training's masks."""
+    with autocast_disabled(), full_float32_precision(), compiler_disabled():
+        yield
+
+
+def eager_gradient(
+    model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, group: Any = None
+) -> Gradient:
+    """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window)."""
+    with exact_conditions():
+        return _gradient(model, batches, loss_fn, params, state, group)[1]
+
+
+def emulated_gradient(
+    model: nn.Module,
+    batches: Any,
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    dtype: torch.dtype,
+    group: Any = None,
+) -> Gradient:
+    """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
+    with exact_conditions(), AutocastRounding(dtype):
+        return _gradient(model, batches, loss_fn, params, state, group)[1]
+
+
+def float64_gradient(
+    model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, group: Any = None
+) -> Gradient:
+    """Eager autograd on float64 storage. The parameters' own gradient hooks (``param.register_hook``) are applied to
+    the result, as autograd applies them to the parameters' gradient: a hook is part of the gradient being checked."""
+    inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
+    with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
+        wrt = [substitutes.get(id(p), p).requires_grad_(True) for p in params]
+        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, None)[1]
+    hooked = []
+    for param, grad in zip(params, grads, strict=True):
+        for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+            result = hook(grad)
+            grad = result if result is not None else grad
+        hooked.append(grad)
+    return rank_mean(hooked, group)
+
+
+def path_gradient(
+    model: nn.Module,
+    batches: Any,
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    *,
+    compiled: bool = True,
+    group: Any = None,
+    scale: float = 1.0,
+) -> tuple[float, Gradient]:
+    """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
+    per micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, the gradient of the loss
+    times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
+    :func:`~gradwatch.engine.applied.verdict.floors`)."""
+    with contextlib.ExitStack() as stack:
+        if not compiled:
+            stack.enter_context(compiler_disabled())
+        return _gradient(model, batches, loss_fn, params, state, group, scale)

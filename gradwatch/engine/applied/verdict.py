@@ -1,0 +1,105 @@
+"""The verdict of an applied check, calibrated to the precision of the training's path.
+
+A probe moves the parameters along a unit direction ``d`` and measures the window loss's derivative ``D`` by central
+differences, precisely (float64 storage, or float64 reductions): its own error ``n`` is the stencil's (see
+:mod:`gradwatch.engine.numerics.assessment`). The applied gradient predicts ``a = g·d``. A correct gradient of the
+path still differs from the exact derivative by its rounding, which depends on the path: float32 autograd, bf16
+autocast. That rounding is measured, not assumed (:func:`floors`), per tensor ``T``, as the largest of:
+
+* the **forward's and formulas' rounding**: the distance ``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the
+  path's precision and one in a higher precision (for a 16-bit autocast path, float32 autograd with autocast's rounding
+  emulated, :mod:`.rounding`, against plain float32 autograd; for a float32 path, float32 autograd against float64);
+* on a 16-bit path, the **backward kernels' own rounding** (a reduction accumulated in 16 bits inside a norm's
+  backward, which no emulation on float32 kernels reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's
+  gradient of the loss and of three times the loss, which the same kernels round differently. A fault that scales a
+  gradient is the same in both and cancels out of the spread, so it cannot hide itself in the floor;
+* the rounding of storing the gradient in the path's dtype, ``u · ‖g_T‖``.
+
+By Cauchy-Schwarz the error of a gradient that far off along any unit direction within ``T`` is at most that
+distance.
+
+The applied gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
+:data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times ``n``, and the discrepancy reproduces at an independent
+second step. The multiple is ``torch.compile``'s accuracy rule (an optimized gradient may be 2x, in 16 bits 3x, as far
+from float64 as eager's), the same spirit as flash-attention's "at most 2x the error of a same-precision reference".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.stencil import Stencil
+from gradwatch.engine.numerics.steps import machine_epsilon
+
+FLOOR_MULTIPLE = {torch.float32: 2.0, torch.float64: 2.0, torch.float16: 3.0, torch.bfloat16: 3.0}
+"""How many times its noise floor an applied gradient may be off (``torch._dynamo.utils.same``'s multiple: 2 in
+float32, 3 in float16 and bfloat16)."""
+
+
+def floor_multiple(dtype: torch.dtype) -> float:
+    return FLOOR_MULTIPLE.get(dtype, 3.0)
+
+
+def storage_rounding(dtype: torch.dtype) -> float:
+    """The unit roundoff of ``dtype``: no gradient computed in it is closer to the derivative than that, relatively."""
+    return machine_epsilon(dtype) / 2
+
+
+SPREAD_SCALE = 3.0
+"""The loss factor of the spread measurement: not a power of two, so that every rounding of the backward changes."""
+
+
+def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
+    """``‖a_T − b_T‖`` per tensor, in float64."""
+    return norms([x.double() - y.double() for x, y in zip(a, b, strict=True)], exact=True)
+
+
+def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:
+    """Per tensor, the noise floor of a correct gradient on a path computing in ``dtype``: the largest of the
+    ``measured`` distances (see the module doc) and the storage rounding."""
+    rounding = storage_rounding(dtype)
+    return [max(rounding * a, *(m[i] for m in measured)) for i, a in enumerate(applied_norms)]
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One probe's verdict: ``excess`` is ``|a − D|`` over the tolerance (above 1 fails)."""
+
+    verdict: str
+    reason: str
+    tolerance: float
+    excess: float
+
+
+def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: float) -> Judgement:
+    """Judge one stencil's measurement of the applied gradient against the path's floor along its direction."""
+    if not stencil.finite:
+        return Judgement("inconclusive", "nonfinite", math.inf, math.nan)
+    tolerance = multiple * floor + SIGNIFICANCE * assessment.noise
+    if stencil.flat:
+        # the loss did not move at all: only a derivative within the tolerance agrees with that
+        size = abs(stencil.analytic)
+        if size <= tolerance:
+            return Judgement("ok", "agrees", tolerance, size / tolerance if tolerance else 0.0)
+        return Judgement("inconclusive", "flat", tolerance, math.nan)
+    size = abs(assessment.discrepancy)
+    excess = size / tolerance if tolerance > 0 else math.inf
+    if size <= tolerance:
+        return Judgement("ok", "agrees", tolerance, excess)
+    return Judgement("fail", "discrepancy", tolerance, excess)
+
+
+def confirmed(first: Assessment, first_judgement: Judgement, second: Assessment, second_judgement: Judgement) -> bool:
+    """Whether a failure at one step stands at an independent second step: it fails there too, by the same amount
+    (within :data:`~gradwatch.engine.numerics.assessment.AGREEMENT`); kinks and round-off do not reproduce."""
+    if first_judgement.verdict != "fail" or second_judgement.verdict != "fail":
+        return False
+    spread = abs(first.discrepancy - second.discrepancy)
+    return spread <= AGREEMENT * max(abs(first.discrepancy), abs(second.discrepancy))

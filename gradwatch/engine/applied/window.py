@@ -1,0 +1,172 @@
+"""The loss of an accumulation window, as one function, and what a loop records to check the gradient it applies.
+
+The optimizer applies the gradient of the window's loss: every micro-batch of the window, each forward with the random
+state it ran with (dropout masks), combined as the loop combines them (Lightning divides each micro-batch's loss by
+``accumulate_grad_batches`` and sums: the mean over a full window). :func:`window_loss` turns the user's
+``loss_fn(model, batch)`` into that one function of the parameters, ``loss(model, batches)``, which the engine's
+evaluator treats like any loss of one batch (its floating inputs are all the micro-batches' floating tensors).
+
+:class:`AppliedWindow` is what a loop keeps while a window runs: references to its micro-batches (no copies) and the
+random state before each, plus a cheap fingerprint of the gradients present when the window began (a loop that forgot
+to zero them leaves them in the applied gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
+from gradwatch.engine.function.state import capture_rng, set_rng
+
+if TYPE_CHECKING:
+    from gradwatch.engine.report import CheckReport
+
+Combine = Literal["mean", "sum"] | Callable[[list[Tensor]], Tensor]
+"""How a loop combines its micro-batch losses into the window's loss: ``"mean"`` (Lightning, and a loop that divides
+each loss by the number of micro-batches), ``"sum"``, or ``combine(losses) -> Tensor``."""
+
+COMBINES = ("mean", "sum")
+
+PathContext = Callable[[], contextlib.AbstractContextManager[Any]]
+"""A factory of the context the training's forward runs in, e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``."""
+
+
+def no_context() -> contextlib.AbstractContextManager[Any]:
+    """The path of a loop that runs its forward as it is (no autocast)."""
+    return contextlib.nullcontext()
+
+
+def combined(losses: list[Tensor], combine: Combine) -> Tensor:
+    """The window's loss from its micro-batch losses (16-bit losses are combined in float32, as backward sees them)."""
+    losses = [loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss for loss in losses]
+    if callable(combine):
+        return as_scalar_loss(combine(losses))
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / len(losses) if combine == "mean" else total
+
+
+def window_loss(
+    loss_fn: LossFn,
+    rng_states: Sequence[dict[str, Any] | None],
+    combine: Combine,
+    path: PathContext | None,
+) -> LossFn:
+    """``loss(model, batches)``: the window's combined loss, each micro-batch's forward run with its own random state
+    (``None``: as the generators are) inside ``path()`` when given."""
+    context = path or no_context
+
+    def loss(model: nn.Module, batches: Any) -> Tensor:
+        losses = []
+        for batch, state in zip(batches, rng_states, strict=True):
+            if state is not None:
+                set_rng(state)
+            with context():
+                losses.append(as_scalar_loss(loss_fn(model, batch)))
+        return combined(losses, combine)
+
+    return loss
+
+
+def single_loss(loss_fn: LossFn, state: dict[str, Any] | None, path: PathContext | None) -> LossFn:
+    """The loss of one micro-batch of the window (its random state replayed), as ``loss(model, batch)``."""
+    context = path or no_context
+
+    def loss(model: nn.Module, batch: Any) -> Tensor:
+        if state is not None:
+            set_rng(state)
+        with context():
+            return as_scalar_loss(loss_fn(model, batch))
+
+    return loss
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """Per-tensor fingerprints of gradients: the float64 sum, sum of absolute values and sum of squares of each (three
+    numbers a tensor, one host transfer): enough to tell ranks that hold different gradients apart, and a leftover
+    gradient from its copy."""
+
+    sums: tuple[tuple[float, float, float], ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor | None]) -> Checksums:
+        rows = []
+        for tensor in tensors:
+            if tensor is None:
+                rows.append(torch.zeros(3, dtype=torch.float64))
+                continue
+            flat = tensor.detach().reshape(-1).double()
+            rows.append(torch.stack([flat.sum(), flat.abs().sum(), flat.square().sum()]).cpu())
+        values = torch.stack(rows).tolist() if rows else []
+        return cls(tuple((a, b, c) for a, b, c in values))
+
+    @property
+    def empty(self) -> bool:
+        """Whether every fingerprinted tensor was zero (or absent)."""
+        return all(row[1] == 0.0 for row in self.sums)
+
+
+class AppliedWindow:
+    """What a loop records while an accumulation window runs, for :func:`check_applied_gradient` at its optimizer step.
+
+    Call :meth:`record` with each micro-batch just before its forward (it keeps a reference to the batch, not a copy,
+    and the random state the forward is about to draw from), then :meth:`check` just before ``optimizer.step()`` (after
+    ``loss.backward()`` of the last micro-batch and any unscaling, before clipping), then :meth:`clear`.
+
+    Args:
+        model: The module whose gradients the optimizer applies.
+
+    Example::
+
+        window = AppliedWindow(model)
+        for i, batch in enumerate(loader):
+            window.record(batch)
+            (loss_fn(model, batch) / accumulate).backward()
+            if (i + 1) % accumulate == 0:
+                if step % 1000 == 0:
+                    report = window.check(loss_fn)
+                optimizer.step()
+                optimizer.zero_grad()
+                window.clear()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
+        self.model = model
+        self.batches: list[Any] = []
+        self.rng_states: list[dict[str, Any]] = []
+        self.start: Checksums | None = None
+
+    def record(self, batch: Any) -> None:
+        """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
+        micro-batch, the fingerprint of the gradients already there."""
+        if not self.batches:
+            self.start = Checksums.of([p.grad for p in self.model.parameters() if p.requires_grad])
+        self.batches.append(batch)
+        self.rng_states.append(capture_rng())
+
+    def clear(self) -> None:
+        """Forget the window (after the optimizer step)."""
+        self.batches, self.rng_states, self.start = [], [], None
+
+    def check(self, loss_fn: LossFn, **options: Any) -> CheckReport:
+        """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window;
+        ``options`` are passed on (``combine``, ``path``, ``step``, ...)."""
+        from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
+
+        if not self.batches:
+            raise ValueError(
+                "AppliedWindow.check: no micro-batch was recorded (call record(batch) before each forward)"
+            )
+        return check_applied_gradient(
+            self.model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
+        )

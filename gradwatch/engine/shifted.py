@@ -1,0 +1,220 @@
+"""Before a probe fails: is the point a tie? A discrepancy that the ladder confirmed at a second step along the same
+line can still be no bug.
+
+At a tie (max-pool windows over an exactly constant background, ReLU at exactly zero, ``grid_sample`` with every sample
+on the grid) the loss has a left and a right derivative; autograd returns one of them (or, through compositions, a
+value outside both), a central difference their mean, at any step. :func:`confirm_at_a_shifted_point` moves the point
+a little (every parameter and input by :data:`SHIFT` of its own size, in a random direction), computes the gradient
+there and measures each failing probe again along the same direction. A wrong backward is wrong at any point and fails
+again; a tie does not survive the shift, and the probe ends ``inconclusive`` with reason ``"tie"``.
+
+A backward can also be wrong exactly at a special point of a smooth loss (a logit at 0 under a zero-initialised head,
+an exact zero factor of a product, a sample exactly on a border under an identity-initialised warp), and the shift moves
+away from that point too. So a failure that the shifted point does not reproduce is called a tie only where the loss
+has a kink at the point along the probe (:func:`~gradwatch.engine.numerics.kinks.smooth_at_the_point`: the one-sided
+difference quotients keep their jump at two steps); at a smooth point the failure stands.
+
+The failing probes are measured again a few at a time (:data:`CONFIRMED_AT_ONCE`), the most significant first, until
+one stands: a wrong backward deep in a large model fails every tensor upstream of it, and one standing failure fails
+the check (a note says how many were left unmeasured).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.numerics.assessment import Assessment
+from gradwatch.engine.numerics.kinks import smooth_at_the_point
+from gradwatch.engine.numerics.norms import rms
+from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.reference import reproduced_center
+from gradwatch.engine.report import CheckAbandonedError
+
+SHIFT = 1e-2
+"""How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a
+random direction. Far beyond the probes' steps (about 6e-6 of the same scale in float64), so that the stencils at the
+second point cross none of the kinks the shift moved them away from; near enough that the gradient there is the same
+code on almost the same values."""
+
+MOVED_LOSS = 0.2
+"""The most the shift may move the loss, relative to it: a point that far is no longer "a little shifted" (a float
+label compared with ``==``, say, now matches nothing), and a failure is left standing on its confirmations at the
+point rather than judged there."""
+
+CONFIRMED_AT_ONCE = 4
+"""How many failing probes are measured again at the shifted point at a time, the most significant first; once one of
+them stands, the others are not measured (a note says how many)."""
+
+VANISHED = 0.01
+"""A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
+the first point's discrepancy: the failure stands."""
+
+LadderFactory = Callable[[Measurements, float], Ladder]
+"""Makes the check's ladder around the measurements (and the reference loss) of another point."""
+
+
+def confirm_at_a_shifted_point(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    tasks: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+    seed: str,
+    vectorize: bool = False,
+) -> None:
+    """Measure every failing task again at a shifted point (see the module doc); a failure that does not reproduce
+    becomes inconclusive (``"tie"`` where the probe agrees there, ``"unstable"`` where it cannot tell).
+
+    ``evaluator`` must be on the native parameters and inputs; they are shifted in place and put back exactly. The
+    shift is drawn from ``seed``, so every process of a distributed run shifts alike.
+    """
+    # an "imprecise" failure (fail_on_imprecise) is rounding, which no other point reproduces: float64 has settled it
+    failing = [task for task in tasks if task.failed and task.result is not None and task.result.reason != "imprecise"]
+    # the most significant first, a few at a time: one failure that stands fails the check, and a wrong backward
+    # upstream of many tensors fails them all (confirming each cost a diffusion UNet minutes per failing check)
+    failing.sort(key=_significance, reverse=True)
+    for start in range(0, len(failing), CONFIRMED_AT_ONCE):
+        batch = failing[start : start + CONFIRMED_AT_ONCE]
+        if not _confirm_batch(model, evaluator, portfolio, batch, ladder, mode, seed, vectorize):
+            return
+        rest = failing[start + len(batch) :]
+        if any(task.failed for task in batch) and rest:
+            evaluator.notes.append(
+                Note(
+                    NoteCode.SHIFT_BUDGET,
+                    f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
+                    f"{sum(task.failed for task in batch)} most significant failure(s) stood there",
+                )
+            )
+            return
+
+
+def _significance(task: ProbeTask) -> float:
+    result = task.result
+    assert result is not None
+    return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
+
+
+def _confirm_batch(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    failing: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+    seed: str,
+    vectorize: bool,
+) -> bool:
+    """Measure ``failing`` again at the shifted point and judge them; ``False`` when that point could not be measured
+    (the failures stand, with a note)."""
+    original_loss = portfolio.reference.loss
+    params = [p for _, p in evaluator.params]
+    saved = [p.detach().clone() for p in params]
+    generator = torch.Generator().manual_seed(random.Random(f"gradwatch-shift:{seed}").getrandbits(63))
+    scale = rms(*params) or 1.0
+    replicas: list[ProbeTask] | None = None
+    problem = "its loss is not finite or not reproducible"
+    try:
+        with torch.no_grad():
+            for tensor in params:
+                tensor.add_(_shift(tensor, generator, scale))
+            # inputs the loss refuses displaced stay where they are (a target in [0, 1])
+            movable = {} if evaluator.inputs_refused else evaluator.inputs
+            inputs = {path: tensor + _shift(tensor, generator, scale) for path, tensor in movable.items()}
+        with evaluator.moved_inputs(inputs):
+            reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
+            moved = abs(reference.loss - original_loss) / (abs(original_loss) or 1.0)
+            if moved > MOVED_LOSS:
+                problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
+            elif math.isfinite(reference.loss):
+                replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode, vectorize)
+    except CheckAbandonedError:
+        raise
+    except Exception as error:
+        problem = f"the loss raised {type(error).__name__} there ({error})"
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(params, saved, strict=True):
+                tensor.copy_(value)
+    if replicas is None:
+        # rare, and no sign of a tie: the failures stand on their confirmations at the point
+        evaluator.notes.append(
+            Note(NoteCode.SHIFT_UNMEASURED, f"the failures could not be measured again at a shifted point: {problem}")
+        )
+        return False
+    for task, replica in zip(failing, replicas, strict=True):
+        _judge_elsewhere(task, replica)
+    return True
+
+
+def _shift(tensor: Tensor, generator: torch.Generator, scale: float) -> Tensor:
+    """A random displacement of ``tensor`` of :data:`SHIFT` times its RMS per element (of ``scale``, the parameters'
+    RMS, for a tensor of zeros), in its dtype."""
+    noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
+    noise.mul_(SHIFT * (rms(tensor) or scale))
+    return noise.to(device=tensor.device, dtype=tensor.dtype)
+
+
+def _measured_replicas(
+    model: nn.Module,
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    reference: Reference,
+    failing: Sequence[ProbeTask],
+    ladder: LadderFactory,
+    mode: str,
+    vectorize: bool,
+) -> list[ProbeTask] | None:
+    """Each failing task, measured again at the evaluator's (shifted) point, around its own centre; ``None`` when
+    that point's loss cannot be reproduced."""
+    native_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
+    with probe_precision(model, evaluator, mode) as (_, trial):
+        compute_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
+        reproduced = reproduced_center(evaluator, reference, trial, native_dtype, compute_dtype)
+        if reproduced is None:
+            return None
+        measurements = Measurements(evaluator, *reproduced)
+        if vectorize:
+            measurements.start_vectorizing()
+        measuring = ladder(measurements, reference.loss)
+        replicas = [portfolio.replica(task, evaluator, reference) for task in failing]
+        measuring.measure_fully(replicas)
+    measuring.remeasure_in_float64(replicas)
+    return replicas
+
+
+def _judge_elsewhere(task: ProbeTask, replica: ProbeTask) -> None:
+    """Keep the task's failure if its replica at the shifted point fails the same way, reporting the smaller of the
+    two discrepancies (a wrong backward at a tie is measured more truly away from it); else make it inconclusive."""
+    first, second = task.result, replica.result
+    assert first is not None
+    assert second is not None
+    task.evaluations += replica.evaluations
+    if second.verdict == "fail" and (second.discrepancy > 0) == (first.discrepancy > 0):
+        if second.rel_error < first.rel_error:
+            task.direction, task.step, task.stencil, task.result = (
+                replica.direction,
+                replica.step,
+                replica.stencil,
+                second,
+            )
+        return
+    if abs(replica.direction.analytic) < VANISHED * abs(task.direction.analytic):
+        return  # the derivative vanished at the shifted point: no evidence either way
+    if second.verdict == "ok" and smooth_at_the_point(task.stencil):
+        return  # no kink at the point that a tie would need: the backward is wrong at that very point
+    reason = "tie" if second.verdict == "ok" else "unstable"
+    task.result = Assessment(first.numeric, first.discrepancy, first.noise, first.scale, "inconclusive", reason)

@@ -1,0 +1,132 @@
+"""GradWatch's applied checks in real Lightning fits: the gradient at on_before_optimizer_step checked on the
+training's path (bf16-mixed autocast, accumulation, manual optimization), faults named, healthy runs clean, and the run
+bit-identical with and without them."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from applied_models import CNN, MLP, Transformer, batch_for, cross_entropy
+from helpers import trainer
+
+from gradwatch import GradientCheckWarning, GradWatch
+from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS
+
+
+class _Lit(pl.LightningModule):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = cross_entropy(self.net, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _ManualForgetsZeroGrad(_Lit):
+    """Manual optimization that never zeroes its gradients: every step applies all the gradients so far."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__(net)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = cross_entropy(self.net, batch)
+        self.manual_backward(loss)
+        self.optimizers().step()  # type: ignore[union-attr]
+        return loss
+
+
+def _loader(net: torch.nn.Module, batches: int = 8) -> torch.utils.data.DataLoader:
+    data = [batch_for(net, seed=seed) for seed in range(batches)]
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]))
+    return torch.utils.data.DataLoader(dataset, batch_size=16)
+
+
+def _fit(net: torch.nn.Module, callbacks: list[pl.Callback], tmp_path: Path, module: type[_Lit] = _Lit, **options: Any):
+    torch.manual_seed(0)
+    lit = module(net)
+    trainer(tmp_path, callbacks, max_steps=options.pop("max_steps", 3), **options).fit(lit, _loader(net))
+    return lit
+
+
+def test_the_default_cadence_is_documented() -> None:
+    assert GradWatch()._applied.every_n_steps == DEFAULT_APPLIED_EVERY_N_STEPS
+    assert GradWatch(applied_every_n_steps=None)._applied.every_n_steps is None
+    with pytest.raises(ValueError, match="`applied_every_n_steps` must be None or an integer >= 1; got 0"):
+        GradWatch(applied_every_n_steps=0)
+
+
+def test_a_backward_wrong_only_under_bf16_autocast_is_caught_at_the_first_applied_check(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    watch = GradWatch(applied_every_n_steps=2, every_n_steps=100, max_overhead=None)
+    with pytest.warns(GradientCheckWarning, match="precision fault: applied gradient check failed at step 1"):
+        _fit(MLP(autocast_fault=1.5), [watch], tmp_path, precision="bf16-mixed", accumulate_grad_batches=2)
+    first = watch.applied_reports[0]
+    assert (first.step, first.scope, first.verdict, first.fault) == (1, "applied", "fail", "precision")
+    assert watch.reports[0].verdict == "ok"  # the recomputed check (eager float32) is right
+
+
+def test_manual_optimization_that_never_zeroes_gradients_is_an_accumulation_fault(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, loss_fn=cross_entropy_of_net)
+    with pytest.warns(GradientCheckWarning, match="accumulation fault"):
+        _fit(MLP(), [watch], tmp_path, module=_ManualForgetsZeroGrad, max_steps=3)
+    verdicts = [(r.step, r.verdict, r.fault) for r in watch.applied_reports]
+    assert verdicts[0] == (1, "ok", None)  # nothing left over before the first step
+    assert verdicts[1] == (2, "fail", "accumulation")  # the first applied check after the fault
+    assert all(r.verdict == "ok" for r in watch.reports)
+
+
+def cross_entropy_of_net(module: torch.nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return cross_entropy(module.net, batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("precision", "accumulate"), [("32-true", 1), ("bf16-mixed", 1), ("32-true", 2)], ids=["32", "bf16", "accumulate"]
+)
+@pytest.mark.parametrize("net_class", [MLP, CNN, Transformer], ids=["mlp", "cnn", "transformer"])
+def test_healthy_runs_pass_and_train_bit_identically(
+    tmp_path: Path, net_class: type[torch.nn.Module], precision: str, accumulate: int
+) -> None:
+    torch.manual_seed(0)
+    net = net_class()
+    watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, first_check_step=None)
+    checked = _fit(net, [watch], tmp_path, precision=precision, accumulate_grad_batches=accumulate)
+    torch.manual_seed(0)
+    plain = _fit(net_class(), [], tmp_path, precision=precision, accumulate_grad_batches=accumulate)
+    reports = watch.applied_reports
+    assert [r.step for r in reports] == [1, 2, 3]
+    assert all(r.verdict == "ok" for r in reports), "\n".join(str(r) for r in reports)
+    for (name, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_sharded_parameters_are_said_once_not_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from gradwatch.lightning.applied import AppliedChecks
+    from gradwatch.lightning.overhead import OverheadClock
+
+    checks = AppliedChecks(1, 1, None, None, OverheadClock())
+    module = _Lit(MLP())
+    module.trainer = types.SimpleNamespace(optimizers=[object()])  # type: ignore[assignment]
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.WARNING, logger="gradwatch"):
+        patch.setattr("gradwatch.lightning.applied.is_sharded", lambda named: True)
+        assert not checks._supported(module)
+        assert not checks._supported(module)
+    said = [r.getMessage() for r in caplog.records if "not checked under sharded parameters" in r.getMessage()]
+    assert len(said) == 1  # said once
