@@ -182,6 +182,7 @@ REALISTIC = {
     "GPT LM, 32 x 64 tokens": (_gpt_setup, 256),
     "ResNet-18 (CIFAR, BatchNorm), batch 8": (_resnet_setup, 1500),
     "Llama (transformers, 4 layers, width 128), 8 x 64 tokens": (_llama_setup, 1000),
+    "CNN, CIFAR-shaped, batch 128, long enough for an applied check": (_cnn_setup, 3000),
 }
 """The models of the default-settings table, with the run length (steps) each is trained for: long enough that the
 first check, which is always made, is one of several budgeted ones."""
@@ -386,10 +387,10 @@ def defaults_table() -> None:
     the budget to matter; gradwatch's own share of the training time, the wall-time ratio, and what one check costs
     in training steps."""
     print(
-        "| model | steps | checks (postponed) | one check / one training step | gradwatch's share (own time) | "
-        "time with / without |"
+        "| model | steps | checks (postponed) | applied checks | one check / one training step | "
+        "one applied check / one training step | gradwatch's share (own time) | time with / without |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (setup, steps) in REALISTIC.items():
         build, loss, loader = setup(steps)
         without, _ = _fit(build, loss, loader, steps, None)
@@ -397,9 +398,11 @@ def defaults_table() -> None:
         with_watch, _ = _fit(build, loss, loader, steps, watch)
         step_seconds = without / steps
         check = statistics.median(r.duration_s for r in watch.reports)
+        applied = [r.duration_s for r in watch.applied_reports]
+        applied_cost = f"{statistics.median(applied) / step_seconds:.1f}" if applied else "n/a"
         print(
-            f"| {name} | {steps} | {len(watch.reports)} ({watch.counts['postponed']}) | {check / step_seconds:.1f} | "
-            f"{100 * watch.overhead:.2f}% | {with_watch / without:.3f}x |"
+            f"| {name} | {steps} | {len(watch.reports)} ({watch.counts['postponed']}) | {len(applied)} | "
+            f"{check / step_seconds:.1f} | {applied_cost} | {100 * watch.overhead:.2f}% | {with_watch / without:.3f}x |"
         )
 
 

@@ -161,6 +161,22 @@ def outcome(run: Run, reports: list[CheckReport]) -> tuple[bool, str]:
     return True, f"caught at step {failing[0]}{first}{culprit}; {len(failing)} of {len(reports)} checks failed"
 
 
+TENSORBOARD_TAB = "custom_scalars"
+"""The TensorBoard tab with gradwatch's dashboard (TensorBoard itself opens on Time Series)."""
+
+
+def next_steps(logdir: Path, run_names: Sequence[str], port: int = 6006) -> str:
+    """What to run after the demo: the dashboard (the command, and the URL of the tab to open) and the summaries."""
+    lines = [
+        "\nnext steps:",
+        f"  dashboard:  tensorboard --logdir {logdir}",
+        f"              then open http://localhost:{port}/#{TENSORBOARD_TAB} (the CUSTOM SCALARS tab: relative error"
+        " on a log scale, descent ratio, verdicts; the TEXT tab: each failure with its culprit)",
+    ]
+    lines += [f"  summary:    gradwatch report {logdir / name}" for name in run_names]
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options, shared by ``gradwatch demo`` and ``examples/demo.py``."""
     parser.add_argument(
@@ -178,17 +194,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--every", type=int, default=50, help="check every this many steps, plus step 1 (default: %(default)s)"
     )
-    parser.add_argument("--no-progress-bar", action="store_true", help="train without Lightning's progress bar")
+    parser.add_argument(
+        "--no-progress-bar",
+        action="store_true",
+        help="train without Lightning's progress bar (there is none when the output is not a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Train the chosen runs, print their checks and verdicts; 0 when every run ended as it should, else 1."""
     names = list(dict.fromkeys(args.bug or DEFAULT_BUGS))  # in order, once each
+    # a progress bar redraws itself with carriage returns: in a file or a pipe every redraw would be a line of its own
+    progress_bar = not args.no_progress_bar and sys.stdout.isatty()
     verdicts = []
     for name in names:
         chosen = RUNS[name]
         print(f"\n>>> training '{chosen.run_name}': {chosen.description}", flush=True)
-        reports, log_dir = train(chosen, args.logdir, args.steps, args.every, progress_bar=not args.no_progress_bar)
+        reports, log_dir = train(chosen, args.logdir, args.steps, args.every, progress_bar=progress_bar)
         print(describe(chosen.run_name, reports))
         print(f"TensorBoard logs: {log_dir}")
         verdicts.append((chosen, *outcome(chosen, reports)))
@@ -196,9 +218,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nverdicts:")
     for chosen, _, line in verdicts:
         print(f"  {chosen.run_name}: {line}")
-    print(f"\nlook at it:  tensorboard --logdir {args.logdir}")
-    for chosen, _, _ in verdicts:
-        print(f"summarise:   gradwatch report {args.logdir / chosen.run_name}")
+    print(next_steps(args.logdir, [chosen.run_name for chosen, _, _ in verdicts]))
     return 0 if all(as_expected for _, as_expected, _ in verdicts) else 1
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -53,7 +54,14 @@ gradient, a screen per probed tensor) and runs 2-4 extra forward and backward pa
 ``benchmarks/applied.py`` at 18-56 training steps on its small CPU models (about 25 typically). Every 5000 steps
 that is about 0.5% of the training time, half of the 1% budget (``max_overhead``) the applied checks share with the
 recomputed ones; the budget postpones what does not fit on models whose checks cost more, so ``GradWatch()`` stays
-within 1% with both kinds on. The first check step (step 1 by default) runs an applied check whatever the cadence."""
+within 1% with both kinds on. The first check step (step 1 by default) is due for an applied check whatever the
+cadence; under a budget it waits until the training time affords it (:data:`FIRST_CHECK_ESTIMATE_STEPS`)."""
+
+FIRST_CHECK_ESTIMATE_STEPS = 25
+"""What the first applied check of a run is taken to cost, in training steps, before one has measured it: the typical
+cost ``benchmarks/applied.py`` measures on its CPU models (17-44). Under a budget the first applied check waits until
+the training time affords that much (about 2,500 steps at 1%), a due check after it until the training time affords
+what the last one cost; without a budget it runs when due."""
 
 DEFAULT_APPLIED_TENSOR_PROBES = 6
 """Tensors probed along their own applied gradient per applied check, in turn (all of them once a probe fails)."""
@@ -96,7 +104,9 @@ class AppliedChecks:
         self.tensor_probes = tensor_probes
         self.window: AppliedWindow | None = None
         self._window_step = -1  # the global_step the recorded window's optimizer step follows
-        self._pending = False  # a due check postponed by the budget runs at the next optimizer step
+        self._pending = False  # a due check postponed by the budget runs once the budget affords it
+        self._resume_at = 0  # a postponed check is not asked about again before this optimizer step
+        self._steps_seen = 0  # optimizer steps this process trained (the training time per step: clock / steps)
         self._checks = 0
         self.last_seconds = 0.0
         self._said_unsupported = False
@@ -116,27 +126,41 @@ class AppliedChecks:
         batch_idx: int,
     ) -> None:
         """Record the micro-batch if the optimizer step it leads to is due and the budget allows a check costing what
-        the last one did (asked once per due window, never for the first check)."""
+        the last one did (the first: :data:`FIRST_CHECK_ESTIMATE_STEPS` training steps). A postponed check is asked
+        about again only at the step the budget was computed to afford it, one decision per postponement."""
         step = trainer.global_step
         if step != self._window_step:  # a new window begins
             self.window = None
+            self._steps_seen += self._window_step >= 0
             self._window_step = step
             if self.due(step + 1):
-                if self._checks and not self._affordable(trainer):
+                if step + 1 < self._resume_at:
                     self._pending = True
+                    return
+                wait = self._wait(trainer)
+                if wait:
+                    self._pending, self._resume_at = True, step + 1 + wait
                     return
                 if self._supported(module):
                     self.window = AppliedWindow(module)
         if self.window is not None:
             self.window.record((batch, batch_idx))
 
-    def _affordable(self, trainer: pl.Trainer) -> bool:
-        """Whether another check costing what the last one did fits the budget (rank 0 decides for every rank)."""
-        clock = self.clock
+    def _wait(self, trainer: pl.Trainer) -> int:
+        """0 when another applied check fits the budget, else the optimizer steps until the training time affords it
+        at the mean time per step so far (rank 0 decides for every rank)."""
         budget = self.max_overhead
-        spent = clock.check_seconds + clock.applied_seconds + self.last_seconds
-        fits = budget is None or spent <= budget * clock.train_seconds
-        return bool(trainer.strategy.broadcast(fits, src=0)) if distributed(trainer) else fits
+        if budget is None:
+            return 0
+        clock = self.clock
+        per_step = clock.train_seconds / self._steps_seen if self._steps_seen and clock.train_seconds > 0 else 0.0
+        if per_step <= 0:
+            wait = 1  # no training time measured yet: ask again at the next step
+        else:
+            cost = self.last_seconds if self._checks else FIRST_CHECK_ESTIMATE_STEPS * per_step
+            needed = (clock.check_seconds + clock.applied_seconds + cost) / budget - clock.train_seconds
+            wait = max(0, math.ceil(needed / per_step))
+        return int(trainer.strategy.broadcast(wait, src=0)) if distributed(trainer) else wait
 
     def _supported(self, module: pl.LightningModule) -> bool:
         if len(module.trainer.optimizers) > 1:
@@ -212,11 +236,18 @@ class AppliedChecks:
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        return {"applied_checks": self._checks, "applied_pending": self._pending}
+        return {
+            "applied_checks": self._checks,
+            "applied_pending": self._pending,
+            "applied_resume_at": self._resume_at,
+            "applied_last_seconds": self.last_seconds,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._checks = int(state.get("applied_checks", 0))
         self._pending = bool(state.get("applied_pending", False))
+        self._resume_at = int(state.get("applied_resume_at", 0))
+        self.last_seconds = float(state.get("applied_last_seconds", 0.0))
 
 
 @contextlib.contextmanager

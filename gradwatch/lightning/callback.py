@@ -53,14 +53,16 @@ class GradWatch(AppliedHooks, Callback):
     happened. Results go to the trainer's loggers (see the README for the tags) and to :attr:`reports`; failures raise
     an alert. Under DDP every process checks its own shard of the batch and rank 0 decides the budget for all.
 
+    The arguments ``every_n_steps``, ``first_check_step``, ``on_fail``, ``probe_batch_size``, ``max_overhead``,
+    ``max_reports`` and ``verbose`` are those of :class:`~gradwatch.GradientWatch` (``on_fail="stop"`` stops the
+    trainer cleanly); the probe options (``precision``, ``vectorize``, ``fail_on_imprecise``, ``ignore``,
+    ``tensor_probes``, ``random_probes``, ``param_probes``, ``input_probes``, ``rtol``, ``seed``) are documented once,
+    in :class:`~gradwatch.engine.settings.ProbeSettings` (``ignore`` patterns are matched to the module's parameter
+    names at ``setup``).
+
     Args:
-        every_n_steps, first_check_step, on_fail, probe_batch_size, max_overhead, max_reports, verbose: As
-            :class:`~gradwatch.GradientWatch` documents them; ``on_fail="stop"`` stops the trainer cleanly.
         loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
-        precision, vectorize, fail_on_imprecise, ignore, tensor_probes, random_probes, param_probes, input_probes,
-            rtol, seed: The probe options, documented once in :class:`~gradwatch.engine.settings.ProbeSettings`.
-            ``ignore`` patterns are matched to the module's parameter names at ``setup``.
         applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
             optimizer steps (:mod:`gradwatch.lightning.applied`; ``None``: off), within the same ``max_overhead``.
 

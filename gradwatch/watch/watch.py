@@ -47,6 +47,9 @@ class GradientWatch:
 
     Steps are optimizer steps. Under gradient accumulation, call it once per optimizer step with the optimizer step's
     number and one micro-batch (the check is of that micro-batch's loss); a second call with the same step is ignored.
+    The probe options (``precision`` to ``seed`` in the signature) are documented once, in
+    :class:`~gradwatch.engine.settings.ProbeSettings`; ``ignore`` patterns that match no parameter warn once, at the
+    first check (or :meth:`setup`).
 
     Args:
         every_n_steps: Check every this many optimizer steps; by default every :data:`DEFAULT_EVERY_N_STEPS`, within
@@ -64,9 +67,6 @@ class GradientWatch:
             always made, and measures the cost. ``"auto"`` (the default): :data:`DEFAULT_MAX_OVERHEAD` (1%) when
             ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: no
             budget.
-        precision, vectorize, fail_on_imprecise, ignore, tensor_probes, random_probes, param_probes, input_probes,
-            rtol, seed: The probe options, documented once in :class:`~gradwatch.engine.settings.ProbeSettings`.
-            ``ignore`` patterns that match no parameter warn once, at the first check (or :meth:`setup`).
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log what is worth knowing but is no failure (INFO records: a report's notes, once each; postponed
             checks; failing checks whose warning the backoff withholds). ``False``: no INFO records, and warnings

@@ -21,19 +21,33 @@ class FakeWriter:
         self.layouts.append(layout)
 
 
-def test_every_charted_tag_is_a_logged_scalar() -> None:
-    logged = set(check_gradients(SeedModel(), seed_batch(), seed_loss).scalars())
-    assert layout_tags() <= logged
+def _linear(tag: str) -> str:
+    """The report's scalar a charted tag shows (the relative errors are charted as their log10)."""
+    return tag.removesuffix("_log10")
+
+
+def test_every_charted_tag_is_a_scalar_of_the_report_or_its_log10() -> None:
+    scalars = set(check_gradients(SeedModel(), seed_batch(), seed_loss).scalars())
+    assert {_linear(tag) for tag in layout_tags()} <= scalars
     assert {"gradwatch/descent_ratio", "gradwatch/failing_probes", "gradwatch/inconclusive_probes"} <= layout_tags()
+
+
+def test_the_relative_error_is_charted_on_a_log_scale() -> None:
+    assert all(tag.endswith("_log10") for tag in REL_ERROR_TAGS)
 
 
 def test_margin_band_is_min_to_max_around_the_median() -> None:
     scalars = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss).scalars()
-    median, low, high = (scalars[tag] for tag in REL_ERROR_TAGS)
+    median, low, high = (scalars[_linear(tag)] for tag in REL_ERROR_TAGS)
     assert low <= median <= high
     assert low < high  # a failing check mixes agreeing probes with a 5% error
+    charts = [chart for section in layout().values() for chart in section.values()]
+    assert ["Margin", list(REL_ERROR_TAGS)] in charts
     first_section = next(iter(layout().values()))
-    assert list(first_section.values()) == [["Margin", list(REL_ERROR_TAGS)]]
+    assert list(first_section.values()) == [
+        ["Multiline", ["^gradwatch/verdict$"]],
+        ["Multiline", ["^gradwatch/rel_error_max_log10$"]],
+    ]
 
 
 def test_multiline_expressions_are_anchored() -> None:
@@ -63,4 +77,6 @@ def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) ->
     charts = [chart for category in parsed.category for chart in category.chart]
     margins = [chart.margin.series[0] for chart in charts if chart.HasField("margin")]
     assert [(m.value, m.lower, m.upper) for m in margins] == [REL_ERROR_TAGS]
-    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 5
+    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 6
+    # every tag the dashboard draws was logged
+    assert layout_tags() <= set(events.Tags()["scalars"])

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard_browser import HeadlessChromium, TensorBoardServer, find_chromium, png_size
 
 from gradwatch import CheckReport, GradWatch
-from gradwatch.tensorboard.dashboard import SECTIONS, layout_tags
+from gradwatch.tensorboard.dashboard import REL_ERROR_TAGS, SECTIONS, layout_tags
 
 RUN = "seed/version_0"
 FAILURES_TEXT_TAG = "gradwatch/failures/text_summary"
@@ -88,9 +88,9 @@ def test_server_serves_the_dashboard_layout(server: TensorBoardServer) -> None:
     assert [category["title"] for category in layout["category"]] == [title for title, _ in SECTIONS]
     (margin,) = [chart["margin"]["series"][0] for c in layout["category"] for chart in c["chart"] if "margin" in chart]
     assert margin == {
-        "value": "gradwatch/rel_error_median",
-        "lower": "gradwatch/rel_error_min",
-        "upper": "gradwatch/rel_error_max",
+        "value": "gradwatch/rel_error_median_log10",
+        "lower": "gradwatch/rel_error_min_log10",
+        "upper": "gradwatch/rel_error_max_log10",
     }
     # every tag the dashboard draws is one the server has data for
     assert layout_tags() <= set(server.get_json("/data/plugin/scalars/tags")[RUN])
@@ -111,7 +111,7 @@ def test_browser_shows_the_gradwatch_dashboard(server: TensorBoardServer, chromi
     with HeadlessChromium(chromium_binary, width=1400, height=900) as browser:
         browser.open(f"{server.url}/#custom_scalars")
         # TensorBoard lists the tags each chart draws under it, as "<tag> (<run>)"; the Margin chart lists its value
-        drawn = ["gradwatch/rel_error_median", *(t for t in layout_tags() if not t.startswith("gradwatch/rel_error"))]
+        drawn = [REL_ERROR_TAGS[0], *(t for t in layout_tags() if t not in REL_ERROR_TAGS)]
         shown = browser.wait_for_text(
             [title for title, _ in SECTIONS]
             + [title for _, charts in SECTIONS for title, _, _ in charts]
