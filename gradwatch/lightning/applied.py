@@ -11,7 +11,8 @@ Lightning hooks turned into :func:`gradwatch.engine.applied.check_applied_gradie
   steps with the same gradient, bit for bit.
 
 Under DDP every rank runs the check together (the window loss is the mean of the ranks' losses, the ranks' gradients
-are compared by checksums). Sharded parameters (FSDP2) cannot be checked this way yet: said once.
+are compared by checksums); under FSDP2 (``ModelParallelStrategy``) every rank checks its rows of the gradient
+FSDP reduce-scattered, together (:mod:`gradwatch.engine.applied.sharded`).
 """
 
 from __future__ import annotations
@@ -169,15 +170,7 @@ class AppliedChecks:
             )
             return False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()]
-        if not named:  # nothing to check (the recomputed checks say so)
-            return False
-        if not is_sharded(named):
-            return True
-        self._unsupported(
-            "sharded parameters (FSDP2): its reduce-scatter leaves each rank a shard of the gradient, which this "
-            "version does not yet compare with the loss"
-        )
-        return False
+        return bool(named)  # nothing to check without (the recomputed checks say so)
 
     def _unsupported(self, reason: str) -> None:
         """Say once why the applied gradient of this run cannot be checked."""
@@ -213,10 +206,12 @@ class AppliedChecks:
         def combine(losses: list[torch.Tensor]) -> torch.Tensor:
             return sum(losses[1:], losses[0]) / accumulate  # Lightning divides each loss, then sums
 
-        group = torch.distributed.group.WORLD if distributed(trainer) else None
+        sharded = is_sharded([(n, p) for n, p in module.named_parameters() if p.requires_grad])
+        # FSDP2: the ranks check together over the parameters' own mesh (the engine finds it); DDP: over the world
+        group = torch.distributed.group.WORLD if distributed(trainer) and not sharded else None
         # Under DDP every rank runs the check's evaluations together, so SyncBatchNorm keeps the training's function
         # (statistics over every rank); in a single process it is a BatchNorm
-        norms = contextlib.nullcontext() if group is not None else local_batch_norm(module)
+        norms = contextlib.nullcontext() if group is not None or sharded else local_batch_norm(module)
         with norms, loggers_silenced(trainer):
             report = window.check(
                 loss_fn,

@@ -161,6 +161,7 @@ class GradWatch(AppliedHooks, Callback):
             )
         if stage == "fit":
             self._watch.setup(pl_module)  # ignore= patterns that match nothing warn here, once
+            self._watch._alerts.shown = trainer.is_global_zero  # every rank holds the same report: one warning
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

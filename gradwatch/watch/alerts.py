@@ -63,6 +63,8 @@ class AlertPolicy:
         failures: The backoff of failure warnings (restored from a checkpoint).
         errors: The backoff of the warnings for checks that could not run.
         verbose: Whether a failure or an error whose warning the backoff withholds gets a log record (INFO).
+        shown: Whether this process shows failure warnings. Where every process holds the same report (DDP, FSDP2)
+            only rank 0 shows it, as Lightning's own warnings do; the backoff counts alike everywhere.
     """
 
     def __init__(
@@ -72,7 +74,9 @@ class AlertPolicy:
         errors: Backoff | None = None,
         *,
         verbose: bool = True,
+        shown: bool = True,
     ) -> None:
+        self.shown = shown
         self.on_fail = on_fail
         self.failures = failures or Backoff()
         self.errors = errors or Backoff()
@@ -88,6 +92,8 @@ class AlertPolicy:
             self.on_fail(report)
             return False
         if self.failures.admit():
+            if not self.shown:
+                return self.on_fail == "stop"
             message = failure_message(report)
             if self.on_fail == "stop":
                 message += "\n  stopping training (on_fail='stop')"

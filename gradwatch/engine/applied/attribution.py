@@ -9,8 +9,9 @@ one element at a time:
    own plain mean across ranks). If it is right, the path computes the right gradient and what the optimizer got is
    something else: leftovers of an earlier window (the residual has the fingerprint of the gradients present when the
    window began) or another combination of the window's micro-batch gradients → ``"accumulation"``; under DDP the
-   training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; otherwise
-   the path gives another answer when run again → ``"transient"``.
+   training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; under FSDP2
+   the rows of some ranks, not all, off (the recomputation runs FSDP's reduce-scatter too) → ``"reduction"`` naming
+   them; otherwise the path gives another answer when run again → ``"transient"``.
 2. the path reproduces the wrong gradient: **eager float32** (today's recomputation) wrong too → ``"formula"``;
 3. eager right: the **compiled** code run eagerly under the path's autocast is right → ``"compiled"``; then **autocast
    off** is right → ``"precision"``; else ``"unknown"``.
@@ -28,11 +29,14 @@ from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.probes import Measured
+from gradwatch.engine.applied.sharded import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.report import Fault
+from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.collective import every_rank
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def _off_the_path(
 ) -> Attribution:
     """The path recomputes the right gradient: what reached the optimizer was made of something else."""
     residual = [a.double() - b.double() for a, b in zip(applied, again, strict=True)]
-    if setting.start is not None and _leftover(setting.start, residual, floors, multiple):
+    if setting.start is not None and every_rank([_leftover(setting.start, residual, floors, multiple)])[0]:
         return Attribution(
             "accumulation",
             "the applied gradient is the window's gradient plus the gradients that were already there when the window "
@@ -155,6 +159,16 @@ def _off_the_path(
             "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "
             "cross-rank reduction delivered is not (a communication hook, a missed or corrupted reduction)",
         )
+    collective = sharding_active()
+    if collective is not None:
+        ranks = ranks_at_fault(collective, applied, again, [multiple * f for f in floors])
+        if 0 < len(ranks) < collective.world:
+            return Attribution(
+                "reduction",
+                f"rank(s) {ranks} hold rows of the applied gradient that differ from the same rows recomputed on the "
+                "training's path through FSDP's reduce-scatter, the other ranks' rows agree (a skipped or corrupted "
+                "reduce-scatter on those ranks, a hook that ran there only)",
+            )
     return Attribution(
         "transient",
         "the same path, run again on the same micro-batches with the same random states, gives the right gradient: the "

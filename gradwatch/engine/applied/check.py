@@ -28,6 +28,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.probes import Measured, measure
+from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
@@ -43,6 +44,9 @@ from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import checked_parameters
+from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.collective import sharded
+from gradwatch.engine.sharding.parameters import is_sharded, lockstep
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -153,12 +157,17 @@ def check_applied_gradient(
     probed = {name for name, _ in checked_parameters(model, ignore, surrogates.unprobed)}
     chosen = [i for i, g in enumerate(applied_all) if g is not None and trainable[i][0] in probed]
     names = [trainable[i][0] for i in chosen]
-    params = [trainable[i][1] for i in chosen]
+    params: list[Tensor] = [trainable[i][1] for i in chosen]
     applied = [applied_all[i].detach() for i in chosen]  # type: ignore[union-attr]
     if start is not None and len(start.sums) == len(trainable):
         start = Checksums(tuple(start.sums[i] for i in chosen))
     unchecked = len(trainable) - len(chosen)
     notes: list[Note] = surrogates.notes()
+    shards = None
+    if params and is_sharded(list(zip(names, params, strict=True))):
+        shards = shard_window(names, params, applied)  # FSDP2: this rank's rows, every rank checking together
+        params, applied, group = shards.params, shards.applied, None
+        notes.append(Note(NoteCode.SHARDED, shards.note()))
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
         notes.append(Note(NoteCode.APPLIED_UNCHECKED, text))
@@ -176,7 +185,7 @@ def check_applied_gradient(
             return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
                                duration_s=time.perf_counter() - started, notes=notes, fault="reduction",
                                fault_message=message)  # fmt: skip
-    if not all(bool(torch.isfinite(g).all()) for g in applied):
+    if not (shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in applied)):
         probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                       Reason.NONFINITE)  # fmt: skip
         return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
@@ -185,9 +194,12 @@ def check_applied_gradient(
     state = TrainingState.capture(model, protected)
     setting = PathSetting(model, list(batches), loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           list[Tensor](params), state, group, start, loss_scale)  # fmt: skip
-    with warnings_withheld() as withheld, as_autograd_sees_them(surrogates):
+    collective = shards.collective if shards is not None else None
+    with warnings_withheld() as withheld, as_autograd_sees_them(surrogates), sharded(collective):
         try:
-            outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation, notes)
+            with lockstep(model, collective is not None):
+                outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation,
+                                   notes)  # fmt: skip
         finally:
             state.restore()
     measured, evaluator, attribution, _, loss, backward = outcome
@@ -326,6 +338,10 @@ def _measure(
                                          scale=SPREAD_SCALE * setting.loss_scale)[1]  # fmt: skip
         measured_floors = [distances(emulated, eager), distances(again, scaled)]
         backward += 2
+    elif sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
+        scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)
+        measured_floors = [distances(eager, scaled)]
+        backward += 1
     else:
         try:
             measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,

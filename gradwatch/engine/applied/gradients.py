@@ -13,7 +13,10 @@ random states replayed and the buffers restored by the check's :class:`TrainingS
 
 Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
 by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
-``"reduction"`` attribution leaves out.
+``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.sharding`) each result is
+this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate with
+respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not available
+(FSDP gathers parameters in their own dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from gradwatch.engine.function.conditions import autocast_disabled, compiler_dis
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.sharding import collective as sharding
+from gradwatch.engine.sharding.parameters import register_like, shard_gradients
 
 Gradient = list[Tensor]
 """One tensor per checked parameter (zeros where autograd gave none)."""
@@ -47,16 +52,27 @@ def _gradient(
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
     completed = False
+    found: list[Tensor | None]
+    collective = sharding.active()
     state.before_evaluation()
     try:
-        with torch.enable_grad():
+        with sharding.evaluation(), torch.enable_grad():
             loss = as_scalar_loss(loss_fn(model, batches))
-            found = torch.autograd.grad(loss * scale if scale != 1.0 else loss, list(wrt), allow_unused=True)
+            scaled = loss * scale if scale != 1.0 else loss
+            if collective is None:
+                value = float(loss.detach())
+                found = list(torch.autograd.grad(scaled, list(wrt), allow_unused=True))
+            else:  # FSDP reduces onto the shards in its backward hooks: the mean over the ranks, its own reduction
+                value = sharding.global_loss(float(loss.detach()))
+                scaled.backward()
+                found = shard_gradients(collective, model, wrt)
         completed = True
     finally:
         state.after_evaluation(completed)
     grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
-    return float(loss.detach()), rank_mean(grads, group)
+    if collective is not None:
+        grads = [register_like(collective, g, t) for g, t in zip(grads, wrt, strict=True)]
+    return value, rank_mean(grads, group)
 
 
 def rank_mean(grads: Gradient, group: Any) -> Gradient:
@@ -82,11 +98,18 @@ def exact_conditions() -> Iterator[None]:
 
 
 def eager_gradient(
-    model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, group: Any = None
+    model: nn.Module,
+    batches: Any,
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    group: Any = None,
+    scale: float = 1.0,
 ) -> Gradient:
-    """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window)."""
+    """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window); with
+    a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise)."""
     with exact_conditions():
-        return _gradient(model, batches, loss_fn, params, state, group)[1]
+        return _gradient(model, batches, loss_fn, params, state, group, scale)[1]
 
 
 def emulated_gradient(

@@ -28,6 +28,8 @@ from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
 from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
+from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.collective import global_numel
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 
@@ -80,7 +82,7 @@ class AppliedProbes:
         self.multiple = multiple
         self.grad_norms = norms(self.grads, exact=True)
         self.grad_norm = math.hypot(*self.grad_norms)
-        numels = [max(t.numel(), 1) for t in self.moved]
+        numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
         param_norms = norms(self.moved)
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
@@ -205,7 +207,11 @@ def measure(
     elements = sum(p.numel() for _, p in named)
     args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
     with exact_conditions():
-        if resolve_precision("auto", native, elements) == "float64":
+        float64 = resolve_precision("auto", native, elements) == "float64"
+        if float64 and sharding_active() is not None:
+            text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
+            evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
+        elif float64:
             try:
                 with float64_storage(model) as substitutes:
                     evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]

@@ -103,7 +103,8 @@ class Checksums:
             if tensor is None:
                 rows.append(torch.zeros(3, dtype=torch.float64))
                 continue
-            flat = tensor.detach().reshape(-1).double()
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a shard's own rows (FSDP2)
+            flat = local.detach().reshape(-1).double()
             rows.append(torch.stack([flat.sum(), flat.abs().sum(), flat.square().sum()]).cpu())
         values = torch.stack(rows).tolist() if rows else []
         return cls(tuple((a, b, c) for a, b, c in values))
