@@ -11,7 +11,9 @@ and a ``tanh`` that can be wrong under autocast only. Scenarios, each a separate
 - ``precision``: the ``tanh``'s backward 1.5x too large under bf16 autocast only (bf16-mixed);
 - ``formula``: the custom layer's weight gradient 3% too large on every path;
 - ``rank1_corrupted``: rank 1's rows of a gradient changed after the reduce-scatter, at the first step;
-- ``both_corrupted``: every rank's rows changed once, at the first step.
+- ``both_corrupted``: every rank's rows changed once, at the first step;
+- ``plain``: no Lightning: the same model ``fully_shard``-ed by hand in a plain loop with ``AppliedWindow``, two
+  micro-batches a window, checked at two steps, rank 1's rows of a gradient changed before the second.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
-from gradwatch import GradWatch
+from gradwatch import AppliedWindow, GradWatch
 from gradwatch.engine.notes import codes
 
 
@@ -145,6 +147,44 @@ def _fit(
     }
 
 
+def _plain() -> dict[str, Any]:
+    """A plain FSDP2 loop on the process group the fits left (the engine's API, every rank calling it together)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = ShardedDropoutNet()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in (model.inp, model.custom, model.gate, model.out):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = list(_loader())[torch.distributed.get_rank() :: 2]
+
+    def loss_fn(net: nn.Module, batch: Any) -> Tensor:
+        return F.cross_entropy(net(batch[0]), batch[1])
+
+    window, reports = AppliedWindow(model), []
+    for step in range(2):
+        for batch in batches[2 * step : 2 * step + 2]:
+            window.record(batch)
+            (loss_fn(model, batch) / 2).backward()
+        if step == 1 and torch.distributed.get_rank() == 1:
+            with torch.no_grad():
+                _local(model.out.weight.grad).mul_(1.2)  # type: ignore[union-attr]
+        reports.append(window.check(loss_fn, step=step + 1))
+        optimizer.step()
+        optimizer.zero_grad()
+        window.clear()
+    return {
+        "rank": torch.distributed.get_rank(),
+        "applied": [
+            {"step": r.step, "verdict": r.verdict, "fault": r.fault, "message": r.fault_message,
+             "failures": sorted({p.target for p in r.failures})}
+            for r in reports
+        ],
+    }  # fmt: skip
+
+
 def _watch() -> GradWatch:
     return GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None)
 
@@ -161,6 +201,7 @@ def main() -> None:
         "formula": lambda: _fit(_watch(), factor=1.03, steps=1),
         "rank1_corrupted": lambda: _fit(_watch(), CorruptRows((1,)), steps=2),
         "both_corrupted": lambda: _fit(_watch(), CorruptRows((0, 1)), steps=2),
+        "plain": _plain,
     }
     only = set(sys.argv[2:])
     for name, run in scenarios.items():

@@ -2,8 +2,8 @@
 rows of the gradient FSDP reduce-scattered, together; healthy runs pass and train bit for bit as without gradwatch
 (32-true; bf16-mixed with accumulation and clipping), and each planted fault is caught at the first applied check and
 named: autocast-only backward → precision, wrong backward formula → formula, one rank's rows changed after the
-reduce-scatter → reduction naming the rank, every rank's rows changed once → transient. The fits run in
-``tests/fsdp_applied_run.py`` (see ``test_fsdp.py`` for why)."""
+reduce-scatter → reduction naming the rank, every rank's rows changed once → transient; and the engine's API in a plain
+FSDP2 loop. The fits run in ``tests/fsdp_applied_run.py`` (see ``test_fsdp.py`` for why)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,12 @@ def test_a_planted_fault_is_caught_at_the_first_applied_check_and_named(
 
 def test_a_failure_is_warned_once_not_once_per_rank(fsdp: dict[str, Any]) -> None:
     assert fsdp["output"].count("precision fault: applied gradient check failed at step 1") == 1
+
+
+def test_a_plain_fsdp2_loop_checks_the_applied_gradient_with_the_engine_api(fsdp: dict[str, Any]) -> None:
+    for rank in _both(fsdp, "plain"):
+        assert [(a["step"], a["verdict"]) for a in rank["applied"]] == [(1, "ok"), (2, "fail")]
+        second = rank["applied"][1]
+        assert second["fault"] == "reduction"
+        assert "rank(s) [1]" in second["message"]
+        assert "out.weight" in second["failures"]
