@@ -185,7 +185,10 @@ class AppliedChecks:
             return None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if scaler is not None and not all(bool(torch.isfinite(g).all()) for g in grads):
+        skipped = scaler is not None and not all(bool(torch.isfinite(g).all()) for g in grads)
+        if scaler is not None and distributed(trainer):  # FSDP2: each rank sees its own rows; decide together
+            skipped = trainer.strategy.reduce_boolean_decision(skipped, all=False)
+        if skipped:
             # 16-mixed: the grad scaler skips this step (and lowers its scale); the optimizer never applies it
             self._pending = True
             log.info(
