@@ -12,6 +12,8 @@ and a ``tanh`` that can be wrong under autocast only. Scenarios, each a separate
 - ``formula``: the custom layer's weight gradient 3% too large on every path;
 - ``rank1_corrupted``: rank 1's rows of a gradient changed after the reduce-scatter, at the first step;
 - ``both_corrupted``: every rank's rows changed once, at the first step;
+- ``raise_on_rank1`` / ``baseline_2_steps``: ``training_step`` raises on rank 1 only during the first applied check
+  (neither rank may hang, training goes on as without gradwatch, the next check runs on sound FSDP state);
 - ``plain``: no Lightning: the same model ``fully_shard``-ed by hand in a plain loop with ``AppliedWindow``, two
   micro-batches a window, checked at two steps, rank 1's rows of a gradient changed before the second.
 """
@@ -61,6 +63,7 @@ class ShardedDropoutNet(pl.LightningModule):
         self.temperature = nn.Parameter(torch.ones(3))
         self.dropout = nn.Dropout(0.2)
         self.autocast_fault = autocast_fault
+        self.raise_in_step = False
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -74,6 +77,8 @@ class ShardedDropoutNet(pl.LightningModule):
         return self.out(hidden) * torch.sigmoid(self.gate(hidden)) * self.temperature
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.raise_in_step:
+            raise RuntimeError("raised in training_step on rank 1 only")
         x, y = batch
         return F.cross_entropy(self(x), y)
 
@@ -92,6 +97,16 @@ class CorruptRows(pl.Callback):
         if trainer.global_rank in self.ranks and trainer.global_step == 0:
             with torch.no_grad():
                 _local(pl_module.inp.weight.grad).mul_(1.1)  # type: ignore[union-attr]
+
+
+class RaiseInFirstCheck(pl.Callback):
+    """Placed before GradWatch: makes ``training_step`` raise on rank 1 during the first applied check."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        pl_module.raise_in_step = trainer.global_rank == 1 and trainer.global_step == 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        pl_module.raise_in_step = False
 
 
 def _fit(
@@ -201,6 +216,8 @@ def main() -> None:
         "formula": lambda: _fit(_watch(), factor=1.03, steps=1),
         "rank1_corrupted": lambda: _fit(_watch(), CorruptRows((1,)), steps=2),
         "both_corrupted": lambda: _fit(_watch(), CorruptRows((0, 1)), steps=2),
+        "raise_on_rank1": lambda: _fit(_watch(), RaiseInFirstCheck(), steps=2),
+        "baseline_2_steps": lambda: _fit(None, steps=2),
         "plain": _plain,
     }
     only = set(sys.argv[2:])

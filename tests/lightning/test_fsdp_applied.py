@@ -98,6 +98,14 @@ def test_a_failure_is_warned_once_not_once_per_rank(fsdp: dict[str, Any]) -> Non
     assert fsdp["output"].count("precision fault: applied gradient check failed at step 1") == 1
 
 
+def test_a_check_that_raises_on_one_rank_ends_on_both_and_training_goes_on_as_without(fsdp: dict[str, Any]) -> None:
+    for checked, plain in zip(_both(fsdp, "raise_on_rank1"), _both(fsdp, "baseline_2_steps"), strict=True):
+        assert checked["global_step"] == 2
+        assert [(a["step"], a["verdict"]) for a in checked["applied"]] == [(2, "ok")]  # step 1's check was skipped
+        assert (checked["params"], checked["optimizer"]) == (plain["params"], plain["optimizer"])
+    assert "could not run and was skipped (PeerFailureError" in fsdp["output"]
+
+
 def test_a_plain_fsdp2_loop_checks_the_applied_gradient_with_the_engine_api(fsdp: dict[str, Any]) -> None:
     for rank in _both(fsdp, "plain"):
         assert [(a["step"], a["verdict"]) for a in rank["applied"]] == [(1, "ok"), (2, "fail")]
