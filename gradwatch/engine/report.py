@@ -234,6 +234,15 @@ class CheckReport:
         )
         return tuple(dict.fromkeys(names))
 
+    @property
+    def failed_tensors(self) -> tuple[str, ...]:
+        """Tensors whose probe along their own gradient failed, the largest relative error first: a series of checks
+        probes them again next time, so that a wrong gradient found once is confirmed (or cleared) at every check
+        rather than when its turn comes round again."""
+        failed = [p for p in self.probes if p.kind.traits.refocused and p.verdict == Verdict.FAIL and p.index is None]
+        failed.sort(key=lambda p: -p.rel_error if math.isfinite(p.rel_error) else -math.inf)
+        return tuple(dict.fromkeys(p.target for p in failed))
+
     def count(self, verdict: Verdict | str) -> int:
         """How many probes ended with ``verdict``."""
         return sum(p.verdict == verdict for p in self.probes)

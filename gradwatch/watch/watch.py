@@ -166,7 +166,7 @@ class GradientWatch:
         self._checks = 0
         self._failed_checks = 0
         self._skipped_checks = 0
-        self._focus: tuple[str, ...] = ()  # tensors the last check could not decide: the next check probes them again
+        self._focus: tuple[str, ...] = ()  # tensors the last check could not decide or saw fail: probed again next
         self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead)
         self._warned_no_params = False
         self._remarks = Remarks(verbose=self.verbose)
@@ -361,7 +361,8 @@ class GradientWatch:
         if samples is not None and report.samples is not None and report.samples > samples:
             # the loss refused the smaller slice: no need to try it again
             self._active = dataclasses.replace(self._active, probe_batch_size=report.samples)
-        self._focus = tuple(report.undecided)
+        retried = report.failed_tensors[: self._active.tensor_probes]  # a wrong gradient is confirmed at every check
+        self._focus = tuple(dict.fromkeys([*report.undecided, *retried]))
         if report.vectorized is False:
             # the loss could not be vectorised: the next checks need not try again
             self._active = dataclasses.replace(self._active, vectorize=False)

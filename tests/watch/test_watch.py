@@ -58,6 +58,23 @@ def test_a_planted_bug_is_caught_at_the_first_check_with_its_module() -> None:
     assert watch.counts["failed"] == len(watch.reports)
 
 
+def test_a_tensor_seen_failing_is_probed_again_at_the_next_check() -> None:
+    """A wrong gradient found once is confirmed at every check, not only when the rotation comes round to it."""
+    watch = GradientWatch(every_n_steps=1, tensor_probes=1, random_probes=0, param_probes=0, input_probes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        _train(watch, steps=1, bug=True)
+    first = watch.reports[0]
+    assert first.verdict == "fail"
+    assert "layers.3.weight" in first.failed_tensors
+    assert watch.state_dict()["focus"][: len(first.undecided) + 1] == [*first.undecided, first.failed_tensors[0]]
+    assert len(watch.state_dict()["focus"]) <= len(first.undecided) + 1  # at most tensor_probes of them
+    healthy = GradientWatch(every_n_steps=1)
+    _train(healthy, steps=2)
+    assert all(not r.failed_tensors for r in healthy.reports)
+    assert healthy.state_dict()["focus"] == list(healthy.reports[-1].undecided)
+
+
 def test_under_gradient_accumulation_the_steps_are_optimizer_steps() -> None:
     watch = GradientWatch(every_n_steps=3)
     _train(watch, steps=6, accumulation=2)
