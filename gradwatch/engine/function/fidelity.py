@@ -148,25 +148,6 @@ class Float64Fidelity(TorchFunctionMode):
         return func(*args, **{**kwargs, "dtype": native}).to(torch.float64)
 
 
-_FACTORIES = {
-    torch.zeros,
-    torch.ones,
-    torch.full,
-    torch.empty,
-    torch.arange,
-    torch.linspace,
-    torch.logspace,
-    torch.eye,
-    torch.tensor,
-    torch.as_tensor,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.full_like,
-    torch.empty_like,
-}
-"""Functions that create a tensor of the ``dtype`` they are given: asked for float32 during a float64 evaluation, they
-create float64, so that the computation they feed stays float64."""
-
 _DEFAULT_DTYPE_FACTORIES = {
     torch.zeros,
     torch.ones,
@@ -181,3 +162,7 @@ _DEFAULT_DTYPE_FACTORIES = {
 }
 """Functions that, without a ``dtype``, create floating tensors in the default dtype (float32) whatever the model's
 tensors are; during a float64 evaluation their floating results are promoted (their integer results are kept)."""
+
+_FACTORIES = _DEFAULT_DTYPE_FACTORIES | {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like}
+"""Functions that create a tensor of the ``dtype`` they are given: asked for float32 during a float64 evaluation, they
+create float64, so that the computation they feed stays float64."""

@@ -31,30 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.guard import MODULE_DICTS
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckAbandonedError
 
-MODULE_BOOKKEEPING = frozenset(
-    {
-        "training",
-        "_parameters",
-        "_buffers",
-        "_non_persistent_buffers_set",
-        "_modules",
-        "_backward_pre_hooks",
-        "_backward_hooks",
-        "_is_full_backward_hook",
-        "_forward_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs",
-        "_state_dict_hooks",
-        "_state_dict_pre_hooks",
-        "_load_state_dict_pre_hooks",
-        "_load_state_dict_post_hooks",
-    }
-)
+MODULE_BOOKKEEPING = frozenset({"training", "_is_full_backward_hook", *MODULE_DICTS})
 """``nn.Module`` attributes that are not user state: structure and hooks (parameters, buffers and modes are restored by
 ``TrainingState``; hooks belong to whoever registered them)."""
 
