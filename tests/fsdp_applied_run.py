@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from applied_models import AutocastOnlyTanh
 from ddp_run import _close_process_group
-from fsdp_run import _digest, _loader, _local
+from fsdp_run import ShardedNet, _digest, _loader, _local
 from lightning.pytorch.strategies import ModelParallelStrategy
-from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
@@ -40,50 +39,18 @@ from gradwatch import AppliedWindow, GradWatch
 from gradwatch.engine.notes import codes
 
 
-class CustomLinear(nn.Module):
-    """``fsdp_run``'s custom layer, run in float32 under autocast too (as custom kernels often are)."""
+class ShardedDropoutNet(ShardedNet):
+    """``fsdp_run``'s sharded MLP with dropout after a ``tanh`` that can be wrong under autocast only."""
 
-    def __init__(self, inputs: int, outputs: int, factor: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(outputs, inputs) / inputs**0.5)
-        self.factor = factor
-
-    def forward(self, x: Tensor) -> Tensor:
-        with torch.autocast("cpu", enabled=False):
-            return ScaledWeightGradient.apply(x.float(), self.weight, self.factor)
-
-
-class ShardedDropoutNet(pl.LightningModule):
     def __init__(self, factor: float = 1.0, autocast_fault: float = 1.0) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.custom = CustomLinear(16, 12, factor)
-        self.gate = nn.Linear(12, 1)
-        self.out = nn.Linear(12, 3)
-        self.temperature = nn.Parameter(torch.ones(3))
+        super().__init__(factor)
         self.dropout = nn.Dropout(0.2)
         self.autocast_fault = autocast_fault
-        self.raise_in_step = False
-
-    def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for layer in (self.inp, self.custom, self.gate, self.out):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.dropout(AutocastOnlyTanh.apply(self.inp(x), self.autocast_fault))
         hidden = torch.tanh(self.custom(hidden))
         return self.out(hidden) * torch.sigmoid(self.gate(hidden)) * self.temperature
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        if self.raise_in_step:
-            raise RuntimeError("raised in training_step on rank 1 only")
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
 class CorruptRows(pl.Callback):

@@ -6,46 +6,21 @@ with a bounded timeout (a hang fails the test instead of blocking the suite); ea
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from two_processes import needs_gloo, run_ranks
 
 from gradwatch.engine.notes import NoteCode
 
-TESTS = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 120
-
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
-)
+pytestmark = needs_gloo
 
 
 def _run(out: Path, *options: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])))
-    # a new session, so that on timeout rank 1 (started by rank 0) is killed with it
-    process = subprocess.Popen(
-        [sys.executable, str(TESTS / "ddp_run.py"), str(out), *options],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the DDP run hung (no exit within {TIMEOUT_S} s):\n{output.decode()[-5000:]}")
-    assert process.returncode == 0, output.decode()[-5000:]
-    results = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+    results, _ = run_ranks("ddp_run.py", out, *options, timeout_s=120)
     return {"out": out, **results}
 
 

@@ -4,44 +4,17 @@ trains exactly as without gradwatch. The fits run in ``tests/ddp_applied_run.py`
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from two_processes import needs_gloo, run_ranks
 
-TESTS = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 120
-
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("ddp_applied")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])))
-    process = subprocess.Popen(  # a new session: on timeout rank 1 (started by rank 0) is killed with it
-        [sys.executable, str(TESTS / "ddp_applied_run.py"), str(out)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the DDP run hung (no exit within {TIMEOUT_S} s):\n{output.decode()[-5000:]}")
-    assert process.returncode == 0, output.decode()[-5000:]
-    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+    return run_ranks("ddp_applied_run.py", tmp_path_factory.mktemp("ddp_applied"), timeout_s=120)[0]
 
 
 def _both(ddp: dict[str, Any], scenario: str) -> list[dict[str, Any]]:

@@ -8,48 +8,19 @@ a bounded timeout (a hang fails the test instead of blocking the suite); each ra
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from two_processes import needs_gloo, run_ranks
 
 from gradwatch.engine.notes import NoteCode
 
-TESTS = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 180
-
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
-)
+pytestmark = needs_gloo
 
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("fsdp")
-    paths = [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
-    # a new session, so that on timeout rank 1 (started by rank 0) is killed with it
-    process = subprocess.Popen(
-        [sys.executable, str(TESTS / "fsdp_run.py"), str(out)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the FSDP run hung (no exit within {TIMEOUT_S} s):\n{output.decode()[-5000:]}")
-    assert process.returncode == 0, output.decode()[-5000:]
-    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+    return run_ranks("fsdp_run.py", tmp_path_factory.mktemp("fsdp"), timeout_s=180)[0]
 
 
 def _ranks(fsdp: dict[str, Any], scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
