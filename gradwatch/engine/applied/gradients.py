@@ -36,7 +36,7 @@ from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.sharding import collective as sharding
-from gradwatch.engine.sharding.parameters import register_like, shard_gradients
+from gradwatch.engine.sharding.parameters import sharded_backward
 
 Gradient = list[Tensor]
 """One tensor per checked parameter (zeros where autograd gave none)."""
@@ -63,15 +63,12 @@ def _gradient(
                 value = float(loss.detach())
                 found = list(torch.autograd.grad(scaled, list(wrt), allow_unused=True))
             else:  # FSDP reduces onto the shards in its backward hooks: the mean over the ranks, its own reduction
-                value = sharding.global_loss(float(loss.detach()))
-                scaled.backward()
-                found = shard_gradients(collective, model, wrt)
+                value, found = sharded_backward(collective, model, scaled, wrt, {})
+                value /= scale
         completed = True
     finally:
         state.after_evaluation(completed)
     grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
-    if collective is not None:
-        grads = [register_like(collective, g, t) for g, t in zip(grads, wrt, strict=True)]
     return value, rank_mean(grads, group)
 
 
