@@ -63,15 +63,7 @@ DEFAULTS = {
 
 def mnist_like(samples: int, generator: torch.Generator, normalise: bool) -> tuple[Tensor, Tensor]:
     """28x28 images, exactly 0 outside a few random strokes of 1 (exactly constant after ``Normalize`` too)."""
-    images = torch.zeros(samples, 1, 28, 28)
-    for image in images:
-        for _ in range(3):
-            row, col = torch.randint(4, 24, (2,), generator=generator).tolist()
-            length = int(torch.randint(4, 12, (1,), generator=generator))
-            if torch.rand(1, generator=generator) < 0.5:
-                image[0, row, col : col + length] = 1.0
-            else:
-                image[0, row : row + length, col] = 1.0
+    images = special.stroke_images(samples, generator)
     if normalise:
         images = (images - 0.1307) / 0.3081
     return images, torch.randint(0, 10, (samples,), generator=generator)

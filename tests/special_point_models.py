@@ -174,17 +174,24 @@ class Warp(nn.Module):
         return self.classifier(BorderGridSample.apply(x, grid, self.correct).flatten(1))
 
 
-def warp_batch(generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """MNIST-like images, normalised (the background is exactly -0.4242), strokes away from the border."""
-    images = torch.zeros(16, 1, 28, 28)
+def stroke_images(samples: int, generator: torch.Generator, corner_high: int = 24, length_high: int = 12) -> Tensor:
+    """MNIST-like 28x28 images: exactly 0 outside three random strokes of 1 each, starting at rows and columns from 4 to
+    ``corner_high`` (exclusive), of lengths from 4 to ``length_high`` (exclusive)."""
+    images = torch.zeros(samples, 1, 28, 28)
     for image in images:
         for _ in range(3):
-            row, col = torch.randint(4, 16, (2,), generator=generator).tolist()
-            length = int(torch.randint(4, 9, (1,), generator=generator))
+            row, col = torch.randint(4, corner_high, (2,), generator=generator).tolist()
+            length = int(torch.randint(4, length_high, (1,), generator=generator))
             if torch.rand(1, generator=generator) < 0.5:
                 image[0, row, col : col + length] = 1.0
             else:
                 image[0, row : row + length, col] = 1.0
+    return images
+
+
+def warp_batch(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """MNIST-like images, normalised (the background is exactly -0.4242), strokes away from the border."""
+    images = stroke_images(16, generator, corner_high=16, length_high=9)
     return (images - 0.1307) / 0.3081, torch.randint(0, 10, (16,), generator=generator)
 
 
