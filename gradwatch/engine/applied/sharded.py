@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -27,13 +28,13 @@ from gradwatch.engine.sharding.parameters import local_shards, register_like
 __all__ = ["ShardedWindow", "ranks_at_fault", "shard_window"]
 
 
+@dataclass
 class ShardedWindow:
     """A sharded applied check's collective, the local shards it moves and this rank's rows of the applied gradient."""
 
-    def __init__(self, collective: Collective, params: list[Tensor], applied: list[Tensor]) -> None:
-        self.collective = collective
-        self.params = params
-        self.applied = applied
+    collective: Collective
+    params: list[Tensor]
+    applied: list[Tensor]
 
     def note(self) -> str:
         return (
