@@ -85,6 +85,11 @@ def check_gradients(
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
 
+    The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
+    ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
+    ``vectorize``, ``fail_on_imprecise``), are documented once, as the fields of the same names of
+    :class:`~gradwatch.engine.settings.ProbeSettings`.
+
     Args:
         model: The module whose trainable floating parameters are checked.
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
@@ -94,38 +99,11 @@ def check_gradients(
             screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
             In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
-        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
-        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
-            received no gradient at all.
-        param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
-        input_probes: Probes on the floating inputs of the batch: the first along their gradient, the others at
-            single coordinates (0 to skip input probes and the input gradient altogether).
-        probe_batch_size: Check the loss of the first this many samples of the batch (every tensor whose first
-            dimension is the batch size is cut), which makes every evaluation cheaper; ``None`` for the whole batch.
-            The loss checked is exactly the loss of that slice, so verdicts stay exact.
-        precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
-            parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
-            unless the model has more than 2**25 parameter elements. See :mod:`gradwatch.engine.function.precision`.
-        ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
-            straight-through estimator whose gradient is deliberately not the derivative.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
             a series of checks, the previous report's :attr:`~gradwatch.engine.report.CheckReport.undecided`, so that a
             tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
-        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
-            Either is raised to about ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that
-            large (``report.rtol`` says what was used); below a float32 loss of ~1e-5 no probe is made.
-        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
             ``step``. A caller running a series of checks passes the check's position in the series.
-        float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences
-            (see :mod:`gradwatch.engine.function.reductions`). Turn off only to study the effect.
-        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap`` (see
-            :mod:`gradwatch.engine.measuring.vectorized`); losses vmap cannot run are evaluated point by point either
-            way. Turn off for a loss with side effects that must happen once per point (a forward hook that records
-            activations).
-        fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
-            (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
-            ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
         optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
             rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
