@@ -37,6 +37,7 @@ from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.report import Fault
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import every_rank
+from gradwatch.engine.sharding.zero import ranks_owning_wrong_rows
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,14 @@ def _off_the_path(
                 f"(weights {listed}) than the loop's loss",
             )
     if setting.group is not None:
+        owners = ranks_owning_wrong_rows(setting.params, applied, again, [multiple * f for f in floors], setting.group)
+        if owners:
+            return Attribution(
+                "reduction",
+                f"rank(s) {owners} own the partitions of the applied gradient that differ from the window's gradient "
+                "recomputed and averaged by a plain all-reduce, the other ranks' partitions agree (ZeRO: a reduction "
+                "that left something out or corrupted those partitions, or a hook that ran on those ranks only)",
+            )
         return Attribution(
             "reduction",
             "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "

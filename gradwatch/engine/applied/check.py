@@ -47,6 +47,7 @@ from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import sharded
 from gradwatch.engine.sharding.parameters import is_sharded, lockstep
+from gradwatch.engine.sharding.zero import on_whole_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -80,6 +81,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
     batches: Sequence[Any],
@@ -102,7 +104,10 @@ def check_applied_gradient(
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
     Args:
-        model: The module whose trainable floating parameters the optimizer updates.
+        model: The module whose trainable floating parameters the optimizer updates. A DeepSpeed engine: the module
+            it wraps, with ``gradients`` DeepSpeed's full reduced gradients (``deepspeed.utils.safe_get_full_grad``;
+            :func:`gradwatch.integrations.deepspeed.full_gradients`); under ZeRO-3 its parameters are gathered whole
+            for the check, and ``group`` defaults to the one ZeRO averages over.
         batches: The micro-batches of the accumulation window, in order (one for a loop without accumulation).
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss of one micro-batch as the loop computes it.
         gradients: The gradients to check, by parameter name or in the order of the trainable parameters; by default
