@@ -56,7 +56,7 @@ from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
-from gradwatch.engine.sharding.zero import on_whole_parameters
+from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_gradients"]
 

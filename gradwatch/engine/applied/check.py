@@ -47,7 +47,7 @@ from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import sharded
 from gradwatch.engine.sharding.parameters import is_sharded, lockstep
-from gradwatch.engine.sharding.zero import on_whole_parameters
+from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 

@@ -16,29 +16,20 @@ the applied gradient is wrong only in some ranks' ranges, :func:`ranks_owning_wr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import inspect
 import math
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ParamSpec
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.sharding.hooks import hooks_set_aside
 
 ZERO3_NOTE = (
     "DeepSpeed ZeRO-3: every partitioned parameter gathered whole on every rank for the check, DeepSpeed's module "
     "hooks set aside; the partitions are as they were afterwards"
 )
-
-Options = ParamSpec("Options")
-
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def is_engine(model: Any) -> bool:
@@ -70,29 +61,6 @@ def partitioned(model: nn.Module) -> list[nn.Parameter]:
     return sorted(found, key=lambda p: p.ds_id)  # type: ignore[no-any-return]
 
 
-def _deepspeed_hook(hook: Any) -> bool:
-    module = getattr(inspect.unwrap(hook), "__module__", None) or ""
-    return module.split(".")[0] == "deepspeed"
-
-
-@contextlib.contextmanager
-def _deepspeed_hooks_set_aside(model: nn.Module) -> Iterator[None]:
-    """For the duration, ``model``'s modules run without DeepSpeed's hooks (those that gather and release partitioned
-    parameters); the other hooks run as before. The very hook dictionaries are put back afterwards."""
-    saved: list[tuple[nn.Module, str, Any]] = []
-    for module in model.modules():
-        for attribute in _HOOKS:
-            hooks = module.__dict__.get(attribute)
-            if hooks and any(_deepspeed_hook(hook) for hook in hooks.values()):
-                saved.append((module, attribute, hooks))
-                module.__dict__[attribute] = OrderedDict((k, h) for k, h in hooks.items() if not _deepspeed_hook(h))
-    try:
-        yield
-    finally:
-        for module, attribute, hooks in saved:
-            module.__dict__[attribute] = hooks
-
-
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[bool]:
     """Under ZeRO-3, every partitioned parameter of ``model`` gathered whole, on every rank, with DeepSpeed's module
@@ -108,7 +76,7 @@ def gathered(model: nn.Module) -> Iterator[bool]:
     if released:
         released[0].all_gather(param_list=released)  # type: ignore[attr-defined]
     try:
-        with _deepspeed_hooks_set_aside(model):
+        with hooks_set_aside(model, "deepspeed"):
             yield True
     finally:
         if released:
@@ -165,36 +133,3 @@ def data_parallel_group(model: nn.Module) -> Any:
             if getattr(param, attribute, None) is not None:
                 return getattr(param, attribute)
     return None
-
-
-def on_whole_parameters(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:
-    """Make a check of a model (its first argument) take DeepSpeed models too: a DeepSpeed engine is checked through
-    the module it wraps (:func:`unwrapped`, with ``gradients`` keyed by the engine's parameter names re-keyed), a
-    ZeRO-3 model with its parameters :func:`gathered`, and the process group of an applied check defaults to the one
-    ZeRO averages gradients over."""
-
-    @functools.wraps(check)
-    def run(*args: Options.args, **kwargs: Options.kwargs) -> CheckReport:
-        model = args[0] if args else kwargs.get("model")
-        if not isinstance(model, nn.Module) or not (
-            is_engine(model) or any(owned_range(p) is not None for p in model.parameters())
-        ):
-            return check(*args, **kwargs)
-        inner = unwrapped(model)
-        values = list(args)
-        values[0:1] = [inner] if args else []
-        if "model" in kwargs:
-            kwargs["model"] = inner
-        if len(values) > 3:
-            values[3] = unprefixed(values[3], model)
-        if "gradients" in kwargs:
-            kwargs["gradients"] = unprefixed(kwargs["gradients"], model)
-        if "group" in inspect.signature(check).parameters and kwargs.get("group") is None:
-            kwargs["group"] = data_parallel_group(inner) if dist.is_initialized() else None
-        with gathered(inner) as whole:
-            report = check(*values, **kwargs)  # type: ignore[arg-type]
-        if not whole:
-            return report
-        return dataclasses.replace(report, notes=[*report.notes, Note(NoteCode.ZERO3_GATHERED, ZERO3_NOTE)])
-
-    return run
