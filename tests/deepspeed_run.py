@@ -12,7 +12,9 @@ after the second step:
   the applied gradient holds its own last micro-batch's gradient instead of the mean over the ranks: DeepSpeed
   PR#7985);
 - ``scaled``: rank 1's partition of ``out.weight``'s gradient multiplied by 1.1 after the reduction, first window;
-- ``formula``: the custom layer's weight gradient 3% too large on every rank.
+- ``formula``: the custom layer's weight gradient 3% too large on every rank;
+- ``hooked``: as ``healthy``, the applied check run by ``before_engine_steps`` inside ``engine.step()`` (where
+  Accelerate and the Trainer step), not by the loop.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor, nn
 from gradwatch import AppliedWindow, check_gradients
 from gradwatch.engine.notes import codes
 from gradwatch.engine.sharding.zero import gathered
-from gradwatch.integrations.deepspeed import full_gradients
+from gradwatch.integrations.deepspeed import before_engine_steps, full_gradients
 
 # deepspeed.initialize compiles a shared-memory op (g++, minutes) used only by tensor-parallel inference; the attribute
 # deepspeed.comm.torch resolves to the torch package, so the module is patched through sys.modules
@@ -163,14 +165,22 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     rank = torch.distributed.get_rank()
     data = _data(rank, dtype)
-    watched = kind != "baseline"
+    watched = kind not in ("baseline", "hooked")
     window = AppliedWindow(engine.module)
-    reports, step_times = [], []
+    reports, step_times, norms = [], [], []
+    hook = None
+    if kind == "hooked":
+        hook = before_engine_steps(
+            engine,
+            lambda: reports.append(
+                window.check(loss_fn, gradients=full_gradients(engine), step=engine.global_steps + 1)
+            ),
+        )
     for step in range(STEPS):
         started = time.perf_counter()
         for micro in range(ACCUMULATE):
             batch = data[step * ACCUMULATE + micro]
-            if watched:
+            if watched or hook is not None:
                 window.record(batch)
             engine.backward(loss_fn(engine, batch))
             if engine.is_gradient_accumulation_boundary():
@@ -183,11 +193,21 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
                     reports.append(window.check(loss_fn, gradients=full_gradients(engine), step=step + 1))
                     started += time.perf_counter() - checking
             engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
         window.clear()
         step_times.append(time.perf_counter() - started)
-        if watched and step == 1:
+        if (watched or hook is not None) and step == 1:
             reports.append(check_gradients(engine, data[0], loss_fn, step=step + 1))
-    return {"rank": rank, "reports": [_report(r) for r in reports], "step_s": min(step_times), **_state(engine)}
+    if hook is not None:
+        hook.remove()
+        assert "step" not in engine.optimizer.__dict__
+    return {
+        "rank": rank,
+        "reports": [_report(r) for r in reports],
+        "step_s": min(step_times),
+        "grad_norms": norms,
+        **_state(engine),
+    }
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ def _run(tmp_path_factory: pytest.TempPathFactory, name: str, scenarios: list[st
 
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    kinds = ("healthy", "baseline", *FAULTS)
+    kinds = ("healthy", "baseline", "hooked", *FAULTS)
     return _run(tmp_path_factory, "fp32", [f"{kind}-z{stage}-fp32" for stage in STAGES for kind in kinds])
 
 
@@ -62,6 +62,20 @@ def test_healthy_zero_runs_pass_every_check_and_train_as_without(
         gathered = ["zero3-gathered" in r["note_codes"] for r in watched["reports"]]
         assert gathered == [stage == 3] * len(gathered)
     assert [r["floor_excess"] for r in checked[0]["reports"]] == [r["floor_excess"] for r in checked[1]["reports"]]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_check_run_inside_engine_step_sits_after_the_reduction_and_before_clipping(
+    fp32: dict[str, Any], stage: int
+) -> None:
+    """Clipping (at 0.5) changes these gradients: a check that saw them clipped would fail."""
+    for hooked, plain in zip(
+        _ranks(fp32, f"hooked-z{stage}-fp32"), _ranks(fp32, f"baseline-z{stage}-fp32"), strict=True
+    ):
+        assert _kinds(hooked) == HEALTHY
+        assert min(hooked["grad_norms"]) > 0.5  # every step clipped
+        for key in ("params", "master", "optimizer"):
+            assert hooked[key] == plain[key], key
 
 
 def test_the_bf16_floor_is_the_paths(fp32: dict[str, Any], bf16: dict[str, Any]) -> None:
