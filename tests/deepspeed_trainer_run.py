@@ -1,11 +1,13 @@
-"""Run ``GradWatchCallback`` in ``transformers.Trainer(deepspeed=...)`` fits (ZeRO 1-3, two processes, CPU, gloo) and
-write what each rank saw to JSON.
+"""Run ``GradWatchCallback`` in ``transformers.Trainer(deepspeed=...)`` fits, and the applied check in Accelerate loops
+on DeepSpeed (ZeRO 1-3, two processes, CPU, gloo), and write what each rank saw to JSON.
 
 Usage: ``python tests/deepspeed_trainer_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched``);
 ``tests/integrations/test_deepspeed_trainer.py`` runs it. A scenario is ``<kind>-z<stage>-<fp32|bf16>``: ``healthy`` (a
 check at every optimizer step), ``baseline`` (the same seeded fit without the callback) or ``formula`` (the custom
 layer's weight gradient 3% too large), each 3 optimizer steps of 2 micro-batches with gradient clipping, on
-``deepspeed_run``'s MLP.
+``deepspeed_run``'s MLP. Kinds ``accelerate``, ``accelerate_baseline`` and ``accelerate_formula`` are a plain
+Accelerate loop instead (``accelerator.backward`` steps the engine), the applied check run at the engine's
+accumulation boundary by ``before_engine_steps``, and a recomputed check after the second step.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from deepspeed_run import Net, _digest
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from gradwatch import AppliedWindow, check_gradients
 from gradwatch.engine.notes import codes
+from gradwatch.integrations.deepspeed import before_engine_steps, full_gradients
 from gradwatch.integrations.huggingface import GradWatchCallback
 
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]  # see deepspeed_run
@@ -109,6 +113,69 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
     }
 
 
+def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed_run import loss_fn
+
+    torch.manual_seed(0)
+    model = Net(1.03 if kind == "accelerate_formula" else 1.0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+    }
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2)
+    engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    points = Points(torch.distributed.get_rank())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    data = [(points.x[i : i + 4].to(dtype), points.y[i : i + 4]) for i in range(0, 24, 4)]
+    window, reports = AppliedWindow(engine), []
+    hook = None
+    if kind != "accelerate_baseline":
+        check = lambda: reports.append(  # noqa: E731
+            window.check(loss_fn, gradients=full_gradients(engine), step=engine.global_steps + 1)
+        )
+        hook = before_engine_steps(engine, check)
+    for index, batch in enumerate(data):
+        with accelerator.accumulate(engine):
+            window.record(batch)
+            accelerator.backward(loss_fn(engine, batch))  # the engine steps in here at the boundary
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            window.clear()
+            if hook is not None and index == 3:
+                reports.append(check_gradients(engine, data[0], loss_fn, step=engine.global_steps))
+    if hook is not None:
+        hook.remove()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        module = _digest([p.data.clone() for p in params])
+    return {
+        "rank": torch.distributed.get_rank(),
+        "engine": type(engine).__name__,
+        "params": module,
+        "master": _digest([safe_get_full_fp32_param(p) for p in params]),
+        "optimizer": _digest([v for s in engine.optimizer.optimizer.state.values() for v in s.values() if v.dim()]),
+        "reports": [
+            {
+                "step": r.step,
+                "scope": r.scope,
+                "verdict": r.verdict,
+                "fault": r.fault,
+                "failures": sorted({p.target for p in r.failures}),
+                "culprits": r.culprits,
+                "note_codes": codes(r.notes),
+            }
+            for r in reports
+        ],
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -117,7 +184,10 @@ def main() -> None:
     transformers.training_args.is_torch_bf16_gpu_available = lambda: True
     for scenario in sys.argv[2:]:
         kind, stage, dtype = scenario.split("-")
-        result = run(kind, int(stage.removeprefix("z")), dtype == "bf16", out)
+        if kind.startswith("accelerate"):
+            result = _accelerate(kind, int(stage.removeprefix("z")), dtype == "bf16")
+        else:
+            result = run(kind, int(stage.removeprefix("z")), dtype == "bf16", out)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
         AcceleratorState._reset_state()  # one Accelerator with a DeepSpeed plugin per state: the next fit makes its own
     torch.distributed.barrier()

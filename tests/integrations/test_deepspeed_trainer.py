@@ -1,7 +1,10 @@
 """``GradWatchCallback`` in ``transformers.Trainer(deepspeed=...)`` (ZeRO 1-3, two processes, CPU, gloo, accumulation
 2, fp32 and bf16, gradient clipping): the recomputed check at every step passes on healthy fits, which train bit for
 bit as without the callback (module parameters, fp32 master parameters, the optimizer's state), and a 3% formula bug
-fails every check and names its module. The fits run in ``tests/deepspeed_trainer_run.py``, one process per rank.
+fails every check and names its module. In an Accelerate loop on DeepSpeed, where ``accelerator.backward`` steps the
+engine, the applied check runs at the engine's accumulation boundary through ``before_engine_steps``: healthy loops
+pass and train as without, a formula bug is named. The fits run in ``tests/deepspeed_trainer_run.py``, one process
+per rank.
 
 The applied check inside the Trainer (where DeepSpeed steps inside ``accelerator.backward``) waits for the watch's
 applied-check API in the callback; ``gradwatch.integrations.deepspeed.before_engine_steps`` is where it will run
@@ -30,6 +33,15 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_launched("deepspeed_trainer_run.py", out, *scenarios, timeout_s=180, env={"DS_ACCELERATOR": "cpu"})[0]
 
 
+@pytest.fixture(scope="module")
+def accelerate(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("deepspeed_accelerate")
+    kinds = ("accelerate", "accelerate_baseline")
+    scenarios = [f"{kind}-z{stage}-fp32" for stage in (1, 2, 3) for kind in kinds]
+    scenarios += ["accelerate-z3-bf16", "accelerate_baseline-z3-bf16", "accelerate_formula-z2-fp32"]
+    return run_launched("deepspeed_trainer_run.py", out, *scenarios, timeout_s=180, env={"DS_ACCELERATOR": "cpu"})[0]
+
+
 def _ranks(fits: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     return [fits[f"{scenario}_rank{rank}"] for rank in (0, 1)]
 
@@ -53,3 +65,23 @@ def test_a_formula_bug_fails_every_check_and_names_the_module(fits: dict[str, An
     for rank in _ranks(fits, f"formula-z{stage}-fp32"):
         assert [r["verdict"] for r in rank["reports"]] == ["fail"] * 3
         assert all("custom.weight" in r["failures"] and r["culprits"][0] == "custom" for r in rank["reports"])
+
+
+@pytest.mark.parametrize("scenario", ["z1-fp32", "z2-fp32", "z3-fp32", "z3-bf16"])
+def test_accelerate_loops_check_the_applied_gradient_at_the_engines_boundary(
+    accelerate: dict[str, Any], scenario: str
+) -> None:
+    for watched, plain in zip(
+        _ranks(accelerate, f"accelerate-{scenario}"), _ranks(accelerate, f"accelerate_baseline-{scenario}"), strict=True
+    ):
+        kinds = [(r["step"], r["scope"], r["verdict"]) for r in watched["reports"]]
+        assert kinds == [(1, "applied", "ok"), (2, "applied", "ok"), (2, "recomputed", "ok"), (3, "applied", "ok")]
+        for key in ("params", "master", "optimizer"):
+            assert watched[key] == plain[key], key
+
+
+def test_accelerate_loops_name_a_formula_bug(accelerate: dict[str, Any]) -> None:
+    for rank in _ranks(accelerate, "accelerate_formula-z2-fp32"):
+        first = rank["reports"][0]
+        assert (first["step"], first["scope"], first["verdict"], first["fault"]) == (1, "applied", "fail", "formula")
+        assert first["culprits"][0] == "custom"
