@@ -15,7 +15,7 @@ optimizer's ``step``, which the engine calls only at the boundary, after the red
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from deepspeed.utils import safe_get_full_grad
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.sharding.zero import is_engine
 
-__all__ = ["EngineStepHook", "before_engine_steps", "full_gradients"]
+__all__ = ["EngineStepHook", "FullGradients", "before_engine_steps", "full_gradients"]
 
 
 def _module(engine: Any) -> nn.Module:
@@ -45,6 +45,31 @@ def full_gradients(engine: Any) -> dict[str, Tensor]:
             if gradient is not None:
                 found[name] = gradient
     return found
+
+
+class FullGradients(Mapping[str, Tensor]):
+    """:func:`full_gradients` of ``engine``, gathered when first read: what a loop passes as ``gradients=`` at every
+    accumulation boundary, paying the gathering only when a check is due and reads it (every rank reads it then, as
+    every rank runs the check)."""
+
+    def __init__(self, engine: Any) -> None:
+        _module(engine)
+        self.engine = engine
+        self._found: dict[str, Tensor] | None = None
+
+    def _gradients(self) -> dict[str, Tensor]:
+        if self._found is None:
+            self._found = full_gradients(self.engine)
+        return self._found
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._gradients()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gradients())
+
+    def __len__(self) -> int:
+        return len(self._gradients())
 
 
 class EngineStepHook:
