@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,8 +43,9 @@ from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters
+from gradwatch.engine.settings import ProbeSettings, settings_from
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import sharded
 from gradwatch.engine.sharding.parameters import is_sharded, lockstep
@@ -92,14 +94,21 @@ def check_applied_gradient(
     step: int = 0,
     group: Any = None,
     start: Checksums | None = None,
-    tensor_probes: int | None = None,
+    tensor_probes: int = 6,
     rotation: int = 0,
     culprit_search: bool = True,
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
+    seed: int = 0,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    settings: ProbeSettings | None = None,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
+
+    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
+    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search) are
+    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
+    defaults, which are those of :func:`~gradwatch.check_gradients`.
 
     Args:
         model: The module whose trainable floating parameters the optimizer updates.
@@ -118,18 +127,18 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
-        tensor_probes: Tensors probed along their own applied gradient per check, in turn (``None``: every tensor);
-            every tensor when the descent probe fails.
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
-        ignore: Shell-style patterns of parameter names not to check (straight-through estimators: their gradient is
-            not the derivative by design). Stock surrogates (spectral norm's power iteration, padding rows, embeddings
-            with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles them.
         optimizers: Optimizers whose state the check puts back if the loss changes it (a learning rate decayed inside
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
+            passes, built once for a run); those options must then be left at their defaults. Its fields that concern
+            the recomputed check alone (``random_probes``, ``precision``, ...) are not used. Stock surrogates (spectral
+            norm's power iteration, padding rows, embeddings with ``scale_grad_by_freq``) are handled as
+            :func:`~gradwatch.check_gradients` handles them, besides the tensors ``ignore`` leaves out.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -147,9 +156,9 @@ def check_applied_gradient(
     if len(states) != len(batches):
         raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(batches)}); got {len(states)}")
     validate.check_int("step", step, minimum=0)
-    validate.check_optional_int("tensor_probes", tensor_probes, minimum=1)
+    options = settings_from(settings, {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed})
+    tensor_probes, ignore = options.tensor_probes, options.ignore
     started = time.perf_counter()
-    ignore = validate.check_patterns("ignore", ignore)
     protected = check_optimizers(optimizers)
     surrogates = find_stock_surrogates(model)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
@@ -206,6 +215,15 @@ def check_applied_gradient(
     if withheld:
         text = f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}"
         notes.append(Note(NoteCode.WARNINGS_WITHHELD, text))
+    unrestored = state.unrestorable()
+    notes += state.sandbox.notes(state.sandbox.unrestorable()) + state.guard.notes()
+    if unrestored:
+        warnings.warn(
+            f"gradwatch could not put back what the loss changed: {', '.join(unrestored)}; the model is not exactly as "
+            "it was before the check (move that code out of loss_fn)",
+            UnrestoredStateWarning,
+            stacklevel=2,
+        )
     culprits: list[str] = []
     culprit_message = ""
     surrogates_found: tuple[str, ...] = ()
@@ -215,8 +233,9 @@ def check_applied_gradient(
         # not faults of the formula, and a check whose failures they explain is not a failure
         try:
             found = check_gradients(
-                model, batches[0], single_loss(loss_fn, states[0], None), step=step, optimizers=protected
-            )
+                model, batches[0], single_loss(loss_fn, states[0], None), step=step, seed=options.seed,
+                optimizers=protected,
+            )  # fmt: skip
         except CheckAbandonedError:
             raise
         except Exception as error:  # the verdict stands without it
@@ -251,6 +270,8 @@ def check_applied_gradient(
         culprit_message=culprit_message,
         surrogates=surrogates_found,
         scope="applied",
+        side_effects=tuple(state.sandbox.changed + state.guard.changed),
+        unrestored=tuple(unrestored),
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
         noise_floor=_relative_floor(descent.probe if descent else None),
