@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.function",),
     ("engine.measuring",),
     ("engine.probing",),
-    ("engine.reference", "engine.check", "engine"),
+    ("engine.session", "engine.reference", "engine.check", "engine"),
     ("tensorboard",),
     ("outputs",),
     ("watch",),

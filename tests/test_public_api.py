@@ -18,6 +18,7 @@ def test_the_public_names_are_exported_from_the_package() -> None:
         "GradientCheckWarning",
         "GradientWatch",
         "Probe",
+        "ProbeSettings",
         "check_applied_gradient",
         "check_gradients",
     }
@@ -33,6 +34,9 @@ def test_the_public_names_are_exported_from_the_package() -> None:
     assert gradwatch.GradWatch is GradWatch
     assert gradwatch.GradientWatch is GradientWatch
     assert gradwatch.GradientCheckWarning is GradientCheckWarning
+    from gradwatch.engine.settings import ProbeSettings
+
+    assert gradwatch.ProbeSettings is ProbeSettings
 
 
 @pytest.mark.parametrize(
