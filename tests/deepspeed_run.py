@@ -4,8 +4,9 @@ Usage: ``python tests/deepspeed_run.py OUT_DIR SCENARIO...`` on every rank (``tw
 launcher's variables); ``tests/integrations/test_deepspeed.py`` runs it. A scenario is ``<kind>-z<stage>-<dtype>``,
 each a fresh ``deepspeed.initialize`` of the same seeded MLP (a LayerNorm, a custom ``autograd.Function`` layer whose
 weight gradient can be scaled) trained 3 optimizer steps of 2 micro-batches on each rank's own data, with Adam and
-gradient clipping, the applied check at every accumulation boundary before ``engine.step()`` and a recomputed check
-after the second step:
+gradient clipping, watched by a ``GradientWatch`` as ``docs/deepspeed.md`` says: ``watch.record`` before each
+micro-batch, the applied check (``watch.before_optimizer_step`` with ``FullGradients``) at every accumulation boundary
+before ``engine.step()``, the recomputed check (``watch.maybe_check``) after steps 1 and 2:
 
 - ``healthy`` / ``baseline``: correct gradients, and the same seeded run without gradwatch;
 - ``leftout``: the last micro-batch of the first window left out of the cross-rank reduction (each rank's partition of
@@ -22,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,11 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
-from gradwatch import AppliedWindow, check_gradients
+from gradwatch import GradientWatch
 from gradwatch.engine.notes import codes
 from gradwatch.engine.sharding.zero import gathered
-from gradwatch.integrations.deepspeed import before_engine_steps, full_gradients
+from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, full_gradients
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 # deepspeed.initialize compiles a shared-memory op (g++, minutes) used only by tensor-parallel inference; the attribute
 # deepspeed.comm.torch resolves to the torch package, so the module is patched through sys.modules
@@ -165,46 +166,42 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     rank = torch.distributed.get_rank()
     data = _data(rank, dtype)
-    watched = kind not in ("baseline", "hooked")
-    window = AppliedWindow(engine.module)
-    reports, step_times, norms = [], [], []
+    watch = None
+    if kind != "baseline":  # every rank takes rank 0's decisions: a ZeRO-3 check gathers on all together
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
     hook = None
-    if kind == "hooked":
+    if watch is not None and kind == "hooked":  # where Accelerate and the Trainer step: inside engine.step()
         hook = before_engine_steps(
             engine,
-            lambda: reports.append(
-                window.check(loss_fn, gradients=full_gradients(engine), step=engine.global_steps + 1)
+            lambda: watch.before_optimizer_step(
+                engine.module, loss_fn, step=engine.global_steps + 1, gradients=FullGradients(engine)
             ),
         )
-    for step in range(STEPS):
-        started = time.perf_counter()
+    norms = []
+    for step in range(1, STEPS + 1):
         for micro in range(ACCUMULATE):
-            batch = data[step * ACCUMULATE + micro]
-            if watched or hook is not None:
-                window.record(batch)
+            batch = data[(step - 1) * ACCUMULATE + micro]
+            if watch is not None:
+                watch.record(batch, model=engine.module, step=step)
             engine.backward(loss_fn(engine, batch))
             if engine.is_gradient_accumulation_boundary():
-                if step == 0 and kind == "leftout":
+                if step == 1 and kind == "leftout":
                     _leave_last_micro_batch_out(engine, batch)
-                if step == 0 and kind == "scaled":
+                if step == 1 and kind == "scaled":
                     _scale_rank1_partition(engine)
-                if watched:
-                    checking = time.perf_counter()
-                    reports.append(window.check(loss_fn, gradients=full_gradients(engine), step=step + 1))
-                    started += time.perf_counter() - checking
+                if watch is not None and hook is None:
+                    watch.before_optimizer_step(engine.module, loss_fn, step=step, gradients=FullGradients(engine))
             engine.step()
         norms.append(float(engine.get_global_grad_norm()))
-        window.clear()
-        step_times.append(time.perf_counter() - started)
-        if (watched or hook is not None) and step == 1:
-            reports.append(check_gradients(engine, data[0], loss_fn, step=step + 1))
+        if watch is not None:
+            watch.maybe_check(engine.module, data[(step - 1) * ACCUMULATE], loss_fn, step=step)
     if hook is not None:
         hook.remove()
         assert "step" not in engine.optimizer.__dict__
     return {
         "rank": rank,
-        "reports": [_report(r) for r in reports],
-        "step_s": min(step_times),
+        "reports": [_report(r) for r in (watch.reports if watch is not None else [])],
         "grad_norms": norms,
         **_state(engine),
     }
