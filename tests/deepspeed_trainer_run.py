@@ -6,8 +6,8 @@ Usage: ``python tests/deepspeed_trainer_run.py OUT_DIR SCENARIO...`` on every ra
 check at every optimizer step), ``baseline`` (the same seeded fit without the callback) or ``formula`` (the custom
 layer's weight gradient 3% too large), each 3 optimizer steps of 2 micro-batches with gradient clipping, on
 ``deepspeed_run``'s MLP. Kinds ``accelerate``, ``accelerate_baseline`` and ``accelerate_formula`` are a plain
-Accelerate loop instead (``accelerator.backward`` steps the engine), the applied check run at the engine's
-accumulation boundary by ``before_engine_steps``, and a recomputed check after the second step.
+Accelerate loop instead (``accelerator.backward`` steps the engine) watched by a ``GradientWatch``: the applied check
+run at the engine's accumulation boundary by ``before_engine_steps``, recomputed checks after steps 1 and 2.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from deepspeed_run import Net, _digest
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from gradwatch import AppliedWindow, check_gradients
+from gradwatch import GradientWatch
 from gradwatch.engine.notes import codes
-from gradwatch.integrations.deepspeed import before_engine_steps, full_gradients
+from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps
 from gradwatch.integrations.huggingface import GradWatchCallback
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]  # see deepspeed_run
 
@@ -133,23 +134,25 @@ def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
     points = Points(torch.distributed.get_rank())
     dtype = torch.bfloat16 if bf16 else torch.float32
     data = [(points.x[i : i + 4].to(dtype), points.y[i : i + 4]) for i in range(0, 24, 4)]
-    window, reports = AppliedWindow(engine), []
-    hook = None
+    watch, hook = None, None
     if kind != "accelerate_baseline":
-        check = lambda: reports.append(  # noqa: E731
-            window.check(loss_fn, gradients=full_gradients(engine), step=engine.global_steps + 1)
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+        hook = before_engine_steps(  # the engine steps inside accelerator.backward
+            engine,
+            lambda: watch.before_optimizer_step(
+                engine.module, loss_fn, step=engine.global_steps + 1, gradients=FullGradients(engine)
+            ),
         )
-        hook = before_engine_steps(engine, check)
-    for index, batch in enumerate(data):
+    for batch in data:
         with accelerator.accumulate(engine):
-            window.record(batch)
-            accelerator.backward(loss_fn(engine, batch))  # the engine steps in here at the boundary
+            if watch is not None:
+                watch.record(batch, model=engine.module, step=engine.global_steps + 1)
+            accelerator.backward(loss_fn(engine, batch))
             optimizer.step()
             optimizer.zero_grad()
-        if accelerator.sync_gradients:
-            window.clear()
-            if hook is not None and index == 3:
-                reports.append(check_gradients(engine, data[0], loss_fn, step=engine.global_steps))
+        if accelerator.sync_gradients and watch is not None:
+            watch.maybe_check(engine.module, batch, loss_fn, step=engine.global_steps)
     if hook is not None:
         hook.remove()
     params = list(engine.module.parameters())
@@ -171,7 +174,7 @@ def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
                 "culprits": r.culprits,
                 "note_codes": codes(r.notes),
             }
-            for r in reports
+            for r in (watch.reports if watch is not None else [])
         ],
     }
 
