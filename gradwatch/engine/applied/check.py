@@ -26,10 +26,11 @@ from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.probes import Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
@@ -343,26 +344,17 @@ def _measure(
         measured_floors = [distances(eager, scaled)]
         backward += 1
     else:
-        try:
-            measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,
-                                                                           state, group))]  # fmt: skip
-            backward += 1
-        except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
-            text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
-            notes.append(Note(NoteCode.APPLIED_FLOOR, text))
-            measured_floors = []
+        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
     applied_norms = norms(applied, exact=True)
-    floor_values = floors(measured_floors, applied_norms, path_dtype)
-    notes.append(
-        Note(
-            NoteCode.APPLIED_FLOOR,
-            f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
-            f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
-            f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise",
-        )
-    )
-    measured = measure(setting.model, evaluator, named, applied, floor_values, multiple, native, reference.loss,
-                      tensor_probes, rotation)  # fmt: skip
+    floor_values = floors(measured_floors or [], applied_norms, path_dtype)
+    probe, screens, lazy = (setting.model, evaluator, named, applied), dict[Any, Any](), measured_floors is None
+    measured = measure(*probe, floor_values, multiple, native, reference.loss, tensor_probes, rotation, screens, lazy)
+    if measured_floors is None and lazy_floor.needed(measured):
+        measured_floors = lazy_floor.float64_floor(model, setting.batches, window, params, state, group, eager, notes)
+        backward += 1 if measured_floors else 0
+        floor_values = floors(measured_floors, applied_norms, path_dtype)
+        measured = measure(*probe, floor_values, multiple, native, reference.loss, tensor_probes, rotation, screens)
+    notes.append(lazy_floor.floor_note(path_dtype, floor_values, applied_norms, multiple, measured_floors is not None))
     failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = None
     if failing:
