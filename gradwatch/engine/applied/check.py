@@ -354,7 +354,8 @@ def _measure(
         backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, path_dtype)
         measured = measure(*probe, floor_values, multiple, native, reference.loss, tensor_probes, rotation, screens)
-    notes.append(lazy_floor.floor_note(path_dtype, floor_values, applied_norms, multiple, measured_floors is not None))
+    floor_note = lazy_floor.floor_note(path_dtype, floor_values, applied_norms, multiple, measured_floors is not None)
+    notes.append(floor_note)
     failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = None
     if failing:
