@@ -171,6 +171,10 @@ class CheckReport:
         floor_excess: Applied checks: the largest ``|analytic − numeric|`` of the check's probes in units of that
             probe's tolerance (its noise floor times the allowed multiple, plus the finite difference's noise); above
             1 is a failure.
+        accumulation_scale: Applied checks of several micro-batches: the accumulated gradient's derivative along its
+            own direction over that of the gradient of the window's samples taken as one batch (1 when the loss is
+            normalised over the window; :mod:`gradwatch.engine.applied.equivalence`), ``nan`` when not compared.
+        accumulation_cosine: The cosine of those two gradients.
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -199,6 +203,8 @@ class CheckReport:
     fault_message: str = ""
     noise_floor: float = math.nan
     floor_excess: float = math.nan
+    accumulation_scale: float = math.nan
+    accumulation_cosine: float = math.nan
     probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

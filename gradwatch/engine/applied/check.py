@@ -28,6 +28,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
+from gradwatch.engine.applied.equivalence import compare_accumulation
 from gradwatch.engine.applied.probes import Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
@@ -99,6 +100,7 @@ def check_applied_gradient(
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    compare_one_batch: bool = True,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -131,6 +133,9 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two more backward passes):
+            ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -201,9 +206,26 @@ def check_applied_gradient(
             with lockstep(model, collective is not None):
                 outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation,
                                    notes)  # fmt: skip
+                equivalence, said = None, list[Note]()
+                if compare_one_batch and len(batches) > 1 and collective is None:
+                    equivalence, said = compare_accumulation(
+                        model,
+                        batches,
+                        loss_fn,
+                        states,
+                        combine,
+                        params,
+                        names,
+                        state,
+                        outcome[3] or [0.0] * len(params),
+                        multiple,
+                        group,
+                    )
         finally:
             state.restore()
     measured, evaluator, attribution, _, loss, backward = outcome
+    notes.extend(said)
+    backward += 2 if equivalence is not None else 0
     if withheld:
         text = f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}"
         notes.append(Note(NoteCode.WARNINGS_WITHHELD, text))
@@ -256,6 +278,8 @@ def check_applied_gradient(
         fault_message=attribution.message if attribution is not None else "",
         noise_floor=_relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan),
+        accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
+        accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
     )
 
 
