@@ -142,3 +142,15 @@ def test_one_micro_batch_is_not_compared_and_the_model_is_left_in_training_mode(
     assert not report.noted(NoteCode.ACCUMULATION_EQUIVALENCE)
     report = accumulate(model, micro_batches(unequal=True), token_mean, divide=True).check(token_mean)
     assert all(module.training for module in model.modules())
+
+
+def test_a_loss_drawing_random_numbers_is_not_compared() -> None:
+    torch.manual_seed(0)
+    model = TinyLM().train()
+
+    def noisy(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # a VAE-like draw, in eval mode too
+        return token_mean(model, batch) + 1e-3 * torch.randn(()) * model.out.bias.sum()
+
+    report = accumulate(model, micro_batches(unequal=False), noisy, divide=True).check(noisy)
+    assert not report.noted(NoteCode.ACCUMULATION_UNEQUAL)
+    assert "random" in report.noted(NoteCode.ACCUMULATION_EQUIVALENCE)[0]

@@ -143,6 +143,23 @@ def _scale(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     return total([dot(a, a) for a in acc]) / along_one if along_one else math.inf
 
 
+def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: TrainingState) -> bool:
+    """Whether the loss of ``batch`` changes with the random state (a VAE's noise): its window's micro-batches and the
+    one batch would then draw different numbers, and their gradients differ by that. Two forwards, no gradient."""
+    values = []
+    for seed in (0, 1):
+        state.before_evaluation()
+        completed = False
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), recompute.exact_conditions():
+                torch.manual_seed(seed)
+                values.append(float(loss_fn(model, batch)))
+            completed = True
+        finally:
+            state.after_evaluation(completed)
+    return values[0] != values[1]
+
+
 def compare_accumulation(
     model: nn.Module,
     batches: Sequence[Any],
@@ -168,9 +185,13 @@ def compare_accumulation(
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off, batch statistics fixed: both gradients under the same conditions
     try:
+        one_loss = single_loss(loss_fn, rng_states[0], None)
+        if _draws_randomness(model, joined, loss_fn, state):
+            text = "accumulation not compared with one batch: the loss draws random numbers even in eval mode"
+            return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
         acc = recompute.eager_gradient(model, batches, window_loss(loss_fn, rng_states, combine, None), params,
                                        state, group)  # fmt: skip
-        one = recompute.eager_gradient(model, joined, single_loss(loss_fn, rng_states[0], None), params, state, group)
+        one = recompute.eager_gradient(model, joined, one_loss, params, state, group)
     except Exception as error:  # the loss refuses the concatenated batch: no comparison, the check stands
         text = f"accumulation not compared with one batch: the loss raised {type(error).__name__} ({error})"
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
