@@ -41,7 +41,7 @@ from applied_models import (
 
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.engine.applied.verdict import storage_rounding
-from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 
 MODELS = {"MLP": MLP, "CNN (BatchNorm, dropout)": CNN, "transformer (dropout)": Transformer}
 PATHS: dict[str, Any] = {"32-true": None, "bf16-mixed": bf16}

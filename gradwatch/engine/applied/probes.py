@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.applied.combined import (
     CLOSER_LOOK,
@@ -265,39 +265,59 @@ def calm(measured: Sequence[Measured]) -> bool:
     return all(m.probe.verdict == "ok" and m.excess <= CLOSER_LOOK for m in measured)
 
 
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+
+    Attributes:
+        names: The checked parameters' names.
+        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
+        native: The parameters' dtype (the most precise of them).
+        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
+        multiple: How many noise floors of the path a gradient may be off.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
+            call for them (see :mod:`.combined`; every tensor once a probe fails).
+        rotation: Which turn of tensors this check probes.
+    """
+
+    names: list[str]
+    applied: list[Tensor]
+    native: torch.dtype
+    path_dtype: torch.dtype
+    multiple: float
+    tensor_probes: int
+    rotation: int
+
+
 def measure(
-    model: nn.Module,
     evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
+    plan: AppliedPlan,
+    floors: list[float],
     loss: float,
-    tensor_probes: int | None,
-    rotation: int,
     screens: dict[Any, Any] | None = None,
     provisional: bool = False,
 ) -> list[Measured]:
-    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions).
+    """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
+    float64 storage where the model runs in float64 (else natively, float64 reductions).
 
-    ``provisional``: the ``floor_values`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the
-    first screen that does not agree, or after the combined probes when one does not agree within
+    ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the first
+    screen that does not agree, or after the combined probes when one does not agree within
     :data:`~.combined.CLOSER_LOOK`. ``screens`` (a dict) collects the centre and the screens of one pass for another
     over the same point (with the measured floor), which evaluates them again only if they are not there."""
+    named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation, screens, provisional)
+    args = (plan, floors, loss, screens, provisional)
     with exact_conditions():
-        float64 = resolve_precision("auto", native, elements) == "float64"
+        float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
         elif float64:
             try:
-                with float64_storage(model) as substitutes:
+                with float64_storage(evaluator.model) as substitutes:
                     evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, named, *args, torch.float64)
+                    return _probes_at(evaluator, *args, torch.float64)
             except CheckAbandonedError:
                 raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
@@ -306,19 +326,14 @@ def measure(
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
-        return _probes_at(evaluator, named, *args, native)
+        return _probes_at(evaluator, *args, plan.native)
 
 
 def _probes_at(
     evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
+    plan: AppliedPlan,
+    floors: list[float],
     loss: float,
-    tensor_probes: int | None,
-    rotation: int,
     screens: dict[Any, Any] | None,
     provisional: bool,
     compute: torch.dtype,
@@ -326,7 +341,7 @@ def _probes_at(
     screens = screens if screens is not None else {}
     center = screens[compute] if compute in screens else evaluator.loss()
     screens[compute] = center
-    if abs(center - loss) > center_tolerance(loss, native, compute):
+    if abs(center - loss) > center_tolerance(loss, plan.native, compute):
         evaluator.notes.append(
             Note(
                 NoteCode.APPLIED_NOT_REPRODUCIBLE,
@@ -337,15 +352,15 @@ def _probes_at(
         )
         return []
     measurements = Measurements(evaluator, center)
-    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
-                           floor_values, multiple, native, provisional, screens)  # fmt: skip
+    probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
+                           plan.multiple, plan.native, provisional, screens)  # fmt: skip
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured
-    count = len(named)
+    count = len(plan.names)
     combined = [Combined(m.probe.verdict, m.excess, m.tolerance, dict(zip(m.tensors, m.weights, strict=True)))
                 for m in measured]  # fmt: skip
-    order = tensors_to_probe(combined, probes.grad_norms, floor_values, multiple, tensor_probes, rotation)
+    order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
     for i in order:
         found = probes.tensor(i)
         if found is not None:
