@@ -24,9 +24,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.integrations.integration_utils import TensorBoardCallback
+from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.outputs.beside import record_directory
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.sinks import GuardedSink, JsonLinesSink, LogCallSink, Sink, SummaryWriterSink
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
@@ -210,8 +211,8 @@ class GradWatchCallback(TrainerCallback):
 
     def _run_sinks(self, args: TrainingArguments, state: TrainerState) -> list[Sink]:
         """The run's outputs: the scalars through ``trainer.log`` (every process: each keeps its log history); on the
-        main process, the histogram and the failure text into the Trainer's TensorBoard run and the JSON lines record
-        beside the logs."""
+        main process, the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record
+        beside the logs (:meth:`_record_directories`)."""
         sinks: list[Sink] = [LogCallSink(self._log)]
         if not state.is_world_process_zero:
             return sinks
@@ -220,10 +221,23 @@ class GradWatchCallback(TrainerCallback):
         if writer is not None:
             # the scalars reach it through trainer.log, as train/gradwatch/...: the rest beside them
             sinks.append(GuardedSink(SummaryWriterSink(writer, scalars=False, prefix=TRAINER_PREFIX)))
-        directory = getattr(writer, "log_dir", None) or getattr(board, "logging_dir", None)
-        directory = directory or getattr(args, "logging_dir", None) or args.output_dir or "."
-        sinks.append(GuardedSink(JsonLinesSink(Path(directory) / JSONL_NAME)))
+        directories = self._record_directories(
+            args, getattr(writer, "log_dir", None) or getattr(board, "logging_dir", None)
+        )
+        sinks += [GuardedSink(JsonLinesSink(directory / JSONL_NAME)) for directory in directories]
         return sinks
+
+    def _record_directories(self, args: TrainingArguments, board: str | None) -> list[Path]:
+        """Where the JSON lines record goes: the TensorBoard run's directory (``board``), and for a Weights & Biases or
+        MLflow run, ``<output_dir>/gradwatch_records/<callback>-<run id>`` (beside their run folders, where
+        ``gradwatch report`` looks: :mod:`gradwatch.outputs.beside`); without any of these, ``output_dir``."""
+        root = Path(args.output_dir or ".")
+        directories = [Path(board)] if board else []
+        for callback in self.trainer.callback_handler.callbacks:
+            run_id = _tracking_run_id(callback)
+            if run_id:
+                directories.append(record_directory(root, type(callback).__name__, run_id))
+        return directories or [Path(getattr(args, "logging_dir", None) or root)]
 
     def _log(self, values: dict[str, float | str]) -> None:
         # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
@@ -257,6 +271,22 @@ class GradWatchCallback(TrainerCallback):
             return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
         return loss_fn
+
+
+def _tracking_run_id(callback: TrainerCallback) -> str | None:
+    """The run id of a Weights & Biases or MLflow integration callback once its run started, else ``None`` (read from
+    the objects they keep, without importing wandb or mlflow)."""
+    try:
+        if isinstance(callback, WandbCallback):
+            run = getattr(getattr(callback, "_wandb", None), "run", None)
+            return None if run is None else str(run.id)
+        if isinstance(callback, MLflowCallback):
+            active = getattr(callback, "_ml_flow", None)
+            run = active.active_run() if active is not None else None
+            return None if run is None else str(run.info.run_id)
+    except Exception:  # a tracking tool's state must not end the run: its record then goes to output_dir
+        return None
+    return None
 
 
 def _stateful(state: TrainerState) -> dict[str, Any]:

@@ -378,7 +378,7 @@ def read_logdir(logdir: Path | str) -> list[RunEvents]:
             runs.append(run)
     if not runs:
         raise EventFilesError(
-            f"the {len(files)} event file(s) under {shown(logdir)} hold no gradwatch data (no '{VERDICT_TAG}' scalar): "
-            "was GradWatch among the Trainer's callbacks, and did a check run?"
+            f"no check was recorded under {shown(logdir)}: its {len(files)} event file(s) hold no '{VERDICT_TAG}' "
+            f"scalar (nor '{TRAINER_PREFIX}{VERDICT_TAG}', as a Hugging Face Trainer's run holds them)"
         )
     return runs

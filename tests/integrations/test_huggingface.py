@@ -9,6 +9,7 @@ import io
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.cli import main  # noqa: E402
 from gradwatch.integrations.huggingface import STATE_KEY, GradWatchCallback  # noqa: E402
+from gradwatch.outputs import GuardedSink  # noqa: E402
 
 BUGGY = "model.layers.0.self_attn.o_proj"
 """The module the bug is planted in: one of the tensors the first check's rotation probes along their gradient."""
@@ -183,3 +185,25 @@ def test_resuming_from_a_checkpoint_continues_the_schedule_and_the_counters(tmp_
     for key in ("checks", "failed_checks", "last_step", "pending", "postponed_checks", "failure_warnings"):
         assert continued[key] == uninterrupted[key], key
     assert continued["train_seconds"] > saved[STATE_KEY]["train_seconds"]  # the budget's clock went on
+
+
+def test_the_record_of_a_wandb_or_mlflow_run_goes_beside_its_run_folder(tmp_path: Path) -> None:
+    """Where ``gradwatch report`` pointed at their run folders looks (``gradwatch.outputs.beside``); the integrations'
+    callbacks stand in as they are once their runs started (wandb and mlflow are not installed here)."""
+    from transformers.integrations.integration_utils import MLflowCallback, WandbCallback
+
+    trainer = transformers.Trainer(model=tiny_llama(), args=_arguments(tmp_path, 1), train_dataset=Tokens())
+    wandb = object.__new__(WandbCallback)
+    wandb._wandb = SimpleNamespace(run=SimpleNamespace(id="abc123de"))
+    mlflow = object.__new__(MLflowCallback)
+    mlflow._ml_flow = SimpleNamespace(active_run=lambda: SimpleNamespace(info=SimpleNamespace(run_id="f" * 32)))
+    trainer.callback_handler.callbacks += [wandb, mlflow]
+    sinks = GradWatchCallback(trainer)._run_sinks(trainer.args, trainer.state)
+    records = [sink.sink.path for sink in sinks if isinstance(sink, GuardedSink)]
+    assert records == [
+        tmp_path / "gradwatch_records" / "WandbCallback-abc123de" / "gradwatch.jsonl",
+        tmp_path / "gradwatch_records" / f"MLflowCallback-{'f' * 32}" / "gradwatch.jsonl",
+    ]
+    trainer.callback_handler.callbacks = trainer.callback_handler.callbacks[:-2]
+    assert [sink.sink.path for sink in GradWatchCallback(trainer)._run_sinks(trainer.args, trainer.state)
+            if isinstance(sink, GuardedSink)] == [tmp_path / "gradwatch.jsonl"]  # fmt: skip
