@@ -134,6 +134,7 @@ class GradWatchCallback(TrainerCallback):
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
+        self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -171,6 +172,7 @@ class GradWatchCallback(TrainerCallback):
         self._kept = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        self._log_pending()
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
@@ -239,12 +241,22 @@ class GradWatchCallback(TrainerCallback):
                 directories.append(record_directory(root, type(callback).__name__, run_id))
         return directories or [Path(getattr(args, "logging_dir", None) or root)]
 
-    def _log(self, values: dict[str, float | str]) -> None:
+    def _log(self, values: dict[str, float | str], step: int) -> None:
+        """Send a check's values through ``trainer.log`` at the Trainer's ``step``: at once when the Trainer is there,
+        else (an applied check, before its optimizer step) at that step's end."""
+        if step > self.trainer.state.global_step:
+            self._pending_logs.append(values)
+            return
         # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
         # the Trainer would skip (and later average over) the loss it logs at this step
         should_log = self.trainer.control.should_log
         self.trainer.log(cast(dict[str, float], values))
         self.trainer.control.should_log = should_log
+
+    def _log_pending(self) -> None:
+        pending, self._pending_logs = self._pending_logs, []
+        for values in pending:
+            self._log(values, self.trainer.state.global_step)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 

@@ -6,8 +6,8 @@
   Face ``trainer.log``): the failure text;
 * :class:`JsonLinesSink`: the backend-neutral record (:mod:`.jsonl`), one JSON object per check appended to a file
   beside the logs, which ``gradwatch report`` reads whatever the logger;
-* :class:`LogCallSink`: a loop's own logging call taking one dict (a Hugging Face ``trainer.log``), which reaches
-  every integration of that loop: the scalars and the failure text;
+* :class:`LogCallSink`: a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
+  reaches every integration of that loop): the scalars, and the failure text where the backends show strings;
 * :class:`GuardedSink`: any sink whose files may fail (a full disk), warned about once instead of ending the run.
 
 Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
@@ -122,16 +122,18 @@ class JsonLinesSink:
 
 
 class LogCallSink:
-    """The scalars through a loop's own logging call taking one dict (a Hugging Face ``trainer.log``: it reaches every
-    ``report_to`` integration), and the failure text too when ``text`` is set.
+    """The scalars through a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
+    reaches every ``report_to`` integration; Fabric's ``log_dict``; Accelerate's ``log``), and the failure text too
+    when ``text`` is set.
 
     Args:
-        log: Called once per check with the ``gradwatch/*`` scalars (finite ones, the ``*_log10`` forms included).
+        log: Called once per check with the ``gradwatch/*`` scalars (finite ones, the ``*_log10`` forms included) and
+            the step the check ran at.
         text: Also send the failure text, under the records' ``text_tag``, when a check failed (a string value: for a
             call whose backends show strings; a console printer prints it whole).
     """
 
-    def __init__(self, log: Callable[[dict[str, float | str]], object], *, text: bool = False) -> None:
+    def __init__(self, log: Callable[[dict[str, float | str], int], object], *, text: bool = False) -> None:
         self.log = log
         self.text = text
 
@@ -139,7 +141,7 @@ class LogCallSink:
         values: dict[str, float | str] = dict(records.scalars)
         if self.text and records.text:
             values[records.text_tag] = records.text
-        self.log(values)
+        self.log(values, records.step)
 
     def flush(self) -> None:
         """Nothing to do: the loop sends what it was given."""

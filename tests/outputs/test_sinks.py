@@ -145,10 +145,11 @@ def test_summary_writer_sink_with_a_prefix_and_without_text(failing: CheckReport
 
 @pytest.mark.parametrize("text", [False, True], ids=["scalars", "scalars-and-text"])
 def test_log_call_sink_sends_the_scalars_in_one_call(failing: CheckReport, text: bool) -> None:
-    calls: list[dict[str, float | str]] = []
+    calls: list[tuple[dict[str, float | str], int]] = []
     records = records_of(failing, overhead=0.5)
-    LogCallSink(calls.append, text=text).write(records)
-    (values,) = calls
+    LogCallSink(lambda values, step: calls.append((values, step)), text=text).write(records)
+    ((values, step),) = calls
+    assert step == 4
     assert {tag: value for tag, value in values.items() if tag != FAILURES_TAG} == records.scalars
     assert "gradwatch/rel_error_max_log10" in values
     assert values["gradwatch/overhead"] == 0.5
