@@ -5,12 +5,15 @@ so the callback cooperates with the Trainer it is built with (the pattern of TRL
 wraps ``trainer.compute_loss`` to keep the first micro-batch of each optimizer step that may be checked (a shallow copy
 of the inputs dict, since ``compute_loss`` may pop the labels) and the ``num_items_in_batch`` the Trainer passed with
 it. At ``on_step_end`` (after the optimizer step; ``state.global_step`` counts optimizer steps) it runs the check: the
-loss is the Trainer's own ``compute_loss`` on the kept micro-batch, at the parameters the step produced. Scalars go
-through ``trainer.log`` (so to every ``report_to`` integration) at the steps with a check only.
+loss is the Trainer's own ``compute_loss`` on the kept micro-batch, at the parameters the step produced. What
+``compute_loss`` records meanwhile (TRL's metrics and token counts) is put back after the check (:mod:`.records`).
+Scalars go through ``transformers.Trainer.log`` (so to every ``report_to`` integration) at the steps with a check only.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -18,6 +21,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.integrations.records import records_kept
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.watch import GradientWatch
 
@@ -65,6 +69,8 @@ class GradWatchCallback(TrainerCallback):
         # several processes (DDP): rank 0 decides the budget and every process acts on the same report
         options.setdefault("decide", rank0_decides)
         options.setdefault("agree", agree_across_ranks)
+        self._context = options.pop("context", None)
+        options["context"] = self._records_kept
         self.watch = GradientWatch(every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
@@ -147,12 +153,21 @@ class GradWatchCallback(TrainerCallback):
 
         return loss_fn
 
+    @contextlib.contextmanager
+    def _records_kept(self, model: nn.Module) -> Iterator[None]:
+        """Around each check: what the trainer's ``compute_loss`` records (TRL's ``_metrics``, token counts) is put
+        back afterwards; inside it, the ``context`` given to the callback, if any."""
+        with records_kept(self.trainer), self._context(model) if self._context else contextlib.nullcontext():
+            yield
+
     def _log(self, report: CheckReport) -> None:
         scalars = {**report.scalars(), "gradwatch/overhead": self.watch.overhead}
         # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
         # the Trainer would skip (and later average over) the loss it logs at this step
         should_log = self.trainer.control.should_log
-        self.trainer.log({tag: float(value) for tag, value in scalars.items() if value == value})  # NaN dropped
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, {tag: float(value) for tag, value in scalars.items() if value == value})  # no NaN
         self.trainer.control.should_log = should_log
 
 
