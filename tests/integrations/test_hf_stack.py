@@ -1,0 +1,67 @@
+"""GradWatchCallback on the ``transformers.Trainer`` set-ups people fine-tune with: activation checkpointing (reentrant
+or not) with a planted 3% bug in one MLP activation, a pure-bf16 model (``torch_dtype=bfloat16``, no autocast)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_stack_models import Tokens, plant_activation_bug, tiny_llama  # noqa: E402
+
+from gradwatch import GradientCheckWarning  # noqa: E402
+from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
+
+
+def _train(tmp_path: Path, model: torch.nn.Module, steps: int, **arguments: Any) -> GradWatchCallback:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        **arguments,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    callback = GradWatchCallback(trainer, every_n_steps=1)
+    trainer.add_callback(callback)
+    trainer.train()
+    return callback
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(tmp_path: Path, reentrant: bool) -> None:
+    model = tiny_llama()
+    buggy = plant_activation_bug(model, layer=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        callback = _train(
+            tmp_path,
+            model,
+            steps=1,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        )
+    assert callback.counts == {"checks": 1, "failed": 1, "skipped": 0, "postponed": 0}  # no check that could not run
+    report = callback.reports[0]
+    assert (report.step, report.verdict) == (1, "fail")
+    assert report.culprits[0] == buggy, str(report)
+    assert "(`BuggySiLU`) is wrong: its input gradient is" in report.culprit_message
+
+
+def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> None:
+    model = tiny_llama(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        callback = _train(tmp_path, model, steps=8)
+    assert [r.verdict for r in callback.reports] == ["ok"] * 8
+    assert all(r.precision == "float64" for r in callback.reports)
