@@ -1,5 +1,6 @@
 """GradWatchCallback on the ``transformers.Trainer`` set-ups people fine-tune with: activation checkpointing (reentrant
-or not) with a planted 3% bug in one MLP activation, a pure-bf16 model (``torch_dtype=bfloat16``, no autocast)."""
+or not) with a planted 3% bug in one MLP activation, a pure-bf16 model (``torch_dtype=bfloat16``, no autocast); and
+PEFT LoRA adapters whose backward is wrong, named down to the adapter module."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> Non
         callback = _train(tmp_path, model, steps=8)
     assert [r.verdict for r in callback.reports] == ["ok"] * 8
     assert all(r.precision == "float64" for r in callback.reports)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "where", "evidence"),
+    [("lora_B", "input", "its input gradient is"), ("lora_A", "weight", "the gradient of its parameters is")],
+)
+def test_a_wrong_lora_adapter_backward_is_named_down_to_the_adapter(adapter: str, where: str, evidence: str) -> None:
+    peft = pytest.importorskip("peft")
+    from culprit_models import plant_linear_bug
+    from hf_stack_models import BUG, token_ids
+
+    from gradwatch import check_gradients
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config).train()
+    buggy = f"base_model.model.model.layers.1.self_attn.q_proj.{adapter}.default"
+    plant_linear_bug(model.get_submodule(buggy), BUG, where)
+    ids = torch.tensor(token_ids(4, 12))
+    report = check_gradients(model, ids, lambda m, batch: m(input_ids=batch, labels=batch).loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == buggy, str(report)
+    assert evidence in report.culprit_message
