@@ -148,3 +148,18 @@ def plant_activation_bug(model: nn.Module, layer: int, factor: float = BUG) -> s
     mlp = model.get_submodule(f"model.layers.{layer}.mlp")
     mlp.act_fn = BuggySiLU(factor)
     return f"model.layers.{layer}.mlp.act_fn"
+
+
+def preference_dataset(count: int = 32, seed: int = 5) -> Any:
+    """A ``datasets.Dataset`` of preference triples (``prompt``, ``chosen``, ``rejected``) in the tokenizer's words."""
+    import datasets
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def text(length: int) -> str:
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (length,), generator=generator))
+
+    rows = [(text(6), text(5), text(5)) for _ in range(count)]
+    return datasets.Dataset.from_dict(
+        {key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))}
+    )

@@ -2,7 +2,7 @@
 around the model's forward; activation checkpointing; its own ``compute_loss``, which records metrics at each call),
 on a tiny randomly initialised Llama: checks conclude without false alarm, the run's log history (TRL's metrics
 included) is bit for bit the one without gradwatch, and a 3% RMSNorm backward bug is caught at the first check with
-that module named."""
+that module named. The same for ``DPOTrainer`` at its defaults, with the reference log-probabilities precomputed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-from hf_stack_models import language_modeling_dataset, plant_norm_bug, tiny_llama, tiny_tokenizer  # noqa: E402
+from hf_stack_models import (  # noqa: E402
+    language_modeling_dataset,
+    plant_norm_bug,
+    preference_dataset,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
@@ -108,3 +114,60 @@ def test_what_compute_loss_records_during_a_check_is_put_back(tmp_path: Path) ->
 def _one_batch(trainer: Any) -> dict[str, torch.Tensor]:
     batch = next(iter(trainer.get_train_dataloader()))
     return {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+
+
+def _dpo(tmp_path: Path, steps: int, bug: bool = False, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        # the reference model's log-probabilities computed once, before training: inside compute_loss its float32
+        # forward would run beside the check's float64 policy, which TRL's chunked log-prob kernel refuses (the
+        # probes would fall back to float32, too coarse for a 3% bug; see docs/trl.md)
+        precompute_ref_log_probs=True,
+    )
+    model = tiny_llama()
+    if bug:
+        plant_norm_bug(model.get_submodule(NORM))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer = trl.DPOTrainer(
+            model=model,
+            ref_model=tiny_llama(),
+            args=args,
+            train_dataset=preference_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
+    callback = None
+    if options:
+        callback = GradWatchCallback(trainer, **options)
+        trainer.add_callback(callback)
+    trainer.train()
+    return trainer, callback
+
+
+def test_dpo_at_its_defaults_is_checked_in_float64_and_logs_as_without_gradwatch(tmp_path: Path) -> None:
+    without, _ = _dpo(tmp_path, steps=4)
+    assert without.args.bf16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        watched, callback = _dpo(tmp_path, steps=4, every_n_steps=2)
+    assert callback is not None
+    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [
+        (1, "ok", "float64"), (2, "ok", "float64"), (4, "ok", "float64")
+    ]  # fmt: skip
+    assert _history(watched) == _history(without)  # DPO's rewards, log-probabilities and token counts included
+    assert "rewards/margins" in _history(watched)[0]
+
+
+def test_a_wrong_rmsnorm_backward_under_dpo_is_caught_at_the_first_check_and_named(tmp_path: Path) -> None:
+    with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}`"):
+        _, callback = _dpo(tmp_path, steps=1, bug=True, every_n_steps=10)
+    assert callback is not None
+    assert callback.reports[0].culprits[0] == NORM
