@@ -155,14 +155,18 @@ def path_gradient(
     state: TrainingState,
     *,
     compiled: bool = True,
+    autocast: bool = True,
     group: Any = None,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
     """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
-    per micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, the gradient of the loss
+    per micro-batch), with compiled code run eagerly if not ``compiled``, every autocast region held off if not
+    ``autocast``; with a ``scale``, the gradient of the loss
     times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
     :func:`~gradwatch.engine.applied.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())
+        if not autocast:
+            stack.enter_context(autocast_held_off())
         return _gradient(model, batches, loss_fn, params, state, group, scale)
