@@ -53,7 +53,7 @@ def _sft(tmp_path: Path, steps: int = 6, bug: bool = False, **options: Any) -> t
         )
     callback = None
     if options:
-        callback = GradWatchCallback(trainer, **options)
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})  # on schedule, no budget
         trainer.add_callback(callback)
     trainer.train()
     return trainer, callback
@@ -143,7 +143,7 @@ def _dpo(tmp_path: Path, steps: int, bug: bool = False, **options: Any) -> tuple
         )
     callback = None
     if options:
-        callback = GradWatchCallback(trainer, **options)
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})  # on schedule, no budget
         trainer.add_callback(callback)
     trainer.train()
     return trainer, callback
