@@ -104,7 +104,7 @@ def run(make_model: Callable[[], torch.nn.Module], sft: bool, checks: int, every
         plain.add_callback(timer)
         plain.train()
         watched = trainer(make_model, sft, steps, output)
-        callback = GradWatchCallback(watched, every_n_steps=every, first_check_step=None)
+        callback = GradWatchCallback(watched, every_n_steps=every, first_check_step=None, max_overhead=None)
         watched.add_callback(callback)
         watched.train()
     return {"step_s": statistics.median(timer.seconds[1:]), "reports": callback.reports}
