@@ -8,7 +8,8 @@
   beside the logs, which ``gradwatch report`` reads whatever the logger;
 * :class:`LogCallSink`: a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
   reaches every integration of that loop): the scalars, and the failure text where the backends show strings;
-* :class:`GuardedSink`: any sink whose files may fail (a full disk), warned about once instead of ending the run.
+
+A sink that cannot be written (a full disk) is warned about once by :func:`write_to_sinks`, never raised.
 
 Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +28,9 @@ from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.writer import SummaryWriterLike, write_histogram
 
 log = logging.getLogger(__name__)
+
+_failed_sinks: set[str] = set()
+"""Sinks (by their ``repr``, a file's path) that could not be written, warned about once per process."""
 
 
 class Sink(Protocol):
@@ -147,32 +151,17 @@ class LogCallSink:
         """Nothing to do: the loop sends what it was given."""
 
 
-class GuardedSink:
-    """A sink whose ``OSError`` (a full disk, a read-only directory) is logged once, as a warning naming the sink, and
-    never raised: an output must not end the training run it records.
-
-    Args:
-        sink: The sink to guard (a :class:`JsonLinesSink`, a writer's sink).
-    """
-
-    def __init__(self, sink: Sink) -> None:
-        self.sink = sink
-        self.failed = False
-
-    def write(self, records: CheckRecords) -> None:
-        self._guarded(self.sink.write, records)
-
-    def flush(self) -> None:
-        self._guarded(self.sink.flush)
-
-    def _guarded(self, call: Callable[..., None], *arguments: CheckRecords) -> None:
+def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
+    """Write ``records`` to every sink, flushed at once when the check failed. A sink that cannot be written (a full
+    disk, a read-only directory) is warned about once and never ends the training run."""
+    for sink in sinks:
         try:
-            call(*arguments)
+            sink.write(records)
+            if records.failed:
+                sink.flush()
         except OSError as error:
-            if not self.failed:
-                self.failed = True
-                message = "gradwatch: could not write to %r (%s); training goes on, the record is incomplete"
-                log.warning(message, self.sink, error)
-
-    def __repr__(self) -> str:
-        return f"GuardedSink({self.sink!r})"
+            key = repr(sink)
+            if key not in _failed_sinks:
+                _failed_sinks.add(key)
+                log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete",
+                            sink, error)  # fmt: skip

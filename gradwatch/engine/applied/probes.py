@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
@@ -191,32 +191,46 @@ class AppliedProbes:
         return Measured(probe, tensors, 1.0 / size, judgement.tolerance, judgement.excess)
 
 
-def measure(
-    model: nn.Module,
-    evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
-    loss: float,
-    tensor_probes: int | None,
-    rotation: int,
-) -> list[Measured]:
-    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+
+    Attributes:
+        names: The checked parameters' names.
+        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
+        native: The parameters' dtype (the most precise of them).
+        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
+        multiple: How many noise floors of the path a gradient may be off.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn (every tensor once a
+            probe fails).
+        rotation: Which turn of tensors this check probes.
+    """
+
+    names: list[str]
+    applied: list[Tensor]
+    native: torch.dtype
+    path_dtype: torch.dtype
+    multiple: float
+    tensor_probes: int
+    rotation: int
+
+
+def measure(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float) -> list[Measured]:
+    """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
+    float64 storage where the model runs in float64 (else natively, float64 reductions)."""
+    named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
     with exact_conditions():
-        float64 = resolve_precision("auto", native, elements) == "float64"
+        float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
         elif float64:
             try:
-                with float64_storage(model) as substitutes:
+                with float64_storage(evaluator.model) as substitutes:
                     evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, named, *args, torch.float64)
+                    return _probes_at(evaluator, plan, floors, loss, torch.float64)
             except CheckAbandonedError:
                 raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
@@ -225,23 +239,14 @@ def measure(
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
-        return _probes_at(evaluator, named, *args, native)
+        return _probes_at(evaluator, plan, floors, loss, plan.native)
 
 
 def _probes_at(
-    evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
-    loss: float,
-    tensor_probes: int | None,
-    rotation: int,
-    compute: torch.dtype,
+    evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float, compute: torch.dtype
 ) -> list[Measured]:
     center = evaluator.loss()
-    if abs(center - loss) > center_tolerance(loss, native, compute):
+    if abs(center - loss) > center_tolerance(loss, plan.native, compute):
         evaluator.notes.append(
             Note(
                 NoteCode.APPLIED_NOT_REPRODUCIBLE,
@@ -252,15 +257,15 @@ def _probes_at(
         )
         return []
     measurements = Measurements(evaluator, center)
-    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
-                           floor_values, multiple, native)  # fmt: skip
+    probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
+                           plan.multiple, plan.native)  # fmt: skip
     descent = probes.descent()
     measured = [descent] if descent is not None else []
-    count = len(named)
-    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes is None or tensor_probes >= count:
+    count, tensor_probes = len(plan.names), plan.tensor_probes
+    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes >= count:
         order = list(range(count))
     else:
-        first = (rotation * tensor_probes) % count
+        first = (plan.rotation * tensor_probes) % count
         order = [(first + k) % count for k in range(tensor_probes)]
     for i in order:
         found = probes.tensor(i)
