@@ -34,7 +34,9 @@ the adapters over the watch for each training loop (Lightning, and the integrati
 the faces (command line, test helpers), the old import paths kept for users (``gradwatch.callback``,
 ``gradwatch.check``, ``gradwatch.report``) and the package itself."""
 
-FRAMEWORKS = {"lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate"}
+FRAMEWORKS = {
+    "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"
+}  # fmt: skip
 
 
 def _name(path: Path) -> str:

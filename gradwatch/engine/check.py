@@ -53,10 +53,12 @@ from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective
 from gradwatch.engine.sharding.collective import active as sharding_active
+from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_gradients"]
 
 
+@on_whole_parameters
 def check_gradients(
     model: nn.Module,
     batch: Any,
@@ -88,7 +90,8 @@ def check_gradients(
     :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
-        model: The module whose trainable floating parameters are checked.
+        model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps,
+            under ZeRO-3 with its parameters gathered; every rank calls the check together).
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
             dataclasses) are probed as inputs. It is never modified.
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check evaluates it at least

@@ -19,7 +19,8 @@ Outputs go through the watch's sinks, built once per run at ``on_train_begin``
 (:mod:`gradwatch.integrations.trainer_outputs`): the scalars through ``trainer.log`` (every ``report_to``
 integration), the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record beside
 the logs. The watch's state rides in the Trainer's checkpoints (``trainer_state.json``, under ``stateful_callbacks``),
-so a resumed run continues its schedule.
+so a resumed run continues its schedule. What ``compute_loss`` records during a check (TRL's metrics and token counts)
+is put back after it (:mod:`.records`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,6 +38,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.integrations.records import records_kept
 from gradwatch.integrations.trainer_outputs import run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
 from gradwatch.outputs.sinks import Sink
@@ -146,11 +148,12 @@ class GradWatchCallback(TrainerCallback):
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
             decide=decide or rank0_decides,
             agree=agree or agree_across_ranks,
-            context=context,
+            context=self._records_kept,
             on_report=on_report,
             **options,
         )
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
+        self._context = context
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
@@ -325,7 +328,9 @@ class GradWatchCallback(TrainerCallback):
         # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
         # the Trainer would skip (and later average over) the loss it logs at this step
         should_log = self.trainer.control.should_log
-        self.trainer.log(cast(dict[str, float], values))
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, cast(dict[str, float], values))
         self.trainer.control.should_log = should_log
 
     def _log_pending(self) -> None:
@@ -334,6 +339,13 @@ class GradWatchCallback(TrainerCallback):
             self._log(values, self.trainer.state.global_step)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _records_kept(self, model: nn.Module) -> Iterator[None]:
+        """Around each check: what the trainer's ``compute_loss`` records (TRL's ``_metrics``, token counts) is put
+        back afterwards; inside it, the ``context`` given to the callback, if any."""
+        with records_kept(self.trainer), self._context(model) if self._context else contextlib.nullcontext():
+            yield
 
     def _keeping_compute_loss(
         self,

@@ -8,8 +8,7 @@
   beside the logs, which ``gradwatch report`` reads whatever the logger;
 * :class:`LogCallSink`: a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
   reaches every integration of that loop): the scalars, and the failure text where the backends show strings;
-
-A sink that cannot be written (a full disk) is warned about once by :func:`write_to_sinks`, never raised.
+* :class:`GuardedSink`: any sink whose files may fail (a full disk), warned about once instead of ending the run.
 
 Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
 """
@@ -151,17 +150,45 @@ class LogCallSink:
         """Nothing to do: the loop sends what it was given."""
 
 
-def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
-    """Write ``records`` to every sink, flushed at once when the check failed. A sink that cannot be written (a full
-    disk, a read-only directory) is warned about once and never ends the training run."""
-    for sink in sinks:
+class GuardedSink:
+    """A sink whose ``OSError`` (a full disk, a read-only directory) is logged once, as a warning naming the sink, and
+    never raised: an output must not end the training run it records.
+
+    Args:
+        sink: The sink to guard (a :class:`JsonLinesSink`, a writer's sink).
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def write(self, records: CheckRecords) -> None:
+        self._guarded(self.sink.write, records)
+
+    def flush(self) -> None:
+        self._guarded(self.sink.flush)
+
+    def _guarded(self, call: Callable[..., None], *arguments: CheckRecords) -> None:
         try:
-            sink.write(records)
-            if records.failed:
-                sink.flush()
+            call(*arguments)
         except OSError as error:
-            key = repr(sink)
-            if key not in _failed_sinks:
-                _failed_sinks.add(key)
-                log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete",
-                            sink, error)  # fmt: skip
+            if repr(self.sink) not in _failed_sinks:  # once per file (a sink's repr names it) and process
+                _failed_sinks.add(repr(self.sink))
+                message = "gradwatch: could not write to %r (%s); training goes on, the record is incomplete"
+                log.warning(message, self.sink, error)
+
+    @property
+    def failed(self) -> bool:
+        """Whether writing to the sink failed in this process."""
+        return repr(self.sink) in _failed_sinks
+
+    def __repr__(self) -> str:
+        return f"GuardedSink({self.sink!r})"
+
+
+def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
+    """Write ``records`` to every sink, each guarded (:class:`GuardedSink`), flushed at once when the check failed."""
+    for sink in sinks:
+        guarded = sink if isinstance(sink, GuardedSink) else GuardedSink(sink)
+        guarded.write(records)
+        if records.failed:
+            guarded.flush()

@@ -285,8 +285,7 @@ class GradientWatch:
         active = self._lessons.active
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
-            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, ignore=active.ignore,
-            tensor_probes=active.tensor_probes,
+            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))

@@ -16,7 +16,7 @@ from helpers import SeedModel, seed_batch, seed_loss
 from gradwatch import check_gradients
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
-from gradwatch.outputs import JsonLinesSink, LogCallSink, SummaryWriterSink, TextSink, records_of
+from gradwatch.outputs import GuardedSink, JsonLinesSink, LogCallSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
 from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 
@@ -154,3 +154,17 @@ def test_log_call_sink_sends_the_scalars_in_one_call(failing: CheckReport, text:
     assert "gradwatch/rel_error_max_log10" in values
     assert values["gradwatch/overhead"] == 0.5
     assert values.get(FAILURES_TAG) == (records.text if text else None)
+
+
+def test_guarded_sink_warns_once_and_never_raises(failing: CheckReport, tmp_path: Path, caplog) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    sink = GuardedSink(JsonLinesSink(blocked / "gradwatch.jsonl"))  # its directory is a file
+    with caplog.at_level("WARNING", logger="gradwatch.outputs.sinks"):
+        sink.write(records_of(failing))
+        sink.write(records_of(failing))
+        sink.flush()
+    assert sink.failed
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert "could not write to JsonLinesSink(" in warning
+    assert "training goes on" in warning

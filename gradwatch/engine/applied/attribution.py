@@ -39,6 +39,7 @@ from gradwatch.engine.report import Fault
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import every_rank
+from gradwatch.engine.sharding.zero import ranks_owning_wrong_rows
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,12 @@ class PathSetting:
 
     def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
         """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
-        path's context unless ``with_path``, its compiled code run eagerly unless ``compiled``, the loss scaled by
-        ``scale`` on top of the loop's own scale."""
+        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
+        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
+        scale."""
         return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
-                                       compiled=compiled, group=self.group, scale=scale * self.loss_scale)  # fmt: skip
+                                       compiled=compiled, autocast=with_path, group=self.group,
+                                       scale=scale * self.loss_scale)  # fmt: skip
 
 
 def attribute(
@@ -161,6 +164,14 @@ def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], 
                 f"(weights {listed}) than the loop's loss",
             )
     if setting.group is not None:
+        owners = ranks_owning_wrong_rows(setting.params, applied, again, [multiple * f for f in floors], setting.group)
+        if owners:
+            return Attribution(
+                "reduction",
+                f"rank(s) {owners} own the partitions of the applied gradient that differ from the window's gradient "
+                "recomputed and averaged by a plain all-reduce, the other ranks' partitions agree (ZeRO: a reduction "
+                "that left something out or corrupted those partitions, or a hook that ran on those ranks only)",
+            )
         return Attribution(
             "reduction",
             "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "
