@@ -1,41 +1,49 @@
 """``GradWatchCallback``: gradient checks in a Hugging Face ``transformers.Trainer`` run (and the TRL trainers on it).
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's calls and
-lends it what only the Trainer knows (the micro-batch, the loss, where the logs go, the checkpoint's state). A
-``TrainerCallback`` sees neither the batch nor the loss, so the callback cooperates with the Trainer it is built with
-(the pattern of TRL's callbacks): during training it wraps ``trainer.compute_loss`` to keep the first micro-batch of
-each optimizer step that may be checked (a shallow copy of the inputs dict, since ``compute_loss`` may pop the labels)
-and the ``num_items_in_batch`` the Trainer passed with it. At ``on_step_end`` (after the optimizer step;
-``state.global_step`` counts optimizer steps) the watch runs its check of the Trainer's own ``compute_loss`` on the kept
-micro-batch, at the parameters the step produced.
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
+and lends it what only the Trainer knows (the micro-batches, the loss, how the Trainer combines them, where the logs
+go, the checkpoint's state). A ``TrainerCallback`` sees neither the batch nor the loss, so the callback cooperates with
+the Trainer it is built with (the pattern of TRL's callbacks): during training it wraps ``trainer.compute_loss`` to
+see each micro-batch (a shallow copy of the inputs dict, since ``compute_loss`` may pop the labels) with the
+``num_items_in_batch`` the Trainer passed with it, and ``accelerator.clip_grad_norm_`` to reach the accumulated
+gradient before the Trainer clips it.
 
-Outputs go through the watch's sinks, built once per run at ``on_train_begin`` (:meth:`GradWatchCallback._run_sinks`):
-the scalars through ``trainer.log`` (every ``report_to`` integration), the histogram and the failure text into the
-Trainer's TensorBoard run, and the JSON lines record beside the logs. The watch's state rides in the Trainer's
-checkpoints (``trainer_state.json``, under ``stateful_callbacks``), so a resumed run continues its schedule. What
-``compute_loss`` records during a check (TRL's metrics and token counts) is put back after it (:mod:`.records`).
+* The **applied** check: every micro-batch of a due window goes to ``watch.record``; in the clipping call (before it
+  clips), ``watch.before_optimizer_step`` checks the ``.grad`` the optimizer is about to apply against the window's
+  loss, combined as the Trainer's ``training_step`` combines it, on the path its forward ran (its autocast).
+* The **recomputed** check: at ``on_step_end`` (after the optimizer step; ``state.global_step`` counts optimizer steps)
+  ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the step's first micro-batch at the parameters the
+  step produced.
+
+Outputs go through the watch's sinks, built once per run at ``on_train_begin``
+(:mod:`gradwatch.integrations.trainer_outputs`): the scalars through ``trainer.log`` (every ``report_to``
+integration), the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record beside
+the logs. The watch's state rides in the Trainer's checkpoints (``trainer_state.json``, under ``stateful_callbacks``),
+so a resumed run continues its schedule. What ``compute_loss`` records during a check (TRL's metrics and token counts)
+is put back after it (:mod:`.records`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
+from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.integrations.records import records_kept
-from gradwatch.outputs.beside import record_directory
-from gradwatch.outputs.jsonl import JSONL_NAME
-from gradwatch.outputs.sinks import GuardedSink, JsonLinesSink, LogCallSink, Sink, SummaryWriterSink
-from gradwatch.tensorboard.writer import TRAINER_PREFIX
-from gradwatch.watch.alerts import OnFail
-from gradwatch.watch.defaults import DEFAULT_MAX_OVERHEAD
+from gradwatch.integrations.trainer_outputs import run_sinks
+from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
+from gradwatch.outputs.sinks import Sink
+from gradwatch.watch.alerts import GradientCheckWarning, OnFail
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.watch import GradientWatch
@@ -51,11 +59,15 @@ Trainer rebuilds a callback of that name from JSON arguments, which cannot hold 
 class GradWatchCallback(TrainerCallback):
     r"""Check, every so often during a ``transformers.Trainer`` run, that the gradients are the derivatives of the loss.
 
-    At the optimizer steps the schedule picks, the check evaluates the Trainer's own ``compute_loss`` on one
-    micro-batch of that step (the first, under gradient accumulation) with ``num_items_in_batch`` as the Trainer passed
-    it, at the parameters after the step, and compares autograd's gradient with finite differences. Training is left
-    bit for bit as it would be without the callback (parameters, optimizer state, random states, the Trainer's own
-    log entries).
+    Both kinds of check, on the watch's one schedule and budget. The **applied** check (every ``applied_every_n_steps``
+    optimizer steps, and at ``first_check_step``) checks the accumulated gradient the optimizer is about to apply,
+    before the Trainer clips it, against the loss of the whole accumulation window as the Trainer trains on it (its
+    ``compute_loss`` on each micro-batch, combined as its ``training_step`` combines them, under its autocast); a
+    wrong gradient is named by its fault (``"precision"``: wrong only on the mixed-precision path, ``"accumulation"``,
+    ...). The **recomputed** check (every ``every_n_steps``, and at ``first_check_step``) evaluates the Trainer's own
+    ``compute_loss`` on one micro-batch of the step (the first) with ``num_items_in_batch`` as the Trainer passed it, at
+    the parameters after the step, and names the module whose backward is wrong. Training is left bit for bit as it
+    would be without the callback (parameters, optimizer state, random states, the Trainer's own log entries).
 
     Each check's records go, as in every loop, to the watch's sinks: the scalars (``gradwatch/verdict``,
     ``gradwatch/rel_error_max`` and its ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) through
@@ -71,8 +83,10 @@ class GradWatchCallback(TrainerCallback):
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
 
     Keyword Args:
-        every_n_steps: Check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
-        first_check_step: Also check at this optimizer step; ``None`` for none.
+        every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+        first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
+        applied_every_n_steps: An applied check every this many optimizer steps; ``None``: none. Not made under
+            DeepSpeed or FSDP (said once, at the start of training).
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
             ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
@@ -86,7 +100,8 @@ class GradWatchCallback(TrainerCallback):
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
         decide, agree: The budget decision and the report every process acts on; by default those of
             :mod:`gradwatch.watch.distributed` (rank 0 decides, every process acts on the same report).
-        **options: The probe options of :class:`~gradwatch.engine.settings.ProbeSettings`.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
+        **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
 
     Example::
 
@@ -101,17 +116,19 @@ class GradWatchCallback(TrainerCallback):
         *,
         every_n_steps: int | None = None,
         first_check_step: int | None = 1,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
         max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
         max_reports: int = 1000,
         verbose: bool = True,
+        settings: ProbeSettings | None = None,
         sinks: Sequence[Sink] = (),
-        on_report: Callable[[CheckReport], object] | None = None,
-        context: Context | None = None,
         decide: Decide | None = None,
         agree: Agree | None = None,
-        **options: Any,
+        context: Context | None = None,
+        on_report: Callable[[CheckReport], object] | None = None,
+        **options: Unpack[ProbeOptions],
     ):
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
@@ -120,17 +137,19 @@ class GradWatchCallback(TrainerCallback):
         self.watch = GradientWatch(
             every_n_steps=every_n_steps,
             first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps,
             on_fail=on_fail,
             loss_fn=loss_fn,
             max_overhead=max_overhead,
             max_reports=max_reports,
             verbose=verbose,
+            settings=settings,
             sinks=sinks,
-            on_report=on_report,
-            context=self._records_kept,
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
             decide=decide or rank0_decides,
             agree=agree or agree_across_ranks,
+            context=self._records_kept,
+            on_report=on_report,
             **options,
         )
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
@@ -139,6 +158,9 @@ class GradWatchCallback(TrainerCallback):
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
         self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
+        self._in_window = False  # the micro-batches run are recorded for the applied check, until its check point
+        self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
+        self._applied_off: str | None = None  # why this run's applied gradient cannot be reached
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -157,8 +179,12 @@ class GradWatchCallback(TrainerCallback):
             # an instance attribute shadows the method (a subclass's override included) for the run's duration
             self._compute_loss = self.trainer.compute_loss
             self.trainer.compute_loss = self._keeping_compute_loss  # type: ignore[method-assign]
+            # the gradient before the Trainer clips it: the applied check runs first thing in the clipping call
+            self._clip_grad_norm = self.trainer.accelerator.clip_grad_norm_
+            self.trainer.accelerator.clip_grad_norm_ = self._clipping  # type: ignore[method-assign]
             self._wrapped = True
-        self.watch.sinks = (*self._sinks, *self._run_sinks(args, state))
+            self._applied_off = self._applied_unreachable(args)
+        self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
         self._restore_state(state)
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
@@ -166,7 +192,10 @@ class GradWatchCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
+        if self._wrapped and "clip_grad_norm_" in vars(self.trainer.accelerator):
+            del self.trainer.accelerator.clip_grad_norm_
         self._wrapped = False
+        self._in_window = False
         self._kept = None
         self.watch.sinks = self._sinks  # the run's writers close with it
 
@@ -174,6 +203,25 @@ class GradWatchCallback(TrainerCallback):
         # keep a micro-batch only for a step that may be checked (a due or postponed check)
         self._keep_next = self.watch.due_next(state.global_step)
         self._kept = None
+        self._in_window, self._window_count = self._applied_off is None, None
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ):
+        if not self._in_window:
+            return  # checked in the clipping call, as it should be
+        if args.max_grad_norm > 0:
+            # the Trainer clipped elsewhere (gradients on several device meshes, SageMaker): what the optimizer applies
+            # is no longer the window's gradient, and a check of it would be a false alarm
+            self._applied_off = (
+                "the Trainer clipped the gradient without accelerator.clip_grad_norm_ (gradients on several device "
+                "meshes, or SageMaker model parallelism), so the gradient before clipping cannot be reached"
+            )
+            self._say_applied_off()
+            self._in_window = False
+            self.watch.before_optimizer_step(self._model, _no_micro_batch, step=state.global_step + 1, skipped=True)
+            return
+        self._check_applied()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         self._log_pending()
@@ -200,6 +248,62 @@ class GradWatchCallback(TrainerCallback):
             raise RuntimeError("gradwatch: the Trainer has no model yet")
         return self.trainer.model
 
+    # --- the applied check ------------------------------------------------------------------------------------------
+
+    def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
+        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next)."""
+        self._check_applied()
+        return self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+
+    def _check_applied(self) -> None:
+        """The applied check of the window just run, when one is due: the accumulated ``.grad`` before clipping, against
+        the window's loss as the Trainer combines it, on the path its forward ran (its autocast)."""
+        if not self._in_window:
+            return
+        self._in_window = False  # the check's own calls of compute_loss are not the window's
+        accelerator = self.trainer.accelerator
+        scaler = getattr(accelerator, "scaler", None)
+        path = TrainerPath(self.trainer, self._model)
+        with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
+            self.watch.before_optimizer_step(
+                self._model,
+                functools.partial(self._applied_loss, path),
+                step=self.trainer.state.global_step + 1,
+                combine=trainer_combine(self.trainer, self._window_count),
+                path=path.path,
+                loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
+                optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
+            )
+
+    def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
+        """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
+        inputs, num_items_in_batch = batch
+        with path.loss_context():
+            if self.loss_fn is not None:
+                return self.loss_fn(model, inputs)
+            return self._trainer_loss(num_items_in_batch)(model, inputs)
+
+    def _applied_unreachable(self, args: TrainingArguments) -> str | None:
+        """Why this run's applied gradient cannot be reached (said once), else ``None``."""
+        reason = None
+        if self.watch.applied_every_n_steps is None:
+            return None
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            reason = "DeepSpeed keeps the gradients partitioned in its engine, out of each parameter's .grad"
+        elif getattr(self.trainer, "is_fsdp_enabled", False):
+            reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+        if reason is not None:
+            self._applied_off = reason
+            self._say_applied_off()
+        return reason
+
+    def _say_applied_off(self) -> None:
+        warnings.warn(
+            f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on",
+            GradientCheckWarning,
+            stacklevel=3,
+        )
+
     # --- the state in the Trainer's checkpoints ---------------------------------------------------------------------
 
     def _restore_state(self, state: TrainerState) -> None:
@@ -214,36 +318,6 @@ class GradWatchCallback(TrainerCallback):
         _stateful(state)[STATE_KEY] = self.watch.state_dict()
 
     # --- outputs --------------------------------------------------------------------------------------------------
-
-    def _run_sinks(self, args: TrainingArguments, state: TrainerState) -> list[Sink]:
-        """The run's outputs: the scalars through ``trainer.log`` (every process: each keeps its log history); on the
-        main process, the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record
-        beside the logs (:meth:`_record_directories`)."""
-        sinks: list[Sink] = [LogCallSink(self._log)]
-        if not state.is_world_process_zero:
-            return sinks
-        board = next((c for c in self.trainer.callback_handler.callbacks if isinstance(c, TensorBoardCallback)), None)
-        writer = getattr(board, "tb_writer", None)
-        if writer is not None:
-            # the scalars reach it through trainer.log, as train/gradwatch/...: the rest beside them
-            sinks.append(GuardedSink(SummaryWriterSink(writer, scalars=False, prefix=TRAINER_PREFIX)))
-        directories = self._record_directories(
-            args, getattr(writer, "log_dir", None) or getattr(board, "logging_dir", None)
-        )
-        sinks += [GuardedSink(JsonLinesSink(directory / JSONL_NAME)) for directory in directories]
-        return sinks
-
-    def _record_directories(self, args: TrainingArguments, board: str | None) -> list[Path]:
-        """Where the JSON lines record goes: the TensorBoard run's directory (``board``), and for a Weights & Biases or
-        MLflow run, ``<output_dir>/gradwatch_records/<callback>-<run id>`` (beside their run folders, where
-        ``gradwatch report`` looks: :mod:`gradwatch.outputs.beside`); without any of these, ``output_dir``."""
-        root = Path(args.output_dir or ".")
-        directories = [Path(board)] if board else []
-        for callback in self.trainer.callback_handler.callbacks:
-            run_id = _tracking_run_id(callback)
-            if run_id:
-                directories.append(record_directory(root, type(callback).__name__, run_id))
-        return directories or [Path(getattr(args, "logging_dir", None) or root)]
 
     def _log(self, values: dict[str, float | str], step: int) -> None:
         """Send a check's values through ``trainer.log`` at the Trainer's ``step``: at once when the Trainer is there,
@@ -280,8 +354,14 @@ class GradWatchCallback(TrainerCallback):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        if self._keep_next and model.training:
-            self._kept, self._keep_next = (dict(inputs), num_items_in_batch), False  # compute_loss may pop labels
+        if model.training and (self._keep_next or self._in_window):
+            kept = dict(inputs)  # compute_loss may pop the labels
+            if self._keep_next:
+                self._kept, self._keep_next = (kept, num_items_in_batch), False
+            if self._in_window:
+                self._window_count = num_items_in_batch
+                step = self.trainer.state.global_step + 1
+                self.watch.record((kept, num_items_in_batch), model=self._model, step=step)
         return self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
@@ -296,22 +376,6 @@ class GradWatchCallback(TrainerCallback):
             return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
         return loss_fn
-
-
-def _tracking_run_id(callback: TrainerCallback) -> str | None:
-    """The run id of a Weights & Biases or MLflow integration callback once its run started, else ``None`` (read from
-    the objects they keep, without importing wandb or mlflow)."""
-    try:
-        if isinstance(callback, WandbCallback):
-            run = getattr(getattr(callback, "_wandb", None), "run", None)
-            return None if run is None else str(run.id)
-        if isinstance(callback, MLflowCallback):
-            active = getattr(callback, "_ml_flow", None)
-            run = active.active_run() if active is not None else None
-            return None if run is None else str(run.info.run_id)
-    except Exception:  # a tracking tool's state must not end the run: its record then goes to output_dir
-        return None
-    return None
 
 
 def _stateful(state: TrainerState) -> dict[str, Any]:

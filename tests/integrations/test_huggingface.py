@@ -24,7 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.cli import main  # noqa: E402
 from gradwatch.integrations.huggingface import STATE_KEY, GradWatchCallback  # noqa: E402
-from gradwatch.outputs import GuardedSink  # noqa: E402
+from gradwatch.integrations.trainer_outputs import run_sinks  # noqa: E402
+from gradwatch.outputs import JsonLinesSink  # noqa: E402
 
 BUGGY = "model.layers.0.self_attn.o_proj"
 """The module the bug is planted in: one of the tensors the first check's rotation probes along their gradient."""
@@ -51,13 +52,13 @@ def _train(
     tmp_path: Path, bug_in: str | None = None, steps: int = 6, arguments: dict[str, Any] | None = None,
     resume: str | None = None, **options: Any,
 ) -> tuple[Any, GradWatchCallback | None]:  # fmt: skip
-    """A tiny Llama trained ``steps`` optimizer steps; with the callback when ``options`` are given (on schedule: no
-    budget unless the options give one)."""
+    """A tiny Llama trained ``steps`` optimizer steps; with the callback when ``options`` are given (recomputed checks
+    on schedule: no budget and no applied check unless the options ask for them)."""
     args = _arguments(tmp_path, steps, **(arguments or {}))
     trainer = transformers.Trainer(model=tiny_llama(bug_in), args=args, train_dataset=Tokens())
     callback = None
     if options:
-        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, "applied_every_n_steps": None, **options})
         trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, callback
@@ -108,7 +109,9 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
                                         num_items_in_batch)  # fmt: skip
 
     trainer = Counting(model=tiny_llama(), args=_arguments(tmp_path, 2), train_dataset=Tokens())
-    callback = GradWatchCallback(trainer, every_n_steps=2, first_check_step=None, max_overhead=None)
+    callback = GradWatchCallback(
+        trainer, every_n_steps=2, first_check_step=None, max_overhead=None, applied_every_n_steps=None
+    )
     trainer.add_callback(callback)
     trainer.train()
     assert [r.step for r in callback.reports] == [2]
@@ -206,13 +209,103 @@ def test_the_record_of_a_wandb_or_mlflow_run_goes_beside_its_run_folder(tmp_path
     wandb._wandb = SimpleNamespace(run=SimpleNamespace(id="abc123de"))
     mlflow = object.__new__(MLflowCallback)
     mlflow._ml_flow = SimpleNamespace(active_run=lambda: SimpleNamespace(info=SimpleNamespace(run_id="f" * 32)))
+    mlflow._auto_end_run = False  # what its __del__ reads
     trainer.callback_handler.callbacks += [wandb, mlflow]
-    sinks = GradWatchCallback(trainer)._run_sinks(trainer.args, trainer.state)
-    records = [sink.sink.path for sink in sinks if isinstance(sink, GuardedSink)]
+    sinks = run_sinks(trainer, trainer.args, trainer.state, print)
+    records = [sink.path for sink in sinks if isinstance(sink, JsonLinesSink)]
     assert records == [
         tmp_path / "gradwatch_records" / "WandbCallback-abc123de" / "gradwatch.jsonl",
         tmp_path / "gradwatch_records" / f"MLflowCallback-{'f' * 32}" / "gradwatch.jsonl",
     ]
     trainer.callback_handler.callbacks = trainer.callback_handler.callbacks[:-2]
-    assert [sink.sink.path for sink in GradWatchCallback(trainer)._run_sinks(trainer.args, trainer.state)
-            if isinstance(sink, GuardedSink)] == [tmp_path / "gradwatch.jsonl"]  # fmt: skip
+    assert [sink.path for sink in run_sinks(trainer, trainer.args, trainer.state, print)
+            if isinstance(sink, JsonLinesSink)] == [tmp_path / "gradwatch.jsonl"]  # fmt: skip
+
+
+# --- the applied check: the accumulated gradient the optimizer applies, before the Trainer clips it ------------------
+
+APPLIED = {"applied_every_n_steps": 2, "first_check_step": None, "every_n_steps": 1000}
+"""Applied checks at steps 2, 4, ...; no recomputed check in these short runs."""
+BF16 = {"bf16": True, "max_grad_norm": 1.0}
+
+
+class Bf16OnlyWrongLinear(torch.autograd.Function):
+    """``x @ weight.T`` whose weight gradient is 30% too large only when its input is bfloat16: a kernel wrong on the
+    low-precision path alone."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if x.dtype == torch.bfloat16:
+            grad_weight = grad_weight * 1.3
+        return grad @ weight, grad_weight
+
+
+def _plant_bf16_fault(linear: torch.nn.Linear) -> None:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = linear.weight
+        if torch.is_autocast_enabled("cpu"):  # what autocast does to a linear layer's operands
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+        return Bf16OnlyWrongLinear.apply(x, weight)
+
+    linear.forward = forward  # type: ignore[method-assign]
+
+
+def _train_model(tmp_path: Path, model: Any, steps: int, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+    trainer = transformers.Trainer(model=model, args=_arguments(tmp_path, steps, **BF16), train_dataset=Tokens())
+    callback = None
+    if options:
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})
+        trainer.add_callback(callback)
+    trainer.train()
+    return trainer, callback
+
+
+def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_identical(tmp_path: Path) -> None:
+    without, _ = _train_model(tmp_path / "without", tiny_llama(), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        watched, callback = _train_model(tmp_path / "with", tiny_llama(), 4, **APPLIED)
+    assert callback is not None
+    assert [(r.scope, r.step, r.verdict) for r in callback.reports] == [("applied", 2, "ok"), ("applied", 4, "ok")]
+    assert callback.counts["applied_checks"] == 2
+    assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
+    assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit
+    logged = [entry for entry in watched.state.log_history if "gradwatch/applied/verdict" in entry]
+    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0), (4, 0.0)]
+    assert "clip_grad_norm_" not in vars(watched.accelerator)  # the accelerator's own again after training
+
+
+def test_a_backward_wrong_only_in_bf16_is_a_precision_fault_of_the_applied_gradient(tmp_path: Path) -> None:
+    model = tiny_llama()
+    _plant_bf16_fault(model.get_submodule(BUGGY))
+    with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
+        _, callback = _train_model(tmp_path, model, 2, **APPLIED)
+    assert callback is not None
+    (report,) = callback.reports
+    assert (report.scope, report.step, report.verdict, report.fault) == ("applied", 2, "fail", "precision")
+    record = json.loads((tmp_path / "gradwatch.jsonl").read_text())
+    assert (record["scope"], record["fault"]) == ("applied", "precision")
+
+
+def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -> None:
+    model = tiny_llama()
+    weight = model.get_submodule(BUGGY).weight
+
+    def scale(parameter: torch.Tensor) -> None:  # each time a micro-batch's gradient is accumulated into .grad
+        assert parameter.grad is not None
+        parameter.grad.mul_(1.2)
+
+    weight.register_post_accumulate_grad_hook(scale)
+    with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
+        _, callback = _train_model(tmp_path, model, 2, **APPLIED)
+    assert callback is not None
+    (report,) = callback.reports
+    assert (report.scope, report.verdict) == ("applied", "fail")
