@@ -113,15 +113,16 @@ def _set_full_grad(param: Tensor, value: Tensor) -> None:
     safe_set_full_grad(param, value)
 
 
-def _leave_last_micro_batch_out(engine: Any, last: Any) -> None:
-    """Make each rank's partition of the applied gradient hold its own last micro-batch's gradient where the mean over
-    the ranks should be: the reduction of that micro-batch left out."""
+def _leave_last_micro_batch_out(engine: Any, last: Any, loss: Any = None) -> None:
+    """Make each rank's partition of the applied gradient hold its own last micro-batch's gradient (of ``loss``,
+    ``loss_fn`` by default) where the mean over the ranks should be: the reduction of that micro-batch left out."""
+    loss = loss or loss_fn
     full = full_gradients(engine)
     module = engine.module
     with gathered(module):
         names = [n for n, p in module.named_parameters() if n in full]
         params = [p for n, p in module.named_parameters() if n in full]
-        own = torch.autograd.grad(loss_fn(module, last) / ACCUMULATE, params)
+        own = torch.autograd.grad(loss(module, last) / ACCUMULATE, params)
     for name, param, mine in zip(names, params, own, strict=True):
         mean = mine.float().clone()
         torch.distributed.all_reduce(mean)
