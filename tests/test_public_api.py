@@ -76,6 +76,6 @@ def test_the_public_constructors_take_their_options_keyword_only(name: str, func
     parameters = list(inspect.signature(function).parameters.values())  # type: ignore[arg-type]
     leading = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert len(leading) <= positional, f"{name} takes options positionally: {leading[positional:]}"
-    kinds = {p.kind for p in parameters[len(leading):]}
+    kinds = {p.kind for p in parameters[len(leading) :]}
     assert kinds <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}
     assert "settings" in {p.name for p in parameters}

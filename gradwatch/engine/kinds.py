@@ -44,13 +44,15 @@ class ProbeKind(StrEnum):
     :data:`PROBE_KINDS`.
 
     ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``:
-    along one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one
-    parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
-    batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
-    reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
-    through the training's compiled graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm),
-    which the other probes check against finite differences; ``rel_error`` is the norm of their difference relative
-    to the larger (see :mod:`gradwatch.engine.compiled`). The culprit search of a failing check
+    along one parameter tensor's own normalised gradient. ``"tensors"``: along every parameter tensor's own normalised
+    gradient at once, each with equal weight (applied checks: one probe that sees a fault in any tensor). ``"random"``:
+    along a random unit direction within one parameter tensor. ``"param"``: one coordinate of a parameter.
+    ``"input"``: along the normalised gradient of the batch's floating inputs (``index`` ``None``), or one coordinate
+    of one of them. ``"loss"``: the loss itself, reported only when it is not finite. ``"compiled"``: the gradient of
+    one tensor (or of all, target ``"*"``) through the training's compiled graph (``analytic``, its norm) against eager
+    autograd's (``numeric``, its norm), which the other probes check against finite differences; ``rel_error`` is the
+    norm of their difference relative to the larger (see :mod:`gradwatch.engine.compiled`). The culprit search of a
+    failing check
     (:mod:`gradwatch.engine.culprits`) adds probes of one module (``target`` its name as in ``named_modules()``,
     ``""`` the model itself), each displacing what that module alone sees along autograd's gradient there:
     ``"activation"`` its output, ``"module_input"`` its inputs as it receives them, ``"module_params"`` its own
@@ -59,6 +61,7 @@ class ProbeKind(StrEnum):
 
     DESCENT = "descent"
     TENSOR = "tensor"
+    TENSORS = "tensors"
     RANDOM = "random"
     PARAM = "param"
     INPUT = "input"
@@ -122,6 +125,12 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
         vouches=True,
         starts_culprit_search=True,
         refocused=True,
+    ),
+    ProbeKind.TENSORS: KindTraits(
+        "along every parameter tensor's own normalised gradient at once, each with equal weight (applied checks)",
+        moves_parameters=True,
+        vouches=True,
+        starts_culprit_search=True,
     ),
     ProbeKind.RANDOM: KindTraits(
         "along a random unit direction within one parameter tensor (target '*': over all of them, when the gradient "

@@ -95,6 +95,15 @@ class NoteCode(StrEnum):
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
     APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
+    APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
+    ACCUMULATION_EQUIVALENCE = (
+        "accumulation-equivalence",
+        "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",
+    )
+    ACCUMULATION_UNEQUAL = (
+        "accumulation-unequal",
+        "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
+    )
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

@@ -46,7 +46,12 @@ def test_a_plain_loop_checks_on_schedule_and_trains_as_without_the_watch() -> No
         watched = _train(watch)
     assert [(r.step, r.verdict) for r in watch.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
     assert watch.counts == {
-        "checks": 4, "failed": 0, "skipped": 0, "postponed": 0, "applied_checks": 0, "applied_failed": 0
+        "checks": 4,
+        "failed": 0,
+        "skipped": 0,
+        "postponed": 0,
+        "applied_checks": 0,
+        "applied_failed": 0,
     }
     assert_same_state(_train(None), watched)
 
@@ -146,7 +151,12 @@ def test_a_step_the_grad_scaler_skipped_moves_the_check_to_the_next() -> None:
     assert report is not None
     assert report.step == 3
     assert watch.counts == {
-        "checks": 1, "failed": 0, "skipped": 1, "postponed": 0, "applied_checks": 0, "applied_failed": 0
+        "checks": 1,
+        "failed": 0,
+        "skipped": 1,
+        "postponed": 0,
+        "applied_checks": 0,
+        "applied_failed": 0,
     }
 
 

@@ -25,10 +25,12 @@ from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
+from gradwatch.engine.applied.equivalence import compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
@@ -96,6 +98,7 @@ def check_applied_gradient(
     seed: int = 0,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
+    compare_one_batch: bool = True,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -138,6 +141,9 @@ def check_applied_gradient(
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
+        compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two more backward passes):
+            ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -190,9 +196,14 @@ def check_applied_gradient(
                               fault_message="the applied gradient holds non-finite values")  # fmt: skip
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
-    with session.measuring():
+    equivalence, said = None, list[Note]()
+    with session.measuring() as state:
         outcome = _measure(setting, plan)
+        if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
+            equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
+                                                     names, state, outcome.floors, plan.multiple, group)  # fmt: skip
     notes, attribution = outcome.evaluator.notes, outcome.attribution
+    notes.extend(said)
     culprits: list[str] = []
     culprit_message = ""
     surrogates_found: tuple[str, ...] = ()
@@ -228,7 +239,7 @@ def check_applied_gradient(
         loss=outcome.loss,
         notes=notes,
         n_forward=evaluator.n_forward,
-        n_backward=outcome.backward,
+        n_backward=outcome.backward + (2 if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
         precision="float64" if evaluator.value_dtype == torch.float64 else "native",
         culprits=culprits,
@@ -239,6 +250,8 @@ def check_applied_gradient(
         fault_message=attribution.message if attribution is not None else "",
         noise_floor=_relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
+        accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
+        accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
     )
 
 
@@ -283,6 +296,7 @@ class _Outcome:
     attribution: Attribution | None
     loss: float
     backward: int
+    floors: list[float]
 
 
 def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
@@ -317,7 +331,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
                     "them eager's)",
                 )
             )
-            return _Outcome(evaluator, [], None, reference.loss, backward)
+            return _Outcome(evaluator, [], None, reference.loss, backward, [0.0] * len(params))
     if setting.autocast is not None:
         assert again is not None
         emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
@@ -329,29 +343,23 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         measured_floors = [distances(eager, scaled)]
         backward += 1
     else:
-        try:
-            measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,
-                                                                           state, group))]  # fmt: skip
-            backward += 1
-        except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
-            text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
-            notes.append(Note(NoteCode.APPLIED_FLOOR, text))
-            measured_floors = []
+        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
     applied_norms = norms(plan.applied, exact=True)
-    floor_values = floors(measured_floors, applied_norms, path_dtype)
-    notes.append(
-        Note(
-            NoteCode.APPLIED_FLOOR,
-            f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
-            f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
-            f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {plan.multiple:g}x the floor plus its own "
-            "noise",
-        )
+    floor_values = floors(measured_floors or [], applied_norms, path_dtype)
+    screens, lazy = dict[Any, Any](), measured_floors is None
+    measured = measure(evaluator, plan, floor_values, reference.loss, screens, lazy)
+    if measured_floors is None and lazy_floor.needed(measured):
+        measured_floors = lazy_floor.float64_floor(model, setting.batches, window, params, state, group, eager, notes)
+        backward += 1 if measured_floors else 0
+        floor_values = floors(measured_floors, applied_norms, path_dtype)
+        measured = measure(evaluator, plan, floor_values, reference.loss, screens)
+    floor_note = lazy_floor.floor_note(
+        path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
-    measured = measure(evaluator, plan, floor_values, reference.loss)
+    notes.append(floor_note)
     failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
-    return _Outcome(evaluator, measured, attribution, reference.loss, backward)
+    return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
 
 
 def _relative_floor(descent: Probe | None) -> float:
