@@ -133,7 +133,7 @@ def test_healthy_runs_are_checked_by_both_kinds_and_train_as_without(loop: str) 
     assert_same_state(LOOPS[loop](None, _model()), watched)
 
 
-@pytest.mark.parametrize("loop", ["plain", "fabric"])
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
 def test_a_backward_wrong_only_under_bf16_autocast_is_a_precision_fault(loop: str) -> None:
     watch = GradientWatch(every_n_steps=100, applied_every_n_steps=100, max_overhead=None, on_fail=lambda r: None)
     LOOPS[loop](watch, _model(fault=1.5), bf16=True)
