@@ -285,3 +285,24 @@ def test_what_the_loss_changed_and_could_not_be_put_back_is_named_as_the_recompu
     assert "fc1.weight" in report.side_effects
     assert any(note.code == "model-edited" for note in report.notes), report.notes
     assert torch.equal(model.fc1.weight.detach(), original * 1.001)  # the first edit only, not one per evaluation
+
+
+def test_warnings_the_loss_raises_are_withheld_and_noted_as_the_recomputed_check_does() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP()
+    window = train_window(model, [batch_for(model, seed=1)])
+
+    def warning(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        warnings.warn("the loss warns at every call", UserWarning, stacklevel=1)
+        return cross_entropy(model, batch)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        report = window.check(warning)
+    assert shown == []
+    (note,) = report.noted("warnings-withheld")
+    assert "UserWarning: the loss warns at every call" in note
+    assert report.verdict == "ok", str(report)
+    assert report.unrestored == ()

@@ -51,6 +51,18 @@ class Measured:
         return math.isfinite(slope) and abs(slope - self.probe.numeric) <= self.tolerance
 
 
+@dataclass(frozen=True)
+class _Along:
+    """What a probe moves: its kind and target, the tensors, the norm of the applied gradient over them and the
+    path's floor there."""
+
+    kind: ProbeKind
+    target: str
+    tensors: tuple[int, ...]
+    size: float
+    floor: float
+
+
 class AppliedProbes:
     """Measures the applied gradient ``grads`` along its own directions (see the module doc).
 
@@ -113,6 +125,8 @@ class AppliedProbes:
         self, kind: ProbeKind, target: str, tensors: tuple[int, ...], step: float, *, screen_first: bool
     ) -> Measured:
         size = math.hypot(*(self.grad_norms[i] for i in tensors))
+        floor = math.hypot(*(self.floors[i] for i in tensors))
+        along = _Along(kind, target, tensors, size, floor)
         direction = VectorDirection(
             [self.moved[i] for i in tensors],
             [self.grads[i] for i in tensors],
@@ -120,7 +134,6 @@ class AppliedProbes:
             1.0 / size,
             components_norm=size,
         )
-        floor = math.hypot(*(self.floors[i] for i in tensors))
         evaluations = 0
         stencil = self.measurements.stencil(direction, step, PAIR_OFFSETS if screen_first else FULL_OFFSETS)
         evaluations += len(stencil.points)
@@ -128,7 +141,7 @@ class AppliedProbes:
             assessment = self._screen(stencil)
             judgement = judge(assessment, stencil, floor, self.multiple)
             if judgement.verdict == "ok":
-                return self._finish(kind, target, tensors, size, stencil, assessment, judgement, floor, evaluations)
+                return self._finish(along, stencil, assessment, judgement, evaluations)
         if not stencil.full:
             stencil = stencil.extended(self.measurements.points(direction, step, HALF_OFFSETS))
             evaluations += 2
@@ -147,7 +160,7 @@ class AppliedProbes:
                 verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
                 second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
             stencil, assessment, judgement = second, second_assessment, second_judgement
-        return self._finish(kind, target, tensors, size, stencil, assessment, judgement, floor, evaluations)
+        return self._finish(along, stencil, assessment, judgement, evaluations)
 
     def _screen(self, stencil: Stencil) -> Assessment:
         return screen(
@@ -162,21 +175,12 @@ class AppliedProbes:
         return assess(stencil, rtol=0.0, scale_floor=self.scale_floor, value_epsilon=self.measurements.value_epsilon)
 
     def _finish(
-        self,
-        kind: ProbeKind,
-        target: str,
-        tensors: tuple[int, ...],
-        size: float,
-        stencil: Stencil,
-        assessment: Assessment,
-        judgement: Judgement,
-        floor: float,
-        evaluations: int,
+        self, along: _Along, stencil: Stencil, assessment: Assessment, judgement: Judgement, evaluations: int
     ) -> Measured:
         numeric = assessment.numeric
         probe = Probe(
-            kind=kind,
-            target=target,
+            kind=along.kind,
+            target=along.target,
             index=None,
             analytic=stencil.analytic,
             numeric=numeric,
@@ -186,9 +190,9 @@ class AppliedProbes:
             step=stencil.step,
             reason=Reason(judgement.reason),
             evaluations=evaluations,
-            floor=floor,
+            floor=along.floor,
         )
-        return Measured(probe, tensors, 1.0 / size, judgement.tolerance, judgement.excess)
+        return Measured(probe, along.tensors, 1.0 / along.size, judgement.tolerance, judgement.excess)
 
 
 @dataclass(frozen=True)
