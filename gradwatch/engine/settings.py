@@ -9,7 +9,8 @@ documented and defaulted in this one place, the same for every entry point.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
@@ -117,3 +118,43 @@ def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> Pr
             f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
         )
     return settings
+
+
+class ProbeOptions(TypedDict, total=False):
+    """The probe options as keyword arguments (``**options: Unpack[ProbeOptions]``) of the entry points that take them
+    one by one besides ``settings=``: the fields of :class:`ProbeSettings`, documented there."""
+
+    tensor_probes: int
+    random_probes: int
+    param_probes: int
+    input_probes: int
+    probe_batch_size: int | None
+    precision: Precision
+    ignore: Sequence[str]
+    rtol: float | None
+    seed: int
+    float64_reductions: bool
+    vectorize: bool
+    fail_on_imprecise: bool
+
+
+def settings_of(
+    settings: ProbeSettings | None, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> ProbeSettings:
+    """The settings of an entry point that takes ``settings=`` or the probe options one by one (``options``, only those
+    given), not both; ``defaults`` are the entry point's own defaults for options left out (a series of checks probes 2
+    samples)."""
+    unknown = sorted(set(options) - set(ProbeSettings.option_names()))
+    if unknown:
+        names = list(ProbeSettings.option_names())
+        raise TypeError(f"unknown probe option(s) {unknown}; the probe options are {names}")
+    if settings is not None:
+        if not isinstance(settings, ProbeSettings):
+            raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
+        if options:
+            raise ValueError(
+                f"pass the probe options either one by one or as `settings`, not both; got `settings` and "
+                f"{sorted(options)}"
+            )
+        return settings
+    return ProbeSettings(**{**(defaults or {}), **options})
