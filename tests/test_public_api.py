@@ -78,4 +78,4 @@ def test_the_public_constructors_take_their_options_keyword_only(name: str, func
     assert len(leading) <= positional, f"{name} takes options positionally: {leading[positional:]}"
     kinds = {p.kind for p in parameters[len(leading):]}
     assert kinds <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}
-    assert "settings" in {p.name for p in parameters} or name == "check_applied_gradient"
+    assert "settings" in {p.name for p in parameters}
