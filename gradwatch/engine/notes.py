@@ -93,6 +93,7 @@ class NoteCode(StrEnum):
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
     APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
+    APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}
