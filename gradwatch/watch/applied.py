@@ -42,6 +42,7 @@ class AppliedSchedule:
         self.max_overhead = max_overhead
         self.clock = clock
         self.window: AppliedWindow | None = None
+        self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
         self.last_seconds = 0.0
