@@ -41,7 +41,7 @@ class GradientWatch(AppliedCalls):
     r"""Check, every so often during training, that the gradients a model trains on are the derivatives of its loss.
 
     Both kinds of check, in any loop, on one schedule and one budget, with three calls each a no-op unless a check is
-    due (:doc:`the loops page <../loops>` has a recipe per loop):
+    due (the page "gradwatch in every training loop" has a recipe per loop):
 
     * :meth:`record` before each micro-batch's forward, and :meth:`before_optimizer_step` after the window's backward
       passes, before clipping and ``optimizer.step()``: the **applied** check, the ``.grad`` the optimizer is about to
