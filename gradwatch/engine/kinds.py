@@ -43,8 +43,11 @@ class ProbeKind(StrEnum):
     """What a probe moves (:attr:`gradwatch.engine.report.Probe.kind`); each kind's properties are its row of
     :data:`PROBE_KINDS`.
 
-    ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``:
-    along one parameter tensor's own normalised gradient. ``"random"``: along a random unit direction within one
+    ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"cover"``:
+    along a group of parameter tensors' gradients, each weighted to contribute equally (target ``"*"``): every tensor
+    is in one group at every check, so a wrong gradient in any one shows at once (see
+    :meth:`~gradwatch.engine.probing.portfolio.Portfolio.cover`). ``"tensor"``: along one parameter tensor's own
+    normalised gradient. ``"random"``: along a random unit direction within one
     parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
     batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
     reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
@@ -58,6 +61,7 @@ class ProbeKind(StrEnum):
     """
 
     DESCENT = "descent"
+    COVER = "cover"
     TENSOR = "tensor"
     RANDOM = "random"
     PARAM = "param"
@@ -111,6 +115,13 @@ class KindTraits:
 PROBE_KINDS: dict[ProbeKind, KindTraits] = {
     ProbeKind.DESCENT: KindTraits(
         "the directional derivative along the normalised gradient ĝ of all parameters",
+        moves_parameters=True,
+        vouches=True,
+        starts_culprit_search=True,
+    ),
+    ProbeKind.COVER: KindTraits(
+        "along a group of parameter tensors' gradients, each weighted to contribute equally to the slope; every tensor "
+        "is in a group at every check",
         moves_parameters=True,
         vouches=True,
         starts_culprit_search=True,
