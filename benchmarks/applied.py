@@ -1,6 +1,7 @@
 """The applied-gradient check (issue 23): planted path faults, the noise floor per precision, and the cost.
 
-Usage: ``python benchmarks/applied.py [--seeds N] [--steps N]`` (CPU, a few minutes). Prints three markdown tables:
+Usage: ``python benchmarks/applied.py [--seeds N] [--steps N]`` (CPU, a few minutes); ``--cost-only`` prints the cost
+table alone, ``--device cuda`` measures it on a GPU (bf16 autocast on CUDA). Prints four markdown tables:
 
 1. **planted faults**: each fault on the training's path only, the first applied check that caught it, the fault it
    named, the loss evaluations and backward passes the check took (attribution included);
@@ -40,7 +41,7 @@ from applied_models import (
 
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.engine.applied.verdict import storage_rounding
-from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 
 MODELS = {"MLP": MLP, "CNN (BatchNorm, dropout)": CNN, "transformer (dropout)": Transformer}
 PATHS: dict[str, Any] = {"32-true": None, "bf16-mixed": bf16}
@@ -139,36 +140,75 @@ def _seconds(function: Any, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def cost(steps: int) -> None:
+def _cuda_bf16() -> Any:
+    return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
+def _synchronized(function: Any, device: str) -> Any:
+    def run() -> None:
+        function()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
+
+
+def cost(steps: int, device: str = "cpu") -> None:
+    print(f"({device}: {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'})\n")
     print("| model | precision | training step (ms) | applied check (ms) | in training steps | evaluations "
           f"| default cadence ({DEFAULT_APPLIED_EVERY_N_STEPS}) before the budget |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    paths = PATHS if device == "cpu" else {"32-true": None, "bf16-mixed": _cuda_bf16}
     for name, make in MODELS.items():
-        for precision, path in PATHS.items():
+        for precision, path in paths.items():
             torch.manual_seed(0)
-            model = make()
+            model = make().to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-            batch = batch_for(model, size=64, seed=1)
+            batch = tuple(t.to(device) for t in batch_for(model, size=64, seed=1))
 
             def step(
                 model: torch.nn.Module = model, path: Any = path, batch: Any = batch, optimizer: Any = optimizer
             ) -> None:
                 optimizer.zero_grad()
-                with path() if path is not None else torch.autocast("cpu", enabled=False):
+                with path() if path is not None else torch.autocast(device, enabled=False):
                     loss = cross_entropy(model, batch)
                 loss.backward()
                 optimizer.step()
 
-            step_s = _seconds(step, steps)
+            step_s = _seconds(_synchronized(step, device), steps)
             window = train_window(model, [batch], path)
             reports: list[Any] = []
-            check_s = _seconds(lambda w=window, p=path, r=reports: r.append(w.check(cross_entropy, path=p)), 3)
+            check = _synchronized(lambda w=window, p=path, r=reports: r.append(w.check(cross_entropy, path=p)), device)
+            check_s = _seconds(check, 3)
             ratio = check_s / step_s
             print(
                 f"| {name} | {precision} | {step_s * 1e3:.1f} | {check_s * 1e3:.0f} | {ratio:.1f} "
                 f"| {reports[-1].n_forward} | {ratio / DEFAULT_APPLIED_EVERY_N_STEPS:.2%} |"
             )
     print()
+
+
+def sensitivity(relative: float) -> None:
+    """Each tensor of each model, in each precision, its gradient hooked ``×(1 + relative)`` (a formula fault seen by
+    both kinds of check), one window of two micro-batches: is it caught at the first applied check?"""
+    caught, total, missed = 0, 0, []
+    for name, make in MODELS.items():
+        for precision, path in PATHS.items():
+            torch.manual_seed(0)
+            model = make()
+            for tensor, param in model.named_parameters():
+                handle = param.register_hook(lambda grad: grad * (1 + relative))
+                try:
+                    window = train_window(model, [batch_for(model, seed=1), batch_for(model, seed=2)], path)
+                    report = window.check(cross_entropy, path=path, culprit_search=False)
+                finally:
+                    handle.remove()
+                total += 1
+                caught += report.verdict == "fail"
+                if report.verdict != "fail":
+                    missed.append(f"{name} {precision} {tensor}")
+    print(f"a {relative:.1%} fault in one tensor: caught at the first check in {caught} of {total}")
+    print("missed: " + "; ".join(missed) + "\n")
 
 
 def _language_model(family: str) -> torch.nn.Module:
@@ -224,8 +264,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cost-only", action="store_true", help="only the cost table")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the cost table runs")
+    parser.add_argument("--sensitivity", type=float, help="only the one-tensor fault sweep at this relative size")
     options = parser.parse_args()
-    torch.set_num_threads(1)
+    if options.device == "cpu":
+        torch.set_num_threads(1)
+    if options.sensitivity is not None:
+        sensitivity(options.sensitivity)
+        return
+    if options.cost_only:
+        cost(options.steps, options.device)
+        return
     planted()
     floors(options.seeds)
     language_models(options.seeds)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradwatch.engine import CheckReport, GradientCheckError, Probe, check_gradients
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
+from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch import GradientCheckWarning, GradientWatch
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ __all__ = [
     "GradientCheckWarning",
     "GradientWatch",
     "Probe",
+    "ProbeSettings",
     "check_applied_gradient",
     "check_gradients",
 ]

@@ -90,7 +90,7 @@ def _trainer(
 
 def _result(trainer: pl.Trainer, model: pl.LightningModule, watch: GradWatch | None, **extra: Any) -> dict[str, Any]:
     reports = []
-    for report in watch.reports if watch is not None else []:
+    for report in watch.recomputed_reports if watch is not None else []:
         reports.append(
             {
                 "step": report.step,

@@ -150,7 +150,7 @@ def _fit(factor: float, watch: GradWatch | None, *extra: pl.Callback, max_steps:
             "note_codes": codes(r.notes),
             "duration_s": r.duration_s,
         }
-        for r in (watch.reports if watch is not None else [])
+        for r in (watch.recomputed_reports if watch is not None else [])
     ]
     return {
         "rank": trainer.global_rank,

@@ -205,3 +205,8 @@ def exact_stencil(
     """The stencil of ``f`` around 0 with exact displacements; ``analytic`` plays autograd's derivative."""
     points = tuple(Point(o, f(o * step), o * step, analytic * o * step) for o in offsets)
     return Stencil(step=step, center=f(0.0), analytic=analytic, points=points)
+
+
+def recomputed_counts(counts: dict[str, int]) -> dict[str, int]:
+    """The recomputed checks' counters of ``watch.counts`` (the applied checks' counted beside them)."""
+    return {key: counts[key] for key in ("checks", "failed", "skipped", "postponed")}

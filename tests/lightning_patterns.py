@@ -456,7 +456,7 @@ def fit(pattern: Pattern, with_watch: bool, **watch_options: Any) -> Observed:
         progress_bar={k: v for k, v in trainer.progress_bar_metrics.items() if k != "gradwatch"},
         own=module.observe(),  # type: ignore[operator]
         graphs=int(counters["stats"]["unique_graphs"]),
-        reports=watch.reports if watch is not None else [],
+        reports=watch.recomputed_reports if watch is not None else [],
     )
 
 

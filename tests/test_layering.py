@@ -21,12 +21,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.function",),
     ("engine.measuring",),
     ("engine.probing",),
-    ("engine.reference", "engine.check", "engine"),
+    ("engine.session", "engine.reference", "engine.check", "engine"),
     ("tensorboard",),
     ("outputs",),
     ("watch",),
     ("lightning", "integrations"),
-    ("cli", "testing", "callback", "check", "report", "__main__", "gradwatch"),
+    ("cli", "testing", "__main__", "gradwatch"),
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
 those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
@@ -34,7 +34,9 @@ the adapters over the watch for each training loop (Lightning, and the integrati
 the faces (command line, test helpers), the old import paths kept for users (``gradwatch.callback``,
 ``gradwatch.check``, ``gradwatch.report``) and the package itself."""
 
-FRAMEWORKS = {"lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate"}
+FRAMEWORKS = {
+    "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"
+}  # fmt: skip
 
 
 def _name(path: Path) -> str:
@@ -147,3 +149,21 @@ def test_no_module_is_over_400_lines() -> None:
 def test_the_engine_defines_check_gradients() -> None:
     tree = ast.parse(MODULES["engine.check"].read_text())
     assert "check_gradients" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+SCHEDULING = {"gradwatch.watch.schedule", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
+"""What scheduling code imports: the watch's schedules and clock, and the clock and arithmetic of a schedule."""
+
+ADAPTERS = [name for name in MODULES if name.split(".")[0] in ("lightning", "integrations")]
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_the_adapters_hold_no_scheduling_code(name: str) -> None:
+    """An adapter translates its loop's hooks into the watch's calls: it imports no schedule or clock, and never
+    reads the time or does arithmetic on steps with ``%`` (the watch decides when checks run)."""
+    tree = ast.parse(MODULES[name].read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & SCHEDULING, f"gradwatch.{name} imports {sorted(imported & SCHEDULING)}"
+    modulos = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)]
+    assert not modulos, f"gradwatch.{name} computes a modulo (a cadence?) at lines {modulos}"

@@ -1,8 +1,10 @@
-"""Run a two-process Lightning script (DDP, FSDP2 on CPU with gloo) in a subprocess and read what each rank wrote.
+"""Run a two-process script (Lightning's DDP and FSDP2, DeepSpeed, tensor parallelism; CPU, gloo) in subprocesses and
+read what each rank wrote.
 
-Lightning's launcher starts rank 1 by running the script again, so such fits cannot run inside pytest. The script runs
-in a new session with a bounded timeout: a hang fails the test (and kills rank 1 with rank 0) instead of blocking the
-suite. Each rank writes ``OUT_DIR/<scenario>_rank<r>.json``.
+Lightning's launcher starts rank 1 by running the script again, so such fits cannot run inside pytest
+(:func:`run_ranks`); other scripts are started once per rank with the launcher's variables set, as ``torchrun`` sets
+them (:func:`run_launched`). Scripts run in a new session with a bounded timeout: a hang fails the test (and kills
+every rank) instead of blocking the suite. Each rank writes ``OUT_DIR/<scenario>_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +49,50 @@ def run_ranks(script: str, out: Path, *options: str, timeout_s: int) -> tuple[di
         pytest.fail(f"{script} hung (no exit within {timeout_s} s):\n{output.decode()[-5000:]}")
     assert process.returncode == 0, output.decode()[-5000:]
     return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}, output.decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_launched(
+    script: str, out: Path, *options: str, timeout_s: int, world: int = 2, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """Run ``tests/<script> OUT *options`` once per rank of a ``world`` of processes, with the variables ``torchrun``
+    sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``env`` added; returns each
+    JSON file the ranks wrote in ``out`` (by file stem) and their output, rank 0's first. Fails the test when a rank
+    exits non-zero or they run past ``timeout_s``."""
+    paths = [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH")]
+    common = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), OMP_NUM_THREADS="1", **(env or {}))
+    common.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+    logs = [(out / f"rank{rank}.log").open("wb") for rank in range(world)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(TESTS / script), str(out), *options],
+            env=dict(common, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)),
+            stdout=logs[rank],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        for process in processes:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    finally:
+        for log in logs:
+            log.close()
+    outputs = [(out / f"rank{rank}.log").read_text(errors="replace") for rank in range(world)]
+    if any(process.returncode is None or process.returncode < 0 for process in processes):
+        pytest.fail(f"{script} hung (no exit within {timeout_s} s):\n" + "".join(o[-3000:] for o in outputs))
+    for rank, process in enumerate(processes):
+        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{outputs[rank][-5000:]}"
+    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}, "\n".join(outputs)

@@ -11,7 +11,8 @@ first (each imports only from the layers below it):
   storage and reductions, probe conditions, the evaluator);
 * :mod:`.measuring`: directions and displacements, vectorised passes, the points probes ask for;
 * :mod:`.probing`: the portfolio of probes, the escalation ladder, sampling;
-* :mod:`.reference` and :mod:`.check`: the reference gradient and the check itself.
+* :mod:`.session`, :mod:`.reference` and :mod:`.check`: what every check does around its measurements (the check
+  session), the reference gradient and the recomputed check's measurements; :mod:`.applied`: the applied check's.
 """
 
 from gradwatch.engine.check import check_gradients

@@ -1,6 +1,7 @@
 """One gradient check of a model on a batch: :func:`check_gradients`.
 
-The check orchestrates the engine's parts, each in a module of its own:
+The check is a measurement plan run in a check session (:mod:`.session`: the parameters, the state captured and put
+back, the notes and the report, as for every check) and orchestrates the engine's parts, each in a module of its own:
 
 1. the **reference** (:mod:`.reference`): the loss and autograd's gradient on the first samples of the batch, and the
    test that the loss evaluated again there is the same function;
@@ -21,23 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.function.batch import batch_size
-from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions, warnings_withheld
+from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
-from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
@@ -49,17 +46,19 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe, UnrestoredStateWarning
-from gradwatch.engine.selection import checked_parameters, known_focus, refuse_meta, unmatched_patterns
-from gradwatch.engine.settings import ProbeSettings, settings_from
+from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
+from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
+from gradwatch.engine.session import CheckSession
+from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding import SHARDED_NOTE
-from gradwatch.engine.sharding.collective import Collective, sharded
+from gradwatch.engine.sharding.collective import Collective
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
+from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_gradients"]
 
 
+@on_whole_parameters
 def check_gradients(
     model: nn.Module,
     batch: Any,
@@ -91,7 +90,8 @@ def check_gradients(
     :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
-        model: The module whose trainable floating parameters are checked.
+        model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps,
+            under ZeRO-3 with its parameters gathered; every rank calls the check together).
         batch: Anything ``loss_fn`` accepts; its floating tensors (found inside tuples, lists, dicts, namedtuples and
             dataclasses) are probed as inputs. It is never modified.
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``. A check evaluates it at least
@@ -135,11 +135,6 @@ def check_gradients(
         >>> report.verdict
         'ok'
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
-    validate.check_int("step", step, minimum=0)
     options = {
         "tensor_probes": tensor_probes,
         "random_probes": random_probes,
@@ -154,41 +149,31 @@ def check_gradients(
         "vectorize": vectorize,
         "fail_on_imprecise": fail_on_imprecise,
     }
+    session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     focus = validate.check_patterns("focus", focus)
     validate.check_optional_int("rotation", rotation, minimum=0)
-    protected = check_optimizers(optimizers)
     refuse_meta(model, batch)
-    return _check(model, batch, loss_fn, settings_from(settings, options), step, rotation, focus, protected)
+    return _check(session, batch, loss_fn, focus, rotation)
 
 
 def _check(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    settings: ProbeSettings,
-    step: int,
-    rotation: int | None,
-    focus: tuple[str, ...],
-    protected: Sequence[torch.optim.Optimizer] = (),
+    session: CheckSession, batch: Any, loss_fn: LossFn, focus: tuple[str, ...], rotation: int | None
 ) -> CheckReport:
-    """:func:`check_gradients` once its arguments are validated."""
-    ignore, precision, vectorize = settings.ignore, settings.precision, settings.vectorize
-    started = time.perf_counter()
-    surrogates = find_stock_surrogates(model)
-    params = checked_parameters(model, ignore, surrogates.unprobed)
-    for message in unmatched_patterns(ignore, [name for name, _ in model.named_parameters()]):
+    """The recomputed check's measurement plan, in its session: :func:`check_gradients` once its arguments are
+    validated."""
+    model, settings, surrogates = session.model, session.settings, session.surrogates
+    for message in unmatched_patterns(settings.ignore, [name for name, _ in model.named_parameters()]):
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
+    params = session.select()
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
-    mode = resolve_precision(precision, dtype, floating_elements)
-    collective: Collective | None = None
-    sharding_notes: list[Note] = []
-    if is_sharded(params):
-        collective, params = local_shards(params)
-        surrogates.exempt = {name: local_mask(collective, mask, dict(params)[name]) for name, mask in
-                             surrogates.exempt.items() if name in dict(params)}  # fmt: skip
-        sharding_notes, mode, vectorize = _sharded_settings(collective, mode)
+    mode = resolve_precision(settings.precision, dtype, floating_elements)
+    vectorize = settings.vectorize
+    if session.collective is not None:
+        sharding_notes, mode, vectorize = _sharded_settings(session.collective, mode)
+        session.leading += sharding_notes
+    session.leading += focus_notes
     plan = ProbePlan(
         portfolio=PortfolioSettings(
             tensor_probes=settings.tensor_probes,
@@ -196,64 +181,36 @@ def _check(
             param_probes=settings.param_probes,
             input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
             seed=settings.seed,
-            step=step,
-            rotation=step if rotation is None else rotation,
+            step=session.step,
+            rotation=session.step if rotation is None else rotation,
             focus=focus,
             exempt={name: mask for name, mask in surrogates.exempt.items() if name in dict(params)},
         ),
         rtol=settings.rtol if settings.rtol is not None else relative_tolerance(dtype),
         native_dtype=dtype,
-        float64_refinement=precision == "auto" and mode == "native" and dtype != torch.float64 and collective is None,
+        float64_refinement=settings.precision == "auto"
+        and mode == "native"
+        and dtype != torch.float64
+        and session.collective is None,
         vectorize=vectorize,
         fail_on_imprecise=settings.fail_on_imprecise,
+        precision=mode,
     )
-    state = TrainingState.capture(model, protected)
-    with warnings_withheld() as withheld:
-        try:
-            with as_autograd_sees_them(surrogates), sharded(collective), lockstep(model, collective is not None):
-                outcome = _run(
-                    model, batch, loss_fn, params, state, plan, mode, settings.probe_batch_size,
-                    settings.float64_reductions,
-                )  # fmt: skip
-        finally:
-            state.restore()
+    with session.measuring():
+        outcome = _run(session, batch, loss_fn, plan)
     evaluator = outcome.evaluator
-    evaluator.notes[:0] = sharding_notes + focus_notes
-    evaluator.notes += surrogates.notes()
-    if withheld:
-        evaluator.notes.append(
-            Note(
-                NoteCode.WARNINGS_WITHHELD,
-                f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: "
-                f"{withheld[0]}",
-            )
-        )
-    unrestored = state.unrestorable()
-    evaluator.notes += state.sandbox.notes(state.sandbox.unrestorable())
-    evaluator.notes += state.guard.notes()
-    if unrestored:
-        warnings.warn(
-            f"gradwatch could not put back what the loss changed: {', '.join(unrestored)}; the model is not exactly as "
-            "it was before the check (move that code out of loss_fn)",
-            UnrestoredStateWarning,
-            stacklevel=2,
-        )
-    return CheckReport(
-        step=step,
+    return session.report(
         verdict=_overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
+        notes=evaluator.notes,
         n_forward=evaluator.n_forward,
         n_backward=evaluator.n_backward,
         n_passes=evaluator.n_passes,
-        duration_s=time.perf_counter() - started,
-        notes=list(dict.fromkeys(evaluator.notes)),
         samples=batch_size(outcome.probe_batch),
         precision=outcome.precision,
         vectorized=outcome.vectorized,
         rtol=outcome.rtol,
-        side_effects=tuple(state.sandbox.changed + state.guard.changed),
-        unrestored=tuple(unrestored),
         surrogates=outcome.surrogates,
         culprits=outcome.culprits,
         culprit_message=outcome.culprit_message,
@@ -278,17 +235,7 @@ class _Outcome:
     probed_inputs: tuple[str, ...]
 
 
-def _run(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    params: list[tuple[str, Tensor]],
-    state: TrainingState,
-    plan: ProbePlan,
-    mode: str,
-    probe_batch_size: int | None,
-    float64_reductions: bool,
-) -> _Outcome:
+def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) -> _Outcome:
     """The reference, the probes (unless the reference rules them out), and for a compiled model the comparison of
     its compiled gradient with eager autograd's; the caller restores the state."""
     notes: list[Note] = []
@@ -296,14 +243,15 @@ def _run(
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = []
     culprit_message = ""
+    model, state = session.model, session.state
+    assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
         evaluator, reference, probe_batch = reference_on_a_slice(
-            model, batch, loss_fn, params, state, probe_batch_size, plan.portfolio.input_probes > 0,
-            float64_reductions, notes,
-        )  # fmt: skip
+            session, batch, loss_fn, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+        )
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
-        params, reference = without_edited(evaluator, params, reference, state.guard.edited_ids())
+        params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
         grads = [
             g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
         ]
@@ -320,7 +268,7 @@ def _run(
                 )
             )
         elif not probes:
-            measured = measured_probes(model, evaluator, reference, grad_norms, plan, mode)
+            measured = measured_probes(evaluator, reference, grad_norms, plan)
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message

@@ -45,9 +45,10 @@ class ProbeKind(StrEnum):
 
     ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"cover"``:
     along a group of parameter tensors' gradients, each weighted to contribute equally (target ``"*"``): every tensor
-    is in one group at every check, so a wrong gradient in any one shows at once (see
-    :meth:`~gradwatch.engine.probing.portfolio.Portfolio.cover`). ``"tensor"``: along one parameter tensor's own
-    normalised gradient. ``"random"``: along a random unit direction within one
+    is in one group at every recomputed check, so a wrong gradient in any one shows at once (see
+    :mod:`gradwatch.engine.probing.cover`). ``"tensor"``: along one parameter tensor's own normalised gradient.
+    ``"tensors"``: along every parameter tensor's own normalised gradient at once, each with equal weight (applied
+    checks: one probe that sees a fault in any tensor). ``"random"``: along a random unit direction within one
     parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
     batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
     reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
@@ -63,6 +64,7 @@ class ProbeKind(StrEnum):
     DESCENT = "descent"
     COVER = "cover"
     TENSOR = "tensor"
+    TENSORS = "tensors"
     RANDOM = "random"
     PARAM = "param"
     INPUT = "input"
@@ -133,6 +135,12 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
         vouches=True,
         starts_culprit_search=True,
         refocused=True,
+    ),
+    ProbeKind.TENSORS: KindTraits(
+        "along every parameter tensor's own normalised gradient at once, each with equal weight (applied checks)",
+        moves_parameters=True,
+        vouches=True,
+        starts_culprit_search=True,
     ),
     ProbeKind.RANDOM: KindTraits(
         "along a random unit direction within one parameter tensor (target '*': over all of them, when the gradient "

@@ -87,12 +87,23 @@ class NoteCode(StrEnum):
     SHARDED_NATIVE = "sharded-native", "float64 probes are not made on shards"
     RANKS_TOGETHER = "ranks-together", "the verdict of every rank, which ran one check of the global loss together"
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
+    ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
+    TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
     # applied checks (gradwatch.engine.applied)
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
     APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
+    APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
+    ACCUMULATION_EQUIVALENCE = (
+        "accumulation-equivalence",
+        "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",
+    )
+    ACCUMULATION_UNEQUAL = (
+        "accumulation-unequal",
+        "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
+    )
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

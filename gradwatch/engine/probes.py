@@ -19,7 +19,7 @@ from gradwatch.engine.confirmation import confirm_precision
 from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.function.precision import probe_precision
+from gradwatch.engine.function.precision import ResolvedPrecision, probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
@@ -41,7 +41,8 @@ search, not the list of victims, says where the bug is."""
 
 @dataclasses.dataclass(frozen=True)
 class ProbePlan:
-    """What the probes of a check are asked to do: the portfolio's sizes and turn, and how they are judged."""
+    """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in
+    (``"native"`` or ``"float64"``), and how they are judged."""
 
     portfolio: PortfolioSettings
     rtol: float
@@ -49,6 +50,7 @@ class ProbePlan:
     float64_refinement: bool
     vectorize: bool
     fail_on_imprecise: bool
+    precision: ResolvedPrecision = "native"
 
 
 def _ladder(plan: ProbePlan, measurements: Measurements, reference_loss: float) -> Ladder:
@@ -84,17 +86,13 @@ class MeasuredProbes:
 
 
 def measured_probes(
-    model: nn.Module,
-    evaluator: LossEvaluator,
-    reference: Reference,
-    grad_norms: Sequence[float],
-    plan: ProbePlan,
-    mode: str,
+    evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], plan: ProbePlan
 ) -> MeasuredProbes:
-    """The check's probes, measured in the precision ``mode`` asks for (again natively, with a note, when the float64
-    evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate gradients
-    recognised (:mod:`gradwatch.engine.signatures`)."""
-    with probe_precision(model, evaluator, mode) as (precision, trial):
+    """The check's probes, measured in the precision the ``plan`` asks for (again natively, with a note, when the
+    float64 evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate
+    gradients recognised (:mod:`gradwatch.engine.signatures`)."""
+    model = evaluator.model
+    with probe_precision(model, evaluator, plan.precision) as (precision, trial):
         try:
             tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
                 evaluator, reference, grad_norms, trial, plan

@@ -13,21 +13,23 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
-from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, Probe
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import global_index
+
+if TYPE_CHECKING:
+    from gradwatch.engine.session import CheckSession
 
 BATCH_NORM_SAMPLES = 4
 """The slice probes fall back to when the loss refuses a smaller one (BatchNorm in training mode refuses one sample).
@@ -36,22 +38,18 @@ close) that float32 autograd's round-off on a bias before it rivals the model's 
 
 
 def reference_on_a_slice(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    params: list[tuple[str, Tensor]],
-    state: TrainingState,
-    probe_batch_size: int | None,
-    with_inputs: bool,
-    float64_reductions: bool,
-    notes: list[Note],
+    session: CheckSession, batch: Any, loss_fn: LossFn, *, with_inputs: bool, notes: list[Note]
 ) -> tuple[LossEvaluator, Reference, Any]:
-    """The evaluator and reference gradient on the first ``probe_batch_size`` samples, or else on the first
-    :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says why).
+    """The evaluator and reference gradient of the session's parameters on the first ``probe_batch_size`` samples, or
+    else on the first :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says
+    why); the input gradient too ``with_inputs``.
 
     One sample is the slice most losses accept and BatchNorm refuses (train-mode statistics need two values per
     channel); others refuse any slice (a batch-size constant, a tensor of the full size that was not cut).
     """
+    model, params, state, settings = session.model, session.params, session.state, session.settings
+    assert state is not None, "a check's measurements run inside session.measuring()"
+    probe_batch_size, float64_reductions = settings.probe_batch_size, settings.float64_reductions
     sizes = [] if probe_batch_size is None else [probe_batch_size]
     if probe_batch_size is not None and probe_batch_size < BATCH_NORM_SAMPLES:
         sizes.append(BATCH_NORM_SAMPLES)

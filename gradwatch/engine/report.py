@@ -29,16 +29,21 @@ own path computed it (autocast, compiled graph, accumulation, cross-rank reducti
 :mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
 (:func:`~gradwatch.engine.check.check_gradients`)."""
 
-Fault = Literal["formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown"]
+Fault = Literal["formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping"]
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
 ``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
 (right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
 ``"reduction"`` (the local gradients are right, the cross-rank reduced one is not, or ranks disagree),
 ``"accumulation"`` (the window's micro-batch gradients are right, their sum in the applied gradient is not: leftovers
 of an earlier window, a micro-batch counted twice or not at all), ``"transient"`` (the same path computed again gives
-the right gradient: a one-off corruption) or ``"unknown"``."""
+the right gradient: a one-off corruption) or ``"unknown"``; ``"clipping"`` (the gradient the optimizer steps with is not
+the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
+:func:`~gradwatch.engine.applied.clipping.check_clipping`)."""
 
-FAULTS: tuple[Fault, ...] = ("formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown")
+FAULTS: tuple[Fault, ...] = (
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping"
+)  # fmt: skip
+"""Every fault, in the order their codes are written (``gradwatch/applied/fault``: position plus one): new ones last."""
 
 _E = TypeVar("_E", bound=Enum)
 
@@ -166,6 +171,10 @@ class CheckReport:
         floor_excess: Applied checks: the largest ``|analytic − numeric|`` of the check's probes in units of that
             probe's tolerance (its noise floor times the allowed multiple, plus the finite difference's noise); above
             1 is a failure.
+        accumulation_scale: Applied checks of several micro-batches: the accumulated gradient's derivative along its
+            own direction over that of the gradient of the window's samples taken as one batch (1 when the loss is
+            normalised over the window; :mod:`gradwatch.engine.applied.equivalence`), ``nan`` when not compared.
+        accumulation_cosine: The cosine of those two gradients.
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -194,6 +203,8 @@ class CheckReport:
     fault_message: str = ""
     noise_floor: float = math.nan
     floor_excess: float = math.nan
+    accumulation_scale: float = math.nan
+    accumulation_cosine: float = math.nan
     probed_inputs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -1,14 +1,16 @@
 """The probe options of a check, as one object validated once: :class:`ProbeSettings`.
 
-:func:`gradwatch.check_gradients` builds it from its keyword arguments; :class:`gradwatch.GradientWatch` and the
-adapters over it (``GradWatch``, the Hugging Face callback) build it once at construction and pass it whole to every
-check, so that the options are validated, documented and defaulted in this one place.
+:func:`gradwatch.check_gradients` and :func:`gradwatch.check_applied_gradient` build it from their keyword arguments
+(or take it whole, ``settings=``); :class:`gradwatch.GradientWatch` and the adapters over it (``GradWatch``, the Hugging
+Face callback) build it once at construction and pass it whole to every check, so that the options are validated,
+documented and defaulted in this one place, the same for every entry point.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.function.precision import PRECISIONS, Precision
@@ -19,11 +21,15 @@ class ProbeSettings:
     """What a check probes and how: the options of :func:`gradwatch.check_gradients` that stay the same from one check
     of a run to the next (``step``, ``rotation`` and ``focus`` change at every check and are passed beside it).
 
+    An applied check (:func:`gradwatch.check_applied_gradient`) uses ``tensor_probes``, ``ignore`` and ``seed`` (the
+    seed of its culprit search); the other fields concern the recomputed check alone.
+
     Every field is validated at construction (``ValueError`` naming the field, what was expected and what was
     received); :func:`dataclasses.replace` validates again.
 
     Args:
-        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
+        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure); an
+            applied check probes as many along their own part of the applied gradient.
         random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
             received no gradient at all.
         param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
@@ -95,8 +101,8 @@ class ProbeSettings:
 
 
 def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
-    """What :func:`gradwatch.check_gradients` checks with: ``settings`` when given (the options one by one left at
-    their defaults), else the options one by one."""
+    """What a check checks with: ``settings`` when given (the ``options`` one by one, a subset of the fields, left at
+    their defaults), else the options one by one (the fields not among them at their defaults)."""
     if settings is None:
         return ProbeSettings(**options)
     if not isinstance(settings, ProbeSettings):
@@ -112,3 +118,43 @@ def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> Pr
             f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
         )
     return settings
+
+
+class ProbeOptions(TypedDict, total=False):
+    """The probe options as keyword arguments (``**options: Unpack[ProbeOptions]``) of the entry points that take them
+    one by one besides ``settings=``: the fields of :class:`ProbeSettings`, documented there."""
+
+    tensor_probes: int
+    random_probes: int
+    param_probes: int
+    input_probes: int
+    probe_batch_size: int | None
+    precision: Precision
+    ignore: Sequence[str]
+    rtol: float | None
+    seed: int
+    float64_reductions: bool
+    vectorize: bool
+    fail_on_imprecise: bool
+
+
+def settings_of(
+    settings: ProbeSettings | None, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> ProbeSettings:
+    """The settings of an entry point that takes ``settings=`` or the probe options one by one (``options``, only those
+    given), not both; ``defaults`` are the entry point's own defaults for options left out (a series of checks probes 2
+    samples)."""
+    unknown = sorted(set(options) - set(ProbeSettings.option_names()))
+    if unknown:
+        names = list(ProbeSettings.option_names())
+        raise TypeError(f"unknown probe option(s) {unknown}; the probe options are {names}")
+    if settings is not None:
+        if not isinstance(settings, ProbeSettings):
+            raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
+        if options:
+            raise ValueError(
+                f"pass the probe options either one by one or as `settings`, not both; got `settings` and "
+                f"{sorted(options)}"
+            )
+        return settings
+    return ProbeSettings(**{**(defaults or {}), **options})

@@ -65,7 +65,7 @@ class GradWatchCallback(TrainerCallback):
         # several processes (DDP): rank 0 decides the budget and every process acts on the same report
         options.setdefault("decide", rank0_decides)
         options.setdefault("agree", agree_across_ranks)
-        self.watch = GradientWatch(every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
+        self.watch = GradientWatch(every_n_steps=every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False

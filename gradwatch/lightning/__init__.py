@@ -1,7 +1,6 @@
 """The Lightning adapter: :class:`GradWatch` turns a Trainer's hooks into checks of the engine and sends their reports
-to the loggers and to the alert policy. It imports the engine and the TensorBoard writer; neither imports it."""
+to the loggers and to the alert policy. It drives the watch; nothing below imports it."""
 
-from gradwatch.lightning.alerts import GradientCheckWarning
 from gradwatch.lightning.callback import GradWatch
 
-__all__ = ["GradWatch", "GradientCheckWarning"]
+__all__ = ["GradWatch"]

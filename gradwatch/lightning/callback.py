@@ -1,35 +1,42 @@
 """``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns Lightning's hooks into
-:meth:`~gradwatch.watch.GradientWatch.maybe_check` and lends the watch what only the Trainer knows: the module's own
-``training_step`` as the loss (:mod:`.training_step`), rank 0's budget decision and the agreement of the ranks' reports
-under DDP (:mod:`.distributed`), the grad scaler's skipped steps, silenced loggers and local batch norm around a check,
-and the trainer's loggers and progress bar for the reports (:mod:`.publishing`).
+A thin adapter over :class:`gradwatch.watch.GradientWatch`, which owns both kinds of check (schedule, budget, state,
+alerts, outputs). It turns Lightning's hooks into the watch's three calls and lends it what only the Trainer knows:
+
+* ``on_train_batch_start``: :meth:`~gradwatch.GradientWatch.record` (the micro-batch and its index);
+* ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed unscale, before
+  clipping): :meth:`~gradwatch.GradientWatch.before_optimizer_step`, with the module's own ``training_step`` as the
+  loss, each micro-batch's loss divided by ``accumulate_grad_batches`` and summed, the precision plugin's forward
+  context as the path, the grad scaler's scale and its skipped steps;
+* ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
+
+Around every check the trainer's loggers are silenced (:mod:`.training_step`); the records go to every logger, to
+``trainer.callback_metrics`` and, on rank 0, to what each logger can show (:mod:`.publishing`), through sinks built
+once per run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from gradwatch.engine import CheckReport, LossFn, check_gradients
-from gradwatch.engine import validation as validate
-from gradwatch.engine.function.precision import Precision
-from gradwatch.engine.settings import ProbeSettings
-from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS, AppliedChecks, AppliedHooks
-from gradwatch.lightning.distributed import agree, distributed
-from gradwatch.lightning.publishing import publish, publish_dashboard, show_in_progress_bar
-from gradwatch.lightning.training_step import local_batch_norm, loggers_silenced, training_step_loss
-from gradwatch.watch.alerts import OnFail
-from gradwatch.watch.watch import DEFAULT_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD, DEFAULT_PROBE_BATCH_SIZE, GradientWatch
+from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
+from gradwatch.lightning.training_step import loggers_silenced, training_step_loss
+from gradwatch.watch.alerts import GradientCheckWarning, OnFail
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+from gradwatch.watch.watch import GradientWatch
 
-__all__ = ["DEFAULT_EVERY_N_STEPS", "DEFAULT_MAX_OVERHEAD", "DEFAULT_PROBE_BATCH_SIZE", "GradWatch"]
+__all__ = ["GradWatch"]
 
 
 def _grad_scaler(trainer: pl.Trainer) -> Any:
@@ -38,33 +45,31 @@ def _grad_scaler(trainer: pl.Trainer) -> Any:
     return scaler if scaler is not None and hasattr(scaler, "get_scale") else None
 
 
-class _Watch(GradientWatch):
-    def _check_gradients(self, model: Any, batch: Any, loss_fn: LossFn, **arguments: Any) -> CheckReport:
-        return check_gradients(model, batch, loss_fn, **arguments)  # this module's name, which tests may wrap
+def _distributed(trainer: pl.Trainer) -> bool:
+    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-class GradWatch(AppliedHooks, Callback):
+class GradWatch(Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
     At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch (the module's own
     ``training_step``, its logging silenced) with small perturbations of sampled parameters and inputs, and compares
-    with autograd's gradient of the same loss, computed separately so the training's ``.grad`` is never touched.
-    Random states, buffers, parameters and ``.grad`` are restored exactly afterwards: training continues as if nothing
+    with autograd's gradient of the same loss, computed separately so the training's ``.grad`` is never touched; at
+    others it checks the gradient the optimizer applies against the loss of the whole accumulation window. Random
+    states, buffers, parameters and ``.grad`` are restored exactly afterwards: training continues as if nothing
     happened. Results go to the trainer's loggers (see the README for the tags) and to :attr:`reports`; failures raise
     an alert. Under DDP every process checks its own shard of the batch and rank 0 decides the budget for all.
 
-    The arguments ``every_n_steps``, ``first_check_step``, ``on_fail``, ``probe_batch_size``, ``max_overhead``,
-    ``max_reports`` and ``verbose`` are those of :class:`~gradwatch.GradientWatch` (``on_fail="stop"`` stops the
-    trainer cleanly); the probe options (``precision``, ``vectorize``, ``fail_on_imprecise``, ``ignore``,
-    ``tensor_probes``, ``random_probes``, ``param_probes``, ``input_probes``, ``rtol``, ``seed``) are documented once,
-    in :class:`~gradwatch.engine.settings.ProbeSettings` (``ignore`` patterns are matched to the module's parameter
-    names at ``setup``).
+    Every option is that of :class:`~gradwatch.GradientWatch` (``on_fail="stop"`` stops the trainer cleanly), keyword
+    only; the probe options (``precision``, ``vectorize``, ``ignore``, ``tensor_probes``, ...) are documented once, in
+    :class:`~gradwatch.engine.settings.ProbeSettings`, and may be given as ``settings=`` instead (``ignore`` patterns
+    are matched to the module's parameter names at ``setup``).
 
     Args:
         loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
         applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
-            optimizer steps (:mod:`gradwatch.lightning.applied`; ``None``: off), within the same ``max_overhead``.
+            optimizer steps (``None``: off), within the same ``max_overhead``.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -78,53 +83,55 @@ class GradWatch(AppliedHooks, Callback):
 
     def __init__(
         self,
+        *,
         every_n_steps: int | None = None,
         first_check_step: int | None = 1,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        probe_batch_size: int | None = DEFAULT_PROBE_BATCH_SIZE,
         max_overhead: float | Literal["auto"] | None = "auto",
-        precision: Precision = "auto",
-        vectorize: bool = True,
-        fail_on_imprecise: bool = False,
-        ignore: list[str] | tuple[str, ...] = (),
-        tensor_probes: int = 6,
-        random_probes: int = 1,
-        param_probes: int = 1,
-        input_probes: int = 1,
-        rtol: float | None = None,
-        seed: int = 0,
         max_reports: int = 1000,
         verbose: bool = True,
-        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
+        settings: ProbeSettings | None = None,
+        **options: Unpack[ProbeOptions],
     ) -> None:
         super().__init__()
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
-        self._watch = _Watch(
-            every_n_steps=every_n_steps, first_check_step=first_check_step, on_fail=on_fail, loss_fn=loss_fn,
-            probe_batch_size=probe_batch_size, max_overhead=max_overhead, precision=precision, vectorize=vectorize,
-            fail_on_imprecise=fail_on_imprecise, ignore=ignore, tensor_probes=tensor_probes,
-            random_probes=random_probes, param_probes=param_probes, input_probes=input_probes, rtol=rtol, seed=seed,
-            max_reports=max_reports, verbose=verbose,
-            decide=self._decide, agree=self._agree, context=self._context, on_report=self._publish,
+        self._warned_applied_off = False
+        self._watch = GradientWatch(
+            every_n_steps=every_n_steps, first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
+            max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
+            agree=agree_across_ranks, context=self._context, on_report=self._on_report, **options,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
+        self.applied_every_n_steps = watch.applied_every_n_steps
         self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
         self.verbose = verbose
         for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
             setattr(self, name, getattr(watch.settings, name))
-        applied = validate.check_optional_int("applied_every_n_steps", applied_every_n_steps, minimum=1)
-        clock = watch._schedule.clock  # shared: the applied checks spend the same budget
-        self._applied = AppliedChecks(
-            applied, self.first_check_step, self.loss_fn, self.max_overhead, clock, ignore=watch.settings.ignore
-        )
+
+    @property
+    def watch(self) -> GradientWatch:
+        """The watch this callback drives."""
+        return self._watch
 
     @property
     def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks, oldest first (at most ``max_reports``)."""
+        """The reports of this run's checks of both kinds, oldest first (at most ``max_reports``)."""
         return self._watch.reports
+
+    @property
+    def applied_reports(self) -> list[CheckReport]:
+        """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
+        return self._watch.applied_reports
+
+    @property
+    def recomputed_reports(self) -> list[CheckReport]:
+        """The reports of this run's recomputed checks, oldest first (``scope == "recomputed"``)."""
+        return self._watch.recomputed_reports
 
     @property
     def counts(self) -> dict[str, int]:
@@ -161,22 +168,30 @@ class GradWatch(AppliedHooks, Callback):
             )
         if stage == "fit":
             self._watch.setup(pl_module)  # ignore= patterns that match nothing warn here, once
-            self._watch._alerts.shown = trainer.is_global_zero  # every rank holds the same report: one warning
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
         publish_dashboard(trainer)
+        self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._watch.start(trainer.global_step)  # restored from the checkpoint when resuming
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._applied_reachable(trainer):
+            self._watch.record((batch, batch_idx), model=pl_module, step=trainer.global_step + 1)
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._check_applied(trainer, pl_module)  # the gradient the optimizer applies, before clipping and the step
+        if self._watch.recording:  # the gradient the optimizer applies, before clipping and the step
+            self._check_applied(trainer, pl_module)
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
@@ -195,41 +210,75 @@ class GradWatch(AppliedHooks, Callback):
 
         # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
         loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
-        self._trainer = trainer
-        try:
+        with self._handling(trainer):
             self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
+
+    def _applied_reachable(self, trainer: pl.Trainer) -> bool:
+        """Whether this run's applied gradient can be checked; says once why not."""
+        if self._watch.applied_every_n_steps is None or len(trainer.optimizers) <= 1:
+            return True
+        if not self._warned_applied_off:
+            self._warned_applied_off = True
+            warnings.warn(
+                "gradwatch: the applied gradient is not checked under several optimizers (which loss each optimizer's "
+                "gradient comes from is the module's own business); the recomputed checks go on. Give each optimizer "
+                "its own GradWatch(loss_fn=...) in a plain loop to check each (docs/loops.md)",
+                GradientCheckWarning,
+                stacklevel=2,
+            )
+        return False
+
+    def _check_applied(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        user_loss = self.loss_fn
+
+        def loss_fn(model: torch.nn.Module, item: Any) -> torch.Tensor:
+            batch, batch_idx = item
+            return (user_loss or training_step_loss(module, batch_idx))(model, batch)
+
+        accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        scaler = _grad_scaler(trainer)
+
+        def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            found = not all(bool(torch.isfinite(g).all()) for g in grads)
+            # FSDP2: each rank sees its own rows; decide together
+            return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
+
+        with self._handling(trainer):
+            self._watch.before_optimizer_step(
+                module, loss_fn, step=trainer.global_step + 1,
+                combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
+                path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
+                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers,
+            )  # fmt: skip
+
+    @contextlib.contextmanager
+    def _handling(self, trainer: pl.Trainer) -> Iterator[None]:
+        """The trainer of the hook being handled, for the watch's context; a stop the watch asks for, passed on."""
+        self._trainer = trainer
+        try:
+            yield
         finally:
             self._trainer = None
         if self._watch.should_stop:  # on_fail="stop" and the check failed
             trainer.should_stop, self._watch.should_stop = True, False
 
-    def _decide(self, wait: int) -> int:
-        """Rank 0's budget decision for every rank (ranks measure different times)."""
-        assert self._trainer is not None
-        return int(self._trainer.strategy.broadcast(wait, src=0))
-
-    def _agree(self, report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
-        assert self._trainer is not None
-        return agree(self._trainer, report, error) if distributed(self._trainer) else report
-
     @contextlib.contextmanager
     def _context(self, module: torch.nn.Module) -> Iterator[None]:
         assert self._trainer is not None
-        with local_batch_norm(module), loggers_silenced(self._trainer):
+        with loggers_silenced(self._trainer):
             yield
 
-    def _publish(self, report: CheckReport) -> None:
-        assert self._trainer is not None
-        publish(self._trainer, report, self.overhead)
-        show_in_progress_bar(self._trainer, report, self.counts["failed"])
+    def _on_report(self, report: CheckReport) -> None:
+        if self._trainer is not None and report.scope != "applied":
+            show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {**self._watch.state_dict(), **self._applied.state_dict()}
+        return self._watch.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._watch.load_state_dict(state_dict)
-        self._applied.load_state_dict(state_dict)

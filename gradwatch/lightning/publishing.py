@@ -13,9 +13,10 @@ The report becomes records once (:func:`gradwatch.outputs.records_of`), and each
   ``<default_root_dir>/gradwatch_records/<logger>-<name>-<version>``): the JSON lines record, ``gradwatch.jsonl``
   (:class:`JsonLinesSink`), which ``gradwatch report`` reads, CSV runs included.
 
-Applied checks (``report.scope == "applied"``) go the same way (:func:`write_records`), their records from
+Applied checks (``report.scope == "applied"``) go the same way, their records from
 :func:`gradwatch.outputs.records.applied_records_of`: ``gradwatch/applied/*`` scalars and their text, led by the fault,
-under ``gradwatch/applied/failure``. Files and texts are written on rank 0 only. A logger that cannot show the
+under ``gradwatch/applied/failure``. The sinks are built once per run (:class:`TrainerSink` on every rank, the others
+on rank 0: files and texts are written there only). A logger that cannot show the
 failure text or the histograms gets one info record per run naming where they are instead, never silence.
 """
 
@@ -34,7 +35,7 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from gradwatch.engine.report import CheckReport
 from gradwatch.outputs.jsonl import JSONL_NAME
-from gradwatch.outputs.records import CheckRecords, records_of
+from gradwatch.outputs.records import CheckRecords
 from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink
 from gradwatch.tensorboard.dashboard import write_dashboard
 
@@ -44,40 +45,22 @@ PROGRESS_BAR_KEY = "gradwatch"
 
 _noted: weakref.WeakSet[Logger] = weakref.WeakSet()
 """Loggers already told what they cannot show (once per logger object, so once per run)."""
-_failed_sinks: set[str] = set()
-"""Sinks (by their ``repr``, a file's path) that could not be written, warned about once per process."""
 
 
-def publish(trainer: pl.Trainer, report: CheckReport, overhead: float | None) -> None:
-    """Send the report to every logger at the trainer's step, put its scalars into ``trainer.callback_metrics``, and
-    on rank 0 write what each logger can show (histogram, failure text) and the JSON lines record beside its logs;
-    flushed at once when the check failed."""
-    records = records_of(report, overhead)
-    for logger in trainer.loggers:
-        logger.log_metrics(records.scalars, step=trainer.global_step)
-    feed_callback_metrics(trainer, records)
-    write_records(trainer, records)
+class TrainerSink:
+    """The scalars of every check to every logger of the trainer (``log_metrics`` at the check's step) and into
+    ``trainer.callback_metrics`` (every rank: the ranks agree on the report)."""
 
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
 
-def write_records(trainer: pl.Trainer, records: CheckRecords) -> None:
-    """On rank 0, what each logger can show of ``records`` (histograms, the text) and the JSON lines record beside its
-    logs; flushed at once when the check failed. A sink that cannot be written is warned about once, never raised."""
-    if not trainer.is_global_zero:
-        return
-    for sink in sinks(trainer):
-        try:
-            sink.write(records)
-            if records.failed:
-                sink.flush()
-        except OSError as error:  # a full disk or a read-only directory must not end the training run
-            _warn_once(sink, error)
+    def write(self, records: CheckRecords) -> None:
+        for logger in self.trainer.loggers:
+            logger.log_metrics(records.scalars, step=records.step)
+        feed_callback_metrics(self.trainer, records)
 
-
-def _warn_once(sink: Sink, error: OSError) -> None:
-    key = repr(sink)
-    if key not in _failed_sinks:
-        _failed_sinks.add(key)
-        log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete", sink, error)
+    def flush(self) -> None:
+        """Nothing to do: each logger flushes as it is configured to."""
 
 
 def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
@@ -128,8 +111,10 @@ def _note_once(logger: Logger, missing: list[str], record: Path) -> None:
 
 
 def sinks(trainer: pl.Trainer) -> list[Sink]:
-    """The sinks of the trainer's loggers (rank 0): one per backend that shows more than scalars, and one JSON lines
-    record per log directory."""
+    """The sinks of the trainer's loggers on rank 0 (none elsewhere): one per backend that shows more than scalars,
+    and one JSON lines record per log directory."""
+    if not trainer.is_global_zero:
+        return []
     found: list[Sink] = []
     records: dict[Path, JsonLinesSink] = {}
     for logger in trainer.loggers:

@@ -1,16 +1,13 @@
 """The loss a check evaluates for a LightningModule: its own ``training_step``, made safe to call again and again.
 
 A check calls the loss dozens of times. ``training_step`` logs (its ``self.log`` calls would overwrite the run's real
-metrics with perturbed values), may return ``None`` or a dict, and a ``SyncBatchNorm`` inside it would run collectives
-that every process must join. :func:`training_step_loss` silences the module's logging and unpacks the output;
-:func:`loggers_silenced` silences the loggers themselves for the duration of a check, and :func:`local_batch_norm`
-makes ``SyncBatchNorm`` normalise with this process's statistics.
+metrics with perturbed values), may return ``None`` or a dict,. :func:`training_step_loss` silences the module's
+logging and unpacks the output; :func:`loggers_silenced` silences the loggers themselves for the duration of a check.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -21,7 +18,7 @@ from torch import Tensor, nn
 from gradwatch.engine import LossFn
 from gradwatch.watch.hooks import NoLossToCheckError  # training_step returned None: no loss to check
 
-__all__ = ["NoLossToCheckError", "local_batch_norm", "loggers_silenced", "training_step_loss"]
+__all__ = ["NoLossToCheckError", "loggers_silenced", "training_step_loss"]
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -70,29 +67,6 @@ def loggers_silenced(trainer: pl.Trainer) -> Iterator[None]:
                 names = [name for name in dir(experiment) if name.startswith(_EXPERIMENT_PREFIXES)]
                 stack.enter_context(_silenced(experiment, names))
         yield
-
-
-@contextlib.contextmanager
-def local_batch_norm(module: nn.Module) -> Iterator[None]:
-    """Let every ``SyncBatchNorm`` compute its statistics from this process's batch alone during a check.
-
-    SyncBatchNorm runs collectives inside forward: synchronized probes would need every process to run exactly the same
-    sequence of forwards, while each process's check takes its own data-dependent path (confirmations, retries). Its
-    backward also returns, on each process, the gradient of the sum of all processes' losses, not of the local one.
-    With local statistics each process checks a self-contained function of its own batch, and runs no collective.
-    """
-    patched = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
-    saved = [m.__dict__.get("forward") for m in patched]
-    for m in patched:
-        m.forward = types.MethodType(nn.BatchNorm1d.forward, m)  # type: ignore[method-assign]  # local statistics
-    try:
-        yield
-    finally:
-        for m, forward in zip(patched, saved, strict=True):
-            if forward is None:
-                del m.forward
-            else:
-                m.forward = forward  # type: ignore[method-assign]
 
 
 def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:

@@ -113,3 +113,9 @@ def applied_records_of(report: CheckReport) -> CheckRecords:
         report=report,
         text_tag=APPLIED_FAILURE_TAG,
     )
+
+
+def report_records(report: CheckReport, overhead: float | None = None) -> CheckRecords:
+    """The records of a report of either kind: :func:`applied_records_of` for an applied check, else
+    :func:`records_of` (with ``overhead``)."""
+    return applied_records_of(report) if report.scope == "applied" else records_of(report, overhead)

@@ -13,14 +13,20 @@ Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sin
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 from gradwatch.outputs.jsonl import record_json
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.writer import SummaryWriterLike, write_histogram
+
+log = logging.getLogger(__name__)
+
+_failed_sinks: set[str] = set()
+"""Sinks (by their ``repr``, a file's path) that could not be written, warned about once per process."""
 
 
 class Sink(Protocol):
@@ -109,3 +115,19 @@ class JsonLinesSink:
 
     def __repr__(self) -> str:
         return f"JsonLinesSink({str(self.path)!r})"
+
+
+def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
+    """Write ``records`` to every sink, flushed at once when the check failed. A sink that cannot be written (a full
+    disk, a read-only directory) is warned about once and never ends the training run."""
+    for sink in sinks:
+        try:
+            sink.write(records)
+            if records.failed:
+                sink.flush()
+        except OSError as error:
+            key = repr(sink)
+            if key not in _failed_sinks:
+                _failed_sinks.add(key)
+                log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete",
+                            sink, error)  # fmt: skip

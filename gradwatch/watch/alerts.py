@@ -58,7 +58,7 @@ class AlertPolicy:
 
     Args:
         on_fail: ``"warn"``: a :class:`GradientCheckWarning` (rate-limited). ``"raise"``:
-            :class:`~gradwatch.report.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
+            :class:`~gradwatch.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
             with the failing report.
         failures: The backoff of failure warnings (restored from a checkpoint).
         errors: The backoff of the warnings for checks that could not run.

@@ -16,6 +16,7 @@ import torch
 
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import VERDICTS, CheckReport
+from gradwatch.engine.sharding.parameters import is_sharded
 
 
 def world_size() -> int:
@@ -23,6 +24,22 @@ def world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return int(torch.distributed.get_world_size())
     return 1
+
+
+def rank() -> int:
+    """This process's rank in the initialised default process group (0 without one)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
+
+
+def default_group(model: torch.nn.Module) -> Any:
+    """The process group whose ranks check an applied gradient together by default: the default group of a run of
+    several processes whose parameters are whole on every rank (DDP); ``None`` for one process, and for sharded
+    parameters (FSDP2: the engine finds their mesh itself)."""
+    if world_size() == 1 or is_sharded(list(model.named_parameters())):
+        return None
+    return torch.distributed.group.WORLD
 
 
 def rank0_decides(wait: int) -> int:

@@ -12,10 +12,13 @@ deciding for all), and no work at all on the steps in between.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from gradwatch.watch.overhead import OverheadClock
+
+log = logging.getLogger(__name__)
 
 
 class Schedule:
@@ -25,10 +28,14 @@ class Schedule:
         every_n_steps: A check is due every this many optimizer steps.
         first_check_step: Another check is due at this step (``None``: none).
         max_overhead: The budget, a fraction of the training time (``None``: no budget).
+        verbose: Log (INFO) the first postponement of a run.
     """
 
-    def __init__(self, every_n_steps: int, first_check_step: int | None, max_overhead: float | None) -> None:
+    def __init__(
+        self, every_n_steps: int, first_check_step: int | None, max_overhead: float | None, *, verbose: bool = False
+    ) -> None:
         self.every_n_steps = every_n_steps
+        self.verbose = verbose
         self.first_check_step = first_check_step
         self.max_overhead = max_overhead
         self.clock = OverheadClock()
@@ -86,7 +93,13 @@ class Schedule:
             wait = 0
             if not self.clock.affordable(self.max_overhead):
                 wait = self.clock.steps_until_affordable(self.max_overhead, self._timed_steps)
-            wait = decide(wait)
+            wait = int(decide(wait))
+            if wait > 0 and not self.postponed and self.verbose:
+                log.info(
+                    "gradwatch: the check due at step %d is postponed by %d steps, so that checks cost at most %g of "
+                    "the training time (max_overhead); max_overhead=None checks on schedule",
+                    step, wait, self.max_overhead,
+                )  # fmt: skip
             if wait > 0:
                 self._resume_at = step + wait
                 self.postponed += 1

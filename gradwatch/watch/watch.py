@@ -1,35 +1,38 @@
-"""``GradientWatch``: a series of gradient checks over a training run, in any training loop, free of any framework:
-the schedule and its budget (:mod:`.schedule`), the rotation of the probed tensors and the focus on those a check could
-not decide, the probe slice the loss accepts, vectorised passes given up, the alerts (:mod:`.alerts`), the counters and
-the checkpoint state. Adapters (Lightning's ``GradWatch``, Hugging Face's ``GradWatchCallback``) turn their loop's
-events into :meth:`GradientWatch.maybe_check`, lending what only the loop knows through the constructor's keywords.
-"""
+"""``GradientWatch``: both kinds of gradient check over a training run, in any loop, free of any framework. It
+composes the recomputed checks' schedule and budget (:mod:`.schedule`), the applied checks' windows on the same clock
+(:mod:`.applied`), what checks teach the next ones (:mod:`.lessons`) and what becomes of their reports
+(:mod:`.outcomes`: counters, sinks, alerts); adapters only turn their loop's events into its three calls."""
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
+import contextlib
 import logging
 import time
-import warnings
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
-from gradwatch.engine.function.precision import Precision
-from gradwatch.engine.report import UnrestoredStateWarning
-from gradwatch.engine.selection import unmatched_patterns
-from gradwatch.engine.settings import ProbeSettings
-from gradwatch.outputs.records import records_of
+from gradwatch.engine.applied.window import Combine, PathContext
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
+from gradwatch.engine.sharding.parameters import is_sharded
 from gradwatch.outputs.sinks import Sink
-from gradwatch.watch.alerts import ON_FAIL_CHOICES, AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
-from gradwatch.watch.defaults import DEFAULT_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD, DEFAULT_PROBE_BATCH_SIZE
-from gradwatch.watch.hooks import Agree, Context, Decide, NoLossToCheckError, as_decided, no_context
+from gradwatch.watch.alerts import ON_FAIL_CHOICES, OnFail
+from gradwatch.watch.applied import AppliedSchedule
+from gradwatch.watch.defaults import (
+    DEFAULT_APPLIED_EVERY_N_STEPS,
+    DEFAULT_EVERY_N_STEPS,
+    DEFAULT_MAX_OVERHEAD,
+    DEFAULT_PROBE_BATCH_SIZE,
+)
+from gradwatch.watch.distributed import default_group
+from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, local_batch_norm, no_context
+from gradwatch.watch.lessons import Lessons
+from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -38,154 +41,152 @@ _STATE_VERSION = 1
 
 
 class GradientWatch:
-    r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
+    r"""Check, every so often during training, that the gradients a model trains on are the derivatives of its loss.
 
-    Call :meth:`maybe_check` once per optimizer step, after ``optimizer.step()``; at the steps the schedule and the
-    budget choose, it runs a check (:func:`gradwatch.check_gradients`) of the loss on the step's batch at the current
-    parameters and returns its :class:`~gradwatch.CheckReport`, else ``None``. A check never changes training: the
-    parameters, buffers, ``.grad``, optimizer and random states are left bit for bit as they were.
+    Both kinds of check, in any loop, on one schedule and one budget, with three calls each a no-op unless a check is
+    due (:doc:`the loops page <../loops>` has a recipe per loop):
 
-    Steps are optimizer steps. Under gradient accumulation, call it once per optimizer step with the optimizer step's
-    number and one micro-batch (the check is of that micro-batch's loss); a second call with the same step is ignored.
-    The probe options (``precision`` to ``seed`` in the signature) are documented once, in
-    :class:`~gradwatch.engine.settings.ProbeSettings`; ``ignore`` patterns that match no parameter warn once, at the
-    first check (or :meth:`setup`).
+    * :meth:`record` before each micro-batch's forward, and :meth:`before_optimizer_step` after the window's backward
+      passes, before clipping and ``optimizer.step()``: the **applied** check, the ``.grad`` the optimizer is about to
+      apply against the loss of the whole window (:func:`gradwatch.check_applied_gradient`);
+    * :meth:`maybe_check` after ``optimizer.step()``: the **recomputed** check of the loss of the step's batch at the
+      current parameters (:func:`gradwatch.check_gradients`).
+
+    A check never changes training: the parameters, buffers, ``.grad``, optimizer and random states are left bit for
+    bit as they were. Steps are optimizer steps (1 for the first). Every option is keyword-only; the probe options
+    (``tensor_probes``, ``precision``, ``ignore``, ...) are documented once, in
+    :class:`~gradwatch.engine.settings.ProbeSettings`, and may be given as ``settings=`` instead.
 
     Args:
-        every_n_steps: Check every this many optimizer steps; by default every :data:`DEFAULT_EVERY_N_STEPS`, within
-            the budget of ``max_overhead``.
-        first_check_step: Also check at this optimizer step, so a wrong gradient surfaces in the first minutes of a
-            run; ``None`` to rely on ``every_n_steps`` alone.
+        every_n_steps: A recomputed check every this many optimizer steps; by default every
+            :data:`~gradwatch.watch.defaults.DEFAULT_EVERY_N_STEPS`, within the budget of ``max_overhead``.
+        first_check_step: Also check (both kinds) at this optimizer step, so a wrong gradient surfaces in the first
+            minutes of a run; ``None`` to rely on the cadences alone.
+        applied_every_n_steps: An applied check every this many optimizer steps (``None``: none), within the same
+            budget (:data:`~gradwatch.watch.defaults.DEFAULT_APPLIED_EVERY_N_STEPS`).
         on_fail: ``"warn"`` (a :class:`~gradwatch.GradientCheckWarning` naming the culprit, the tensor and index,
             rate-limited), ``"raise"`` (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and set
             :attr:`should_stop`) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when :meth:`maybe_check` is given none.
-        probe_batch_size: Probe the loss of the first this many samples of the batch (``None``: the whole batch); two
-            by default (:data:`DEFAULT_PROBE_BATCH_SIZE`). See :class:`~gradwatch.engine.settings.ProbeSettings`.
-        max_overhead: The budget: a due check is postponed while gradwatch's time, with that check, would exceed
-            this fraction of the training time (measured between calls of :meth:`maybe_check`); the first check is
+        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
+        max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
+            would exceed this fraction of the training time (measured between calls); the first recomputed check is
             always made, and measures the cost. ``"auto"`` (the default): :data:`DEFAULT_MAX_OVERHEAD` (1%) when
-            ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: no
-            budget.
+            ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: none.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
-        verbose: Log what is worth knowing but is no failure (INFO records: a report's notes, once each; postponed
-            checks; failing checks whose warning the backoff withholds). ``False``: no INFO records, and warnings
-            only for failures, checks that could not run, and checks that cannot see or that changed the run.
-
-    Keyword Args:
+        verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
+            a series of checks probes 2 samples unless told (:data:`DEFAULT_PROBE_BATCH_SIZE`).
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
         decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
-            the steps to wait), returns the decision (under DDP, rank 0's, broadcast). Default: the proposal.
-        agree: ``agree(report, error, step)``: under DDP, turns this process's report (or the error that ended its
-            check) into the report every process acts on (a gather). Called on every check when given.
-            :mod:`gradwatch.watch.distributed` has both, for any ``torch.distributed`` run.
-        context: ``context(model)``, a context manager around each check (silenced loggers, local batch norm).
+            the steps to wait), returns the decision (under DDP, rank 0's). :mod:`gradwatch.watch.distributed` has it.
+        agree: ``agree(report, error, step)``: under DDP, turns this process's recomputed report (or the error that
+            ended its check) into the report every process acts on (a gather).
+        context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
 
-    Raises:
-        ValueError: An argument is out of range or of the wrong type (at construction).
+    Raises ``ValueError`` at construction for an argument out of range or of the wrong type.
 
     Example:
         >>> import torch
         >>> from gradwatch import GradientWatch
-        >>> model, watch = torch.nn.Linear(4, 1), GradientWatch(every_n_steps=2)
+        >>> model, watch = torch.nn.Linear(4, 1), GradientWatch(every_n_steps=2, applied_every_n_steps=2)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
         >>> for step in range(1, 5):
         ...     batch = (torch.randn(8, 4), torch.randn(8, 1))
-        ...     optimizer.zero_grad()
+        ...     watch.record(batch)
         ...     loss_fn(model, batch).backward()
+        ...     watch.before_optimizer_step(model, loss_fn, step=step)
         ...     optimizer.step()
+        ...     optimizer.zero_grad()
         ...     report = watch.maybe_check(model, batch, loss_fn, step=step)
-        >>> [report.step for report in watch.reports], watch.counts["failed"]
-        ([1, 2, 4], 0)
+        >>> [(report.scope, report.step) for report in watch.reports]
+        [('applied', 1), ('recomputed', 1), ('applied', 2), ('recomputed', 2), ('recomputed', 4)]
     """
 
     def __init__(
         self,
+        *,
         every_n_steps: int | None = None,
         first_check_step: int | None = 1,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        probe_batch_size: int | None = DEFAULT_PROBE_BATCH_SIZE,
         max_overhead: float | Literal["auto"] | None = "auto",
-        precision: Precision = "auto",
-        vectorize: bool = True,
-        fail_on_imprecise: bool = False,
-        ignore: list[str] | tuple[str, ...] = (),
-        tensor_probes: int = 6,
-        random_probes: int = 1,
-        param_probes: int = 1,
-        input_probes: int = 1,
-        rtol: float | None = None,
-        seed: int = 0,
         max_reports: int = 1000,
         verbose: bool = True,
-        *,
+        settings: ProbeSettings | None = None,
         sinks: Sequence[Sink] = (),
         decide: Decide | None = None,
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        **options: Unpack[ProbeOptions],
     ) -> None:
         chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
         self.every_n_steps = DEFAULT_EVERY_N_STEPS if chosen is None else chosen
         self.first_check_step = validate.check_optional_int("first_check_step", first_check_step, minimum=1)
+        self.applied_every_n_steps = validate.check_optional_int(
+            "applied_every_n_steps", applied_every_n_steps, minimum=1
+        )
         self.on_fail = validate.check_choice("on_fail", on_fail, ON_FAIL_CHOICES, allow_callable=True)
         self.loss_fn = validate.check_optional_callable("loss_fn", loss_fn)
         if max_overhead == "auto":
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = ProbeSettings(
-            tensor_probes=tensor_probes,
-            random_probes=random_probes,
-            param_probes=param_probes,
-            input_probes=input_probes,
-            probe_batch_size=probe_batch_size,
-            precision=precision,
-            ignore=ignore,  # type: ignore[arg-type]  # a list is validated and kept as a tuple
-            rtol=rtol,
-            seed=seed,
-            vectorize=vectorize,
-            fail_on_imprecise=fail_on_imprecise,
-        )
+        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
-        self.sinks = tuple(sinks)
         self._decide = decide or as_decided
         self._agree = agree
         self._context = context or no_context
-        self._on_report = on_report
-        self.should_stop = False  # on_fail="stop" and a check failed: the loop should stop
-        # what the checks taught: the probe slice the loss accepts, whether it vectorises, the patterns that match
-        self._active = self.settings
-        self._set_up_for: int | None = None  # id of the model the ignore patterns were matched to
-        self._reports: deque[CheckReport] = deque(maxlen=self.max_reports)
-        self._alerts = AlertPolicy(self.on_fail, verbose=self.verbose)
-        self._checks = 0
-        self._failed_checks = 0
-        self._skipped_checks = 0
-        self._focus: tuple[str, ...] = ()  # tensors the last check could not decide or saw fail: probed again next
-        self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead)
-        self._warned_no_params = False
-        self._remarks = Remarks(verbose=self.verbose)
+        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report, agree is not None)
+        self._lessons = Lessons(self.settings)  # what the checks taught the next ones
+        self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
+        self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead, verbose=self.verbose)
+        self._applied = AppliedSchedule(
+            self.applied_every_n_steps, self.first_check_step, self.max_overhead, self._schedule.clock
+        )
+        self._last_step = 0  # the last optimizer step a call named: record() keeps windows for the one after it
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        """Where the records of every check go (an adapter may set them once its loop's loggers exist)."""
+        return self._outcomes.sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Sequence[Sink]) -> None:
+        self._outcomes.sinks = tuple(sinks)
+
+    @property
+    def should_stop(self) -> bool:
+        """``True`` once a check failed under ``on_fail="stop"``: the loop should stop (set it back to go on)."""
+        return self._outcomes.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._outcomes.should_stop = bool(value)
 
     @property
     def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks, oldest first (at most ``max_reports``)."""
-        return list(self._reports)
+        """This run's reports of both kinds (``report.scope``), oldest first (at most ``max_reports``)."""
+        return list(self._outcomes.reports)
+
+    @property
+    def applied_reports(self) -> list[CheckReport]:
+        """This run's reports with ``scope == "applied"``, oldest first."""
+        return [report for report in self._outcomes.reports if report.scope == "applied"]
+
+    @property
+    def recomputed_reports(self) -> list[CheckReport]:
+        """This run's reports with ``scope == "recomputed"``, oldest first."""
+        return [report for report in self._outcomes.reports if report.scope == "recomputed"]
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed, skipped (an error, no loss, or a step the grad scaler skipped) and postponed (over
-        budget) so far in this run (restored on resume)."""
-        return {
-            "checks": self._checks,
-            "failed": self._failed_checks,
-            "skipped": self._skipped_checks,
-            "postponed": self._schedule.postponed,
-        }
+        """Checks run, failed, skipped, postponed (over budget) and applied checks run and failed (kept on resume)."""
+        return {**self._outcomes.counts, "postponed": self._schedule.postponed}
 
     @property
     def overhead(self) -> float:
@@ -193,28 +194,108 @@ class GradientWatch:
         return self._schedule.clock.fraction
 
     def due(self, previous_step: int, step: int) -> bool:
-        """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
+        """Whether a recomputed check is due after the optimizer steps ``previous_step < s <= step``."""
         return self._schedule.due(previous_step, step)
 
-    def due_next(self, step: int) -> bool:
-        """Whether a check is (or stays) due at the optimizer step after ``step`` (to prepare for it, e.g. read a grad
-        scaler's scale before that step)."""
+    def due_next(self, step: int) -> bool:  # a recomputed check, e.g. to read a grad scaler's scale before it
+        """Whether a recomputed check is (or stays) due at the optimizer step after ``step``."""
         return self._schedule.due_next(step)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the window being run is kept for an applied check at its optimizer step."""
+        return self._applied.window is not None
 
     def start(self, step: int = 0) -> None:
         """Training (re)starts at optimizer step ``step``: the time until the next call is not training time."""
         self._schedule.start(step)
+        self._last_step = step
 
     def setup(self, model: nn.Module) -> None:
-        """Match the ``ignore`` patterns to the model's parameter names: each pattern that matches none warns once,
-        with the names meant; the checks then get only the patterns that match. The first check does it if not
-        done before."""
-        self._set_up_for = id(model)
-        names = [name for name, _ in model.named_parameters()]
-        for message in unmatched_patterns(self.settings.ignore, names):
-            warnings.warn(f"gradwatch: {message}", GradientCheckWarning, stacklevel=3)
-        matched = tuple(p for p in self.settings.ignore if any(fnmatch.fnmatchcase(name, p) for name in names))
-        self._active = dataclasses.replace(self._active, ignore=matched)
+        """Match the ``ignore`` patterns to the model's parameter names (each that matches none warns once); the first
+        check does it if not done before."""
+        self._model = model
+        self._lessons.set_up(model)
+
+    def record(self, batch: Any, *, model: nn.Module | None = None, step: int | None = None) -> None:
+        """Call before each micro-batch's forward: when the window is due for an applied check, keep a reference to
+        ``batch`` (as the ``loss_fn`` of :meth:`before_optimizer_step` takes it) and the random state its forward is
+        about to draw from; else nothing.
+
+        Args:
+            batch: The micro-batch, never copied: a loop must not change it in place before the optimizer step.
+            model: The model (by default the one of the last call): at a window's first micro-batch its ``.grad``
+                is fingerprinted, so that gradients left over from the last window are recognised.
+            step: The optimizer step this window leads to (by default the one after the last step a call named).
+        """
+        if not self._applied.enabled:
+            return
+        step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
+        self._applied.record(batch, model if model is not None else self._model, step, self._decide)
+
+    def before_optimizer_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn | None = None,
+        *,
+        step: int,
+        combine: Combine = "mean",
+        path: PathContext | None = None,
+        group: Any = "auto",
+        loss_scale: float = 1.0,
+        gradients: Mapping[str, torch.Tensor] | None = None,
+        skipped: bool | Callable[[], bool] = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> CheckReport | None:
+        """Call after the window's backward passes (and any reduction or unscaling), before clipping and
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
+
+        Args:
+            model: The module whose ``.grad`` the optimizer applies.
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, one micro-batch's loss as the loop computes it (the
+                constructor's when ``None``).
+            step: The optimizer step about to be taken (1 for the first).
+            combine: How the loop combines micro-batch losses: ``"mean"``, ``"sum"`` or ``combine(losses)``.
+            path: A factory of the context the training's forward ran in (autocast).
+            group: The process group whose ranks check together (DDP); ``"auto"``: the default group when one is
+                initialised and the parameters are not sharded, else none.
+            loss_scale: A float16 loop's loss scale (``GradScaler.get_scale()``).
+            gradients: By parameter name, the gradients to check instead of each ``.grad`` (an engine that keeps
+                them elsewhere).
+            skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
+                function that says so: the due check moves to the next window.
+            optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
+        """
+        validate.check_int("step", step, minimum=1)
+        self._model, self._last_step = model, max(self._last_step, step)
+        if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
+            self._schedule.clock.batch_ended(time.perf_counter())
+        window = self._applied.take(step)
+        if window is None or not self._lessons.checkable(model):
+            return None
+        if skipped() if callable(skipped) else skipped:
+            self._applied.skipped()
+            if self.verbose:
+                log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
+            return None
+        loss_fn = self._loss_fn(loss_fn, step)
+        if group == "auto":
+            group = default_group(model)
+        started = time.perf_counter()
+        active = self._lessons.active
+        check = lambda: window.check(  # noqa: E731
+            loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
+            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
+        )  # fmt: skip
+        # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
+        local = group is None and not is_sharded(list(model.named_parameters()))
+        try:
+            report = self._outcomes.guarded(step, check, self._contexts(model, local=local))
+        finally:
+            self._applied.ran(time.perf_counter() - started)
+        if report is not None:
+            self._outcomes.publish(report, self.overhead)
+        return report
 
     def maybe_check(
         self,
@@ -243,15 +324,16 @@ class GradientWatch:
         """
         now = time.perf_counter()
         loss_fn = self._loss_fn(loss_fn, step)
+        self._model, self._last_step = model, max(self._last_step, step)
         if not self._schedule.step_ended(step, now):
             return None
         if skipped() if callable(skipped) else skipped:
             # the check stays pending and runs at the next optimizer step
-            self._skipped_checks += 1
+            self._outcomes.counts["skipped"] += 1
             if self.verbose:
                 log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
             return None
-        if not self._schedule.runs_now(step, lambda wait: self._decided(step, wait)):
+        if not self._schedule.runs_now(step, self._decide):
             return None
         return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
 
@@ -265,134 +347,53 @@ class GradientWatch:
 
     def flush(self) -> None:
         """Flush every sink."""
-        for sink in self.sinks:
+        for sink in self._outcomes.sinks:
             sink.flush()
 
     def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
         validate.check_int("step", step, minimum=0)
-        chosen = validate.check_optional_callable("loss_fn", loss_fn if loss_fn is not None else self.loss_fn)
-        if chosen is None:
+        if (chosen := validate.check_optional_callable("loss_fn", loss_fn or self.loss_fn)) is None:
             raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
         return chosen
-
-    def _decided(self, step: int, wait: int) -> int:
-        wait = int(self._decide(wait))
-        if wait and not self._schedule.postponed and self.verbose:
-            log.info(
-                "gradwatch: the check due at step %d is postponed by %d steps, so that checks cost at most %g of the "
-                "training time (max_overhead); max_overhead=None checks on schedule",
-                step,
-                wait,
-                self.max_overhead,
-            )
-        return wait
 
     def _run(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
     ) -> CheckReport | None:  # fmt: skip
-        try:
-            report = self._attempt(model, batch, loss_fn, step, optimizers)
-        except Exception as error:
-            # on_fail="raise": under DDP every process must learn of it before any raises, or the others would wait
-            if self._agree is not None:
-                self._agree(None, error, step)
-            raise
-        if self._agree is not None:
-            report = self._agree(report, None, step)
-        self._schedule.ran(started, time.perf_counter())
-        if report is None:
+        if not self._lessons.checkable(model):
+            self._outcomes.counts["skipped"] += 1
             return None
-        self._record(report)
-        for sink in self.sinks:
-            sink.write(records_of(report, overhead=self.overhead))
-            if report.verdict == "fail":
-                sink.flush()
-        if self._on_report is not None:
-            self._on_report(report)
-        if self._alerts.handle(report):
-            self.should_stop = True
+        self._lessons.set_up(model, force=False)
+        lessons = self._lessons
+        check = lambda: check_gradients(  # noqa: E731
+            model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
+            focus=lessons.focus, optimizers=optimizers,
+        )  # fmt: skip
+        report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
+        self._schedule.ran(started, time.perf_counter())
+        if report is not None:
+            self._lessons.learn(report)
+            self._outcomes.publish(report, self.overhead)
         return report
 
-    def _attempt(
-        self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, optimizers: tuple[torch.optim.Optimizer, ...]
-    ) -> CheckReport | None:
-        if not any(p.requires_grad and p.is_floating_point() for p in model.parameters()):
-            self._skipped_checks += 1
-            if not self._warned_no_params:
-                self._warned_no_params = True
-                warnings.warn(
-                    f"gradwatch: {type(model).__name__} has no trainable floating-point parameter (layers kept in "
-                    "a plain list or dict are not registered); its checks are skipped",
-                    GradientCheckWarning,
-                    stacklevel=4,
-                )
-            return None
-        if self._set_up_for != id(model):
-            self.setup(model)
-        try:
-            with self._context(model), warnings.catch_warnings():
-                # what a check could not put back is warned of once per run, by the remarks
-                warnings.simplefilter("ignore", UnrestoredStateWarning)
-                return self._check_gradients(
-                    model, batch, loss_fn, step=step, settings=self._active, rotation=self._checks, focus=self._focus,
-                    optimizers=optimizers,
-                )  # fmt: skip
-        except NoLossToCheckError:
-            self._skipped_checks += 1
-            log.debug("gradwatch: the loss_fn had no loss at step %d; check skipped", step)
-        except Exception as error:
-            # The one deliberate catch-all: a check must never end a training run (the engine has already restored
-            # the model exactly). on_fail="raise" asks for the opposite.
-            if self.on_fail == "raise":
-                raise
-            self._skipped_checks += 1
-            self._alerts.check_error(step, error)
-        return None
-
-    def _check_gradients(self, model: nn.Module, batch: Any, loss_fn: LossFn, **arguments: Any) -> CheckReport:
-        """One check (an adapter may override it to observe the arguments each check gets)."""
-        return check_gradients(model, batch, loss_fn, **arguments)
-
-    def _record(self, report: CheckReport) -> None:
-        self._reports.append(report)
-        self._checks += 1
-        samples = self._active.probe_batch_size
-        if samples is not None and report.samples is not None and report.samples > samples:
-            # the loss refused the smaller slice: no need to try it again
-            self._active = dataclasses.replace(self._active, probe_batch_size=report.samples)
-        retried = report.failed_tensors[: self._active.tensor_probes]  # a wrong gradient is confirmed at every check
-        self._focus = tuple(dict.fromkeys([*report.undecided, *retried]))
-        if report.vectorized is False:
-            # the loss could not be vectorised: the next checks need not try again
-            self._active = dataclasses.replace(self._active, vectorize=False)
-        self._failed_checks += report.verdict == "fail"
-        self._remarks.hear(report)
-        log.debug("gradwatch %s", report.summary())
+    def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
+        """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
+        return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
 
     def state_dict(self) -> dict[str, Any]:
         """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it)."""
         return {
             "version": _STATE_VERSION,
-            "checks": self._checks,
-            "failed_checks": self._failed_checks,
-            "skipped_checks": self._skipped_checks,
-            "focus": list(self._focus),
+            **self._outcomes.state_dict(),
+            "focus": list(self._lessons.focus),
             **self._schedule.state_dict(),
-            "failure_warnings": self._alerts.failures.count,
-            "error_warnings": self._alerts.errors.count,
+            **self._applied.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (keys missing from an older version take their defaults)."""
-        self._checks = int(state_dict.get("checks", 0))
-        self._failed_checks = int(state_dict.get("failed_checks", 0))
-        self._skipped_checks = int(state_dict.get("skipped_checks", 0))
-        self._focus = tuple(str(name) for name in state_dict.get("focus", ()))
+        self._outcomes.load_state_dict(state_dict)
+        self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
         self._schedule.load_state_dict(state_dict)
-        self._alerts = AlertPolicy(
-            self.on_fail,
-            Backoff(int(state_dict.get("failure_warnings", 0))),
-            Backoff(int(state_dict.get("error_warnings", 0))),
-            verbose=self.verbose,
-        )
+        self._applied.load_state_dict(state_dict)
+        self._last_step = int(state_dict.get("last_step", 0))

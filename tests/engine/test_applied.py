@@ -27,6 +27,8 @@ from helpers import assert_bit_identical, snapshot
 
 from gradwatch import GradientCheckError, check_gradients
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
+from gradwatch.engine.function import copies
+from gradwatch.engine.report import UnrestoredStateWarning
 
 
 def _eager_check_passes(model: torch.nn.Module, batch: object) -> bool:
@@ -259,3 +261,27 @@ def test_float16_autocast_with_a_loss_scale_as_16_mixed_computes_it(
     report = window.check(cross_entropy, path=fp16, loss_scale=scale)
     expected = ("fail", "precision") if fault == 1.5 else ("ok", None)
     assert (report.verdict, report.fault) == expected, str(report)
+
+
+def test_what_the_loss_changed_and_could_not_be_put_back_is_named_as_the_recomputed_check_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loss that scales a parameter in place (weight normalisation by hand) in a model too large to copy."""
+    monkeypatch.setattr(copies, "PARAMETER_COPY_LIMIT", 0)
+    torch.manual_seed(0)
+    model = MLP()
+    batches = [batch_for(model, seed=1)]
+    window = train_window(model, batches)
+    original = model.fc1.weight.detach().clone()
+
+    def scaling(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        with torch.no_grad():
+            model.fc1.weight.mul_(1.001)
+        return cross_entropy(model, batch)
+
+    with pytest.warns(UnrestoredStateWarning, match="fc1.weight"):
+        report = window.check(scaling)
+    assert report.unrestored == ("fc1.weight (its value before the check: no copy was kept)",)
+    assert "fc1.weight" in report.side_effects
+    assert any(note.code == "model-edited" for note in report.notes), report.notes
+    assert torch.equal(model.fc1.weight.detach(), original * 1.001)  # the first edit only, not one per evaluation

@@ -1,16 +1,16 @@
-"""ProbeSettings: the probe options of a check as one object, validated once; check_gradients takes them one by one
-(its signature) or whole (settings=), not both."""
+"""ProbeSettings: the probe options of a check as one object, validated once; check_gradients and
+check_applied_gradient take them one by one (keyword-only) or whole (settings=), not both, with the same defaults."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import pytest
 import torch
 
-from gradwatch import check_gradients
-from gradwatch.engine.settings import ProbeSettings
+from gradwatch import ProbeSettings, check_applied_gradient, check_gradients
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -23,8 +23,6 @@ def _model_and_batch() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tenso
 
 
 def test_the_fields_are_the_keyword_options_of_check_gradients() -> None:
-    import inspect
-
     keywords = inspect.signature(check_gradients).parameters
     assert set(ProbeSettings.option_names()) <= set(keywords)
     for name in ProbeSettings.option_names():
@@ -50,6 +48,46 @@ def test_settings_and_options_one_by_one_are_refused_together() -> None:
         check_gradients(model, batch, _loss, seed=3, settings=ProbeSettings())
     with pytest.raises(TypeError, match="`settings` must be None or a ProbeSettings; got dict"):
         check_gradients(model, batch, _loss, settings={"seed": 3})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("check", [check_gradients, check_applied_gradient], ids=["recomputed", "applied"])
+def test_the_checks_take_their_options_keyword_only_with_the_defaults_of_the_settings(check: Any) -> None:
+    parameters = inspect.signature(check).parameters
+    positional = [name for name, p in parameters.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    # what is checked: the model, its batch or window, its loss (and the applied gradient, by default each .grad)
+    assert positional == (["model", "batch", "loss_fn"] if check is check_gradients else
+                          ["model", "batches", "loss_fn", "gradients"])  # fmt: skip
+    assert parameters["settings"].default is None
+    shared = [name for name in ProbeSettings.option_names() if name in parameters]
+    assert {"tensor_probes", "ignore", "seed"} <= set(shared)
+    for name in shared:  # one default per option, whichever check takes it
+        assert parameters[name].default == getattr(ProbeSettings(), name), name
+
+
+def _applied_window() -> tuple[torch.nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    batches = [(torch.randn(6, 4), torch.randn(6, 4)) for _ in range(2)]
+    for batch in batches:
+        (_loss(model, batch) / 2).backward()
+    return model, batches
+
+
+def test_the_applied_check_takes_settings_whole_as_the_same_options_one_by_one() -> None:
+    model, batches = _applied_window()
+    options = {"tensor_probes": 2, "ignore": ["0.*"], "seed": 3}
+    one_by_one = check_applied_gradient(model, batches, _loss, rotation=1, **options)  # type: ignore[arg-type]
+    whole = check_applied_gradient(model, batches, _loss, rotation=1, settings=ProbeSettings(**options))
+    probed = [(p.kind, p.target) for p in whole.probes]
+    assert probed == [(p.kind, p.target) for p in one_by_one.probes]
+    assert probed == [("descent", "*"), ("tensor", "2.weight"), ("tensor", "2.bias")]  # the second turn of two
+    assert whole.verdict == one_by_one.verdict == "ok"
+    # the default is the settings' (6 tensors of 8), not every tensor
+    assert len([p for p in check_applied_gradient(model, batches, _loss).probes if p.kind == "tensor"]) == 6
+    with pytest.raises(ValueError, match=r"not both; got `settings` and \['tensor_probes'\]"):
+        check_applied_gradient(model, batches, _loss, tensor_probes=1, settings=ProbeSettings())
+    with pytest.raises(ValueError, match="`tensor_probes` must be an integer >= 0; got None"):
+        check_applied_gradient(model, batches, _loss, tensor_probes=None)  # type: ignore[arg-type]
 
 
 def test_settings_are_frozen_and_replace_validates_again() -> None:

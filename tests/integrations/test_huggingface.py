@@ -59,7 +59,14 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
         watched, callback = _train(tmp_path, every_n_steps=2)
     assert callback is not None
     assert [(r.step, r.verdict) for r in callback.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
-    assert callback.counts == {"checks": 4, "failed": 0, "skipped": 0, "postponed": 0}
+    assert callback.counts == {
+        "checks": 4,
+        "failed": 0,
+        "skipped": 0,
+        "postponed": 0,
+        "applied_checks": 0,
+        "applied_failed": 0,
+    }
     assert all(r.samples == 2 for r in callback.reports)  # one micro-batch of 4 sequences, probed on 2
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
     assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit

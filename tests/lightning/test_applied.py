@@ -4,9 +4,9 @@ bit-identical with and without them."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from applied_models import CNN, MLP, Transformer, batch_for, cross_entropy
 from helpers import trainer
 
 from gradwatch import GradientCheckWarning, GradWatch
-from gradwatch.lightning.applied import DEFAULT_APPLIED_EVERY_N_STEPS
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 
 
 class _Lit(pl.LightningModule):
@@ -66,8 +66,8 @@ def _fit(net: torch.nn.Module, callbacks: list[pl.Callback], tmp_path: Path, mod
 
 
 def test_the_default_cadence_is_documented() -> None:
-    assert GradWatch()._applied.every_n_steps == DEFAULT_APPLIED_EVERY_N_STEPS
-    assert GradWatch(applied_every_n_steps=None)._applied.every_n_steps is None
+    assert GradWatch().applied_every_n_steps == DEFAULT_APPLIED_EVERY_N_STEPS
+    assert GradWatch(applied_every_n_steps=None).applied_every_n_steps is None
     with pytest.raises(ValueError, match="`applied_every_n_steps` must be None or an integer >= 1; got 0"):
         GradWatch(applied_every_n_steps=0)
 
@@ -79,7 +79,9 @@ def test_a_backward_wrong_only_under_bf16_autocast_is_caught_at_the_first_applie
         _fit(MLP(autocast_fault=1.5), [watch], tmp_path, precision="bf16-mixed", accumulate_grad_batches=2)
     first = watch.applied_reports[0]
     assert (first.step, first.scope, first.verdict, first.fault) == (1, "applied", "fail", "precision")
-    assert watch.reports[0].verdict == "ok"  # the recomputed check (eager float32) is right
+    recomputed = [r for r in watch.reports if r.scope == "recomputed"]
+    assert recomputed[0].verdict == "ok"  # the recomputed check (eager float32) is right
+    assert watch.reports[0] is first  # reports holds both kinds: the applied check ran before the step
 
 
 def test_manual_optimization_that_never_zeroes_gradients_is_an_accumulation_fault(tmp_path: Path) -> None:
@@ -90,7 +92,7 @@ def test_manual_optimization_that_never_zeroes_gradients_is_an_accumulation_faul
     verdicts = [(r.step, r.verdict, r.fault) for r in watch.applied_reports]
     assert verdicts[0] == (1, "ok", None)  # nothing left over before the first step
     assert verdicts[1] == (2, "fail", "accumulation")  # the first applied check after the fault
-    assert all(r.verdict == "ok" for r in watch.reports)
+    assert all(r.verdict == "ok" for r in watch.recomputed_reports)
 
 
 def cross_entropy_of_net(module: torch.nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
@@ -117,20 +119,18 @@ def test_healthy_runs_pass_and_train_bit_identically(
         assert torch.equal(a, b), name
 
 
-def test_several_optimizers_are_said_once_not_checked(caplog: pytest.LogCaptureFixture) -> None:
-    from gradwatch.lightning.applied import AppliedChecks
-    from gradwatch.lightning.overhead import OverheadClock
-
-    checks = AppliedChecks(1, 1, None, None, OverheadClock())
-    module = _Lit(MLP())
-    module.trainer = types.SimpleNamespace(optimizers=[object(), object()])  # type: ignore[assignment]
-    with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        assert not checks._supported(module)
-        assert not checks._supported(module)
-    said = [r.getMessage() for r in caplog.records if "not checked under several optimizers" in r.getMessage()]
-    assert len(said) == 1  # said once
-    module.trainer = types.SimpleNamespace(optimizers=[object()])  # type: ignore[assignment]
-    assert checks._supported(module)
+def test_several_optimizers_are_said_once_not_checked() -> None:
+    watch = GradWatch(applied_every_n_steps=1)
+    several = types.SimpleNamespace(optimizers=[object(), object()])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        reachable = [watch._applied_reachable(several) for _ in range(2)]  # type: ignore[arg-type]
+    assert reachable == [False, False]
+    assert [str(w.message) for w in said if issubclass(w.category, GradientCheckWarning)] == [
+        str(said[0].message)
+    ]  # said once, as a warning
+    assert "not checked under several optimizers" in str(said[0].message)
+    assert watch._applied_reachable(types.SimpleNamespace(optimizers=[object()]))  # type: ignore[arg-type]
 
 
 def test_the_gradient_is_checked_before_clipping(tmp_path: Path) -> None:

@@ -113,7 +113,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) -> None:
-    loggers, steps = run["loggers"], [r.step for r in run["watch"].reports]
+    loggers, steps = run["loggers"], [r.step for r in run["watch"].recomputed_reports]
     directories = [
         Path(loggers["csv"].log_dir),
         Path(loggers["tb"].log_dir),
@@ -142,7 +142,7 @@ def test_scalars_reach_every_logger_and_callback_metrics(run: dict[str, Any]) ->
         assert logged[0][1]["gradwatch/rel_error_max_log10"] > -2
     metrics = run["trainer"].callback_metrics
     assert float(metrics["gradwatch/verdict"]) == 2.0
-    assert float(metrics["gradwatch/failing_probes"]) == run["watch"].reports[-1].count("fail")
+    assert float(metrics["gradwatch/failing_probes"]) == run["watch"].recomputed_reports[-1].count("fail")
 
 
 def test_loggers_with_text_support_get_the_failure_text(run: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ def test_a_correct_model_never_fails(model: RealModel) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, watches = fit(model, steps=2)
-    reports = [report for watch in watches for report in watch.reports]
+    reports = [report for watch in watches for report in watch.recomputed_reports]
     assert reports, "no check ran"
     assert all(report.verdict != "fail" for report in reports), "\n\n".join(map(str, reports))
     if model.name.startswith(CONCLUSIVE):
@@ -43,14 +43,15 @@ def test_a_correct_model_never_fails(model: RealModel) -> None:
     if model.name == "straight-through fake quantiser":
         assert any("straight-through estimator" in s and "ignore=['quantised.weight']" in s for s in said), said
     else:
-        assert said == []
+        # several optimizers (the GAN): each callback says once that it checks no applied gradient, nothing else
+        assert all("not checked under several optimizers" in s for s in said), said
 
 
 def test_hugging_face_losses_are_probed_in_float64_on_their_own_function() -> None:
     model = next(m for m in CORRECT if m.name == "Hugging Face Llama")
     _skip_without(model)
     _, (watch,) = fit(model, steps=2)
-    (report,) = watch.reports
+    (report,) = watch.recomputed_reports
     assert report.count("inconclusive") == 0, str(report)
     assert report.noted(NoteCode.FLOAT64_CASTS_KEPT), report.notes
 
@@ -60,7 +61,7 @@ def test_a_planted_two_percent_bug_is_caught_and_named(model: RealModel) -> None
     _skip_without(model)
     with pytest.warns(GradientCheckWarning, match="gradient check failed at step 1"):
         _, (watch,) = fit(model, steps=2)
-    (report,) = watch.reports
+    (report,) = watch.recomputed_reports
     assert report.verdict == "fail", str(report)
     named = {p.target for p in report.failures if p.kind in ("tensor", "random", "param")}
     wrong = "lora_B" if "LoRA" in model.name else "decoder_out"
@@ -102,4 +103,4 @@ def test_an_ignore_pattern_that_matches_nothing_warns_once_with_the_names_meant(
     assert len(said) == 1, said
     assert "'encoder.*'" in said[0]
     assert "'model.encoder.*'" in said[0]
-    assert len(watch.reports) == 3
+    assert len(watch.recomputed_reports) == 3

@@ -24,6 +24,7 @@ from helpers import (
     classification_batch,
     cross_entropy_loss,
     loader,
+    recomputed_counts,
     snapshot,
     trainer,
 )
@@ -118,7 +119,7 @@ def _sum_of_losses(module: _TwoOptimizers, batch: tuple[Tensor, Tensor]) -> Tens
 
 
 def _reports(watch: GradWatch) -> list[tuple[int, str]]:
-    return [(r.step, r.verdict) for r in watch.reports]
+    return [(r.step, r.verdict) for r in watch.recomputed_reports]
 
 
 def _clean(report: CheckReport) -> bool:
@@ -135,10 +136,10 @@ def test_accumulation_checks_the_last_micro_batch_of_optimizer_steps_only(tmp_pa
     model = _Recording()
     watch = GradWatch(every_n_steps=2, first_check_step=1, param_probes=2, input_probes=0, applied_every_n_steps=None)
     trainer(tmp_path, [watch], max_steps=5, accumulate_grad_batches=4).fit(model, loader(classification_batch(), 20))
-    assert [r.step for r in watch.reports] == [1, 2, 4]  # optimizer steps, not the 20 micro-batches
+    assert [r.step for r in watch.recomputed_reports] == [1, 2, 4]  # optimizer steps, not the 20 micro-batches
     # the check runs after the optimizer step, on the window's last micro-batch: batches 3, 7 and 15
     assert model.checked_batches() == [3, 7, 15]
-    assert watch.counts == {"checks": 3, "failed": 0, "skipped": 0, "postponed": 0}
+    assert recomputed_counts(watch.counts) == {"checks": 3, "failed": 0, "skipped": 0, "postponed": 0}
 
 
 # -- mixed precision ---------------------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_bf16_mixed_native_probes_run_outside_autocast_in_float32_and_are_as_cle
         watch = GradWatch(every_n_steps=2, precision="native")  # no float64 re-measurement
         trainer(tmp_path, [watch], max_steps=4, precision=precision).fit(model, loader(classification_batch()))
         verdicts[precision] = _reports(watch)
-        assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
+        assert all(_clean(r) for r in watch.recomputed_reports), "\n".join(str(r) for r in watch.recomputed_reports)
         _assert_probes_outside_autocast(
             model, torch.bfloat16 if precision == "bf16-mixed" else torch.float32, probe_dtype=torch.float32
         )
@@ -212,7 +213,7 @@ def test_16_mixed_step_skipped_by_the_grad_scaler_is_a_skipped_check_and_the_che
     assert scales.scales[:4] == [32768.0, 32768.0, 16384.0, 16384.0]  # the scaler did skip steps 1 and 3
     # due at 1 and 3, both skipped by the scaler: the checks run at the next optimizer steps instead
     assert _reports(watch) == [(2, "ok"), (4, "ok"), (6, "ok")]
-    assert watch.counts == {"checks": 3, "failed": 0, "skipped": 2, "postponed": 0}
+    assert recomputed_counts(watch.counts) == {"checks": 3, "failed": 0, "skipped": 2, "postponed": 0}
     _assert_probes_outside_autocast(model, torch.float16)
 
 
@@ -222,10 +223,10 @@ def test_16_mixed_on_cuda(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=1)
     run = trainer(tmp_path, [watch], max_steps=5, accelerator="gpu", precision="16-mixed")
     run.fit(model, loader(classification_batch()))
-    assert 3 not in [r.step for r in watch.reports]  # skipped by the scaler
+    assert 3 not in [r.step for r in watch.recomputed_reports]  # skipped by the scaler
     assert watch.counts["skipped"] == 1
-    assert [r.step for r in watch.reports] == [1, 2, 4, 5]
-    assert all(_clean(r) for r in watch.reports), "\n".join(str(r) for r in watch.reports)
+    assert [r.step for r in watch.recomputed_reports] == [1, 2, 4, 5]
+    assert all(_clean(r) for r in watch.recomputed_reports), "\n".join(str(r) for r in watch.recomputed_reports)
     _assert_probes_outside_autocast(model, torch.float16)
 
 
@@ -259,8 +260,8 @@ def test_gradient_clipping_the_check_is_about_the_unclipped_gradient(tmp_path: P
     watch = GradWatch(every_n_steps=1, probe_batch_size=None)  # the whole batch, as training
     trainer(tmp_path, [norms, watch], max_steps=3, gradient_clip_val=1e-4).fit(model, loader(classification_batch()))
     assert all(after <= 1.0001e-4 for after in norms.after)  # the training did clip
-    assert all(_clean(r) for r in watch.reports)
-    for report, before in zip(watch.reports, norms.before, strict=True):
+    assert all(_clean(r) for r in watch.recomputed_reports)
+    for report, before in zip(watch.recomputed_reports, norms.before, strict=True):
         assert report.descent.analytic == pytest.approx(before, rel=1e-5)  # ‖g‖ before clipping, 1000x the clip
 
 
@@ -301,7 +302,7 @@ def test_non_scalar_loss_is_skipped_with_a_warning_naming_its_shape(tmp_path: Pa
     ):
         run.fit(_TwoOptimizers(), loader(classification_batch()))
     assert run.state.finished
-    assert watch.counts == {
+    assert recomputed_counts(watch.counts) == {
         "checks": 0,
         "failed": 0,
         "skipped": 2,
@@ -353,7 +354,7 @@ def test_sync_batch_norm_uses_local_statistics_during_checks_only(tmp_path: Path
 
 def test_resume_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
     def probed(watch: GradWatch) -> dict[int, list[tuple[str, str, Any]]]:
-        return {r.step: [(p.kind, p.target, p.index) for p in r.probes] for r in watch.reports}
+        return {r.step: [(p.kind, p.target, p.index) for p in r.probes] for r in watch.recomputed_reports}
 
     data = loader(classification_batch(), 4)
     uninterrupted = GradWatch(every_n_steps=2, param_probes=3)
@@ -370,8 +371,9 @@ def test_resume_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
 
     resumed = GradWatch(every_n_steps=2, param_probes=3)
     trainer(tmp_path, [resumed], max_steps=8).fit(LitClassifier(), data, ckpt_path=str(path))
-    assert [r.step for r in resumed.reports] == [6, 8]  # no second "first check" at step 1 or 2
-    assert resumed.counts == uninterrupted.counts == {"checks": 5, "failed": 0, "skipped": 0, "postponed": 0}
+    assert [r.step for r in resumed.recomputed_reports] == [6, 8]  # no second "first check" at step 1 or 2
+    assert recomputed_counts(resumed.counts) == recomputed_counts(uninterrupted.counts)
+    assert recomputed_counts(uninterrupted.counts) == {"checks": 5, "failed": 0, "skipped": 0, "postponed": 0}
     # the rotation over tensors continues where it stopped: the same coordinates as the uninterrupted run
     assert probed(resumed) == {step: p for step, p in probed(uninterrupted).items() if step > 4}
 
@@ -391,8 +393,8 @@ def test_max_steps_shorter_than_the_first_check(tmp_path: Path) -> None:
     run = trainer(tmp_path, [watch], max_steps=3)
     run.fit(LitClassifier(), loader(classification_batch()))
     assert run.global_step == 3
-    assert watch.reports == []
-    assert watch.counts == {"checks": 0, "failed": 0, "skipped": 0, "postponed": 0}
+    assert watch.recomputed_reports == []
+    assert recomputed_counts(watch.counts) == {"checks": 0, "failed": 0, "skipped": 0, "postponed": 0}
 
 
 class _WithValidation(_Recording):
@@ -447,7 +449,7 @@ def test_module_without_trainable_parameters_skips_its_checks_with_one_warning(t
     assert len(ours) == 1
     assert "_Unregistered has no trainable floating-point parameter" in str(ours[0].message)
     assert run.global_step == 4
-    assert watch.counts == {"checks": 0, "failed": 0, "skipped": 4, "postponed": 0}
+    assert recomputed_counts(watch.counts) == {"checks": 0, "failed": 0, "skipped": 4, "postponed": 0}
 
 
 class _TokenClassifier(LitClassifier):
@@ -463,7 +465,7 @@ def test_batch_without_floating_tensors_has_parameter_probes_only(tmp_path: Path
     data = DataLoader(TensorDataset(tokens, labels), batch_size=16)
     trainer(tmp_path, [watch], max_steps=4).fit(_TokenClassifier(), data)
     assert _reports(watch) == [(1, "ok"), (2, "ok"), (4, "ok")]
-    assert all(p.kind != "input" for r in watch.reports for p in r.probes)
+    assert all(p.kind != "input" for r in watch.recomputed_reports for p in r.probes)
 
 
 # -- zero interference -------------------------------------------------------------------------------------------------
@@ -494,7 +496,7 @@ def test_zero_interference_bit_identical_parameters_optimizer_state_and_logged_l
     plain = _seeded_run(tmp_path, "plain", [], **kwargs)
     watch = GradWatch(every_n_steps=1)
     checked = _seeded_run(tmp_path, "checked", [watch], **kwargs)
-    assert len(watch.reports) >= 4
+    assert len(watch.recomputed_reports) >= 4
     assert plain["losses"] == checked["losses"]
     assert len(plain["losses"]) >= 4
     for name, value in plain["model"].items():
@@ -588,7 +590,7 @@ def test_exception_inside_a_probe_restores_everything_and_training_goes_on(tmp_p
     assert run.global_step == 4
     assert_bit_identical(around.before, around.after)
     assert _reports(watch) == [(1, "ok"), (3, "ok"), (4, "ok")]
-    assert watch.counts == {"checks": 3, "failed": 0, "skipped": 1, "postponed": 0}
+    assert recomputed_counts(watch.counts) == {"checks": 3, "failed": 0, "skipped": 1, "postponed": 0}
     assert _verdict_steps(logger.log_dir) == {1: 0.0, 3: 0.0, 4: 0.0}
 
 
@@ -628,7 +630,7 @@ def test_nan_loss_at_a_checked_step_fails_the_check_restores_everything_and_logs
         run.fit(_Faulty(nan_batch=1), loader(classification_batch()))
     assert run.state.finished
     assert run.global_step == 4  # training went on (with NaN parameters: the run's own problem)
-    report = watch.reports[1]
+    report = watch.recomputed_reports[1]
     assert (report.step, report.verdict) == (2, "fail")
     assert report.failures[0].reason == "nonfinite"
     assert_bit_identical(_bits(around.before), _bits(around.after))  # NaN parameters included, bit for bit

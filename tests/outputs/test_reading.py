@@ -49,11 +49,11 @@ def test_a_csv_logger_run_is_recorded_and_read_back(csv_run: tuple[Path, GradWat
     assert record.parent == logdir / "lightning_logs" / "version_0"  # beside metrics.csv
     assert (record.parent / "metrics.csv").exists()
     (run,) = read_logdir(logdir)
-    assert [c.step for c in run.checks] == [r.step for r in watch.reports] == [1, 2]
+    assert [c.step for c in run.checks] == [r.step for r in watch.recomputed_reports] == [1, 2]
     assert [c.verdict for c in run.checks] == ["fail", "fail"]
     assert [(f.step, f.kind, f.tensor, f.analytic, f.numeric) for f in run.failures] == [
         (r.step, p.kind, p.target or "(the model)", p.analytic, p.numeric)
-        for r in watch.reports
+        for r in watch.recomputed_reports
         for p in ordered_failures(r)
     ]  # every failing probe, at full precision
     assert all(CULPRIT in message for message in run.culprits.values())

@@ -37,9 +37,9 @@ def test_a_real_run_reads_back_check_by_check(failing_run: tuple[Path, GradWatch
     assert run.name == "seed/version_0"
     assert run.has_histogram
     assert run.has_dashboard
-    assert [c.step for c in run.checks] == [r.step for r in watch.reports] == [1, 2, 4]
-    assert [c.verdict for c in run.checks] == [r.verdict for r in watch.reports] == ["fail"] * 3
-    for check, report in zip(run.checks, watch.reports, strict=True):
+    assert [c.step for c in run.checks] == [r.step for r in watch.recomputed_reports] == [1, 2, 4]
+    assert [c.verdict for c in run.checks] == [r.verdict for r in watch.recomputed_reports] == ["fail"] * 3
+    for check, report in zip(run.checks, watch.recomputed_reports, strict=True):
         for tag, value in report.scalars().items():
             assert check.scalars[tag] == pytest.approx(value, rel=1e-6), tag  # logged as float32
     assert run.failed
@@ -50,7 +50,7 @@ def test_every_failing_probe_reads_back_with_step_tensor_index_and_both_values(
 ) -> None:
     logdir, watch = failing_run
     (run,) = read_logdir(logdir)
-    expected = [(r.step, p) for r in watch.reports for p in r.failures]
+    expected = [(r.step, p) for r in watch.recomputed_reports for p in r.failures]
     assert len(run.failures) == len(expected) > 0
     for record, (step, probe) in zip(run.failures, expected, strict=True):
         assert (record.step, record.kind, record.tensor) == (step, probe.kind, probe.target)

@@ -31,7 +31,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[CheckRe
     watch = GradWatch(every_n_steps=2, on_fail=lambda report: None)
     logger = TensorBoardLogger(str(logdir), name="seed", default_hp_metric=False)
     trainer(logdir, [watch], logger=logger, max_steps=4).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
-    return logdir, watch.reports
+    return logdir, watch.recomputed_reports
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,14 @@ def test_a_plain_loop_checks_on_schedule_and_trains_as_without_the_watch() -> No
         warnings.simplefilter("error", GradientCheckWarning)
         watched = _train(watch)
     assert [(r.step, r.verdict) for r in watch.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
-    assert watch.counts == {"checks": 4, "failed": 0, "skipped": 0, "postponed": 0}
+    assert watch.counts == {
+        "checks": 4,
+        "failed": 0,
+        "skipped": 0,
+        "postponed": 0,
+        "applied_checks": 0,
+        "applied_failed": 0,
+    }
     assert_same_state(_train(None), watched)
 
 
@@ -143,7 +150,14 @@ def test_a_step_the_grad_scaler_skipped_moves_the_check_to_the_next() -> None:
     report = watch.maybe_check(model, batch, step=3)
     assert report is not None
     assert report.step == 3
-    assert watch.counts == {"checks": 1, "failed": 0, "skipped": 1, "postponed": 0}
+    assert watch.counts == {
+        "checks": 1,
+        "failed": 0,
+        "skipped": 1,
+        "postponed": 0,
+        "applied_checks": 0,
+        "applied_failed": 0,
+    }
 
 
 def test_on_fail_raise_stop_and_a_check_that_cannot_run() -> None:
@@ -235,4 +249,7 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         "version", "checks", "failed_checks", "skipped_checks", "focus", "last_step", "pending", "postponed_checks",
         "resume_at", "timed_steps", "check_seconds", "train_seconds", "last_check_seconds", "failure_warnings",
         "error_warnings", "applied_seconds",
+        # the applied checks' keys, as GradWatch's checkpoints held them, and two added since
+        "applied_checks", "applied_pending", "applied_resume_at", "applied_last_seconds", "applied_steps_seen",
+        "applied_failed",
     }  # fmt: skip

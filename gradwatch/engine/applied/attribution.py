@@ -28,15 +28,18 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients
-from gradwatch.engine.applied.probes import Measured
+from gradwatch.engine.applied.gradients import Gradient
+from gradwatch.engine.applied.probes import AppliedPlan, Measured
 from gradwatch.engine.applied.sharded import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.report import Fault
+from gradwatch.engine.session import CheckSession
 from gradwatch.engine.sharding.collective import active as sharding_active
 from gradwatch.engine.sharding.collective import every_rank
+from gradwatch.engine.sharding.zero import ranks_owning_wrong_rows
 
 
 @dataclass(frozen=True)
@@ -50,47 +53,67 @@ class Attribution:
 
 @dataclass
 class PathSetting:
-    """The training's path, as the check can run it again (see :func:`attribute`)."""
+    """The training's path, as the check can run it again (see :func:`attribute`): in the check's ``session`` (its
+    model, checked parameters and training state), the window's micro-batches with their random states and how the
+    loop combines their losses, the context the forward ran in (``autocast``: its dtype; ``compiled``: whether the
+    model holds compiled code), the DDP ``group``, the fingerprint of the gradients present when the window began, and
+    the loop's loss scale."""
 
-    model: nn.Module
+    session: CheckSession
     batches: list[Any]
     loss_fn: LossFn
     rng_states: Sequence[dict[str, Any] | None]
     combine: Combine
     path: PathContext | None
-    autocast: torch.dtype | None
-    compiled: bool
-    params: list[Tensor]
-    state: TrainingState
-    group: Any
-    start: Checksums | None
+    autocast: torch.dtype | None = None
+    compiled: bool = False
+    group: Any = None
+    start: Checksums | None = None
     loss_scale: float = 1.0
+
+    @property
+    def model(self) -> nn.Module:
+        return self.session.model
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The tensors the check moves: the checked parameters (their local shards when sharded)."""
+        return [p for _, p in self.session.params]
+
+    @property
+    def state(self) -> TrainingState:
+        assert self.session.state is not None, "the path is run again inside session.measuring()"
+        return self.session.state
 
     def window(self, with_path: bool = True) -> LossFn:
         return window_loss(self.loss_fn, self.rng_states, self.combine, self.path if with_path else None)
 
+    def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
+        """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
+        path's context unless ``with_path``, its compiled code run eagerly unless ``compiled``, the loss scaled by
+        ``scale`` on top of the loop's own scale."""
+        return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
+                                       compiled=compiled, group=self.group, scale=scale * self.loss_scale)  # fmt: skip
+
 
 def attribute(
     setting: PathSetting,
-    applied: list[Tensor],
+    plan: AppliedPlan,
     eager: list[Tensor],
     failing: Sequence[Measured],
     floors: Sequence[float],
-    multiple: float,
     again: list[Tensor] | None = None,
 ) -> Attribution:
-    """The part of the path at fault (see the module doc); ``eager`` is eager float32 autograd's window gradient,
-    ``again`` the path's, if the check computed it already."""
+    """The part of the path at fault (see the module doc) for the ``failing`` probes of ``plan``; ``eager`` is eager
+    float32 autograd's window gradient, ``again`` the path's, if the check computed it already."""
 
     def right(grads: list[Tensor]) -> bool:
-        return all(probe.agrees(grads, applied) for probe in failing)
+        return all(probe.agrees(grads, plan.applied) for probe in failing)
 
-    model, batches, params, state, group = setting.model, setting.batches, setting.params, setting.state, setting.group
     if again is None:
-        again = gradients.path_gradient(model, batches, setting.window(), params, state, group=group,
-                                         scale=setting.loss_scale)[1]  # fmt: skip
+        again = setting.gradient()[1]
     if right(again):
-        return _off_the_path(setting, applied, again, floors, multiple)
+        return _off_the_path(setting, plan, again, floors)
     if not right(eager):
         return Attribution(
             "formula",
@@ -99,33 +122,19 @@ def attribute(
             search_culprit=True,
         )
     # compiled code may hide in the loss function (a module compiled elsewhere): switching the compiler off is tried
-    uncompiled = gradients.path_gradient(
-        model, batches, setting.window(), params, state, compiled=False, group=group, scale=setting.loss_scale
-    )
-    if right(uncompiled[1]):
+    if right(setting.gradient(compiled=False)[1]):
         return Attribution(
             "compiled",
             "the same path with its compiled code run eagerly gives the right gradient: the compiled graph's "
             "backward is wrong",
         )
-    if setting.autocast is not None:
-        plain = gradients.path_gradient(
-            model,
-            batches,
-            setting.window(with_path=False),
-            params,
-            state,
-            compiled=False,
-            group=group,
-            scale=setting.loss_scale,
+    if setting.autocast is not None and right(setting.gradient(with_path=False, compiled=False)[1]):
+        dtype = str(setting.autocast).removeprefix("torch.")
+        return Attribution(
+            "precision",
+            f"the same path without {dtype} autocast gives the right gradient: a kernel or backward that runs "
+            f"only under {dtype} autocast is wrong",
         )
-        if right(plain[1]):
-            dtype = str(setting.autocast).removeprefix("torch.")
-            return Attribution(
-                "precision",
-                f"the same path without {dtype} autocast gives the right gradient: a kernel or backward that runs "
-                f"only under {dtype} autocast is wrong",
-            )
     return Attribution(
         "unknown",
         "the training's path computes this wrong gradient again, while eager float32 autograd is right, and neither "
@@ -133,10 +142,9 @@ def attribute(
     )
 
 
-def _off_the_path(
-    setting: PathSetting, applied: list[Tensor], again: list[Tensor], floors: Sequence[float], multiple: float
-) -> Attribution:
+def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], floors: Sequence[float]) -> Attribution:
     """The path recomputes the right gradient: what reached the optimizer was made of something else."""
+    applied, multiple = plan.applied, plan.multiple
     residual = [a.double() - b.double() for a, b in zip(applied, again, strict=True)]
     if setting.start is not None and every_rank([_leftover(setting.start, residual, floors, multiple)])[0]:
         return Attribution(
@@ -145,7 +153,7 @@ def _off_the_path(
             "began (not zeroed between optimizer steps)",
         )
     if len(setting.batches) > 1:
-        weights = _recombination(setting, applied, floors, multiple)
+        weights = _recombination(setting, plan, floors)
         if weights is not None:
             listed = ", ".join(f"{w:.3g}" for w in weights)
             return Attribution(
@@ -154,6 +162,14 @@ def _off_the_path(
                 f"(weights {listed}) than the loop's loss",
             )
     if setting.group is not None:
+        owners = ranks_owning_wrong_rows(setting.params, applied, again, [multiple * f for f in floors], setting.group)
+        if owners:
+            return Attribution(
+                "reduction",
+                f"rank(s) {owners} own the partitions of the applied gradient that differ from the window's gradient "
+                "recomputed and averaged by a plain all-reduce, the other ranks' partitions agree (ZeRO: a reduction "
+                "that left something out or corrupted those partitions, or a hook that ran on those ranks only)",
+            )
         return Attribution(
             "reduction",
             "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "
@@ -191,11 +207,10 @@ def _leftover(start: Checksums, residual: list[Tensor], floors: Sequence[float],
     return True
 
 
-def _recombination(
-    setting: PathSetting, applied: list[Tensor], floors: Sequence[float], multiple: float
-) -> list[float] | None:
+def _recombination(setting: PathSetting, plan: AppliedPlan, floors: Sequence[float]) -> list[float] | None:
     """The weights ``c`` with ``applied ≈ Σ c_i G_i`` over the micro-batch gradients ``G_i`` recomputed on the path,
     if the applied gradient is such a combination within the path's floor; ``None`` otherwise."""
+    applied, multiple = plan.applied, plan.multiple
     micro = []
     for batch, state in zip(setting.batches, setting.rng_states, strict=True):
         loss = single_loss(setting.loss_fn, state, setting.path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,27 +25,25 @@ from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
-from gradwatch.engine.applied.probes import Measured, measure
+from gradwatch.engine.applied.equivalence import compare_accumulation
+from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, storage_rounding
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
 from gradwatch.engine.check import check_gradients
 from gradwatch.engine.compiled import compiled_parts
-from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.optimizers import check_optimizers
-from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.function.surrogates import as_autograd_sees_them, find_stock_surrogates
 from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
-from gradwatch.engine.selection import checked_parameters
+from gradwatch.engine.session import CheckSession
+from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.collective import sharded
-from gradwatch.engine.sharding.parameters import is_sharded, lockstep
+from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -80,6 +77,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
     batches: Sequence[Any],
@@ -92,17 +90,32 @@ def check_applied_gradient(
     step: int = 0,
     group: Any = None,
     start: Checksums | None = None,
-    tensor_probes: int | None = None,
+    tensor_probes: int = 6,
     rotation: int = 0,
     culprit_search: bool = True,
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
+    seed: int = 0,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    settings: ProbeSettings | None = None,
+    compare_one_batch: bool = True,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
+    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
+    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search) are
+    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
+    defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
+    padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
+    them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
+    selects, the state it puts back and names when it cannot) is the check session's
+    (:class:`~gradwatch.engine.session.CheckSession`), the same as the recomputed check's.
+
     Args:
-        model: The module whose trainable floating parameters the optimizer updates.
+        model: The module whose trainable floating parameters the optimizer updates. A DeepSpeed engine: the module
+            it wraps, with ``gradients`` DeepSpeed's full reduced gradients (``deepspeed.utils.safe_get_full_grad``;
+            :func:`gradwatch.integrations.deepspeed.full_gradients`); under ZeRO-3 its parameters are gathered whole
+            for the check, and ``group`` defaults to the one ZeRO averages over.
         batches: The micro-batches of the accumulation window, in order (one for a loop without accumulation).
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss of one micro-batch as the loop computes it.
         gradients: The gradients to check, by parameter name or in the order of the trainable parameters; by default
@@ -118,105 +131,89 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
-        tensor_probes: Tensors probed along their own applied gradient per check, in turn (``None``: every tensor);
-            every tensor when the descent probe fails.
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
-        ignore: Shell-style patterns of parameter names not to check (straight-through estimators: their gradient is
-            not the derivative by design). Stock surrogates (spectral norm's power iteration, padding rows, embeddings
-            with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles them.
         optimizers: Optimizers whose state the check puts back if the loss changes it (a learning rate decayed inside
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
+            passes, built once for a run); those options must then be left at their defaults. Its fields that concern
+            the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
+        compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two more backward passes):
+            ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
-    batches = list(batches) if isinstance(batches, (list, tuple)) else None  # type: ignore[assignment]
-    if not batches:
+    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed}
+    session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
+    micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
+    if not micro_batches:
         raise ValueError("`batches` must be a non-empty list or tuple of the window's micro-batches")
     validate.check_choice("combine", combine, COMBINES, allow_callable=True)
-    states = list(rng_states) if rng_states is not None else [None] * len(batches)
-    if len(states) != len(batches):
-        raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(batches)}); got {len(states)}")
-    validate.check_int("step", step, minimum=0)
-    validate.check_optional_int("tensor_probes", tensor_probes, minimum=1)
-    started = time.perf_counter()
-    ignore = validate.check_patterns("ignore", ignore)
-    protected = check_optimizers(optimizers)
-    surrogates = find_stock_surrogates(model)
+    states = list(rng_states) if rng_states is not None else [None] * len(micro_batches)
+    if len(states) != len(micro_batches):
+        raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(micro_batches)}); got {len(states)}")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
-    applied_all = _applied(trainable, gradients)
-    probed = {name for name, _ in checked_parameters(model, ignore, surrogates.unprobed)}
-    chosen = [i for i, g in enumerate(applied_all) if g is not None and trainable[i][0] in probed]
-    names = [trainable[i][0] for i in chosen]
-    params: list[Tensor] = [trainable[i][1] for i in chosen]
-    applied = [applied_all[i].detach() for i in chosen]  # type: ignore[union-attr]
+    given = _applied(trainable, gradients)
+    gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
+    session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
+    names = [name for name, _ in session.params]
+    applied = [gradient[name].detach() for name in names]
     if start is not None and len(start.sums) == len(trainable):
-        start = Checksums(tuple(start.sums[i] for i in chosen))
-    unchecked = len(trainable) - len(chosen)
-    notes: list[Note] = surrogates.notes()
+        position = {name: i for i, (name, _) in enumerate(trainable)}
+        start = Checksums(tuple(start.sums[position[name]] for name in names))
     shards = None
-    if params and is_sharded(list(zip(names, params, strict=True))):
-        shards = shard_window(names, params, applied)  # FSDP2: this rank's rows, every rank checking together
-        params, applied, group = shards.params, shards.applied, None
-        notes.append(Note(NoteCode.SHARDED, shards.note()))
+    if session.collective is not None:
+        shards = shard_window(session.collective, [p for _, p in session.params], applied)
+        applied, group = shards.applied, None
+        session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
-        notes.append(Note(NoteCode.APPLIED_UNCHECKED, text))
+        session.leading.append(Note(NoteCode.APPLIED_UNCHECKED, text))
     autocast = path_autocast(path)
-    native = min((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
+    native = min((p.dtype for _, p in session.params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
-    multiple = floor_multiple(path_dtype)
-    base: dict[str, Any] = {"step": step, "loss": math.nan, "n_backward": 0, "scope": "applied"}
+    plan = AppliedPlan(names, applied, native, path_dtype, floor_multiple(path_dtype), session.settings.tensor_probes,
+                       rotation)  # fmt: skip
     if group is not None:
         disagreeing = _disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
             probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                           Reason.DISCREPANCY)  # fmt: skip
-            return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
-                               duration_s=time.perf_counter() - started, notes=notes, fault="reduction",
-                               fault_message=message)  # fmt: skip
+            return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied",
+                                  fault="reduction", fault_message=message)  # fmt: skip
     if not (shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in applied)):
         probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                       Reason.NONFINITE)  # fmt: skip
-        return CheckReport(**base, verdict="fail", probes=[probe], n_forward=0,  # type: ignore[arg-type]
-                           duration_s=time.perf_counter() - started, notes=notes, fault="unknown",
-                           fault_message="the applied gradient holds non-finite values")  # fmt: skip
-    state = TrainingState.capture(model, protected)
-    setting = PathSetting(model, list(batches), loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
-                          list[Tensor](params), state, group, start, loss_scale)  # fmt: skip
-    collective = shards.collective if shards is not None else None
-    with warnings_withheld() as withheld, as_autograd_sees_them(surrogates), sharded(collective):
-        try:
-            with lockstep(model, collective is not None):
-                outcome = _measure(setting, names, applied, native, path_dtype, multiple, tensor_probes, rotation,
-                                   notes)  # fmt: skip
-        finally:
-            state.restore()
-    measured, evaluator, attribution, _, loss, backward = outcome
-    if withheld:
-        text = f"{len(withheld)} warning(s) raised during the check were not shown, the first: {withheld[0]}"
-        notes.append(Note(NoteCode.WARNINGS_WITHHELD, text))
+        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", fault="unknown",
+                              fault_message="the applied gradient holds non-finite values")  # fmt: skip
+    setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
+                          group, start, loss_scale)  # fmt: skip
+    equivalence, said = None, list[Note]()
+    with session.measuring() as state:
+        outcome = _measure(setting, plan)
+        if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
+            equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
+                                                     names, state, outcome.floors, plan.multiple, group)  # fmt: skip
+    notes, attribution = outcome.evaluator.notes, outcome.attribution
+    notes.extend(said)
     culprits: list[str] = []
     culprit_message = ""
     surrogates_found: tuple[str, ...] = ()
-    probes = [m.probe for m in measured]
+    probes = [m.probe for m in outcome.measured]
     if attribution is not None and attribution.search_culprit:
         # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
         # not faults of the formula, and a check whose failures they explain is not a failure
         try:
-            found = check_gradients(
-                model, batches[0], single_loss(loss_fn, states[0], None), step=step, optimizers=protected
-            )
+            found = check_gradients(model, micro_batches[0], single_loss(loss_fn, states[0], None), step=step,
+                                    seed=session.settings.seed, optimizers=session.optimizers)  # fmt: skip
         except CheckAbandonedError:
             raise
         except Exception as error:  # the verdict stands without it
@@ -231,22 +228,20 @@ def check_applied_gradient(
             surrogates_found, attribution = found.surrogates, None
         elif culprit_search:
             culprits, culprit_message = found.culprits, found.culprit_message
-    descent = next((m for m in measured if m.probe.kind == ProbeKind.DESCENT), None)
+    descent = next((m for m in outcome.measured if m.probe.kind == ProbeKind.DESCENT), None)
     failing = any(p.verdict == "fail" for p in probes)
-    return CheckReport(
-        step=step,
+    evaluator = outcome.evaluator
+    return session.report(
         verdict=Verdict.FAIL
         if failing
         else (Verdict.OK if any(p.verdict == "ok" for p in probes) else Verdict.INCONCLUSIVE),
         probes=probes,
-        loss=loss,
-        n_forward=evaluator.n_forward if evaluator is not None else 0,
-        n_backward=backward,
-        n_passes=evaluator.n_forward if evaluator is not None else 0,
-        duration_s=time.perf_counter() - started,
-        notes=list(dict.fromkeys([*notes, *(evaluator.notes if evaluator is not None else [])])),
-        precision="float64" if evaluator is not None and evaluator.value_dtype == torch.float64 else "native",
-        rtol=math.nan,
+        loss=outcome.loss,
+        notes=notes,
+        n_forward=evaluator.n_forward,
+        n_backward=outcome.backward + (2 if equivalence is not None else 0),
+        n_passes=evaluator.n_forward,
+        precision="float64" if evaluator.value_dtype == torch.float64 else "native",
         culprits=culprits,
         culprit_message=culprit_message,
         surrogates=surrogates_found,
@@ -254,7 +249,9 @@ def check_applied_gradient(
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
         noise_floor=_relative_floor(descent.probe if descent else None),
-        floor_excess=max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan),
+        floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
+        accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
+        accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
     )
 
 
@@ -290,21 +287,25 @@ def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
     return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
 
 
-def _measure(
-    setting: PathSetting,
-    names: list[str],
-    applied: list[Tensor],
-    native: torch.dtype,
-    path_dtype: torch.dtype,
-    multiple: float,
-    tensor_probes: int | None,
-    rotation: int,
-    notes: list[Note],
-) -> tuple[list[Measured], LossEvaluator | None, Attribution | None, list[float], float, int]:
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What the measuring part of an applied check produced."""
+
+    evaluator: LossEvaluator
+    measured: list[Measured]
+    attribution: Attribution | None
+    loss: float
+    backward: int
+    floors: list[float]
+
+
+def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
+    """The applied check's measurement plan, inside its session: the window's loss and eager gradient, the path's
+    noise floor, the probes, and for a failure the attribution to a part of the path."""
     model, params, state, group = setting.model, setting.params, setting.state, setting.group
-    named = list(zip(names, params, strict=True))
-    evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), named, state)
+    evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), setting.session.params, state)
     evaluator.group = group
+    notes = evaluator.notes
     with recompute.exact_conditions():
         reference = evaluator.reference(with_inputs=False)
     reference = dataclasses.replace(reference, loss=_rank_mean(reference.loss, group))
@@ -315,9 +316,9 @@ def _measure(
     backward = 1
     window = setting.window(with_path=False)
     again = None
+    path_dtype = plan.path_dtype
     if setting.autocast is not None or setting.compiled:
-        path_loss, again = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
-                                                   scale=setting.loss_scale)  # fmt: skip
+        path_loss, again = setting.gradient()
         path_loss = _rank_mean(path_loss, group)
         backward += 1
         if abs(path_loss - reference.loss) > center_tolerance(reference.loss, path_dtype, path_dtype):
@@ -330,12 +331,11 @@ def _measure(
                     "them eager's)",
                 )
             )
-            return [], evaluator, None, [], reference.loss, backward
+            return _Outcome(evaluator, [], None, reference.loss, backward, [0.0] * len(params))
     if setting.autocast is not None:
         assert again is not None
         emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
-        scaled = recompute.path_gradient(model, setting.batches, setting.window(), params, state, group=group,
-                                         scale=SPREAD_SCALE * setting.loss_scale)[1]  # fmt: skip
+        scaled = setting.gradient(scale=SPREAD_SCALE)[1]
         measured_floors = [distances(emulated, eager), distances(again, scaled)]
         backward += 2
     elif sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
@@ -343,31 +343,23 @@ def _measure(
         measured_floors = [distances(eager, scaled)]
         backward += 1
     else:
-        try:
-            measured_floors = [distances(eager, recompute.float64_gradient(model, setting.batches, window, params,
-                                                                           state, group))]  # fmt: skip
-            backward += 1
-        except Exception as error:  # a model without float64 kernels: the floor is the storage rounding alone
-            text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
-            notes.append(Note(NoteCode.APPLIED_FLOOR, text))
-            measured_floors = []
-    applied_norms = norms(applied, exact=True)
-    floor_values = floors(measured_floors, applied_norms, path_dtype)
-    notes.append(
-        Note(
-            NoteCode.APPLIED_FLOOR,
-            f"noise floor of the {str(path_dtype).removeprefix('torch.')} path: "
-            f"{math.hypot(*floor_values) / max(math.hypot(*applied_norms), 1e-300):.3g} of ‖g‖ (storage rounding alone "
-            f"{storage_rounding(path_dtype):.3g}); a probe fails beyond {multiple:g}x the floor plus its own noise",
-        )
+        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
+    applied_norms = norms(plan.applied, exact=True)
+    floor_values = floors(measured_floors or [], applied_norms, path_dtype)
+    screens, lazy = dict[Any, Any](), measured_floors is None
+    measured = measure(evaluator, plan, floor_values, reference.loss, screens, lazy)
+    if measured_floors is None and lazy_floor.needed(measured):
+        measured_floors = lazy_floor.float64_floor(model, setting.batches, window, params, state, group, eager, notes)
+        backward += 1 if measured_floors else 0
+        floor_values = floors(measured_floors, applied_norms, path_dtype)
+        measured = measure(evaluator, plan, floor_values, reference.loss, screens)
+    floor_note = lazy_floor.floor_note(
+        path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
-    measured = measure(setting.model, evaluator, named, applied, floor_values, multiple, native, reference.loss,
-                      tensor_probes, rotation)  # fmt: skip
+    notes.append(floor_note)
     failing = [m for m in measured if m.probe.verdict == "fail"]
-    attribution = None
-    if failing:
-        attribution = attribute(setting, applied, eager, failing, floor_values, multiple, again)
-    return measured, evaluator, attribution, floor_values, reference.loss, backward
+    attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
+    return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
 
 
 def _relative_floor(descent: Probe | None) -> float:

@@ -1,9 +1,23 @@
-"""The probes of an applied check: along the applied gradient itself, and along each tensor's part of it.
+"""The probes of an applied check: along the applied gradient itself, along every tensor's part of it at once, and
+along each tensor's part of it when those two show an excess.
 
-The descent probe (``ĝ`` over every tensor, a full stencil) measures the noise of one loss evaluation; each tensor probe
-starts as a two-point screen that borrows it, and climbs to a full stencil, then to a confirming stencil at ``0.3 h``,
-only when its discrepancy exceeds the tolerance (the escalation of :mod:`gradwatch.engine.probing.ladder`, judged
-against the path's floor by :mod:`.verdict`). Steps follow :func:`~gradwatch.engine.numerics.steps.relative_step`.
+Two combined probes vouch for every tensor in four loss evaluations (besides the centre):
+
+* the **descent** probe along ``ĝ`` over every tensor, which a fault scaling the whole gradient (accumulation, a loss
+  scale) moves in full;
+* the **tensors** probe along ``Σ_T ĝ_T / √N``, each tensor's own normalised gradient with equal weight, which a
+  fault in one tensor moves by ``1/√N`` of that tensor's relative error, however small its share of ``‖g‖``
+  (:mod:`.combined`).
+
+Only when one of them does not agree well within its tolerance (:data:`~.combined.CLOSER_LOOK`) are the tensors
+probed one by one (each along its own ``ĝ_T``), in turn, or every one of them when a combined probe fails, so that the
+report names the tensors at fault.
+
+Every probe starts as a two-point screen (with float64 evaluations, whose round-off is known: ``ε₆₄ · |L|``; natively,
+the descent measures the noise of one loss evaluation with a full stencil first, which the others borrow), and climbs
+to a full stencil, then to a confirming stencil at ``0.3 h``, only when its discrepancy exceeds the tolerance (the
+escalation of :mod:`gradwatch.engine.probing.ladder`, judged against the path's floor by :mod:`.verdict`). Steps follow
+:func:`~gradwatch.engine.numerics.steps.relative_step`.
 """
 
 from __future__ import annotations
@@ -11,10 +25,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from gradwatch.engine.applied.combined import (
+    CLOSER_LOOK,
+    Combined,
+    balanced_components,
+    balanced_weights,
+    floor_along,
+    tensors_to_probe,
+)
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -33,21 +56,27 @@ from gradwatch.engine.sharding.collective import global_numel
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 
+ROUNDING_ULPS = 8.0
+"""The round-off of one float64 loss evaluation, in units of its last place: the noise a screen assumes before any
+full stencil has measured it (float64 round-off lies orders of magnitude below every tolerance of a float32 or 16-bit
+gradient, so the figure only needs to be generous)."""
+
 
 @dataclass
 class Measured:
     """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
-    over the applied gradient there, the derivative it measured and its tolerance."""
+    over the applied gradient in each of them, the derivative it measured and its tolerance."""
 
     probe: Probe
     tensors: tuple[int, ...]
-    coefficient: float
+    weights: tuple[float, ...]
     tolerance: float
     excess: float
 
     def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
         """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
-        slope = self.coefficient * total([dot(grads[i], applied[i]) for i in self.tensors])
+        pairs = zip(self.tensors, self.weights, strict=True)
+        slope = total([w * dot(grads[i], applied[i]) for i, w in pairs])
         return math.isfinite(slope) and abs(slope - self.probe.numeric) <= self.tolerance
 
 
@@ -62,6 +91,10 @@ class AppliedProbes:
         floors: The path's noise floor per tensor (see :func:`~gradwatch.engine.applied.verdict.floors`).
         multiple: How many floors a gradient may be off.
         native_dtype: The parameters' dtype.
+        provisional: The floors are a lower bound (:mod:`.lazy_floor`): a screen that does not agree stops there, for
+            the check to measure the floor and probe again.
+        screens: The screens of an earlier pass over the same point, by probe (filled in for a later one): probing
+            again against another floor evaluates nothing twice.
     """
 
     def __init__(
@@ -73,8 +106,12 @@ class AppliedProbes:
         floors: Sequence[float],
         multiple: float,
         native_dtype: torch.dtype,
+        provisional: bool = False,
+        screens: dict[Any, Any] | None = None,
     ) -> None:
         self.measurements = measurements
+        self.provisional = provisional
+        self.screens = screens if screens is not None else {}
         self.names = list(names)
         self.moved = list(moved)
         self.grads = list(grads)
@@ -88,7 +125,12 @@ class AppliedProbes:
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
         self.scale_floor = machine_epsilon(native_dtype) ** (1 / 3) * self.grad_norm
-        self.loss_noise = math.inf
+        # float64 evaluations: the round-off of one is known well enough for a screen; natively the descent measures it
+        self.loss_noise = (
+            ROUNDING_ULPS * measurements.value_epsilon * abs(measurements.center)
+            if measurements.compute_dtype == torch.float64
+            else math.inf
+        )
 
     def _scale(self, i: int) -> float:
         return max(self.param_rms[i], self.param_scale) or 1.0
@@ -99,42 +141,69 @@ class AppliedProbes:
             return None
         every = tuple(range(len(self.moved)))
         weighted = sum(self._scale(i) ** 2 * (n / self.grad_norm) ** 2 for i, n in enumerate(self.grad_norms))
-        return self._measure(
-            ProbeKind.DESCENT, DESCENT_TARGET, every, self.relative * math.sqrt(weighted), screen_first=False
-        )
+        direction = VectorDirection(self.moved, self.grads, self.grads, 1.0 / self.grad_norm,
+                                    components_norm=self.grad_norm)  # fmt: skip
+        floor = math.hypot(*self.floors)
+        weights = (1.0 / self.grad_norm,) * len(every)
+        return self._measure(ProbeKind.DESCENT, DESCENT_TARGET, every, weights, direction, floor,
+                             self.relative * math.sqrt(weighted))  # fmt: skip
+
+    def balanced(self) -> Measured | None:
+        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`); ``None`` with fewer
+        than two tensors with a gradient (the descent probe is that direction then)."""
+        weights = balanced_weights(self.grad_norms)
+        tensors = tuple(i for i, w in enumerate(weights) if w > 0)
+        if len(tensors) < 2:
+            return None
+        components = balanced_components([self.grads[i] for i in tensors], [weights[i] for i in tensors])
+        direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
+        part = 1.0 / math.sqrt(len(tensors))
+        floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
+        step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))
+        return self._measure(ProbeKind.TENSORS, DESCENT_TARGET, tensors, tuple(weights[i] for i in tensors),
+                             direction, floor, step)  # fmt: skip
 
     def tensor(self, i: int) -> Measured | None:
         """The probe along tensor ``i``'s applied gradient; ``None`` when that is zero."""
-        if not self.grad_norms[i] > 0 or not math.isfinite(self.grad_norms[i]):
+        size = self.grad_norms[i]
+        if not size > 0 or not math.isfinite(size):
             return None
-        return self._measure(ProbeKind.TENSOR, self.names[i], (i,), self.relative * self._scale(i), screen_first=True)
+        direction = VectorDirection([self.moved[i]], [self.grads[i]], [self.grads[i]], 1.0 / size,
+                                    components_norm=size)  # fmt: skip
+        return self._measure(ProbeKind.TENSOR, self.names[i], (i,), (1.0 / size,), direction, self.floors[i],
+                             self.relative * self._scale(i))  # fmt: skip
 
     def _measure(
-        self, kind: ProbeKind, target: str, tensors: tuple[int, ...], step: float, *, screen_first: bool
+        self,
+        kind: ProbeKind,
+        target: str,
+        tensors: tuple[int, ...],
+        weights: tuple[float, ...],
+        direction: VectorDirection,
+        floor: float,
+        step: float,
     ) -> Measured:
-        size = math.hypot(*(self.grad_norms[i] for i in tensors))
-        direction = VectorDirection(
-            [self.moved[i] for i in tensors],
-            [self.grads[i] for i in tensors],
-            [self.grads[i] for i in tensors],
-            1.0 / size,
-            components_norm=size,
-        )
-        floor = math.hypot(*(self.floors[i] for i in tensors))
+        screen_first = math.isfinite(self.loss_noise)
         evaluations = 0
-        stencil = self.measurements.stencil(direction, step, PAIR_OFFSETS if screen_first else FULL_OFFSETS)
+        key = (kind, target, step, self.measurements.compute_dtype)
+        if screen_first and key in self.screens:
+            stencil = self.screens[key]
+        else:
+            stencil = self.measurements.stencil(direction, step, PAIR_OFFSETS if screen_first else FULL_OFFSETS)
+            if screen_first:
+                self.screens[key] = stencil
         evaluations += len(stencil.points)
-        if screen_first and math.isfinite(self.loss_noise):
+        if screen_first:
             assessment = self._screen(stencil)
             judgement = judge(assessment, stencil, floor, self.multiple)
-            if judgement.verdict == "ok":
-                return self._finish(kind, target, tensors, size, stencil, assessment, judgement, floor, evaluations)
+            if judgement.verdict == "ok" or self.provisional:
+                return self._finish(kind, target, tensors, weights, stencil, assessment, judgement, floor, evaluations)
         if not stencil.full:
             stencil = stencil.extended(self.measurements.points(direction, step, HALF_OFFSETS))
             evaluations += 2
         assessment = self._assess(stencil)
         judgement = judge(assessment, stencil, floor, self.multiple)
-        if kind == ProbeKind.DESCENT and stencil.finite:
+        if kind == ProbeKind.DESCENT and stencil.finite and not math.isfinite(self.loss_noise):
             self.loss_noise = assessment.loss_noise
         if judgement.verdict == "fail":
             step *= CONFIRMATION_STEP
@@ -147,7 +216,7 @@ class AppliedProbes:
                 verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
                 second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
             stencil, assessment, judgement = second, second_assessment, second_judgement
-        return self._finish(kind, target, tensors, size, stencil, assessment, judgement, floor, evaluations)
+        return self._finish(kind, target, tensors, weights, stencil, assessment, judgement, floor, evaluations)
 
     def _screen(self, stencil: Stencil) -> Assessment:
         return screen(
@@ -166,7 +235,7 @@ class AppliedProbes:
         kind: ProbeKind,
         target: str,
         tensors: tuple[int, ...],
-        size: float,
+        weights: tuple[float, ...],
         stencil: Stencil,
         assessment: Assessment,
         judgement: Judgement,
@@ -188,35 +257,67 @@ class AppliedProbes:
             evaluations=evaluations,
             floor=floor,
         )
-        return Measured(probe, tensors, 1.0 / size, judgement.tolerance, judgement.excess)
+        return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess)
+
+
+def calm(measured: Sequence[Measured]) -> bool:
+    """Whether every probe agrees within :data:`~.combined.CLOSER_LOOK` of its tolerance."""
+    return all(m.probe.verdict == "ok" and m.excess <= CLOSER_LOOK for m in measured)
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+
+    Attributes:
+        names: The checked parameters' names.
+        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
+        native: The parameters' dtype (the most precise of them).
+        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
+        multiple: How many noise floors of the path a gradient may be off.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
+            call for them (see :mod:`.combined`; every tensor once a probe fails).
+        rotation: Which turn of tensors this check probes.
+    """
+
+    names: list[str]
+    applied: list[Tensor]
+    native: torch.dtype
+    path_dtype: torch.dtype
+    multiple: float
+    tensor_probes: int
+    rotation: int
 
 
 def measure(
-    model: nn.Module,
     evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
+    plan: AppliedPlan,
+    floors: list[float],
     loss: float,
-    tensor_probes: int | None,
-    rotation: int,
+    screens: dict[Any, Any] | None = None,
+    provisional: bool = False,
 ) -> list[Measured]:
-    """The probes, on float64 storage where the model runs in float64 (else natively, float64 reductions)."""
+    """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
+    float64 storage where the model runs in float64 (else natively, float64 reductions).
+
+    ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the first
+    screen that does not agree, or after the combined probes when one does not agree within
+    :data:`~.combined.CLOSER_LOOK`. ``screens`` (a dict) collects the centre and the screens of one pass for another
+    over the same point (with the measured floor), which evaluates them again only if they are not there."""
+    named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (applied, floor_values, multiple, native, loss, tensor_probes, rotation)
+    args = (plan, floors, loss, screens, provisional)
     with exact_conditions():
-        float64 = resolve_precision("auto", native, elements) == "float64"
+        float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
         elif float64:
             try:
-                with float64_storage(model) as substitutes:
+                with float64_storage(evaluator.model) as substitutes:
                     evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, named, *args, torch.float64)
+                    return _probes_at(evaluator, *args, torch.float64)
             except CheckAbandonedError:
                 raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
@@ -225,23 +326,22 @@ def measure(
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
-        return _probes_at(evaluator, named, *args, native)
+        return _probes_at(evaluator, *args, plan.native)
 
 
 def _probes_at(
     evaluator: LossEvaluator,
-    named: list[tuple[str, Tensor]],
-    applied: list[Tensor],
-    floor_values: list[float],
-    multiple: float,
-    native: torch.dtype,
+    plan: AppliedPlan,
+    floors: list[float],
     loss: float,
-    tensor_probes: int | None,
-    rotation: int,
+    screens: dict[Any, Any] | None,
+    provisional: bool,
     compute: torch.dtype,
 ) -> list[Measured]:
-    center = evaluator.loss()
-    if abs(center - loss) > center_tolerance(loss, native, compute):
+    screens = screens if screens is not None else {}
+    center = screens[compute] if compute in screens else evaluator.loss()
+    screens[compute] = center
+    if abs(center - loss) > center_tolerance(loss, plan.native, compute):
         evaluator.notes.append(
             Note(
                 NoteCode.APPLIED_NOT_REPRODUCIBLE,
@@ -252,20 +352,21 @@ def _probes_at(
         )
         return []
     measurements = Measurements(evaluator, center)
-    probes = AppliedProbes(measurements, [n for n, _ in named], [p for _, p in evaluator.params], applied,
-                           floor_values, multiple, native)  # fmt: skip
-    descent = probes.descent()
-    measured = [descent] if descent is not None else []
-    count = len(named)
-    if (descent is not None and descent.probe.verdict == "fail") or tensor_probes is None or tensor_probes >= count:
-        order = list(range(count))
-    else:
-        first = (rotation * tensor_probes) % count
-        order = [(first + k) % count for k in range(tensor_probes)]
+    probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
+                           plan.multiple, plan.native, provisional, screens)  # fmt: skip
+    measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
+    if provisional and not calm(measured):
+        return measured
+    count = len(plan.names)
+    combined = [Combined(m.probe.verdict, m.excess, m.tolerance, dict(zip(m.tensors, m.weights, strict=True)))
+                for m in measured]  # fmt: skip
+    order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
     for i in order:
         found = probes.tensor(i)
         if found is not None:
             measured.append(found)
+            if provisional and found.probe.verdict != "ok":
+                return measured
     if any(m.probe.verdict == "fail" for m in measured) and len(order) < count:
         for i in sorted(set(range(count)) - set(order)):  # name every tensor at fault
             found = probes.tensor(i)

@@ -23,7 +23,7 @@ from torch import Tensor
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.sharding import SHARDED_NOTE
 from gradwatch.engine.sharding.collective import Collective, sharded
-from gradwatch.engine.sharding.parameters import local_shards, register_like
+from gradwatch.engine.sharding.parameters import register_like
 
 __all__ = ["ShardedWindow", "ranks_at_fault", "shard_window"]
 
@@ -49,20 +49,14 @@ class ShardedWindow:
         return not self.collective.reduce([0.0 if local else 1.0])[0]
 
 
-def shard_window(names: Sequence[str], params: Sequence[Tensor], applied: Sequence[Tensor]) -> ShardedWindow:
-    """The local shards of sharded ``params`` and this rank's rows of their ``applied`` gradients (``DTensor``\\ s, or
-    local tensors already).
-
-    Raises:
-        UnsupportedShardingError: The parameters are not all sharded by rows over one 1-D mesh.
-    """
-    collective, shards = local_shards(list(zip(names, params, strict=True)))
-    local = [shard for _, shard in shards]
+def shard_window(collective: Collective, local: Sequence[Tensor], applied: Sequence[Tensor]) -> ShardedWindow:
+    """This rank's rows of the ``applied`` gradients (``DTensor``\\ s, or local tensors already) of the parameters
+    whose local shards are ``local`` (the check's session found them and their ``collective``)."""
     rows = []
     for grad, shard in zip(applied, local, strict=True):
         mine = grad.to_local() if hasattr(grad, "to_local") else grad
         rows.append(register_like(collective, mine.detach(), shard))
-    return ShardedWindow(collective, local, rows)
+    return ShardedWindow(collective, list(local), rows)
 
 
 def ranks_at_fault(

@@ -65,7 +65,7 @@ def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], 
     """Per tensor, the noise floor of a correct gradient on a path computing in ``dtype``: the largest of the
     ``measured`` distances (see the module doc) and the storage rounding."""
     rounding = storage_rounding(dtype)
-    return [max(rounding * a, *(m[i] for m in measured)) for i, a in enumerate(applied_norms)]
+    return [max([rounding * a, *(m[i] for m in measured)]) for i, a in enumerate(applied_norms)]
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ class AppliedWindow:
     ``loss.backward()`` of the last micro-batch and any unscaling, before clipping), then :meth:`clear`.
 
     Args:
-        model: The module whose gradients the optimizer applies.
+        model: The module whose gradients the optimizer applies; ``None`` when not known yet (a watch's first window):
+            the gradients present when the window begins are then not fingerprinted, and :meth:`check` needs none.
 
     Example::
 
@@ -139,8 +140,8 @@ class AppliedWindow:
                 window.clear()
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        if not isinstance(model, nn.Module):
+    def __init__(self, model: nn.Module | None) -> None:
+        if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
         self.model = model
         self.batches: list[Any] = []
@@ -150,7 +151,7 @@ class AppliedWindow:
     def record(self, batch: Any) -> None:
         """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
         micro-batch, the fingerprint of the gradients already there."""
-        if not self.batches:
+        if not self.batches and self.model is not None:
             self.start = Checksums.of([p.grad for p in self.model.parameters() if p.requires_grad])
         self.batches.append(batch)
         self.rng_states.append(capture_rng())
@@ -159,15 +160,18 @@ class AppliedWindow:
         """Forget the window (after the optimizer step)."""
         self.batches, self.rng_states, self.start = [], [], None
 
-    def check(self, loss_fn: LossFn, **options: Any) -> CheckReport:
-        """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window;
-        ``options`` are passed on (``combine``, ``path``, ``step``, ...)."""
+    def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
+        """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
+        (``model``: the window's own by default); ``options`` are passed on (``combine``, ``path``, ``step``, ...)."""
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
             raise ValueError(
                 "AppliedWindow.check: no micro-batch was recorded (call record(batch) before each forward)"
             )
+        model = model if model is not None else self.model
+        if model is None:
+            raise ValueError("AppliedWindow.check: `model` must be given when the window was made without one")
         return check_applied_gradient(
-            self.model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
+            model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
         )

@@ -1,0 +1,184 @@
+"""The clip coefficient a loop applied, checked against the true norm of the gradient an applied check verified.
+
+An applied check looks at the gradient before clipping (:func:`~gradwatch.engine.applied.check_applied_gradient`):
+a loop that clips then multiplies it by ``c = min(1, max_norm / ‖g‖)`` with ``‖g‖`` the norm of the whole gradient,
+over every rank and shard (``torch.nn.utils.clip_grad_norm_``, Lightning's ``gradient_clip_val``, the Trainer's
+``max_grad_norm`` and DeepSpeed's ``gradient_clipping`` divide by ``‖g‖ + 1e-6``; both forms are accepted). A norm taken
+over one rank's shards, before the cross-rank reduction, or over-counted across a mesh (VeOmni PR#862) gives another
+coefficient, and every update is scaled by the error: the loss the loop computes cannot show it.
+
+:meth:`GradientNorms.of` records what the check needs of the verified gradient before clipping (per-tensor norms and
+signed sums and the global norm: a few numbers, no copy), :func:`check_clipping` compares the gradient the optimizer
+steps with against it: every tensor must be the verified one times the same coefficient, and that coefficient must be
+the one ``max_norm`` and the true global norm give. A wrong one fails with fault ``"clipping"`` and both norms in the
+message.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine import validation as validate
+from gradwatch.engine.kinds import Verdict
+from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.report import CheckReport
+
+__all__ = ["CLIP_EPSILONS", "GradientNorms", "check_clipping"]
+
+CLIP_EPSILONS = (0.0, 1e-6)
+"""What loops add to the norm before dividing ``max_norm`` by it: nothing (the textbook rule), or ``1e-6`` (torch's
+``clip_grad_norm_``, and through it Lightning, the Trainer and accelerate; DeepSpeed)."""
+
+ROUNDING_MULTIPLE = 4.0
+"""How many units of the gradient dtype's epsilon a coefficient may be off: the loop computes the norm and the
+coefficient in the gradient's dtype and rounds every product (relative ``ε`` each, which the norms average)..."""
+
+LEAST_TOLERANCE = 1e-5
+"""... and never less than this: a float32 norm accumulated over millions of elements is off by more than ``4 ε``."""
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a shard's own rows (FSDP2)
+
+
+def _norm(tensor: Tensor) -> float:
+    """``‖tensor‖`` in float64, over every shard of a DTensor (its own reduction, over its own mesh)."""
+    norm = torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def _sum(tensor: Tensor) -> tuple[float, float]:
+    """The signed sum and the sum of absolute values of this rank's part, in float64."""
+    flat = _local(tensor).detach().reshape(-1).double()
+    return float(flat.sum()), float(flat.abs().sum())
+
+
+def _tensors(name: str, grads: Mapping[str, Tensor | None] | Sequence[Tensor | None]) -> list[Tensor | None]:
+    if isinstance(grads, Mapping):
+        return list(grads.values())
+    if isinstance(grads, (list, tuple)):
+        return list(grads)
+    raise TypeError(f"`{name}` must be a mapping name -> tensor or a list of tensors; got {type(grads).__name__}")
+
+
+@dataclass(frozen=True)
+class GradientNorms:
+    """What :func:`check_clipping` needs of a gradient: per tensor its norm (over every shard), the signed sum and the
+    sum of absolute values of this rank's part, and the global norm over every tensor, rank and shard.
+
+    Attributes:
+        norms: ``‖g_T‖`` per tensor (0 where there is none).
+        sums: ``(Σ g_T, Σ |g_T|)`` of this rank's part of each tensor.
+        total: ``‖g‖``, the norm of the whole gradient.
+        dtype: The dtype the gradient is held in (its rounding is the check's tolerance).
+    """
+
+    norms: tuple[float, ...]
+    sums: tuple[tuple[float, float], ...]
+    total: float
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, grads: Mapping[str, Tensor | None] | Sequence[Tensor | None]) -> GradientNorms:
+        """The norms of ``grads`` (one entry per parameter, ``None`` for none; under FSDP2 the DTensor gradients,
+        whose norms cover every shard). Under DDP every rank holds the whole reduced gradient: its norm is the global
+        one, as the loop must compute it."""
+        tensors = _tensors("grads", grads)
+        present = [t for t in tensors if t is not None]
+        norms = tuple(_norm(t) if t is not None else 0.0 for t in tensors)
+        sums = tuple(_sum(t) if t is not None else (0.0, 0.0) for t in tensors)
+        dtype = max((t.dtype for t in present), key=lambda d: machine_epsilon(d), default=torch.float32)
+        return cls(norms, sums, math.hypot(*norms), dtype)
+
+
+def _expected(total: float, max_norm: float) -> list[float]:
+    return [min(1.0, max_norm / (total + eps)) if total + eps > 0 else 1.0 for eps in CLIP_EPSILONS]
+
+
+def check_clipping(
+    verified: GradientNorms | Mapping[str, Tensor | None] | Sequence[Tensor | None],
+    clipped: Mapping[str, Tensor | None] | Sequence[Tensor | None],
+    max_norm: float,
+    *,
+    step: int = 0,
+) -> CheckReport:
+    """Check that the gradient the optimizer steps with, ``clipped``, is the ``verified`` one times
+    ``min(1, max_norm / ‖g‖)``, ``‖g‖`` its true global norm (see the module doc).
+
+    Args:
+        verified: The gradient before clipping, as the applied check verified it: its :class:`GradientNorms` (recorded
+            before the loop clips), or the tensors themselves (copies: clipping changes ``.grad`` in place).
+        clipped: The gradient after clipping, in the same order (typically each parameter's ``.grad``).
+        max_norm: The loop's clipping threshold (``gradient_clip_val``, ``max_grad_norm``, ``max_norm``).
+        step: The optimizer step, recorded on the report.
+
+    Returns:
+        A :class:`~gradwatch.CheckReport` with ``scope="applied"`` and no probes: ``"fail"`` with ``fault="clipping"``
+        when the coefficient differs from the expected one (or differs between tensors), ``"ok"`` otherwise; a note
+        (code ``"applied-clipping"``) gives the norms and both coefficients.
+    """
+    started = time.perf_counter()
+    validate.check_int("step", step, minimum=0)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"`max_norm` must be a positive number; got {max_norm!r}")
+    before = verified if isinstance(verified, GradientNorms) else GradientNorms.of(verified)
+    after = GradientNorms.of(clipped)
+    if len(after.norms) != len(before.norms):
+        raise ValueError(
+            f"`clipped` must hold one gradient per tensor of `verified` ({len(before.norms)}); got {len(after.norms)}"
+        )
+    coarsest = max(before.dtype, after.dtype, key=lambda d: machine_epsilon(d))
+    tolerance = max(ROUNDING_MULTIPLE * machine_epsilon(coarsest), LEAST_TOLERANCE)
+    expected = _expected(before.total, float(max_norm))
+    applied = after.total / before.total if before.total > 0 else 1.0
+    wrong = [
+        i
+        for i, (pre, post, (pre_sum, pre_abs), (post_sum, _)) in enumerate(
+            zip(before.norms, after.norms, before.sums, after.sums, strict=True)
+        )
+        if abs(post - applied * pre) > tolerance * max(post, applied * pre)
+        or abs(post_sum - applied * pre_sum) > tolerance * applied * pre_abs + 1e-300
+    ]
+    coefficient_ok = any(abs(applied - c) <= tolerance * c for c in expected)
+    text = (
+        f"clipping at max_norm {max_norm:g}: verified gradient norm {before.total:.6g} (over every rank and shard), "
+        f"norm after clipping {after.total:.6g}: coefficient {applied:.6g}, expected {expected[0]:.6g}"
+    )
+    notes = [Note(NoteCode.APPLIED_CLIPPING, text)]
+    fault_message = ""
+    if not coefficient_ok:
+        implied = max_norm / applied if applied > 0 else math.inf
+        fault_message = (
+            f"the gradient was clipped by {applied:.6g} where max_norm {max_norm:g} and its norm {before.total:.6g} "
+            f"give {expected[0]:.6g}: the loop clipped as if the norm were {implied:.6g} (a norm over one rank's or "
+            f"shard's gradient, before the reduction, or counted twice over a mesh?)"
+        )
+    elif wrong:
+        fault_message = (
+            f"{len(wrong)} tensor(s) were not scaled by the common clip coefficient {applied:.6g} (the first: tensor "
+            f"{wrong[0]}, norm {before.norms[wrong[0]]:.6g} before, {after.norms[wrong[0]]:.6g} after): clipped "
+            "separately, or changed between the check and the optimizer step"
+        )
+    failed = bool(fault_message)
+    return CheckReport(
+        step=step,
+        verdict=Verdict.FAIL if failed else Verdict.OK,
+        probes=[],
+        loss=math.nan,
+        n_forward=0,
+        n_backward=0,
+        duration_s=time.perf_counter() - started,
+        notes=notes,
+        scope="applied",
+        fault="clipping" if failed else None,
+        fault_message=fault_message,
+    )

@@ -1,0 +1,74 @@
+"""The float32 noise floor, measured only when a probe needs it.
+
+On a float32 (or float64) path the floor of a tensor is the larger of the storage rounding ``u · ‖g_T‖`` and the
+distance of the eager gradient from a float64 one, which costs a float64 forward and backward of the whole window: on
+a CPU float64 convolution, about three training steps. The verdict is monotone in the floor (a larger floor only
+widens every tolerance), and the storage rounding is a lower bound of the measured floor, so probes that all agree
+against the storage rounding alone agree against the measured floor too: that float64 backward is needed only when a
+probe does not agree at first. The check then measures the floor and probes again against it
+(:func:`~gradwatch.engine.applied.check.check_applied_gradient`); a healthy check skips it. A 16-bit path measures
+its floor up front: its storage rounding is far below what a correct gradient of the path is off by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.probes import Measured, calm
+from gradwatch.engine.applied.verdict import distances, storage_rounding
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.notes import Note, NoteCode
+
+
+def needed(measured: Sequence[Measured]) -> bool:
+    """Whether probes judged against the storage rounding alone leave the floor to be measured: one did not agree
+    within :data:`~gradwatch.engine.applied.combined.CLOSER_LOOK` of its tolerance (which would call for a closer
+    look, tensor by tensor, against the provisional floor: the measured one may not)."""
+    return not calm(measured)
+
+
+def float64_floor(
+    model: torch.nn.Module,
+    batches: Any,
+    window: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    group: Any,
+    eager: Sequence[Tensor],
+    notes: list[Note],
+) -> list[list[float]]:
+    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
+    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes; none, with a note, for a model without
+    float64 kernels (the floor is then the storage rounding alone)."""
+    try:
+        return [distances(list(eager), recompute.float64_gradient(model, batches, window, params, state, group))]
+    except Exception as error:
+        text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
+        notes.append(Note(NoteCode.APPLIED_FLOOR, text))
+        return []
+
+
+def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence[float], multiple: float,
+               measured: bool) -> Note:  # fmt: skip
+    """The note that says which floor the probes were judged against."""
+    dtype = str(path_dtype).removeprefix("torch.")
+    relative = math.hypot(*floors) / max(math.hypot(*norms), 1e-300)
+    rounding = storage_rounding(path_dtype)
+    if not measured:
+        return Note(
+            NoteCode.APPLIED_FLOOR,
+            f"noise floor of the {dtype} path not measured: every probe agreed within {multiple:g}x its storage "
+            f"rounding ({rounding:.3g} of ‖g‖) plus its own noise, below any floor a measurement could give",
+        )
+    return Note(
+        NoteCode.APPLIED_FLOOR,
+        f"noise floor of the {dtype} path: {relative:.3g} of ‖g‖ (storage rounding alone {rounding:.3g}); a probe "
+        f"fails beyond {multiple:g}x the floor plus its own noise",
+    )

@@ -1,0 +1,178 @@
+"""What every check does around its measurements: :class:`CheckSession`.
+
+A check of a gradient, recomputed (:func:`~gradwatch.engine.check.check_gradients`) or applied
+(:func:`~gradwatch.engine.applied.check.check_applied_gradient`), is a measurement plan run inside one session. The
+session owns what the two have in common, so that they cannot drift apart:
+
+1. the arguments every check takes: the model and loss (validated), the step, the probe options (one
+   :class:`~gradwatch.engine.settings.ProbeSettings`, given whole or one by one) and the optimizers to protect;
+2. which parameters the check probes (:meth:`CheckSession.select`): trainable, not ``ignore``\\ d, not a stock
+   surrogate (:mod:`gradwatch.engine.function.surrogates`), and under FSDP2 this rank's local shards of them, with the
+   collective a sharded check reduces over (:mod:`gradwatch.engine.sharding`);
+3. the measurements' conditions (:meth:`CheckSession.measuring`): the training state captured before and put back
+   after, whatever happens (:class:`~gradwatch.engine.function.state.TrainingState`), the stock surrogates as autograd
+   sees them, the sharded collective and FSDP's lockstep, the warnings the loss raises withheld from the user;
+4. what could not be put back: named in ``report.unrestored`` and in an
+   :class:`~gradwatch.engine.report.UnrestoredStateWarning`, with the notes of the sandbox and the guard;
+5. the one :class:`~gradwatch.engine.report.CheckReport` (:meth:`CheckSession.report`): the session's notes around
+   the measurements' own, its step, duration, side effects and what it could not restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine import validation as validate
+from gradwatch.engine.function.conditions import warnings_withheld
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.optimizers import check_optimizers
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.surrogates import StockSurrogates, as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.kinds import Verdict
+from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.report import CheckReport, Probe, UnrestoredStateWarning
+from gradwatch.engine.selection import checked_parameters
+from gradwatch.engine.settings import ProbeSettings, settings_from
+from gradwatch.engine.sharding.collective import Collective, sharded
+from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
+
+__all__ = ["CheckSession"]
+
+
+@dataclasses.dataclass
+class CheckSession:
+    """One check's arguments, parameters, state and notes, from its start to its report (see the module doc).
+
+    Attributes:
+        model: The module checked.
+        step: The training step, recorded on the report.
+        settings: The probe options.
+        optimizers: The optimizers whose state the check puts back if the loss changes it.
+        surrogates: The model's stock surrogate layers.
+        started: When the check started (``time.perf_counter()``).
+        params: The parameters the check probes, by name (after :meth:`select`; local shards when sharded).
+        collective: The collective of a sharded check (``None``: not sharded).
+        leading: Notes a report gives before the measurements' own (sharding, parameters left out).
+        state: The training state, captured while :meth:`measuring`.
+    """
+
+    model: nn.Module
+    step: int
+    settings: ProbeSettings
+    optimizers: Sequence[torch.optim.Optimizer]
+    surrogates: StockSurrogates
+    started: float
+    params: list[tuple[str, Tensor]] = dataclasses.field(default_factory=list)
+    collective: Collective | None = None
+    leading: list[Note] = dataclasses.field(default_factory=list)
+    state: TrainingState | None = None
+    trailing: list[Note] = dataclasses.field(default_factory=list)
+    unrestored: tuple[str, ...] = ()
+
+    @classmethod
+    def open(
+        cls,
+        model: nn.Module,
+        loss_fn: LossFn,
+        *,
+        step: int,
+        settings: ProbeSettings | None,
+        options: dict[str, Any],
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    ) -> CheckSession:
+        """Validate what every check takes and start it: ``settings`` whole, or ``options`` (some fields of
+        :class:`~gradwatch.engine.settings.ProbeSettings`) one by one.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable, ``settings`` is no
+                ``ProbeSettings``, an optimizer is no optimizer.
+            ValueError: ``step`` or an option is out of range, or options are given both ways.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be a torch.nn.Module; got {type(model).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+        validate.check_int("step", step, minimum=0)
+        chosen = settings_from(settings, options)
+        protected = check_optimizers(optimizers)
+        surrogates = find_stock_surrogates(model)
+        return cls(model, step, chosen, protected, surrogates, time.perf_counter(), trailing=surrogates.notes())
+
+    def select(self, only: Collection[str] | None = None) -> list[tuple[str, Tensor]]:
+        """The parameters the check probes (:func:`~gradwatch.engine.selection.checked_parameters`; of those, only
+        the ones named in ``only`` when given), kept as :attr:`params`: under FSDP2 this rank's local shards of them,
+        the session's :attr:`collective` then set and the surrogates' exempt coordinates cut to the shards."""
+        params = checked_parameters(self.model, self.settings.ignore, self.surrogates.unprobed)
+        if only is not None:
+            params = [(name, p) for name, p in params if name in only]
+        if params and is_sharded(params):
+            self.collective, params = local_shards(params)
+            shards = dict(params)
+            self.surrogates.exempt = {name: local_mask(self.collective, mask, shards[name]) for name, mask in
+                                      self.surrogates.exempt.items() if name in shards}  # fmt: skip
+        self.params = params
+        return params
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[TrainingState]:
+        """The conditions of the check's measurements: the training state captured (and put back on leaving, whatever
+        happens), the stock surrogates as autograd sees them, the sharded collective and FSDP's lockstep, the
+        warnings the loss raises withheld. Afterwards the session knows what the loss changed and what could not be
+        put back (warned about once, as an :class:`~gradwatch.engine.report.UnrestoredStateWarning`)."""
+        state = self.state = TrainingState.capture(self.model, self.optimizers)
+        with warnings_withheld() as withheld:
+            try:
+                with (
+                    as_autograd_sees_them(self.surrogates),
+                    sharded(self.collective),
+                    lockstep(self.model, self.collective is not None),
+                ):
+                    yield state
+            finally:
+                state.restore()
+        if withheld:
+            self.trailing.append(
+                Note(
+                    NoteCode.WARNINGS_WITHHELD,
+                    f"{len(withheld)} warning(s) raised during the check's evaluations were not shown, the first: "
+                    f"{withheld[0]}",
+                )
+            )
+        self.trailing += state.sandbox.notes(state.sandbox.unrestorable()) + state.guard.notes()
+        self.unrestored = tuple(state.unrestorable())
+        if self.unrestored:
+            warnings.warn(
+                f"gradwatch could not put back what the loss changed: {', '.join(self.unrestored)}; the model is not "
+                "exactly as it was before the check (move that code out of loss_fn)",
+                UnrestoredStateWarning,
+                stacklevel=3,
+            )
+
+    def report(
+        self, *, verdict: Verdict, probes: list[Probe], loss: float, notes: Sequence[Note] = (), **fields: Any
+    ) -> CheckReport:
+        """The check's report: the measurements' ``verdict``, ``probes``, ``loss``, ``notes`` and other ``fields``
+        (see :class:`~gradwatch.engine.report.CheckReport`), with the session's step, duration, notes around the
+        measurements' (each once), side effects and what could not be put back."""
+        fields.setdefault("n_forward", 0)
+        fields.setdefault("n_backward", 0)
+        state = self.state
+        return CheckReport(
+            step=self.step,
+            verdict=verdict,
+            probes=probes,
+            loss=loss,
+            duration_s=time.perf_counter() - self.started,
+            notes=list(dict.fromkeys([*self.leading, *notes, *self.trailing])),
+            side_effects=tuple(state.sandbox.changed + state.guard.changed) if state is not None else (),
+            unrestored=self.unrestored,
+            **fields,
+        )

@@ -1,0 +1,135 @@
+"""DeepSpeed ZeRO's models, recognised by their attributes: gradwatch never imports deepspeed.
+
+Under ZeRO stages 1 and 2 every rank holds every parameter whole (only the optimizer state and, in stage 2, the
+gradients are partitioned), so a model is checked as under DDP: every rank's loss, the gradient the optimizer applies
+(DeepSpeed's ``safe_get_full_grad``) against the mean of the ranks' window losses. Under stage 3 each parameter is a
+flat partition per rank (``param.ds_tensor``; the parameter itself is empty between forwards) that DeepSpeed's module
+hooks gather before each module's forward and backward and release after. A check :func:`gathered` them whole on every
+rank for its duration, with those hooks set aside, so that the model is a plain replicated module while it is probed;
+afterwards the partitions are as they were (DeepSpeed re-partitions a gathered parameter from its partition, which no
+probe touched). Gathering costs one full copy of the model per rank for the duration of a check.
+
+Whatever the stage, each rank owns (updates) a contiguous range of each flattened parameter: :func:`owned_range`. When
+the applied gradient is wrong only in some ranks' ranges, :func:`ranks_owning_wrong_rows` names those ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradwatch.engine.sharding.hooks import hooks_set_aside
+
+ZERO3_NOTE = (
+    "DeepSpeed ZeRO-3: every partitioned parameter gathered whole on every rank for the check, DeepSpeed's module "
+    "hooks set aside; the partitions are as they were afterwards"
+)
+
+
+def is_engine(model: Any) -> bool:
+    """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s first result) wrapping a module."""
+    return (
+        isinstance(model, nn.Module)
+        and isinstance(getattr(model, "module", None), nn.Module)
+        and all(hasattr(model, name) for name in ("is_gradient_accumulation_boundary", "zero_optimization_stage"))
+    )
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module a DeepSpeed engine wraps (``model`` itself otherwise). A check runs the loss on the module: the
+    engine's own forward registers hooks that divide the output's gradient by the accumulation steps and drive its
+    optimizer's backward bookkeeping, neither of which belongs in a check's evaluations."""
+    return model.module if is_engine(model) else model  # type: ignore[return-value]
+
+
+def unprefixed(gradients: Any, model: nn.Module) -> Any:
+    """``gradients`` keyed by the names of the engine's parameters (``module.…``) keyed by the wrapped module's."""
+    if is_engine(model) and isinstance(gradients, Mapping) and all(str(k).startswith("module.") for k in gradients):
+        return {str(k).removeprefix("module."): v for k, v in gradients.items()}
+    return gradients
+
+
+def partitioned(model: nn.Module) -> list[nn.Parameter]:
+    """The ZeRO-3 partitioned parameters of ``model``, in DeepSpeed's order (by ``ds_id``, the same on every rank)."""
+    found = [p for p in model.parameters() if hasattr(p, "ds_id") and hasattr(p, "ds_tensor")]
+    return sorted(found, key=lambda p: p.ds_id)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[bool]:
+    """Under ZeRO-3, every partitioned parameter of ``model`` gathered whole, on every rank, with DeepSpeed's module
+    hooks set aside; yields whether there were any. A collective: every rank enters together. On leaving, the
+    parameters gathered here are partitioned again from their partitions (whatever was written into the gathered
+    tensors is dropped, as ``deepspeed.zero.GatheredParameters`` without a ``modifier_rank`` drops it), and those that
+    were gathered before (DeepSpeed's persistent parameters) stay gathered."""
+    params = partitioned(model)
+    if not params:
+        yield False
+        return
+    released = [p for p in params if getattr(p.ds_status, "name", "") != "AVAILABLE"]  # type: ignore[attr-defined]
+    if released:
+        released[0].all_gather(param_list=released)  # type: ignore[attr-defined]
+    try:
+        with hooks_set_aside(model, "deepspeed"):
+            yield True
+    finally:
+        if released:
+            released[0].partition(param_list=released, has_been_updated=False)  # type: ignore[attr-defined]
+
+
+def owned_range(param: Tensor) -> tuple[int, int] | None:
+    """``(start, count)``: the elements of the flattened ``param`` whose update this rank owns under ZeRO (its
+    partition of the gradient and optimizer state); ``None`` if the parameter is not ZeRO's."""
+    if hasattr(param, "ds_tensor") and hasattr(param, "ds_process_group"):
+        size = param.ds_tensor.numel()  # type: ignore[attr-defined]
+        start = dist.get_rank(param.ds_process_group) * size  # type: ignore[attr-defined]
+        return start, max(0, min(size, param.ds_numel - start))  # type: ignore[attr-defined]
+    if hasattr(param, "_hp_mapping"):
+        mapping = param._hp_mapping  # type: ignore[attr-defined]
+        if mapping is None:
+            return 0, 0
+        return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+    return None
+
+
+def ranks_owning_wrong_rows(
+    params: Sequence[Tensor],
+    applied: Sequence[Tensor],
+    recomputed: Sequence[Tensor],
+    floors: Sequence[float],
+    group: Any,
+) -> list[int]:
+    """Under ZeRO, the ranks of ``group`` whose owned ranges of the applied gradient are farther from the same ranges
+    ``recomputed`` than each tensor's floor allows them (a rank's range may take all of it); ``[]`` for a model that
+    is not ZeRO's. A collective: every rank calls it together."""
+    ranges = [owned_range(p) for p in params]
+    if not any(r is not None for r in ranges):
+        return []
+    wrong = False
+    for found, a, r, floor in zip(ranges, applied, recomputed, floors, strict=True):
+        if found is None or not found[1] or not math.isfinite(floor):
+            continue
+        start, count = found
+        difference = (
+            a.detach().reshape(-1)[start : start + count].double() - r.reshape(-1)[start : start + count].double()
+        )
+        wrong = wrong or float(torch.linalg.vector_norm(difference)) > floor
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.float64)
+    flags[dist.get_rank(group)] = 1.0 if wrong else 0.0
+    dist.all_reduce(flags, group=group)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def data_parallel_group(model: nn.Module) -> Any:
+    """The process group ZeRO partitions ``model``'s parameters over (``None`` for a model that is not ZeRO's)."""
+    for param in model.parameters():
+        for attribute in ("ds_process_group", "_dp_group"):
+            if getattr(param, attribute, None) is not None:
+                return getattr(param, attribute)
+    return None

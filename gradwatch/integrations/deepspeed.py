@@ -1,0 +1,106 @@
+"""DeepSpeed (ZeRO stages 1-3): the gradient a ZeRO engine applies, and the one place to check it.
+
+A DeepSpeed engine divides each micro-batch's loss by its accumulation steps, reduces the gradients across the ranks
+(partitioning them under stages 2 and 3) and, at the accumulation boundary, clips and steps inside ``engine.step()``.
+The gradient it applies is ``deepspeed.utils.safe_get_full_grad(param)`` for each parameter at the boundary, before
+``engine.step()``: the full, reduced, accumulated, pre-clip gradient, the mean over ranks and micro-batches
+(:func:`full_gradients`; a collective: every rank calls it). The engine's applied check
+(:func:`~gradwatch.check_applied_gradient`) takes it as ``gradients=`` and the engine itself (or the module it wraps)
+as the model; under ZeRO-3 it gathers the parameters for the check (see :mod:`gradwatch.engine.sharding.zero`).
+
+Where the loop does not call ``engine.step()`` itself (Accelerate and ``transformers.Trainer`` step inside
+``accelerator.backward``), :func:`before_engine_steps` runs a check at the boundary all the same: it wraps the ZeRO
+optimizer's ``step``, which the engine calls only at the boundary, after the reduction and before clipping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from deepspeed.utils import safe_get_full_grad
+from torch import Tensor, nn
+
+from gradwatch.engine.sharding.zero import is_engine
+
+__all__ = ["EngineStepHook", "FullGradients", "before_engine_steps", "full_gradients"]
+
+
+def _module(engine: Any) -> nn.Module:
+    if not is_engine(engine):
+        raise TypeError(f"`engine` must be a DeepSpeed engine (deepspeed.initialize's first result); got "
+                        f"{type(engine).__name__}")  # fmt: skip
+    return engine.module  # type: ignore[no-any-return]
+
+
+def full_gradients(engine: Any) -> dict[str, Tensor]:
+    """The gradient the engine is about to apply, by name of the wrapped module's parameters: each trainable
+    parameter's full, reduced, accumulated gradient before clipping (``safe_get_full_grad``), in float32. Call it at
+    the accumulation boundary (``engine.is_gradient_accumulation_boundary()``, after the last micro-batch's
+    ``engine.backward``, before ``engine.step()``), on every rank together: it gathers the gradient's partitions."""
+    found = {}
+    for name, param in _module(engine).named_parameters():
+        if param.requires_grad:
+            gradient = safe_get_full_grad(param)
+            if gradient is not None:
+                found[name] = gradient
+    return found
+
+
+class FullGradients(Mapping[str, Tensor]):
+    """:func:`full_gradients` of ``engine``, gathered when first read: what a loop passes as ``gradients=`` at every
+    accumulation boundary, paying the gathering only when a check is due and reads it (every rank reads it then, as
+    every rank runs the check)."""
+
+    def __init__(self, engine: Any) -> None:
+        _module(engine)
+        self.engine = engine
+        self._found: dict[str, Tensor] | None = None
+
+    def _gradients(self) -> dict[str, Tensor]:
+        if self._found is None:
+            self._found = full_gradients(self.engine)
+        return self._found
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._gradients()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gradients())
+
+    def __len__(self) -> int:
+        return len(self._gradients())
+
+
+class EngineStepHook:
+    """What :func:`before_engine_steps` installed; :meth:`remove` puts the optimizer's own ``step`` back."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.previous = optimizer.__dict__.get("step")  # an instance attribute of its own, if it had one
+
+    def remove(self) -> None:
+        if self.previous is not None:
+            self.optimizer.step = self.previous
+        else:
+            self.optimizer.__dict__.pop("step", None)  # the class's own step again
+
+
+def before_engine_steps(engine: Any, check: Callable[[], Any]) -> EngineStepHook:
+    """Call ``check()`` at every accumulation boundary of ``engine``, just before its optimizer steps: after the
+    gradients are reduced, before they are clipped. ``check`` runs on every rank (the engine steps on all together)
+    and should not raise; what it returns is ignored. For loops that step inside another call (Accelerate's
+    ``accelerator.backward``, ``transformers.Trainer``); a plain loop checks before its own ``engine.step()``."""
+    _module(engine)
+    optimizer = engine.optimizer
+    if optimizer is None:
+        raise ValueError("`engine` has no optimizer: pass one to deepspeed.initialize (or in its config)")
+    hook = EngineStepHook(optimizer)
+    own = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        check()
+        return own(*args, **kwargs)
+
+    optimizer.step = step
+    return hook

@@ -1,0 +1,134 @@
+"""When a watch checks the gradient the optimizer applies, and the accumulation window it records for that check.
+
+An applied check needs what the loop did before the optimizer step: every micro-batch of the window and the random
+state each forward drew from. :class:`AppliedSchedule` decides, at the first micro-batch of a window, whether the
+optimizer step the window leads to is due for an applied check and fits the budget; only then does the watch keep
+the window (:class:`~gradwatch.engine.applied.AppliedWindow`: references to the batches, no copies). Every other
+window costs one integer comparison per micro-batch.
+
+The budget is the one the recomputed checks spend (:class:`~gradwatch.watch.overhead.OverheadClock`, shared): a due
+applied check waits until the training time affords what the last one cost (the first: an estimate,
+:data:`~gradwatch.watch.defaults.FIRST_APPLIED_ESTIMATE_STEPS` training steps). A postponed check is decided once
+(under DDP by rank 0 for every rank, through the watch's ``decide``) and asked about again at the step computed to
+afford it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from gradwatch.engine.applied import AppliedWindow
+from gradwatch.watch.defaults import FIRST_APPLIED_ESTIMATE_STEPS
+from gradwatch.watch.overhead import OverheadClock
+
+
+class AppliedSchedule:
+    """The applied checks of one run: their cadence and budget, and the window being recorded.
+
+    Args:
+        every_n_steps: An applied check is due every this many optimizer steps (``None``: never).
+        first_check_step: Another is due at this step (``None``: none).
+        max_overhead: The share of the training time all checks may take (``None``: no budget).
+        clock: gradwatch's time against the training's, shared with the recomputed checks.
+    """
+
+    def __init__(
+        self, every_n_steps: int | None, first_check_step: int | None, max_overhead: float | None, clock: OverheadClock
+    ) -> None:
+        self.every_n_steps = every_n_steps
+        self.first_check_step = first_check_step
+        self.max_overhead = max_overhead
+        self.clock = clock
+        self.window: AppliedWindow | None = None
+        self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
+        self.checks = 0
+        self.last_seconds = 0.0
+        self._pending = False  # a due check postponed by the budget (or skipped by the grad scaler) runs later
+        self._resume_at = 0  # a postponed check is not asked about again before this optimizer step
+        self._steps_seen = 0  # windows this process trained (the training time per step: clock / steps)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_steps is not None
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1 for the first) is due for an applied check."""
+        if self.every_n_steps is None:
+            return False
+        return self._pending or step == self.first_check_step or step % self.every_n_steps == 0
+
+    def record(self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int]) -> None:
+        """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: keep it when that
+        step is due and affordable (decided at the window's first micro-batch)."""
+        if step != self.window_step:  # a new window begins
+            self.window = None
+            self._steps_seen += self.window_step >= 0
+            self.window_step = step
+            if self._opens(step, decide):
+                self.window = AppliedWindow(model)
+        if self.window is not None:
+            self.window.record(batch)
+
+    def take(self, step: int) -> AppliedWindow | None:
+        """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``."""
+        window, self.window = self.window, None
+        return window if window is not None and self.window_step == step else None
+
+    def skipped(self) -> None:
+        """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""
+        self._pending = True
+
+    def ran(self, seconds: float) -> None:
+        """An applied check ran for ``seconds``, inside a training step: gradwatch's time, not training's."""
+        self._pending = False
+        self.checks += 1
+        self.last_seconds = seconds
+        self.clock.add_check(seconds)
+
+    def _opens(self, step: int, decide: Callable[[int], int]) -> bool:
+        if not self.due(step):
+            return False
+        if step < self._resume_at:
+            self._pending = True
+            return False
+        wait = self._wait(decide)
+        if wait:
+            self._pending, self._resume_at = True, step + wait
+            return False
+        return True
+
+    def _wait(self, decide: Callable[[int], int]) -> int:
+        """0 when another applied check fits the budget, else the optimizer steps until the training time affords it
+        at the mean time per step so far (the collective decision)."""
+        budget = self.max_overhead
+        if budget is None:
+            return 0
+        clock = self.clock
+        per_step = clock.train_seconds / self._steps_seen if self._steps_seen and clock.train_seconds > 0 else 0.0
+        if per_step <= 0:
+            wait = 1  # no training time measured yet: ask again at the next step
+        else:
+            cost = self.last_seconds if self.checks else FIRST_APPLIED_ESTIMATE_STEPS * per_step
+            needed = (clock.check_seconds + clock.applied_seconds + cost) / budget - clock.train_seconds
+            wait = max(0, math.ceil(needed / per_step))
+        return int(decide(wait))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "applied_checks": self.checks,
+            "applied_pending": self._pending,
+            "applied_resume_at": self._resume_at,
+            "applied_last_seconds": self.last_seconds,
+            "applied_steps_seen": self._steps_seen,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.checks = int(state.get("applied_checks", 0))
+        self._pending = bool(state.get("applied_pending", False))
+        self._resume_at = int(state.get("applied_resume_at", 0))
+        self.last_seconds = float(state.get("applied_last_seconds", 0.0))
+        self._steps_seen = int(state.get("applied_steps_seen", 0))

@@ -1,0 +1,140 @@
+"""What becomes of a watch's checks, of both kinds: :class:`Outcomes`.
+
+Each report is kept (up to ``max_reports``), counted, written to every sink, handed to ``on_report`` and then to the
+alerts (``on_fail``); what a run's reports say besides their verdicts is said once (:class:`~.alerts.Remarks`). A check
+that raises is caught here, the one deliberate catch-all of the watch: a check never ends a training run (the engine
+has already put the model back exactly), unless ``on_fail="raise"`` asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gradwatch.engine import CheckReport
+from gradwatch.engine.report import UnrestoredStateWarning
+from gradwatch.outputs.records import report_records
+from gradwatch.outputs.sinks import Sink, write_to_sinks
+from gradwatch.watch.alerts import AlertPolicy, Backoff, OnFail, Remarks
+from gradwatch.watch.distributed import rank
+from gradwatch.watch.hooks import Agree, NoLossToCheckError
+
+log = logging.getLogger(__name__)
+
+
+class Outcomes:
+    """The reports, counters, outputs and alerts of one run's checks.
+
+    Args:
+        on_fail: What a failing check does (see :class:`~.alerts.AlertPolicy`).
+        max_reports: How many reports are kept.
+        verbose: Whether what is no failure is logged (INFO).
+        sinks: Where the records of every check go.
+        on_report: Called with each report after the sinks, before the alerts.
+        agreed_reports: Whether the processes of a distributed run agree on each recomputed report (``agree``).
+    """
+
+    def __init__(
+        self,
+        on_fail: OnFail,
+        max_reports: int,
+        verbose: bool,
+        sinks: Sequence[Sink],
+        on_report: Callable[[CheckReport], object] | None,
+        agreed_reports: bool = False,
+    ) -> None:
+        self.on_fail, self.verbose = on_fail, verbose
+        self.sinks = tuple(sinks)
+        self.on_report = on_report
+        self.agreed_reports = agreed_reports
+        self.reports: deque[CheckReport] = deque(maxlen=max_reports)
+        self.alerts = AlertPolicy(on_fail, verbose=verbose)
+        self.should_stop = False
+        self.counts = {"checks": 0, "failed": 0, "skipped": 0, "applied_checks": 0, "applied_failed": 0}
+        """Recomputed checks run, failed and skipped (an error, no loss, a step the grad scaler skipped, no trainable
+        parameter), applied checks run and failed."""
+        self._remarks = {"recomputed": Remarks(verbose=verbose), "applied": Remarks(verbose=verbose)}
+
+    def guarded(
+        self, step: int, check: Callable[[], CheckReport], contexts: Sequence[contextlib.AbstractContextManager[Any]]
+    ) -> CheckReport | None:
+        """Run one check inside ``contexts``; ``None`` when it could not run (counted as skipped, reported by the
+        alerts) instead of ending the run."""
+        try:
+            with contextlib.ExitStack() as stack, warnings.catch_warnings():
+                for context in contexts:
+                    stack.enter_context(context)
+                # what a check could not put back is warned of once per run, by the remarks
+                warnings.simplefilter("ignore", UnrestoredStateWarning)
+                return check()
+        except NoLossToCheckError:
+            self.counts["skipped"] += 1
+            log.debug("gradwatch: the loss_fn had no loss at step %d; check skipped", step)
+        except Exception as error:
+            if self.on_fail == "raise":
+                raise
+            self.counts["skipped"] += 1
+            self.alerts.check_error(step, error)
+        return None
+
+    def agreed(
+        self,
+        step: int,
+        check: Callable[[], CheckReport],
+        contexts: Sequence[contextlib.AbstractContextManager[Any]],
+        agree: Agree | None,
+    ) -> CheckReport | None:
+        """:meth:`guarded`, then under DDP the report every process acts on (``agree``); a raise on one process
+        (``on_fail="raise"``) is made known to every process before any raises, or the others would wait."""
+        try:
+            report = self.guarded(step, check, contexts)
+        except Exception as error:
+            if agree is not None:
+                agree(None, error, step)
+            raise
+        return report if agree is None else agree(report, None, step)
+
+    def publish(self, report: CheckReport, overhead: float) -> None:
+        """A report of either kind: kept, counted, remarked on, written to every sink, handed to ``on_report``, then
+        to the alerts."""
+        self.reports.append(report)
+        prefix = "applied_" if report.scope == "applied" else ""
+        self.counts[prefix + "checks"] += 1
+        self.counts[prefix + "failed"] += report.verdict == "fail"
+        self._remarks[report.scope].hear(report)
+        log.debug("gradwatch %s", report.summary())
+        write_to_sinks(self.sinks, report_records(report, overhead))
+        if self.on_report is not None:
+            self.on_report(report)
+        # where every process holds the same report (agreed, or an applied check the ranks made together) only rank
+        # 0 shows its warning; the backoff counts alike everywhere
+        self.alerts.shown = not (self.agreed_reports or report.scope == "applied") or rank() == 0
+        if self.alerts.handle(report):
+            self.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "checks": self.counts["checks"],
+            "failed_checks": self.counts["failed"],
+            "skipped_checks": self.counts["skipped"],
+            "applied_failed": self.counts["applied_failed"],
+            "failure_warnings": self.alerts.failures.count,
+            "error_warnings": self.alerts.errors.count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts["checks"] = int(state.get("checks", 0))
+        self.counts["failed"] = int(state.get("failed_checks", 0))
+        self.counts["skipped"] = int(state.get("skipped_checks", 0))
+        self.counts["applied_checks"] = int(state.get("applied_checks", 0))
+        self.counts["applied_failed"] = int(state.get("applied_failed", 0))
+        self.alerts = AlertPolicy(
+            self.on_fail,
+            Backoff(int(state.get("failure_warnings", 0))),
+            Backoff(int(state.get("error_warnings", 0))),
+            verbose=self.verbose,
+        )

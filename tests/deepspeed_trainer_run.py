@@ -1,0 +1,205 @@
+"""Run ``GradWatchCallback`` in ``transformers.Trainer(deepspeed=...)`` fits, and the applied check in Accelerate loops
+on DeepSpeed (ZeRO 1-3, two processes, CPU, gloo), and write what each rank saw to JSON.
+
+Usage: ``python tests/deepspeed_trainer_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched``);
+``tests/integrations/test_deepspeed_trainer.py`` runs it. A scenario is ``<kind>-z<stage>-<fp32|bf16>``: ``healthy`` (a
+check at every optimizer step), ``baseline`` (the same seeded fit without the callback) or ``formula`` (the custom
+layer's weight gradient 3% too large), each 3 optimizer steps of 2 micro-batches with gradient clipping, on
+``deepspeed_run``'s MLP. Kinds ``accelerate``, ``accelerate_baseline`` and ``accelerate_formula`` are a plain
+Accelerate loop instead (``accelerator.backward`` steps the engine) watched by a ``GradientWatch``: the applied check
+run at the engine's accumulation boundary by ``before_engine_steps``, recomputed checks after steps 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.nn.functional as F
+import transformers
+from accelerate import PartialState
+from accelerate.state import AcceleratorState
+from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed_run import Net, _digest
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from gradwatch import GradientWatch
+from gradwatch.engine.notes import codes
+from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps
+from gradwatch.integrations.huggingface import GradWatchCallback
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]  # see deepspeed_run
+
+
+class Classifier(Net):
+    def forward(self, x: Tensor, labels: Tensor | None = None) -> dict[str, Tensor]:  # type: ignore[override]
+        logits = super().forward(x.to(self.inp.weight.dtype))  # bf16 under DeepSpeed's bf16
+        return {"logits": logits, **({} if labels is None else {"loss": F.cross_entropy(logits.float(), labels)})}
+
+
+class Points(Dataset):
+    def __init__(self, rank: int) -> None:
+        generator = torch.Generator().manual_seed(20 + rank)
+        self.x = torch.randn(64, 8, generator=generator)
+        self.y = torch.randint(0, 3, (64,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"x": self.x[index], "labels": self.y[index]}
+
+
+def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Classifier(1.03 if kind == "formula" else 1.0)
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": "auto"},
+        "steps_per_print": 10**9,
+    }
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "trainer"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        max_grad_norm=0.5,
+        learning_rate=1e-2,
+        deepspeed=config,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        bf16=bf16,
+        accelerator_config={"use_configured_state": True},
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Points(torch.distributed.get_rank()))
+    callback = None
+    if kind != "baseline":
+        callback = GradWatchCallback(trainer, every_n_steps=1, max_overhead=None, verbose=False)
+        trainer.add_callback(callback)
+    trainer.train()
+    engine = trainer.model_wrapped
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        module = _digest([p.data.clone() for p in params])
+    return {
+        "rank": torch.distributed.get_rank(),
+        "engine": type(engine).__name__,
+        "params": module,
+        "master": _digest([safe_get_full_fp32_param(p) for p in params]),
+        "optimizer": _digest([v for s in engine.optimizer.optimizer.state.values() for v in s.values() if v.dim()]),
+        "reports": [
+            {
+                "step": r.step,
+                "verdict": r.verdict,
+                "failures": sorted({p.target for p in r.failures}),
+                "culprits": r.culprits,
+                "note_codes": codes(r.notes),
+            }
+            for r in (callback.reports if callback is not None else [])
+        ],
+    }
+
+
+def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed_run import loss_fn
+
+    torch.manual_seed(0)
+    model = Net(1.03 if kind == "accelerate_formula" else 1.0)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,
+    }
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=2)
+    engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    points = Points(torch.distributed.get_rank())
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    data = [(points.x[i : i + 4].to(dtype), points.y[i : i + 4]) for i in range(0, 24, 4)]
+    watch, hook = None, None
+    if kind != "accelerate_baseline":
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+        hook = before_engine_steps(  # the engine steps inside accelerator.backward
+            engine,
+            lambda: watch.before_optimizer_step(
+                engine.module, loss_fn, step=engine.global_steps + 1, gradients=FullGradients(engine)
+            ),
+        )
+    for batch in data:
+        with accelerator.accumulate(engine):
+            if watch is not None:
+                watch.record(batch, model=engine.module, step=engine.global_steps + 1)
+            accelerator.backward(loss_fn(engine, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients and watch is not None:
+            watch.maybe_check(engine.module, batch, loss_fn, step=engine.global_steps)
+    if hook is not None:
+        hook.remove()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        module = _digest([p.data.clone() for p in params])
+    return {
+        "rank": torch.distributed.get_rank(),
+        "engine": type(engine).__name__,
+        "params": module,
+        "master": _digest([safe_get_full_fp32_param(p) for p in params]),
+        "optimizer": _digest([v for s in engine.optimizer.optimizer.state.values() for v in s.values() if v.dim()]),
+        "reports": [
+            {
+                "step": r.step,
+                "scope": r.scope,
+                "verdict": r.verdict,
+                "fault": r.fault,
+                "failures": sorted({p.target for p in r.failures}),
+                "culprits": r.culprits,
+                "note_codes": codes(r.notes),
+            }
+            for r in (watch.reports if watch is not None else [])
+        ],
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    # the Trainer refuses bf16 under DeepSpeed without a GPU; DeepSpeed itself trains in bf16 on CPU
+    transformers.training_args.is_torch_bf16_gpu_available = lambda: True
+    for scenario in sys.argv[2:]:
+        kind, stage, dtype = scenario.split("-")
+        if kind.startswith("accelerate"):
+            result = _accelerate(kind, int(stage.removeprefix("z")), dtype == "bf16")
+        else:
+            result = run(kind, int(stage.removeprefix("z")), dtype == "bf16", out)
+        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
+        AcceleratorState._reset_state()  # one Accelerator with a DeepSpeed plugin per state: the next fit makes its own
+    torch.distributed.barrier()
+    # every result is written: leave without the interpreter's teardown, in which the Trainer's DeepSpeed and gloo
+    # state sometimes aborts a rank ("terminate called without an active exception") and leaves the other waiting
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

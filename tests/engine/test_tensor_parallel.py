@@ -1,0 +1,57 @@
+"""Both kinds of check on a two-process tensor-parallel model (``torch.distributed.tensor.parallel`` on ``DTensor``,
+CPU, gloo; a Megatron-style sequence-parallel norm before a column- and a row-parallel ``Linear``): a healthy run is
+checked with no false alarm and trains bit for bit as without gradwatch; the norm's gradient left unreduced by the
+plan is caught at the first applied check by the cross-rank comparison of replicated gradients (fault ``reduction``,
+rank named) and by the recomputed check; a replicated gradient reduced twice is caught at the first applied check
+(fault ``reduction``). Tensor parallelism with FSDP2 on a second mesh dimension needs four processes: not run here.
+The loop runs in ``tests/tensor_parallel_run.py``, one process per rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from two_processes import needs_gloo, run_launched
+
+pytestmark = needs_gloo
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tensor_parallel")
+    return run_launched("tensor_parallel_run.py", out, "healthy", "baseline", "unreduced", "twice", timeout_s=120)[0]
+
+
+def _ranks(tp: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    return [tp[f"{scenario}_rank{rank}"] for rank in (0, 1)]
+
+
+def test_a_healthy_tensor_parallel_run_is_checked_clean_and_trains_as_without(tp: dict[str, Any]) -> None:
+    for checked, plain in zip(_ranks(tp, "healthy"), _ranks(tp, "baseline"), strict=True):
+        assert checked["dtensors"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+        kinds = [(r["step"], r["scope"], r["verdict"]) for r in checked["reports"]]
+        assert kinds == [(1, "applied", "ok"), (2, "applied", "ok"), (2, "recomputed", "ok"), (3, "applied", "ok")]
+        assert all("tensor-parallel" in r["note_codes"] for r in checked["reports"])
+        assert (checked["params"], checked["optimizer"]) == (plain["params"], plain["optimizer"])
+    rank0, rank1 = _ranks(tp, "healthy")
+    assert rank0["params"] != rank1["params"]  # each rank holds its own shards
+
+
+def test_a_norm_gradient_left_unreduced_is_caught_at_the_first_applied_check_naming_the_rank(
+    tp: dict[str, Any],
+) -> None:
+    for rank in _ranks(tp, "unreduced"):
+        first = rank["reports"][0]
+        assert (first["step"], first["scope"], first["verdict"], first["fault"]) == (1, "applied", "fail", "reduction")
+        assert first["message"].startswith("rank(s) [1] hold a different gradient than rank 0")
+        recomputed = next(r for r in rank["reports"] if r["scope"] == "recomputed")
+        assert recomputed["verdict"] == "fail"
+        assert {"norm.weight", "norm.bias"} <= set(recomputed["failures"])
+
+
+def test_a_replicated_gradient_reduced_twice_is_caught_at_the_first_applied_check(tp: dict[str, Any]) -> None:
+    for rank in _ranks(tp, "twice"):
+        first = rank["reports"][0]
+        assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
+        assert first["failures"] == ["*", "norm.weight"]
+        assert [r["verdict"] for r in rank["reports"][1:]] == ["ok"] * 3  # planted once

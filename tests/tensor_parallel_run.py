@@ -1,0 +1,173 @@
+"""Run gradwatch's checks in a two-process tensor-parallel loop (``torch.distributed.tensor.parallel``, CPU, gloo) and
+write what each rank saw to JSON.
+
+Usage: ``python tests/tensor_parallel_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched``);
+``tests/engine/test_tensor_parallel.py`` runs it. The model is a Megatron-style sequence-parallel block: each rank
+normalises its own rows of the batch (scattered as Megatron scatters) with a replicated ``LayerNorm`` whose weight and
+bias gradients are summed across the ranks in the backward (Megatron's "f": identity forward, all-reduce backward),
+the rows are gathered, then a column-parallel and a row-parallel ``Linear`` (``ColwiseParallel``,
+``RowwiseParallel``: ``DTensor`` parameters).
+Every rank trains on the same batches (the tensor-parallel group shares its data), 3 optimizer steps, Adam, the
+applied check before every step and a recomputed check after the second. Scenarios:
+
+- ``healthy`` / ``baseline``: correct gradients, and the same seeded run without gradwatch;
+- ``unreduced``: the plan leaves the norm's weight and bias out of the backward's all-reduce (each rank keeps the
+  gradient of its own rows: Megatron #7452);
+- ``twice``: the loop all-reduces the norm weight's gradient once more after the backward (a doubled reduction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from gradwatch import AppliedWindow, check_gradients
+from gradwatch.engine.notes import codes
+
+STEPS = 3
+
+
+class ReducedInBackward(torch.autograd.Function):
+    """The identity, whose gradient is summed across the ranks (Megatron's "f" for sequence-parallel parameters)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class ScatterRows(torch.autograd.Function):
+    """This rank's rows of a replicated tensor; the gradient is every rank's rows gathered (Megatron's scatter to the
+    sequence-parallel region)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        gathered = torch.empty((grad.shape[0] * dist.get_world_size(), *grad.shape[1:]), dtype=grad.dtype)
+        dist.all_gather_into_tensor(gathered, grad.contiguous())
+        return gathered
+
+
+class GatherRows(torch.autograd.Function):
+    """Every rank's rows, in rank order; the gradient of this rank's rows is its slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor) -> Tensor:
+        gathered = torch.empty((rows.shape[0] * dist.get_world_size(), *rows.shape[1:]), dtype=rows.dtype)
+        dist.all_gather_into_tensor(gathered, rows.contiguous())
+        return gathered
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.chunk(dist.get_world_size())[dist.get_rank()].contiguous()
+
+
+class SequenceParallelNet(nn.Module):
+    def __init__(self, reduce_norm: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.reduce_norm = reduce_norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = ScatterRows.apply(x)
+        weight, bias = self.norm.weight, self.norm.bias
+        if self.reduce_norm:
+            weight, bias = ReducedInBackward.apply(weight), ReducedInBackward.apply(bias)
+        hidden = GatherRows.apply(F.layer_norm(rows, (8,), weight, bias))
+        return self.fc2(torch.tanh(self.fc1(hidden)))
+
+
+def loss_fn(model: nn.Module, batch: Any) -> Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _digest(tensors: list[Tensor]) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(_local(tensor).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(kind: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = SequenceParallelNet(reduce_norm=kind != "unreduced")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    generator = torch.Generator().manual_seed(5)  # the same batches on every rank of the group
+    data = [(torch.randn(8, 8, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(3)]
+    watched = kind != "baseline"
+    window = AppliedWindow(model)
+    reports = []
+    for step, batch in enumerate(data[:STEPS]):
+        if watched:
+            window.record(batch)
+        loss_fn(model, batch).backward()
+        if kind == "twice" and step == 0:
+            dist.all_reduce(model.norm.weight.grad)  # type: ignore[arg-type]
+        if watched:
+            reports.append(window.check(loss_fn, step=step + 1))
+        optimizer.step()
+        optimizer.zero_grad()
+        window.clear()
+        if watched and step == 1:
+            reports.append(check_gradients(model, data[0], loss_fn, step=step + 1))
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return {
+        "rank": dist.get_rank(),
+        "dtensors": sorted(n for n, p in model.named_parameters() if hasattr(p, "to_local")),
+        "params": _digest(list(model.parameters())),
+        "optimizer": _digest(state),
+        "reports": [
+            {
+                "step": r.step,
+                "scope": r.scope,
+                "verdict": r.verdict,
+                "fault": r.fault,
+                "message": r.fault_message,
+                "failures": sorted({p.target for p in r.failures}),
+                "note_codes": codes(r.notes),
+                "floor_excess": r.floor_excess,
+                "duration_s": r.duration_s,
+            }
+            for r in reports
+        ],
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    for scenario in sys.argv[2:]:
+        result = run(scenario)
+        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
