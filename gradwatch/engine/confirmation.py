@@ -33,6 +33,7 @@ from torch import Tensor
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of
+from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
@@ -56,6 +57,8 @@ def _vector_error(task: ProbeTask, result: Assessment, portfolio: Portfolio) -> 
     params = [i for i in task.moves if isinstance(i, int)]
     if len(params) != len(task.moves) or not params:
         return result.rel_error
+    if isinstance(task.direction, VectorDirection) and task.direction.weights is not None:
+        return result.rel_error  # a cover probe's scale already is the size of its tensors' contributions
     size = math.sqrt(sum(portfolio.tensor_grad_norms[i] ** 2 for i in params))
     return min(result.rel_error, abs(result.discrepancy) / size) if size > 0 else result.rel_error
 

@@ -43,16 +43,18 @@ class ProbeKind(StrEnum):
     """What a probe moves (:attr:`gradwatch.engine.report.Probe.kind`); each kind's properties are its row of
     :data:`PROBE_KINDS`.
 
-    ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"tensor"``:
-    along one parameter tensor's own normalised gradient. ``"tensors"``: along every parameter tensor's own normalised
-    gradient at once, each with equal weight (applied checks: one probe that sees a fault in any tensor). ``"random"``:
-    along a random unit direction within one parameter tensor. ``"param"``: one coordinate of a parameter.
-    ``"input"``: along the normalised gradient of the batch's floating inputs (``index`` ``None``), or one coordinate
-    of one of them. ``"loss"``: the loss itself, reported only when it is not finite. ``"compiled"``: the gradient of
-    one tensor (or of all, target ``"*"``) through the training's compiled graph (``analytic``, its norm) against eager
-    autograd's (``numeric``, its norm), which the other probes check against finite differences; ``rel_error`` is the
-    norm of their difference relative to the larger (see :mod:`gradwatch.engine.compiled`). The culprit search of a
-    failing check
+    ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"cover"``:
+    along a group of parameter tensors' gradients, each weighted to contribute equally (target ``"*"``): every tensor
+    is in one group at every recomputed check, so a wrong gradient in any one shows at once (see
+    :mod:`gradwatch.engine.probing.cover`). ``"tensor"``: along one parameter tensor's own normalised gradient.
+    ``"tensors"``: along every parameter tensor's own normalised gradient at once, each with equal weight (applied
+    checks: one probe that sees a fault in any tensor). ``"random"``: along a random unit direction within one
+    parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
+    batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
+    reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
+    through the training's compiled graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm),
+    which the other probes check against finite differences; ``rel_error`` is the norm of their difference relative
+    to the larger (see :mod:`gradwatch.engine.compiled`). The culprit search of a failing check
     (:mod:`gradwatch.engine.culprits`) adds probes of one module (``target`` its name as in ``named_modules()``,
     ``""`` the model itself), each displacing what that module alone sees along autograd's gradient there:
     ``"activation"`` its output, ``"module_input"`` its inputs as it receives them, ``"module_params"`` its own
@@ -60,6 +62,7 @@ class ProbeKind(StrEnum):
     """
 
     DESCENT = "descent"
+    COVER = "cover"
     TENSOR = "tensor"
     TENSORS = "tensors"
     RANDOM = "random"
@@ -114,6 +117,13 @@ class KindTraits:
 PROBE_KINDS: dict[ProbeKind, KindTraits] = {
     ProbeKind.DESCENT: KindTraits(
         "the directional derivative along the normalised gradient ĝ of all parameters",
+        moves_parameters=True,
+        vouches=True,
+        starts_culprit_search=True,
+    ),
+    ProbeKind.COVER: KindTraits(
+        "along a group of parameter tensors' gradients, each weighted to contribute equally to the slope; every tensor "
+        "is in a group at every check",
         moves_parameters=True,
         vouches=True,
         starts_culprit_search=True,

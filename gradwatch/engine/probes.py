@@ -143,7 +143,7 @@ def _probe(
     if reproduced is None:
         return [], None, None
     measurements = Measurements(evaluator, *reproduced)
-    portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype)
+    portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype, rtol=plan.rtol)
     ladder = plan.ladder(measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:

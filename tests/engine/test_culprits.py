@@ -179,7 +179,8 @@ def test_a_unet_attention_bug_names_the_projection_at_a_bounded_cost() -> None:
     assert report.culprits[0] == bug, str(report)  # the value projection runs beside the query and key ones
     search = sum(p.evaluations for p in report.probes if p.kind in SEARCH_KINDS)
     assert search <= MAX_EVALUATIONS + 16, search  # the budget, and the last probe it allowed
-    assert report.n_forward < 420, report.n_forward  # was 453 before the confirmations were budgeted
+    # was 453 before the confirmations were budgeted; the failing cover probe's confirmations add 16
+    assert report.n_forward < 440, report.n_forward
 
 
 def test_a_bug_in_the_models_own_code_before_a_parameter_names_the_model() -> None:

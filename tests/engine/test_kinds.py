@@ -87,7 +87,8 @@ def test_every_kind_the_code_names_is_in_the_table() -> None:
 def test_kinds_where_selects_by_property_and_refuses_unknown_ones() -> None:
     assert kinds_where(culprit_search=True) == PLACES == ("activation", "module_input", "module_params")
     assert set(kinds_where(moves_inputs=True)) == {ProbeKind.INPUT}
-    assert set(kinds_where(starts_culprit_search=True)) == {"descent", "tensor", "tensors", "random", "param", "input"}
+    starting = {"descent", "cover", "tensor", "tensors", "random", "param", "input"}
+    assert set(kinds_where(starts_culprit_search=True)) == starting
     with pytest.raises(ValueError, match=r"`traits` must name fields of KindTraits; got \['flies'\]"):
         kinds_where(flies=True)
 

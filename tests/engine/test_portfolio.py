@@ -51,9 +51,9 @@ def test_a_check_screens_what_its_settings_ask_for() -> None:
     portfolio, _, _ = _portfolio()
     screens = portfolio.screens(input_direction=True)
     kinds = Counter(task.kind for task in screens)
-    # two tensors in turn; a random direction for each tensor without gradient and one other; three coordinates;
-    # the input direction and one input coordinate
-    assert kinds == {"tensor": 2, "random": 2 + 1, "param": 3, "input": 2}
+    # two tensors in turn, one cover probe over the other two; a random direction for each tensor without gradient
+    # and one other; three coordinates; the input direction and one input coordinate
+    assert kinds == {"tensor": 2, "cover": 1, "random": 2 + 1, "param": 3, "input": 2}
     missing = {task.target for task in screens if task.missing}
     assert missing == {"unused.weight", "unused.bias"}
     assert all(task.kind == "random" for task in screens if task.missing)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.probes import Measured, calm
-from gradwatch.engine.applied.verdict import distances, storage_rounding
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.notes import Note, NoteCode
@@ -45,14 +45,17 @@ def float64_floor(
     notes: list[Note],
 ) -> list[list[float]]:
     """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
-    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes; none, with a note, for a model without
-    float64 kernels (the floor is then the storage rounding alone)."""
+    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes. For a model without float64 kernels
+    (Triton, fused CUDA kernels), with a note, the float32 backward's own rounding instead: its distance from the
+    gradient of 3x the loss divided by 3, which its kernels round otherwise (a fault that scales the gradient cancels
+    out of it)."""
     try:
         return [distances(list(eager), recompute.float64_gradient(model, batches, window, params, state, group))]
     except Exception as error:
-        text = f"the float32 noise floor is the storage rounding alone ({type(error).__name__}: {error})"
-        notes.append(Note(NoteCode.APPLIED_FLOOR, text))
-        return []
+        text = f"no float64 gradient ({type(error).__name__}: {error}): the float32 noise floor is its backward's own"
+        notes.append(Note(NoteCode.APPLIED_FLOOR, f"{text} rounding (the spread at {SPREAD_SCALE:g}x the loss)"))
+        scaled = recompute.eager_gradient(model, batches, window, params, state, group, SPREAD_SCALE)
+        return [distances(list(eager), list(scaled))]
 
 
 def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence[float], multiple: float,

@@ -94,12 +94,8 @@ def localize(
     except CheckAbandonedError:
         raise
     except Exception as error:
-        found.notes.append(
-            Note(
-                NoteCode.CULPRIT_HOOKS_REFUSED,
-                f"no culprit search: the loss cannot run with hooks on its modules ({error})",
-            )
-        )
+        refused = f"no culprit search: the loss cannot run with hooks on its modules ({error})"
+        found.notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, refused))
         return found
     if not sites:
         found.notes.append(Note(NoteCode.CULPRIT_NO_MODULE, "no culprit search: the loss runs no module"))
@@ -217,6 +213,12 @@ class _Search:
                 self.path.append(child)
                 node = child
                 continue
+            if child is not None and entering != "ok" and self._leaf_parameters_wrong(child):
+                # output gradient right, own parameters' gradient wrong as it uses them: the bug is in its backward,
+                # whatever its undecided input gradient says (native probes of a float32-only kernel)
+                self.path.append(child)
+                self._parameters_culprit(child)
+                return
             if child is not None and entering != "ok":
                 self._stop(node)
                 return
@@ -314,12 +316,7 @@ class _Search:
         for owner in owners:
             if self._verdict(owner, "module_params") == "fail" and self._verdict(owner, "activation") in ("ok", None):
                 self.path.append(owner)
-                self._culprit(
-                    owner,
-                    f"the backward of `{owner.name}` (`{owner.kind}`) is wrong: the gradient of its "
-                    f"parameters is {self._off(owner, 'module_params')} off while its output gradient is "
-                    "right",
-                )
+                self._parameters_culprit(owner)
                 return
         fed = [
             o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"
@@ -348,6 +345,19 @@ class _Search:
             return
         if node is not None:
             self._culprit(node, self._own_words(node, " before its first submodule"))
+
+    def _leaf_parameters_wrong(self, site: Site) -> bool:
+        """Whether ``site`` has no child and a probe of its own failing parameters, displaced during its forward only,
+        fails."""
+        owns = not site.children and self._holds_failing_parameters(site)
+        return owns and self._verdict(site, "module_params") == "fail"
+
+    def _parameters_culprit(self, owner: Site) -> None:
+        self._culprit(
+            owner,
+            f"the backward of `{owner.name}` (`{owner.kind}`) is wrong: the gradient of its parameters is "
+            f"{self._off(owner, 'module_params')} off while its output gradient is right",
+        )
 
     def _own_words(self, node: Site, where: str) -> str:
         evidence = (

@@ -230,6 +230,13 @@ def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
         sites[name].gradients.setdefault(place, []).append(grad.detach())
     for (name, place), values in recorder.values.items():
         sites[name].scales[place] = math.sqrt(sum(float(v.double().square().sum()) for v in values))
+    for site in sites.values():
+        # the parent's input gradient is the child's only where the parent is a wrapper: its one child, whose output it
+        # returns; a parent that feeds the same input to several children (an MLP's gate and up projections) or uses it
+        # itself (a residual) gives its children input gradients of their own, which are measured
+        parent = sites.get(site.parent) if site.parent is not None else None
+        if parent is not None and (len(parent.children) != 1 or "activation" not in site.same_as_parent):
+            site.same_as_parent.discard("module_input")
     return dict(sorted(sites.items(), key=lambda item: item[1].order))
 
 

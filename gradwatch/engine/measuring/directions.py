@@ -121,11 +121,14 @@ class CoordinateDirection:
 
 
 class VectorDirection:
-    """Several tensors moved together along ``v = coefficient · components``, a unit vector over all of them.
+    """Several tensors moved together along ``v = coefficient · (weight_T · component_T)_T``, a unit vector over all of
+    them.
 
     The descent probe moves every parameter along ``ĝ`` (``components`` the gradients, ``coefficient = 1/‖g‖``); a
-    tensor probe moves one parameter along its own ``g_T/‖g_T‖``; a random probe along a random unit vector; the input
-    probe moves the floating inputs along their gradient. The analytic slope is ``g · v``.
+    tensor probe moves one parameter along its own ``g_T/‖g_T‖``; a cover probe moves a group of parameters along their
+    gradients, each weighted so that it contributes equally to the slope (``weights``, no copy of the gradients); a
+    random probe along a random unit vector; the input probe moves the floating inputs along their gradient. The
+    analytic slope is ``g · v``.
 
     From its first displacement on it holds one copy of the tensors' original values, so that every restore is an
     exact copy; the copy goes with the object.
@@ -138,6 +141,7 @@ class VectorDirection:
         after_write: Called after every write (the evaluator tracks in-place changes of its inputs).
         components_norm: ``‖components‖``, accumulated in float64, when known; when ``components`` is ``grads`` it
             gives the analytic slope ``coefficient · ‖g‖²`` without another pass over the gradients.
+        weights: A factor per tensor on its component (``None``: 1 for each).
     """
 
     def __init__(
@@ -148,18 +152,24 @@ class VectorDirection:
         coefficient: float = 1.0,
         after_write: Callable[[], None] | None = None,
         components_norm: float | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self.tensors = list(tensors)
         self.components = list(components)
         self.grads = list(grads)
         self.coefficient = coefficient
-        self._along_gradient = all(c is g for c, g in zip(self.components, self.grads, strict=True))  # v ∝ g
+        self.weights = None if weights is None else list(weights)
+        self._factors = self.weights or [1.0] * len(self.tensors)
+        # v ∝ g (unweighted): the component along v is then g·δ/‖g‖
+        self._along_gradient = self.weights is None and all(
+            c is g for c, g in zip(self.components, self.grads, strict=True)
+        )
         self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
         if components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
         else:
-            pairs = zip(self.grads, self.components, strict=True)
-            self.analytic = coefficient * total([dot(g, c) for g, c in pairs])  # g · v, one host transfer
+            pairs = zip(self.grads, self.components, self._factors, strict=True)
+            self.analytic = coefficient * total([w * dot(g, c) for g, c, w in pairs])  # g · v, one host transfer
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
@@ -212,9 +222,9 @@ class VectorDirection:
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
         with torch.no_grad():
-            for tensor, increment in zip(self.tensors, self._cast_components(), strict=True):
+            for tensor, increment, weight in zip(self.tensors, self._cast_components(), self._factors, strict=True):
                 shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
-                torch.addcmul(tensor, shaped, increment, out=rows[id(tensor)])
+                torch.addcmul(tensor, shaped if weight == 1.0 else shaped * weight, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
@@ -229,15 +239,17 @@ class VectorDirection:
         along_is_predicted = self._along_gradient  # the component along v is then g·δ/‖g‖
         predicted_terms: list[Tensor] = []
         along_terms: list[Tensor] = []
-        moving = zip(self.tensors, self._origin, self._cast_components(), self.components, self.grads, strict=True)
-        for tensor, origin, increment, component, grad in moving:
+        moving = zip(
+            self.tensors, self._origin, self._cast_components(), self.components, self.grads, self._factors, strict=True
+        )
+        for tensor, origin, increment, component, grad, weight in moving:
             # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
-            moved = torch.add(origin, increment, alpha=offset * self.coefficient)
+            moved = torch.add(origin, increment, alpha=offset * self.coefficient * weight)
             tensor.copy_(moved)
             delta = moved.sub_(origin)
             predicted_terms.append(dot(grad, delta))
             if not along_is_predicted:
-                along_terms.append(dot(component, delta))
+                along_terms.append(weight * dot(component, delta))
         # one host transfer for all tensors (a device sync per tensor would dominate a GPU probe)
         predicted = total(predicted_terms)
         return Displacement(self.coefficient * (predicted if along_is_predicted else total(along_terms)), predicted)
@@ -247,8 +259,9 @@ class VectorDirection:
         the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path
         computes) and ``g·δ = offset·g·v`` predicted."""
         assert self._origin is not None
-        for tensor, origin, increment in zip(self.tensors, self._origin, self._cast_components(), strict=True):
-            torch.add(origin, increment, alpha=offset * self.coefficient, out=tensor)
+        moving = zip(self.tensors, self._origin, self._cast_components(), self._factors, strict=True)
+        for tensor, origin, increment, weight in moving:
+            torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
@@ -257,7 +270,8 @@ class VectorDirection:
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
-                self._norm_squared = self.coefficient**2 * total([dot(c, c) for c in self.components])
+                terms = [w * w * dot(c, c) for c, w in zip(self.components, self._factors, strict=True)]
+                self._norm_squared = self.coefficient**2 * total(terms)
         return self._norm_squared
 
 

@@ -5,14 +5,17 @@ Each kind of probe sees errors the others miss:
 1. the descent probe, along the normalised gradient ``ĝ`` of all parameters: the largest signal any direction can
    give, so the most precise test of the gradient as a whole, and the descent ratio users watch;
 2. tensor probes, along one tensor's own ``g_T/‖g_T‖``: they say *which* tensor is wrong;
+   cover probes (:mod:`.cover`), along groups of the other tensors' gradients, each tensor weighted to contribute
+   equally: every tensor at every check, however small its share of ``‖g‖``;
 3. random probes, along a random unit vector within one tensor: they see errors orthogonal to the gradient, and a
    gradient that is missing altogether (a stray ``.detach()``);
 4. coordinate probes on parameters, which say *where* in a tensor;
 5. the input probes: along the gradient of the batch's floating inputs, and at single input coordinates.
 
-Tensors take turns (a rotating window, :mod:`.sampling`), so a healthy check is a fixed, small portfolio whatever the
-model's size. After a failure every tensor gets a tensor probe (:meth:`Portfolio.localization`), so the report names
-the tensors that are wrong; a coordinate probe that crossed a kink is replaced by another coordinate of the same tensor
+Tensor probes take turns (a rotating window, :mod:`.sampling`) and cover probes group the rest, so a healthy check is a
+small portfolio whatever the model's size, and a wrong gradient in any tensor shows at the first check. After a failure
+every tensor gets a tensor probe (:meth:`Portfolio.localization`), so the report names the tensors that are wrong; a
+coordinate probe that crossed a kink is replaced by another coordinate of the same tensor
 (:meth:`Portfolio.replacements`).
 
 Steps are relative to the magnitude of what a probe moves (see :func:`~gradwatch.engine.numerics.steps.relative_step`),
@@ -36,7 +39,8 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, VectorDirection
 from gradwatch.engine.numerics.norms import norm, norms, rms
-from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, relative_tolerance
+from gradwatch.engine.probing.cover import CoverGroup, cover_groups
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.report import DESCENT_TARGET
@@ -81,6 +85,7 @@ class Portfolio:
         grad_norms: The float64 norm of each parameter's gradient (0 for a parameter without one).
         settings: How many probes, and which turn.
         native_dtype: The dtype of the gradient being checked.
+        rtol: The check's relative tolerance, which sizes the cover probes' groups (by default the dtype's).
     """
 
     def __init__(
@@ -90,11 +95,14 @@ class Portfolio:
         grad_norms: Sequence[float],
         settings: PortfolioSettings,
         native_dtype: torch.dtype,
+        *,
+        rtol: float | None = None,
     ) -> None:
         self.evaluator = evaluator
         self.reference = reference
         self.settings = settings
         self.native_dtype = native_dtype
+        self.rtol = relative_tolerance(native_dtype) if rtol is None else rtol
         self.params = evaluator.params
         self.missing = every_rank([g is None for g in reference.param_grads])
         self.grads = [
@@ -149,14 +157,15 @@ class Portfolio:
             direction = CoordinateDirection(tensors[0], old.index, value_at(grads[0], old.index), after)
         else:
             assert isinstance(old, VectorDirection), "only coordinate and vector probes are replicated"
-            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after)
+            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after, weights=old.weights)
         return dataclasses.replace(
             task, direction=direction, step=task.initial_step, stencil=None, result=None, evaluations=0
         )
 
     def screens(self, input_direction: bool) -> list[ProbeTask]:
-        """The screening probes of a check: tensors in turn, random directions (first where a gradient is missing),
-        parameter coordinates, the input direction (unless it is the anchor) and input coordinates."""
+        """The screening probes of a check: tensors in turn, cover probes over every other tensor with a gradient,
+        random directions (first where a gradient is missing), parameter coordinates, the input direction (unless it is
+        the anchor) and input coordinates."""
         settings = self.settings
         count = len(self.params)
         pending: list[ProbeTask | None] = []
@@ -164,7 +173,12 @@ class Portfolio:
         window = rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation)
         turn = [with_gradient[i] for i in window]
         focused = [i for i, (name, _) in enumerate(self.params) if name in settings.focus]
-        pending += [self._tensor_probe(i) for i in dict.fromkeys(turn + focused)]
+        probed = dict.fromkeys(turn + focused)
+        pending += [self._tensor_probe(i) for i in probed]
+        rest = [i for i in with_gradient if i not in probed]
+        floor = self.negligible * self.grad_norm
+        pending += [self._cover_probe(group) for group in cover_groups(
+            self.tensor_grad_norms, rest, floor, self.rtol, self.rng)]  # fmt: skip
         missing = [i for i in range(count) if self.missing[i]]
         others = [i for i in range(count) if not self.missing[i]]
         chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
@@ -220,6 +234,24 @@ class Portfolio:
         return ProbeTask(
             ProbeKind.DESCENT, DESCENT_TARGET, None, direction, step, scale_floor=self.loss_floor, moves=moves
         )
+
+    def _cover_probe(self, group: CoverGroup) -> ProbeTask:
+        """Along ``d = Σ_T w_T g_T`` over the group's tensors (see :mod:`.cover`), judged against the size of its
+        tensors' contributions rather than its balanced slope."""
+        tensors = list(group.tensors)
+        direction = VectorDirection(
+            [self.params[i][1] for i in tensors],
+            [self.grads[i] for i in tensors],
+            [self.grads[i] for i in tensors],
+            1.0 / group.norm,
+            weights=group.weights,
+        )
+        shares = [abs(w) * self.tensor_grad_norms[i] / group.norm for i, w in zip(tensors, group.weights, strict=True)]
+        weighted = sum(self._tensor_scale(i) ** 2 * share**2 for i, share in zip(tensors, shares, strict=True))
+        dtype = max((self.params[i][1].dtype for i in tensors), key=machine_epsilon)
+        step = self._relative_step(dtype) * math.sqrt(weighted)
+        floor = max(group.contributions / group.norm, self.loss_floor)
+        return ProbeTask(ProbeKind.COVER, DESCENT_TARGET, None, direction, step, floor, moves=tuple(tensors))
 
     def _random_anchor(self) -> ProbeTask | None:
         """A random unit direction over every parameter, for a gradient that is exactly zero."""
