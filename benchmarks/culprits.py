@@ -51,8 +51,8 @@ import special_point_models as sp
 
 from gradwatch import CheckReport, GradWatch, check_gradients
 from gradwatch.cli import demo_models
-from gradwatch.engine import probes as engine_probes
-from gradwatch.engine.kinds import kinds_where
+from gradwatch.engine.recomputed import probes as engine_probes
+from gradwatch.engine.results.kinds import kinds_where
 
 SETTINGS = {
     name: parameter.default

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch import CheckReport, GradWatch, check_gradients
-from gradwatch.engine.kinds import kinds_where
+from gradwatch.engine.results.kinds import kinds_where
 
 # ---- planted bugs that live in a model's own code -----------------------------------------------------------------
 

@@ -6,7 +6,7 @@ The package is layered; each layer imports only from those before it:
 * :mod:`gradwatch.engine`: pure PyTorch, the whole of :func:`check_gradients` and :func:`check_applied_gradient`;
 * :mod:`gradwatch.tensorboard`: check reports to TensorBoard and back;
 * :mod:`gradwatch.watch`: :class:`GradientWatch`, a series of checks over a run in any training loop;
-* the adapters over the watch: :mod:`gradwatch.lightning` (the :class:`GradWatch` callback) and
+* the adapters over the watch: :mod:`gradwatch.integrations.lightning` (the :class:`GradWatch` callback) and
   :mod:`gradwatch.integrations` (Hugging Face's ``Trainer``);
 * the faces: :mod:`gradwatch.cli` (``gradwatch demo``, ``gradwatch report``) and :mod:`gradwatch.testing`.
 
@@ -24,7 +24,7 @@ from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch import GradientCheckWarning, GradientWatch
 
 if TYPE_CHECKING:
-    from gradwatch.lightning import GradWatch
+    from gradwatch.integrations.lightning import GradWatch
 
 __all__ = [
     "AppliedWindow",
@@ -44,7 +44,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # the Lightning adapter, imported (with Lightning) only by those who use it
     if name == "GradWatch":
-        from gradwatch.lightning import GradWatch
+        from gradwatch.integrations.lightning import GradWatch
 
         return GradWatch
     raise AttributeError(f"module 'gradwatch' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
-from gradwatch.engine.rendering import probe_table, render_text
+from gradwatch.engine.results.rendering import probe_table, render_text
 
 __all__ = ["assert_gradients_ok", "probe_table"]
 

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.tensorboard import SummaryWriter
 
 from gradwatch import GradWatch
-from gradwatch.engine.notes import codes
+from gradwatch.engine.results.notes import codes
 
 
 class GradsUntouched(pl.Callback):

@@ -35,8 +35,8 @@ from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
 from gradwatch import GradientWatch
-from gradwatch.engine.notes import codes
-from gradwatch.engine.sharding.zero import gathered
+from gradwatch.engine.distributed.zero import gathered
+from gradwatch.engine.results.notes import codes
 from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, full_gradients
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 

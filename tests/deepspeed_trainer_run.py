@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from gradwatch import GradientWatch
-from gradwatch.engine.notes import codes
+from gradwatch.engine.results.notes import codes
 from gradwatch.integrations.deepspeed import applied_checks_inside_steps, before_engine_steps
 from gradwatch.integrations.huggingface import GradWatchCallback
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides

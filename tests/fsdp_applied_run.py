@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
 from gradwatch import AppliedWindow, GradWatch
-from gradwatch.engine.notes import codes
+from gradwatch.engine.results.notes import codes
 
 
 class ShardedDropoutNet(ShardedNet):

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import GradWatch
-from gradwatch.engine.notes import codes
+from gradwatch.engine.results.notes import codes
 
 
 class CustomLinear(nn.Module):

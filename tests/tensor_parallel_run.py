@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from gradwatch import AppliedWindow, check_gradients
-from gradwatch.engine.notes import codes
+from gradwatch.engine.results.notes import codes
 
 STEPS = 3
 

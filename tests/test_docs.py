@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import gradwatch.cli.demo
-import gradwatch.cli.report
+import gradwatch.cli.reporting
 from gradwatch import GradWatch
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch.alerts import failure_message
@@ -89,7 +89,9 @@ def _exit_statuses(text: str, start: str) -> list[int]:
 
 
 EXIT_STATUSES = sorted(
-    value for name, value in vars(gradwatch.cli.report).items() if name.startswith("EXIT_") and isinstance(value, int)
+    value
+    for name, value in vars(gradwatch.cli.reporting).items()
+    if name.startswith("EXIT_") and isinstance(value, int)
 )
 
 

@@ -15,24 +15,23 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.kinds", "engine.notes", "engine.report", "engine.rendering", "engine.validation"),
-    ("engine.sharding",),
+    ("engine.results", "engine.validation"),
+    ("engine.distributed",),
     ("engine.numerics",),
     ("engine.function",),
     ("engine.measuring",),
     ("engine.probing",),
-    ("engine.session", "engine.reference", "engine.check", "engine"),
+    ("engine.settings", "engine.selection", "engine.session", "engine.culprits", "engine.recomputed", "engine"),
     ("tensorboard",),
     ("outputs",),
     ("watch",),
-    ("lightning", "integrations"),
+    ("integrations",),
     ("cli", "testing", "__main__", "gradwatch"),
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
 those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
-the adapters over the watch for each training loop (Lightning, and the integrations: Hugging Face). The last layer holds
-the faces (command line, test helpers), the old import paths kept for users (``gradwatch.callback``,
-``gradwatch.check``, ``gradwatch.report``) and the package itself."""
+the adapters over the watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last layer
+holds the faces (command line, test helpers) and the package itself."""
 
 FRAMEWORKS = {
     "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"
@@ -147,14 +146,14 @@ def test_no_module_is_over_400_lines() -> None:
 
 
 def test_the_engine_defines_check_gradients() -> None:
-    tree = ast.parse(MODULES["engine.check"].read_text())
+    tree = ast.parse(MODULES["engine.recomputed.check"].read_text())
     assert "check_gradients" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
 SCHEDULING = {"gradwatch.watch.schedule", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
 """What scheduling code imports: the watch's schedules and clock, and the clock and arithmetic of a schedule."""
 
-ADAPTERS = [name for name in MODULES if name.split(".")[0] in ("lightning", "integrations")]
+ADAPTERS = [name for name in MODULES if name.split(".")[0] == "integrations"]
 
 
 @pytest.mark.parametrize("name", ADAPTERS)

@@ -23,7 +23,7 @@ def test_the_public_names_are_exported_from_the_package() -> None:
         "check_gradients",
     }
     from gradwatch.engine import check_gradients
-    from gradwatch.lightning import GradWatch
+    from gradwatch.integrations.lightning import GradWatch
     from gradwatch.watch import GradientCheckWarning, GradientWatch
 
     assert gradwatch.check_gradients is check_gradients
@@ -41,8 +41,8 @@ def test_the_public_names_are_exported_from_the_package() -> None:
 
 @pytest.mark.parametrize(
     "old",
-    ["gradwatch.callback", "gradwatch.check", "gradwatch.report", "gradwatch.lightning.alerts",
-     "gradwatch.lightning.overhead", "gradwatch.lightning.schedule", "gradwatch.lightning.applied"],
+    ["gradwatch.callback", "gradwatch.check", "gradwatch.report", "gradwatch.lightning", "gradwatch.engine.check",
+     "gradwatch.engine.report", "gradwatch.engine.sharding", "gradwatch.cli.report"],
 )  # fmt: skip
 def test_the_import_paths_from_before_any_release_are_gone(old: str) -> None:
     """Modules that only re-exported another: one import path per name (see docs/architecture.md)."""

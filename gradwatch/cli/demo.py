@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gradwatch.engine.rendering import render_text
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.rendering import render_text
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.watch.alerts import GradientCheckWarning
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def train(run: Run, logdir: Path, steps: int, every: int, progress_bar: bool = T
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from gradwatch.cli.demo_models import synthetic_loader
-    from gradwatch.lightning.callback import GradWatch
+    from gradwatch.integrations.lightning.callback import GradWatch
 
     pl.seed_everything(0, verbose=False)
     model = run.make_model()

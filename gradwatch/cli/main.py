@@ -3,7 +3,7 @@
 * ``gradwatch demo [--logdir DIR] [--bug NAME]``: train the example models with gradwatch, print the verdicts and the
   ``tensorboard`` command to look at them (see :mod:`.demo`).
 * ``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR`` (see
-  :mod:`.report`).
+  :mod:`.reporting`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from gradwatch import __version__
-from gradwatch.cli import demo, report
+from gradwatch.cli import demo, reporting
 from gradwatch.cli.output import silence
 
 
@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit status 0 when no failure was recorded, 1 when one was, 2 when the input cannot be fully read (each "
         "problem on one line: path and reason), 3 when every check of a run was inconclusive.",
     )
-    report.add_arguments(report_parser)
-    report_parser.set_defaults(handler=report.report)
+    reporting.add_arguments(report_parser)
+    report_parser.set_defaults(handler=reporting.report)
     return parser
 
 

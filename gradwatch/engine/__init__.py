@@ -15,8 +15,8 @@ first (each imports only from the layers below it):
   session), the reference gradient and the recomputed check's measurements; :mod:`.applied`: the applied check's.
 """
 
-from gradwatch.engine.check import check_gradients
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.report import CheckReport, GradientCheckError, Probe
+from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.results.report import CheckReport, GradientCheckError, Probe
 
 __all__ = ["CheckReport", "GradientCheckError", "LossFn", "Probe", "check_gradients"]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors
 from gradwatch.engine.function.complex_params import checked_view
-from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.results.notes import Note, NoteCode
 
 
 def checked_parameters(

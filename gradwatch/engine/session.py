@@ -1,6 +1,6 @@
 """What every check does around its measurements: :class:`CheckSession`.
 
-A check of a gradient, recomputed (:func:`~gradwatch.engine.check.check_gradients`) or applied
+A check of a gradient, recomputed (:func:`~gradwatch.engine.recomputed.check.check_gradients`) or applied
 (:func:`~gradwatch.engine.applied.check.check_applied_gradient`), is a measurement plan run inside one session. The
 session owns what the two have in common, so that they cannot drift apart:
 
@@ -8,13 +8,14 @@ session owns what the two have in common, so that they cannot drift apart:
    :class:`~gradwatch.engine.settings.ProbeSettings`, given whole or one by one) and the optimizers to protect;
 2. which parameters the check probes (:meth:`CheckSession.select`): trainable, not ``ignore``\\ d, not a stock
    surrogate (:mod:`gradwatch.engine.function.surrogates`), and under FSDP2 this rank's local shards of them, with the
-   collective a sharded check reduces over (:mod:`gradwatch.engine.sharding`);
+   collective a sharded check reduces over (:mod:`gradwatch.engine.distributed`);
 3. the measurements' conditions (:meth:`CheckSession.measuring`): the training state captured before and put back
    after, whatever happens (:class:`~gradwatch.engine.function.state.TrainingState`), the stock surrogates as autograd
    sees them, the sharded collective and FSDP's lockstep, the warnings the loss raises withheld from the user;
 4. what could not be put back: named in ``report.unrestored`` and in an
-   :class:`~gradwatch.engine.report.UnrestoredStateWarning`, with the notes of the sandbox and the guard;
-5. the one :class:`~gradwatch.engine.report.CheckReport` (:meth:`CheckSession.report`): the session's notes around
+   :class:`~gradwatch.engine.results.report.UnrestoredStateWarning`, with the notes of the sandbox and the guard;
+5. the one :class:`~gradwatch.engine.results.report.CheckReport` (:meth:`CheckSession.report`): the session's notes
+   around
    the measurements' own, its step, duration, side effects and what it could not restore.
 """
 
@@ -31,18 +32,18 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.distributed.collective import Collective, sharded
+from gradwatch.engine.distributed.parameters import is_sharded, local_mask, local_shards, lockstep
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import StockSurrogates, as_autograd_sees_them, find_stock_surrogates
-from gradwatch.engine.kinds import Verdict
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckReport, Probe, UnrestoredStateWarning
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeSettings, settings_from
-from gradwatch.engine.sharding.collective import Collective, sharded
-from gradwatch.engine.sharding.parameters import is_sharded, local_mask, local_shards, lockstep
 
 __all__ = ["CheckSession"]
 
@@ -126,7 +127,7 @@ class CheckSession:
         """The conditions of the check's measurements: the training state captured (and put back on leaving, whatever
         happens), the stock surrogates as autograd sees them, the sharded collective and FSDP's lockstep, the
         warnings the loss raises withheld. Afterwards the session knows what the loss changed and what could not be
-        put back (warned about once, as an :class:`~gradwatch.engine.report.UnrestoredStateWarning`)."""
+        put back (warned about once, as an :class:`~gradwatch.engine.results.report.UnrestoredStateWarning`)."""
         state = self.state = TrainingState.capture(self.model, self.optimizers)
         with warnings_withheld() as withheld:
             try:
@@ -160,7 +161,7 @@ class CheckSession:
         self, *, verdict: Verdict, probes: list[Probe], loss: float, notes: Sequence[Note] = (), **fields: Any
     ) -> CheckReport:
         """The check's report: the measurements' ``verdict``, ``probes``, ``loss``, ``notes`` and other ``fields``
-        (see :class:`~gradwatch.engine.report.CheckReport`), with the session's step, duration, notes around the
+        (see :class:`~gradwatch.engine.results.report.CheckReport`), with the session's step, duration, notes around the
         measurements' (each once), side effects and what could not be put back."""
         fields.setdefault("n_forward", 0)
         fields.setdefault("n_backward", 0)

@@ -58,7 +58,7 @@ class ProbeSettings:
             happen once per point (a forward hook that records activations).
         fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
-            ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.confirmation`.
+            ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.recomputed.confirmation`.
 
     Raises:
         ValueError: A field is out of range or of the wrong type.

@@ -6,7 +6,7 @@ The gradient it applies is ``deepspeed.utils.safe_get_full_grad(param)`` for eac
 ``engine.step()``: the full, reduced, accumulated, pre-clip gradient, the mean over ranks and micro-batches
 (:func:`full_gradients`; a collective: every rank calls it). The engine's applied check
 (:func:`~gradwatch.check_applied_gradient`) takes it as ``gradients=`` and the engine itself (or the module it wraps)
-as the model; under ZeRO-3 it gathers the parameters for the check (see :mod:`gradwatch.engine.sharding.zero`).
+as the model; under ZeRO-3 it gathers the parameters for the check (see :mod:`gradwatch.engine.distributed.zero`).
 
 Where the loop does not call ``engine.step()`` itself (Accelerate and ``transformers.Trainer`` step inside
 ``accelerator.backward``), :func:`before_engine_steps` runs a check at the boundary all the same: it wraps the ZeRO
@@ -21,8 +21,8 @@ from typing import Any
 from deepspeed.utils import safe_get_full_grad
 from torch import Tensor, nn
 
+from gradwatch.engine.distributed.zero import is_engine
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.sharding.zero import is_engine
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["EngineStepHook", "FullGradients", "applied_checks_inside_steps", "before_engine_steps", "full_gradients"]

@@ -38,9 +38,9 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.integrations.records import records_kept
 from gradwatch.integrations.trainer_outputs import run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
+from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD

@@ -15,7 +15,7 @@ A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"
 read back as the float. ``scope`` and ``fault`` are there when the report has them. An applied check
 (``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
 ``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
-``note_codes`` holds each note's code (:class:`gradwatch.engine.notes.NoteCode`), for readers that act on notes
+``note_codes`` holds each note's code (:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes
 without parsing their wording.
 """
 
@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from gradwatch.engine.notes import codes
-from gradwatch.engine.rendering import ordered_failures
-from gradwatch.engine.report import FAULTS, VERDICTS, Probe
+from gradwatch.engine.results.notes import codes
+from gradwatch.engine.results.rendering import ordered_failures
+from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
@@ -219,7 +219,7 @@ def is_applied(record: Any) -> bool:
 
 def parse_applied_record(record: Any) -> AppliedRecord:
     """One decoded line of an applied check (:func:`is_applied`): the format, version, step and verdict are checked as
-    :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.report.FAULTS`.
+    :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.results.report.FAULTS`.
 
     Raises:
         EventFilesError: A field is malformed. The caller adds the path and line.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gradwatch.engine.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
-from gradwatch.engine.report import FAULTS, VERDICTS, CheckReport
+from gradwatch.engine.results.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
+from gradwatch.engine.results.report import FAULTS, VERDICTS, CheckReport
 from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
 
 OVERHEAD_TAG = "gradwatch/overhead"
@@ -32,7 +32,8 @@ class CheckRecords:
         scalars: The ``gradwatch/*`` scalars (:meth:`CheckReport.scalars`, ``gradwatch/overhead`` when known, and the
             log10 of the relative errors, e.g. ``gradwatch/rel_error_max_log10``), finite ones only: a backend never
             receives a NaN (a check without a descent probe has no descent ratio).
-        text: The failing report in markdown, culprit first (:func:`gradwatch.engine.rendering.render_markdown`);
+        text: The failing report in markdown, culprit first
+            (:func:`gradwatch.engine.results.rendering.render_markdown`);
             ``None`` when no probe failed.
         histograms: By tag, values to show as a histogram: ``gradwatch/rel_error_log10``, the log10 relative error
             of every conclusive probe (absent when there is none).
@@ -79,7 +80,8 @@ def records_of(report: CheckReport, overhead: float | None = None) -> CheckRecor
 
 def applied_scalars(report: CheckReport) -> dict[str, float]:
     """The numbers logged for an applied check, under ``gradwatch/applied/``: the verdict (0 ok, 1 inconclusive, 2
-    fail), the fault (0 none, else its position in :data:`~gradwatch.engine.report.FAULTS` plus one), the descent
+    fail), the fault (0 none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the
+    descent
     ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
     and loss evaluations the check took."""
     values = {

@@ -14,7 +14,8 @@ hold one chart per question a reader has about a run:
 * **probes failing / inconclusive**: counts per check;
 * **check seconds**: the wall time of each check.
 
-The layout names only fixed scalar tags (those of :meth:`gradwatch.engine.report.CheckReport.scalars` and their log10
+The layout names only fixed scalar tags (those of :meth:`gradwatch.engine.results.report.CheckReport.scalars` and their
+log10
 forms, which every logger receives), so it does not grow with the model. It is written through ``add_custom_scalars``
 of a ``torch.utils.tensorboard.SummaryWriter``.
 """

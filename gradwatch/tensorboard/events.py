@@ -7,7 +7,8 @@ size) and recovers from each run:
 * one :class:`CheckRecord` per check, from the ``gradwatch/*`` scalars (keyed by the step they were logged at; a
   Hugging Face Trainer's run holds them as ``train/gradwatch/*``, read as the same tags);
 * one :class:`FailureRecord` per failing probe, from the ``gradwatch/failures`` text, the table that
-  :func:`gradwatch.engine.rendering.render_markdown` writes (its columns are found by their header, so a table with
+  :func:`gradwatch.engine.results.rendering.render_markdown` writes (its columns are found by their header, so a table
+  with
   more columns still reads), and the culprit line above it.
 
 Problems with the input raise :class:`EventFilesError` with the path and the reason in one line: no such directory, no
@@ -30,8 +31,8 @@ from tensorboard.compat.proto.event_pb2 import Event  # type: ignore[import-unty
 from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]
 from tensorboard.util import tensor_util  # type: ignore[import-untyped]
 
-from gradwatch.engine.rendering import CULPRIT_PREFIX
-from gradwatch.engine.report import FAULTS, VERDICTS
+from gradwatch.engine.results.rendering import CULPRIT_PREFIX
+from gradwatch.engine.results.report import FAULTS, VERDICTS
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG
 from gradwatch.tensorboard.files import EventFilesError, find_files, open_regular, shown
 from gradwatch.tensorboard.tfrecord import CorruptRecordError, records
@@ -111,7 +112,7 @@ _HEADLINE = re.compile(r"^\w+ fault: applied gradient check failed at step \d+: 
 
 def parse_fault_message(text: str) -> str:
     """The fault in words from the text of a failing applied check (its headline, as
-    :func:`gradwatch.engine.rendering.headline` writes it), ``""`` when it has none."""
+    :func:`gradwatch.engine.results.rendering.headline` writes it), ``""`` when it has none."""
     for line in text.splitlines():
         match = _HEADLINE.match(line.strip())
         if match:

@@ -1,11 +1,13 @@
 """Writing check reports to TensorBoard: per-probe histograms and a table of failing probes.
 
-Scalars (:meth:`gradwatch.engine.report.CheckReport.scalars`) go through a logger's ``log_metrics`` like any other
+Scalars (:meth:`gradwatch.engine.results.report.CheckReport.scalars`) go through a logger's ``log_metrics`` like any
+other
 metric; this module adds what only TensorBoard shows, through a ``torch.utils.tensorboard.SummaryWriter`` (or anything
 with ``add_histogram`` and ``add_text``). The tags are fixed and few, whatever coordinates were sampled:
 
 * ``gradwatch/rel_error_log10`` (histogram): log10 of the relative error of every conclusive probe;
-* ``gradwatch/failures`` (text): the failing report in markdown (:func:`gradwatch.engine.rendering.render_markdown`:
+* ``gradwatch/failures`` (text): the failing report in markdown
+  (:func:`gradwatch.engine.results.rendering.render_markdown`:
   the culprit, a table of the failing probes), only when some failed.
 """
 
@@ -15,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from gradwatch.engine.rendering import CULPRIT_PREFIX, LOG10_FLOOR, rel_error_log10, render_markdown
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.rendering import CULPRIT_PREFIX, LOG10_FLOOR, rel_error_log10, render_markdown
+from gradwatch.engine.results.report import CheckReport
 
 HISTOGRAM_TAG = "gradwatch/rel_error_log10"
 FAILURES_TAG = "gradwatch/failures"

@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Callable
 from typing import Literal
 
-from gradwatch.engine.diagnosis import diagnose
-from gradwatch.engine.rendering import DEFAULT_LIMIT, render_text
-from gradwatch.engine.report import CheckReport, GradientCheckError
+from gradwatch.engine.results.diagnosis import diagnose
+from gradwatch.engine.results.rendering import DEFAULT_LIMIT, render_text
+from gradwatch.engine.results.report import CheckReport, GradientCheckError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Backoff:
 
 def failure_message(report: CheckReport, limit: int = DEFAULT_LIMIT) -> str:
     """A readable account of a failing report: the culprit, where the gradient is wrong and by how much (see
-    :func:`gradwatch.engine.rendering.render_text`)."""
+    :func:`gradwatch.engine.results.rendering.render_text`)."""
     return render_text(report, limit=limit)
 
 

@@ -19,7 +19,7 @@ from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
 from gradwatch.engine.applied.window import Combine, PathContext
-from gradwatch.engine.sharding.parameters import is_sharded
+from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.distributed import default_group
 from gradwatch.watch.hooks import Context, local_batch_norm

@@ -1,7 +1,7 @@
 """The agreement of the processes of a distributed run, through ``torch.distributed`` alone, for every loop.
 
 Under DDP every process checks its own batch shard at the same coordinates; under FSDP2 the processes run one check of
-the global loss together (:mod:`gradwatch.engine.sharding`). Either way the processes must take the same decisions:
+the global loss together (:mod:`gradwatch.engine.distributed`). Either way the processes must take the same decisions:
 :func:`rank0_decides` makes rank 0's budget decision everyone's, and :func:`agree_across_ranks` gives every process the
 same report, so that warnings, stops and raises agree. Both are what a process group of one (or none) needs too: the
 identity. They are the ``decide`` and ``agree`` a :class:`~gradwatch.watch.watch.GradientWatch` takes.
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import VERDICTS, CheckReport
-from gradwatch.engine.sharding.parameters import is_sharded
+from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import VERDICTS, CheckReport
 
 
 def world_size() -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradwatch.engine import CheckReport
-from gradwatch.engine.report import UnrestoredStateWarning
+from gradwatch.engine.results.report import UnrestoredStateWarning
 from gradwatch.outputs.records import report_records
 from gradwatch.outputs.sinks import Sink, write_to_sinks
 from gradwatch.watch.alerts import AlertPolicy, Backoff, OnFail, Remarks

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import gradwatch.cli.demo
-import gradwatch.engine.check
+import gradwatch.engine.recomputed.check
 from gradwatch import CheckReport
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -48,6 +48,6 @@ def test_outcome_says_when_a_run_did_not_end_as_it_should() -> None:
 
 
 def test_docstring_examples_run() -> None:
-    results = doctest.testmod(gradwatch.engine.check)
+    results = doctest.testmod(gradwatch.engine.recomputed.check)
     assert results.attempted > 0
     assert results.failed == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gradwatch.cli import main
-from gradwatch.cli import report as report_command
+from gradwatch.cli import reporting as report_command
 from gradwatch.tensorboard.events import read_logdir
 
 

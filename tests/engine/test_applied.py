@@ -28,7 +28,7 @@ from helpers import assert_bit_identical, snapshot
 from gradwatch import GradientCheckError, check_gradients
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.engine.function import copies
-from gradwatch.engine.report import UnrestoredStateWarning
+from gradwatch.engine.results.report import UnrestoredStateWarning
 
 
 def _eager_check_passes(model: torch.nn.Module, batch: object) -> bool:

@@ -25,8 +25,8 @@ from torch import nn
 
 from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.function import precision as precision_module
-from gradwatch.engine.notes import NoteCode, codes
-from gradwatch.engine.report import Probe
+from gradwatch.engine.results.notes import NoteCode, codes
+from gradwatch.engine.results.report import Probe
 
 
 def test_seed_case_is_not_a_false_alarm() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from two_processes import needs_gloo, run_ranks
 
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 
 def _gradients(seed: int = 0) -> list[nn.Parameter]:

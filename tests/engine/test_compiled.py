@@ -12,8 +12,8 @@ from helpers import classification_batch
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.compiled import compiled_parts
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.recomputed.compiled import compiled_parts
+from gradwatch.engine.results.notes import NoteCode
 
 
 class WrongWhenCompiled(torch.autograd.Function):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.cli.demo_models import CustomNormClassifier, DetachedPenaltyClassifier, ScaledGradClassifier
-from gradwatch.engine.culprits.probes import MAX_EVALUATIONS
+from gradwatch.engine.culprits.activations import MAX_EVALUATIONS
 from gradwatch.engine.culprits.search import LOSS
 from gradwatch.testing import assert_gradients_ok
 
@@ -195,7 +195,7 @@ def test_a_bug_in_the_models_own_code_before_a_parameter_names_the_model() -> No
 
 
 def test_the_search_stops_at_its_budget_naming_the_deepest_module_proved(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradwatch.engine.culprits import probes
+    from gradwatch.engine.culprits import activations as probes
 
     monkeypatch.setattr(probes, "MAX_EVALUATIONS", 40)
     report = check_gradients(Stack(bug_at=3), _batch(), _cross_entropy)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from gradwatch.engine.diagnosis import diagnose
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.results.diagnosis import diagnose
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport, Probe
 
 
 def _report(verdict: str, reasons: list[str], notes: list[Note] | None = None) -> CheckReport:

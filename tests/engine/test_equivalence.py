@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.applied.equivalence import concatenate
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 VOCAB, LENGTH, ACCUMULATION = 32, 12, 4
 

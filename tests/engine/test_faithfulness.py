@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 
 class Float32Extension(torch.autograd.Function):

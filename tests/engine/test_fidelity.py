@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.engine.function.fidelity import Float64Fidelity
-from gradwatch.engine.notes import NoteCode, codes
+from gradwatch.engine.results.notes import NoteCode, codes
 
 
 def test_casts_down_stay_float64() -> None:

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from gradwatch import check_gradients
 from gradwatch.engine.function import copies
 from gradwatch.engine.function.backward import LossCallsBackwardError
-from gradwatch.engine.report import UnrestoredStateWarning
+from gradwatch.engine.results.report import UnrestoredStateWarning
 
 
 class Net(nn.Module):

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from gradwatch.cli.demo import describe
-from gradwatch.engine import kinds
-from gradwatch.engine.check import _overall_verdict
 from gradwatch.engine.culprits.sites import PLACES
-from gradwatch.engine.kinds import PROBE_KINDS, KindTraits, ProbeKind, Reason, Verdict, kinds_where
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.rendering import SEARCH_KINDS, ordered_failures
-from gradwatch.engine.report import UNDECIDED_REASONS, VERDICTS, CheckReport, Probe
+from gradwatch.engine.recomputed.check import _overall_verdict
+from gradwatch.engine.results import kinds
+from gradwatch.engine.results.kinds import PROBE_KINDS, KindTraits, ProbeKind, Reason, Verdict, kinds_where
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.rendering import SEARCH_KINDS, ordered_failures
+from gradwatch.engine.results.report import UNDECIDED_REASONS, VERDICTS, CheckReport, Probe
 
 PACKAGE = Path(kinds.__file__).resolve().parents[1]
 KIND_NAMES = {kind.value for kind in ProbeKind}

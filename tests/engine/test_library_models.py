@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import library_models as lm
 
 from gradwatch import CheckReport, check_gradients
-from gradwatch.engine.diagnosis import diagnose
 from gradwatch.engine.function.batch import floating_tensors, leading_slice, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import checked_gradient, checked_view
 from gradwatch.engine.function.substitution import tensor_slots
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.diagnosis import diagnose
+from gradwatch.engine.results.notes import NoteCode
 
 
 def _slots(model: nn.Module) -> dict[tuple[int, str, str], tuple[int, torch.dtype]]:

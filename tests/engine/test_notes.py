@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from gradwatch import check_gradients
-from gradwatch.engine import notes as notes_module
-from gradwatch.engine.notes import Note, NoteCode, codes
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results import notes as notes_module
+from gradwatch.engine.results.notes import Note, NoteCode, codes
+from gradwatch.engine.results.report import CheckReport
 
 PACKAGE = Path(notes_module.__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.sharding.hooks import defined_in, hooks_set_aside
-from gradwatch.engine.sharding.tensor_parallel import is_tensor_parallel
-from gradwatch.engine.sharding.zero import is_engine, owned_range, unwrapped
+from gradwatch.engine.distributed.library_hooks import defined_in, hooks_set_aside
+from gradwatch.engine.distributed.tensor_parallel import is_tensor_parallel
+from gradwatch.engine.distributed.zero import is_engine, owned_range, unwrapped
 
 
 def test_only_the_named_packages_hooks_are_set_aside_and_the_very_dictionaries_come_back() -> None:

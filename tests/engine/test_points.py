@@ -15,7 +15,7 @@ from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements, measure
-from gradwatch.engine.notes import NoteCode, codes
+from gradwatch.engine.results.notes import NoteCode, codes
 
 
 def _setup(dtype: torch.dtype) -> tuple[nn.Module, LossEvaluator]:

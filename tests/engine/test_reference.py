@@ -14,8 +14,8 @@ from torch import nn
 from gradwatch import check_gradients
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.notes import NoteCode, codes
-from gradwatch.engine.reference import nonfinite_probes, reproduced_center
+from gradwatch.engine.recomputed.reference import nonfinite_probes, reproduced_center
+from gradwatch.engine.results.notes import NoteCode, codes
 
 
 def test_probes_check_the_loss_of_the_first_samples() -> None:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gradwatch.engine.rendering import (
+from gradwatch.engine.results.rendering import (
     CULPRIT_PREFIX,
     LOG10_FLOOR,
     headline,
@@ -17,7 +17,7 @@ from gradwatch.engine.rendering import (
     render_markdown,
     render_text,
 )
-from gradwatch.engine.report import CheckReport, GradientCheckError, Probe
+from gradwatch.engine.results.report import CheckReport, GradientCheckError, Probe
 
 CULPRIT = "the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input gradient is 2.7% off"
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from gradwatch import check_gradients
 from gradwatch.engine.function.sandbox import Sandbox
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 
 class Stateful(nn.Module):

@@ -15,10 +15,10 @@ from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.notes import NoteCode, codes
-from gradwatch.engine.sharding import SHARDED_NOTE
-from gradwatch.engine.sharding.collective import Layout, global_loss, summed, value_at
-from gradwatch.engine.sharding.parameters import UnsupportedShardingError
+from gradwatch.engine.distributed import SHARDED_NOTE
+from gradwatch.engine.distributed.collective import Layout, global_loss, summed, value_at
+from gradwatch.engine.distributed.parameters import UnsupportedShardingError
+from gradwatch.engine.results.notes import NoteCode, codes
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo"

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
+from gradwatch.engine.recomputed.signatures import ignore_patterns
 from gradwatch.engine.selection import unmatched_patterns
-from gradwatch.engine.signatures import ignore_patterns
 
 
 def fake_quantise(weight: Tensor, scale: float = 0.05) -> Tensor:

@@ -14,7 +14,7 @@ from torch.nn.utils import parametrizations
 
 from gradwatch import check_gradients
 from gradwatch.engine.function.surrogates import find_stock_surrogates
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 
 class _ScaleBackward(torch.autograd.Function):

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.measuring import points as points_module
 from gradwatch.engine.measuring import vectorized as vectorized_module
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 
 def _check(model: nn.Module, vectorize: bool, **kwargs: object) -> CheckReport:

@@ -29,8 +29,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
-from gradwatch.engine.notes import NoteCode
-from gradwatch.lightning.publishing import progress_status
+from gradwatch.engine.results.notes import NoteCode
+from gradwatch.integrations.lightning.publishing import progress_status
 from gradwatch.outputs.records import applied_scalars
 from gradwatch.watch import watch as watch_module
 

@@ -15,7 +15,7 @@ from helpers import recomputed_counts
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from two_processes import needs_gloo, run_ranks
 
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 pytestmark = needs_gloo
 

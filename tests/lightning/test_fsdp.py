@@ -14,7 +14,7 @@ import pytest
 from helpers import recomputed_counts
 from two_processes import needs_gloo, run_ranks
 
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 pytestmark = needs_gloo
 

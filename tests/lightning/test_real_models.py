@@ -14,7 +14,7 @@ from real_models import BUGGY, CORRECT, GAN, RealModel, fit
 from torch import nn
 
 from gradwatch import GradientCheckWarning, GradWatch
-from gradwatch.engine.notes import NoteCode
+from gradwatch.engine.results.notes import NoteCode
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 

@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from gradwatch import check_gradients
 from gradwatch.cli import main
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, applied_records_of, records_of
 from gradwatch.outputs.reading import read_jsonl, read_logdir
 from gradwatch.tensorboard.events import EventFilesError

@@ -15,7 +15,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from gradwatch import check_gradients
 from gradwatch.cli import main
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, records_of
 from gradwatch.outputs.beside import record_directory, tool_runs
 from gradwatch.tensorboard.writer import TRAINER_PREFIX

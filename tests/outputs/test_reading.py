@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from gradwatch import GradWatch
 from gradwatch.cli.demo_models import CustomNormClassifier, synthetic_loader
-from gradwatch.engine.rendering import ordered_failures
+from gradwatch.engine.results.rendering import ordered_failures
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.reading import read_jsonl, read_logdir
 from gradwatch.tensorboard.events import EventFilesError

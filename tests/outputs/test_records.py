@@ -9,8 +9,8 @@ import pytest
 from helpers import SeedModel, seed_batch, seed_loss
 
 from gradwatch import check_gradients
-from gradwatch.engine.rendering import CULPRIT_PREFIX
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.results.rendering import CULPRIT_PREFIX
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.outputs import records_of
 from gradwatch.outputs.records import LOG10_OF, LOG10_SUFFIX, OVERHEAD_TAG
 from gradwatch.tensorboard.writer import HISTOGRAM_TAG

@@ -14,8 +14,8 @@ import torch
 from helpers import SeedModel, seed_batch, seed_loss
 
 from gradwatch import check_gradients
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.outputs import GuardedSink, JsonLinesSink, LogCallSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
 from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG, failures_markdown, rel_error_log10, write_report
 
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from gradwatch import GradientCheckError, GradientCheckWarning
-from gradwatch.engine.report import CheckReport, Probe
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.watch.alerts import AlertPolicy, Backoff, failure_message
 
 

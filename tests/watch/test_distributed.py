@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from gradwatch.engine.notes import NoteCode
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.notes import NoteCode
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides, world_size
 
 

@@ -32,14 +32,14 @@ from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.probes import AppliedPlan, Measured
 from gradwatch.engine.applied.sharded import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.collective import every_rank
+from gradwatch.engine.distributed.zero import ranks_owning_wrong_rows
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
-from gradwatch.engine.report import Fault
+from gradwatch.engine.results.report import Fault
 from gradwatch.engine.session import CheckSession
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.collective import every_rank
-from gradwatch.engine.sharding.zero import ranks_owning_wrong_rows
 
 
 @dataclass(frozen=True)

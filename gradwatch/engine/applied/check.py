@@ -32,18 +32,18 @@ from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
-from gradwatch.engine.check import check_gradients
-from gradwatch.engine.compiled import compiled_parts
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.recomputed.compiled import compiled_parts
+from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 

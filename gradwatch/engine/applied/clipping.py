@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.kinds import Verdict
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport
 
 __all__ = ["CLIP_EPSILONS", "GradientNorms", "check_clipping"]
 

@@ -33,8 +33,8 @@ from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.window import Combine, single_loss, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import dot, norms, total
+from gradwatch.engine.results.notes import Note, NoteCode
 
 PADDING = {"labels": -100, "attention_mask": 0, "input_ids": 0, "token_type_ids": 0, "decoder_input_ids": 0}
 """What a token tensor of a mapping batch is padded with (by key), so that padded positions count for nothing: labels

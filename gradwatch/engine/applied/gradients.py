@@ -13,7 +13,8 @@ random states replayed and the buffers restored by the check's :class:`TrainingS
 
 Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
 by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
-``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.sharding`) each result is
+``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.distributed`) each result
+is
 this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate with
 respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not available
 (FSDP gathers parameters in their own dtype).
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.applied.rounding import AutocastRounding
+from gradwatch.engine.distributed import collective as sharding
+from gradwatch.engine.distributed.parameters import sharded_backward
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.conditions import (
     autocast_disabled,
@@ -40,8 +43,6 @@ from gradwatch.engine.function.conditions import (
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.sharding import collective as sharding
-from gradwatch.engine.sharding.parameters import sharded_backward
 
 Gradient = list[Tensor]
 """One tensor per checked parameter (zeros where autograd gave none)."""

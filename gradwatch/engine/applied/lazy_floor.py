@@ -24,7 +24,7 @@ from gradwatch.engine.applied.probes import Measured, calm
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.results.notes import Note, NoteCode
 
 
 def needed(measured: Sequence[Measured]) -> bool:

@@ -40,19 +40,19 @@ from gradwatch.engine.applied.combined import (
 )
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage, resolve_precision
-from gradwatch.engine.kinds import ProbeKind, Reason
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
-from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.collective import global_numel
+from gradwatch.engine.results.kinds import ProbeKind, Reason
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, Probe
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 

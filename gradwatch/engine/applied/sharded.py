@@ -2,7 +2,7 @@
 
 After FSDP's reduce-scatter each rank holds, as ``param.grad``, its rows of the mean over the ranks of their
 gradients: one gradient of the global loss (the mean of the ranks' window losses), in pieces. An applied check of it is
-a sharded check (:mod:`gradwatch.engine.sharding`): every rank moves its own shards along one global direction (its
+a sharded check (:mod:`gradwatch.engine.distributed`): every rank moves its own shards along one global direction (its
 rows of the applied gradient), every number a probe decides on is summed over the ranks, and every loss is the global
 loss, so that all ranks run the same evaluations in the same order (the collectives of FSDP's forward need it).
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gradwatch.engine.distributed import SHARDED_NOTE
+from gradwatch.engine.distributed.collective import Collective, sharded
+from gradwatch.engine.distributed.parameters import register_like
 from gradwatch.engine.numerics.norms import norms
-from gradwatch.engine.sharding import SHARDED_NOTE
-from gradwatch.engine.sharding.collective import Collective, sharded
-from gradwatch.engine.sharding.parameters import register_like
 
 __all__ = ["ShardedWindow", "ranks_at_fault", "shard_window"]
 

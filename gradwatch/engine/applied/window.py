@@ -25,7 +25,7 @@ from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import capture_rng, set_rng
 
 if TYPE_CHECKING:
-    from gradwatch.engine.report import CheckReport
+    from gradwatch.engine.results.report import CheckReport
 
 Combine = Literal["mean", "sum"] | Callable[[list[Tensor]], Tensor]
 """How a loop combines its micro-batch losses into the window's loss: ``"mean"`` (Lightning, and a loop that divides

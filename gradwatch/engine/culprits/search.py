@@ -30,19 +30,19 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gradwatch.engine.culprits.probes import ActivationProbes, ExhaustedError
+from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.sites import Site, record_sites
-from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.reference import reproduced_center
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
+from gradwatch.engine.recomputed.reference import reproduced_center
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""

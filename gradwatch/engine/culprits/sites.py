@@ -29,7 +29,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from gradwatch.engine.function.batch import map_tensors
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.kinds import kinds_where
+from gradwatch.engine.results.kinds import kinds_where
 
 PLACES = kinds_where(culprit_search=True)
 """Where a probe can displace a site (see the module doc)."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import _engine_run_backward
 
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.report import CheckAbandonedError
 
 
 class LossCallsBackwardError(CheckAbandonedError, ValueError):

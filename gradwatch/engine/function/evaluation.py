@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.distributed import collective as sharding
+from gradwatch.engine.distributed.parameters import sharded_backward
 from gradwatch.engine.function.backward import gradient, loss_gradient
 from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
@@ -27,10 +29,8 @@ from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckAbandonedError
-from gradwatch.engine.sharding import collective as sharding
-from gradwatch.engine.sharding.parameters import sharded_backward
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""

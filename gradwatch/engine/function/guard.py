@@ -30,7 +30,7 @@ import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
-from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.results.notes import Note, NoteCode
 
 MODULE_DICTS = (
     "_parameters",

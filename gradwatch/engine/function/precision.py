@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 Precision = Literal["auto", "native", "float64"]
 """``"native"``: probes evaluate the loss in the parameters' own dtype. ``"float64"``: in float64, on float64 copies

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.guard import MODULE_DICTS
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 MODULE_BOOKKEEPING = frozenset({"training", "_is_full_backward_hook", *MODULE_DICTS})
 """``nn.Module`` attributes that are not user state: structure and hooks (parameters, buffers and modes are restored by

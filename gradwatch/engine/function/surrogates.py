@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.notes import Note, NoteCode
+from gradwatch.engine.results.notes import Note, NoteCode
 
 
 @dataclass

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gradwatch.engine.distributed.collective import layout, summed
 from gradwatch.engine.numerics.norms import dot, total
-from gradwatch.engine.sharding.collective import layout, summed
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, Displacement, VectorDirection
 from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.stencil import Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 Request = tuple[Direction, float, Sequence[float]]
 """Points to evaluate ahead: a direction, a step and the offsets (in units of the step) along it."""
@@ -31,7 +31,7 @@ Request = tuple[Direction, float, Sequence[float]]
 class InputsRefusedError(Exception):
     """The loss raised at displaced inputs: an input that is also a target in [0, 1] (an autoencoder's
     ``binary_cross_entropy(recon, x)``), a probability, a mask or a label stored as floats. The check drops its input
-    probes, never the check (:func:`gradwatch.engine.probes.measured_probes`)."""
+    probes, never the check (:func:`gradwatch.engine.recomputed.probes.measured_probes`)."""
 
 
 def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:

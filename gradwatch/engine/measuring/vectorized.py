@@ -34,8 +34,8 @@ from torch.nn.modules import module as torch_module
 
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import CoordinateDirection, Displacement, VectorDirection
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 AGREEMENT = 1e-11
 """How closely, relative to the loss, a pass must reproduce the loss at the unperturbed point evaluated on its own:

@@ -36,7 +36,7 @@ class Assessment:
         scale: The denominator of the relative error: ``max(|analytic|, |numeric|)``, floored.
         verdict: ``"ok"``, ``"fail"``, ``"inconclusive"``, or ``"suspect"`` for a screen that needs the full stencil.
             A ``"fail"`` here is a candidate until confirmed.
-        reason: See :attr:`gradwatch.engine.report.Probe.reason`.
+        reason: See :attr:`gradwatch.engine.results.report.Probe.reason`.
         loss_noise: ``noise`` in loss units (times the step): what other probes of the check may borrow as the
             round-off of one loss evaluation.
     """

@@ -2,7 +2,7 @@
 transfer per device (a device sync per tensor would dominate a probe on a GPU).
 
 In a sharded check the tensors are each rank's shards: every norm, sum and element count here is of the whole tensors,
-reduced across the ranks (:mod:`gradwatch.engine.sharding`)."""
+reduced across the ranks (:mod:`gradwatch.engine.distributed`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradwatch.engine.sharding.collective import active, summed
+from gradwatch.engine.distributed.collective import active, summed
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 

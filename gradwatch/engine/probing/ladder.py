@@ -23,12 +23,12 @@ from collections.abc import Sequence
 import torch
 
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""

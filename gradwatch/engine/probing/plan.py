@@ -1,8 +1,9 @@
 """What the probes of a recomputed check are asked to do, as one object: :class:`ProbePlan`.
 
-The check (:mod:`gradwatch.engine.check`) makes it once from its settings and the model; the probes
-(:mod:`gradwatch.engine.probes`), their confirmations (:mod:`gradwatch.engine.confirmation`,
-:mod:`gradwatch.engine.shifted`) and the culprit search take it whole, with the ladder it builds for any measurements
+The check (:mod:`gradwatch.engine.recomputed.check`) makes it once from its settings and the model; the probes
+(:mod:`gradwatch.engine.recomputed.probes`), their confirmations (:mod:`gradwatch.engine.recomputed.confirmation`,
+:mod:`gradwatch.engine.recomputed.shifted`) and the culprit search take it whole, with the ladder it builds for any
+measurements
 (:meth:`ProbePlan.ladder`), rather than its parts one by one.
 """
 

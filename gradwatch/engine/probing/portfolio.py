@@ -34,17 +34,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gradwatch.engine.distributed.collective import active, any_rank, every_rank, global_numel, global_shape, value_at
 from gradwatch.engine.function.batch import ROOT
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, VectorDirection
 from gradwatch.engine.numerics.norms import norm, norms, rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, relative_tolerance
 from gradwatch.engine.probing.cover import CoverGroup, cover_groups
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.report import DESCENT_TARGET
-from gradwatch.engine.sharding.collective import active, any_rank, every_rank, global_numel, global_shape, value_at
+from gradwatch.engine.results.kinds import ProbeKind
+from gradwatch.engine.results.report import DESCENT_TARGET
 
 
 @dataclass(frozen=True)

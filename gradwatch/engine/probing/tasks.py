@@ -1,18 +1,18 @@
 """A probe while it is being measured: what it moves, at which step, and what its stencils have said so far.
 
 The portfolio (:mod:`.portfolio`) creates :class:`ProbeTask` objects, the ladder (:mod:`.ladder`) measures and
-escalates them, and the check turns each into the :class:`~gradwatch.engine.report.Probe` users see.
+escalates them, and the check turns each into the :class:`~gradwatch.engine.results.report.Probe` users see.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import Stencil
-from gradwatch.engine.report import Probe
+from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.report import Probe
 
 
 @dataclass
@@ -20,7 +20,7 @@ class ProbeTask:
     """A probe being measured.
 
     Attributes:
-        kind: See :class:`~gradwatch.engine.kinds.ProbeKind`.
+        kind: See :class:`~gradwatch.engine.results.kinds.ProbeKind`.
         target: The parameter name, input path or ``"*"`` the probe reports.
         index: The coordinate, or ``None`` for a direction.
         direction: What the probe moves.

@@ -18,10 +18,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gradwatch.engine.kinds import ProbeKind, kinds_where
+from gradwatch.engine.results.kinds import ProbeKind, kinds_where
 
 if TYPE_CHECKING:  # the report imports this module (GradientCheckError renders itself)
-    from gradwatch.engine.report import CheckReport, Probe
+    from gradwatch.engine.results.report import CheckReport, Probe
 
 CULPRIT_PREFIX = "culprit: "
 """The line of the markdown form that names the module whose backward is wrong (read back by ``gradwatch report``)."""

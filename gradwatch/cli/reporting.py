@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.cli.output import emit
-from gradwatch.engine.rendering import searches
+from gradwatch.engine.results.rendering import searches
 from gradwatch.outputs.reading import read_logdir
 from gradwatch.tensorboard.events import EventFilesError, FailureRecord, RunEvents
 from gradwatch.tensorboard.files import shown

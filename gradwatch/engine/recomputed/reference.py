@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gradwatch.engine.faithfulness import UnfaithfulFloat64Error
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.collective import global_index
 from gradwatch.engine.function.batch import leading_slice
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn, Reference
-from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.report import CheckAbandonedError, Probe
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.collective import global_index
+from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
+from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError, Probe
 
 if TYPE_CHECKING:
     from gradwatch.engine.session import CheckSession

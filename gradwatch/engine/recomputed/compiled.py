@@ -31,11 +31,11 @@ from torch import Tensor, nn
 from gradwatch.engine.function.conditions import compiler_disabled
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
-from gradwatch.engine.report import DESCENT_TARGET, CheckAbandonedError, Probe
+from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, Probe
 
 
 def compiled_parts(model: nn.Module) -> list[str]:

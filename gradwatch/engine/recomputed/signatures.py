@@ -23,7 +23,6 @@ import math
 from collections.abc import Sequence
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import measure
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
@@ -31,6 +30,7 @@ from gradwatch.engine.numerics.norms import norm
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.results.kinds import ProbeKind
 
 COARSE_STEP = 0.1
 """How far the coarse probe of a flat tensor moves it: this fraction of its RMS per element, on average. Far enough to

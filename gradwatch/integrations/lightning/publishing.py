@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink

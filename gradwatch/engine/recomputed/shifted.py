@@ -32,7 +32,6 @@ from torch import Tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.kinks import smooth_at_the_point
 from gradwatch.engine.numerics.norms import rms
@@ -40,8 +39,9 @@ from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.reference import reproduced_center
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.recomputed.reference import reproduced_center
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 SHIFT = 1e-2
 """How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a

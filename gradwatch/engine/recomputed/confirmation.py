@@ -4,7 +4,8 @@ derivative, and from the rounding of a correct formula.
 A discrepancy that the ladder confirmed at a second step along the same line can still be no bug:
 
 * **A kink exactly at the point.** At a tie the loss has a left and a right derivative, and a central difference does
-  not measure autograd's choice: :func:`gradwatch.engine.shifted.confirm_at_a_shifted_point` measures the failure
+  not measure autograd's choice: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the
+  failure
   again at a shifted point, where a tie no longer is.
 * **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
   derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
@@ -35,13 +36,13 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.steps import relative_step, relative_tolerance
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.reference import reproduced_center
+from gradwatch.engine.recomputed.reference import reproduced_center
+from gradwatch.engine.results.notes import Note, NoteCode
 
 IMPRECISION_LIMIT = 10.0
 """The most a native gradient whose float64 formula is right may be off, in multiples of the tolerance, to pass for

@@ -12,13 +12,13 @@ import random
 import torch
 
 from gradwatch.engine.culprits.sites import Displacements, Site
-from gradwatch.engine.kinds import ProbeKind
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.steps import relative_step
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.results.kinds import ProbeKind
 
 MAX_PROBES = 64
 """The most activation probes one search makes (two per place probed); a search that needs more names the deepest

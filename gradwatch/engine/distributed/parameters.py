@@ -4,7 +4,7 @@ FSDP2 (``fully_shard``) makes every parameter of a sharded module a ``DTensor`` 
 mesh: each rank holds a block of rows, and the forward pass gathers the whole parameter from the shards. A check
 moves the shards in place (the optimizer does the same) and never gathers a parameter outside the forward passes.
 Other placements under FSDP2 (tensor parallelism combined with it, a mesh of more than one dimension) are refused with
-a message; tensor parallelism alone is :mod:`gradwatch.engine.sharding.tensor_parallel`'s.
+a message; tensor parallelism alone is :mod:`gradwatch.engine.distributed.tensor_parallel`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.engine.sharding.collective import Collective, Layout, global_loss, peers_ok
+from gradwatch.engine.distributed.collective import Collective, Layout, global_loss, peers_ok
 
 
 class UnsupportedShardingError(ValueError):
@@ -123,7 +123,8 @@ def _sharded_modules(model: nn.Module) -> list[nn.Module]:
 @contextlib.contextmanager
 def lockstep(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """For the duration: before each FSDP unit gathers its parameters, the ranks confirm that no evaluation failed
-    (:func:`~gradwatch.engine.sharding.collective.peers_ok`), and after its forward the unit is resharded, so that the
+    (:func:`~gradwatch.engine.distributed.collective.peers_ok`), and after its forward the unit is resharded, so that
+    the
     next evaluation gathers the shards as the probes moved them; afterwards every unit is resharded, also where a
     failed evaluation left one gathered. Nothing if not ``enabled``."""
     modules = _sharded_modules(model) if enabled else []

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, TypeVar
 
-from gradwatch.engine.kinds import ProbeKind, Reason, Verdict
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.rendering import render_text
+from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -27,7 +27,7 @@ Scope = Literal["applied", "recomputed"]
 """What a check compared with the loss: ``"applied"``, the gradient the optimizer is about to apply, as the training's
 own path computed it (autocast, compiled graph, accumulation, cross-rank reduction, hooks;
 :mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
-(:func:`~gradwatch.engine.check.check_gradients`)."""
+(:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
 
 Fault = Literal["formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping"]
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
@@ -56,7 +56,8 @@ class Probe:
     """One comparison between an analytic (autograd) derivative and a finite-difference estimate of it.
 
     Attributes:
-        kind: What was perturbed (a :class:`~gradwatch.engine.kinds.ProbeKind`, a ``str``: ``probe.kind == "tensor"``).
+        kind: What was perturbed (a :class:`~gradwatch.engine.results.kinds.ProbeKind`, a ``str``: ``probe.kind ==
+            "tensor"``).
         target: The parameter name as in ``named_parameters()``, an input path such as ``"batch[0]"`` or
             ``"batch['x']"``, ``"*"`` for the descent probe, or ``"loss"``.
         index: The perturbed coordinate within ``target``, or ``None`` for a probe along a direction.
@@ -65,7 +66,8 @@ class Probe:
         rel_error: ``|numeric − analytic| / max(|numeric|, |analytic|)``, with the denominator floored at the size a
             derivative of the probed tensor can be expected to have, so that a derivative whose true value is zero does
             not read as a 100% error.
-        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"`` (a :class:`~gradwatch.engine.kinds.Verdict`, a ``str``).
+        verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"`` (a :class:`~gradwatch.engine.results.kinds.Verdict`, a
+            ``str``).
         noise: The probe's estimate of the absolute error of ``numeric`` (round-off, truncation and the jitter of
             non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
         step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
@@ -137,7 +139,7 @@ class CheckReport:
         n_backward: Backward passes spent (one: the reference gradient).
         duration_s: Wall time of the check in seconds.
         notes: Human-readable remarks on what was skipped or degraded, e.g. an input that receives no gradient: each a
-            :class:`~gradwatch.engine.notes.Note`, a ``str`` with a stable ``code`` (see :meth:`noted`).
+            :class:`~gradwatch.engine.results.notes.Note`, a ``str`` with a stable ``code`` (see :meth:`noted`).
         samples: How many samples of the batch the probes used (``None`` when the batch has no tensor).
         precision: What the probes evaluated the loss in: ``"native"`` (the parameters' dtype) or ``"float64"``.
         rtol: The relative tolerance the probes were judged with: the one asked for, raised where the loss is so
@@ -154,7 +156,7 @@ class CheckReport:
             copy was kept): the run is not exactly as it would have been without the check.
         surrogates: Gradients that are deliberately not the derivative, recognised by their signature (a
             straight-through estimator, a stop-gradient), each in words with the ``ignore=`` pattern that exempts it
-            (:mod:`gradwatch.engine.signatures`).
+            (:mod:`gradwatch.engine.recomputed.signatures`).
         culprits: For a failing check, the module whose backward is wrong, followed by the modules proven to contain
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
@@ -211,7 +213,8 @@ class CheckReport:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
 
     def noted(self, code: NoteCode | str) -> list[Note]:
-        """The notes with ``code`` (a :class:`~gradwatch.engine.notes.NoteCode`), in order: ``report.noted("sharded")``
+        """The notes with ``code`` (a :class:`~gradwatch.engine.results.notes.NoteCode`), in order:
+        ``report.noted("sharded")``
         is the note of a sharded check, ``[]`` if it was not sharded."""
         return [note for note in self.notes if getattr(note, "code", None) == code]
 

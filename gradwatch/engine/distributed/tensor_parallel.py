@@ -8,7 +8,7 @@ hooks of ``torch.distributed.tensor`` set aside, so that the forward computes th
 every rank alike. Afterwards the very ``DTensor`` parameters are put back: whatever a check did to the plain copies
 cannot reach them. The gradients of the check are the whole ones (:func:`whole_gradients`): a replicated parameter's
 gradient is this rank's own, so ranks that disagree on it stay visible to the cross-rank comparison of an applied
-check. FSDP2-sharded models (``fully_shard``) are left to :mod:`gradwatch.engine.sharding.parameters`; a model with
+check. FSDP2-sharded models (``fully_shard``) are left to :mod:`gradwatch.engine.distributed.parameters`; a model with
 both is refused there.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gradwatch.engine.sharding.hooks import hooks_set_aside
+from gradwatch.engine.distributed.library_hooks import hooks_set_aside
 
 TENSOR_PARALLEL_NOTE = (
     "tensor parallel: the model's DTensor parameters made whole on every rank for the check (its redistributing "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gradwatch.engine.report import CheckAbandonedError
+from gradwatch.engine.results.report import CheckAbandonedError
 
 REDUCTION_TIMEOUT_S = 300.0
 """How long a rank waits at one of the check's reductions before it ends the check (every rank runs the same

@@ -13,7 +13,8 @@ Adding a probe kind touches this module, the module that measures it, and their 
    properties say where the rest of the engine takes the new probes in (float64 re-measurement, the check's verdict,
    the culprit search, ``focus``, the signatures of surrogate gradients);
 2. the module that makes and measures the probes (the portfolio for probes of parameters and inputs,
-   :mod:`gradwatch.engine.culprits` for probes of one module, :mod:`gradwatch.engine.compiled` for comparisons of
+   :mod:`gradwatch.engine.culprits` for probes of one module, :mod:`gradwatch.engine.recomputed.compiled` for
+   comparisons of
    gradients), which creates ``ProbeTask(ProbeKind.NEW, ...)`` or ``Probe(ProbeKind.NEW, ...)``;
 3. tests of that module; ``tests/engine/test_kinds.py`` already checks that every kind has a row, that no other module
    spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
@@ -40,7 +41,7 @@ class StrEnum(str, Enum):
 
 
 class ProbeKind(StrEnum):
-    """What a probe moves (:attr:`gradwatch.engine.report.Probe.kind`); each kind's properties are its row of
+    """What a probe moves (:attr:`gradwatch.engine.results.report.Probe.kind`); each kind's properties are its row of
     :data:`PROBE_KINDS`.
 
     ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"cover"``:
@@ -54,7 +55,7 @@ class ProbeKind(StrEnum):
     reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
     through the training's compiled graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm),
     which the other probes check against finite differences; ``rel_error`` is the norm of their difference relative
-    to the larger (see :mod:`gradwatch.engine.compiled`). The culprit search of a failing check
+    to the larger (see :mod:`gradwatch.engine.recomputed.compiled`). The culprit search of a failing check
     (:mod:`gradwatch.engine.culprits`) adds probes of one module (``target`` its name as in ``named_modules()``,
     ``""`` the model itself), each displacing what that module alone sees along autograd's gradient there:
     ``"activation"`` its output, ``"module_input"`` its inputs as it receives them, ``"module_params"`` its own
@@ -100,7 +101,8 @@ class KindTraits:
         culprit_search: It is a probe of the culprit search (one place of one module): it locates the failing
             probes' culprit and is no victim itself (listings of what failed leave it out).
         refocused: An undecided probe of it (see :attr:`Reason.retried`) names its tensor in
-            :attr:`CheckReport.undecided <gradwatch.engine.report.CheckReport.undecided>`, which the next check of a
+            :attr:`CheckReport.undecided <gradwatch.engine.results.report.CheckReport.undecided>`, which the next check
+            of a
             series probes again.
     """
 
@@ -161,7 +163,7 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
     ProbeKind.LOSS: KindTraits("the loss itself, reported only when it is not finite"),
     ProbeKind.COMPILED: KindTraits(
         "the gradient of one tensor (or of all, target '*') through the training's compiled graph against eager "
-        "autograd's (gradwatch.engine.compiled)"
+        "autograd's (gradwatch.engine.recomputed.compiled)"
     ),
     ProbeKind.ACTIVATION: KindTraits(
         "culprit search: one module's output, displaced along autograd's gradient there", culprit_search=True
@@ -198,7 +200,7 @@ class Verdict(StrEnum):
 
 
 class Reason(StrEnum):
-    """Why a probe's verdict is what it is (:attr:`gradwatch.engine.report.Probe.reason`)."""
+    """Why a probe's verdict is what it is (:attr:`gradwatch.engine.results.report.Probe.reason`)."""
 
     AGREES = "agrees"
     """The derivatives agree within the tolerance, and the probe could have seen a smaller error."""

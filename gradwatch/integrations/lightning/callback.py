@@ -29,8 +29,8 @@ from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
-from gradwatch.lightning.training_step import loggers_silenced, training_step_loss
+from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
+from gradwatch.integrations.lightning.training_step import loggers_silenced, training_step_loss
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-from gradwatch.engine.notes import NoteCode
-from gradwatch.engine.report import CheckReport
+from gradwatch.engine.results.notes import NoteCode
+from gradwatch.engine.results.report import CheckReport
 
 
 class Diagnosis(NamedTuple):

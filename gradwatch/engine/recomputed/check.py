@@ -30,31 +30,31 @@ import torch
 from torch import nn
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.compiled import compiled_culprit, compiled_parts, compiled_probes
+from gradwatch.engine.distributed import SHARDED_NOTE
+from gradwatch.engine.distributed.collective import Collective
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
-from gradwatch.engine.kinds import Verdict
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
     gradient_tolerance,
     relative_tolerance,
 )
-from gradwatch.engine.probes import least_precise, measured_probes
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
-from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
-from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe
+from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
+from gradwatch.engine.recomputed.probes import least_precise, measured_probes
+from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import DESCENT_TARGET, CheckReport, Probe
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
-from gradwatch.engine.sharding import SHARDED_NOTE
-from gradwatch.engine.sharding.collective import Collective
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.sharding.whole import on_whole_parameters
 
 __all__ = ["check_gradients"]
 
@@ -101,7 +101,8 @@ def check_gradients(
             In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
-            a series of checks, the previous report's :attr:`~gradwatch.engine.report.CheckReport.undecided`, so that a
+            a series of checks, the previous report's :attr:`~gradwatch.engine.results.report.CheckReport.undecided`,
+            so that a
             tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
             ``step``. A caller running a series of checks passes the check's position in the series.
@@ -115,11 +116,11 @@ def check_gradients(
     Whatever the loss does to the model during the check is undone before it returns or raises: parameters changed in
     place, hooks registered, submodules added or replaced, parameters rebound, ``requires_grad`` toggled (see
     :mod:`gradwatch.engine.function.guard`), besides the user state of :mod:`gradwatch.engine.function.sandbox`. What
-    cannot be undone is named in :attr:`~gradwatch.engine.report.CheckReport.unrestored` and in an
-    :class:`~gradwatch.engine.report.UnrestoredStateWarning`.
+    cannot be undone is named in :attr:`~gradwatch.engine.results.report.CheckReport.unrestored` and in an
+    :class:`~gradwatch.engine.results.report.UnrestoredStateWarning`.
 
     Returns:
-        A :class:`~gradwatch.engine.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
+        A :class:`~gradwatch.engine.results.report.CheckReport`. ``report.verdict`` is ``"fail"`` if any probe failed.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable or does not return a tensor.

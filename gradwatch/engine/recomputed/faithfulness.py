@@ -17,7 +17,7 @@ go through torch. Such a float64 evaluation gives away what it is:
 Either way the check probes again in the native precision, with a note; it never reports what the float64 function
 said. A healthy check, whose float64 probes all decide, pays for none of it. A third sign, float64 autograd agreeing
 with the float64 finite difference while the native gradient does not, is settled where it arises:
-:func:`gradwatch.engine.confirmation.confirm_precision` measures such a probe natively.
+:func:`gradwatch.engine.recomputed.confirmation.confirm_precision` measures such a probe natively.
 """
 
 from __future__ import annotations

@@ -14,22 +14,22 @@ from collections.abc import Sequence
 
 import torch
 
-from gradwatch.engine.confirmation import confirm_precision
 from gradwatch.engine.culprits.search import localize
-from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
+from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
-from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.reference import reproduced_center
-from gradwatch.engine.report import Probe
-from gradwatch.engine.sharding.collective import active as sharding_active
-from gradwatch.engine.shifted import confirm_at_a_shifted_point
-from gradwatch.engine.signatures import stop_gradients, straight_through
+from gradwatch.engine.recomputed.confirmation import confirm_precision
+from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error, quantised
+from gradwatch.engine.recomputed.reference import reproduced_center
+from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
+from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import Probe
 
 LOCALIZED_AT_MOST = 8
 """After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
@@ -65,7 +65,7 @@ def measured_probes(
 ) -> MeasuredProbes:
     """The check's probes, measured in the precision the ``plan`` asks for (again natively, with a note, when the
     float64 evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate
-    gradients recognised (:mod:`gradwatch.engine.signatures`)."""
+    gradients recognised (:mod:`gradwatch.engine.recomputed.signatures`)."""
     model = evaluator.model
     with probe_precision(model, evaluator, plan.precision) as (precision, trial):
         try:
@@ -194,7 +194,7 @@ def _confirm_failures(
 ) -> None:
     """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
     only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
-    :mod:`gradwatch.engine.confirmation`. ``mode`` is the precision the probes were measured in."""
+    :mod:`gradwatch.engine.recomputed.confirmation`. ``mode`` is the precision the probes were measured in."""
     if mode == "float64":
         confirm_precision(evaluator, portfolio, tasks, plan)
     confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, mode)

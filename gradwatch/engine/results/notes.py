@@ -1,4 +1,5 @@
-"""The remarks of a report (:attr:`CheckReport.notes <gradwatch.engine.report.CheckReport.notes>`) as data: each a
+"""The remarks of a report (:attr:`CheckReport.notes <gradwatch.engine.results.report.CheckReport.notes>`) as data:
+each a
 :class:`Note`, a ``str`` (its text, as users read it) with a stable :class:`NoteCode`, so that code and tests ask
 ``note.code`` instead of searching the wording, and the wording can change without breaking them.
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gradwatch.engine.kinds import StrEnum
+from gradwatch.engine.results.kinds import StrEnum
 
 
 class NoteCode(StrEnum):
@@ -122,7 +123,7 @@ class Note(str):
     def __new__(cls, code: NoteCode | str, text: str) -> Note:
         found = _BY_VALUE.get(code)
         if found is None:
-            raise ValueError(f"`code` must be a NoteCode (gradwatch.engine.notes); got {code!r}")
+            raise ValueError(f"`code` must be a NoteCode (gradwatch.engine.results.notes); got {code!r}")
         note = super().__new__(cls, text)
         note.code = found
         return note

@@ -19,9 +19,9 @@ from typing import Any, ParamSpec
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.engine.notes import Note, NoteCode
-from gradwatch.engine.report import CheckReport
-from gradwatch.engine.sharding import tensor_parallel, zero
+from gradwatch.engine.distributed import tensor_parallel, zero
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport
 
 Options = ParamSpec("Options")
 
