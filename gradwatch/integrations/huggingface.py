@@ -98,8 +98,9 @@ class GradWatchCallback(TrainerCallback):
         sinks: More outputs for every check's records, besides the run's own.
         on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
-        decide, agree: The budget decision and the report every process acts on; by default those of
-            :mod:`gradwatch.watch.distributed` (rank 0 decides, every process acts on the same report).
+        decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
+        agree: The report every process acts on; by default the same on every process
+            (:mod:`gradwatch.watch.distributed`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
         **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
 
