@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -113,15 +114,16 @@ def _set_full_grad(param: Tensor, value: Tensor) -> None:
     safe_set_full_grad(param, value)
 
 
-def _leave_last_micro_batch_out(engine: Any, last: Any) -> None:
-    """Make each rank's partition of the applied gradient hold its own last micro-batch's gradient where the mean over
-    the ranks should be: the reduction of that micro-batch left out."""
+def _leave_last_micro_batch_out(engine: Any, last: Any, loss: Any = None) -> None:
+    """Make each rank's partition of the applied gradient hold its own last micro-batch's gradient (of ``loss``,
+    ``loss_fn`` by default) where the mean over the ranks should be: the reduction of that micro-batch left out."""
+    loss = loss or loss_fn
     full = full_gradients(engine)
     module = engine.module
     with gathered(module):
         names = [n for n, p in module.named_parameters() if n in full]
         params = [p for n, p in module.named_parameters() if n in full]
-        own = torch.autograd.grad(loss_fn(module, last) / ACCUMULATE, params)
+        own = torch.autograd.grad(loss(module, last) / ACCUMULATE, params)
     for name, param, mine in zip(names, params, own, strict=True):
         mean = mine.float().clone()
         torch.distributed.all_reduce(mean)
@@ -213,9 +215,12 @@ def main() -> None:
         kind, stage, dtype = scenario.split("-")
         result = run(kind, int(stage.removeprefix("z")), dtype)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    torch.distributed.barrier()
+    # every result is written: leave without the interpreter's teardown, in which DeepSpeed's and gloo's state
+    # sometimes aborts a rank ("terminate called without an active exception") and leaves the other waiting
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ check at every optimizer step), ``baseline`` (the same seeded fit without the ca
 layer's weight gradient 3% too large), each 3 optimizer steps of 2 micro-batches with gradient clipping, on
 ``deepspeed_run``'s MLP. Kinds ``accelerate``, ``accelerate_baseline`` and ``accelerate_formula`` are a plain
 Accelerate loop instead (``accelerator.backward`` steps the engine) watched by a ``GradientWatch``: the applied check
-run at the engine's accumulation boundary by ``before_engine_steps``, recomputed checks after steps 1 and 2.
+run at the engine's accumulation boundary by ``applied_checks_inside_steps``, recomputed checks after steps 1 and 2.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import transformers
 from accelerate import PartialState
 from accelerate.state import AcceleratorState
 from deepspeed.utils import safe_get_full_fp32_param
-from deepspeed_run import Net, _digest
+from deepspeed_run import Net, _digest, _leave_last_micro_batch_out, _scale_rank1_partition
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from gradwatch import GradientWatch
 from gradwatch.engine.notes import codes
-from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps
+from gradwatch.integrations.deepspeed import applied_checks_inside_steps, before_engine_steps
 from gradwatch.integrations.huggingface import GradWatchCallback
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
@@ -55,6 +55,57 @@ class Points(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         return {"x": self.x[index], "labels": self.y[index]}
+
+
+class AppliedChecks(transformers.TrainerCallback):
+    """The applied check of a ``Trainer(deepspeed=...)`` run until ``GradWatchCallback`` makes it: every micro-batch
+    recorded where the Trainer computes its loss, the check run inside the engine's step by
+    ``applied_checks_inside_steps``; ``plant`` runs just before it (a fault planted after the reduction)."""
+
+    def __init__(self, trainer: transformers.Trainer, plant: Any = None) -> None:
+        self.trainer, self.plant = trainer, plant
+        self.watch = GradientWatch(every_n_steps=10**6, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                                   decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+        self.hooks: list[Any] = []
+        self.last: dict[str, Tensor] = {}  # the last micro-batch the Trainer trained on
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, engine = self.trainer, self.trainer.model_wrapped
+        compute_loss = trainer.compute_loss
+
+        def loss_fn(model: Any, inputs: Any) -> Tensor:
+            return compute_loss(model, dict(inputs))
+
+        def recording(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if model.training:
+                self.last = dict(inputs)
+                self.watch.record(dict(inputs), model=engine.module, step=engine.global_steps + 1)
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = recording  # type: ignore[method-assign]
+        self.hooks = [applied_checks_inside_steps(engine, self.watch, loss_fn)]
+        if self.plant is not None:  # installed last, runs first: after the reduction, before the check
+            self.hooks.append(before_engine_steps(engine, lambda: self.plant(engine, self)))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for hook in reversed(self.hooks):
+            hook.remove()
+        del self.trainer.compute_loss
+
+
+def _plant_once(fault: Any) -> Any:
+    def plant(engine: Any, callback: AppliedChecks) -> None:
+        if engine.global_steps == 0:
+            fault(engine, callback)
+
+    return plant
+
+
+def _leftout(engine: Any, callback: AppliedChecks) -> None:
+    def loss(model: Any, inputs: Any) -> Tensor:
+        return model(**inputs)["loss"]
+
+    _leave_last_micro_batch_out(engine, callback.last, loss)
 
 
 def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
@@ -86,9 +137,18 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
         accelerator_config={"use_configured_state": True},
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Points(torch.distributed.get_rank()))
-    callback = None
-    if kind != "baseline":
+    callback: Any = None
+    if kind in ("healthy", "formula"):
         callback = GradWatchCallback(trainer, every_n_steps=1, max_overhead=None, verbose=False)
+    elif kind.startswith("applied"):
+        faults = {
+            "applied": None,
+            "applied_leftout": _leftout,
+            "applied_scaled": lambda e, w: _scale_rank1_partition(e),
+        }
+        fault = faults[kind]
+        callback = AppliedChecks(trainer, None if fault is None else _plant_once(fault))
+    if callback is not None:
         trainer.add_callback(callback)
     trainer.train()
     engine = trainer.model_wrapped
@@ -104,12 +164,15 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
         "reports": [
             {
                 "step": r.step,
+                "scope": r.scope,
                 "verdict": r.verdict,
+                "fault": r.fault,
+                "message": r.fault_message,
                 "failures": sorted({p.target for p in r.failures}),
                 "culprits": r.culprits,
                 "note_codes": codes(r.notes),
             }
-            for r in (callback.reports if callback is not None else [])
+            for r in (callback.watch.reports if callback is not None else [])
         ],
     }
 
@@ -138,12 +201,7 @@ def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
     if kind != "accelerate_baseline":
         watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
                               decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
-        hook = before_engine_steps(  # the engine steps inside accelerator.backward
-            engine,
-            lambda: watch.before_optimizer_step(
-                engine.module, loss_fn, step=engine.global_steps + 1, gradients=FullGradients(engine)
-            ),
-        )
+        hook = applied_checks_inside_steps(engine, watch, loss_fn)  # the engine steps inside accelerator.backward
     for batch in data:
         with accelerator.accumulate(engine):
             if watch is not None:

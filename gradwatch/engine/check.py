@@ -43,7 +43,8 @@ from gradwatch.engine.numerics.steps import (
     gradient_tolerance,
     relative_tolerance,
 )
-from gradwatch.engine.probes import ProbePlan, least_precise, measured_probes
+from gradwatch.engine.probes import least_precise, measured_probes
+from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.report import DESCENT_TARGET, CheckReport, Probe

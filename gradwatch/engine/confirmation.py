@@ -25,10 +25,10 @@ Both run only on probes that failed, so a healthy check pays nothing for them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
@@ -38,7 +38,7 @@ from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.steps import relative_step, relative_tolerance
-from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
@@ -47,9 +47,6 @@ IMPRECISION_LIMIT = 10.0
 """The most a native gradient whose float64 formula is right may be off, in multiples of the tolerance, to pass for
 rounding (5e-3 for float32): more than float32 rounding of a sane computation reaches (``logcumsumexp`` over values
 near 1e4: 9e-4; TF32 matmuls: ~1e-3), less than the smallest bug a check must catch (1%)."""
-
-LadderFactory = Callable[[Measurements, float], Ladder]
-"""Makes the check's ladder around the measurements (and the reference loss) of another point."""
 
 
 def _vector_error(task: ProbeTask, result: Assessment, portfolio: Portfolio) -> float:
@@ -67,25 +64,19 @@ def _vector_error(task: ProbeTask, result: Assessment, portfolio: Portfolio) -> 
 
 
 def confirm_precision(
-    model: nn.Module,
-    evaluator: LossEvaluator,
-    portfolio: Portfolio,
-    tasks: Sequence[ProbeTask],
-    native_dtype: torch.dtype,
-    fail_on_imprecise: bool,
-    ladder: LadderFactory,
-    rtol: float,
+    evaluator: LossEvaluator, portfolio: Portfolio, tasks: Sequence[ProbeTask], plan: ProbePlan
 ) -> None:
     """For the failing tasks of a model whose gradient is less precise than float64: the float64 gradient along each
     task's direction (one float64 forward and backward for all of them). Where it agrees with the float64 numeric the
     formula is right in float64; a native measurement and the size of the error then decide between another float64
     function, a backward wrong in the native dtype only and rounding (see the module doc). ``evaluator`` must be on
     the native parameters and inputs."""
+    native_dtype, fail_on_imprecise = plan.native_dtype, plan.fail_on_imprecise
     failing = [task for task in tasks if task.failed and not task.missing]
     if not failing or native_dtype == torch.float64:
         return
     native_params = evaluator.params
-    with float64_storage(model) as substitutes:
+    with float64_storage(evaluator.model) as substitutes:
         # float64 copies to differentiate: leaves of their own, so the parameters' accumulators never see them
         for _, p in native_params:
             substitutes.get(id(autograd_tensor(p)), p).requires_grad_()
@@ -99,8 +90,8 @@ def confirm_precision(
             evaluator.params = native_params
             evaluator.use_native_inputs()
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
-    natively = _measured_natively(evaluator, portfolio, failing, native_dtype, ladder)
-    limit = IMPRECISION_LIMIT * rtol
+    natively = _measured_natively(evaluator, portfolio, failing, plan)
+    limit = IMPRECISION_LIMIT * plan.rtol
     right: list[str] = []
     unreproduced: list[str] = []
     rest: list[tuple[ProbeTask, Assessment | None]] = []
@@ -154,11 +145,7 @@ def confirm_precision(
 
 
 def _measured_natively(
-    evaluator: LossEvaluator,
-    portfolio: Portfolio,
-    tasks: Sequence[ProbeTask],
-    native_dtype: torch.dtype,
-    ladder: LadderFactory,
+    evaluator: LossEvaluator, portfolio: Portfolio, tasks: Sequence[ProbeTask], plan: ProbePlan
 ) -> list[Assessment | None]:
     """Each task measured again in the native precision, at native steps (``None`` for all when the native loss
     cannot be reproduced). Float64 cannot vouch for a gradient that a native measurement shows wrong for the native
@@ -166,11 +153,11 @@ def _measured_natively(
     kernel specialised by dtype)."""
     if not tasks:
         return []
-    reference = portfolio.reference
+    reference, native_dtype = portfolio.reference, plan.native_dtype
     reproduced = reproduced_center(evaluator, reference, math.nan, native_dtype, native_dtype)
     if reproduced is None:
         return [None] * len(tasks)
-    measuring = ladder(Measurements(evaluator, *reproduced), reference.loss)
+    measuring = plan.ladder(Measurements(evaluator, *reproduced), reference.loss)
     scale = relative_step(native_dtype, native_dtype) / relative_step(torch.float64, native_dtype)
     replicas = []
     for task in tasks:

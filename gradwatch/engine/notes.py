@@ -104,6 +104,7 @@ class NoteCode(StrEnum):
         "accumulation-unequal",
         "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
     )
+    APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

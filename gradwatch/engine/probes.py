@@ -13,18 +13,17 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from gradwatch.engine.confirmation import confirm_precision
 from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.faithfulness import UnfaithfulFloat64Error, quantised
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.function.precision import ResolvedPrecision, probe_precision
+from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.numerics.steps import machine_epsilon
-from gradwatch.engine.probing.ladder import Ladder
-from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.plan import ProbePlan
+from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
 from gradwatch.engine.report import Probe
@@ -37,30 +36,6 @@ LOCALIZED_AT_MOST = 8
 significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
 (full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
 search, not the list of victims, says where the bug is."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbePlan:
-    """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in
-    (``"native"`` or ``"float64"``), and how they are judged."""
-
-    portfolio: PortfolioSettings
-    rtol: float
-    native_dtype: torch.dtype
-    float64_refinement: bool
-    vectorize: bool
-    fail_on_imprecise: bool
-    precision: ResolvedPrecision = "native"
-
-
-def _ladder(plan: ProbePlan, measurements: Measurements, reference_loss: float) -> Ladder:
-    return Ladder(
-        measurements,
-        rtol=plan.rtol,
-        native_dtype=plan.native_dtype,
-        reference_loss=reference_loss,
-        float64_refinement=plan.float64_refinement,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +95,11 @@ def measured_probes(
     if portfolio is not None:
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
         if any(task.failed for task in tasks):
-            _confirm_failures(model, evaluator, tasks, portfolio, plan, precision)
+            _confirm_failures(evaluator, tasks, portfolio, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
         found = None
         if sharding_active() is None:  # the search's activation probes are per rank: not a global function
-            found = localize(model, evaluator, portfolio, tasks, lambda m, loss: _ladder(plan, m, loss), precision)
+            found = localize(model, evaluator, portfolio, tasks, plan.ladder, precision)
         if found is not None:
             evaluator.notes += found.notes
             culprits, message = found.culprits, found.message
@@ -169,7 +144,7 @@ def _probe(
         return [], None, None
     measurements = Measurements(evaluator, *reproduced)
     portfolio = Portfolio(evaluator, reference, grad_norms, plan.portfolio, plan.native_dtype, rtol=plan.rtol)
-    ladder = _ladder(plan, measurements, reference.loss)
+    ladder = plan.ladder(measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:
         evaluator.notes.append(
@@ -215,33 +190,14 @@ def _probe(
 
 
 def _confirm_failures(
-    model: nn.Module, evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: ProbePlan, mode: str
+    evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: ProbePlan, mode: str
 ) -> None:
     """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
     only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
-    :mod:`gradwatch.engine.confirmation`."""
+    :mod:`gradwatch.engine.confirmation`. ``mode`` is the precision the probes were measured in."""
     if mode == "float64":
-        confirm_precision(
-            model,
-            evaluator,
-            portfolio,
-            tasks,
-            plan.native_dtype,
-            plan.fail_on_imprecise,
-            lambda m, loss: _ladder(plan, m, loss),
-            plan.rtol,
-        )
-    step = plan.portfolio
-    confirm_at_a_shifted_point(
-        model,
-        evaluator,
-        portfolio,
-        tasks,
-        lambda m, loss: _ladder(plan, m, loss),
-        mode,
-        f"{step.seed}:{step.step}",
-        vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable(),
-    )
+        confirm_precision(evaluator, portfolio, tasks, plan)
+    confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, mode)
 
 
 def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:

@@ -21,12 +21,13 @@ the check (a note says how many were left unmeasured).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
@@ -36,7 +37,7 @@ from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.kinks import smooth_at_the_point
 from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon
-from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.reference import reproduced_center
@@ -61,26 +62,20 @@ VANISHED = 0.01
 """A probe whose analytic derivative at the shifted point is below this fraction of the first one's says nothing of
 the first point's discrepancy: the failure stands."""
 
-LadderFactory = Callable[[Measurements, float], Ladder]
-"""Makes the check's ladder around the measurements (and the reference loss) of another point."""
-
 
 def confirm_at_a_shifted_point(
-    model: nn.Module,
-    evaluator: LossEvaluator,
-    portfolio: Portfolio,
-    tasks: Sequence[ProbeTask],
-    ladder: LadderFactory,
-    mode: str,
-    seed: str,
-    vectorize: bool = False,
+    evaluator: LossEvaluator, portfolio: Portfolio, tasks: Sequence[ProbeTask], plan: ProbePlan, mode: str
 ) -> None:
-    """Measure every failing task again at a shifted point (see the module doc); a failure that does not reproduce
-    becomes inconclusive (``"tie"`` where the probe agrees there, ``"unstable"`` where it cannot tell).
+    """Measure every failing task of the check's ``plan`` again at a shifted point (see the module doc), in the
+    precision ``mode`` they were measured in; a failure that does not reproduce becomes inconclusive (``"tie"`` where
+    the probe agrees there, ``"unstable"`` where it cannot tell).
 
     ``evaluator`` must be on the native parameters and inputs; they are shifted in place and put back exactly. The
-    shift is drawn from ``seed``, so every process of a distributed run shifts alike.
+    shift is drawn from the plan's seed and step, so every process of a distributed run shifts alike. Points are
+    evaluated in vectorised passes where the plan allows it and the loss changes nothing in place that cannot be put
+    back.
     """
+    plan = dataclasses.replace(plan, vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable())
     # an "imprecise" failure (fail_on_imprecise) is rounding, which no other point reproduces: float64 has settled it
     failing = [task for task in tasks if task.failed and task.result is not None and task.result.reason != "imprecise"]
     # the most significant first, a few at a time: one failure that stands fails the check, and a wrong backward
@@ -88,7 +83,7 @@ def confirm_at_a_shifted_point(
     failing.sort(key=_significance, reverse=True)
     for start in range(0, len(failing), CONFIRMED_AT_ONCE):
         batch = failing[start : start + CONFIRMED_AT_ONCE]
-        if not _confirm_batch(model, evaluator, portfolio, batch, ladder, mode, seed, vectorize):
+        if not _confirm_batch(evaluator, portfolio, batch, plan, mode):
             return
         rest = failing[start + len(batch) :]
         if any(task.failed for task in batch) and rest:
@@ -109,21 +104,14 @@ def _significance(task: ProbeTask) -> float:
 
 
 def _confirm_batch(
-    model: nn.Module,
-    evaluator: LossEvaluator,
-    portfolio: Portfolio,
-    failing: Sequence[ProbeTask],
-    ladder: LadderFactory,
-    mode: str,
-    seed: str,
-    vectorize: bool,
+    evaluator: LossEvaluator, portfolio: Portfolio, failing: Sequence[ProbeTask], plan: ProbePlan, mode: str
 ) -> bool:
     """Measure ``failing`` again at the shifted point and judge them; ``False`` when that point could not be measured
     (the failures stand, with a note)."""
     original_loss = portfolio.reference.loss
     params = [p for _, p in evaluator.params]
     saved = [p.detach().clone() for p in params]
-    generator = torch.Generator().manual_seed(random.Random(f"gradwatch-shift:{seed}").getrandbits(63))
+    generator = torch.Generator().manual_seed(random.Random(f"gradwatch-shift:{plan.seed}").getrandbits(63))
     scale = rms(*params) or 1.0
     replicas: list[ProbeTask] | None = None
     problem = "its loss is not finite or not reproducible"
@@ -140,7 +128,7 @@ def _confirm_batch(
             if moved > MOVED_LOSS:
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
             elif math.isfinite(reference.loss):
-                replicas = _measured_replicas(model, evaluator, portfolio, reference, failing, ladder, mode, vectorize)
+                replicas = _measured_replicas(evaluator, portfolio, reference, failing, plan, mode)
     except CheckAbandonedError:
         raise
     except Exception as error:
@@ -169,27 +157,25 @@ def _shift(tensor: Tensor, generator: torch.Generator, scale: float) -> Tensor:
 
 
 def _measured_replicas(
-    model: nn.Module,
     evaluator: LossEvaluator,
     portfolio: Portfolio,
     reference: Reference,
     failing: Sequence[ProbeTask],
-    ladder: LadderFactory,
+    plan: ProbePlan,
     mode: str,
-    vectorize: bool,
 ) -> list[ProbeTask] | None:
     """Each failing task, measured again at the evaluator's (shifted) point, around its own centre; ``None`` when
     that point's loss cannot be reproduced."""
     native_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
-    with probe_precision(model, evaluator, mode) as (_, trial):
+    with probe_precision(evaluator.model, evaluator, mode) as (_, trial):
         compute_dtype = max((p.dtype for _, p in evaluator.params), key=machine_epsilon)
         reproduced = reproduced_center(evaluator, reference, trial, native_dtype, compute_dtype)
         if reproduced is None:
             return None
         measurements = Measurements(evaluator, *reproduced)
-        if vectorize:
+        if plan.vectorize:
             measurements.start_vectorizing()
-        measuring = ladder(measurements, reference.loss)
+        measuring = plan.ladder(measurements, reference.loss)
         replicas = [portfolio.replica(task, evaluator, reference) for task in failing]
         measuring.measure_fully(replicas)
     measuring.remeasure_in_float64(replicas)

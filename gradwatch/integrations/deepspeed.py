@@ -21,9 +21,11 @@ from typing import Any
 from deepspeed.utils import safe_get_full_grad
 from torch import Tensor, nn
 
+from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.sharding.zero import is_engine
+from gradwatch.watch.watch import GradientWatch
 
-__all__ = ["EngineStepHook", "FullGradients", "before_engine_steps", "full_gradients"]
+__all__ = ["EngineStepHook", "FullGradients", "applied_checks_inside_steps", "before_engine_steps", "full_gradients"]
 
 
 def _module(engine: Any) -> nn.Module:
@@ -104,3 +106,23 @@ def before_engine_steps(engine: Any, check: Callable[[], Any]) -> EngineStepHook
 
     optimizer.step = step
     return hook
+
+
+def applied_checks_inside_steps(
+    engine: Any, watch: GradientWatch, loss_fn: LossFn | None = None, **options: Any
+) -> EngineStepHook:
+    """The watch's applied check at every accumulation boundary of ``engine``, inside its step (after the reduction,
+    before clipping): :func:`before_engine_steps` calling ``watch.before_optimizer_step(engine.module, loss_fn,
+    step=engine.global_steps + 1, gradients=FullGradients(engine), **options)``. For loops whose engine steps inside
+    another call (Accelerate's ``accelerator.backward``, ``transformers.Trainer``); the loop still records each
+    micro-batch (``watch.record(batch, model=engine.module, step=engine.global_steps + 1)``) before its forward.
+    :meth:`EngineStepHook.remove` ends it."""
+    if not isinstance(watch, GradientWatch):
+        raise TypeError(f"`watch` must be a gradwatch.GradientWatch; got {type(watch).__name__}")
+    module = _module(engine)
+
+    def check() -> None:
+        step = int(engine.global_steps) + 1
+        watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
+
+    return before_engine_steps(engine, check)

@@ -1,52 +1,107 @@
 """``GradWatchCallback``: gradient checks in a Hugging Face ``transformers.Trainer`` run (and the TRL trainers on it).
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`. A ``TrainerCallback`` sees neither the batch nor the loss,
-so the callback cooperates with the Trainer it is built with (the pattern of TRL's callbacks): during training it
-wraps ``trainer.compute_loss`` to keep the first micro-batch of each optimizer step that may be checked (a shallow copy
-of the inputs dict, since ``compute_loss`` may pop the labels) and the ``num_items_in_batch`` the Trainer passed with
-it. At ``on_step_end`` (after the optimizer step; ``state.global_step`` counts optimizer steps) it runs the check: the
-loss is the Trainer's own ``compute_loss`` on the kept micro-batch, at the parameters the step produced. Scalars go
-through ``trainer.log`` (so to every ``report_to`` integration) at the steps with a check only.
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
+and lends it what only the Trainer knows (the micro-batches, the loss, how the Trainer combines them, where the logs
+go, the checkpoint's state). A ``TrainerCallback`` sees neither the batch nor the loss, so the callback cooperates with
+the Trainer it is built with (the pattern of TRL's callbacks): during training it wraps ``trainer.compute_loss`` to
+see each micro-batch (a shallow copy of the inputs dict, since ``compute_loss`` may pop the labels) with the
+``num_items_in_batch`` the Trainer passed with it, and ``accelerator.clip_grad_norm_`` to reach the accumulated
+gradient before the Trainer clips it.
+
+* The **applied** check: every micro-batch of a due window goes to ``watch.record``; in the clipping call (before it
+  clips), ``watch.before_optimizer_step`` checks the ``.grad`` the optimizer is about to apply against the window's
+  loss, combined as the Trainer's ``training_step`` combines it, on the path its forward ran (its autocast).
+* The **recomputed** check: at ``on_step_end`` (after the optimizer step; ``state.global_step`` counts optimizer steps)
+  ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the step's first micro-batch at the parameters the
+  step produced.
+
+Outputs go through the watch's sinks, built once per run at ``on_train_begin``
+(:mod:`gradwatch.integrations.trainer_outputs`): the scalars through ``trainer.log`` (every ``report_to``
+integration), the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record beside
+the logs. The watch's state rides in the Trainer's checkpoints (``trainer_state.json``, under ``stateful_callbacks``),
+so a resumed run continues its schedule. What ``compute_loss`` records during a check (TRL's metrics and token counts)
+is put back after it (:mod:`.records`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.integrations.records import records_kept
+from gradwatch.integrations.trainer_outputs import run_sinks
+from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
+from gradwatch.outputs.sinks import Sink
+from gradwatch.watch.alerts import GradientCheckWarning, OnFail
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.watch import GradientWatch
 
-__all__ = ["GradWatchCallback"]
+__all__ = ["STATE_KEY", "GradWatchCallback"]
+
+STATE_KEY = "gradwatch"
+"""The key of the watch's state in ``TrainerState.stateful_callbacks`` (saved in each checkpoint's
+``trainer_state.json``). Not the callback's class name: with ``restore_callback_states_from_checkpoint=True`` the
+Trainer rebuilds a callback of that name from JSON arguments, which cannot hold the trainer."""
 
 
 class GradWatchCallback(TrainerCallback):
     r"""Check, every so often during a ``transformers.Trainer`` run, that the gradients are the derivatives of the loss.
 
-    At the optimizer steps the schedule picks, the check evaluates the Trainer's own ``compute_loss`` on one
-    micro-batch of that step (the first, under gradient accumulation) with ``num_items_in_batch`` as the Trainer passed
-    it, at the parameters after the step, and compares autograd's gradient with finite differences. Training is left
-    bit for bit as it would be without the callback (parameters, optimizer state, random states, the Trainer's own
-    logged values).
+    Both kinds of check, on the watch's one schedule and budget. The **applied** check (every ``applied_every_n_steps``
+    optimizer steps, and at ``first_check_step``) checks the accumulated gradient the optimizer is about to apply,
+    before the Trainer clips it, against the loss of the whole accumulation window as the Trainer trains on it (its
+    ``compute_loss`` on each micro-batch, combined as its ``training_step`` combines them, under its autocast); a
+    wrong gradient is named by its fault (``"precision"``: wrong only on the mixed-precision path, ``"accumulation"``,
+    ...). The **recomputed** check (every ``every_n_steps``, and at ``first_check_step``) evaluates the Trainer's own
+    ``compute_loss`` on one micro-batch of the step (the first) with ``num_items_in_batch`` as the Trainer passed it, at
+    the parameters after the step, and names the module whose backward is wrong. Training is left bit for bit as it
+    would be without the callback (parameters, optimizer state, random states, the Trainer's own log entries).
 
-    Each check's scalars (``gradwatch/verdict``, ``gradwatch/failing_probes``, ``gradwatch/rel_error_max``, ...;
-    ``gradwatch/overhead``) are sent with ``trainer.log``: they reach every ``report_to`` integration and make one
-    entry of ``trainer.state.log_history`` of their own at that step (with ``step`` and ``epoch``, no ``loss``), beside
-    the Trainer's own entries, which stay as they were. Failures warn (a :class:`~gradwatch.GradientCheckWarning` with
-    the culprit), as ``on_fail`` says; ``on_fail="stop"`` stops training at the end of the step.
+    Each check's records go, as in every loop, to the watch's sinks: the scalars (``gradwatch/verdict``,
+    ``gradwatch/rel_error_max`` and its ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) through
+    ``trainer.log``, so to every ``report_to`` integration, as one entry of ``trainer.state.log_history`` of their own
+    at that step; in a TensorBoard run also the histogram of log10 relative errors and, when a check failed, its text
+    with the culprit (``train/gradwatch/failures``); and one line per check in ``gradwatch.jsonl`` beside the logs (the
+    TensorBoard run's directory, else ``output_dir``), which ``gradwatch report`` reads. Failures warn (a
+    :class:`~gradwatch.GradientCheckWarning` with the culprit), as ``on_fail`` says; ``on_fail="stop"`` stops training
+    at the end of the step. The watch's state (schedule, budget, counters, backoff) is saved in the Trainer's
+    checkpoints and restored by ``trainer.train(resume_from_checkpoint=...)``.
 
     Args:
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
-        every_n_steps: Check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+
+    Keyword Args:
+        every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+        first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
+        applied_every_n_steps: An applied check every this many optimizer steps; ``None``: none. Not made under
+            DeepSpeed or FSDP (said once, at the start of training).
+        on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
             ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
-        **options: Any other option of :class:`~gradwatch.GradientWatch` (``first_check_step``, ``on_fail``,
-            ``max_overhead``, ``verbose``, ``sinks``, the probe options of
-            :class:`~gradwatch.engine.settings.ProbeSettings`).
+        max_overhead: The budget, a fraction of the training time the checks may take: 1% by default **whatever the
+            cadence**, one given by hand included (a due check that does not fit is postponed and counted in
+            ``counts["postponed"]``); ``None`` checks on schedule, at any cost.
+        max_reports: How many reports :attr:`reports` keeps.
+        verbose: Log what is worth knowing but is no failure (see :class:`~gradwatch.GradientWatch`).
+        sinks: More outputs for every check's records, besides the run's own.
+        on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
+        context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
+        decide, agree: The budget decision and the report every process acts on; by default those of
+            :mod:`gradwatch.watch.distributed` (rank 0 decides, every process acts on the same report).
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
+        **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
 
     Example::
 
@@ -56,19 +111,56 @@ class GradWatchCallback(TrainerCallback):
     """
 
     def __init__(
-        self, trainer: Trainer, every_n_steps: int | None = None, loss_fn: LossFn | None = None, **options: Any
+        self,
+        trainer: Trainer,
+        *,
+        every_n_steps: int | None = None,
+        first_check_step: int | None = 1,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
+        on_fail: OnFail = "warn",
+        loss_fn: LossFn | None = None,
+        max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
+        max_reports: int = 1000,
+        verbose: bool = True,
+        settings: ProbeSettings | None = None,
+        sinks: Sequence[Sink] = (),
+        decide: Decide | None = None,
+        agree: Agree | None = None,
+        context: Context | None = None,
+        on_report: Callable[[CheckReport], object] | None = None,
+        **options: Unpack[ProbeOptions],
     ):
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.loss_fn = loss_fn
-        # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-        options.setdefault("decide", rank0_decides)
-        options.setdefault("agree", agree_across_ranks)
-        self.watch = GradientWatch(every_n_steps=every_n_steps, loss_fn=loss_fn, on_report=self._log, **options)
+        self.watch = GradientWatch(
+            every_n_steps=every_n_steps,
+            first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps,
+            on_fail=on_fail,
+            loss_fn=loss_fn,
+            max_overhead=max_overhead,
+            max_reports=max_reports,
+            verbose=verbose,
+            settings=settings,
+            sinks=sinks,
+            # several processes (DDP): rank 0 decides the budget and every process acts on the same report
+            decide=decide or rank0_decides,
+            agree=agree or agree_across_ranks,
+            context=self._records_kept,
+            on_report=on_report,
+            **options,
+        )
+        self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
+        self._context = context
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
+        self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
+        self._in_window = False  # the micro-batches run are recorded for the applied check, until its check point
+        self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
+        self._applied_off: str | None = None  # why this run's applied gradient cannot be reached
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -77,30 +169,62 @@ class GradWatchCallback(TrainerCallback):
 
     @property
     def counts(self) -> dict[str, int]:
-        """See :attr:`gradwatch.GradientWatch.counts`."""
+        """See :attr:`gradwatch.GradientWatch.counts` (continued from the checkpoint on resume)."""
         return self.watch.counts
+
+    # --- the Trainer's events --------------------------------------------------------------------------------------
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if not self._wrapped:
             # an instance attribute shadows the method (a subclass's override included) for the run's duration
             self._compute_loss = self.trainer.compute_loss
             self.trainer.compute_loss = self._keeping_compute_loss  # type: ignore[method-assign]
+            # the gradient before the Trainer clips it: the applied check runs first thing in the clipping call
+            self._clip_grad_norm = self.trainer.accelerator.clip_grad_norm_
+            self.trainer.accelerator.clip_grad_norm_ = self._clipping  # type: ignore[method-assign]
             self._wrapped = True
+            self._applied_off = self._applied_unreachable(args)
+        self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
+        self._restore_state(state)
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
+        if self._wrapped and "clip_grad_norm_" in vars(self.trainer.accelerator):
+            del self.trainer.accelerator.clip_grad_norm_
         self._wrapped = False
+        self._in_window = False
         self._kept = None
+        self.watch.sinks = self._sinks  # the run's writers close with it
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         # keep a micro-batch only for a step that may be checked (a due or postponed check)
         self._keep_next = self.watch.due_next(state.global_step)
         self._kept = None
+        self._in_window, self._window_count = self._applied_off is None, None
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ):
+        if not self._in_window:
+            return  # checked in the clipping call, as it should be
+        if args.max_grad_norm > 0:
+            # the Trainer clipped elsewhere (gradients on several device meshes, SageMaker): what the optimizer applies
+            # is no longer the window's gradient, and a check of it would be a false alarm
+            self._applied_off = (
+                "the Trainer clipped the gradient without accelerator.clip_grad_norm_ (gradients on several device "
+                "meshes, or SageMaker model parallelism), so the gradient before clipping cannot be reached"
+            )
+            self._say_applied_off()
+            self._in_window = False
+            self.watch.before_optimizer_step(self._model, _no_micro_batch, step=state.global_step + 1, skipped=True)
+            return
+        self._check_applied()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        self._log_pending()
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
@@ -113,6 +237,7 @@ class GradWatchCallback(TrainerCallback):
             skipped=lambda: bool(getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False)),
             optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
         )
+        self._save_state(state)  # before the Trainer saves a checkpoint of this step
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -123,6 +248,105 @@ class GradWatchCallback(TrainerCallback):
             raise RuntimeError("gradwatch: the Trainer has no model yet")
         return self.trainer.model
 
+    # --- the applied check ------------------------------------------------------------------------------------------
+
+    def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
+        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next)."""
+        self._check_applied()
+        return self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+
+    def _check_applied(self) -> None:
+        """The applied check of the window just run, when one is due: the accumulated ``.grad`` before clipping, against
+        the window's loss as the Trainer combines it, on the path its forward ran (its autocast)."""
+        if not self._in_window:
+            return
+        self._in_window = False  # the check's own calls of compute_loss are not the window's
+        accelerator = self.trainer.accelerator
+        scaler = getattr(accelerator, "scaler", None)
+        path = TrainerPath(self.trainer, self._model)
+        with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
+            self.watch.before_optimizer_step(
+                self._model,
+                functools.partial(self._applied_loss, path),
+                step=self.trainer.state.global_step + 1,
+                combine=trainer_combine(self.trainer, self._window_count),
+                path=path.path,
+                loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
+                optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
+            )
+
+    def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
+        """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
+        inputs, num_items_in_batch = batch
+        with path.loss_context():
+            if self.loss_fn is not None:
+                return self.loss_fn(model, inputs)
+            return self._trainer_loss(num_items_in_batch)(model, inputs)
+
+    def _applied_unreachable(self, args: TrainingArguments) -> str | None:
+        """Why this run's applied gradient cannot be reached (said once), else ``None``."""
+        reason = None
+        if self.watch.applied_every_n_steps is None:
+            return None
+        if getattr(self.trainer, "is_deepspeed_enabled", False):
+            reason = "DeepSpeed keeps the gradients partitioned in its engine, out of each parameter's .grad"
+        elif getattr(self.trainer, "is_fsdp_enabled", False):
+            reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+        if reason is not None:
+            self._applied_off = reason
+            self._say_applied_off()
+        return reason
+
+    def _say_applied_off(self) -> None:
+        warnings.warn(
+            f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on",
+            GradientCheckWarning,
+            stacklevel=3,
+        )
+
+    # --- the state in the Trainer's checkpoints ---------------------------------------------------------------------
+
+    def _restore_state(self, state: TrainerState) -> None:
+        """Continue from the watch's state in ``state`` (a checkpoint's, on resume), if it holds one."""
+        saved = _stateful(state).get(STATE_KEY)
+        if isinstance(saved, dict):
+            self.watch.load_state_dict(saved)
+        self._save_state(state)
+
+    def _save_state(self, state: TrainerState) -> None:
+        """Keep the watch's state in ``state``, where the Trainer's next checkpoint saves it (plain JSON values)."""
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()
+
+    # --- outputs --------------------------------------------------------------------------------------------------
+
+    def _log(self, values: dict[str, float | str], step: int) -> None:
+        """Send a check's values through ``trainer.log`` at the Trainer's ``step``: at once when the Trainer is there,
+        else (an applied check, before its optimizer step) at that step's end."""
+        if step > self.trainer.state.global_step:
+            self._pending_logs.append(values)
+            return
+        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
+        # the Trainer would skip (and later average over) the loss it logs at this step
+        should_log = self.trainer.control.should_log
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, cast(dict[str, float], values))
+        self.trainer.control.should_log = should_log
+
+    def _log_pending(self) -> None:
+        pending, self._pending_logs = self._pending_logs, []
+        for values in pending:
+            self._log(values, self.trainer.state.global_step)
+
+    # --- the loss ---------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _records_kept(self, model: nn.Module) -> Iterator[None]:
+        """Around each check: what the trainer's ``compute_loss`` records (TRL's ``_metrics``, token counts) is put
+        back afterwards; inside it, the ``context`` given to the callback, if any."""
+        with records_kept(self.trainer), self._context(model) if self._context else contextlib.nullcontext():
+            yield
+
     def _keeping_compute_loss(
         self,
         model: nn.Module,
@@ -130,8 +354,14 @@ class GradWatchCallback(TrainerCallback):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
-        if self._keep_next and model.training:
-            self._kept, self._keep_next = (dict(inputs), num_items_in_batch), False  # compute_loss may pop labels
+        if model.training and (self._keep_next or self._in_window):
+            kept = dict(inputs)  # compute_loss may pop the labels
+            if self._keep_next:
+                self._kept, self._keep_next = (kept, num_items_in_batch), False
+            if self._in_window:
+                self._window_count = num_items_in_batch
+                step = self.trainer.state.global_step + 1
+                self.watch.record((kept, num_items_in_batch), model=self._model, step=step)
         return self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
@@ -147,13 +377,13 @@ class GradWatchCallback(TrainerCallback):
 
         return loss_fn
 
-    def _log(self, report: CheckReport) -> None:
-        scalars = {**report.scalars(), "gradwatch/overhead": self.watch.overhead}
-        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
-        # the Trainer would skip (and later average over) the loss it logs at this step
-        should_log = self.trainer.control.should_log
-        self.trainer.log({tag: float(value) for tag, value in scalars.items() if value == value})  # NaN dropped
-        self.trainer.control.should_log = should_log
+
+def _stateful(state: TrainerState) -> dict[str, Any]:
+    """``state.stateful_callbacks``: a dict of states by name (a list before the Trainer's ``TrainerState`` turns it
+    into one)."""
+    if not isinstance(state.stateful_callbacks, dict):
+        state.stateful_callbacks = {}  # type: ignore[assignment]
+    return cast(dict[str, Any], state.stateful_callbacks)
 
 
 def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -192,6 +192,7 @@ class GradWatch(Callback):
     ) -> None:
         if self._watch.recording:  # the gradient the optimizer applies, before clipping and the step
             self._check_applied(trainer, pl_module)
+            self._check_clipping_after_step(trainer, pl_module, optimizer)
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
@@ -253,6 +254,23 @@ class GradWatch(Callback):
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
                 skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers,
             )  # fmt: skip
+
+    def _check_clipping_after_step(
+        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Under ``gradient_clip_val`` (by norm), check the clip coefficient once the optimizer stepped with the clipped
+        gradient (Lightning clips after this hook, inside the optimizer's step; ``.grad`` holds what it applied)."""
+        max_norm, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
+        if not max_norm or (algorithm is not None and not str(algorithm).lower().endswith("norm")):
+            return
+        step = trainer.global_step + 1
+
+        def after_step(*_: Any) -> None:
+            handle.remove()
+            with self._handling(trainer):
+                self._watch.after_clipping(module, float(max_norm), step=step)
+
+        handle = optimizer.register_step_post_hook(after_step)
 
     @contextlib.contextmanager
     def _handling(self, trainer: pl.Trainer) -> Iterator[None]:

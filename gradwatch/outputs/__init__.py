@@ -5,12 +5,14 @@ adapters of the training loops."""
 
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.records import CheckRecords, applied_records_of, records_of
-from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink
+from gradwatch.outputs.sinks import GuardedSink, JsonLinesSink, LogCallSink, Sink, SummaryWriterSink, TextSink
 
 __all__ = [
     "JSONL_NAME",
     "CheckRecords",
+    "GuardedSink",
     "JsonLinesSink",
+    "LogCallSink",
     "Sink",
     "SummaryWriterSink",
     "TextSink",

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradwatch.outputs import beside
 from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
@@ -28,6 +29,7 @@ from gradwatch.tensorboard.events import (
     read_run,
 )
 from gradwatch.tensorboard.files import find_files, open_regular, shown
+from gradwatch.tensorboard.writer import TRAINER_PREFIX
 
 MAX_LINE_BYTES = 16 << 20
 """The longest line of a JSON lines record read (a check with thousands of failing probes is a few hundred KB)."""
@@ -125,21 +127,35 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
 
 
 def read_logdir(logdir: Path | str) -> list[RunEvents]:
-    """The gradwatch data of every run under ``logdir``, from event files and JSON lines records, sorted by name.
+    """The gradwatch data of every run under ``logdir``, from event files and JSON lines records, sorted by name; for
+    the folder of a Weights & Biases or MLflow run (or a folder of them), the records beside it
+    (:mod:`gradwatch.outputs.beside`).
 
     Raises:
-        EventFilesError: ``logdir`` is missing or not a directory, holds neither event files nor a
-            ``gradwatch.jsonl``, holds one that cannot be read to its end (see :func:`read_jsonl` and
-            :mod:`gradwatch.tensorboard.events`), or no run in it has gradwatch data.
+        EventFilesError: ``logdir`` is missing or not a directory, holds one file that cannot be read to its end (see
+            :func:`read_jsonl` and :mod:`gradwatch.tensorboard.events`), or no gradwatch data can be found: the
+            message says what was found instead (event files without a gradwatch scalar, a W&B run whose record is
+            in none of the folders searched, ...).
     """
     logdir = Path(logdir)
     check_directory(logdir)
     files = find_files(logdir, _wanted)
-    if not files:
-        raise EventFilesError(
-            f"no gradwatch records under {shown(logdir)}: neither a {JSONL_NAME} nor TensorBoard event files "
-            "(events.out.tfevents.*)"
-        )
+    runs = _runs(logdir, files)
+    if runs:
+        return runs
+    tool_runs = beside.tool_runs(logdir)
+    for tool_run in tool_runs:
+        for record in beside.records_beside(tool_run):
+            run = _merge(f"{tool_run.tool} run {tool_run.run_id}", record.parent, None, read_jsonl(record))
+            if run is not None:
+                runs.append(run)
+    if runs:
+        return runs
+    raise EventFilesError(_nothing_found(logdir, files, tool_runs))
+
+
+def _runs(logdir: Path, files: list[Path]) -> list[RunEvents]:
+    """The runs of ``files`` (event files and records under ``logdir``) that have gradwatch data."""
     runs = []
     for directory in sorted({path.parent for path in files}):
         own = [path for path in files if path.parent == directory]
@@ -150,10 +166,35 @@ def read_logdir(logdir: Path | str) -> list[RunEvents]:
         run = _merge(name, directory, from_events, read_jsonl(jsonl) if jsonl in own else None)
         if run is not None:
             runs.append(run)
-    if not runs:
-        raise EventFilesError(
-            f"the {len(files)} file(s) under {shown(logdir)} hold no gradwatch data (no check in a {JSONL_NAME}, no "
-            f"'{VERDICT_TAG}' or '{APPLIED_VERDICT_TAG}' scalar in an event file): was GradWatch among the Trainer's "
-            "callbacks, and did a check run?"
-        )
     return runs
+
+
+def _nothing_found(logdir: Path, files: list[Path], tool_runs: list[beside.ToolRun]) -> str:
+    """Why ``gradwatch report`` found nothing under ``logdir``, in words: what it found instead."""
+    where = shown(logdir)
+    if tool_runs:
+        runs = ", ".join(f"{run.tool} run {run.run_id}" for run in tool_runs[:3])
+        more = f" and {len(tool_runs) - 3} more" if len(tool_runs) > 3 else ""
+        above = list(tool_runs[0].path.parents)[: beside.ANCESTORS]
+        return (
+            f"{where} holds {runs}{more}, whose records sit beside it, in "
+            f"{beside.RECORDS_DIR}/<logger>-...-<run id>/{JSONL_NAME} under the training's root folder (Lightning's "
+            f"default_root_dir, a Hugging Face Trainer's output_dir), and none is there (searched {shown(above[0])} "
+            f"up to {shown(above[-1])} and their sub-folders): pass the folder that holds it"
+        )
+    events = sum(is_event_file(path.name) for path in files)
+    records = len(files) - events
+    if not files:
+        return (
+            f"no gradwatch records under {where}: neither a {JSONL_NAME} nor TensorBoard event files "
+            "(events.out.tfevents.*), nor a Weights & Biases or MLflow run folder"
+        )
+    held = []
+    if events:
+        held.append(
+            f"{events} TensorBoard event file(s) without a '{VERDICT_TAG}' or '{APPLIED_VERDICT_TAG}' scalar (nor "
+            f"'{TRAINER_PREFIX}{VERDICT_TAG}', as a Hugging Face Trainer's run holds them)"
+        )
+    if records:
+        held.append(f"{records} {JSONL_NAME} file(s) without a check")
+    return f"no check was recorded under {where}: it holds {' and '.join(held)}; no check of its run(s) was logged"

@@ -5,7 +5,10 @@
 * :class:`TextSink`: any backend with a text call (Weights & Biases' ``log_text``, MLflow's ``log_text``, a Hugging
   Face ``trainer.log``): the failure text;
 * :class:`JsonLinesSink`: the backend-neutral record (:mod:`.jsonl`), one JSON object per check appended to a file
-  beside the logs, which ``gradwatch report`` reads whatever the logger.
+  beside the logs, which ``gradwatch report`` reads whatever the logger;
+* :class:`LogCallSink`: a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
+  reaches every integration of that loop): the scalars, and the failure text where the backends show strings;
+* :class:`GuardedSink`: any sink whose files may fail (a full disk), warned about once instead of ending the run.
 
 Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
 """
@@ -49,21 +52,25 @@ class SummaryWriterSink:
     Args:
         writer: The writer (a Lightning ``TensorBoardLogger``'s ``experiment``).
         scalars: Also write the scalars; ``False`` where a logger's ``log_metrics`` already sends them.
+        text: Also write the failure text; ``False`` where a logger already sends it.
+        prefix: Put before every tag, to sit beside the tags a logger writes (a Hugging Face Trainer's ``"train/"``).
     """
 
-    def __init__(self, writer: SummaryWriterLike, *, scalars: bool = True) -> None:
+    def __init__(self, writer: SummaryWriterLike, *, scalars: bool = True, text: bool = True, prefix: str = "") -> None:
         self.writer = writer
         self.scalars = scalars
+        self.text = text
+        self.prefix = prefix
 
     def write(self, records: CheckRecords) -> None:
         if self.scalars:
             add_scalar = self.writer.add_scalar  # type: ignore[attr-defined]
             for tag, value in records.scalars.items():
-                add_scalar(tag, value, records.step)
+                add_scalar(self.prefix + tag, value, records.step)
         for tag, values in records.histograms.items():
-            write_histogram(self.writer, values, records.step, tag)
-        if records.text:
-            self.writer.add_text(records.text_tag, records.text, records.step)
+            write_histogram(self.writer, values, records.step, self.prefix + tag)
+        if self.text and records.text:
+            self.writer.add_text(self.prefix + records.text_tag, records.text, records.step)
 
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)
@@ -117,17 +124,71 @@ class JsonLinesSink:
         return f"JsonLinesSink({str(self.path)!r})"
 
 
-def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
-    """Write ``records`` to every sink, flushed at once when the check failed. A sink that cannot be written (a full
-    disk, a read-only directory) is warned about once and never ends the training run."""
-    for sink in sinks:
+class LogCallSink:
+    """The scalars through a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
+    reaches every ``report_to`` integration; Fabric's ``log_dict``; Accelerate's ``log``), and the failure text too
+    when ``text`` is set.
+
+    Args:
+        log: Called once per check with the ``gradwatch/*`` scalars (finite ones, the ``*_log10`` forms included) and
+            the step the check ran at.
+        text: Also send the failure text, under the records' ``text_tag``, when a check failed (a string value: for a
+            call whose backends show strings; a console printer prints it whole).
+    """
+
+    def __init__(self, log: Callable[[dict[str, float | str], int], object], *, text: bool = False) -> None:
+        self.log = log
+        self.text = text
+
+    def write(self, records: CheckRecords) -> None:
+        values: dict[str, float | str] = dict(records.scalars)
+        if self.text and records.text:
+            values[records.text_tag] = records.text
+        self.log(values, records.step)
+
+    def flush(self) -> None:
+        """Nothing to do: the loop sends what it was given."""
+
+
+class GuardedSink:
+    """A sink whose ``OSError`` (a full disk, a read-only directory) is logged once, as a warning naming the sink, and
+    never raised: an output must not end the training run it records.
+
+    Args:
+        sink: The sink to guard (a :class:`JsonLinesSink`, a writer's sink).
+    """
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def write(self, records: CheckRecords) -> None:
+        self._guarded(self.sink.write, records)
+
+    def flush(self) -> None:
+        self._guarded(self.sink.flush)
+
+    def _guarded(self, call: Callable[..., None], *arguments: CheckRecords) -> None:
         try:
-            sink.write(records)
-            if records.failed:
-                sink.flush()
+            call(*arguments)
         except OSError as error:
-            key = repr(sink)
-            if key not in _failed_sinks:
-                _failed_sinks.add(key)
-                log.warning("gradwatch: could not write to %r (%s); training goes on, the record is incomplete",
-                            sink, error)  # fmt: skip
+            if repr(self.sink) not in _failed_sinks:  # once per file (a sink's repr names it) and process
+                _failed_sinks.add(repr(self.sink))
+                message = "gradwatch: could not write to %r (%s); training goes on, the record is incomplete"
+                log.warning(message, self.sink, error)
+
+    @property
+    def failed(self) -> bool:
+        """Whether writing to the sink failed in this process."""
+        return repr(self.sink) in _failed_sinks
+
+    def __repr__(self) -> str:
+        return f"GuardedSink({self.sink!r})"
+
+
+def write_to_sinks(sinks: Iterable[Sink], records: CheckRecords) -> None:
+    """Write ``records`` to every sink, each guarded (:class:`GuardedSink`), flushed at once when the check failed."""
+    for sink in sinks:
+        guarded = sink if isinstance(sink, GuardedSink) else GuardedSink(sink)
+        guarded.write(records)
+        if records.failed:
+            guarded.flush()

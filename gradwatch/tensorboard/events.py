@@ -4,7 +4,8 @@
 each event file to its end (:mod:`.tfrecord`: every record's framing and checksums, memory bounded whatever the file's
 size) and recovers from each run:
 
-* one :class:`CheckRecord` per check, from the ``gradwatch/*`` scalars (keyed by the step they were logged at);
+* one :class:`CheckRecord` per check, from the ``gradwatch/*`` scalars (keyed by the step they were logged at; a
+  Hugging Face Trainer's run holds them as ``train/gradwatch/*``, read as the same tags);
 * one :class:`FailureRecord` per failing probe, from the ``gradwatch/failures`` text, the table that
   :func:`gradwatch.engine.rendering.render_markdown` writes (its columns are found by their header, so a table with
   more columns still reads), and the culprit line above it.
@@ -34,7 +35,13 @@ from gradwatch.engine.report import FAULTS, VERDICTS
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG
 from gradwatch.tensorboard.files import EventFilesError, find_files, open_regular, shown
 from gradwatch.tensorboard.tfrecord import CorruptRecordError, records
-from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.writer import (
+    APPLIED_FAILURE_TAG,
+    APPLIED_PREFIX,
+    FAILURES_TAG,
+    HISTOGRAM_TAG,
+    TRAINER_PREFIX,
+)
 
 PREFIX = "gradwatch/"
 VERDICT_TAG = "gradwatch/verdict"
@@ -264,15 +271,17 @@ class _Run:
             if value.tag == LAYOUT_TAG:
                 self.has_dashboard = True
             elif value.tag.startswith(PREFIX):
-                self._add_value(path, event.step, value)
+                self._add_value(path, event.step, value, value.tag)
+            elif value.tag.startswith(TRAINER_PREFIX + PREFIX):
+                self._add_value(path, event.step, value, value.tag.removeprefix(TRAINER_PREFIX))
 
-    def _add_value(self, path: Path, step: int, value: Summary.Value) -> None:
+    def _add_value(self, path: Path, step: int, value: Summary.Value, tag: str) -> None:
         field = value.WhichOneof("value")
         plugin = value.metadata.plugin_data.plugin_name
-        if value.tag == HISTOGRAM_TAG and (field == "histo" or plugin == "histograms"):
+        if tag == HISTOGRAM_TAG and (field == "histo" or plugin == "histograms"):
             self.has_histogram = True
-        elif value.tag.removesuffix(TEXT_SUFFIX) in (FAILURES_TAG, APPLIED_FAILURE_TAG) and field == "tensor":
-            tag = value.tag.removesuffix(TEXT_SUFFIX)
+        elif tag.removesuffix(TEXT_SUFFIX) in (FAILURES_TAG, APPLIED_FAILURE_TAG) and field == "tensor":
+            tag = tag.removesuffix(TEXT_SUFFIX)
             try:
                 text = b"".join(value.tensor.string_val).decode("utf-8")
             except UnicodeDecodeError as error:
@@ -280,11 +289,11 @@ class _Run:
             (self.texts if tag == FAILURES_TAG else self.applied_texts)[step] = text
         elif field == "simple_value" or (field == "tensor" and plugin == "scalars"):
             number = value.simple_value if field == "simple_value" else _tensor_scalar(path, step, value)
-            if value.tag in (VERDICT_TAG, APPLIED_VERDICT_TAG):
+            if tag in (VERDICT_TAG, APPLIED_VERDICT_TAG):
                 check_verdict(number, step, shown(path))
-            elif value.tag == APPLIED_FAULT_TAG:
+            elif tag == APPLIED_FAULT_TAG:
                 fault_of_code(number, shown(path), step)
-            self.scalars.setdefault(step, {})[value.tag] = number
+            self.scalars.setdefault(step, {})[tag] = number
 
 
 def _tensor_scalar(path: Path, step: int, value: Summary.Value) -> float:
@@ -369,7 +378,7 @@ def read_logdir(logdir: Path | str) -> list[RunEvents]:
             runs.append(run)
     if not runs:
         raise EventFilesError(
-            f"the {len(files)} event file(s) under {shown(logdir)} hold no gradwatch data (no '{VERDICT_TAG}' scalar): "
-            "was GradWatch among the Trainer's callbacks, and did a check run?"
+            f"no check was recorded under {shown(logdir)}: its {len(files)} event file(s) hold no '{VERDICT_TAG}' "
+            f"scalar (nor '{TRAINER_PREFIX}{VERDICT_TAG}', as a Hugging Face Trainer's run holds them)"
         )
     return runs

@@ -24,6 +24,10 @@ APPLIED_PREFIX = "gradwatch/applied/"
 """The applied checks' scalars are logged under this prefix, apart from the recomputed checks' ``gradwatch/*``."""
 APPLIED_FAILURE_TAG = APPLIED_PREFIX + "failure"
 """The text of a failing applied check, led by the fault."""
+TRAINER_PREFIX = "train/"
+"""A Hugging Face Trainer's TensorBoard run holds the tags of its training logs under this prefix (its
+``rewrite_logs``: ``train/gradwatch/verdict``); gradwatch writes its histograms and texts there beside them, and
+:mod:`gradwatch.tensorboard.events` reads them as the same tags without it."""
 
 __all__ = [
     "CULPRIT_PREFIX",

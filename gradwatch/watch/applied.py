@@ -6,11 +6,10 @@ optimizer step the window leads to is due for an applied check and fits the budg
 the window (:class:`~gradwatch.engine.applied.AppliedWindow`: references to the batches, no copies). Every other
 window costs one integer comparison per micro-batch.
 
-The budget is the one the recomputed checks spend (:class:`~gradwatch.watch.overhead.OverheadClock`, shared): a due
-applied check waits until the training time affords what the last one cost (the first: an estimate,
-:data:`~gradwatch.watch.defaults.FIRST_APPLIED_ESTIMATE_STEPS` training steps). A postponed check is decided once
-(under DDP by rank 0 for every rank, through the watch's ``decide``) and asked about again at the step computed to
-afford it.
+The budget is the one the recomputed checks spend (:class:`~gradwatch.watch.overhead.OverheadClock`, shared): the
+first applied check is always made, as the first recomputed one (it measures what one costs); a later due check waits
+until the training time affords what the last one cost. A postponed check is decided once (under DDP by rank 0 for
+every rank, through the watch's ``decide``) and asked about again at the step computed to afford it.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from typing import Any
 from torch import nn
 
 from gradwatch.engine.applied import AppliedWindow
-from gradwatch.watch.defaults import FIRST_APPLIED_ESTIMATE_STEPS
 from gradwatch.watch.overhead import OverheadClock
 
 
@@ -44,6 +42,7 @@ class AppliedSchedule:
         self.max_overhead = max_overhead
         self.clock = clock
         self.window: AppliedWindow | None = None
+        self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
         self.last_seconds = 0.0
@@ -105,15 +104,14 @@ class AppliedSchedule:
         """0 when another applied check fits the budget, else the optimizer steps until the training time affords it
         at the mean time per step so far (the collective decision)."""
         budget = self.max_overhead
-        if budget is None:
+        if budget is None or not self.checks:  # the first check is made: it measures what one costs
             return 0
         clock = self.clock
         per_step = clock.train_seconds / self._steps_seen if self._steps_seen and clock.train_seconds > 0 else 0.0
         if per_step <= 0:
             wait = 1  # no training time measured yet: ask again at the next step
         else:
-            cost = self.last_seconds if self.checks else FIRST_APPLIED_ESTIMATE_STEPS * per_step
-            needed = (clock.check_seconds + clock.applied_seconds + cost) / budget - clock.train_seconds
+            needed = (clock.check_seconds + clock.applied_seconds + self.last_seconds) / budget - clock.train_seconds
             wait = max(0, math.ceil(needed / per_step))
         return int(decide(wait))
 

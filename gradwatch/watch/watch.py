@@ -5,10 +5,9 @@ composes the recomputed checks' schedule and budget (:mod:`.schedule`), the appl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -17,20 +16,18 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
-from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
-from gradwatch.engine.sharding.parameters import is_sharded
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, OnFail
 from gradwatch.watch.applied import AppliedSchedule
+from gradwatch.watch.applied_calls import AppliedCalls
 from gradwatch.watch.defaults import (
     DEFAULT_APPLIED_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
-from gradwatch.watch.distributed import default_group
-from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, local_batch_norm, no_context
+from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, no_context
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
@@ -40,11 +37,11 @@ log = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class GradientWatch:
+class GradientWatch(AppliedCalls):
     r"""Check, every so often during training, that the gradients a model trains on are the derivatives of its loss.
 
     Both kinds of check, in any loop, on one schedule and one budget, with three calls each a no-op unless a check is
-    due (:doc:`the loops page <../loops>` has a recipe per loop):
+    due (the page "gradwatch in every training loop" has a recipe per loop):
 
     * :meth:`record` before each micro-batch's forward, and :meth:`before_optimizer_step` after the window's backward
       passes, before clipping and ``optimizer.step()``: the **applied** check, the ``.grad`` the optimizer is about to
@@ -217,86 +214,6 @@ class GradientWatch:
         self._model = model
         self._lessons.set_up(model)
 
-    def record(self, batch: Any, *, model: nn.Module | None = None, step: int | None = None) -> None:
-        """Call before each micro-batch's forward: when the window is due for an applied check, keep a reference to
-        ``batch`` (as the ``loss_fn`` of :meth:`before_optimizer_step` takes it) and the random state its forward is
-        about to draw from; else nothing.
-
-        Args:
-            batch: The micro-batch, never copied: a loop must not change it in place before the optimizer step.
-            model: The model (by default the one of the last call): at a window's first micro-batch its ``.grad``
-                is fingerprinted, so that gradients left over from the last window are recognised.
-            step: The optimizer step this window leads to (by default the one after the last step a call named).
-        """
-        if not self._applied.enabled:
-            return
-        step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
-        self._applied.record(batch, model if model is not None else self._model, step, self._decide)
-
-    def before_optimizer_step(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn | None = None,
-        *,
-        step: int,
-        combine: Combine = "mean",
-        path: PathContext | None = None,
-        group: Any = "auto",
-        loss_scale: float = 1.0,
-        gradients: Mapping[str, torch.Tensor] | None = None,
-        skipped: bool | Callable[[], bool] = False,
-        optimizers: Sequence[torch.optim.Optimizer] = (),
-    ) -> CheckReport | None:
-        """Call after the window's backward passes (and any reduction or unscaling), before clipping and
-        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
-
-        Args:
-            model: The module whose ``.grad`` the optimizer applies.
-            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, one micro-batch's loss as the loop computes it (the
-                constructor's when ``None``).
-            step: The optimizer step about to be taken (1 for the first).
-            combine: How the loop combines micro-batch losses: ``"mean"``, ``"sum"`` or ``combine(losses)``.
-            path: A factory of the context the training's forward ran in (autocast).
-            group: The process group whose ranks check together (DDP); ``"auto"``: the default group when one is
-                initialised and the parameters are not sharded, else none.
-            loss_scale: A float16 loop's loss scale (``GradScaler.get_scale()``).
-            gradients: By parameter name, the gradients to check instead of each ``.grad`` (an engine that keeps
-                them elsewhere).
-            skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
-                function that says so: the due check moves to the next window.
-            optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
-        """
-        validate.check_int("step", step, minimum=1)
-        self._model, self._last_step = model, max(self._last_step, step)
-        if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
-            self._schedule.clock.batch_ended(time.perf_counter())
-        window = self._applied.take(step)
-        if window is None or not self._lessons.checkable(model):
-            return None
-        if skipped() if callable(skipped) else skipped:
-            self._applied.skipped()
-            if self.verbose:
-                log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
-            return None
-        loss_fn = self._loss_fn(loss_fn, step)
-        if group == "auto":
-            group = default_group(model)
-        started = time.perf_counter()
-        active = self._lessons.active
-        check = lambda: window.check(  # noqa: E731
-            loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
-            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
-        )  # fmt: skip
-        # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
-        local = group is None and not is_sharded(list(model.named_parameters()))
-        try:
-            report = self._outcomes.guarded(step, check, self._contexts(model, local=local))
-        finally:
-            self._applied.ran(time.perf_counter() - started)
-        if report is not None:
-            self._outcomes.publish(report, self.overhead)
-        return report
-
     def maybe_check(
         self,
         model: nn.Module,
@@ -350,12 +267,6 @@ class GradientWatch:
         for sink in self._outcomes.sinks:
             sink.flush()
 
-    def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
-        validate.check_int("step", step, minimum=0)
-        if (chosen := validate.check_optional_callable("loss_fn", loss_fn or self.loss_fn)) is None:
-            raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
-        return chosen
-
     def _run(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
@@ -375,10 +286,6 @@ class GradientWatch:
             self._lessons.learn(report)
             self._outcomes.publish(report, self.overhead)
         return report
-
-    def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
-        """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
-        return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
 
     def state_dict(self) -> dict[str, Any]:
         """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it)."""

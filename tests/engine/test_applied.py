@@ -285,3 +285,50 @@ def test_what_the_loss_changed_and_could_not_be_put_back_is_named_as_the_recompu
     assert "fc1.weight" in report.side_effects
     assert any(note.code == "model-edited" for note in report.notes), report.notes
     assert torch.equal(model.fc1.weight.detach(), original * 1.001)  # the first edit only, not one per evaluation
+
+
+def test_warnings_the_loss_raises_are_withheld_and_noted_as_the_recomputed_check_does() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = MLP()
+    window = train_window(model, [batch_for(model, seed=1)])
+
+    def warning(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        warnings.warn("the loss warns at every call", UserWarning, stacklevel=1)
+        return cross_entropy(model, batch)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        report = window.check(warning)
+    assert shown == []
+    (note,) = report.noted("warnings-withheld")
+    assert "UserWarning: the loss warns at every call" in note
+    assert report.verdict == "ok", str(report)
+    assert report.unrestored == ()
+
+
+def test_a_loss_that_changes_a_parameter_itself_is_not_probed_rather_than_misjudged() -> None:
+    """Weight normalisation by hand inside the loss: training differentiated at the parameter's value before the
+    edit, while every evaluation of the check edits it again; the recomputed check leaves that tensor out, the applied
+    check (whose gradient involves every tensor at training's point) makes no probe."""
+    torch.manual_seed(0)
+    model = MLP()
+
+    def scaling(model: torch.nn.Module, batch: object) -> torch.Tensor:
+        with torch.no_grad():
+            model.fc1.weight.mul_(1.01)
+        return cross_entropy(model, batch)
+
+    batch = batch_for(model, seed=1)
+    window = AppliedWindow(model)
+    window.record(batch)
+    scaling(model, batch).backward()
+    report = window.check(scaling)
+    assert report.verdict == "inconclusive", str(report)
+    assert report.probes == []
+    (note,) = report.noted("applied-edited")
+    assert "fc1.weight" in note
+    assert "fc1.weight" in report.side_effects
+    assert report.unrestored == ()
+    assert check_gradients(model, batch, scaling).verdict == "ok"  # fc1.weight left out there

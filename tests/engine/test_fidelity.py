@@ -190,3 +190,16 @@ def test_fractional_max_pool_samples_its_regions_as_training_does() -> None:
     report = check_gradients(model, images, lambda m, x: m(x).square().mean())
     assert report.verdict == "ok", str(report)
     assert report.precision == "float64"
+
+
+def test_an_out_buffer_made_float64_takes_float32_inputs_in_its_precision() -> None:
+    # TRL's chunked log-prob kernel: torch.empty(..., dtype=float32) as the out= buffer of torch.mm, its inputs from a
+    # float32 model beside the float64 one (DPO's frozen reference model)
+    a, b = torch.randn(3, 4), torch.randn(4, 2)
+    fidelity = Float64Fidelity(torch.float32)
+    with fidelity:
+        buffer = torch.empty((3, 2), dtype=torch.float32)
+        torch.mm(a, b, out=buffer)
+    assert buffer.dtype == torch.float64
+    assert torch.equal(buffer, a.double() @ b.double())
+    assert "casts" in fidelity.acted

@@ -100,14 +100,32 @@ def test_a_loss_that_every_rank_refuses_on_a_slice_falls_back_as_unsharded(mesh:
     assert report.noted(NoteCode.SLICE_REFUSED), report.notes
 
 
-def test_tensor_parallel_placements_are_refused_with_the_parameter_named(mesh: Any) -> None:
+def test_tensor_parallel_placements_under_fsdp2_are_refused_with_the_parameter_named(mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    fully_shard(model[0], mesh=mesh)
+    model[1].weight = nn.Parameter(distribute_tensor(model[1].weight.detach(), mesh, [Replicate()]))
+    model[1].bias = nn.Parameter(distribute_tensor(model[1].bias.detach(), mesh, [Replicate()]))
+    with pytest.raises(UnsupportedShardingError, match=r"'1.weight' is placed \(Replicate\(\),\).*tensor-parallel"):
+        check_gradients(model, (torch.randn(4, 3),), lambda m, b: m(b[0]).square().mean())
+
+
+def test_tensor_parallel_placements_alone_are_checked_on_the_whole_parameters(mesh: Any) -> None:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     model = nn.Linear(3, 2)
     model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
     model.bias = nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
-    with pytest.raises(UnsupportedShardingError, match=r"'weight' is placed \(Replicate\(\),\).*tensor-parallel"):
-        check_gradients(model, (torch.randn(4, 3),), lambda m, b: m(b[0]).square().mean())
+    before = list(model.parameters())
+    report = check_gradients(model, (torch.randn(4, 3),), lambda m, b: m(b[0]).square().mean())
+    assert report.verdict == "ok"
+    assert report.noted(NoteCode.TENSOR_PARALLEL)
+    after = list(model.parameters())
+    assert len(after) == len(before)
+    assert all(a is b for a, b in zip(after, before, strict=True))  # the very DTensor parameters back in place
+    assert all(type(p).__name__ == "DTensor" for p in after)
 
 
 def test_a_model_with_plain_and_sharded_parameters_is_refused(mesh: Any) -> None:

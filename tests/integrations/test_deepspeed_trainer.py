@@ -6,9 +6,10 @@ engine, the applied check runs at the engine's accumulation boundary through ``b
 pass and train as without, a formula bug is named. The fits run in ``tests/deepspeed_trainer_run.py``, one process
 per rank.
 
-The applied check inside the Trainer (where DeepSpeed steps inside ``accelerator.backward``) waits for the watch's
-applied-check API in the callback; ``gradwatch.integrations.deepspeed.before_engine_steps`` is where it will run
-(tested in ``test_deepspeed.py``)."""
+The applied check inside the Trainer, where DeepSpeed steps inside ``accelerator.backward``, is not yet
+``GradWatchCallback``'s: a small callback of the driver records each micro-batch where the Trainer computes its loss
+and runs it inside the engine's step (``applied_checks_inside_steps``): healthy fits pass and train as without, the last
+micro-batch left out of the reduction and one rank's partition scaled are caught at the first applied check."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ FITS = [
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("deepspeed_trainer")
     scenarios = [*FITS, "formula-z2-fp32", "formula-z3-fp32"]
+    return run_launched("deepspeed_trainer_run.py", out, *scenarios, timeout_s=180, env={"DS_ACCELERATOR": "cpu"})[0]
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("deepspeed_trainer_applied")
+    scenarios = [f"applied-z{stage}-fp32" for stage in (1, 2, 3)] + ["applied-z1-bf16", "applied-z3-bf16"]
+    scenarios += [f"applied_{fault}-z{stage}-fp32" for fault in ("leftout", "scaled") for stage in (1, 2, 3)]
     return run_launched("deepspeed_trainer_run.py", out, *scenarios, timeout_s=180, env={"DS_ACCELERATOR": "cpu"})[0]
 
 
@@ -86,3 +95,30 @@ def test_accelerate_loops_name_a_formula_bug(accelerate: dict[str, Any]) -> None
         first = rank["reports"][0]
         assert (first["step"], first["scope"], first["verdict"], first["fault"]) == (1, "applied", "fail", "formula")
         assert first["culprits"][0] == "custom"
+
+
+@pytest.mark.parametrize("scenario", ["z1-fp32", "z2-fp32", "z3-fp32", "z1-bf16", "z3-bf16"])
+def test_trainer_fits_check_the_applied_gradient_inside_the_engines_step_and_train_as_without(
+    fits: dict[str, Any], applied: dict[str, Any], scenario: str
+) -> None:
+    for watched, plain in zip(
+        _ranks(applied, f"applied-{scenario}"), _ranks(fits, f"baseline-{scenario}"), strict=True
+    ):
+        assert [(r["step"], r["scope"], r["verdict"]) for r in watched["reports"]] == [
+            (1, "applied", "ok"), (2, "applied", "ok"), (3, "applied", "ok")
+        ]  # fmt: skip
+        for key in ("params", "master", "optimizer"):
+            assert watched[key] == plain[key], key
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("fault", ["leftout", "scaled"])
+def test_trainer_fits_catch_a_reduction_fault_at_the_first_applied_check(
+    applied: dict[str, Any], fault: str, stage: int
+) -> None:
+    for rank in _ranks(applied, f"applied_{fault}-z{stage}-fp32"):
+        first = rank["reports"][0]
+        assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
+        assert [r["verdict"] for r in rank["reports"][1:]] == ["ok", "ok"]
+        if fault == "scaled":
+            assert first["message"].startswith("rank(s) [1] own the partitions")

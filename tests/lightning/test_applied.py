@@ -142,21 +142,42 @@ def test_the_gradient_is_checked_before_clipping(tmp_path: Path) -> None:
     checked = _fit(MLP(), [watch], tmp_path, **options)
     torch.manual_seed(0)
     plain = _fit(MLP(), [], tmp_path, **options)
-    assert [(r.step, r.verdict) for r in watch.applied_reports] == [(1, "ok"), (2, "ok"), (3, "ok")]
-    assert all(r.descent is not None and r.descent.analytic > 1e-3 for r in watch.applied_reports)  # unclipped norm
+    probed = [r for r in watch.applied_reports if r.probes]
+    assert [(r.step, r.verdict) for r in probed] == [(1, "ok"), (2, "ok"), (3, "ok")]
+    assert all(r.descent is not None and r.descent.analytic > 1e-3 for r in probed)  # the unclipped norm
+    clipping = [r for r in watch.applied_reports if not r.probes]  # the coefficient Lightning clipped by, checked
+    assert [(r.step, r.verdict) for r in clipping] == [(1, "ok"), (2, "ok"), (3, "ok")]
     for (name, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
-def test_under_the_default_budget_the_first_applied_check_waits_until_the_training_time_affords_it(
+class _ClipsOnAWrongNorm(_Lit):
+    """Clips by a norm twice the gradient's (a norm counted twice over a mesh), as a custom clipping hook might."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None, **_: Any) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = 2 * torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        for g in grads:
+            g.mul_(min(1.0, float(gradient_clip_val) / (float(norm) + 1e-6)))
+
+
+def test_a_clip_coefficient_computed_on_a_wrong_norm_fails_as_clipping(tmp_path: Path) -> None:
+    watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, on_fail=lambda report: None)
+    _fit(MLP(), [watch], tmp_path, module=_ClipsOnAWrongNorm, gradient_clip_val=1e-3, max_steps=2)
+    faults = [(r.step, r.fault) for r in watch.applied_reports if r.verdict == "fail"]
+    assert faults == [(1, "clipping"), (2, "clipping")]
+    assert all(r.verdict == "ok" for r in watch.applied_reports if r.probes)  # the gradient before clipping is right
+
+
+def test_under_the_default_budget_the_first_applied_check_runs_at_step_1_and_the_next_waits_for_the_budget(
     tmp_path: Path,
 ) -> None:
     budgeted = GradWatch(applied_every_n_steps=1)  # max_overhead="auto": 1%, the default cadence of recomputed checks
     trainer(tmp_path, [budgeted], max_steps=6).fit(_Lit(MLP()), _loader(MLP()))
-    assert budgeted.applied_reports == []  # 6 steps cannot afford an applied check of ~25 steps within 1%
-    assert [r.step for r in budgeted.reports] == [1]  # the recomputed first check is made, as always
+    assert [r.step for r in budgeted.applied_reports] == [1]  # the first is made (a bug from step 1 is found at once)
+    assert [r.step for r in budgeted.recomputed_reports] == [1]  # the recomputed first check too, as always
     state = budgeted.state_dict()
-    assert state["applied_pending"]
+    assert state["applied_pending"]  # the next due one waits until the training time affords it within 1%
     assert state["applied_resume_at"] > 6  # one decision for the postponement, not one per step
     unbudgeted = GradWatch(applied_every_n_steps=1, max_overhead=None)
     trainer(tmp_path, [unbudgeted], max_steps=2).fit(_Lit(MLP()), _loader(MLP()))

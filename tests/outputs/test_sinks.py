@@ -16,7 +16,7 @@ from helpers import SeedModel, seed_batch, seed_loss
 from gradwatch import check_gradients
 from gradwatch.engine.notes import Note, NoteCode
 from gradwatch.engine.report import CheckReport, Probe
-from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, TextSink, records_of
+from gradwatch.outputs import GuardedSink, JsonLinesSink, LogCallSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
 from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 
@@ -135,3 +135,36 @@ def test_the_json_record_carries_each_notes_code(failing: CheckReport) -> None:
     record = json.loads(json.dumps(record_json(records_of(dataclasses.replace(failing, notes=notes)))))
     assert record["notes"] == ["probes use the whole batch", "a plain remark"]
     assert record["note_codes"] == ["whole-batch", None]
+
+
+def test_summary_writer_sink_with_a_prefix_and_without_text(failing: CheckReport) -> None:
+    writer = FakeWriter()
+    SummaryWriterSink(writer, scalars=False, text=False, prefix="train/").write(records_of(failing))
+    assert writer.calls == [("histogram", "train/" + HISTOGRAM_TAG, 4)]
+
+
+@pytest.mark.parametrize("text", [False, True], ids=["scalars", "scalars-and-text"])
+def test_log_call_sink_sends_the_scalars_in_one_call(failing: CheckReport, text: bool) -> None:
+    calls: list[tuple[dict[str, float | str], int]] = []
+    records = records_of(failing, overhead=0.5)
+    LogCallSink(lambda values, step: calls.append((values, step)), text=text).write(records)
+    ((values, step),) = calls
+    assert step == 4
+    assert {tag: value for tag, value in values.items() if tag != FAILURES_TAG} == records.scalars
+    assert "gradwatch/rel_error_max_log10" in values
+    assert values["gradwatch/overhead"] == 0.5
+    assert values.get(FAILURES_TAG) == (records.text if text else None)
+
+
+def test_guarded_sink_warns_once_and_never_raises(failing: CheckReport, tmp_path: Path, caplog) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    sink = GuardedSink(JsonLinesSink(blocked / "gradwatch.jsonl"))  # its directory is a file
+    with caplog.at_level("WARNING", logger="gradwatch.outputs.sinks"):
+        sink.write(records_of(failing))
+        sink.write(records_of(failing))
+        sink.flush()
+    assert sink.failed
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert "could not write to JsonLinesSink(" in warning
+    assert "training goes on" in warning

@@ -133,7 +133,7 @@ def test_healthy_runs_are_checked_by_both_kinds_and_train_as_without(loop: str) 
     assert_same_state(LOOPS[loop](None, _model()), watched)
 
 
-@pytest.mark.parametrize("loop", ["plain", "fabric"])
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
 def test_a_backward_wrong_only_under_bf16_autocast_is_a_precision_fault(loop: str) -> None:
     watch = GradientWatch(every_n_steps=100, applied_every_n_steps=100, max_overhead=None, on_fail=lambda r: None)
     LOOPS[loop](watch, _model(fault=1.5), bf16=True)
@@ -184,3 +184,37 @@ def test_the_applied_options_are_validated() -> None:
         GradientWatch(applied_every_n_steps=0)
     with pytest.raises(ValueError, match="`step` must be an integer >= 1; got 0"):
         GradientWatch().before_optimizer_step(_model(), cross_entropy, step=0)
+
+
+def _clipped_loop(watch: GradientWatch, clip: Callable[[list[torch.Tensor], float], None], max_norm: float) -> None:
+    """A plain loop that clips between the applied check and the step, and tells the watch after clipping."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step, batch in enumerate(classification_batches(2), start=1):
+        watch.record(batch)
+        cross_entropy(model, batch).backward()
+        watch.before_optimizer_step(model, cross_entropy, step=step)
+        clip([p for p in model.parameters() if p.grad is not None], max_norm)
+        watch.after_clipping(model, max_norm, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _clip_twice_as_hard(grads: list[torch.Tensor], max_norm: float) -> None:
+    """A clip norm computed as if the gradient's norm were twice what it is (over-counted across a mesh, say)."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads]))
+    for p in grads:
+        p.grad.mul_(min(1.0, max_norm / (2 * float(norm) + 1e-6)))
+
+
+def test_correct_clipping_is_checked_clean_and_a_wrong_clip_coefficient_fails_as_clipping() -> None:
+    watch = _watch()
+    _clipped_loop(watch, lambda grads, max_norm: torch.nn.utils.clip_grad_norm_(grads, max_norm), 0.05)
+    clipping = [r for r in watch.applied_reports if r.probes == []]
+    assert [(r.step, r.verdict) for r in clipping] == [(1, "ok"), (2, "ok")]
+    wrong = _watch(on_fail=lambda report: None)
+    _clipped_loop(wrong, _clip_twice_as_hard, 0.05)
+    failed = [r for r in wrong.applied_reports if r.fault == "clipping"]
+    assert [r.step for r in failed] == [1, 2]
+    assert "clipped by" in failed[0].fault_message  # the coefficient applied ...
+    assert "give" in failed[0].fault_message  # ... and the one the true norm gives

@@ -90,10 +90,12 @@ class PathSetting:
 
     def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
         """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
-        path's context unless ``with_path``, its compiled code run eagerly unless ``compiled``, the loss scaled by
-        ``scale`` on top of the loop's own scale."""
+        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
+        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
+        scale."""
         return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
-                                       compiled=compiled, group=self.group, scale=scale * self.loss_scale)  # fmt: skip
+                                       compiled=compiled, autocast=with_path, group=self.group,
+                                       scale=scale * self.loss_scale)  # fmt: skip
 
 
 def attribute(

@@ -309,6 +309,15 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     with recompute.exact_conditions():
         reference = evaluator.reference(with_inputs=False)
     reference = dataclasses.replace(reference, loss=_rank_mean(reference.loss, group))
+    edited = [parameter.path for parameter in state.guard.edited]
+    if edited:  # every evaluation starts where training left the parameters, and the loss moves them from there
+        shown = ", ".join(edited[:6]) + (f" and {len(edited) - 6} more" if len(edited) > 6 else "")
+        text = (
+            f"no probe made: the loss changes {shown} itself (in place, rebound or requires_grad toggled), so the "
+            "window's loss evaluated again is not the function training differentiated at this point"
+        )
+        notes.append(Note(NoteCode.APPLIED_EDITED, text))
+        return _Outcome(evaluator, [], None, reference.loss, 1, [0.0] * len(params))
     eager = recompute.rank_mean(
         [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
         group,

@@ -31,7 +31,12 @@ from torch import Tensor, nn
 
 from gradwatch.engine.applied.rounding import AutocastRounding
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
-from gradwatch.engine.function.conditions import autocast_disabled, compiler_disabled, full_float32_precision
+from gradwatch.engine.function.conditions import (
+    autocast_disabled,
+    autocast_held_off,
+    compiler_disabled,
+    full_float32_precision,
+)
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.precision import float64_storage
 from gradwatch.engine.function.state import TrainingState
@@ -87,10 +92,11 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
 
 @contextlib.contextmanager
 def exact_conditions() -> Iterator[None]:
-    """The conditions of the check's own evaluations: outside autocast, full-precision float32 kernels, compiled code
-    run eagerly. Unlike a recomputed check's, dropout is left exactly as training calls it (the check evaluates points
-    one by one, never in vectorised passes), so that it draws the training's masks."""
-    with autocast_disabled(), full_float32_precision(), compiler_disabled():
+    """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
+    Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
+    check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
+    passes), so that it draws the training's masks."""
+    with autocast_held_off(), full_float32_precision(), compiler_disabled():
         yield
 
 
@@ -149,14 +155,18 @@ def path_gradient(
     state: TrainingState,
     *,
     compiled: bool = True,
+    autocast: bool = True,
     group: Any = None,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
     """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
-    per micro-batch), with compiled code run eagerly if not ``compiled``; with a ``scale``, the gradient of the loss
+    per micro-batch), with compiled code run eagerly if not ``compiled``, every autocast region held off if not
+    ``autocast``; with a ``scale``, the gradient of the loss
     times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
     :func:`~gradwatch.engine.applied.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())
+        if not autocast:
+            stack.enter_context(autocast_held_off())
         return _gradient(model, batches, loss_fn, params, state, group, scale)

@@ -120,7 +120,7 @@ class AppliedProbes:
         self.grad_norms = norms(self.grads, exact=True)
         self.grad_norm = math.hypot(*self.grad_norms)
         numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
-        param_norms = norms(self.moved)
+        param_norms = _agreed(norms(self.moved), getattr(measurements.evaluator, "group", None))
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
@@ -373,3 +373,14 @@ def _probes_at(
             if found is not None:
                 measured.append(found)
     return measured
+
+
+def _agreed(values: list[float], group: Any) -> list[float]:
+    """``values`` averaged over the ranks of ``group`` (as they are without one): the probes' steps come from the
+    parameters' sizes, and every rank must take the same step, or the ranks' losses, averaged at each point, would be
+    differences over different steps (ranks whose parameters diverged after a step that applied different gradients)."""
+    if group is None or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, group=group)
+    return (tensor / torch.distributed.get_world_size(group)).tolist()

@@ -162,7 +162,8 @@ class AppliedWindow:
 
     def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
         """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
-        (``model``: the window's own by default); ``options`` are passed on (``combine``, ``path``, ``step``, ...)."""
+        (``model``: the window's own by default); ``options`` are passed on, keywords all (``combine``, ``path``,
+        ``step``, the probe options or ``settings``, ...)."""
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:

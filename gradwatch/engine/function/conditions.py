@@ -2,7 +2,9 @@
 
 A probe compares autograd's derivative with finite differences of the same function, so the loss must be computed the
 same way at every point, in the weights' own dtype: autocast would round it to 16 bits and TF32 matmuls to 10-bit
-mantissas, far coarser than any step a probe takes.
+mantissas, far coarser than any step a probe takes. Autocast stays off even where the loss turns it on itself:
+Accelerate (so Hugging Face's ``Trainer`` and the TRL trainers) wraps the model's ``forward`` in ``torch.autocast``
+under mixed precision, and some ``compute_loss`` enter ``accelerator.autocast()``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
 from torch import Tensor
 
 # torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
@@ -58,6 +61,63 @@ def autocast_disabled() -> Iterator[None]:
         if torch.cuda.is_available():
             stack.enter_context(torch.autocast("cuda", enabled=False))
         yield
+
+
+@contextlib.contextmanager
+def autocast_held_off() -> Iterator[None]:
+    """Leave any surrounding autocast region and keep every ``torch.autocast`` entered meanwhile off (a model's
+    ``forward`` wrapped in autocast, an ``accelerator.autocast()`` inside the loss), for the duration.
+
+    ``torch.autocast.__enter__`` is swapped on the class (its CUDA and CPU subclasses call it): each region entered
+    meanwhile is entered disabled, and left as torch leaves any region, restoring the state it found. The instance's own
+    setting is untouched (Accelerate keeps one instance for every call of the forward). Other threads entering autocast
+    during a check get it disabled too.
+    """
+    autocast = torch.amp.autocast_mode.autocast
+    enter = autocast.__enter__
+
+    def enter_disabled(self: torch.amp.autocast_mode.autocast) -> Any:
+        enabled = self._enabled
+        self._enabled = False
+        try:
+            return enter(self)
+        finally:
+            self._enabled = enabled
+
+    autocast.__enter__ = enter_disabled  # type: ignore[method-assign]
+    try:
+        with autocast_disabled():
+            yield
+    finally:
+        autocast.__enter__ = enter  # type: ignore[method-assign]
+
+
+class _ReentrantAsNonReentrant:
+    """Stands for ``torch.utils.checkpoint.CheckpointFunction`` during a check (see
+    :func:`reentrant_checkpoints_run_non_reentrant`)."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        return checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_run_non_reentrant() -> Iterator[None]:
+    """Run the activation checkpoints of the loss (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, as
+    Hugging Face models use with ``gradient_checkpointing_kwargs={"use_reentrant": True}``) non-reentrant.
+
+    A reentrant checkpoint runs its recomputation as a nested ``backward()`` and refuses ``torch.autograd.grad``
+    ("incompatible with .grad()"), which a check needs: it must leave ``.grad`` and the accumulation hooks alone. Both
+    variants compute the same function and, by torch's contract, the same gradient (random states replayed alike);
+    only their memory differs. ``checkpoint`` looks ``CheckpointFunction`` up in its module at each call, where it is
+    swapped for the duration.
+    """
+    original = checkpoint.CheckpointFunction
+    checkpoint.CheckpointFunction = _ReentrantAsNonReentrant  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        checkpoint.CheckpointFunction = original  # type: ignore[misc]
 
 
 @contextlib.contextmanager
@@ -133,7 +193,14 @@ def dropout_on_contiguous_inputs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def probe_conditions() -> Iterator[None]:
-    """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels,
-    with compiled code run eagerly, dropout drawing in element order."""
-    with autocast_disabled(), full_float32_precision(), compiler_disabled(), dropout_on_contiguous_inputs():
+    """The conditions every evaluation of a check runs under: outside autocast (also where the loss enters it), with
+    full-precision float32 kernels, with compiled code run eagerly, dropout drawing in element order, activation
+    checkpoints non-reentrant."""
+    with (
+        autocast_held_off(),
+        full_float32_precision(),
+        compiler_disabled(),
+        dropout_on_contiguous_inputs(),
+        reentrant_checkpoints_run_non_reentrant(),
+    ):
         yield

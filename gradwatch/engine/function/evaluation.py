@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.function.backward import loss_gradient
+from gradwatch.engine.function.backward import gradient, loss_gradient
 from gradwatch.engine.function.batch import complex_inputs, floating_tensors, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.dataflow import ReferenceFlow, unprobed_note
@@ -240,7 +240,7 @@ class LossEvaluator:
                 loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
                 wanted = list(created())
                 needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
-                found = torch.autograd.grad(loss, needed, allow_unused=True) if needed else ()
+                found = gradient(loss, needed)
                 self.n_backward += 1
             self.state.skip_unused_generators()
             completed = True

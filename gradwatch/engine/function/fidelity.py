@@ -15,10 +15,11 @@ that another function:
 
 :class:`Float64Fidelity`, active during float64 evaluations, keeps casts from float64 to a lower floating dtype at
 float64 (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32`` arguments), promotes the floating tensors
-factories create in the default dtype to float64 (the same numbers, in float64) and makes random draws in the model's
-own dtype before casting them to float64, so that they are the numbers training draws. Its first evaluation of a check
-tells whether the loss does either (:attr:`Float64Fidelity.acted`); when it does not, it is not used again, and costs
-nothing.
+factories create in the default dtype to float64 (the same numbers, in float64), computes an operation writing into a
+float64 ``out=`` buffer (one such a factory made) from its lower-precision inputs in float64, and makes random draws in
+the model's own dtype before casting them to float64, so that they are the numbers training draws. Its first
+evaluation of a check tells whether the loss does either (:attr:`Float64Fidelity.acted`); when it does not, it is not
+used again, and costs nothing.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class Float64Fidelity(TorchFunctionMode):
             drawn = self._random(func, args, kwargs)
             if drawn is not None:
                 return drawn
+        if _is_float64(kwargs.get("out")) and any(isinstance(a, Tensor) and a.dtype in _LOWER for a in args):
+            # torch.mm(a, b, out=buffer) into a buffer a factory made float64 here: the inputs in its precision too
+            self.acted.add("casts")
+            args = tuple(a.to(torch.float64) if isinstance(a, Tensor) and a.dtype in _LOWER else a for a in args)
         dtype = kwargs.get("dtype")
         if dtype is None and func in _DEFAULT_DTYPE_FACTORIES:
             return self._promoted(func(*args, **kwargs))

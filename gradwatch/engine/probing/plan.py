@@ -1,0 +1,57 @@
+"""What the probes of a recomputed check are asked to do, as one object: :class:`ProbePlan`.
+
+The check (:mod:`gradwatch.engine.check`) makes it once from its settings and the model; the probes
+(:mod:`gradwatch.engine.probes`), their confirmations (:mod:`gradwatch.engine.confirmation`,
+:mod:`gradwatch.engine.shifted`) and the culprit search take it whole, with the ladder it builds for any measurements
+(:meth:`ProbePlan.ladder`), rather than its parts one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gradwatch.engine.function.precision import ResolvedPrecision
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import PortfolioSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in,
+    and how they are judged.
+
+    Attributes:
+        portfolio: Which probes, how many, in which turn.
+        rtol: The relative tolerance they are judged with.
+        native_dtype: The parameters' dtype (the least precise of them).
+        float64_refinement: Whether undecided native probes are measured again in float64.
+        vectorize: Whether points may be evaluated together in vectorised passes.
+        fail_on_imprecise: Whether a native gradient off by more than ``rtol`` only by its rounding fails.
+        precision: The precision the probes are asked for (``"native"`` or ``"float64"``).
+    """
+
+    portfolio: PortfolioSettings
+    rtol: float
+    native_dtype: torch.dtype
+    float64_refinement: bool
+    vectorize: bool
+    fail_on_imprecise: bool
+    precision: ResolvedPrecision = "native"
+
+    @property
+    def seed(self) -> str:
+        """The seed of the check's random choices beyond the portfolio (a shifted point): its seed and step."""
+        return f"{self.portfolio.seed}:{self.portfolio.step}"
+
+    def ladder(self, measurements: Measurements, reference_loss: float) -> Ladder:
+        """The escalation ladder of these probes over ``measurements`` around the reference loss."""
+        return Ladder(
+            measurements,
+            rtol=self.rtol,
+            native_dtype=self.native_dtype,
+            reference_loss=reference_loss,
+            float64_refinement=self.float64_refinement,
+        )

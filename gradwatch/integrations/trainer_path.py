@@ -1,0 +1,107 @@
+"""How a Hugging Face ``Trainer`` turns a window of micro-batches into the gradient it applies, for the applied check:
+how its ``training_step`` combines the micro-batch losses (:func:`trainer_combine`) and the path its forward runs on
+under mixed precision (:class:`TrainerPath`).
+
+Under mixed precision Accelerate wraps the model's ``forward`` itself in autocast (``model.forward``, with the
+unwrapped one kept as ``model._original_forward``), so every call of the model runs under autocast whatever its
+caller's context: the check's reference evaluations, which must run without it (eager float32: is the formula wrong?
+the path without autocast: is only the low-precision path wrong?), would run under it too. During an applied check
+:class:`TrainerPath` puts the unwrapped ``forward`` on the model, and the path's context puts Accelerate's wrapper back
+for the evaluations on the training's path, so that those run exactly as training did: the forward under autocast,
+its outputs converted to float32, the loss after the forward (a label smoother, a ``compute_loss_func``) outside
+autocast. The model's ``forward`` is its own again when the check ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from gradwatch.engine.applied.window import Combine, PathContext
+
+__all__ = ["TrainerPath", "trainer_combine"]
+
+
+def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
+    """How ``trainer.training_step`` combines a window's micro-batch losses into the gradient: their sum when each is
+    already divided by the window's ``num_items_in_batch`` (a model taking loss kwargs given the count, a
+    ``compute_loss_func``, or ``trainer.loss_is_scaled_for_ga``), else their mean (each divided by the window's
+    micro-batch count); then divided by the accelerator's own accumulation steps (1 as the Trainer sets it up)."""
+    scaled = trainer.loss_is_scaled_for_ga
+    if scaled is None:
+        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        scaled = (accepts and num_items_in_batch is not None) or trainer.compute_loss_func is not None
+    divisor = int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1))
+    if divisor == 1:
+        return "sum" if scaled else "mean"
+
+    def combine(losses: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.stack(losses).sum()
+        return (total if scaled else total / len(losses)) / divisor
+
+    return combine
+
+
+class TrainerPath:
+    """The path a Trainer's forward runs on, for the applied check of ``model`` (see the module's docstring).
+
+    Args:
+        trainer: The Trainer (its ``compute_loss_context_manager`` and its accelerator's ``autocast``).
+        model: The model checked (``trainer.model``).
+    """
+
+    def __init__(self, trainer: Trainer, model: nn.Module) -> None:
+        self.trainer = trainer
+        self.model = model
+        self.mixed = getattr(trainer.accelerator, "mixed_precision", "no") != "no"
+        own = vars(model)
+        wrapped = own.get("forward") if "_original_forward" in own else None
+        self._wrapped: Callable[..., Any] | None = wrapped if callable(wrapped) else None
+        self._unwrapped: Callable[..., Any] | None = own.get("_original_forward") if self._wrapped else None
+
+    @property
+    def path(self) -> PathContext | None:
+        """The context factory of the training's path (``None`` without mixed precision): the Trainer's
+        ``compute_loss_context_manager``, the accelerator's autocast (which the check reads its dtype from) and
+        Accelerate's wrapped ``forward``."""
+        if not self.mixed:
+            return None
+
+        def path() -> contextlib.AbstractContextManager[Any]:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.trainer.compute_loss_context_manager())
+            stack.enter_context(self.trainer.accelerator.autocast())
+            if self._wrapped is not None:
+                stack.enter_context(self._forward(self._wrapped))
+            return stack
+
+        return path
+
+    def unwrapped(self) -> contextlib.AbstractContextManager[Any]:
+        """For the duration of a check: the model's ``forward`` without Accelerate's autocast (nothing to do when it
+        has none)."""
+        if self._unwrapped is None:
+            return contextlib.nullcontext()
+        return self._forward(self._unwrapped)
+
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Around one micro-batch's ``compute_loss``: autocast off, as the Trainer leaves it around the model's call
+        (the wrapped ``forward`` turns it on for the forward alone). Without Accelerate's wrapper (a model it did not
+        wrap, under DDP its wrapper), the whole loss runs in the path's autocast."""
+        if self._wrapped is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.trainer.args.device.type, enabled=False)
+
+    @contextlib.contextmanager
+    def _forward(self, forward: Callable[..., Any]) -> Iterator[None]:
+        saved = vars(self.model)["forward"]
+        self.model.forward = forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self.model.forward = saved  # type: ignore[method-assign]

@@ -1,0 +1,163 @@
+"""The calls of :class:`~gradwatch.GradientWatch` around the optimizer step, for its applied checks: :meth:`record`
+before each micro-batch's forward, :meth:`before_optimizer_step` after the window's backward passes, and
+:meth:`after_clipping` once the loop has clipped. A part of the watch (its base class), apart so that each module
+stays one screenful of concepts: the recomputed check's call, the state and the outputs are in :mod:`.watch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine import validation as validate
+from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.window import Combine, PathContext
+from gradwatch.engine.sharding.parameters import is_sharded
+from gradwatch.watch.applied import AppliedSchedule
+from gradwatch.watch.distributed import default_group
+from gradwatch.watch.hooks import Context, local_batch_norm
+from gradwatch.watch.lessons import Lessons
+from gradwatch.watch.outcomes import Outcomes
+from gradwatch.watch.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+
+class AppliedCalls:
+    """The applied-check calls of a watch (see the module doc) and what both kinds' calls share (the loss a call
+    checks, the contexts around a check); the watch holds the state they use."""
+
+    verbose: bool
+    _applied: AppliedSchedule
+    _schedule: Schedule
+    _lessons: Lessons
+    _outcomes: Outcomes
+    _model: nn.Module | None
+    _last_step: int
+    _decide: Callable[[int], int]
+    _context: Context
+    loss_fn: LossFn | None
+
+    def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
+        validate.check_int("step", step, minimum=0)
+        if (chosen := validate.check_optional_callable("loss_fn", loss_fn or self.loss_fn)) is None:
+            raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
+        return chosen
+
+    def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
+        """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
+        return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
+
+    def record(self, batch: Any, *, model: nn.Module | None = None, step: int | None = None) -> None:
+        """Call before each micro-batch's forward: when the window is due for an applied check, keep a reference to
+        ``batch`` (as the ``loss_fn`` of :meth:`before_optimizer_step` takes it) and the random state its forward is
+        about to draw from; else nothing.
+
+        Args:
+            batch: The micro-batch, never copied: a loop must not change it in place before the optimizer step.
+            model: The model (by default the one of the last call): at a window's first micro-batch its ``.grad``
+                is fingerprinted, so that gradients left over from the last window are recognised.
+            step: The optimizer step this window leads to (by default the one after the last step a call named).
+        """
+        if not self._applied.enabled:
+            return
+        step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
+        self._applied.record(batch, model if model is not None else self._model, step, self._decide)
+
+    def before_optimizer_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn | None = None,
+        *,
+        step: int,
+        combine: Combine = "mean",
+        path: PathContext | None = None,
+        group: Any = "auto",
+        loss_scale: float = 1.0,
+        gradients: Mapping[str, torch.Tensor] | None = None,
+        skipped: bool | Callable[[], bool] = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> CheckReport | None:
+        """Call after the window's backward passes (and any reduction or unscaling), before clipping and
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
+
+        Args:
+            model: The module whose ``.grad`` the optimizer applies.
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, one micro-batch's loss as the loop computes it (the
+                constructor's when ``None``).
+            step: The optimizer step about to be taken (1 for the first).
+            combine: How the loop combines micro-batch losses: ``"mean"``, ``"sum"`` or ``combine(losses)``.
+            path: A factory of the context the training's forward ran in (autocast).
+            group: The process group whose ranks check together (DDP); ``"auto"``: the default group when one is
+                initialised and the parameters are not sharded, else none.
+            loss_scale: A float16 loop's loss scale (``GradScaler.get_scale()``).
+            gradients: By parameter name, the gradients to check instead of each ``.grad`` (an engine that keeps
+                them elsewhere).
+            skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
+                function that says so: the due check moves to the next window.
+            optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
+        """
+        validate.check_int("step", step, minimum=1)
+        self._model, self._last_step = model, max(self._last_step, step)
+        if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
+            self._schedule.clock.batch_ended(time.perf_counter())
+        window = self._applied.take(step)
+        if window is None or not self._lessons.checkable(model):
+            return None
+        if skipped() if callable(skipped) else skipped:
+            self._applied.skipped()
+            if self.verbose:
+                log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
+            return None
+        loss_fn = self._loss_fn(loss_fn, step)
+        if group == "auto":
+            group = default_group(model)
+        started = time.perf_counter()
+        active = self._lessons.active
+        check = lambda: window.check(  # noqa: E731
+            loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
+            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
+        )  # fmt: skip
+        # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
+        local = group is None and not is_sharded(list(model.named_parameters()))
+        try:
+            report = self._outcomes.guarded(step, check, self._contexts(model, local=local))
+        finally:
+            self._applied.ran(time.perf_counter() - started)
+        if report is not None:
+            self._outcomes.publish(report, self._schedule.clock.fraction)
+            # what clipping must keep of the verified gradient: its norms (a few numbers, no copy)
+            self._applied.verified = (step, GradientNorms.of(_gradients(model, gradients)))
+        return report
+
+    def after_clipping(self, model: nn.Module, max_norm: float, *, step: int) -> CheckReport | None:
+        """Call after the loop clipped the gradient by its norm (``clip_grad_norm_``, ``gradient_clip_val``,
+        ``max_grad_norm``), before ``zero_grad``: when an applied check verified this step's gradient, check that the
+        gradient the optimizer steps with is the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true
+        global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
+        the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
+        """
+        verified, self._applied.verified = self._applied.verified, None
+        if verified is None or verified[0] != step:
+            return None
+        report = self._outcomes.guarded(
+            step, lambda: check_clipping(verified[1], _gradients(model, None), max_norm, step=step), []
+        )
+        if report is not None:
+            self._outcomes.publish(report, self._schedule.clock.fraction)
+        return report
+
+
+def _gradients(model: nn.Module, given: Mapping[str, torch.Tensor] | None) -> list[torch.Tensor | None]:
+    """The gradients the optimizer applies, in the order of the trainable parameters (``given`` by name, else each
+    parameter's ``.grad``)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [given.get(name) if given is not None else p.grad for name, p in named]
+

@@ -1,0 +1,165 @@
+"""The Hugging Face stack as people run it, made tiny: a word-level tokenizer built on the spot, a randomly initialised
+Llama from a config, synthetic token datasets, and the backward bugs planted in it (a 3% RMSNorm input gradient, a 3%
+MLP activation input gradient, a 3% LoRA-variant adapter). Nothing is downloaded. Used by
+``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py`` and ``benchmarks/huggingface.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+VOCAB = 64
+BUG = 1.03
+"""The planted bugs: one input gradient 3% too large."""
+
+
+def tiny_tokenizer() -> Any:
+    """A word-level tokenizer over ``t0 … t63`` (``t1`` end of sequence, ``t2`` padding), built without any file."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="t1", pad_token="t2", unk_token="t0"
+    )
+
+
+def tiny_llama(dtype: torch.dtype | None = None, layers: int = 2, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``LlamaForCausalLM`` (hidden 32, 4 heads, vocabulary 64), seeded, in ``dtype``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=2,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    return model if dtype is None else model.to(dtype)
+
+
+def token_ids(count: int = 48, length: int = 12, seed: int = 3) -> list[list[int]]:
+    """Synthetic token sequences (no padding, no end-of-sequence token inside)."""
+    return torch.randint(3, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def language_modeling_dataset(count: int = 48, length: int = 12) -> Any:
+    """A ``datasets.Dataset`` of tokenised sequences, as TRL's ``SFTTrainer`` takes them (``input_ids`` only)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({"input_ids": token_ids(count, length)})
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Synthetic token sequences, their own labels, for a plain ``transformers.Trainer``."""
+
+    def __init__(self, count: int = 48, length: int = 12) -> None:
+        self.ids = torch.tensor(token_ids(count, length))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class ScaledRMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm (normalised in float32 whatever the input's dtype, as ``LlamaRMSNorm`` does) with a hand-written
+    backward whose input gradient is multiplied by ``factor`` (1 is correct): a fused norm kernel's bug."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hidden: Tensor, weight: Tensor, eps: float, factor: float) -> Tensor:  # type: ignore[override]
+        h = hidden.to(torch.float32)
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(hidden.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:  # type: ignore[override]
+        hidden, weight, ctx.eps, ctx.factor = inputs
+        ctx.save_for_backward(hidden, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight = ctx.saved_tensors
+        h = hidden.to(torch.float32)
+        rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        normed = h * rms
+        grad_weight = (grad * normed.to(hidden.dtype)).reshape(-1, grad.shape[-1]).sum(0)
+        grad_normed = (grad * weight).to(torch.float32)
+        grad_hidden = rms * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return (grad_hidden * ctx.factor).to(hidden.dtype), grad_weight.to(weight.dtype), None, None
+
+
+def plant_norm_bug(norm: nn.Module, factor: float = BUG) -> None:
+    """Replace the forward of one ``LlamaRMSNorm`` with :class:`ScaledRMSNorm` (its input gradient ``factor`` off)."""
+
+    def forward(hidden_states: Tensor) -> Tensor:
+        return ScaledRMSNorm.apply(hidden_states, norm.weight, norm.variance_epsilon, factor)
+
+    norm.forward = forward  # type: ignore[method-assign]
+
+
+class ScaledSiLU(torch.autograd.Function):
+    """``silu`` whose backward multiplies the input gradient by ``factor``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
+        return torch.nn.functional.silu(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:  # type: ignore[override]
+        x, ctx.factor = inputs
+        ctx.save_for_backward(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        sigmoid = torch.sigmoid(x)
+        return grad * sigmoid * (1 + x * (1 - sigmoid)) * ctx.factor, None
+
+
+class BuggySiLU(nn.Module):
+    """An MLP activation module (``act_fn``) whose backward is ``factor`` off."""
+
+    def __init__(self, factor: float = BUG) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ScaledSiLU.apply(x, self.factor)
+
+
+def plant_activation_bug(model: nn.Module, layer: int, factor: float = BUG) -> str:
+    """Give the MLP of decoder layer ``layer`` an activation whose input gradient is ``factor`` off; its name."""
+    mlp = model.get_submodule(f"model.layers.{layer}.mlp")
+    mlp.act_fn = BuggySiLU(factor)
+    return f"model.layers.{layer}.mlp.act_fn"
+
+
+def preference_dataset(count: int = 32, seed: int = 5) -> Any:
+    """A ``datasets.Dataset`` of preference triples (``prompt``, ``chosen``, ``rejected``) in the tokenizer's words."""
+    import datasets
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def text(length: int) -> str:
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (length,), generator=generator))
+
+    rows = [(text(6), text(5), text(5)) for _ in range(count)]
+    return datasets.Dataset.from_dict(
+        {key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))}
+    )

@@ -1,0 +1,91 @@
+"""GradWatchCallback on the ``transformers.Trainer`` set-ups people fine-tune with: activation checkpointing (reentrant
+or not) with a planted 3% bug in one MLP activation, a pure-bf16 model (``torch_dtype=bfloat16``, no autocast); and
+PEFT LoRA adapters whose backward is wrong, named down to the adapter module."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_stack_models import Tokens, plant_activation_bug, tiny_llama  # noqa: E402
+
+from gradwatch import GradientCheckWarning  # noqa: E402
+from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
+
+
+def _train(tmp_path: Path, model: torch.nn.Module, steps: int, **arguments: Any) -> GradWatchCallback:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        **arguments,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    callback = GradWatchCallback(trainer, every_n_steps=1, max_overhead=None)  # on schedule, no budget
+    trainer.add_callback(callback)
+    trainer.train()
+    return callback
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(tmp_path: Path, reentrant: bool) -> None:
+    model = tiny_llama()
+    buggy = plant_activation_bug(model, layer=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        callback = _train(
+            tmp_path,
+            model,
+            steps=1,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        )
+    counts = callback.counts
+    assert (counts["checks"], counts["failed"], counts["skipped"]) == (1, 1, 0)  # no check that could not run
+    report = callback.reports[0]
+    assert (report.step, report.verdict) == (1, "fail")
+    assert report.culprits[0] == buggy, str(report)
+    assert "(`BuggySiLU`) is wrong: its input gradient is" in report.culprit_message
+
+
+def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> None:
+    model = tiny_llama(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        callback = _train(tmp_path, model, steps=8)
+    assert [r.verdict for r in callback.reports] == ["ok"] * 8
+    assert all(r.precision == "float64" for r in callback.reports)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "where", "evidence"),
+    [("lora_B", "input", "its input gradient is"), ("lora_A", "weight", "the gradient of its parameters is")],
+)
+def test_a_wrong_lora_adapter_backward_is_named_down_to_the_adapter(adapter: str, where: str, evidence: str) -> None:
+    peft = pytest.importorskip("peft")
+    from culprit_models import plant_linear_bug
+    from hf_stack_models import BUG, token_ids
+
+    from gradwatch import check_gradients
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config).train()
+    buggy = f"base_model.model.model.layers.1.self_attn.q_proj.{adapter}.default"
+    plant_linear_bug(model.get_submodule(buggy), BUG, where)
+    ids = torch.tensor(token_ids(4, 12))
+    report = check_gradients(model, ids, lambda m, batch: m(input_ids=batch, labels=batch).loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == buggy, str(report)
+    assert evidence in report.culprit_message

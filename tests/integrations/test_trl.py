@@ -1,0 +1,170 @@
+"""GradWatchCallback on TRL's ``SFTTrainer`` at its defaults (bf16 mixed precision, which Accelerate runs as autocast
+around the model's forward; activation checkpointing; its own ``compute_loss``, which records metrics at each call),
+on a tiny randomly initialised Llama: checks conclude without false alarm, the run's log history (TRL's metrics
+included) is bit for bit the one without gradwatch, and a 3% RMSNorm backward bug is caught at the first check with
+that module named. The same for ``DPOTrainer`` at its defaults (the reference model's float32 forward runs inside its
+``compute_loss``, beside the check's float64 policy)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from hf_stack_models import (  # noqa: E402
+    language_modeling_dataset,
+    plant_norm_bug,
+    preference_dataset,
+    tiny_llama,
+    tiny_tokenizer,
+)
+
+from gradwatch import GradientCheckWarning  # noqa: E402
+from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
+
+NORM = "model.layers.1.post_attention_layernorm"
+TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+def _sft(tmp_path: Path, steps: int = 6, bug: bool = False, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    model = tiny_llama()
+    if bug:
+        plant_norm_bug(model.get_submodule(NORM))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
+        trainer = trl.SFTTrainer(
+            model=model, args=args, train_dataset=language_modeling_dataset(), processing_class=tiny_tokenizer()
+        )
+    callback = None
+    if options:
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})  # on schedule, no budget
+        trainer.add_callback(callback)
+    trainer.train()
+    return trainer, callback
+
+
+def _history(trainer: Any) -> list[dict[str, float]]:
+    """The run's log history without gradwatch's entries and the timings."""
+    return [
+        {key: value for key, value in entry.items() if key not in TIMING}
+        for entry in trainer.state.log_history
+        if not any(key.startswith("gradwatch/") for key in entry)
+    ]
+
+
+def test_sft_at_its_defaults_is_checked_without_false_alarm_and_logs_as_without_gradwatch(tmp_path: Path) -> None:
+    without, _ = _sft(tmp_path)
+    assert without.args.bf16  # TRL's defaults, on a CPU
+    assert without.args.gradient_checkpointing
+    assert without.accelerator.native_amp  # the forward runs inside bf16 autocast
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        watched, callback = _sft(tmp_path, every_n_steps=2)
+    assert callback is not None
+    assert [(r.step, r.verdict) for r in callback.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
+    assert callback.counts["skipped"] == 0
+    # the float32 function outside autocast: far below bf16's rounding (~1e-3 along a gradient)
+    assert all(max(r.conclusive_rel_errors) < 1e-4 for r in callback.reports)
+    history = _history(watched)
+    assert history == _history(without)  # bit for bit, TRL's entropy, token accuracy and token count included
+    assert all("entropy" in entry and "num_tokens" in entry for entry in history if "loss" in entry)
+    checked = [entry for entry in watched.state.log_history if "gradwatch/verdict" in entry]
+    assert [entry["step"] for entry in checked] == [1, 2, 4, 6]
+    assert not any("entropy" in entry for entry in checked)  # TRL's metrics stay in the Trainer's own entries
+
+
+def test_a_wrong_rmsnorm_backward_is_caught_at_the_first_check_and_named(tmp_path: Path) -> None:
+    with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}` \(`LlamaRMSNorm`\)"):
+        _, callback = _sft(tmp_path, steps=1, bug=True, every_n_steps=10)
+    assert callback is not None
+    first = callback.reports[0]
+    assert (first.step, first.verdict) == (1, "fail"), str(first)
+    assert first.culprits[0] == NORM
+    assert "input gradient is" in first.culprit_message
+
+
+def test_what_compute_loss_records_during_a_check_is_put_back(tmp_path: Path) -> None:
+    _, callback = _sft(tmp_path, steps=1, every_n_steps=10)
+    assert callback is not None
+    trainer = callback.trainer
+    recorded = {key: list(values) for key, values in trainer._metrics["train"].items()}
+    tokens = trainer._total_train_tokens
+    report = callback.watch.check(trainer.model, _one_batch(trainer), callback._trainer_loss(None), step=1)
+    assert report is not None
+    assert report.n_forward > 10
+    assert {key: list(values) for key, values in trainer._metrics["train"].items()} == recorded
+    assert trainer._total_train_tokens == tokens
+
+
+def _one_batch(trainer: Any) -> dict[str, torch.Tensor]:
+    batch = next(iter(trainer.get_train_dataloader()))
+    return {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+
+
+def _dpo(tmp_path: Path, steps: int, bug: bool = False, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    model = tiny_llama()
+    if bug:
+        plant_norm_bug(model.get_submodule(NORM))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer = trl.DPOTrainer(
+            model=model,
+            ref_model=tiny_llama(),
+            args=args,
+            train_dataset=preference_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
+    callback = None
+    if options:
+        callback = GradWatchCallback(trainer, **{"max_overhead": None, **options})  # on schedule, no budget
+        trainer.add_callback(callback)
+    trainer.train()
+    return trainer, callback
+
+
+def test_dpo_at_its_defaults_is_checked_in_float64_and_logs_as_without_gradwatch(tmp_path: Path) -> None:
+    without, _ = _dpo(tmp_path, steps=4)
+    assert without.args.bf16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        watched, callback = _dpo(tmp_path, steps=4, every_n_steps=2)
+    assert callback is not None
+    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [
+        (1, "ok", "float64"), (2, "ok", "float64"), (4, "ok", "float64")
+    ]  # fmt: skip
+    assert _history(watched) == _history(without)  # DPO's rewards, log-probabilities and token counts included
+    assert "rewards/margins" in _history(watched)[0]
+
+
+def test_a_wrong_rmsnorm_backward_under_dpo_is_caught_at_the_first_check_and_named(tmp_path: Path) -> None:
+    with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}`"):
+        _, callback = _dpo(tmp_path, steps=1, bug=True, every_n_steps=10)
+    assert callback is not None
+    assert callback.reports[0].culprits[0] == NORM
