@@ -251,9 +251,16 @@ class GradWatchCallback(TrainerCallback):
     # --- the applied check ------------------------------------------------------------------------------------------
 
     def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
-        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next)."""
+        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next); then,
+        when that check verified the gradient, the check of the clip coefficient (``watch.after_clipping``: the
+        gradient the optimizer steps with is the verified one times ``min(1, max_grad_norm / ‖g‖)``). Not under a grad
+        scaler: the check ran on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
-        return self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+        norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+        finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
+        if finite and getattr(self.trainer.accelerator, "scaler", None) is None:
+            self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
+        return norm
 
     def _check_applied(self) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` before clipping, against
