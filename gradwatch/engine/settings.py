@@ -101,23 +101,15 @@ class ProbeSettings:
 
 
 def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
-    """What a check checks with: ``settings`` when given (the ``options`` one by one, a subset of the fields, left at
-    their defaults), else the options one by one (the fields not among them at their defaults)."""
-    if settings is None:
-        return ProbeSettings(**options)
-    if not isinstance(settings, ProbeSettings):
-        raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")
+    """What a check checks with, from a signature that spells every option out with its default: the options left at
+    their defaults count as not given (see :func:`settings_of`)."""
     default = ProbeSettings()
-    given = sorted(
-        name
+    given = {
+        name: value
         for name, value in options.items()
         if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
-    )
-    if given:
-        raise ValueError(
-            f"pass the probe options either one by one or as `settings`, not both; got `settings` and {given}"
-        )
-    return settings
+    }
+    return settings_of(settings, given)
 
 
 class ProbeOptions(TypedDict, total=False):

@@ -43,7 +43,7 @@ from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
-from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
+from gradwatch.watch.defaults import DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.watch import GradientWatch
@@ -85,8 +85,9 @@ class GradWatchCallback(TrainerCallback):
     Keyword Args:
         every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
-        applied_every_n_steps: An applied check every this many optimizer steps; ``None``: none. Not made under
-            DeepSpeed or FSDP (said once, at the start of training).
+        applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
+            ``None`` (the default in the Trainer, for now: TRL's trainers are not yet tested with it): none. Not made
+            under DeepSpeed or FSDP (said once, at the start of training).
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
             ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
@@ -98,8 +99,9 @@ class GradWatchCallback(TrainerCallback):
         sinks: More outputs for every check's records, besides the run's own.
         on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
-        decide, agree: The budget decision and the report every process acts on; by default those of
-            :mod:`gradwatch.watch.distributed` (rank 0 decides, every process acts on the same report).
+        decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
+        agree: The report every process acts on; by default the same on every process
+            (:mod:`gradwatch.watch.distributed`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
         **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
 
@@ -116,7 +118,7 @@ class GradWatchCallback(TrainerCallback):
         *,
         every_n_steps: int | None = None,
         first_check_step: int | None = 1,
-        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
+        applied_every_n_steps: int | None = None,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
         max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
@@ -251,9 +253,16 @@ class GradWatchCallback(TrainerCallback):
     # --- the applied check ------------------------------------------------------------------------------------------
 
     def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
-        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next)."""
+        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next); then,
+        when that check verified the gradient, the check of the clip coefficient (``watch.after_clipping``: the
+        gradient the optimizer steps with is the verified one times ``min(1, max_grad_norm / ‖g‖)``). Not under a grad
+        scaler: the check ran on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
-        return self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+        norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
+        finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
+        if finite and getattr(self.trainer.accelerator, "scaler", None) is None:
+            self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
+        return norm
 
     def _check_applied(self) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` before clipping, against

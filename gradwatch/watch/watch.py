@@ -97,8 +97,8 @@ class GradientWatch(AppliedCalls):
         ...     optimizer.step()
         ...     optimizer.zero_grad()
         ...     report = watch.maybe_check(model, batch, loss_fn, step=step)
-        >>> [(report.scope, report.step) for report in watch.reports]
-        [('applied', 1), ('recomputed', 1), ('applied', 2), ('recomputed', 2), ('recomputed', 4)]
+        >>> print(", ".join(f"{report.scope} {report.step}" for report in watch.reports))
+        applied 1, recomputed 1, applied 2, recomputed 2, recomputed 4
     """
 
     def __init__(
