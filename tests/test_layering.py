@@ -30,8 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
 those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
-the adapters over the watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last layer
-holds the faces (command line, test helpers) and the package itself."""
+the adapters over the watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last
+layer holds the faces (command line, test helpers) and the package itself."""
 
 FRAMEWORKS = {
     "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"

@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.cli import main  # noqa: E402
-from gradwatch.engine.notes import codes  # noqa: E402
+from gradwatch.engine.results.notes import codes  # noqa: E402
 from gradwatch.integrations.huggingface import STATE_KEY, GradWatchCallback  # noqa: E402
 from gradwatch.integrations.trainer_outputs import run_sinks  # noqa: E402
 from gradwatch.outputs import JsonLinesSink  # noqa: E402
