@@ -86,8 +86,7 @@ class GradWatchCallback(TrainerCallback):
         every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
-            ``None`` (the default in the Trainer, for now: TRL's trainers are not yet tested with it): none. Not made
-            under DeepSpeed or FSDP (said once, at the start of training).
+            ``None`` (the Trainer's default for now: TRL's trainers are untested with it): none. Not under DeepSpeed, FSDP.
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
             ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
@@ -295,11 +294,9 @@ class GradWatchCallback(TrainerCallback):
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
         reason = None
-        if self.watch.applied_every_n_steps is None:
-            return None
-        if getattr(self.trainer, "is_deepspeed_enabled", False):
+        if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_deepspeed_enabled", False):
             reason = "DeepSpeed keeps the gradients partitioned in its engine, out of each parameter's .grad"
-        elif getattr(self.trainer, "is_fsdp_enabled", False):
+        elif self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
             reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
         if reason is not None:
             self._applied_off = reason
