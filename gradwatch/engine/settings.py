@@ -103,6 +103,8 @@ class ProbeSettings:
 def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
     """What a check checks with, from a signature that spells every option out with its default: the options left at
     their defaults count as not given (see :func:`settings_of`)."""
+    if settings is None:
+        return ProbeSettings(**options)  # every option validated, those at their defaults too
     default = ProbeSettings()
     given = {
         name: value

@@ -22,7 +22,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.rendering import SEARCH_KINDS, ordered_failures
 from gradwatch.engine.results.report import UNDECIDED_REASONS, VERDICTS, CheckReport, Probe
 
-PACKAGE = Path(kinds.__file__).resolve().parents[1]
+PACKAGE = Path(kinds.__file__).resolve().parents[2]
 KIND_NAMES = {kind.value for kind in ProbeKind}
 OWN_KINDS = {"engine/results/kinds.py", "engine/function/sandbox.py", "tensorboard/events.py"}
 """Modules allowed to spell kind names: the table itself, the sandbox, whose saved objects have kinds of their own

@@ -19,7 +19,7 @@ from gradwatch.engine.results import notes as notes_module
 from gradwatch.engine.results.notes import Note, NoteCode, codes
 from gradwatch.engine.results.report import CheckReport
 
-PACKAGE = Path(notes_module.__file__).resolve().parents[1]
+PACKAGE = Path(notes_module.__file__).resolve().parents[2]
 
 
 def _sources() -> dict[str, ast.Module]:
