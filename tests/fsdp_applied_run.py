@@ -104,9 +104,12 @@ def _fit(
     trainer.fit(model, _loader())
     optimizer = trainer.optimizers[0]
     state = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
-    reports = watch.applied_reports if watch is not None else []
+    every = watch.applied_reports if watch is not None else []
+    reports = [r for r in every if "applied-clipping" not in codes(r.notes)]
     return {
         "rank": trainer.global_rank,
+        # the clip coefficient Lightning applied (gradient_clip_val), checked against the norm over every shard
+        "clipping": [(r.step, r.verdict) for r in every if "applied-clipping" in codes(r.notes)],
         "global_step": trainer.global_step,
         "params": _digest([_local(p) for p in model.parameters()]),
         "optimizer": _digest(state),

@@ -30,6 +30,7 @@ def test_healthy_runs_pass_on_every_rank_and_train_as_without(fsdp: dict[str, An
     baseline = scenario.replace("healthy", "baseline")
     for checked, plain in zip(_both(fsdp, scenario), _both(fsdp, baseline), strict=True):
         assert [(a["step"], a["verdict"]) for a in checked["applied"]] == [(1, "ok"), (2, "ok"), (3, "ok")]
+        assert all(verdict == "ok" for _, verdict in checked["clipping"])  # the clip norm over every rank's shards
         assert all("sharded" in a["note_codes"] for a in checked["applied"])
         assert all(0 < a["floor_excess"] < 1 for a in checked["applied"])
         assert (checked["params"], checked["optimizer"]) == (plain["params"], plain["optimizer"])
