@@ -140,14 +140,15 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
     callback: Any = None
     if kind in ("healthy", "formula"):
         callback = GradWatchCallback(trainer, every_n_steps=1, max_overhead=None, verbose=False)
-    elif kind.startswith("applied"):
+    elif kind == "applied":  # the callback's own applied checks, inside the engine's step
+        callback = GradWatchCallback(trainer, every_n_steps=10**6, first_check_step=None, applied_every_n_steps=1,
+                                     max_overhead=None, verbose=False)  # fmt: skip
+    elif kind.startswith("applied"):  # a fault planted after the reduction, just before the check
         faults = {
-            "applied": None,
             "applied_leftout": _leftout,
             "applied_scaled": lambda e, w: _scale_rank1_partition(e),
         }
-        fault = faults[kind]
-        callback = AppliedChecks(trainer, None if fault is None else _plant_once(fault))
+        callback = AppliedChecks(trainer, _plant_once(faults[kind]))
     if callback is not None:
         trainer.add_callback(callback)
     trainer.train()

@@ -1,26 +1,19 @@
 """``GradWatchCallback``: gradient checks in a Hugging Face ``transformers.Trainer`` run (and the TRL trainers on it).
 
 A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
-and lends it what only the Trainer knows (the micro-batches, the loss, how the Trainer combines them, where the logs
-go, the checkpoint's state). A ``TrainerCallback`` sees neither the batch nor the loss, so the callback cooperates with
-the Trainer it is built with (the pattern of TRL's callbacks): during training it wraps ``trainer.compute_loss`` to
-see each micro-batch (a shallow copy of the inputs dict, since ``compute_loss`` may pop the labels) with the
-``num_items_in_batch`` the Trainer passed with it, and ``accelerator.clip_grad_norm_`` to reach the accumulated
-gradient before the Trainer clips it.
+and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to see each micro-batch (a shallow copy of
+the inputs, with the ``num_items_in_batch`` the Trainer passed) and ``accelerator.clip_grad_norm_`` to reach the
+accumulated gradient before the Trainer clips it.
 
 * The **applied** check: every micro-batch of a due window goes to ``watch.record``; in the clipping call (before it
-  clips), ``watch.before_optimizer_step`` checks the ``.grad`` the optimizer is about to apply against the window's
-  loss, combined as the Trainer's ``training_step`` combines it, on the path its forward ran (its autocast).
-* The **recomputed** check: at ``on_step_end`` (after the optimizer step; ``state.global_step`` counts optimizer steps)
-  ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the step's first micro-batch at the parameters the
-  step produced.
+  clips; under DeepSpeed inside the engine's step), ``watch.before_optimizer_step`` checks the gradient the optimizer
+  is about to apply against the window's loss, combined as the Trainer combines it, on its forward's path.
+* The **recomputed** check: at ``on_step_end`` ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the
+  step's first micro-batch at the parameters the step produced.
 
-Outputs go through the watch's sinks, built once per run at ``on_train_begin``
-(:mod:`gradwatch.integrations.trainer_outputs`): the scalars through ``trainer.log`` (every ``report_to``
-integration), the histogram and the failure text into the Trainer's TensorBoard run, and the JSON lines record beside
-the logs. The watch's state rides in the Trainer's checkpoints (``trainer_state.json``, under ``stateful_callbacks``),
-so a resumed run continues its schedule. What ``compute_loss`` records during a check (TRL's metrics and token counts)
-is put back after it (:mod:`.records`).
+Outputs go through the watch's sinks, built once per run (:mod:`gradwatch.integrations.trainer_outputs`); the watch's
+state rides in the Trainer's checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's
+metrics) is put back after it (:mod:`.trainer_records`).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -39,7 +32,7 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.integrations.trainer_outputs import run_sinks
-from gradwatch.integrations.trainer_path import TrainerPath, trainer_combine
+from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, trainer_combine
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
@@ -158,6 +151,7 @@ class GradWatchCallback(TrainerCallback):
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
+        self._engine_hook: Any = None  # under DeepSpeed: the applied check inside the engine's step
         self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
         self._in_window = False  # the micro-batches run are recorded for the applied check, until its check point
         self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
@@ -185,6 +179,9 @@ class GradWatchCallback(TrainerCallback):
             self.trainer.accelerator.clip_grad_norm_ = self._clipping  # type: ignore[method-assign]
             self._wrapped = True
             self._applied_off = self._applied_unreachable(args)
+            if self._applied_off is None and getattr(self.trainer, "is_deepspeed_enabled", False):
+                # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
+                self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
         self._restore_state(state)
         self.watch.setup(self._model)
@@ -193,6 +190,9 @@ class GradWatchCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
+        if self._engine_hook is not None:
+            self._engine_hook.remove()
+            self._engine_hook = None
         if self._wrapped and "clip_grad_norm_" in vars(self.trainer.accelerator):
             del self.trainer.accelerator.clip_grad_norm_
         self._wrapped = False
@@ -209,8 +209,8 @@ class GradWatchCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ):
-        if not self._in_window:
-            return  # checked in the clipping call, as it should be
+        if not self._in_window or self._engine_hook is not None:
+            return  # checked in the clipping call or inside DeepSpeed's step, as it should be
         if args.max_grad_norm > 0:
             # the Trainer clipped elsewhere (gradients on several device meshes, SageMaker): what the optimizer applies
             # is no longer the window's gradient, and a check of it would be a false alarm
@@ -259,13 +259,15 @@ class GradWatchCallback(TrainerCallback):
         self._check_applied()
         norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
         finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
-        if finite and getattr(self.trainer.accelerator, "scaler", None) is None:
+        # not under DeepSpeed either: its engine clips its own partitioned gradients, inside its step
+        if finite and getattr(self.trainer.accelerator, "scaler", None) is None and self._engine_hook is None:
             self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
         return norm
 
-    def _check_applied(self) -> None:
-        """The applied check of the window just run, when one is due: the accumulated ``.grad`` before clipping, against
-        the window's loss as the Trainer combines it, on the path its forward ran (its autocast)."""
+    def _check_applied(self, gradients: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The applied check of the window just run, when one is due: the accumulated ``.grad`` (or the ``gradients``
+        a DeepSpeed engine keeps) before clipping, against the window's loss as the Trainer combines it, on the path
+        its forward ran (its autocast)."""
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
@@ -280,6 +282,7 @@ class GradWatchCallback(TrainerCallback):
                 combine=trainer_combine(self.trainer, self._window_count),
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
+                gradients=gradients,
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
 
@@ -294,9 +297,7 @@ class GradWatchCallback(TrainerCallback):
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
         reason = None
-        if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_deepspeed_enabled", False):
-            reason = "DeepSpeed keeps the gradients partitioned in its engine, out of each parameter's .grad"
-        elif self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+        if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
             reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
         if reason is not None:
             self._applied_off = reason

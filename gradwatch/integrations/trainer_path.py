@@ -15,7 +15,7 @@ autocast. The model's ``forward`` is its own again when the check ends.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,12 +31,15 @@ def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
     """How ``trainer.training_step`` combines a window's micro-batch losses into the gradient: their sum when each is
     already divided by the window's ``num_items_in_batch`` (a model taking loss kwargs given the count, a
     ``compute_loss_func``, or ``trainer.loss_is_scaled_for_ga``), else their mean (each divided by the window's
-    micro-batch count); then divided by the accelerator's own accumulation steps (1 as the Trainer sets it up)."""
+    micro-batch count); then divided by the accelerator's own accumulation steps (1 as the Trainer sets it up; under
+    DeepSpeed the engine's, which the Trainer's ``scale_wrt_gas=False`` turns off)."""
     scaled = trainer.loss_is_scaled_for_ga
     if scaled is None:
         accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         scaled = (accepts and num_items_in_batch is not None) or trainer.compute_loss_func is not None
-    divisor = int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1))
+    # DeepSpeed divides by its own accumulation steps only where the Trainer does not say scale_wrt_gas=False (it does)
+    deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+    divisor = 1 if deepspeed else int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1))
     if divisor == 1:
         return "sum" if scaled else "mean"
 
@@ -105,3 +108,13 @@ class TrainerPath:
             yield
         finally:
             self.model.forward = saved  # type: ignore[method-assign]
+
+
+def engine_checks(engine: Any, check: Callable[[Mapping[str, torch.Tensor]], None]) -> Any:
+    """Under ``Trainer(deepspeed=...)`` the engine steps inside ``accelerator.backward`` and keeps the reduced gradient
+    partitioned, out of each parameter's ``.grad``: ``check(gradients)`` runs at its accumulation boundary, after the
+    reduction and before its clipping, with the full gradients by name (read only when a due check reads them). The
+    returned hook's ``remove()`` ends it. Imports DeepSpeed, which such a run has."""
+    from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps
+
+    return before_engine_steps(engine, lambda: check(FullGradients(engine)))

@@ -106,7 +106,7 @@ def test_trainer_fits_check_the_applied_gradient_inside_the_engines_step_and_tra
     ):
         assert [(r["step"], r["scope"], r["verdict"]) for r in watched["reports"]] == [
             (1, "applied", "ok"), (2, "applied", "ok"), (3, "applied", "ok")
-        ]  # fmt: skip
+        ], [r["message"] for r in watched["reports"]]  # fmt: skip
         for key in ("params", "master", "optimizer"):
             assert watched[key] == plain[key], key
 
