@@ -79,7 +79,7 @@ class GradWatchCallback(TrainerCallback):
         every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
-            ``None`` (the Trainer's default for now: untested with TRL's trainers): none. Not under DeepSpeed, FSDP.
+            ``None`` (the Trainer's default for now: untested with TRL's trainers): none. Not under FSDP.
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
             ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
