@@ -23,7 +23,6 @@ failure text or the histograms gets one info record per run naming where they ar
 from __future__ import annotations
 
 import logging
-import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
 from gradwatch.engine.results.report import CheckReport
+from gradwatch.outputs.beside import record_directory
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.outputs.sinks import JsonLinesSink, Sink, SummaryWriterSink, TextSink
@@ -77,8 +77,8 @@ def _directory(trainer: pl.Trainer, logger: Logger) -> Path:
     log_dir = getattr(logger, "log_dir", None)
     if isinstance(log_dir, (str, Path)) and str(log_dir):
         return Path(log_dir)
-    run = f"{type(logger).__name__}-{logger.name}-{logger.version}"
-    return Path(trainer.default_root_dir) / "gradwatch_records" / re.sub(r"[^A-Za-z0-9._-]", "_", run)
+    run = f"{type(logger).__name__}-{logger.name}"
+    return record_directory(Path(trainer.default_root_dir), run, str(logger.version))
 
 
 def _text_call(logger: Logger) -> Callable[[str, str, int], object] | None:
