@@ -47,7 +47,8 @@ class AppliedCalls:
 
     def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
         validate.check_int("step", step, minimum=0)
-        if (chosen := validate.check_optional_callable("loss_fn", loss_fn or self.loss_fn)) is None:
+        chosen = validate.check_optional_callable("loss_fn", loss_fn if loss_fn is not None else self.loss_fn)
+        if chosen is None:
             raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
         return chosen
 
@@ -133,8 +134,10 @@ class AppliedCalls:
             self._applied.ran(time.perf_counter() - started)
         if report is not None:
             self._outcomes.publish(report, self._schedule.clock.fraction)
-            # what clipping must keep of the verified gradient: its norms (a few numbers, no copy)
-            self._applied.verified = (step, GradientNorms.of(_gradients(model, gradients)))
+        if report is not None and gradients is None:
+            # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); not for gradients
+            # an engine keeps elsewhere (it clips them itself, out of .grad)
+            self._applied.verified = (step, GradientNorms.of(_gradients(model)))
         return report
 
     def after_clipping(self, model: nn.Module, max_norm: float, *, step: int) -> CheckReport | None:
@@ -148,16 +151,13 @@ class AppliedCalls:
         if verified is None or verified[0] != step:
             return None
         report = self._outcomes.guarded(
-            step, lambda: check_clipping(verified[1], _gradients(model, None), max_norm, step=step), []
+            step, lambda: check_clipping(verified[1], _gradients(model), max_norm, step=step), []
         )
         if report is not None:
             self._outcomes.publish(report, self._schedule.clock.fraction)
         return report
 
 
-def _gradients(model: nn.Module, given: Mapping[str, torch.Tensor] | None) -> list[torch.Tensor | None]:
-    """The gradients the optimizer applies, in the order of the trainable parameters (``given`` by name, else each
-    parameter's ``.grad``)."""
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [given.get(name) if given is not None else p.grad for name, p in named]
-
+def _gradients(model: nn.Module) -> list[torch.Tensor | None]:
+    """Each trainable parameter's ``.grad``, in order."""
+    return [p.grad for p in model.parameters() if p.requires_grad]
