@@ -40,6 +40,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -250,14 +251,15 @@ class HeldDetaches:
         for argument, value in self._forward_pairs:
             if argument.shape == tensor.shape and argument.dtype == tensor.dtype and torch.equal(argument, tensor):
                 return value.clone()
-        self.mismatch = "an activation checkpoint recomputed a detach the forward did not make"
+        if tensor.requires_grad:  # one that does not depends on no parameter: the forward did not hold it either
+            self.mismatch = "an activation checkpoint recomputed a detach the forward did not make"
         return func(*args, **kwargs)
 
 
 def _checks_own() -> bool:
     """Whether the ``detach`` being dispatched was called by the check's own code (the culprit search's hooks on the
     model's modules), not by the loss: the first caller outside torch is in :mod:`gradwatch.engine`."""
-    frame = sys._getframe(2)  # the caller of __torch_function__
+    frame: FrameType | None = sys._getframe(2)  # the caller of __torch_function__
     while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("gradwatch.engine.")
