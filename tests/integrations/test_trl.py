@@ -36,7 +36,9 @@ NORM = "model.layers.1.post_attention_layernorm"
 TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}
 
 
-def _sft(tmp_path: Path, steps: int = 6, bug: bool = False, **options: Any) -> tuple[Any, GradWatchCallback | None]:
+def _sft(
+    tmp_path: Path, steps: int = 6, bug: bool = False, peft_config: Any = None, **options: Any
+) -> tuple[Any, GradWatchCallback | None]:
     args = trl.SFTConfig(
         output_dir=str(tmp_path),
         max_steps=steps,
@@ -54,7 +56,11 @@ def _sft(tmp_path: Path, steps: int = 6, bug: bool = False, **options: Any) -> t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
         trainer = trl.SFTTrainer(
-            model=model, args=args, train_dataset=language_modeling_dataset(), processing_class=tiny_tokenizer()
+            model=model,
+            args=args,
+            train_dataset=language_modeling_dataset(),
+            processing_class=tiny_tokenizer(),
+            peft_config=peft_config,
         )
     callback = None
     if options:
@@ -238,3 +244,45 @@ def test_a_wrong_rmsnorm_backward_under_grpo_is_caught_at_the_first_check_and_na
     assert callback is not None
     assert callback.reports[0].culprits[0] == NORM
     assert "input gradient is" in callback.reports[0].culprit_message
+
+
+DORA = "base_model.model.model.layers.1.self_attn.q_proj.lora_magnitude_vector.default"
+
+
+def _dora_config() -> Any:
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True
+    )
+
+
+def test_sft_with_a_dora_adapter_at_its_defaults_is_checked_without_false_alarm(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        trainer, callback = _sft(tmp_path, steps=3, peft_config=_dora_config(), every_n_steps=1)
+    assert callback is not None
+    assert trainer.args.gradient_checkpointing  # the DoRA modules recomputed inside checkpointed decoder layers
+    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [(s, "ok", "float64") for s in (1, 2, 3)]
+    assert all(r.noted(NoteCode.DORA_NORM) for r in callback.reports)
+
+
+def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(), _dora_config())
+    model.get_submodule(DORA).weight.register_hook(lambda grad: grad * 1.03)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none",
+                               use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True),  # fmt: skip
+            train_dataset=language_modeling_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
+        callback = GradWatchCallback(trainer, max_overhead=None)
+        trainer.add_callback(callback)
+        trainer.train()
+    report = callback.reports[0]
+    assert (report.step, report.verdict) == (1, "fail"), str(report)
+    assert {p.target for p in report.probes if p.kind == "tensor" and p.verdict == "fail"} == {f"{DORA}.weight"}
