@@ -60,11 +60,11 @@ class ProbeSettings:
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
             ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.recomputed.confirmation`.
         hold_detached: Check the function autograd differentiates where the loss's own code detaches: the values
-            ``detach()`` returns in ``loss_fn`` outside the model's forward are held, in every evaluation after the
-            reference, at what they were there. For a surrogate objective whose value is not the function its gradient
-            differentiates (GRPO's ``exp(logp - logp.detach())``, 1 at every point); see
-            :mod:`gradwatch.engine.function.held`. Detaches inside the model are never held: an accidental one still
-            fails.
+            ``detach()`` returns in ``loss_fn`` outside the forward of the model's modules are held, in every
+            evaluation after the reference, at what they were there. For a surrogate objective whose value is not the
+            function its gradient differentiates (GRPO's ``exp(logp - logp.detach())``, 1 at every point); see
+            :mod:`gradwatch.engine.function.held`. Detaches inside the model's modules are never held: an accidental
+            one still fails.
 
     Raises:
         ValueError: A field is out of range or of the wrong type.

@@ -50,21 +50,30 @@ class Gate(nn.Module):
         return _ScaleBackward.apply(torch.tanh(x), self.factor)
 
 
-class Policy(nn.Module):
-    """A small policy; ``bug`` makes its gate's input gradient that factor off, ``detach`` cuts its first layer off."""
+class Trunk(nn.Module):
+    """A linear layer and tanh; ``detach`` cuts it off (an accidental stop-gradient)."""
 
-    def __init__(self, bug: float = 1.0, detach: bool = False) -> None:
+    def __init__(self, detach: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.first, self.second, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 5)
-        self.gate = Gate(bug)
+        self.first = nn.Linear(6, 16)
         self.detach = detach
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.first(x))
-        if self.detach:
-            h = h.detach()  # an accidental stop-gradient
-        return self.head(self.gate(self.second(h)))
+        return h.detach() if self.detach else h
+
+
+class Policy(nn.Module):
+    """A small policy; ``bug`` makes its gate's input gradient that factor off, ``detach`` cuts its trunk off."""
+
+    def __init__(self, bug: float = 1.0, detach: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.second, self.head = Trunk(detach), nn.Linear(16, 16), nn.Linear(16, 5)
+        self.gate = Gate(bug)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.gate(self.second(self.trunk(x))))
 
 
 def _batch() -> Batch:
@@ -117,13 +126,22 @@ def test_a_wrong_backward_inside_the_model_still_fails_and_is_named() -> None:
     assert "input gradient is" in report.culprit_message
 
 
-def test_an_accidental_detach_inside_the_model_is_not_held_and_fails() -> None:
-    report = check_gradients(Policy(detach=True), _batch(), surrogate, hold_detached=True)
+def surrogate_of_parts(model: nn.Module, batch: Batch) -> Tensor:
+    """:func:`surrogate` with the policy's modules called one by one, not through its forward."""
+    x, actions, advantages = batch
+    logits = model.head(model.gate(model.second(model.trunk(x))))
+    logp = torch.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+    return -(torch.exp(logp - logp.detach()) * advantages).mean()
+
+
+@pytest.mark.parametrize("loss", [surrogate, surrogate_of_parts], ids=["through-the-model", "its-modules-directly"])
+def test_an_accidental_detach_inside_the_model_is_not_held_and_fails(loss: Any) -> None:
+    report = check_gradients(Policy(detach=True), _batch(), loss, hold_detached=True)
     assert report.verdict == "fail", str(report)
     failing = {p.target for p in report.probes if p.verdict == "fail" and p.kind in ("tensor", "random", "param")}
     assert failing, str(report)
-    assert failing <= {"first.weight", "first.bias"}, str(report)
-    stopped = "stop-gradient: autograd gives first.weight, first.bias no gradient"
+    assert failing <= {"trunk.first.weight", "trunk.first.bias"}, str(report)
+    stopped = "stop-gradient: autograd gives trunk.first.weight, trunk.first.bias no gradient"
     assert any(s.startswith(stopped) for s in report.surrogates)
 
 

@@ -120,6 +120,7 @@ def test_a_healthy_dora_model_is_checked_without_false_alarm() -> None:
         assert report.verdict == "ok", str(report)
         assert all(p.verdict == "ok" for p in report.probes), str(report)
         assert report.precision == "float64"
+        assert max(report.conclusive_rel_errors) < 1e-6
     (note,) = report.noted(NoteCode.DORA_NORM)
     assert "base_model.model.model.layers.1.self_attn.q_proj" in note
 

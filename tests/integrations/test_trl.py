@@ -275,8 +275,16 @@ def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check(tmp_pat
         warnings.simplefilter("ignore", FutureWarning)
         trainer = trl.SFTTrainer(
             model=model,
-            args=trl.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none",
-                               use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True),  # fmt: skip
+            args=trl.SFTConfig(
+                output_dir=str(tmp_path),
+                max_steps=1,
+                per_device_train_batch_size=4,
+                report_to="none",
+                use_cpu=True,
+                save_strategy="no",
+                seed=0,
+                disable_tqdm=True,
+            ),
             train_dataset=language_modeling_dataset(),
             processing_class=tiny_tokenizer(),
         )

@@ -22,8 +22,9 @@ replaced.
 The scope is explicit, never the whole loss by default: an accidental ``detach`` that gives a parameter exactly no
 gradient must still fail a check, and held it would read as a flat loss agreeing with a zero gradient.
 
-* ``outside``: the detaches the loss makes outside the forward of the model (its own objective's, GRPO's), not those
-  inside the model's modules (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
+* ``outside``: the detaches the loss makes outside the forward of every module of the model (its own objective's,
+  GRPO's), not those inside the model's modules, called through the model or directly
+  (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
 * ``inside``: the detaches made inside the forward of given modules (DoRA's, :mod:`.surrogates`).
 
 A loss that detaches tensors in another order, or of another shape or kind, than in the reference pass cannot be
@@ -44,6 +45,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -79,6 +81,36 @@ class _Depth:
 
 
 @contextlib.contextmanager
+def _counted_within(model: nn.Module | None, depth: _Depth) -> Iterator[None]:
+    """Count in ``depth`` the running forwards of every module of ``model`` for the duration: torch's hooks on every
+    module, removed afterwards, so that a loss that calls a submodule directly (``module.net(x)``) is inside the model
+    there too."""
+    depth.count = 0
+    if model is None:
+        yield
+        return
+    inside = {id(module) for module in model.modules()}
+
+    def enter(module: nn.Module, *_: Any) -> None:
+        if id(module) in inside:
+            depth.count += 1
+
+    def leave(module: nn.Module, *_: Any) -> None:
+        if id(module) in inside:
+            depth.count -= 1
+
+    handles = [
+        torch_module.register_module_forward_pre_hook(enter),
+        torch_module.register_module_forward_hook(leave, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def _counted(modules: Sequence[nn.Module], depth: _Depth) -> Iterator[None]:
     """Count the running forwards of ``modules`` in ``depth`` for the duration (hooks removed afterwards)."""
     depth.count = 0
@@ -98,7 +130,8 @@ class HeldDetaches:
     evaluation (see the module doc).
 
     Args:
-        outside: Hold the detaches made outside the forward of this module (the loss's own); ``None``: none.
+        outside: Hold the detaches made outside the forward of every module of this model (the loss's own); ``None``:
+            none.
         inside: Hold the detaches made inside the forward of these modules.
     """
 
@@ -137,8 +170,11 @@ class HeldDetaches:
         self._recording = self.recorded is None
         self._pending, self._position, self.mismatch = [], 0, None
         self._forward_pairs, self._recomputing = [], False
-        outside = [self.outside] if self.outside is not None else []
-        with _counted(outside, self._model_depth), _counted(self.inside, self._inside_depth), _HeldMode(self):
+        with (
+            _counted_within(self.outside, self._model_depth),
+            _counted(self.inside, self._inside_depth),
+            _HeldMode(self),
+        ):
             yield
 
     @contextlib.contextmanager
