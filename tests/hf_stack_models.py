@@ -1,7 +1,7 @@
 """The Hugging Face stack as people run it, made tiny: a word-level tokenizer built on the spot, a randomly initialised
-Llama from a config, synthetic token datasets, and the backward bugs planted in it (a 3% RMSNorm input gradient, a 3%
-MLP activation input gradient, a 3% LoRA-variant adapter). Nothing is downloaded. Used by
-``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py`` and ``benchmarks/huggingface.py``."""
+Llama from a config, synthetic token datasets (prompts and a reward for GRPO), and the backward bugs planted in it (a
+3% RMSNorm input gradient, a 3% MLP activation input gradient, a 3% LoRA-variant adapter). Nothing is downloaded. Used
+by ``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py`` and ``benchmarks/huggingface.py``."""
 
 from __future__ import annotations
 
@@ -163,3 +163,20 @@ def preference_dataset(count: int = 32, seed: int = 5) -> Any:
     return datasets.Dataset.from_dict(
         {key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))}
     )
+
+
+def prompt_dataset(count: int = 32, length: int = 5, seed: int = 7) -> Any:
+    """A ``datasets.Dataset`` of prompts (``prompt``) in the tokenizer's words, as TRL's ``GRPOTrainer`` takes them."""
+    import datasets
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [
+        " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (length,), generator=generator)) for _ in range(count)
+    ]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def low_token_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward for GRPO: the share of a completion's tokens among ``t3 … t19`` (it varies within a group)."""
+    low = {f"t{i}" for i in range(3, 20)}
+    return [sum(word in low for word in text.split()) / max(1, len(text.split())) for text in completions]

@@ -36,6 +36,7 @@ from gradwatch.engine.distributed.collective import Collective, sharded
 from gradwatch.engine.distributed.parameters import is_sharded, local_mask, local_shards, lockstep
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.held import HeldDetaches
 from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.surrogates import StockSurrogates, as_autograd_sees_them, find_stock_surrogates
@@ -121,6 +122,13 @@ class CheckSession:
                                       self.surrogates.exempt.items() if name in shards}  # fmt: skip
         self.params = params
         return params
+
+    def held_detaches(self) -> HeldDetaches:
+        """What an evaluator of this check holds of the values the loss detaches (a new one per evaluator): those of
+        the loss's own code with ``hold_detached``, those of the DoRA modules always (see
+        :mod:`gradwatch.engine.function.held`)."""
+        outside = self.model if self.settings.hold_detached else None
+        return HeldDetaches(outside=outside, inside=self.surrogates.weight_norms)
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[TrainingState]:

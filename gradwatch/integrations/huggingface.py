@@ -31,6 +31,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.integrations.trainer_losses import trainer_options
 from gradwatch.integrations.trainer_outputs import run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, trainer_combine
 from gradwatch.integrations.trainer_records import records_kept
@@ -81,8 +82,8 @@ class GradWatchCallback(TrainerCallback):
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
             ``None`` (the Trainer's default for now: untested with TRL's trainers): none. Not under FSDP.
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
-        loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
-            ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
+        loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss``. A GRPO-style
+            trainer's own loss is checked with ``hold_detached`` (:mod:`gradwatch.integrations.trainer_losses`).
         max_overhead: The budget, a fraction of the training time the checks may take: 1% by default **whatever the
             cadence**, one given by hand included (a due check that does not fit is postponed and counted in
             ``counts["postponed"]``); ``None`` checks on schedule, at any cost.
@@ -144,7 +145,7 @@ class GradWatchCallback(TrainerCallback):
             agree=agree or agree_across_ranks,
             context=self._records_kept,
             on_report=on_report,
-            **options,
+            **trainer_options(trainer, loss_fn, settings, dict(options)),
         )
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
@@ -296,13 +297,11 @@ class GradWatchCallback(TrainerCallback):
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
-        reason = None
-        if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
-            reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
-        if reason is not None:
-            self._applied_off = reason
-            self._say_applied_off()
-        return reason
+        if self.watch.applied_every_n_steps is None or not getattr(self.trainer, "is_fsdp_enabled", False):
+            return None
+        self._applied_off = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+        self._say_applied_off()
+        return self._applied_off
 
     def _say_applied_off(self) -> None:
         warnings.warn(

@@ -1,6 +1,7 @@
 """GradWatchCallback on the ``transformers.Trainer`` set-ups people fine-tune with: activation checkpointing (reentrant
 or not) with a planted 3% bug in one MLP activation, a pure-bf16 model (``torch_dtype=bfloat16``, no autocast); and
-PEFT LoRA adapters whose backward is wrong, named down to the adapter module."""
+PEFT LoRA adapters whose backward is wrong, named down to the adapter module; PEFT DoRA adapters, whose weight norm is
+detached by design, checked without false alarm and a wrong magnitude gradient named down to its DoRA module."""
 
 from __future__ import annotations
 
@@ -89,3 +90,49 @@ def test_a_wrong_lora_adapter_backward_is_named_down_to_the_adapter(adapter: str
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == buggy, str(report)
     assert evidence in report.culprit_message
+
+
+def _dora_model() -> Any:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True
+    )
+    return peft.get_peft_model(tiny_llama(), config).train()
+
+
+DORA = "base_model.model.model.layers.1.self_attn.q_proj.lora_magnitude_vector.default"
+
+
+def _language_modeling(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def test_a_healthy_dora_model_is_checked_without_false_alarm() -> None:
+    from hf_stack_models import token_ids
+
+    from gradwatch import check_gradients
+    from gradwatch.engine.results.notes import NoteCode
+
+    model = _dora_model()
+    assert type(model.get_submodule(DORA)).__name__ == "DoraLinearLayer"
+    for seed in range(3):
+        report = check_gradients(model, torch.tensor(token_ids(4, 12, seed=seed)), _language_modeling, step=seed)
+        assert report.verdict == "ok", str(report)
+        assert all(p.verdict == "ok" for p in report.probes), str(report)
+        assert report.precision == "float64"
+        assert max(report.conclusive_rel_errors) < 1e-6
+    (note,) = report.noted(NoteCode.DORA_NORM)
+    assert "base_model.model.model.layers.1.self_attn.q_proj" in note
+
+
+def test_a_wrong_dora_magnitude_gradient_is_named_down_to_its_dora_module() -> None:
+    from hf_stack_models import BUG, token_ids
+
+    from gradwatch import check_gradients
+
+    model = _dora_model()
+    model.get_submodule(DORA).weight.register_hook(lambda grad: grad * BUG)
+    report = check_gradients(model, torch.tensor(token_ids(4, 12)), _language_modeling)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == DORA, str(report)
+    assert "(`DoraLinearLayer`) is wrong: the gradient of its parameters is" in report.culprit_message

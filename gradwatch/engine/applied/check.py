@@ -96,6 +96,7 @@ def check_applied_gradient(
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
     seed: int = 0,
+    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
     compare_one_batch: bool = True,
@@ -103,7 +104,8 @@ def check_applied_gradient(
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
     The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search) are
+    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
+    ``hold_detached``) are
     documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
     defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
@@ -149,7 +151,7 @@ def check_applied_gradient(
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
-    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed}
+    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed, "hold_detached": hold_detached}
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:
@@ -213,7 +215,8 @@ def check_applied_gradient(
         # not faults of the formula, and a check whose failures they explain is not a failure
         try:
             found = check_gradients(model, micro_batches[0], single_loss(loss_fn, states[0], None), step=step,
-                                    seed=session.settings.seed, optimizers=session.optimizers)  # fmt: skip
+                                    seed=session.settings.seed, optimizers=session.optimizers,
+                                    hold_detached=session.settings.hold_detached)  # fmt: skip
         except CheckAbandonedError:
             raise
         except Exception as error:  # the verdict stands without it
@@ -303,7 +306,9 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     """The applied check's measurement plan, inside its session: the window's loss and eager gradient, the path's
     noise floor, the probes, and for a failure the attribution to a part of the path."""
     model, params, state, group = setting.model, setting.params, setting.state, setting.group
-    evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), setting.session.params, state)
+    window = setting.window(with_path=False)
+    session = setting.session
+    evaluator = _GlobalEvaluator(model, setting.batches, window, session.params, state, held=session.held_detaches())
     evaluator.group = group
     notes = evaluator.notes
     with recompute.exact_conditions():
@@ -323,7 +328,6 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         group,
     )
     backward = 1
-    window = setting.window(with_path=False)
     again = None
     path_dtype = plan.path_dtype
     if setting.autocast is not None or setting.compiled:

@@ -14,6 +14,11 @@ differentiates.
   enabled): the loss is piecewise constant in everything upstream of a quantiser, whose gradient is a straight-through
   estimator by design. Probes of parameters end inconclusive, as they should; the batch's inputs are not probed (an
   activation quantiser makes their gradient a straight-through one too, and a staircase can read as a clean slope).
+* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``DoraLinearLayer``, ``DoraEmbeddingLayer`` and convolution variants,
+  recognised by name and their ``get_weight_norm``) divides the adapted weight by its column norm, detached (the DoRA
+  paper, section 4.3): the gradient treats the norm as a constant, the forward does not. During a check the values
+  those modules detach are held at the reference's (:mod:`.held`, scoped to those modules alone), so the check
+  differentiates what autograd does and a wrong backward of the adapter still fails.
 
 :func:`find_stock_surrogates` says what a model has, with the note a report gives once.
 """
@@ -46,6 +51,9 @@ class StockSurrogates:
     exempt: dict[str, Tensor] = field(default_factory=dict)
     unprobed: dict[str, str] = field(default_factory=dict)
     fake_quantisers: list[str] = field(default_factory=list)
+    weight_norms: list[nn.Module] = field(default_factory=list)
+    """DoRA modules, whose detached weight norms a check holds constant."""
+    weight_norm_names: list[str] = field(default_factory=list)
 
     def notes(self) -> list[Note]:
         """What a report says of them."""
@@ -67,6 +75,17 @@ class StockSurrogates:
                 )
             )
         notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
+        if self.weight_norm_names:
+            shown = ", ".join(self.weight_norm_names[:4]) + (
+                f" and {len(self.weight_norm_names) - 4} more" if len(self.weight_norm_names) > 4 else ""
+            )
+            notes.append(
+                Note(
+                    NoteCode.DORA_NORM,
+                    f"DoRA weight norms of {shown} held constant during the check, as autograd treats them (they are "
+                    "detached by design)",
+                )
+            )
         if self.fake_quantisers:
             notes.append(
                 Note(
@@ -89,6 +108,12 @@ def _fake_quantising(module: nn.Module) -> bool:
     return bool(enabled[0]) if isinstance(enabled, Tensor) and enabled.numel() else True
 
 
+def _dora(module: nn.Module) -> bool:
+    """A PEFT DoRA module (``DoraLinearLayer`` and its kin), by duck typing: peft is not imported."""
+    name = type(module).__name__.lstrip("_")
+    return name.startswith("Dora") and name.endswith("Layer") and callable(getattr(module, "get_weight_norm", None))
+
+
 def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
     """The stock surrogate-gradient layers of ``model`` (see the module doc)."""
     found = StockSurrogates()
@@ -103,6 +128,9 @@ def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
         if module.training and any(type(hook).__name__ == "SpectralNorm" for hook in hooks):
             found.power_iterations.append(module)
             found.names.append(name or "the model")
+        if _dora(module):
+            found.weight_norms.append(module)
+            found.weight_norm_names.append(name.rsplit(".lora_magnitude_vector", 1)[0] or "the model")
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             weight_name = f"{prefix}weight"
             if getattr(module, "scale_grad_by_freq", False):

@@ -80,6 +80,7 @@ def check_gradients(
     float64_reductions: bool = True,
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
+    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
 ) -> CheckReport:
@@ -87,7 +88,7 @@ def check_gradients(
 
     The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
     ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
-    ``vectorize``, ``fail_on_imprecise``), are documented once, as the fields of the same names of
+    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are documented once, as the fields of the same names of
     :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
@@ -150,6 +151,7 @@ def check_gradients(
         "float64_reductions": float64_reductions,
         "vectorize": vectorize,
         "fail_on_imprecise": fail_on_imprecise,
+        "hold_detached": hold_detached,
     }
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     focus = validate.check_patterns("focus", focus)

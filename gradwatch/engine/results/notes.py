@@ -35,6 +35,8 @@ class NoteCode(StrEnum):
     INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
     BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
     DOUBLE_BACKWARD = "double-backward", "evaluations run with autograd on: the loss differentiates inside itself"
+    DETACHED_HELD = "detached-held", "values the loss detaches held at the reference's: what autograd differentiates"
+    DETACHED_MISMATCH = "detached-mismatch", "detached values could not be held: the loss detached other tensors"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
@@ -48,6 +50,7 @@ class NoteCode(StrEnum):
     PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"
     NOT_PROBED = "not-probed", "a parameter not probed, and why (its gradient is not the derivative by design)"
     FAKE_QUANTISATION = "fake-quantisation", "fake quantisation enabled: a piecewise-constant loss; inputs not probed"
+    DORA_NORM = "dora-norm", "DoRA weight norms held constant during the check, as autograd treats them"
     # precision
     NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
