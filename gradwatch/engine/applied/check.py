@@ -143,7 +143,7 @@ def check_applied_gradient(
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
         compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
-            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: three more backward
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two or three more backward
             passes): ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
         join: ``join(items) -> item``: the window's micro-batch items as one item of all their samples, for that
             comparison (by default :func:`~gradwatch.engine.applied.equivalence.concatenate`; a loop whose items carry
@@ -243,7 +243,7 @@ def check_applied_gradient(
         loss=outcome.loss,
         notes=notes,
         n_forward=evaluator.n_forward,
-        n_backward=outcome.backward + (3 if equivalence is not None else 0),
+        n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
         precision="float64" if evaluator.value_dtype == torch.float64 else "native",
         culprits=culprits,

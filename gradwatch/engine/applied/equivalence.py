@@ -114,6 +114,7 @@ class Equivalence:
         sine: The sine of the angle between the two, computed as the share of the accumulated gradient's norm that
             lies off the one-batch gradient's direction (``nan``: from ``cosine``, which float arithmetic resolves only
             to ~1e-8, so a sine to ~1e-4).
+        backward: The backward passes the comparison made (2, or 3 when the rounding was measured).
     """
 
     scale: float
@@ -123,6 +124,7 @@ class Equivalence:
     windows: int
     tensor_tolerances: tuple[float, ...] = ()
     sine: float = math.nan
+    backward: int = 3
 
     @property
     def averaged_sum(self) -> bool:
@@ -171,6 +173,25 @@ def _sine(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     return math.hypot(*off) / max(math.hypot(*norms(acc, exact=True)), 1e-300)
 
 
+def _compared(
+    acc: Sequence[Tensor],
+    one: Sequence[Tensor],
+    spread: Sequence[float],
+    dtype: torch.dtype,
+    windows: int,
+    backward: int,
+) -> Equivalence:
+    """The two gradients compared against the tolerances of their measured ``spread`` (zeros: the least)."""
+    tolerance, per_tensor = tolerances(one, spread, dtype)
+    size = math.hypot(*norms(acc, exact=True))
+    cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
+        size * math.hypot(*norms(one, exact=True)), 1e-300
+    )
+    tensor_scales = tuple(_scale([a], [o]) if t < 1 else math.nan for a, o, t in zip(acc, one, per_tensor, strict=True))
+    return Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, windows, tuple(per_tensor), _sine(acc, one),
+                       backward)  # fmt: skip
+
+
 def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: TrainingState) -> bool:
     """Whether the loss of ``batch`` changes with the random state (a VAE's noise): its window's micro-batches and the
     one batch would then draw different numbers, and their gradients differ by that. Two forwards, no gradient."""
@@ -212,8 +233,10 @@ def compare_accumulation(
     group: Any = None,
     join: Join | None = None,
 ) -> tuple[Equivalence | None, list[Note]]:
-    """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): three
-    eager backward passes (the window, the one batch, the one batch at three times the loss), in eval mode.
+    """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
+    eager backward passes (the window, the one batch), in eval mode, and a third (the one batch at three times the
+    loss) only when they differ by more than the least tolerance: the tolerance is then measured, as the applied check
+    measures its floor only when a probe needs it (:mod:`.lazy_floor`).
 
     Returns the comparison (``None`` when the batches cannot be joined or the loss refuses the result) and its notes:
     the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
@@ -221,6 +244,7 @@ def compare_accumulation(
         joined = (join or concatenate)(list(batches))
     except ValueError as error:
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, f"accumulation not compared with one batch: {error}")]
+    dtype = max((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off, batch statistics fixed: both gradients under the same conditions
     try:
@@ -231,27 +255,22 @@ def compare_accumulation(
         acc = recompute.eager_gradient(model, batches, window_loss(loss_fn, rng_states, combine, None), params,
                                        state, group)  # fmt: skip
         one = recompute.eager_gradient(model, joined, one_loss, params, state, group)
-        again = recompute.eager_gradient(model, joined, one_loss, params, state, group, SPREAD_SCALE)
+        found = _compared(acc, one, [0.0] * len(one), dtype, len(batches), 2)
+        if found.differs:  # beyond the least tolerance: measure the rounding (monotone: a larger one only agrees more)
+            again = recompute.eager_gradient(model, joined, one_loss, params, state, group, SPREAD_SCALE)
+            found = _compared(acc, one, distances(one, again), dtype, len(batches), 3)
     except Exception as error:  # the loss refuses the joined batch: no comparison, the check stands
         text = f"accumulation not compared with one batch: the loss raised {type(error).__name__} ({error})"
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
     finally:
         for module, training in modes:
             module.training = training
-    dtype = max((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
-    tolerance, per_tensor = tolerances(one, distances(one, again), dtype)
-    size = math.hypot(*norms(acc, exact=True))
-    cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
-        size * math.hypot(*norms(one, exact=True)), 1e-300
-    )
-    tensor_scales = tuple(_scale([a], [o]) if t < 1 else math.nan for a, o, t in zip(acc, one, per_tensor, strict=True))
-    found = Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, len(batches), tuple(per_tensor),
-                        _sine(acc, one))  # fmt: skip
+    tolerance, per_tensor, tensor_scales = found.tolerance, found.tensor_tolerances, found.tensor_scales
     worst = found.worst
     figures = (
         f"the accumulated gradient of {len(batches)} micro-batches against the window's samples as one batch: scale "
         f"{found.scale:.6g} along the applied direction, cosine {found.cosine:.6g} (tolerance {tolerance:.2g}, "
-        "their measured rounding)"
+        + ("their measured rounding)" if found.backward > 2 else f"{ROUNDING_MULTIPLE:g} units of {dtype}'s epsilon)")
         + (
             f"; per tensor furthest from 1 at {names[worst]}: {tensor_scales[worst]:.6g} (tolerance "
             f"{per_tensor[worst]:.2g})"
