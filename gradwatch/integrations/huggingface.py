@@ -33,7 +33,7 @@ from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.integrations.trainer_losses import trainer_options
 from gradwatch.integrations.trainer_outputs import run_sinks
-from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, trainer_combine
+from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, joined_inputs, trainer_combine
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
@@ -272,8 +272,7 @@ class GradWatchCallback(TrainerCallback):
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
-        accelerator = self.trainer.accelerator
-        scaler = getattr(accelerator, "scaler", None)
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
         path = TrainerPath(self.trainer, self._model)
         with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
             self.watch.before_optimizer_step(
@@ -284,6 +283,7 @@ class GradWatchCallback(TrainerCallback):
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
+                join=joined_inputs,  # the window's inputs as one batch, with the window's count
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
 

@@ -18,6 +18,7 @@ from torch import nn
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.watch.applied import AppliedSchedule
@@ -85,6 +86,7 @@ class AppliedCalls:
         gradients: Mapping[str, torch.Tensor] | None = None,
         skipped: bool | Callable[[], bool] = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        join: Join | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
         ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
@@ -104,6 +106,9 @@ class AppliedCalls:
             skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
                 function that says so: the due check moves to the next window.
             optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
+            join: ``join(items) -> item``: the recorded micro-batch items as one item of all their samples, for the
+                comparison of the accumulated gradient with the window's samples taken as one batch (by default
+                :func:`~gradwatch.engine.applied.equivalence.concatenate`).
         """
         validate.check_int("step", step, minimum=1)
         self._model, self._last_step = model, max(self._last_step, step)
@@ -125,6 +130,7 @@ class AppliedCalls:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
             gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
+            join=join,
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))

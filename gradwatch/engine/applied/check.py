@@ -27,7 +27,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
-from gradwatch.engine.applied.equivalence import compare_accumulation
+from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
@@ -100,6 +100,7 @@ def check_applied_gradient(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
     compare_one_batch: bool = True,
+    join: Join | None = None,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -144,8 +145,11 @@ def check_applied_gradient(
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
         compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
-            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two more backward passes):
-            ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two or three more backward
+            passes): ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
+        join: ``join(items) -> item``: the window's micro-batch items as one item of all their samples, for that
+            comparison (by default :func:`~gradwatch.engine.applied.equivalence.concatenate`; a loop whose items carry
+            more than the batch, such as Lightning's batch index, joins them itself).
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -203,7 +207,7 @@ def check_applied_gradient(
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
-                                                     names, state, outcome.floors, plan.multiple, group)  # fmt: skip
+                                                     names, state, group, join)  # fmt: skip
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []
@@ -242,7 +246,7 @@ def check_applied_gradient(
         loss=outcome.loss,
         notes=notes,
         n_forward=evaluator.n_forward,
-        n_backward=outcome.backward + (2 if equivalence is not None else 0),
+        n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
         precision="float64" if evaluator.value_dtype == torch.float64 else "native",
         culprits=culprits,

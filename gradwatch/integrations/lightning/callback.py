@@ -30,7 +30,7 @@ from typing_extensions import Unpack, override
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
-from gradwatch.integrations.lightning.training_step import loggers_silenced, training_step_loss
+from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
@@ -252,7 +252,7 @@ class GradWatch(Callback):
                 module, loss_fn, step=trainer.global_step + 1,
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers,
+                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
             )  # fmt: skip
 
     def _check_clipping_after_step(
