@@ -2,11 +2,11 @@
 until a 5% bug in a 16-bit-only norm kernel is caught.
 
 A small Llama-like decoder (``tests/low_precision_models.py``: RMSNorm through a hand-written autograd kernel, causal
-attention, GELU MLP, random init, synthetic tokens), ``model.to(dtype)``, trains with AdamW (``eps=1e-4``); a recomputed check runs
-every 2 optimizer steps at ``check_gradients``' defaults. The bug makes the norm kernel's backward 5% off for 16-bit
-inputs only (its float32 and float64 evaluations are right). The table gives, per dtype and seed, the healthy checks'
-verdicts, the tolerance the checks measured, and the check at which the buggy model first failed (at most ``--checks``);
-``--fixed`` judges against the fixed 16-bit tolerance instead, as before the floor was measured.
+attention, GELU MLP, random init, synthetic tokens), ``model.to(dtype)``, trains with AdamW (``eps=1e-4``); a
+recomputed check runs every 2 optimizer steps at ``check_gradients``' defaults. The bug makes the norm kernel's backward
+5% off for 16-bit inputs only (its float32 and float64 evaluations are right). The table gives, per dtype and seed, the
+healthy checks' verdicts, the tolerance the checks measured, and the check at which the buggy model first failed (at
+most ``--checks``); ``--fixed`` judges against the fixed 16-bit tolerance instead, as before the floor was measured.
 
 Run: ``python benchmarks/low_precision.py`` (about 2 minutes on 2 CPU cores), ``--checks 3 --seeds 1`` for a smoke run.
 """

@@ -89,10 +89,12 @@ def main() -> None:
         step, check = runs["step"], runs["check"]
         parameters = step["parameters"]
         extra = (check["check_peak"] - step["step_peak"]) / (4 * parameters)
+        peaks = f"{step['step_peak'] / 2**30:.2f} GiB | {check['check_peak'] / 2**30:.2f} GiB"
+        cost = check["check_s"] / check["step_s"]
+        ratios = f"{check['check_peak'] / step['step_peak']:.2f}x | {extra:.1f}x | {cost:.1f}"
         print(
-            f"| GPT {parameters / 1e6:.0f}M | {step['step_peak'] / 2**30:.2f} GiB | {check['check_peak'] / 2**30:.2f} GiB"
-            f" | {check['check_peak'] / step['step_peak']:.2f}x | {extra:.1f}x | {check['check_s'] / check['step_s']:.1f}"
-            f" | {check['evaluations']} | {check['precision']}, {check['verdict']} |",
+            f"| GPT {parameters / 1e6:.0f}M | {peaks} | {ratios} | {check['evaluations']} | "
+            f"{check['precision']}, {check['verdict']} |",
             flush=True,
         )
 
