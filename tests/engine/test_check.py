@@ -433,7 +433,8 @@ def test_sixteen_bit_model_is_probed_in_float64_and_catches_a_gross_error(dtype:
     batch = (inputs.to(dtype), labels)
     report = check_gradients(model, batch, cross_entropy_loss)
     assert report.precision == "float64"
-    assert report.rtol == pytest.approx(3e-2 if dtype == torch.float16 else 1e-1)
+    # the tolerance is measured on the model (at most the fixed 16-bit one): see tests/engine/test_low_precision.py
+    assert report.rtol <= (3e-2 if dtype == torch.float16 else 1e-1)
     assert report.verdict == "ok", str(report)
     model[0].weight.register_hook(lambda g: g * 1.5)
     buggy = check_gradients(model, batch, cross_entropy_loss, tensor_probes=4)

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -86,6 +87,7 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     for parameter in model.parameters():
         if parameter.dtype in _PROMOTED and parameter.dtype not in (torch.float64, torch.complex128):
             by_identity[id(parameter)] = parameter.detach().to(_PROMOTED[parameter.dtype])
+            _SOURCES[by_identity[id(parameter)]] = parameter
     saved: list[tuple[Tensor, Tensor]] = []
     try:
         with torch.no_grad():
@@ -98,6 +100,18 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     finally:
         for buffer, original in reversed(saved):
             buffer.data = original
+
+
+_SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The parameter each float64 substitute was copied from, while the substitute lives."""
+
+
+def exact_source(tensor: Tensor) -> Tensor | None:
+    """The parameter a float64 substitute was copied from, whose values (exact in float64) a probe restores the
+    substitute from instead of keeping a float64 copy of its own; ``None`` for any other tensor. The parameter is not
+    moved while the model evaluates on its substitute."""
+    source = _SOURCES.get(tensor)
+    return source if source is not None and source.shape == tensor.shape else None
 
 
 def substitute_of(checked: Tensor, substitutes: dict[int, Tensor]) -> Tensor:

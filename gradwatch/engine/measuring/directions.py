@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.distributed.collective import layout, summed
+from gradwatch.engine.function.precision import exact_source
 from gradwatch.engine.numerics.norms import dot, total
 
 
@@ -130,8 +131,10 @@ class VectorDirection:
     random probe along a random unit vector; the input probe moves the floating inputs along their gradient. The
     analytic slope is ``g · v``.
 
-    From its first displacement on it holds one copy of the tensors' original values, so that every restore is an
-    exact copy; the copy goes with the object.
+    While it moves the tensors it holds one copy of their original values, so that every restore is an exact copy, and
+    its components in the tensors' dtypes; both are freed when the move ends (:meth:`moving`), so that the probes of a
+    check hold one such copy at a time, not one each (on a model probed in float64 each is twice the float32
+    parameters).
 
     Args:
         tensors: The tensors to move (parameters, or working inputs of the evaluator).
@@ -190,9 +193,8 @@ class VectorDirection:
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
         """Yield ``move(offset)``, which moves every tensor to ``origin + offset · v`` (rounded to its dtype) and
         returns the displacement obtained; the tensors are restored once, on leaving (each move overwrites them)."""
-        if self._origin is None:
-            self._origin = [t.detach().clone() for t in self.tensors]
-        origin = self._origin
+        # a float64 substitute is restored from its parameter (exact in float64): no float64 copy of the model kept
+        self._origin = origin = [_origin_of(t) for t in self.tensors]
         intended = all(t.dtype == torch.float64 for t in self.tensors)
 
         def move(offset: float) -> Displacement:
@@ -208,6 +210,8 @@ class VectorDirection:
             with torch.no_grad():
                 for tensor, saved in zip(self.tensors, origin, strict=True):
                     tensor.copy_(saved)
+            self._origin = self._components_cast = None  # freed between moves: see the class doc
+            del origin
             if self._after_write is not None:
                 self._after_write()
 
@@ -222,13 +226,14 @@ class VectorDirection:
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
         with torch.no_grad():
-            for tensor, increment, weight in zip(self.tensors, self._cast_components(), self._factors, strict=True):
+            for tensor, component, weight in zip(self.tensors, self.components, self._factors, strict=True):
                 shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
+                increment = component.to(tensor.dtype)  # one tensor's cast at a time, not the whole model's kept
                 torch.addcmul(tensor, shaped if weight == 1.0 else shaped * weight, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
-        """The components in the dtypes of the tensors they move (cast once)."""
+        """The components in the dtypes of the tensors they move (cast once per move)."""
         if self._components_cast is None:
             self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
         return self._components_cast
@@ -259,9 +264,12 @@ class VectorDirection:
         the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path
         computes) and ``g·δ = offset·g·v`` predicted."""
         assert self._origin is not None
-        moving = zip(self.tensors, self._origin, self._cast_components(), self._factors, strict=True)
-        for tensor, origin, increment, weight in moving:
-            torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
+        moving = zip(self.tensors, self._origin, self.components, self._factors, strict=True)
+        for tensor, origin, component, weight in moving:
+            # in place on the float64 tensor: the sum is computed in float64 whatever the dtypes of the origin (its
+            # parameter) and the component, and no float64 copy of either is made
+            tensor.copy_(origin)
+            tensor.add_(component, alpha=offset * self.coefficient * weight)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
@@ -273,6 +281,12 @@ class VectorDirection:
                 terms = [w * w * dot(c, c) for c, w in zip(self.components, self._factors, strict=True)]
                 self._norm_squared = self.coefficient**2 * total(terms)
         return self._norm_squared
+
+
+def _origin_of(tensor: Tensor) -> Tensor:
+    """What a moved tensor is restored from: the parameter a float64 substitute was copied from, else a copy."""
+    source = exact_source(tensor)
+    return source.detach() if source is not None else tensor.detach().clone()
 
 
 class HookedDirection:

@@ -32,6 +32,10 @@ class ProbePlan:
         vectorize: Whether points may be evaluated together in vectorised passes.
         fail_on_imprecise: Whether a native gradient off by more than ``rtol`` only by its rounding fails.
         precision: The precision the probes are asked for (``"native"`` or ``"float64"``).
+        measure_floor: Whether a 16-bit model's tolerance is measured on its path (no ``rtol`` given; see
+            :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`).
+        measured_floor: Whether ``rtol`` is that measured tolerance: it then already is the rounding a correct gradient
+            shows, and a larger error does not pass for rounding.
     """
 
     portfolio: PortfolioSettings
@@ -41,6 +45,8 @@ class ProbePlan:
     vectorize: bool
     fail_on_imprecise: bool
     precision: ResolvedPrecision = "native"
+    measure_floor: bool = False
+    measured_floor: bool = False
 
     @property
     def seed(self) -> str:

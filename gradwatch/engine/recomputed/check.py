@@ -199,6 +199,7 @@ def _check(
         vectorize=vectorize,
         fail_on_imprecise=settings.fail_on_imprecise,
         precision=mode,
+        measure_floor=settings.rtol is None,
     )
     with session.measuring():
         outcome = _run(session, batch, loss_fn, plan)
@@ -274,6 +275,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         elif not probes:
             measured = measured_probes(evaluator, reference, grad_norms, plan)
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
+            plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
     if (

@@ -28,6 +28,7 @@ from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error, qua
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
+from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import Probe
 
@@ -50,6 +51,7 @@ class MeasuredProbes:
         culprits: The module whose backward is wrong and the modules containing it, most specific first
             (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words.
+        rtol: The tolerance the probes were judged with (measured for a 16-bit model: :mod:`.sixteen_bit_floor`).
     """
 
     probes: list[Probe]
@@ -58,6 +60,7 @@ class MeasuredProbes:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    rtol: float
 
 
 def measured_probes(
@@ -67,7 +70,14 @@ def measured_probes(
     float64 evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate
     gradients recognised (:mod:`gradwatch.engine.recomputed.signatures`)."""
     model = evaluator.model
+    floor, fixed = None, plan
+    if wanted(plan, evaluator.params):
+        floor = SixteenBitFloor(evaluator, plan, grad_norms, reference.loss)
+        floor.measure_spread()
     with probe_precision(model, evaluator, plan.precision) as (precision, trial):
+        if floor is not None and precision == "float64":
+            plan = floor.plan_on_float64()
+            evaluator.notes += floor.notes
         try:
             tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
                 evaluator, reference, grad_norms, trial, plan
@@ -84,7 +94,7 @@ def measured_probes(
                 f"probes run in the native precision: float64 evaluates another function ({unfaithful})",
             )
         )
-        precision = "native"
+        precision, plan = "native", fixed  # native 16-bit probes resolve no measured floor
         tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
             evaluator, reference, grad_norms, math.nan, plan
         )
@@ -105,7 +115,7 @@ def measured_probes(
             culprits, message = found.culprits, found.message
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
-    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message)
+    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, plan.rtol)
 
 
 def _probe_with_inputs_if_accepted(

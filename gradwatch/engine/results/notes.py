@@ -53,6 +53,7 @@ class NoteCode(StrEnum):
     DORA_NORM = "dora-norm", "DoRA weight norms held constant during the check, as autograd treats them"
     # precision
     NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
+    SIXTEEN_BIT_FLOOR = "sixteen-bit-floor", "a 16-bit model's tolerance, measured on its path or the fixed one"
     FLOAT64_UNFAITHFUL = "float64-unfaithful", "probes run natively: float64 evaluates another function"
     FLOAT64_CASTS_KEPT = "float64-casts-kept", "float64 probes keep the model's casts to a lower precision"
     FLOAT64_DRAWS_NATIVE = "float64-draws-native", "float64 probes make random draws in the native dtype, as training"

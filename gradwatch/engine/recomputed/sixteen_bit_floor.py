@@ -1,0 +1,159 @@
+"""The tolerance of a pure-16-bit model, measured on its own path instead of assumed.
+
+A model whose parameters are bfloat16 or float16 (``model.to(torch.bfloat16)``, no autocast, as many LLM fine-tunes
+train) computes a gradient whose rounding is far above float32's, but far below the fixed relative tolerance that
+covers every 16-bit model (0.1 for bfloat16: a 5% and even a 20% bug in a 16-bit kernel read ``ok`` against it). Float64
+probes measure the exact derivative to ~1e-6, so the tolerance is set by the gradient's own rounding, which is measured
+as the applied check measures its floor (:mod:`gradwatch.engine.applied.verdict`), per tensor ``T``, as the largest of:
+
+* the **forward's and formulas' rounding**: ``‖g_16,T − g_64,T‖`` between the gradient computed on float64 storage with
+  every result rounded to the 16-bit dtype (:class:`~gradwatch.engine.function.sixteen_bit.SixteenBitRounding`: float64
+  formulas, 16-bit rounding, so a backward wrong only for 16-bit inputs is not in it) and the plain float64 gradient;
+* the **backward kernels' own rounding**: the spread ``‖g_1,T − g_3,T / 3‖`` between the model's own gradient of the
+  loss and of three times the loss, which the same kernels round differently (a fault that scales a gradient is the
+  same in both and cancels out of the spread);
+* the **storage rounding** ``u · ‖g_T‖``.
+
+By Cauchy-Schwarz, a correct gradient is off along any unit direction within ``T`` by at most that distance. The check's
+relative tolerance is :data:`FLOOR_MULTIPLE` times the largest relative floor ``floor_T / max(‖g_T‖, ν‖g‖)`` (``ν``:
+the fraction of the whole gradient below which the tensor probes floor their relative errors, see
+:class:`~gradwatch.engine.probing.portfolio.Portfolio`), never above the dtype's fixed tolerance. It costs one native
+backward and two float64 forwards and backwards on the probe batch, made only for 16-bit models probed in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.function.complex_params import autograd_tensor
+from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT, SixteenBitRounding
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import gradient_tolerance, machine_epsilon, relative_tolerance
+from gradwatch.engine.probing.plan import ProbePlan
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
+
+FLOOR_MULTIPLE = 3.0
+"""How many times its measured floor a 16-bit gradient may be off (``torch._dynamo.utils.same``'s multiple in 16 bits,
+as the applied check allows a 16-bit path)."""
+
+SPREAD_SCALE = 3.0
+"""The loss factor of the spread measurement: not a power of two, so that every rounding of the backward changes."""
+
+
+def wanted(plan: ProbePlan, params: Sequence[tuple[str, Tensor]]) -> bool:
+    """Whether a check measures its floor: a 16-bit model probed in float64, no tolerance given, real parameters."""
+    return (
+        plan.measure_floor
+        and plan.native_dtype in SIXTEEN_BIT
+        and plan.precision == "float64"
+        and all(not p.is_complex() for _, p in params)
+    )
+
+
+def _gradients(evaluator: LossEvaluator, scale: float = 1.0) -> list[Tensor] | None:
+    """The gradient of ``scale`` times the loss at the evaluator's parameters (whichever storage they are on), divided
+    by ``scale``, in float64; ``None`` if it is not finite."""
+    tensors = [autograd_tensor(p) for _, p in evaluator.params]
+    changed = [t for t in tensors if not t.requires_grad]
+    loss_fn = evaluator.loss_fn
+    if scale != 1.0:
+        evaluator.loss_fn = lambda model, batch: scale * loss_fn(model, batch)
+    try:
+        for t in changed:
+            t.requires_grad_(True)
+        _, grads = evaluator.gradients_wrt(lambda: tensors)
+    finally:
+        evaluator.loss_fn = loss_fn
+        for t in changed:
+            t.requires_grad_(False)
+    found = [torch.zeros(t.shape, dtype=torch.float64) if g is None else g.detach().double() / scale
+             for t, g in zip(tensors, grads, strict=True)]  # fmt: skip
+    return found if all(bool(torch.isfinite(g).all()) for g in found) else None
+
+
+def _distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
+    return norms([x - y.to(x.device) for x, y in zip(a, b, strict=True)], exact=True)
+
+
+@dataclasses.dataclass
+class SixteenBitFloor:
+    """The measured floor of one check: the native spread first (on the native storage), then the rounding of the
+    forward and formulas (on float64 storage), then the tolerance they give."""
+
+    evaluator: LossEvaluator
+    plan: ProbePlan
+    grad_norms: Sequence[float]
+    loss: float
+    spread: list[float] | None = None
+    error: str = ""
+    """What the last measurement that raised said."""
+    notes: list[Note] = dataclasses.field(default_factory=list)
+
+    def measure_spread(self) -> None:
+        """The backward's own rounding, on the native parameters (before the check moves to float64 storage)."""
+        native = self._guarded(lambda: _gradients(self.evaluator))
+        scaled = self._guarded(lambda: _gradients(self.evaluator, SPREAD_SCALE)) if native is not None else None
+        self.spread = None if native is None or scaled is None else _distances(native, scaled)
+
+    def plan_on_float64(self) -> ProbePlan:
+        """The plan with its tolerance measured; called with the evaluator on float64 storage. The plan unchanged, with
+        a note, when a measurement could not be made."""
+        dtype = self.plan.native_dtype
+        if self.spread is None:
+            return self._fixed("the model's gradient of 3x the loss is not finite or could not be computed")
+        precise = self._guarded(lambda: _gradients(self.evaluator))
+        if precise is None:
+            return self._fixed("no finite float64 gradient")
+        with SixteenBitRounding(dtype):
+            rounded = self._guarded(lambda: _gradients(self.evaluator))
+        if rounded is None:
+            return self._fixed(f"no finite gradient with {_name(dtype)} rounding emulated")
+        forward = _distances(rounded, precise)
+        rounding = machine_epsilon(dtype) / 2
+        floors = [max(f, s, rounding * n) for f, s, n in zip(forward, self.spread, self.grad_norms, strict=True)]
+        whole = math.sqrt(sum(n * n for n in self.grad_norms))
+        negligible = machine_epsilon(dtype) ** (1 / 3) * whole
+        relative = max((f / max(n, negligible) for f, n in zip(floors, self.grad_norms, strict=True)), default=0.0)
+        fixed = relative_tolerance(dtype)
+        rtol = min(fixed, max(FLOOR_MULTIPLE * relative, relative_tolerance(torch.float32)))
+        rtol = gradient_tolerance(rtol, self.loss, dtype)
+        self.notes.append(
+            Note(
+                NoteCode.SIXTEEN_BIT_FLOOR,
+                f"{_name(dtype)} parameters: tolerance {rtol:.3g} from the noise floor measured on the model "
+                f"({relative:.3g} of a tensor's gradient at most, times {FLOOR_MULTIPLE:g}; the fixed "
+                f"{_name(dtype)} tolerance is {fixed:g})",
+            )
+        )
+        return dataclasses.replace(self.plan, rtol=rtol, measured_floor=True)
+
+    def _fixed(self, why: str) -> ProbePlan:
+        dtype = self.plan.native_dtype
+        self.notes.append(
+            Note(
+                NoteCode.SIXTEEN_BIT_FLOOR,
+                f"{_name(dtype)} parameters: the fixed tolerance {self.plan.rtol:.3g}, no floor measured ({why}"
+                f"{self.error})",
+            )
+        )
+        return self.plan
+
+    def _guarded(self, measure: Callable[[], list[Tensor] | None]) -> list[Tensor] | None:
+        try:
+            return measure()
+        except CheckAbandonedError:
+            raise
+        except Exception as error:  # a loss that refuses the rounding emulation: the fixed tolerance, with a note
+            self.error = f" ({type(error).__name__}: {error})"
+            return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,69 @@
+"""Pure 16-bit models (parameters in bfloat16 or float16, no autocast): the tolerance measured on the model's own path
+(``engine/recomputed/sixteen_bit_floor.py``), healthy checks that conclude and a 5% bug in a 16-bit-only norm kernel
+caught."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from low_precision_models import decoder_loss, sixteen_bit_decoder, token_batches
+
+from gradwatch import check_gradients
+from gradwatch.engine.function.sixteen_bit import SixteenBitRounding
+from gradwatch.engine.numerics.steps import relative_tolerance
+from gradwatch.engine.results.notes import NoteCode
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _checks(dtype: torch.dtype, factor: float, count: int) -> list:
+    model = sixteen_bit_decoder(dtype, factor, layers=1, width=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    reports = []
+    for step, batch in enumerate(token_batches(count, vocabulary=128)):
+        reports.append(check_gradients(model, batch, decoder_loss, step=step))
+        optimizer.zero_grad()
+        decoder_loss(model, batch).backward()
+        optimizer.step()
+    return reports
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_healthy_sixteen_bit_checks_conclude_against_a_measured_tolerance(dtype: torch.dtype) -> None:
+    for report in _checks(dtype, 1.0, 3):
+        assert report.verdict == "ok", str(report)
+        assert report.precision == "float64"
+        # measured: far below the fixed 16-bit tolerance, and above the storage rounding times the multiple
+        assert 3 * torch.finfo(dtype).eps / 2 <= report.rtol < relative_tolerance(dtype) / 2, report.rtol
+        assert NoteCode.SIXTEEN_BIT_FLOOR in {note.code for note in report.notes}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_five_percent_bug_in_a_sixteen_bit_only_kernel_fails_the_first_check(dtype: torch.dtype) -> None:
+    report = _checks(dtype, 1.05, 1)[0]
+    assert report.verdict == "fail", str(report)
+    # the same bug against the fixed tolerance reads ok: what the measured floor changes
+    model = sixteen_bit_decoder(dtype, 1.05, layers=1, width=32)
+    fixed = check_gradients(model, token_batches(1)[0], decoder_loss, rtol=relative_tolerance(dtype))
+    assert fixed.verdict == "ok", str(fixed)
+    assert NoteCode.SIXTEEN_BIT_FLOOR not in {note.code for note in fixed.notes}
+
+
+def test_the_bug_is_only_in_the_sixteen_bit_kernel() -> None:
+    model = sixteen_bit_decoder(torch.bfloat16, 1.05, layers=1, width=32).float()
+    assert check_gradients(model, token_batches(1)[0], decoder_loss).verdict == "ok"
+
+
+def test_the_rounding_emulation_holds_every_result_in_sixteen_bits() -> None:
+    a, b = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    with SixteenBitRounding(torch.bfloat16):
+        product = (a @ b).tanh()
+        a.add_(1.0)  # in place: left alone
+    assert torch.equal(product, product.to(torch.bfloat16).double())
+    assert not torch.equal(a, a.to(torch.bfloat16).double())

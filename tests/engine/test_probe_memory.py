@@ -1,0 +1,45 @@
+"""What a check's probes hold in memory: one copy of what they move at a time, and no float64 copy for a float64
+substitute (restored from its parameter instead): ``benchmarks/memory.py`` measures the peaks on GPT-like models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradwatch.engine.function.precision import exact_source, float64_storage
+from gradwatch.engine.measuring.directions import VectorDirection
+
+
+def test_a_direction_frees_its_copy_of_the_tensors_when_its_move_ends() -> None:
+    tensor = torch.randn(64, dtype=torch.float32)
+    before = tensor.clone()
+    grad = torch.randn(64)
+    direction = VectorDirection([tensor], [grad], [grad], 1 / float(grad.norm()))
+    with direction.moving() as move:
+        move(0.1)
+        assert not torch.equal(tensor, before)
+        assert direction._origin is not None
+    assert torch.equal(tensor, before)  # restored exactly
+    assert direction._origin is None
+    assert direction._components_cast is None
+
+
+def test_a_float64_substitute_is_moved_in_float64_and_restored_from_its_parameter() -> None:
+    model = nn.Linear(16, 8)
+    weight = model.weight
+    grad = torch.randn_like(weight)
+    with float64_storage(model) as substitutes:
+        substitute = substitutes[id(weight)]
+        assert exact_source(substitute) is weight
+        assert exact_source(weight) is None
+        direction = VectorDirection([substitute], [grad], [grad], 1 / float(grad.norm()))
+        with direction.moving() as move:
+            shown = move(1e-6)
+            assert direction._origin is not None
+            assert direction._origin[0].data_ptr() == weight.data_ptr()
+            moved = substitute.clone()
+        # the move is computed in float64: origin + offset · v to float64's rounding, not float32's
+        expected = weight.double() + 1e-6 * grad.double() / float(grad.norm())
+        assert torch.allclose(moved, expected, rtol=0, atol=1e-15)
+        assert abs(shown.along / 1e-6 - 1) < 1e-6  # ‖v‖² of a float32-normalised direction
+        assert torch.equal(substitute, weight.double())
