@@ -41,7 +41,9 @@ class AppliedSchedule:
         self.first_check_step = first_check_step
         self.max_overhead = max_overhead
         self.clock = clock
-        self.window: AppliedWindow | None = None
+        self.windows: dict[Any, AppliedWindow] = {}  # the windows being recorded, by key (None: shared)
+        self._taken: set[int] = set()  # the optimizers (ids) that checked the shared window of this step
+        self._open = False  # whether the window step is due and affordable
         self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
@@ -54,28 +56,50 @@ class AppliedSchedule:
     def enabled(self) -> bool:
         return self.every_n_steps is not None
 
-    def due(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (1 for the first) is due for an applied check."""
+    @property
+    def window(self) -> AppliedWindow | None:
+        """The shared window being recorded (or the first of those recorded per optimizer), else ``None``."""
+        return next(iter(self.windows.values()), None)
+
+    def due(self, step: int, previous: int | None = None) -> bool:
+        """Whether optimizer step ``step`` (1 for the first) is due for an applied check: a multiple of the cadence in
+        ``(previous, step]`` (``previous``: the last window's step, ``step - 1`` by default; a loop whose windows each
+        lead to several optimizer steps numbers them apart) or the first check's step."""
         if self.every_n_steps is None:
             return False
-        return self._pending or step == self.first_check_step or step % self.every_n_steps == 0
+        previous = step - 1 if previous is None or not 0 <= previous < step else previous
+        every = self.every_n_steps
+        return self._pending or step == self.first_check_step or step // every > previous // every
 
-    def record(self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int]) -> None:
+    def record(
+        self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int], key: Any = None
+    ) -> None:
         """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: keep it when that
-        step is due and affordable (decided at the window's first micro-batch)."""
+        step is due and affordable (decided at the step's first micro-batch), in the window of ``key`` (an optimizer;
+        ``None``: the window every optimizer of the step shares)."""
         if step != self.window_step:  # a new window begins
-            self.window = None
+            self.windows, self._taken = {}, set()
             self._steps_seen += self.window_step >= 0
-            self.window_step = step
-            if self._opens(step, decide):
-                self.window = AppliedWindow(model)
-        if self.window is not None:
-            self.window.record(batch)
+            previous, self.window_step = self.window_step, step
+            self._open = self._opens(step, previous, decide)
+        if self._open:
+            window = self.windows.get(key)
+            if window is None:
+                window = self.windows[key] = AppliedWindow(model)
+            window.record(batch)
 
-    def take(self, step: int) -> AppliedWindow | None:
-        """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``."""
-        window, self.window = self.window, None
-        return window if window is not None and self.window_step == step else None
+    def take(self, step: int, key: Any = None) -> AppliedWindow | None:
+        """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an
+        optimizer (``key``): its own window, or the shared one, once per optimizer."""
+        if self.window_step != step:
+            self.windows = {}
+            return None
+        if key is None or key in self.windows:
+            return self.windows.pop(key, None)
+        if None in self.windows and id(key) not in self._taken:
+            self._taken.add(id(key))
+            return self.windows[None]
+        return None
 
     def skipped(self) -> None:
         """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""
@@ -88,8 +112,8 @@ class AppliedSchedule:
         self.last_seconds = seconds
         self.clock.add_check(seconds)
 
-    def _opens(self, step: int, decide: Callable[[int], int]) -> bool:
-        if not self.due(step):
+    def _opens(self, step: int, previous: int, decide: Callable[[int], int]) -> bool:
+        if not self.due(step, previous):
             return False
         if step < self._resume_at:
             self._pending = True

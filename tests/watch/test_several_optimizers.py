@@ -1,0 +1,84 @@
+"""Applied checks per optimizer in a plain loop (a GAN: two optimizers, each on its own loss): each optimizer's window
+recorded with ``record(batch, optimizer=...)`` before its loss's forward, each checked with
+``before_optimizer_step(..., optimizer=...)`` against that optimizer's parameters and loss. A healthy GAN is clean and
+trains bit for bit as without the watch; a step pre-hook scaling the discriminator's gradient ×1.5 fails the
+discriminator's check (only its parameters named), when the check runs from a step pre-hook registered after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gan_models import GAN, discriminator_loss, gan_state, generator_loss, real_batches, scale_on_step
+
+from gradwatch import GradientWatch
+
+STEPS = 3
+
+
+def plain_gan_loop(watch: GradientWatch | None, *, fault: float | None = None) -> dict:
+    """Discriminator then generator at every step; the checks run in step pre-hooks registered last, so they see the
+    gradient each optimizer applies after any other pre-hook."""
+    torch.manual_seed(0)
+    model = GAN()
+    opt_d = torch.optim.Adam(model.discriminator.parameters(), lr=1e-2)
+    opt_g = torch.optim.Adam(model.generator.parameters(), lr=1e-2)
+    if fault is not None:
+        opt_d.register_step_pre_hook(scale_on_step(fault))
+    step = 0
+    if watch is not None:
+        for optimizer, loss in ((opt_d, discriminator_loss), (opt_g, generator_loss)):
+
+            def check(opt: torch.optim.Optimizer, args: object, kwargs: object, loss=loss) -> None:  # noqa: ANN001
+                watch.before_optimizer_step(model, loss, step=step, optimizer=opt)
+
+            optimizer.register_step_pre_hook(check)
+    for step, batch in enumerate(real_batches(STEPS), start=1):  # noqa: B007 (read by the hooks)
+        for optimizer, loss in ((opt_d, discriminator_loss), (opt_g, generator_loss)):
+            if watch is not None:
+                watch.record(batch, step=step, optimizer=optimizer)
+            optimizer.zero_grad()
+            loss(model, batch).backward()
+            optimizer.step()
+    return gan_state(model, opt_d, opt_g)
+
+
+def _watch() -> GradientWatch:
+    return GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail="raise")
+
+
+def test_a_healthy_gan_is_clean_per_optimizer_and_trains_as_without_the_watch() -> None:
+    watch = _watch()
+    with_watch, without = plain_gan_loop(watch), plain_gan_loop(None)
+    reports = watch.applied_reports
+    assert len(reports) == 2 * STEPS
+    assert all(report.verdict == "ok" for report in reports), [r.summary() for r in reports]
+    for report, prefix in zip(reports, ["discriminator", "generator"] * STEPS, strict=True):
+        assert {p.target.split(".")[0] for p in report.probes if p.target != "*"} <= {prefix}
+        assert any("4 trainable parameter(s) not checked" in str(note) for note in report.notes)  # the other's 4
+    for name, tensor in without["params"].items():
+        assert torch.equal(tensor, with_watch["params"][name]), name
+    assert torch.equal(with_watch["rng"], without["rng"])
+    assert str(with_watch["optimizers"]) == str(without["optimizers"])
+
+
+def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_check_alone() -> None:
+    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail=lambda r: None)
+    plain_gan_loop(watch, fault=1.5)
+    reports = watch.applied_reports
+    discriminator, generator = reports[0::2], reports[1::2]
+    assert all(report.verdict == "fail" for report in discriminator), [r.summary() for r in discriminator]
+    assert all(report.verdict == "ok" for report in generator), [r.summary() for r in generator]
+    failing = {p.target for p in discriminator[0].probes if p.verdict == "fail" and p.target != "*"}
+    assert failing and all(name.startswith("discriminator.") for name in failing)
+
+
+def test_shared_window_and_unknown_optimizer_are_refused_clearly() -> None:
+    watch = _watch()
+    model = GAN()
+    with pytest.raises(ValueError, match="`optimizer` must be a torch.optim.Optimizer"):
+        watch.record(real_batches(1)[0], optimizer="d")  # type: ignore[arg-type]
+    stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    watch.record(real_batches(1)[0], step=1)
+    discriminator_loss(model, real_batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="`optimizer` updates none of the model's trainable parameters"):
+        watch.before_optimizer_step(model, discriminator_loss, step=1, optimizer=stranger)
