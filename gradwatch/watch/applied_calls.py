@@ -190,9 +190,10 @@ def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None 
 
 
 def _optimizer(name: str, optimizer: Any) -> Any:
-    """``optimizer`` (``None`` or an object with ``param_groups``, as a ``torch.optim.Optimizer``), else a clear error."""
+    """``optimizer``: ``None`` or an object with ``param_groups`` (a ``torch.optim.Optimizer``), else a clear error."""
     if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
-        raise ValueError(f"`{name}` must be a torch.optim.Optimizer (with param_groups); got {type(optimizer).__name__}")
+        kind = type(optimizer).__name__
+        raise ValueError(f"`{name}` must be a torch.optim.Optimizer (with param_groups); got {kind}")
     return optimizer
 
 

@@ -28,11 +28,11 @@ def plain_gan_loop(watch: GradientWatch | None, *, fault: float | None = None) -
     if watch is not None:
         for optimizer, loss in ((opt_d, discriminator_loss), (opt_g, generator_loss)):
 
-            def check(opt: torch.optim.Optimizer, args: object, kwargs: object, loss=loss) -> None:  # noqa: ANN001
+            def check(opt: torch.optim.Optimizer, args: object, kwargs: object, loss=loss) -> None:
                 watch.before_optimizer_step(model, loss, step=step, optimizer=opt)
 
             optimizer.register_step_pre_hook(check)
-    for step, batch in enumerate(real_batches(STEPS), start=1):  # noqa: B007 (read by the hooks)
+    for step, batch in enumerate(real_batches(STEPS), start=1):
         for optimizer, loss in ((opt_d, discriminator_loss), (opt_g, generator_loss)):
             if watch is not None:
                 watch.record(batch, step=step, optimizer=optimizer)
@@ -69,16 +69,17 @@ def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_check_alo
     assert all(report.verdict == "fail" for report in discriminator), [r.summary() for r in discriminator]
     assert all(report.verdict == "ok" for report in generator), [r.summary() for r in generator]
     failing = {p.target for p in discriminator[0].probes if p.verdict == "fail" and p.target != "*"}
-    assert failing and all(name.startswith("discriminator.") for name in failing)
+    assert failing
+    assert all(name.startswith("discriminator.") for name in failing)
 
 
 def test_shared_window_and_unknown_optimizer_are_refused_clearly() -> None:
     watch = _watch()
     model = GAN()
-    with pytest.raises(ValueError, match="`optimizer` must be a torch.optim.Optimizer"):
+    with pytest.raises(ValueError, match=r"`optimizer` must be a torch\.optim\.Optimizer"):
         watch.record(real_batches(1)[0], optimizer="d")  # type: ignore[arg-type]
     stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     watch.record(real_batches(1)[0], step=1)
     discriminator_loss(model, real_batches(1)[0]).backward()
-    with pytest.raises(ValueError, match="`optimizer` updates none of the model's trainable parameters"):
+    with pytest.raises(ValueError, match=r"`optimizer` updates none of the model's trainable parameters"):
         watch.before_optimizer_step(model, discriminator_loss, step=1, optimizer=stranger)

@@ -1,0 +1,127 @@
+"""The loss an optimizer's step applies under Lightning's manual optimization: the step's own loss.
+
+With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to
+``self.manual_backward`` and steps that optimizer. The loss whose gradient optimizer step *k* of a batch applies is
+the sum of the losses ``training_step`` gave ``manual_backward`` since the step before it (or the batch's start),
+those of the step's own ``closure=`` included. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
+``training_step`` again from the batch's start (the window replays the batch's random state, so every draw, the
+noise of a generator included, is the training's), with the module's optimizers unable to step and
+``manual_backward`` recording its loss instead of differentiating it, and stops at step *k*. Nothing of the training is
+done twice: no ``.grad`` is written, no optimizer steps, no parameter's ``requires_grad`` is toggled
+(``toggle_optimizer`` does nothing: the parameters stay as training has them at this step), gradients are not
+clipped, logging is silenced.
+
+The rule supposes that each loss is computed at the parameters its optimizer's step finds: a loss computed before an
+earlier optimizer of the same batch stepped (a generator's sample made before the generator's step, then given to the
+discriminator) is evaluated again at the stepped parameters. The check then sees another function; docs/lightning.md
+says how to order such a ``training_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+
+from gradwatch.engine import LossFn
+from gradwatch.integrations.lightning.training_step import _logging_silenced, _noop, _silenced
+
+__all__ = ["manual_step_loss"]
+
+
+class _Reached(BaseException):
+    """The step whose loss is wanted was reached: ``training_step`` need not go on (a ``BaseException``, so that a
+    ``training_step`` catching ``Exception`` lets it through)."""
+
+
+class _Steps:
+    """What the optimizers' stand-ins see: the losses given to ``manual_backward`` since the last step, and steps."""
+
+    def __init__(self, ordinal: int, optimizer: torch.optim.Optimizer) -> None:
+        self.ordinal, self.optimizer = ordinal, optimizer
+        self.taken = 0
+        self.losses: list[Tensor] = []
+        self.loss: Tensor | None = None
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        self.losses.append(loss)
+
+    def step(self, optimizer: Any, closure: Any = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        self.taken += 1
+        if self.taken == self.ordinal:
+            raw = getattr(optimizer, "optimizer", optimizer)
+            if raw is not self.optimizer:
+                raise ValueError(
+                    f"training_step run again steps {type(raw).__name__} at its optimizer step {self.ordinal}, where "
+                    f"training stepped {type(self.optimizer).__name__}: its optimizer steps depend on more than the "
+                    "batch and the random state, so gradwatch cannot tell which loss this step applies"
+                )
+            if not self.losses:
+                raise ValueError(
+                    f"training_step gave manual_backward no loss before its optimizer step {self.ordinal}: gradwatch "
+                    "cannot tell which loss this step applies"
+                )
+            self.loss = self.losses[0]
+            for loss in self.losses[1:]:
+                self.loss = self.loss + loss
+            raise _Reached
+        self.losses = []
+        return result
+
+
+@contextlib.contextmanager
+def _stand_ins(module: pl.LightningModule, steps: _Steps) -> Iterator[None]:
+    """The module's optimizers and ``manual_backward`` as :class:`_Steps` sees them (instance attributes shadowing
+    the methods, put back exactly)."""
+    optimizers = module.optimizers()
+    optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_silenced(module, ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")))
+        if callable(getattr(module, "toggled_optimizer", None)):
+            stack.enter_context(_replaced(module, "toggled_optimizer", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(_replaced(module, "manual_backward", steps.backward))
+        for optimizer in optimizers:
+            stack.enter_context(_silenced(optimizer, ("zero_grad",)))
+            stack.enter_context(_replaced(optimizer, "step", lambda *a, _o=optimizer, **k: steps.step(_o, *a, **k)))
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
+    saved = vars(obj).get(name, _noop)
+    had = name in vars(obj)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
+
+
+def manual_step_loss(
+    module: pl.LightningModule, batch_idx: int, ordinal: int, optimizer: torch.optim.Optimizer
+) -> LossFn:
+    """A ``loss_fn`` for the applied check of the ``ordinal``-th optimizer step of a batch (1 for the first), which
+    steps ``optimizer``: the step's own loss (see the module doc)."""
+    extra = (batch_idx,) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else ()
+
+    def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
+        steps = _Steps(ordinal, optimizer)
+        with _logging_silenced(module), _stand_ins(module, steps), contextlib.suppress(_Reached):
+            module.training_step(batch, *extra)
+        if steps.loss is None:
+            raise ValueError(
+                f"training_step run again took {steps.taken} optimizer step(s), fewer than the {ordinal} training took "
+                "in this batch: gradwatch cannot tell which loss this step applies"
+            )
+        return steps.loss
+
+    return loss_fn
