@@ -44,6 +44,8 @@ class AppliedSchedule:
         self.windows: dict[Any, AppliedWindow] = {}  # the windows being recorded, by key (None: shared)
         self._taken: set[int] = set()  # the optimizers (ids) that checked the shared window of this step
         self._open = False  # whether the window step is due and affordable
+        self._said_unrecorded = False
+        self.faults: dict[int, tuple[int, str | None]] = {}  # by optimizer (id; None's id: all), the last check's fault
         self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
@@ -100,6 +102,14 @@ class AppliedSchedule:
             self._taken.add(id(key))
             return self.windows[None]
         return None
+
+    def unrecorded(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is due while no micro-batch was recorded for it (a loop that does not call
+        ``record``): ``True`` once per run, to be said."""
+        if self._said_unrecorded or not self.enabled or self.window_step == step or not self.due(step):
+            return False
+        self._said_unrecorded = True
+        return True
 
     def skipped(self) -> None:
         """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""

@@ -7,8 +7,10 @@ stays one screenful of concepts: the recomputed check's call, the state and the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,8 +20,10 @@ from torch import nn
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.step_hooks import recurring_message
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.distributed import default_group
 from gradwatch.watch.hooks import Context, local_batch_norm
@@ -128,6 +132,14 @@ class AppliedCalls:
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
         window = self._applied.take(step, optimizer)
+        if window is None and self._applied.unrecorded(step):
+            warnings.warn(
+                f"gradwatch: the applied check due at optimizer step {step} has no recorded window: no applied check "
+                "runs until watch.record(batch) is called before each micro-batch's forward, with the step "
+                "before_optimizer_step is then given (said once)",
+                GradientCheckWarning,
+                stacklevel=2,
+            )
         if window is None or not self._lessons.checkable(model):
             return None
         if skipped() if callable(skipped) else skipped:
@@ -157,6 +169,8 @@ class AppliedCalls:
         finally:
             self._applied.ran(time.perf_counter() - started)
         if report is not None:
+            report = _recurring(report, self._applied.faults.get(id(optimizer)))
+            self._applied.faults[id(optimizer)] = (step, report.fault)
             self._outcomes.publish(report, self._schedule.clock.fraction)
         if report is not None and own:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); not for gradients
@@ -187,6 +201,13 @@ def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None 
     if updated is not None:
         return [p.grad for _, p in updated]
     return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _recurring(report: CheckReport, previous: tuple[int, str | None] | None) -> CheckReport:
+    """A ``"transient"`` fault the last applied check (of the same optimizer) found too: no one-off, ``"modified"``."""
+    if report.fault != "transient" or previous is None or previous[1] not in ("transient", "modified"):
+        return report
+    return dataclasses.replace(report, fault="modified", fault_message=recurring_message(previous[0]))
 
 
 def _optimizer(name: str, optimizer: Any) -> Any:

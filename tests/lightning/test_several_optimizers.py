@@ -111,3 +111,4 @@ def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_checks(tm
     assert failing
     assert all(name.startswith("gan.discriminator.") for name in failing)
     assert all(r.descent_ratio == pytest.approx(1 / 1.5, rel=1e-3) for r in discriminator)
+    assert [r.fault for r in discriminator] == ["modified"] * 3  # the optimizer's step pre-hook: not a one-off

@@ -6,11 +6,13 @@ discriminator's check (only its parameters named), when the check runs from a st
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from gan_models import GAN, discriminator_loss, gan_state, generator_loss, real_batches, scale_on_step
 
-from gradwatch import GradientWatch
+from gradwatch import GradientCheckWarning, GradientWatch
 
 STEPS = 3
 
@@ -68,6 +70,9 @@ def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_check_alo
     discriminator, generator = reports[0::2], reports[1::2]
     assert all(report.verdict == "fail" for report in discriminator), [r.summary() for r in discriminator]
     assert all(report.verdict == "ok" for report in generator), [r.summary() for r in generator]
+    # the optimizer runs a step pre-hook: the change recurs, from the first check on
+    assert [r.fault for r in discriminator] == ["modified"] * STEPS
+    assert "Adam: scale_on_step.<locals>.hook" in discriminator[0].fault_message
     failing = {p.target for p in discriminator[0].probes if p.verdict == "fail" and p.target != "*"}
     assert failing
     assert all(name.startswith("discriminator.") for name in failing)
@@ -83,3 +88,44 @@ def test_shared_window_and_unknown_optimizer_are_refused_clearly() -> None:
     discriminator_loss(model, real_batches(1)[0]).backward()
     with pytest.raises(ValueError, match=r"`optimizer` updates none of the model's trainable parameters"):
         watch.before_optimizer_step(model, discriminator_loss, step=1, optimizer=stranger)
+
+
+def test_a_gradient_edited_by_the_loop_at_every_step_is_modified_from_the_second_check_on() -> None:
+    """No hook to see: the first check cannot tell a one-off from a habit (``"transient"``); the next one can."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail=lambda r: None)
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    for step in range(1, 4):
+        batch = (torch.randn(8, 4), torch.randn(8, 1))
+        watch.record(batch)
+        loss_fn(model, batch).backward()
+        model.weight.grad.mul_(1.5)  # the loop's own edit, at every step
+        watch.before_optimizer_step(model, loss_fn, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+    reports = watch.applied_reports
+    assert [r.fault for r in reports] == ["transient", "modified", "modified"]
+    assert "as at the applied check of step 1" in reports[1].fault_message
+
+
+def test_a_loop_that_records_no_window_is_told_once_that_no_applied_check_runs() -> None:
+    model = torch.nn.Linear(4, 1)
+    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None)
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+
+    def steps() -> list[object]:
+        reports = []
+        for step in range(1, 4):
+            loss_fn(model, (torch.randn(8, 4), torch.randn(8, 1))).backward()
+            reports.append(watch.before_optimizer_step(model, loss_fn, step=step))
+        return reports
+
+    with pytest.warns(GradientCheckWarning, match="due at optimizer step 1 has no recorded window") as said:
+        assert steps() == [None, None, None]
+    assert len([w for w in said if issubclass(w.category, GradientCheckWarning)]) == 1
+    quiet = GradientWatch(applied_every_n_steps=None, every_n_steps=10**6)  # switched off by choice: nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.before_optimizer_step(model, loss_fn, step=1)

@@ -218,9 +218,7 @@ class GradWatch(Callback):
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
 
-    def _check_applied(
-        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
+    def _check_applied(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         user_loss, ordinal = self.loss_fn, self._ordinal
         several = len(trainer.optimizers) > 1  # manual optimization: each optimizer's step on its own loss
 
