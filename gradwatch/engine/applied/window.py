@@ -104,6 +104,7 @@ class Checksums:
                 rows.append(torch.zeros(3, dtype=torch.float64))
                 continue
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a shard's own rows (FSDP2)
+            local = torch.view_as_real(local.resolve_conj()) if local.is_complex() else local
             flat = local.detach().reshape(-1).double()
             rows.append(torch.stack([flat.sum(), flat.abs().sum(), flat.square().sum()]).cpu())
         values = torch.stack(rows).tolist() if rows else []
