@@ -23,6 +23,7 @@ from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
 from gradwatch.engine.applied.step_hooks import recurring_message
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.selection import checked_parameters
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.distributed import default_group
@@ -153,6 +154,8 @@ class AppliedCalls:
             given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
             only = {name for name, _ in updated}
             gradients = {name: g for name, g in given.items() if name in only}
+            if not {name for name, _ in checked_parameters(model, self._lessons.active.ignore)} & set(gradients):
+                return None  # nothing this optimizer applies is checked here (ignore=: another watch's optimizer)
             optimizers = (*optimizers, optimizer) if all(o is not optimizer for o in optimizers) else optimizers
         if group == "auto":
             group = default_group(model)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from gan_models import GAN, discriminator_loss, gan_state, generator_loss, real_batches, scale_on_step
 
-from gradwatch import GradientCheckWarning, GradientWatch
+from gradwatch import GradientCheckWarning, GradientWatch, check_applied_gradient
+from gradwatch.engine.results.notes import NoteCode
 
 STEPS = 3
 
@@ -129,3 +130,21 @@ def test_a_loop_that_records_no_window_is_told_once_that_no_applied_check_runs()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.before_optimizer_step(model, loss_fn, step=1)
+
+
+def test_an_optimizer_whose_parameters_a_watch_ignores_is_passed_over() -> None:
+    """A watch for the discriminator's loss (``ignore=["generator.*"]``) checks no step of the generator's optimizer;
+    the engine, asked to check nothing, says so (it divided by zero before)."""
+    watch = GradientWatch(
+        applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail="raise", ignore=["generator.*"]
+    )
+    torch.manual_seed(0)
+    model, batch = GAN(), real_batches(1)[0]
+    opt_g = torch.optim.Adam(model.generator.parameters(), lr=1e-2)
+    watch.record(batch, step=1, optimizer=opt_g)
+    generator_loss(model, batch).backward()
+    assert watch.before_optimizer_step(model, generator_loss, step=1, optimizer=opt_g) is None
+    assert watch.applied_reports == []
+    report = check_applied_gradient(model, [batch], generator_loss, ignore=["generator.*", "discriminator.*"])
+    assert (report.verdict, report.probes) == ("inconclusive", [])
+    assert any(note.code == NoteCode.NOTHING_TO_PROBE for note in report.notes)

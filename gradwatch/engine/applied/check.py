@@ -180,6 +180,10 @@ def check_applied_gradient(
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
         session.leading.append(Note(NoteCode.APPLIED_UNCHECKED, text))
+    if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
+        text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                              notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
     autocast = path_autocast(path)
     native = min((p.dtype for _, p in session.params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
