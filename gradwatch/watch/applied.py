@@ -6,6 +6,12 @@ optimizer step the window leads to is due for an applied check and fits the budg
 the window (:class:`~gradwatch.engine.applied.AppliedWindow`: references to the batches, no copies). Every other
 window costs one integer comparison per micro-batch.
 
+Several optimizers (a GAN) each apply their own gradient, of their own loss: a loop records a window per optimizer
+(``key``: the optimizer, so that each window replays the random state its own loss's forward drew from), or one window
+the batch's optimizer steps share (Lightning's manual optimization, whose ``training_step`` is run again from the
+batch's start), checked at each of them. A due step is one whose window crosses a multiple of the cadence: with two
+optimizers, Lightning's windows lead to steps 1, 3, 5, ...
+
 The budget is the one the recomputed checks spend (:class:`~gradwatch.watch.overhead.OverheadClock`, shared): the
 first applied check is always made, as the first recomputed one (it measures what one costs); a later due check waits
 until the training time affords what the last one cost. A postponed check is decided once (under DDP by rank 0 for
@@ -42,7 +48,6 @@ class AppliedSchedule:
         self.max_overhead = max_overhead
         self.clock = clock
         self.windows: dict[Any, AppliedWindow] = {}  # the windows being recorded, by key (None: shared)
-        self._taken: set[int] = set()  # the optimizers (ids) that checked the shared window of this step
         self._open = False  # whether the window step is due and affordable
         self._said_unrecorded = False
         self.faults: dict[int, tuple[int, str | None]] = {}  # by optimizer (id; None's id: all), the last check's fault
@@ -80,7 +85,7 @@ class AppliedSchedule:
         step is due and affordable (decided at the step's first micro-batch), in the window of ``key`` (an optimizer;
         ``None``: the window every optimizer of the step shares)."""
         if step != self.window_step:  # a new window begins
-            self.windows, self._taken = {}, set()
+            self.windows = {}
             self._steps_seen += self.window_step >= 0
             previous, self.window_step = self.window_step, step
             self._open = self._opens(step, previous, decide)
@@ -92,16 +97,13 @@ class AppliedSchedule:
 
     def take(self, step: int, key: Any = None) -> AppliedWindow | None:
         """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an
-        optimizer (``key``): its own window, or the shared one, once per optimizer."""
+        optimizer (``key``): its own window (once), or the one its batch's optimizer steps share (at each)."""
         if self.window_step != step:
             self.windows = {}
             return None
         if key is None or key in self.windows:
             return self.windows.pop(key, None)
-        if None in self.windows and id(key) not in self._taken:
-            self._taken.add(id(key))
-            return self.windows[None]
-        return None
+        return self.windows.get(None)  # the shared window, for every optimizer step of its batch
 
     def unrecorded(self, step: int) -> bool:
         """Whether optimizer step ``step`` is due while no micro-batch was recorded for it (a loop that does not call

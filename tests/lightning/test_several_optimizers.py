@@ -7,6 +7,7 @@ pre-hook scaling the discriminator's gradient ×1.5 fails the discriminator's ch
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,38 @@ def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_checks(tm
     assert all(name.startswith("gan.discriminator.") for name in failing)
     assert all(r.descent_ratio == pytest.approx(1 / 1.5, rel=1e-3) for r in discriminator)
     assert [r.fault for r in discriminator] == ["modified"] * 3  # the optimizer's step pre-hook: not a one-off
+
+
+class StaleSampleGAN(LitGAN):
+    """The generator steps first; the discriminator then steps twice (a critic's extra step), each time on the sample
+    made before the generator's step: a function of the generator's parameters as they were, which the run-again
+    ``training_step`` must see as training did."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        fake = self.gan.generator(torch.randn(real.shape[0], LATENT).type_as(real))
+        opt_g.zero_grad()
+        self.manual_backward(_bce(self.gan.discriminator(fake), 1.0))
+        opt_g.step()
+        for _ in range(2):
+            opt_d.zero_grad()
+            self.manual_backward(
+                _bce(self.gan.discriminator(real), 1.0) + _bce(self.gan.discriminator(fake.detach()), 0.0)
+            )
+            opt_d.step()
+
+
+@pytest.mark.parametrize("fault", [None, 1.5], ids=["healthy", "pre-hook"])
+def test_a_sample_made_before_an_earlier_step_is_the_trainings(tmp_path: Path, fault: float | None) -> None:
+    """No false alarm where the discriminator trains on a sample the generator made before its own update (the run-again
+    ``training_step`` sees the generator's parameters as they were), and the pre-hook still caught."""
+    watch = _watch()
+    torch.manual_seed(0)
+    module = StaleSampleGAN(fault=fault)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(real_batches(2))), batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        trainer(tmp_path, [watch], max_steps=6).fit(module, loader)
+    verdicts = [r.verdict for r in watch.applied_reports]
+    assert verdicts == ["ok", "ok", "ok"] * 2 if fault is None else ["ok", "fail", "fail"] * 2, verdicts

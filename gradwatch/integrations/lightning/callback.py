@@ -28,7 +28,7 @@ from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.integrations.lightning.manual_step import manual_step_loss
+from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
 from gradwatch.integrations.lightning.training_step import loggers_silenced, training_step_loss
 from gradwatch.watch.alerts import OnFail
@@ -100,6 +100,7 @@ class GradWatch(Callback):
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
+        self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._watch = GradientWatch(
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
@@ -184,7 +185,7 @@ class GradWatch(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_step, self._ordinal = trainer.global_step + 1, 0
+        self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
         self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
 
     @override
@@ -193,7 +194,10 @@ class GradWatch(Callback):
     ) -> None:
         self._ordinal += 1
         if self._watch.recording:  # the gradient the optimizer applies, before clipping and the step
-            self._check_applied(trainer, pl_module, optimizer)
+            earlier = tuple(self._stepped)
+            if len(trainer.optimizers) > 1:  # what the parameters held before this update, for the later steps' checks
+                self._stepped.append((optimizer, before_update(pl_module, optimizer)))
+            self._check_applied(trainer, pl_module, optimizer, earlier)
             self._check_clipping_after_step(trainer, pl_module, optimizer)
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
@@ -218,14 +222,16 @@ class GradWatch(Callback):
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
 
-    def _check_applied(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def _check_applied(
+        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
+    ) -> None:
         user_loss, ordinal = self.loss_fn, self._ordinal
         several = len(trainer.optimizers) > 1  # manual optimization: each optimizer's step on its own loss
 
         def loss_fn(model: torch.nn.Module, item: Any) -> torch.Tensor:
             batch, batch_idx = item
             if several:
-                return manual_step_loss(module, batch_idx, ordinal, optimizer)(model, batch)
+                return manual_step_loss(module, batch_idx, ordinal, optimizer, earlier)(model, batch)
             return (user_loss or training_step_loss(module, batch_idx))(model, batch)
 
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
