@@ -7,7 +7,6 @@ stays one screenful of concepts: the recomputed check's call, the state and the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import warnings
@@ -20,7 +19,7 @@ from torch import nn
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
-from gradwatch.engine.applied.step_hooks import recurring_message
+from gradwatch.engine.applied.step_hooks import recurring
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.selection import checked_parameters
@@ -172,7 +171,7 @@ class AppliedCalls:
         finally:
             self._applied.ran(time.perf_counter() - started)
         if report is not None:
-            report = _recurring(report, self._applied.faults.get(id(optimizer)))
+            report = recurring(report, self._applied.faults.get(id(optimizer)))
             self._applied.faults[id(optimizer)] = (step, report.fault)
             self._outcomes.publish(report, self._schedule.clock.fraction)
         if report is not None and own:
@@ -204,13 +203,6 @@ def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None 
     if updated is not None:
         return [p.grad for _, p in updated]
     return [p.grad for p in model.parameters() if p.requires_grad]
-
-
-def _recurring(report: CheckReport, previous: tuple[int, str | None] | None) -> CheckReport:
-    """A ``"transient"`` fault the last applied check (of the same optimizer) found too: no one-off, ``"modified"``."""
-    if report.fault != "transient" or previous is None or previous[1] not in ("transient", "modified"):
-        return report
-    return dataclasses.replace(report, fault="modified", fault_message=recurring_message(previous[0]))
 
 
 def _optimizer(name: str, optimizer: Any) -> Any:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gan_models import GAN, discriminator_loss, gan_state, generator_loss, real_batches, scale_on_step
 
-from gradwatch import GradientCheckWarning, GradientWatch, check_applied_gradient
+from gradwatch import AppliedWindow, GradientCheckWarning, GradientWatch, check_applied_gradient
 from gradwatch.engine.results.notes import NoteCode
 
 STEPS = 3
@@ -148,3 +148,26 @@ def test_an_optimizer_whose_parameters_a_watch_ignores_is_passed_over() -> None:
     report = check_applied_gradient(model, [batch], generator_loss, ignore=["generator.*", "discriminator.*"])
     assert (report.verdict, report.probes) == ("inconclusive", [])
     assert any(note.code == NoteCode.NOTHING_TO_PROBE for note in report.notes)
+
+
+def test_an_applied_window_reused_across_steps_calls_a_recurring_change_modified() -> None:
+    """By hand, without a watch: one ``AppliedWindow`` cleared after each step; a step pre-hook it is not told of."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_pre_hook(scale_on_step(1.5))
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    window, faults = AppliedWindow(model), []
+
+    def check(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        faults.append(window.check(loss_fn, step=len(faults) + 1).fault)
+
+    optimizer.register_step_pre_hook(check)
+    for _ in range(3):
+        batch = (torch.randn(8, 4), torch.randn(8, 1))
+        window.record(batch)
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        window.clear()
+    assert faults == ["transient", "modified", "modified"]

@@ -9,9 +9,13 @@ check knows of would run: where there are some, the change is no one-off, and th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradwatch.engine.results.report import CheckReport
 
 
 def _global_pre_hooks() -> list[Any]:
@@ -63,3 +67,11 @@ def recurring_message(previous_step: int) -> str:
         "corruption but code that edits the gradient between the backward and the optimizer's update (a step "
         "pre-hook, a callback, the loop)"
     )
+
+
+def recurring(report: CheckReport, previous: tuple[int, str | None] | None) -> CheckReport:
+    """``report``, its ``"transient"`` fault called ``"modified"`` when the check before it (``previous``: its step and
+    fault, for the same optimizer or window) found one of the two: a change at two checks in a row is no one-off."""
+    if report.fault != "transient" or previous is None or previous[1] not in ("transient", "modified"):
+        return report
+    return dataclasses.replace(report, fault="modified", fault_message=recurring_message(previous[0]))

@@ -210,6 +210,7 @@ class GradWatch(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         scale_before, self._scale_before = self._scale_before, None
+        self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         scaler = _grad_scaler(trainer)
 
         def skipped() -> bool:  # asked only at a due step
