@@ -164,12 +164,16 @@ def check_applied_gradient(
     states = list(rng_states) if rng_states is not None else [None] * len(micro_batches)
     if len(states) != len(micro_batches):
         raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(micro_batches)}); got {len(states)}")
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    trainable = [
+        (n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())
+    ]
     given = _applied(trainable, gradients)
     gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
     session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
     names = [name for name, _ in session.params]
     applied = [gradient[name].detach() for name in names]
+    applied = [torch.view_as_real(g.resolve_conj()) if g.is_complex() else g for g in applied]  # as a complex one's
+    # real view is probed (:mod:`~gradwatch.engine.function.complex_params`)
     if start is not None and len(start.sums) == len(trainable):
         position = {name: i for i, (name, _) in enumerate(trainable)}
         start = Checksums(tuple(start.sums[position[name]] for name in names))
@@ -182,6 +186,10 @@ def check_applied_gradient(
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
         session.leading.append(Note(NoteCode.APPLIED_UNCHECKED, text))
+    if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
+        text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                              notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
     autocast = path_autocast(path)
     native = min((p.dtype for _, p in session.params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native

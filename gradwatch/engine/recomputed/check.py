@@ -166,6 +166,7 @@ def _check(
     """The recomputed check's measurement plan, in its session: :func:`check_gradients` once its arguments are
     validated."""
     model, settings, surrogates = session.model, session.settings, session.surrogates
+    session.quantisers_as_identity()  # the rest of the model checked on the float function the quantisers round
     for message in unmatched_patterns(settings.ignore, [name for name, _ in model.named_parameters()]):
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
