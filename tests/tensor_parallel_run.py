@@ -1,19 +1,22 @@
-"""Run gradwatch's checks in a two-process tensor-parallel loop (``torch.distributed.tensor.parallel``, CPU, gloo) and
-write what each rank saw to JSON.
+"""Run gradwatch's checks in a tensor-parallel loop (``torch.distributed.tensor.parallel``, CPU, gloo) and write what
+each rank saw to JSON: two processes on a 1-D mesh ``("tp",)``, or four on a 2-D mesh ``("dp", "tp") = (2, 2)`` with
+FSDP2 (``fully_shard``) on the ``"dp"`` dimension over the tensor-parallel plan, as torchtitan composes them.
 
-Usage: ``python tests/tensor_parallel_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched``);
-``tests/engine/test_tensor_parallel.py`` runs it. The model is a Megatron-style sequence-parallel block: each rank
-normalises its own rows of the batch (scattered as Megatron scatters) with a replicated ``LayerNorm`` whose weight and
-bias gradients are summed across the ranks in the backward (Megatron's "f": identity forward, all-reduce backward),
-the rows are gathered, then a column-parallel and a row-parallel ``Linear`` (``ColwiseParallel``,
-``RowwiseParallel``: ``DTensor`` parameters).
-Every rank trains on the same batches (the tensor-parallel group shares its data), 3 optimizer steps, Adam, the
-applied check before every step and a recomputed check after the second. Scenarios:
+Usage: ``python tests/tensor_parallel_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched``, with
+``world=4`` for the 2-D mesh); ``tests/engine/test_tensor_parallel.py`` runs it. The model is a Megatron-style
+sequence-parallel block: each rank of a tensor-parallel group normalises its own rows of the batch (scattered as
+Megatron scatters) with a replicated ``LayerNorm`` whose weight and bias gradients are summed across the group in the
+backward (Megatron's "f": identity forward, all-reduce backward), the rows are gathered, then a column-parallel and a
+row-parallel ``Linear`` (``ColwiseParallel``, ``RowwiseParallel``: ``DTensor`` parameters).
+The ranks of a tensor-parallel group train on the same batches (each data-parallel rank on its own), 3 optimizer
+steps, Adam, the applied check before every step and a recomputed check after the second. Scenarios:
 
 - ``healthy`` / ``baseline``: correct gradients, and the same seeded run without gradwatch;
 - ``unreduced``: the plan leaves the norm's weight and bias out of the backward's all-reduce (each rank keeps the
   gradient of its own rows: Megatron #7452);
-- ``twice``: the loop all-reduces the norm weight's gradient once more after the backward (a doubled reduction).
+- ``unreduced_rank1``: the same on rank 1 only (it takes part in the all-reduce and keeps its own gradient);
+- ``twice``: the loop all-reduces the norm weight's gradient once more over the tensor-parallel group after the
+  backward (a doubled reduction).
 """
 
 from __future__ import annotations
@@ -29,26 +32,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from gradwatch import AppliedWindow, check_gradients
 from gradwatch.engine.results.notes import codes
 
 STEPS = 3
+_TP: Any = None  # the tensor-parallel process group of this run
 
 
 class ReducedInBackward(torch.autograd.Function):
     """The identity, whose gradient is summed across the ranks (Megatron's "f" for sequence-parallel parameters)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, keep_own: bool) -> Tensor:
+        ctx.keep_own = keep_own
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        summed = grad.clone()
+        dist.all_reduce(summed, group=_TP)
+        return (grad if ctx.keep_own else summed), None
 
 
 class ScatterRows(torch.autograd.Function):
@@ -57,12 +63,12 @@ class ScatterRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor) -> Tensor:
-        return tensor.chunk(dist.get_world_size())[dist.get_rank()].clone()
+        return tensor.chunk(dist.get_world_size(_TP))[dist.get_rank(_TP)].clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        gathered = torch.empty((grad.shape[0] * dist.get_world_size(), *grad.shape[1:]), dtype=grad.dtype)
-        dist.all_gather_into_tensor(gathered, grad.contiguous())
+        gathered = torch.empty((grad.shape[0] * dist.get_world_size(_TP), *grad.shape[1:]), dtype=grad.dtype)
+        dist.all_gather_into_tensor(gathered, grad.contiguous(), group=_TP)
         return gathered
 
 
@@ -71,28 +77,28 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor) -> Tensor:
-        gathered = torch.empty((rows.shape[0] * dist.get_world_size(), *rows.shape[1:]), dtype=rows.dtype)
-        dist.all_gather_into_tensor(gathered, rows.contiguous())
+        gathered = torch.empty((rows.shape[0] * dist.get_world_size(_TP), *rows.shape[1:]), dtype=rows.dtype)
+        dist.all_gather_into_tensor(gathered, rows.contiguous(), group=_TP)
         return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad.chunk(dist.get_world_size())[dist.get_rank()].contiguous()
+        return grad.chunk(dist.get_world_size(_TP))[dist.get_rank(_TP)].contiguous()
 
 
 class SequenceParallelNet(nn.Module):
-    def __init__(self, reduce_norm: bool = True) -> None:
+    def __init__(self, reduce_norm: bool = True, keep_own: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(8)
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
-        self.reduce_norm = reduce_norm
+        self.reduce_norm, self.keep_own = reduce_norm, keep_own
 
     def forward(self, x: Tensor) -> Tensor:
         rows = ScatterRows.apply(x)
         weight, bias = self.norm.weight, self.norm.bias
         if self.reduce_norm:
-            weight, bias = ReducedInBackward.apply(weight), ReducedInBackward.apply(bias)
+            weight, bias = ReducedInBackward.apply(weight, self.keep_own), ReducedInBackward.apply(bias, self.keep_own)
         hidden = GatherRows.apply(F.layer_norm(rows, (8,), weight, bias))
         return self.fc2(torch.tanh(self.fc1(hidden)))
 
@@ -113,12 +119,23 @@ def _digest(tensors: list[Tensor]) -> str:
 
 
 def run(kind: str) -> dict[str, Any]:
+    global _TP
     torch.manual_seed(0)
-    model = SequenceParallelNet(reduce_norm=kind != "unreduced")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    keep_own = kind == "unreduced_rank1" and dist.get_rank() == 1
+    model = SequenceParallelNet(reduce_norm=kind != "unreduced", keep_own=keep_own)
+    world = dist.get_world_size()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh, dp_rank = mesh["tp"], mesh["dp"].get_local_rank()
+    else:
+        tp_mesh = mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        dp_rank = 0
+    _TP = tp_mesh.get_group()
+    parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if world == 4:
+        fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-    generator = torch.Generator().manual_seed(5)  # the same batches on every rank of the group
+    generator = torch.Generator().manual_seed(5 + dp_rank)  # the same batches on every rank of a tensor-parallel group
     data = [(torch.randn(8, 8, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(3)]
     watched = kind != "baseline"
     window = AppliedWindow(model)
@@ -128,7 +145,7 @@ def run(kind: str) -> dict[str, Any]:
             window.record(batch)
         loss_fn(model, batch).backward()
         if kind == "twice" and step == 0:
-            dist.all_reduce(model.norm.weight.grad)  # type: ignore[arg-type]
+            dist.all_reduce(_local(model.norm.weight.grad), group=_TP)  # type: ignore[arg-type]
         if watched:
             reports.append(window.check(loss_fn, step=step + 1))
         optimizer.step()

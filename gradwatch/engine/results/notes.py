@@ -90,6 +90,10 @@ class NoteCode(StrEnum):
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
+    REPLICAS_DISAGREE = (
+        "replicas-disagree",
+        "no probe made: tensor-parallel ranks on one batch differ in parameters or gradient",
+    )
     # applied checks (gradwatch.engine.applied)
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
