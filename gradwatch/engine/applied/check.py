@@ -35,6 +35,7 @@ from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathCo
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.twin import float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.check import check_gradients
@@ -46,6 +47,11 @@ from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
 
 __all__ = ["check_applied_gradient", "path_autocast"]
+
+TWIN_NOTE = (
+    "the culprit search ran on a float32 twin of the 16-bit model (the same modules on float32 copies of its "
+    "parameters, buffers and inputs), where a backward formula's error stands above the arithmetic's"
+)
 
 
 def path_autocast(path: PathContext | None) -> torch.dtype | None:
@@ -211,8 +217,13 @@ def check_applied_gradient(
     if attribution is not None and attribution.search_culprit:
         # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
         # not faults of the formula, and a check whose failures they explain is not a failure
+        # a 16-bit model's own gradient hides a few percent (its check's tolerance is 10%): search its float32 twin
+        searched, batch = model, micro_batches[0]
+        if is_sixteen_bit(model):
+            searched, batch = float32_twin(model), promoted_batch(batch)
+            notes.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
         try:
-            found = check_gradients(model, micro_batches[0], single_loss(loss_fn, states[0], None), step=step,
+            found = check_gradients(searched, batch, single_loss(loss_fn, states[0], None), step=step,
                                     seed=session.settings.seed, optimizers=session.optimizers)  # fmt: skip
         except CheckAbandonedError:
             raise
