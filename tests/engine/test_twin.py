@@ -53,18 +53,21 @@ def test_the_twin_computes_the_models_function_in_float32_and_shares_nothing_a_c
     model = Net().bfloat16()
     model.norm.register_forward_hook(lambda module, args, output: output)
     twin = float32_twin(model)
-    assert is_sixteen_bit(model) and not is_sixteen_bit(twin)
+    assert is_sixteen_bit(model)
+    assert not is_sixteen_bit(twin)
     assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
     assert twin.head is twin.out  # shared modules stay shared
     for (_, mine), (_, theirs) in zip(twin.named_parameters(), model.named_parameters(), strict=True):
-        assert mine.dtype == torch.float32 and mine is not theirs
+        assert mine.dtype == torch.float32
+        assert mine is not theirs
         assert torch.equal(mine.bfloat16(), theirs)  # bfloat16 values are exact in float32
     assert len(twin.norm._forward_hooks) == 1
     twin.norm.register_forward_hook(lambda module, args, output: output)
     assert len(model.norm._forward_hooks) == 1  # a hook on the twin stays off the model
     batch = _batch(0)
     promoted = promoted_batch(batch)
-    assert promoted[0].dtype == torch.float32 and promoted[1] is batch[1]
+    assert promoted[0].dtype == torch.float32
+    assert promoted[1] is batch[1]
     assert torch.allclose(_loss(twin, promoted), _loss(model, batch), rtol=2e-2)
 
 
@@ -82,4 +85,5 @@ def test_an_applied_check_names_a_3_percent_formula_bug_of_a_model_in_either_pre
     assert report.culprits[0] == "custom"
     assert bool(report.noted(NoteCode.CULPRIT_FLOAT32_TWIN)) == (dtype == torch.bfloat16)
     for param, value, grad in zip(model.parameters(), before, grads, strict=True):
-        assert torch.equal(param, value) and torch.equal(param.grad, grad)  # type: ignore[arg-type]
+        assert torch.equal(param, value)
+        assert torch.equal(param.grad, grad)

@@ -4,7 +4,8 @@ and recomputed checks, with no false alarm on
 healthy runs, which train bit for bit as without gradwatch (module parameters, fp32 master parameters, Adam's state);
 and each planted fault caught at the first applied check and named: the last micro-batch left out of the reduction
 (``reduction``), one rank's partition of a gradient scaled after the reduction (``reduction``, naming the rank), a 3%
-formula bug (``formula``, naming the module; in bf16 on the model's float32 twin). The loops run in ``tests/deepspeed_run.py``, one process per rank."""
+formula bug (``formula``, naming the module; in bf16 on the model's float32 twin). The loops run in
+``tests/deepspeed_run.py``, one process per rank."""
 
 from __future__ import annotations
 
