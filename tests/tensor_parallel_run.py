@@ -16,7 +16,8 @@ steps, Adam, the applied check before every step and a recomputed check after th
   gradient of its own rows: Megatron #7452);
 - ``unreduced_rank1``: the same on rank 1 only (it takes part in the all-reduce and keeps its own gradient);
 - ``twice``: the loop all-reduces the norm weight's gradient once more over the tensor-parallel group after the
-  backward (a doubled reduction).
+  backward (a doubled reduction);
+- ``formula``: the weight gradient of the replicated gate after the row-parallel layer 3% too large on every rank.
 """
 
 from __future__ import annotations
@@ -86,12 +87,38 @@ class GatherRows(torch.autograd.Function):
         return grad.chunk(dist.get_world_size(_TP))[dist.get_rank(_TP)].contiguous()
 
 
+class ScaledGate(torch.autograd.Function):
+    """``x * weight``, with a hand-written backward whose weight gradient is multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, factor: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.factor = factor
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).sum(0) * ctx.factor, None
+
+
+class Gate(nn.Module):
+    def __init__(self, features: int, factor: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + torch.randn(features) / 4)
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ScaledGate.apply(x, self.weight, self.factor)
+
+
 class SequenceParallelNet(nn.Module):
-    def __init__(self, reduce_norm: bool = True, keep_own: bool = False) -> None:
+    def __init__(self, reduce_norm: bool = True, keep_own: bool = False, factor: float = 1.0) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(8)
         self.fc1 = nn.Linear(8, 16)
         self.fc2 = nn.Linear(16, 4)
+        self.gate = Gate(4, factor)  # replicated, after the row-parallel layer's (replicated) output
         self.reduce_norm, self.keep_own = reduce_norm, keep_own
 
     def forward(self, x: Tensor) -> Tensor:
@@ -100,7 +127,7 @@ class SequenceParallelNet(nn.Module):
         if self.reduce_norm:
             weight, bias = ReducedInBackward.apply(weight, self.keep_own), ReducedInBackward.apply(bias, self.keep_own)
         hidden = GatherRows.apply(F.layer_norm(rows, (8,), weight, bias))
-        return self.fc2(torch.tanh(self.fc1(hidden)))
+        return self.gate(self.fc2(torch.tanh(self.fc1(hidden))))
 
 
 def loss_fn(model: nn.Module, batch: Any) -> Tensor:
@@ -122,7 +149,9 @@ def run(kind: str) -> dict[str, Any]:
     global _TP
     torch.manual_seed(0)
     keep_own = kind == "unreduced_rank1" and dist.get_rank() == 1
-    model = SequenceParallelNet(reduce_norm=kind != "unreduced", keep_own=keep_own)
+    model = SequenceParallelNet(
+        reduce_norm=kind != "unreduced", keep_own=keep_own, factor=1.03 if kind == "formula" else 1
+    )
     world = dist.get_world_size()
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -167,6 +196,7 @@ def run(kind: str) -> dict[str, Any]:
                 "fault": r.fault,
                 "message": r.fault_message,
                 "failures": sorted({p.target for p in r.failures}),
+                "culprits": r.culprits,
                 "note_codes": codes(r.notes),
                 "floor_excess": r.floor_excess,
                 "duration_s": r.duration_s,

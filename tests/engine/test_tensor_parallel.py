@@ -4,7 +4,8 @@ and on four (a 2-D mesh ``("dp", "tp") = (2, 2)``, FSDP2 on ``"dp"`` over the pl
 checked with no false alarm and trains bit for bit as without gradwatch; the norm's gradient left unreduced by the
 plan (on every rank, or on one) is caught at the first applied check by the cross-rank comparison of replicated
 gradients (fault ``reduction``, ranks named) and by the recomputed check; a replicated gradient reduced twice is caught
-at the first applied check (fault ``reduction``). The loop runs in ``tests/tensor_parallel_run.py``, one process per
+at the first applied check (fault ``reduction``); a 3% formula bug in a replicated module fails both kinds of check and
+names the module. The loop runs in ``tests/tensor_parallel_run.py``, one process per
 rank."""
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ pytestmark = needs_gloo
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("tensor_parallel")
-    return run_launched("tensor_parallel_run.py", out, "healthy", "baseline", "unreduced", "twice", timeout_s=120)[0]
+    return run_launched(
+        "tensor_parallel_run.py", out, "healthy", "baseline", "unreduced", "twice", "formula", timeout_s=120
+    )[0]
 
 
 @pytest.fixture(scope="module")
 def tp_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("tensor_parallel_fsdp")
-    scenarios = ("healthy", "baseline", "unreduced_rank1", "twice")
+    scenarios = ("healthy", "baseline", "unreduced_rank1", "twice", "formula")
     return run_launched("tensor_parallel_run.py", out, *scenarios, timeout_s=180, world=4)[0]
 
 
@@ -69,7 +72,8 @@ def test_a_healthy_tensor_parallel_run_with_fsdp2_on_a_second_mesh_dimension_is_
     tp_fsdp: dict[str, Any],
 ) -> None:
     for checked, plain in zip(_ranks(tp_fsdp, "healthy", 4), _ranks(tp_fsdp, "baseline", 4), strict=True):
-        assert checked["dtensors"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias", "norm.weight"]
+        dtensors = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "gate.weight", "norm.bias", "norm.weight"]
+        assert checked["dtensors"] == dtensors
         kinds = [(r["step"], r["scope"], r["verdict"]) for r in checked["reports"]]
         assert kinds == [(1, "applied", "ok"), (2, "applied", "ok"), (2, "recomputed", "ok"), (3, "applied", "ok")]
         assert all("tensor-parallel" in r["note_codes"] for r in checked["reports"])
@@ -98,3 +102,15 @@ def test_a_replicated_gradient_reduced_twice_under_fsdp2_is_caught_at_the_first_
         assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
         assert first["failures"] == ["*", "norm.weight"]
         assert [r["verdict"] for r in rank["reports"][1:]] == ["ok"] * 3  # planted once
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp", "tp+fsdp2"])
+def test_a_formula_bug_fails_both_kinds_of_check_and_names_the_module(
+    tp: dict[str, Any], tp_fsdp: dict[str, Any], world: int
+) -> None:
+    for rank in _ranks(tp if world == 2 else tp_fsdp, "formula", world):
+        assert [r["verdict"] for r in rank["reports"]] == ["fail"] * 4
+        for report in rank["reports"]:
+            assert "gate.weight" in report["failures"]
+            assert report["culprits"][0] == "gate"
+            assert report["fault"] == ("formula" if report["scope"] == "applied" else None)
