@@ -17,7 +17,11 @@ steps, Adam, the applied check before every step and a recomputed check after th
 - ``unreduced_rank1``: the same on rank 1 only (it takes part in the all-reduce and keeps its own gradient);
 - ``twice``: the loop all-reduces the norm weight's gradient once more over the tensor-parallel group after the
   backward (a doubled reduction);
-- ``formula``: the weight gradient of the replicated gate after the row-parallel layer 3% too large on every rank.
+- ``formula``: the weight gradient of the replicated gate after the row-parallel layer 3% too large on every rank;
+- ``hsdp`` / ``hsdp_baseline`` (four processes): no tensor parallelism, FSDP2's hybrid sharding on a 2-D mesh
+  ``("replicate", "shard") = (2, 2)``, every rank its own batch; and the same without gradwatch;
+- ``hsdp_scaled``: the same, rank 1's shard of ``fc2.weight``'s gradient multiplied by 1.1 after the reduction (first
+  step).
 """
 
 from __future__ import annotations
@@ -153,20 +157,23 @@ def run(kind: str) -> dict[str, Any]:
         reduce_norm=kind != "unreduced", keep_own=keep_own, factor=1.03 if kind == "formula" else 1
     )
     world = dist.get_world_size()
-    if world == 4:
+    if kind.startswith("hsdp"):  # no tensor parallelism: groups of one rank, every rank its own batch
+        _TP = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"].get_group()
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+        dp_rank = dist.get_rank()
+    elif world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        tp_mesh, dp_rank = mesh["tp"], mesh["dp"].get_local_rank()
-    else:
-        tp_mesh = mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        dp_rank = 0
-    _TP = tp_mesh.get_group()
-    parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    if world == 4:
+        _TP, dp_rank = mesh["tp"].get_group(), mesh["dp"].get_local_rank()
+        parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
+    else:
+        tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        _TP, dp_rank = tp_mesh.get_group(), 0
+        parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     generator = torch.Generator().manual_seed(5 + dp_rank)  # the same batches on every rank of a tensor-parallel group
     data = [(torch.randn(8, 8, generator=generator), torch.randint(0, 4, (8,), generator=generator)) for _ in range(3)]
-    watched = kind != "baseline"
+    watched = not kind.endswith("baseline")
     window = AppliedWindow(model)
     reports = []
     for step, batch in enumerate(data[:STEPS]):
@@ -175,6 +182,8 @@ def run(kind: str) -> dict[str, Any]:
         loss_fn(model, batch).backward()
         if kind == "twice" and step == 0:
             dist.all_reduce(_local(model.norm.weight.grad), group=_TP)  # type: ignore[arg-type]
+        if kind == "hsdp_scaled" and step == 0 and dist.get_rank() == 1:
+            _local(model.fc2.weight.grad).mul_(1.1)  # type: ignore[arg-type]
         if watched:
             reports.append(window.check(loss_fn, step=step + 1))
         optimizer.step()

@@ -5,8 +5,9 @@ checked with no false alarm and trains bit for bit as without gradwatch; the nor
 plan (on every rank, or on one) is caught at the first applied check by the cross-rank comparison of replicated
 gradients (fault ``reduction``, ranks named) and by the recomputed check; a replicated gradient reduced twice is caught
 at the first applied check (fault ``reduction``); a 3% formula bug in a replicated module fails both kinds of check and
-names the module. The loop runs in ``tests/tensor_parallel_run.py``, one process per
-rank."""
+names the module. FSDP2's hybrid sharding on a 2-D mesh (no tensor parallelism) takes the same path: checked clean,
+and one rank's shard of a gradient scaled after the reduction caught (``reduction``). The loop runs in
+``tests/tensor_parallel_run.py``, one process per rank."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def tp_fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("tensor_parallel_fsdp")
-    scenarios = ("healthy", "baseline", "unreduced_rank1", "twice", "formula")
+    scenarios = ("healthy", "baseline", "unreduced_rank1", "twice", "formula", "hsdp", "hsdp_baseline", "hsdp_scaled")
     return run_launched("tensor_parallel_run.py", out, *scenarios, timeout_s=180, world=4)[0]
 
 
@@ -114,3 +115,18 @@ def test_a_formula_bug_fails_both_kinds_of_check_and_names_the_module(
             assert "gate.weight" in report["failures"]
             assert report["culprits"][0] == "gate"
             assert report["fault"] == ("formula" if report["scope"] == "applied" else None)
+
+
+def test_hybrid_sharding_on_a_2d_mesh_is_checked_clean_and_a_scaled_shard_caught(tp_fsdp: dict[str, Any]) -> None:
+    for checked, plain in zip(_ranks(tp_fsdp, "hsdp", 4), _ranks(tp_fsdp, "hsdp_baseline", 4), strict=True):
+        assert [(r["scope"], r["verdict"]) for r in checked["reports"]] == [("applied", "ok")] * 2 + [
+            ("recomputed", "ok"),
+            ("applied", "ok"),
+        ]
+        assert (checked["params"], checked["optimizer"]) == (plain["params"], plain["optimizer"])
+    for rank in _ranks(tp_fsdp, "hsdp_scaled", 4):
+        first = rank["reports"][0]
+        assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
+        # rank 1's shard is gathered by ranks 0 and 1 (its shard group): ranks 2 and 3 differ from rank 0
+        assert first["message"].startswith("rank(s) [2, 3] hold a different gradient than rank 0")
+        assert [r["verdict"] for r in rank["reports"][1:]] == ["ok"] * 3

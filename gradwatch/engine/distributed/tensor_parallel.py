@@ -15,8 +15,9 @@ plan, as torchtitan composes them) the same holds, with FSDP2's module hooks set
 over both dimensions, every rank computes the loss of its own data-parallel batch (the ranks of a tensor-parallel group
 alike), and the applied check averages the window loss over every rank of the mesh (the ranks of a tensor-parallel
 group count their shared loss alike, so that mean is the data-parallel mean FSDP's gradient differentiates) and
-compares the whole gradients across all of them. FSDP2 alone (parameters sharded by rows over one 1-D mesh) is left to
-:mod:`gradwatch.engine.distributed.parameters`, which probes the shards in place.
+compares the whole gradients across all of them. FSDP2's hybrid sharding on a 2-D mesh (``Replicate`` and ``Shard(0)``
+placements, no tensor parallelism) goes the same way. FSDP2 alone on a 1-D mesh (parameters sharded by rows) is left
+to :mod:`gradwatch.engine.distributed.parameters`, which probes the shards in place.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _is_dtensor(tensor: Any) -> bool:
 
 def is_tensor_parallel(model: nn.Module) -> bool:
     """Whether ``model`` has ``DTensor`` parameters and either no FSDP2 module (``fully_shard`` adds ``reshard``) or
-    parameters on a mesh of more than one dimension (FSDP2 over a tensor-parallel plan)."""
+    parameters on a mesh of more than one dimension (FSDP2 over a tensor-parallel plan, or hybrid sharding)."""
     dtensors = [p for p in model.parameters() if _is_dtensor(p)]
     if not dtensors:
         return False
