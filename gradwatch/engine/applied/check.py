@@ -27,21 +27,21 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
+from gradwatch.engine.applied.culprit_search import recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
+from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.recomputed.check import check_gradients
 from gradwatch.engine.recomputed.compiled import compiled_parts
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
 
@@ -225,17 +225,7 @@ def check_applied_gradient(
     if attribution is not None and attribution.search_culprit:
         # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
         # not faults of the formula, and a check whose failures they explain is not a failure
-        try:
-            found = check_gradients(model, micro_batches[0], single_loss(loss_fn, states[0], None), step=step,
-                                    seed=session.settings.seed, optimizers=session.optimizers,
-                                    hold_detached=session.settings.hold_detached)  # fmt: skip
-        except CheckAbandonedError:
-            raise
-        except Exception as error:  # the verdict stands without it
-            text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
-            notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
-            found = CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
-                                duration_s=0.0)  # fmt: skip
+        found = recomputed_search(session, model, micro_batches[0], loss_fn, states[0], step, notes)
         surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
         failing_targets = {p.target for p in probes if p.verdict == "fail"}
         if failing_targets and failing_targets <= surrogate:

@@ -49,6 +49,7 @@ from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.recomputed.probes import least_precise, measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
+from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, CheckReport, Probe
@@ -265,6 +266,9 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         probes = nonfinite_probes(reference, params, grad_norms)
         asked = plan.rtol
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
+        # tensor parallelism: every rank compares, so that ranks of a group whose gradients differ stop together
+        replicas = disagreeing_replicas(probe_batch, params, grad_norms, plan.rtol, evaluator.notes)
+        probes = probes or replicas
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
             evaluator.notes.append(
                 Note(

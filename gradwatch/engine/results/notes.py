@@ -82,6 +82,7 @@ class NoteCode(StrEnum):
     CULPRIT_FLOAT64_UNFAITHFUL = "culprit-float64-unfaithful", "no culprit search: float64 evaluates another function"
     CULPRIT_ABANDONED = "culprit-abandoned", "culprit search abandoned: the loss raised under its hooks"
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
+    CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
     # compiled graphs
     COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
@@ -94,6 +95,10 @@ class NoteCode(StrEnum):
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
+    REPLICAS_DISAGREE = (
+        "replicas-disagree",
+        "no probe made: tensor-parallel ranks on one batch differ in parameters or gradient",
+    )
     # applied checks (gradwatch.engine.applied)
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
