@@ -269,9 +269,10 @@ class Descent:
     def _parameters_culprit(self, owner: Site) -> None:
         read = [name for name in owner.parameters if "." in name]  # a module's own parameters have plain names
         whose = "its parameters" if not read else "the parameters it reads (" + ", ".join(f"`{n}`" for n in read) + ")"
+        named = f"`{owner.name}`" if owner.name else "the model"
         self._culprit(
             owner,
-            f"the backward of `{owner.name}` (`{owner.kind}`) is wrong: the gradient of {whose} is "
+            f"the backward of {named} (`{owner.kind}`) is wrong: the gradient of {whose} is "
             f"{self._off(owner, 'module_params')} off while its output gradient is right",
         )
 
