@@ -122,3 +122,21 @@ def test_a_custom_lora_variant_reading_its_adapters_weights_is_named(
     assert report.culprits[0] == buggy, str(report)
     assert all(buggy.startswith(f"{name}.") or name == "" for name in report.culprits[1:]), report.culprits
     assert evidence in report.culprit_message, report.culprit_message
+
+
+def test_a_custom_lora_variant_bug_is_caught_and_named_at_the_first_check_of_a_trainer(tmp_path: Path) -> None:
+    """The LoRA variant's weight-gradient bug under ``transformers.Trainer`` with ``GradWatchCallback``: the first check
+    fails and names the LoRA layer."""
+    peft = pytest.importorskip("peft")
+    from hf_stack_models import plant_lora_variant_bug
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config)
+    buggy = "base_model.model.model.layers.1.self_attn.q_proj"
+    plant_lora_variant_bug(model, buggy, "weight", fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        callback = _train(tmp_path, model, steps=1)
+    report = callback.reports[0]
+    assert (report.step, report.verdict) == (1, "fail"), str(report)
+    assert report.culprits[0] == buggy, str(report)
