@@ -136,3 +136,54 @@ def test_a_wrong_dora_magnitude_gradient_is_named_down_to_its_dora_module() -> N
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == DORA, str(report)
     assert "(`DoraLinearLayer`) is wrong: the gradient of its parameters is" in report.culprit_message
+
+
+@pytest.mark.parametrize(
+    ("fused", "where", "seed", "evidence"),
+    [
+        (False, "weight", 3, "the gradient of the parameters it reads (`lora_A.default.weight`"),
+        (True, "weight", 3, "the gradient of the parameters it reads (`lora_A.default.weight`"),
+        (False, "input", 4, "its input gradient is"),
+        (True, "input", 6, "its input gradient is"),  # once named the correct input_layernorm feeding it
+    ],
+    ids=["variant-weight", "fused-weight", "variant-input", "fused-input"],
+)
+def test_a_custom_lora_variant_reading_its_adapters_weights_is_named(
+    fused: bool, where: str, seed: int, evidence: str
+) -> None:
+    """A LoRA variant whose forward reads ``lora_A[...].weight`` itself, with a 3% error in its hand-written backward:
+    the LoRA layer is named (its forward reads the adapter's weights; the ``lora_A`` module never runs), never a
+    module outside it (the whole ``LlamaModel`` for a weight gradient, a correct norm for an input gradient)."""
+    peft = pytest.importorskip("peft")
+    from hf_stack_models import plant_lora_variant_bug, token_ids
+
+    from gradwatch import check_gradients
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config).train()
+    buggy = "base_model.model.model.layers.1.self_attn.q_proj"
+    plant_lora_variant_bug(model, buggy, where, fused)
+    ids = torch.tensor(token_ids(4, 12, seed=seed))
+    report = check_gradients(model, ids, lambda m, batch: m(input_ids=batch, labels=batch).loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == buggy, str(report)
+    assert all(buggy.startswith(f"{name}.") or name == "" for name in report.culprits[1:]), report.culprits
+    assert evidence in report.culprit_message, report.culprit_message
+
+
+def test_a_custom_lora_variant_bug_is_caught_and_named_at_the_first_check_of_a_trainer(tmp_path: Path) -> None:
+    """The LoRA variant's weight-gradient bug under ``transformers.Trainer`` with ``GradWatchCallback``: the first check
+    fails and names the LoRA layer."""
+    peft = pytest.importorskip("peft")
+    from hf_stack_models import plant_lora_variant_bug
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_llama(), config)
+    buggy = "base_model.model.model.layers.1.self_attn.q_proj"
+    plant_lora_variant_bug(model, buggy, "weight", fused=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradientCheckWarning)
+        callback = _train(tmp_path, model, steps=1)
+    report = callback.reports[0]
+    assert (report.step, report.verdict) == (1, "fail"), str(report)
+    assert report.culprits[0] == buggy, str(report)
