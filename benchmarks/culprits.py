@@ -11,6 +11,8 @@ with GradWatch's engine settings over several seeds of the probe sampling:
 * the demo's models: the RMSNorm bug, a gradient hook scaling one weight's gradient by 1.01, a penalty on detached
   weights;
 * a peft LoRA adapter and a VAE decoder with a 2% error in a hand-written backward;
+* a custom LoRA variant whose forward reads its adapter's weights (a ``LoraVariant``, or a fused kernel replacing the
+  layer's forward) with a 3% error in its hand-written backward, the input or the adapter's weight gradient;
 * 2% backward bugs in library modules: a tiny Llama's MLP down-projection (which once named the correct
   ``post_attention_layernorm`` upstream of it), an attention output projection, the token embedding, a norm; a residual
   branch, with and without activation checkpointing; the historical RMSNorm bug near the float32 tolerance in an MLP
@@ -46,6 +48,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import culprit_models as cm
+import hf_stack_models as hf
 import real_models as rm
 import special_point_models as sp
 
@@ -95,6 +98,29 @@ def _lora_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return module.model(input_ids=batch[0], labels=batch[0]).loss
 
 
+LORA_LAYER = "base_model.model.model.layers.1.self_attn.q_proj"
+
+
+def _lora_variant(where: str, fused: bool) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(hf.tiny_llama(), config).train()
+        hf.plant_lora_variant_bug(model, LORA_LAYER, where, fused)
+        return model
+
+    return build
+
+
+def _variant_tokens() -> torch.Tensor:
+    return torch.tensor(hf.token_ids(4, 12, seed=7))
+
+
+def _variant_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
 CASES = [
     *(
         Case(
@@ -120,6 +146,17 @@ CASES = [
     Case("demo: gradient hook x1.01", demo_models.ScaledGradClassifier, _classification, _step, "net.4"),
     Case("demo: penalty on detached weights", demo_models.DetachedPenaltyClassifier, _classification, _step, "<loss>"),
     Case("peft LoRA adapter, 2%", _lora, _first(rm._token_loader), _lora_loss, "model.base_model.model.model.layers"),
+    *(
+        Case(
+            f"custom LoRA variant reading its adapter's weights ({kind}), 3% {where} gradient",
+            _lora_variant(where, kind == "fused kernel"),
+            _variant_tokens,
+            _variant_loss,
+            LORA_LAYER,
+        )
+        for kind in ("LoraVariant", "fused kernel")
+        for where in ("input", "weight")
+    ),
     Case(
         "VAE decoder, 2%",
         lambda: rm.VAE(decoder_bug=1.02),

@@ -187,6 +187,12 @@ REALISTIC = {
 """The models of the default-settings table, with the run length (steps) each is trained for: long enough that the
 first check, which is always made, is one of several budgeted ones."""
 
+SHORT = {
+    "CNN, CIFAR-shaped, batch 128": (_cnn_setup, 600),
+    "GPT LM, 32 x 64 tokens": (_gpt_setup, 600),
+}
+"""A 600-step fine-tune at the defaults (``--short``): both kinds of check at step 1, then the 1% budget."""
+
 
 class _Timer(pl.Callback):
     """Training time of one fit, from its first to its last training batch (with the GPU's queue drained)."""
@@ -382,7 +388,7 @@ def overhead_table(repeats: int, steps: int) -> None:
         )
 
 
-def defaults_table() -> None:
+def defaults_table(models: dict[str, Any] | None = None) -> None:
     """GradWatch() at its defaults on each model of :data:`REALISTIC`: one run with and one without, long enough for
     the budget to matter; gradwatch's own share of the training time, the wall-time ratio, and what one check costs
     in training steps."""
@@ -391,7 +397,7 @@ def defaults_table() -> None:
         "one applied check / one training step | gradwatch's share (own time) | time with / without |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, (setup, steps) in REALISTIC.items():
+    for name, (setup, steps) in (models or REALISTIC).items():
         build, loss, loader = setup(steps)
         without, _ = _fit(build, loss, loader, steps, None)
         watch = GradWatch()
@@ -479,6 +485,7 @@ def main() -> None:
         "--defaults", action="store_true", help="only GradWatch() at its defaults, on the realistic models as well"
     )
     parser.add_argument("--check-cost", action="store_true", help="only one healthy check's cost on each model")
+    parser.add_argument("--short", action="store_true", help="only the defaults in 600-step runs")
     parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
     parser.add_argument("--steps", type=int, default=256, help="training steps per run")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the table's runs train")
@@ -491,6 +498,8 @@ def main() -> None:
         scale(3)
     elif args.defaults:
         defaults_table()
+    elif args.short:
+        defaults_table(SHORT)
     elif args.check_cost:
         check_cost_table(12)
     else:

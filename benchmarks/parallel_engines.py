@@ -1,9 +1,11 @@
 """The cost of one applied check in training steps, per parallel engine: DeepSpeed ZeRO 1-3 (fp32, bf16) and tensor
-parallelism (2 processes, CPU, gloo).
+parallelism (2 processes, CPU, gloo), and tensor parallelism with FSDP2 on a second mesh dimension (4 processes, a
+``("dp", "tp") = (2, 2)`` mesh).
 
 Usage: ``python benchmarks/parallel_engines.py [--steps N]`` (a few minutes). Each engine trains the same seeded MLP
 (64 → 256 → LayerNorm → 256 → 10, about 86k parameters; under tensor parallelism the last two ``Linear`` layers
-column- and row-parallel) for ``--steps`` optimizer steps of 2 micro-batches of 32 samples, with the applied check of
+column- and row-parallel, with FSDP2 the whole model sharded over ``"dp"`` on top) for ``--steps`` optimizer steps of
+2 micro-batches of 32 samples (per data-parallel rank), with the applied check of
 ``gradwatch`` at every other accumulation boundary (DeepSpeed: ``safe_get_full_grad`` gathered by
 ``gradwatch.integrations.deepspeed.full_gradients``, under ZeRO-3 the parameters gathered for the check). Prints a
 markdown table: per engine, the median training step without a check, the median applied check (the gradients'
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gradwatch.engine.applied import AppliedWindow
 
 ENGINES = ("ZeRO-1 fp32", "ZeRO-2 fp32", "ZeRO-3 fp32", "ZeRO-1 bf16", "ZeRO-2 bf16", "ZeRO-3 bf16", "tensor parallel")
+FOUR_PROCESS_ENGINES = ("tensor parallel + FSDP2",)
 
 
 class MLP(nn.Module):
@@ -101,16 +104,23 @@ def _deepspeed(engine_name: str, steps: int) -> tuple[list[float], list[float], 
     return train, check, verdicts
 
 
-def _tensor_parallel(steps: int) -> tuple[list[float], list[float], list[str]]:
+def _tensor_parallel(steps: int, fsdp: bool = False) -> tuple[list[float], list[float], list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     model = MLP()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    parallelize_module(model, mesh, {"hidden": ColwiseParallel(), "out": RowwiseParallel()})
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh, seed = mesh["tp"], mesh["dp"].get_local_rank()
+    else:
+        tp_mesh, seed = init_device_mesh("cpu", (dist.get_world_size(),)), 0
+    parallelize_module(model, tp_mesh, {"hidden": ColwiseParallel(), "out": RowwiseParallel()})
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
-    data = _batches(2 * steps, torch.float32, seed=0)  # the tensor-parallel group shares its batches
+    data = _batches(2 * steps, torch.float32, seed=seed)  # a tensor-parallel group shares its batches
     window = AppliedWindow(model)
     train, check, verdicts = [], [], []
     for step in range(steps):
@@ -133,13 +143,19 @@ def _tensor_parallel(steps: int) -> tuple[list[float], list[float], list[str]]:
     return train, check, verdicts
 
 
-def _worker(rank: int, port: int, steps: int, queue: Any) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _measure(name: str, steps: int) -> tuple[list[float], list[float], list[str]]:
+    if name.startswith("tensor parallel"):
+        return _tensor_parallel(steps, fsdp=name.endswith("FSDP2"))
+    return _deepspeed(name, steps)
+
+
+def _worker(rank: int, world: int, port: int, steps: int, queue: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    for name in ENGINES:
-        train, check, verdicts = _tensor_parallel(steps) if name == "tensor parallel" else _deepspeed(name, steps)
+    for name in ENGINES if world == 2 else FOUR_PROCESS_ENGINES:
+        train, check, verdicts = _measure(name, steps)
         if rank == 0:
             queue.put((name, statistics.median(train), statistics.median(check), Counter(verdicts)))
     dist.barrier()
@@ -149,13 +165,17 @@ def _worker(rank: int, port: int, steps: int, queue: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per engine (a check every other)")
-    steps = parser.parse_args().steps
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    parser.add_argument("--only", choices=("2", "4"), help="only the engines of 2 (or 4) processes")
+    arguments = parser.parse_args()
     context = mp.get_context("spawn")
     queue = context.Queue()
-    mp.start_processes(_worker, args=(port, steps, queue), nprocs=2, start_method="spawn")
+    for world in (2, 4):
+        if arguments.only not in (None, str(world)):
+            continue
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        mp.start_processes(_worker, args=(world, port, arguments.steps, queue), nprocs=world, start_method="spawn")
     print("| engine | training step (ms) | applied check (ms) | check in training steps | verdicts |")
     print("|---|---|---|---|---|")
     while not queue.empty():

@@ -1,7 +1,8 @@
 """The Hugging Face stack as people run it, made tiny: a word-level tokenizer built on the spot, a randomly initialised
-Llama from a config, synthetic token datasets, and the backward bugs planted in it (a 3% RMSNorm input gradient, a 3%
-MLP activation input gradient, a 3% LoRA-variant adapter). Nothing is downloaded. Used by
-``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py`` and ``benchmarks/huggingface.py``."""
+Llama from a config, synthetic token datasets (prompts and a reward for GRPO), and the backward bugs planted in it (a
+3% RMSNorm input gradient, a 3% MLP activation input gradient, a 3% error in a custom LoRA variant's hand-written
+backward). Nothing is downloaded. Used by ``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py``
+and ``benchmarks/huggingface.py``."""
 
 from __future__ import annotations
 
@@ -150,6 +151,82 @@ def plant_activation_bug(model: nn.Module, layer: int, factor: float = BUG) -> s
     return f"model.layers.{layer}.mlp.act_fn"
 
 
+class LowRankUpdate(torch.autograd.Function):
+    """A LoRA layer's output, ``x W^T + s (x A^T) B^T`` (``W`` frozen, ``None`` for the update alone), with a
+    hand-written backward (a fused LoRA kernel's) whose input gradient (``where="input"``) or ``A`` gradient
+    (``where="weight"``) is multiplied by ``factor`` (1 is correct)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor, base: Tensor | None, a: Tensor, b: Tensor, scaling: float, factor: float, where: str
+    ) -> Tensor:
+        update = (x @ a.T @ b.T) * scaling
+        return update if base is None else x @ base.T + update
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:  # type: ignore[override]
+        x, base, a, b, ctx.scaling, ctx.factor, ctx.where = inputs
+        ctx.has_base = base is not None
+        ctx.save_for_backward(x, base if base is not None else a, a, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, base, a, b = ctx.saved_tensors
+        scaled = grad * ctx.scaling
+        through_b = scaled @ b  # the gradient at x A^T
+        grad_x = through_b @ a + (grad @ base if ctx.has_base else 0)
+        grad_a = through_b.reshape(-1, a.shape[0]).T @ x.reshape(-1, x.shape[-1])
+        grad_b = scaled.reshape(-1, b.shape[0]).T @ (x @ a.T).reshape(-1, a.shape[0])
+        if ctx.where == "input":
+            grad_x = grad_x * ctx.factor
+        else:
+            grad_a = grad_a * ctx.factor
+        return grad_x, None, grad_a, grad_b, None, None, None
+
+
+def plant_lora_variant_bug(model: nn.Module, name: str, where: str, fused: bool, factor: float = BUG) -> None:
+    """Run every PEFT ``lora.Linear`` of ``model`` through :class:`LowRankUpdate`, reading its adapter's weights
+    directly (the ``lora_A``/``lora_B`` modules are never called), with ``factor`` planted at the layer ``name``.
+
+    ``fused=False``: a ``LoraVariant`` (PEFT's extension point, as DoRA is one) whose ``forward`` adds the update to the
+    base layer's output; ``fused=True``: the layer's ``forward`` replaced by one kernel that computes the base layer and
+    the update together (the base layer is not called either)."""
+    from peft.tuners.lora.layer import Linear, LoraVariant
+
+    class Variant(LoraVariant):
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        @staticmethod
+        def init(module: Any, adapter_name: str, **kwargs: Any) -> None:
+            pass
+
+        def forward(  # type: ignore[override]
+            self, module: Any, active_adapter: str, x: Tensor, result: Tensor, **kwargs: Any
+        ) -> Tensor:
+            a, b = module.lora_A[active_adapter].weight, module.lora_B[active_adapter].weight
+            dropped = module.lora_dropout[active_adapter](x)
+            return result + LowRankUpdate.apply(dropped, None, a, b, module.scaling[active_adapter], self.factor, where)
+
+    def fused_forward(layer: Any, layer_factor: float) -> Any:
+        def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            base = layer.base_layer.weight
+            return LowRankUpdate.apply(x, base, a, b, layer.scaling["default"], layer_factor, where)
+
+        return forward
+
+    for module_name, module in model.named_modules():
+        if isinstance(module, Linear):
+            layer_factor = factor if module_name == name else 1.0
+            if fused:
+                module.forward = fused_forward(module, layer_factor)
+            else:
+                module.lora_variant["default"] = Variant(layer_factor)
+
+
 def preference_dataset(count: int = 32, seed: int = 5) -> Any:
     """A ``datasets.Dataset`` of preference triples (``prompt``, ``chosen``, ``rejected``) in the tokenizer's words."""
     import datasets
@@ -163,3 +240,20 @@ def preference_dataset(count: int = 32, seed: int = 5) -> Any:
     return datasets.Dataset.from_dict(
         {key: [row[i] for row in rows] for i, key in enumerate(("prompt", "chosen", "rejected"))}
     )
+
+
+def prompt_dataset(count: int = 32, length: int = 5, seed: int = 7) -> Any:
+    """A ``datasets.Dataset`` of prompts (``prompt``) in the tokenizer's words, as TRL's ``GRPOTrainer`` takes them."""
+    import datasets
+
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [
+        " ".join(f"t{int(i)}" for i in torch.randint(3, VOCAB, (length,), generator=generator)) for _ in range(count)
+    ]
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def low_token_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward for GRPO: the share of a completion's tokens among ``t3 … t19`` (it varies within a group)."""
+    low = {f"t{i}" for i in range(3, 20)}
+    return [sum(word in low for word in text.split()) / max(1, len(text.split())) for text in completions]

@@ -308,10 +308,11 @@ def token_batches(n: int = 4, vocab: int = 16, size: int = 4, length: int = 10, 
 class QATNet(nn.Module):
     """Quantisation-aware training with PyTorch's fused fake-quant modules on weights and activations."""
 
-    def __init__(self) -> None:
+    def __init__(self, bug: float = 1.0) -> None:
         super().__init__()
         from torch.ao.quantization import FusedMovingAvgObsFakeQuantize
 
+        self.bug = bug  # a planted bug: the backward of the activation before fc2 scaled by this factor
         self.fc1 = nn.Linear(6, 16)
         self.fc2 = nn.Linear(16, 1)
         self.act_fq = FusedMovingAvgObsFakeQuantize()
@@ -320,8 +321,9 @@ class QATNet(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.linear(x, self.w_fq(self.fc1.weight), self.fc1.bias)
-        return self.fc2(self.act_fq(torch.relu(h)))
+        h = torch.relu(F.linear(x, self.w_fq(self.fc1.weight), self.fc1.bias))
+        h = h if self.bug == 1.0 else ScaledBackward.apply(h, self.bug)
+        return self.fc2(self.act_fq(h))
 
 
 class TinyMoE(nn.Module):
@@ -438,7 +440,7 @@ CORRECT = (
     LibraryCase("WGAN-GP critic", Critic, critic_batches, wgan_gp_loss),
     LibraryCase("causal transformer (-inf mask)", CausalTransformer, token_batches, lm_loss),
     LibraryCase("Hugging Face GPT-2 (tiny)", _tiny_gpt2, token_batches, hf_loss),
-    LibraryCase("QAT (fused fake quant)", QATNet, regression_batches, mse, expected="inconclusive"),
+    LibraryCase("QAT (fused fake quant)", QATNet, regression_batches, mse),
     LibraryCase("MoE (top-2, nonzero)", TinyMoE, regression_batches, mse),
     LibraryCase("coupling flow (data-dependent exit)", CouplingFlow, regression_batches, flow_loss),
 )

@@ -36,9 +36,15 @@ from gradwatch.engine.distributed.collective import Collective, sharded
 from gradwatch.engine.distributed.parameters import is_sharded, local_mask, local_shards, lockstep
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.held import HeldDetaches
 from gradwatch.engine.function.optimizers import check_optimizers
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.function.surrogates import StockSurrogates, as_autograd_sees_them, find_stock_surrogates
+from gradwatch.engine.function.surrogates import (
+    StockSurrogates,
+    as_autograd_sees_them,
+    find_stock_surrogates,
+    quantisers_as_identity,
+)
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe, UnrestoredStateWarning
@@ -107,6 +113,14 @@ class CheckSession:
         surrogates = find_stock_surrogates(model)
         return cls(model, step, chosen, protected, surrogates, time.perf_counter(), trailing=surrogates.notes())
 
+    def quantisers_as_identity(self) -> None:
+        """Run the model's fake quantisers as the identity during the measurements (a recomputed check: see
+        :mod:`~gradwatch.engine.function.surrogates`), and say so instead of what a check that keeps them says."""
+        if self.surrogates.fake_quantisers and not self.surrogates.quantisers_off:
+            self.surrogates.quantisers_off = True
+            self.trailing = [note for note in self.trailing if note.code != NoteCode.FAKE_QUANTISATION]
+            self.trailing += [note for note in self.surrogates.notes() if note.code == NoteCode.FAKE_QUANTISATION]
+
     def select(self, only: Collection[str] | None = None) -> list[tuple[str, Tensor]]:
         """The parameters the check probes (:func:`~gradwatch.engine.selection.checked_parameters`; of those, only
         the ones named in ``only`` when given), kept as :attr:`params`: under FSDP2 this rank's local shards of them,
@@ -122,8 +136,21 @@ class CheckSession:
         self.params = params
         return params
 
+    def held_detaches(self) -> HeldDetaches:
+        """What an evaluator of this check holds of the values the loss detaches (a new one per evaluator): those of
+        the loss's own code with ``hold_detached``, those of the DoRA modules always (see
+        :mod:`gradwatch.engine.function.held`)."""
+        outside = self.model if self.settings.hold_detached else None
+        return HeldDetaches(outside=outside, inside=self.surrogates.weight_norms)
+
     @contextlib.contextmanager
     def measuring(self) -> Iterator[TrainingState]:
+        """See :meth:`_measuring`; a recomputed check's fake quantisers run as the identity around it all."""
+        with quantisers_as_identity(self.surrogates), self._measuring() as state:
+            yield state
+
+    @contextlib.contextmanager
+    def _measuring(self) -> Iterator[TrainingState]:
         """The conditions of the check's measurements: the training state captured (and put back on leaving, whatever
         happens), the stock surrogates as autograd sees them, the sharded collective and FSDP's lockstep, the
         warnings the loss raises withheld. Afterwards the session knows what the loss changed and what could not be

@@ -21,8 +21,8 @@ class ProbeSettings:
     """What a check probes and how: the options of :func:`gradwatch.check_gradients` that stay the same from one check
     of a run to the next (``step``, ``rotation`` and ``focus`` change at every check and are passed beside it).
 
-    An applied check (:func:`gradwatch.check_applied_gradient`) uses ``tensor_probes``, ``ignore`` and ``seed`` (the
-    seed of its culprit search); the other fields concern the recomputed check alone.
+    An applied check (:func:`gradwatch.check_applied_gradient`) uses ``tensor_probes``, ``ignore``, ``seed`` (the seed
+    of its culprit search) and ``hold_detached``; the other fields concern the recomputed check alone.
 
     Every field is validated at construction (``ValueError`` naming the field, what was expected and what was
     received); :func:`dataclasses.replace` validates again.
@@ -61,6 +61,12 @@ class ProbeSettings:
         fail_on_imprecise: A float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds ``rtol``
             (float64 autograd agrees with the float64 finite difference) is a probe ``"ok"`` with reason
             ``"imprecise"``; with ``True`` it fails. See :mod:`gradwatch.engine.recomputed.confirmation`.
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches: the values
+            ``detach()`` returns in ``loss_fn`` outside the forward of the model's modules are held, in every
+            evaluation after the reference, at what they were there. For a surrogate objective whose value is not the
+            function its gradient differentiates (GRPO's ``exp(logp - logp.detach())``, 1 at every point); see
+            :mod:`gradwatch.engine.function.held`. Detaches inside the model's modules are never held: an accidental
+            one still fails.
 
     Raises:
         ValueError: A field is out of range or of the wrong type.
@@ -83,6 +89,7 @@ class ProbeSettings:
     float64_reductions: bool = True
     vectorize: bool = True
     fail_on_imprecise: bool = False
+    hold_detached: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "seed"):
@@ -93,7 +100,7 @@ class ProbeSettings:
         object.__setattr__(self, "ignore", validate.check_patterns("ignore", self.ignore))
         rtol = validate.check_fraction("rtol", self.rtol, optional=True)
         object.__setattr__(self, "rtol", rtol)
-        for name in ("float64_reductions", "vectorize", "fail_on_imprecise"):
+        for name in ("float64_reductions", "vectorize", "fail_on_imprecise", "hold_detached"):
             validate.check_bool(name, getattr(self, name))
 
     @classmethod
@@ -132,6 +139,7 @@ class ProbeOptions(TypedDict, total=False):
     float64_reductions: bool
     vectorize: bool
     fail_on_imprecise: bool
+    hold_detached: bool
 
 
 def settings_of(

@@ -31,8 +31,9 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.integrations.trainer_losses import trainer_options
 from gradwatch.integrations.trainer_outputs import run_sinks
-from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, trainer_combine
+from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, joined_inputs, trainer_combine
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
@@ -81,8 +82,8 @@ class GradWatchCallback(TrainerCallback):
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
             ``None`` (the Trainer's default for now: untested with TRL's trainers): none. Not under FSDP.
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
-        loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss`` (for a
-            ``compute_loss`` with side effects of its own, e.g. one that records metrics at each call).
+        loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss``. A GRPO-style
+            trainer's own loss is checked with ``hold_detached`` (:mod:`gradwatch.integrations.trainer_losses`).
         max_overhead: The budget, a fraction of the training time the checks may take: 1% by default **whatever the
             cadence**, one given by hand included (a due check that does not fit is postponed and counted in
             ``counts["postponed"]``); ``None`` checks on schedule, at any cost.
@@ -144,7 +145,7 @@ class GradWatchCallback(TrainerCallback):
             agree=agree or agree_across_ranks,
             context=self._records_kept,
             on_report=on_report,
-            **options,
+            **trainer_options(trainer, loss_fn, settings, dict(options)),
         )
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
@@ -271,8 +272,7 @@ class GradWatchCallback(TrainerCallback):
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
-        accelerator = self.trainer.accelerator
-        scaler = getattr(accelerator, "scaler", None)
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
         path = TrainerPath(self.trainer, self._model)
         with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
             self.watch.before_optimizer_step(
@@ -283,6 +283,7 @@ class GradWatchCallback(TrainerCallback):
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
+                join=joined_inputs,  # the window's inputs as one batch, with the window's count
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
 
@@ -296,13 +297,11 @@ class GradWatchCallback(TrainerCallback):
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
-        reason = None
-        if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
-            reason = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
-        if reason is not None:
-            self._applied_off = reason
-            self._say_applied_off()
-        return reason
+        if self.watch.applied_every_n_steps is None or not getattr(self.trainer, "is_fsdp_enabled", False):
+            return None
+        self._applied_off = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+        self._say_applied_off()
+        return self._applied_off
 
     def _say_applied_off(self) -> None:
         warnings.warn(

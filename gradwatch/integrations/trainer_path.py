@@ -1,6 +1,6 @@
 """How a Hugging Face ``Trainer`` turns a window of micro-batches into the gradient it applies, for the applied check:
-how its ``training_step`` combines the micro-batch losses (:func:`trainer_combine`) and the path its forward runs on
-under mixed precision (:class:`TrainerPath`).
+how its ``training_step`` combines the micro-batch losses (:func:`trainer_combine`), the window's samples as one batch
+(:func:`joined_inputs`) and the path its forward runs on under mixed precision (:class:`TrainerPath`).
 
 Under mixed precision Accelerate wraps the model's ``forward`` itself in autocast (``model.forward``, with the
 unwrapped one kept as ``model._original_forward``), so every call of the model runs under autocast whatever its
@@ -22,9 +22,26 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from gradwatch.engine.applied.equivalence import concatenate
 from gradwatch.engine.applied.window import Combine, PathContext
 
-__all__ = ["TrainerPath", "trainer_combine"]
+__all__ = ["TrainerPath", "joined_inputs", "trainer_combine"]
+
+
+def joined_inputs(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
+    """A window's recorded items ``(inputs, num_items_in_batch)`` as one, for the comparison of the accumulated
+    gradient with the window's samples taken as one batch: the inputs concatenated (token tensors of different lengths
+    padded, labels with ``-100``: :func:`~gradwatch.engine.applied.equivalence.concatenate`), with the count the
+    Trainer passed, which is the whole window's (its labelled tokens, counted once per window by
+    ``get_batch_samples``): a loss divided by it (transformers' fix of its accumulation bug) is then the same function
+    of the one batch as of the window, and a loss that averages over its own micro-batch is not. ``ValueError`` when
+    the micro-batches were given different counts (a loop that counts per micro-batch)."""
+    count = items[0][1]
+    for _, other in items[1:]:
+        same = torch.equal(torch.as_tensor(other), torch.as_tensor(count)) if count is not None else other is None
+        if not same:
+            raise ValueError("the micro-batches were given different num_items_in_batch")
+    return concatenate([inputs for inputs, _ in items]), count
 
 
 def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:

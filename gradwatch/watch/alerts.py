@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from gradwatch.engine.results.diagnosis import diagnose
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import DEFAULT_LIMIT, render_text
 from gradwatch.engine.results.report import CheckReport, GradientCheckError
 
@@ -133,8 +134,10 @@ BLIND_AFTER = 3
 class Remarks:
     """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record (INFO,
     only when ``verbose``); a :class:`GradientCheckWarning` the first time a check could not put back what the loss
-    changed, the first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), and
-    (when ``verbose``) for each surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
+    changed, the first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), the
+    first time an applied check found the accumulated gradient unlike the window's as one batch (a loss normalised per
+    micro-batch: the gradient is right, the loss is not, so the verdict stays ``"ok"``), and (when ``verbose``) for each
+    surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
 
     def __init__(self, *, verbose: bool = True) -> None:
         self.verbose = verbose
@@ -142,6 +145,7 @@ class Remarks:
         self._warned_unrestored = False
         self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
         self._warned_blind = False
+        self._warned_unequal = False
 
     def hear(self, report: CheckReport) -> None:
         self._watch_for_blindness(report)
@@ -154,6 +158,10 @@ class Remarks:
             if finding not in self._noted and self.verbose:
                 self._noted.add(finding)
                 warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
+        unequal = report.noted(NoteCode.ACCUMULATION_UNEQUAL)
+        if unequal and not self._warned_unequal:
+            self._warned_unequal = True
+            warnings.warn(f"gradwatch (step {report.step}): {unequal[0]}", GradientCheckWarning, stacklevel=2)
         if report.unrestored and not self._warned_unrestored:
             self._warned_unrestored = True
             warnings.warn(

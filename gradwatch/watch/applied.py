@@ -6,6 +6,12 @@ optimizer step the window leads to is due for an applied check and fits the budg
 the window (:class:`~gradwatch.engine.applied.AppliedWindow`: references to the batches, no copies). Every other
 window costs one integer comparison per micro-batch.
 
+Several optimizers (a GAN) each apply their own gradient, of their own loss: a loop records a window per optimizer
+(``key``: the optimizer, so that each window replays the random state its own loss's forward drew from), or one window
+the batch's optimizer steps share (Lightning's manual optimization, whose ``training_step`` is run again from the
+batch's start), checked at each of them. A due step is one whose window crosses a multiple of the cadence: with two
+optimizers, Lightning's windows lead to steps 1, 3, 5, ...
+
 The budget is the one the recomputed checks spend (:class:`~gradwatch.watch.overhead.OverheadClock`, shared): the
 first applied check is always made, as the first recomputed one (it measures what one costs); a later due check waits
 until the training time affords what the last one cost. A postponed check is decided once (under DDP by rank 0 for
@@ -41,7 +47,10 @@ class AppliedSchedule:
         self.first_check_step = first_check_step
         self.max_overhead = max_overhead
         self.clock = clock
-        self.window: AppliedWindow | None = None
+        self.windows: dict[Any, AppliedWindow] = {}  # the windows being recorded, by key (None: shared)
+        self._open = False  # whether the window step is due and affordable
+        self._said_unrecorded = False
+        self.faults: dict[int, tuple[int, str | None]] = {}  # by optimizer (id; None's id: all), the last check's fault
         self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
@@ -54,28 +63,55 @@ class AppliedSchedule:
     def enabled(self) -> bool:
         return self.every_n_steps is not None
 
-    def due(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (1 for the first) is due for an applied check."""
+    @property
+    def window(self) -> AppliedWindow | None:
+        """The shared window being recorded (or the first of those recorded per optimizer), else ``None``."""
+        return next(iter(self.windows.values()), None)
+
+    def due(self, step: int, previous: int | None = None) -> bool:
+        """Whether optimizer step ``step`` (1 for the first) is due for an applied check: a multiple of the cadence in
+        ``(previous, step]`` (``previous``: the last window's step, ``step - 1`` by default; a loop whose windows each
+        lead to several optimizer steps numbers them apart) or the first check's step."""
         if self.every_n_steps is None:
             return False
-        return self._pending or step == self.first_check_step or step % self.every_n_steps == 0
+        previous = step - 1 if previous is None or not 0 <= previous < step else previous
+        every = self.every_n_steps
+        return self._pending or step == self.first_check_step or step // every > previous // every
 
-    def record(self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int]) -> None:
+    def record(
+        self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int], key: Any = None
+    ) -> None:
         """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: keep it when that
-        step is due and affordable (decided at the window's first micro-batch)."""
+        step is due and affordable (decided at the step's first micro-batch), in the window of ``key`` (an optimizer;
+        ``None``: the window every optimizer of the step shares)."""
         if step != self.window_step:  # a new window begins
-            self.window = None
+            self.windows = {}
             self._steps_seen += self.window_step >= 0
-            self.window_step = step
-            if self._opens(step, decide):
-                self.window = AppliedWindow(model)
-        if self.window is not None:
-            self.window.record(batch)
+            previous, self.window_step = self.window_step, step
+            self._open = self._opens(step, previous, decide)
+        if self._open:
+            window = self.windows.get(key)
+            if window is None:
+                window = self.windows[key] = AppliedWindow(model)
+            window.record(batch)
 
-    def take(self, step: int) -> AppliedWindow | None:
-        """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``."""
-        window, self.window = self.window, None
-        return window if window is not None and self.window_step == step else None
+    def take(self, step: int, key: Any = None) -> AppliedWindow | None:
+        """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an
+        optimizer (``key``): its own window (once), or the one its batch's optimizer steps share (at each)."""
+        if self.window_step != step:
+            self.windows = {}
+            return None
+        if key is None or key in self.windows:
+            return self.windows.pop(key, None)
+        return self.windows.get(None)  # the shared window, for every optimizer step of its batch
+
+    def unrecorded(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is due while no micro-batch was recorded for it (a loop that does not call
+        ``record``): ``True`` once per run, to be said."""
+        if self._said_unrecorded or not self.enabled or self.window_step == step or not self.due(step):
+            return False
+        self._said_unrecorded = True
+        return True
 
     def skipped(self) -> None:
         """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""
@@ -88,8 +124,8 @@ class AppliedSchedule:
         self.last_seconds = seconds
         self.clock.add_check(seconds)
 
-    def _opens(self, step: int, decide: Callable[[int], int]) -> bool:
-        if not self.due(step):
+    def _opens(self, step: int, previous: int, decide: Callable[[int], int]) -> bool:
+        if not self.due(step, previous):
             return False
         if step < self._resume_at:
             self._pending = True

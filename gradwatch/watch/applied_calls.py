@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,8 +19,12 @@ from torch import nn
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.equivalence import Join
+from gradwatch.engine.applied.step_hooks import recurring
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.selection import checked_parameters
+from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.distributed import default_group
 from gradwatch.watch.hooks import Context, local_batch_norm
@@ -56,7 +61,14 @@ class AppliedCalls:
         """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
         return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
 
-    def record(self, batch: Any, *, model: nn.Module | None = None, step: int | None = None) -> None:
+    def record(
+        self,
+        batch: Any,
+        *,
+        model: nn.Module | None = None,
+        step: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
         """Call before each micro-batch's forward: when the window is due for an applied check, keep a reference to
         ``batch`` (as the ``loss_fn`` of :meth:`before_optimizer_step` takes it) and the random state its forward is
         about to draw from; else nothing.
@@ -65,12 +77,17 @@ class AppliedCalls:
             batch: The micro-batch, never copied: a loop must not change it in place before the optimizer step.
             model: The model (by default the one of the last call): at a window's first micro-batch its ``.grad``
                 is fingerprinted, so that gradients left over from the last window are recognised.
-            step: The optimizer step this window leads to (by default the one after the last step a call named).
+            step: The optimizer step this window leads to (by default the one after the last step a call named; with
+                several optimizers, the same for each of the step).
+            optimizer: With several optimizers, each of its own loss (a GAN), the optimizer whose loss's forward is
+                about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
+                states). Without it, the window is shared by every optimizer of the step.
         """
         if not self._applied.enabled:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
-        self._applied.record(batch, model if model is not None else self._model, step, self._decide)
+        key = _optimizer("optimizer", optimizer)
+        self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
 
     def before_optimizer_step(
         self,
@@ -85,6 +102,8 @@ class AppliedCalls:
         gradients: Mapping[str, torch.Tensor] | None = None,
         skipped: bool | Callable[[], bool] = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        join: Join | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
         ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
@@ -104,12 +123,28 @@ class AppliedCalls:
             skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
                 function that says so: the due check moves to the next window.
             optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
+            join: ``join(items) -> item``: the recorded micro-batch items as one item of all their samples, for the
+                comparison of the accumulated gradient with the window's samples taken as one batch (by default
+                :func:`~gradwatch.engine.applied.equivalence.concatenate`).
+            optimizer: With several optimizers (a GAN), the one about to step: only the parameters it updates are
+                checked, against ``loss_fn``, which must be the loss whose backward made that optimizer's gradient
+                (the discriminator's loss for the discriminator's optimizer); the window is the one :meth:`record`
+                kept for this optimizer, else the one the step's optimizers share. Call once per optimizer step.
         """
         validate.check_int("step", step, minimum=1)
+        optimizer = _optimizer("optimizer", optimizer)
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
-        window = self._applied.take(step)
+        window = self._applied.take(step, optimizer)
+        if window is None and self._applied.unrecorded(step):
+            warnings.warn(
+                f"gradwatch: the applied check due at optimizer step {step} has no recorded window: no applied check "
+                "runs until watch.record(batch) is called before each micro-batch's forward, with the step "
+                "before_optimizer_step is then given (said once)",
+                GradientCheckWarning,
+                stacklevel=2,
+            )
         if window is None or not self._lessons.checkable(model):
             return None
         if skipped() if callable(skipped) else skipped:
@@ -118,6 +153,14 @@ class AppliedCalls:
                 log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
             return None
         loss_fn = self._loss_fn(loss_fn, step)
+        updated, own = _updated(model, optimizer), gradients is None
+        if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
+            given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
+            only = {name for name, _ in updated}
+            gradients = {name: g for name, g in given.items() if name in only}
+            if not {name for name, _ in checked_parameters(model, self._lessons.active.ignore)} & set(gradients):
+                return None  # nothing this optimizer applies is checked here (ignore=: another watch's optimizer)
+            optimizers = (*optimizers, optimizer) if all(o is not optimizer for o in optimizers) else optimizers
         if group == "auto":
             group = default_group(model)
         started = time.perf_counter()
@@ -125,6 +168,7 @@ class AppliedCalls:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
             gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
+            join=join,
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -133,11 +177,13 @@ class AppliedCalls:
         finally:
             self._applied.ran(time.perf_counter() - started)
         if report is not None:
+            report = recurring(report, self._applied.faults.get(id(optimizer)))
+            self._applied.faults[id(optimizer)] = (step, report.fault)
             self._outcomes.publish(report, self._schedule.clock.fraction)
-        if report is not None and gradients is None:
+        if report is not None and own:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); not for gradients
             # an engine keeps elsewhere (it clips them itself, out of .grad)
-            self._applied.verified = (step, GradientNorms.of(_gradients(model)))
+            self._applied.verified = (step, GradientNorms.of(_gradients(model, updated)))
         return report
 
     def after_clipping(self, model: nn.Module, max_norm: float, *, step: int) -> CheckReport | None:
@@ -158,6 +204,27 @@ class AppliedCalls:
         return report
 
 
-def _gradients(model: nn.Module) -> list[torch.Tensor | None]:
-    """Each trainable parameter's ``.grad``, in order."""
+def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None = None) -> list[torch.Tensor | None]:
+    """Each trainable parameter's ``.grad`` (of those an optimizer updates, when given), in order."""
+    if updated is not None:
+        return [p.grad for _, p in updated]
     return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _optimizer(name: str, optimizer: Any) -> Any:
+    """``optimizer``: ``None`` or an object with ``param_groups`` (a ``torch.optim.Optimizer``), else a clear error."""
+    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+        kind = type(optimizer).__name__
+        raise ValueError(f"`{name}` must be a torch.optim.Optimizer (with param_groups); got {kind}")
+    return optimizer
+
+
+def _updated(model: nn.Module, optimizer: Any) -> list[tuple[str, nn.Parameter]] | None:
+    """The trainable parameters of ``model`` that ``optimizer`` updates, by name (``None`` without an optimizer)."""
+    if optimizer is None:
+        return None
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    updated = [(name, p) for name, p in model.named_parameters() if id(p) in ids and p.requires_grad]
+    if not updated:
+        raise ValueError("`optimizer` updates none of the model's trainable parameters")
+    return updated

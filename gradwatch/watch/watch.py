@@ -201,7 +201,7 @@ class GradientWatch(AppliedCalls):
     @property
     def recording(self) -> bool:
         """Whether the window being run is kept for an applied check at its optimizer step."""
-        return self._applied.window is not None
+        return bool(self._applied.windows)
 
     def start(self, step: int = 0) -> None:
         """Training (re)starts at optimizer step ``step``: the time until the next call is not training time."""

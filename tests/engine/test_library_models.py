@@ -21,7 +21,6 @@ from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.function.batch import floating_tensors, leading_slice, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import checked_gradient, checked_view
 from gradwatch.engine.function.substitution import tensor_slots
-from gradwatch.engine.results.diagnosis import diagnose
 from gradwatch.engine.results.notes import NoteCode
 
 
@@ -241,19 +240,36 @@ def test_planted_bugs_in_complex_weights_and_double_backward_losses_fail(case: l
     assert any(p.target.startswith(case.bug) for p in report.failures if p.kind in ("tensor", "param"))
 
 
-def test_fake_quantisation_is_inconclusive_with_a_remedy_that_can_work() -> None:
+def test_fake_quantisation_is_checked_as_its_straight_through_gradient_sees_it() -> None:
+    """The fake quantisers run as the identity during a recomputed check: every parameter is probed and concludes, in
+    float64; the batch's inputs are not probed; the quantisers are as they were afterwards."""
     torch.manual_seed(0)
     model = lm.QATNet()
     batches = lm.regression_batches()
     for step in range(3):
         _train_step(model, batches[step], lm.mse)
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
         report = check_gradients(model, batches[step], lm.mse, step=step)
-        assert report.verdict == "inconclusive", report.failures
+        assert report.verdict == "ok", report
+        assert not [p for p in report.probes if p.verdict != "ok"], report
+        assert {"fc1.weight", "fc2.weight"} <= {p.target for p in report.probes}
+        assert report.precision == "float64"
         assert report.probed_inputs == ()
-        diagnosis = diagnose(report)
-        assert diagnosis is not None
-        assert "float64" not in diagnosis.remedy
-        assert "disable_fake_quant" in diagnosis.remedy
+        assert any("as the identity" in note for note in _noted(report, NoteCode.FAKE_QUANTISATION))
+        assert "forward" not in vars(model.act_fq)
+        assert "forward" not in vars(model.w_fq)
+        for name, b in model.named_buffers():
+            assert torch.equal(b, buffers[name]), name
+
+
+def test_a_bug_in_a_quantisation_aware_model_fails() -> None:
+    torch.manual_seed(0)
+    model = lm.QATNet(bug=1.05)
+    batch = lm.regression_batches()[0]
+    lm.mse(model, batch)  # the observers see a batch first, as in training
+    report = check_gradients(model, batch, lm.mse)
+    assert report.verdict == "fail", report
+    assert any(p.target == "fc1.weight" for p in report.failures if p.kind in ("tensor", "param"))
 
 
 @pytest.mark.parametrize(("prefix", "operation"), [("MoE", "nonzero()"), ("coupling", "float()")], ids=["moe", "flow"])

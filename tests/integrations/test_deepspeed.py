@@ -4,7 +4,8 @@ and recomputed checks, with no false alarm on
 healthy runs, which train bit for bit as without gradwatch (module parameters, fp32 master parameters, Adam's state);
 and each planted fault caught at the first applied check and named: the last micro-batch left out of the reduction
 (``reduction``), one rank's partition of a gradient scaled after the reduction (``reduction``, naming the rank), a 3%
-formula bug (``formula``, naming the module). The loops run in ``tests/deepspeed_run.py``, one process per rank."""
+formula bug (``formula``, naming the module; in bf16 on the model's float32 twin). The loops run in
+``tests/deepspeed_run.py``, one process per rank."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def fp32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    kinds = ("healthy", "baseline", "leftout", "scaled")
+    kinds = ("healthy", "baseline", "leftout", "scaled", "formula")
     return _run(tmp_path_factory, "bf16", [f"{kind}-z{stage}-bf16" for stage in STAGES for kind in kinds])
 
 
@@ -120,3 +121,19 @@ def test_a_formula_bug_fails_both_kinds_of_check_and_names_the_module(fp32: dict
             assert "custom.weight" in report["failures"]
             assert report["culprits"][0] == "custom"
             assert report["fault"] == ("formula" if report["scope"] == "applied" else None)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_bf16_formula_bug_is_caught_at_the_first_applied_check_and_the_module_named(
+    bf16: dict[str, Any], stage: int
+) -> None:
+    """A 3% error is below a bf16 gradient's own (the recomputed check's tolerance is 10%); the applied check's float64
+    probes see it, and its culprit search runs on the model's float32 twin."""
+    for rank in _ranks(bf16, f"formula-z{stage}-bf16"):
+        first = rank["reports"][0]
+        assert (first["step"], first["scope"], first["verdict"], first["fault"]) == (1, "applied", "fail", "formula")
+        assert first["failures"] == ["custom.weight"]
+        assert first["culprits"][0] == "custom"
+        assert "culprit-float32-twin" in first["note_codes"]
+        for report in rank["reports"]:
+            assert report["verdict"] == "ok" or report["culprits"][0] == "custom"

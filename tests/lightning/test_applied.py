@@ -5,8 +5,6 @@ bit-identical with and without them."""
 from __future__ import annotations
 
 import sys
-import types
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,20 +115,6 @@ def test_healthy_runs_pass_and_train_bit_identically(
     assert all(r.verdict == "ok" for r in reports), "\n".join(str(r) for r in reports)
     for (name, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-
-
-def test_several_optimizers_are_said_once_not_checked() -> None:
-    watch = GradWatch(applied_every_n_steps=1)
-    several = types.SimpleNamespace(optimizers=[object(), object()])
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        reachable = [watch._applied_reachable(several) for _ in range(2)]  # type: ignore[arg-type]
-    assert reachable == [False, False]
-    assert [str(w.message) for w in said if issubclass(w.category, GradientCheckWarning)] == [
-        str(said[0].message)
-    ]  # said once, as a warning
-    assert "not checked under several optimizers" in str(said[0].message)
-    assert watch._applied_reachable(types.SimpleNamespace(optimizers=[object()]))  # type: ignore[arg-type]
 
 
 def test_the_gradient_is_checked_before_clipping(tmp_path: Path) -> None:

@@ -111,3 +111,19 @@ def test_a_conclusive_check_resets_the_count() -> None:
         for report in (_inconclusive(1), _inconclusive(2), ok, _inconclusive(4), _inconclusive(5)):
             remarks.hear(report)
     assert caught == []
+
+
+def test_an_accumulation_unlike_one_batch_warns_once_with_its_figures() -> None:
+    from gradwatch.engine.results.notes import Note, NoteCode
+    from gradwatch.watch.alerts import Remarks
+
+    remarks = Remarks(verbose=False)
+    note = Note(NoteCode.ACCUMULATION_UNEQUAL, "the accumulated gradient is 1.18x the gradient of the window's samples")
+    fields = {"verdict": "ok", "probes": [], "loss": 1.0, "n_forward": 1, "n_backward": 1, "duration_s": 0.0}
+    reports = [CheckReport(step=step, notes=[note], scope="applied", **fields) for step in (1, 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for report in reports:
+            remarks.hear(report)
+    assert [str(w.message) for w in caught] == [f"gradwatch (step 1): {note}"]
+    assert all(w.category is GradientCheckWarning for w in caught)

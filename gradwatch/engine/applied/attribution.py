@@ -11,7 +11,8 @@ one element at a time:
    window began) or another combination of the window's micro-batch gradients → ``"accumulation"``; under DDP the
    training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; under FSDP2
    the rows of some ranks, not all, off (the recomputation runs FSDP's reduce-scatter too) → ``"reduction"`` naming
-   them; otherwise the path gives another answer when run again → ``"transient"``.
+   them; otherwise the path gives another answer when run again → ``"modified"`` when the optimizers run step
+   pre-hooks (:mod:`.step_hooks`: the change recurs), else ``"transient"``.
 2. the path reproduces the wrong gradient: **eager float32** (today's recomputation) wrong too → ``"formula"``;
 3. eager right: the **compiled** code run eagerly under the path's autocast is right → ``"compiled"``; then **autocast
    off** is right → ``"precision"``; else ``"unknown"``.
@@ -31,6 +32,7 @@ from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.probes import AppliedPlan, Measured
 from gradwatch.engine.applied.sharded import ranks_at_fault
+from gradwatch.engine.applied.step_hooks import modified_message, step_pre_hooks
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import every_rank
@@ -187,6 +189,9 @@ def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], 
                 "training's path through FSDP's reduce-scatter, the other ranks' rows agree (a skipped or corrupted "
                 "reduce-scatter on those ranks, a hook that ran there only)",
             )
+    hooks = step_pre_hooks(setting.session.optimizers)
+    if hooks:
+        return Attribution("modified", modified_message(hooks))
     return Attribution(
         "transient",
         "the same path, run again on the same micro-batches with the same random states, gives the right gradient: the "

@@ -27,21 +27,21 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
-from gradwatch.engine.applied.equivalence import compare_accumulation
+from gradwatch.engine.applied.culprit_search import recomputed_search
+from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, single_loss
+from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
-from gradwatch.engine.recomputed.check import check_gradients
 from gradwatch.engine.recomputed.compiled import compiled_parts
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
 
@@ -96,14 +96,17 @@ def check_applied_gradient(
     loss_scale: float = 1.0,
     ignore: Sequence[str] = (),
     seed: int = 0,
+    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
     compare_one_batch: bool = True,
+    join: Join | None = None,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
     The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search) are
+    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
+    ``hold_detached``) are
     documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
     defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
@@ -142,14 +145,17 @@ def check_applied_gradient(
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
         compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
-            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two more backward passes):
-            ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
+            of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two or three more backward
+            passes): ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
+        join: ``join(items) -> item``: the window's micro-batch items as one item of all their samples, for that
+            comparison (by default :func:`~gradwatch.engine.applied.equivalence.concatenate`; a loop whose items carry
+            more than the batch, such as Lightning's batch index, joins them itself).
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
-    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed}
+    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed, "hold_detached": hold_detached}
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:
@@ -158,12 +164,16 @@ def check_applied_gradient(
     states = list(rng_states) if rng_states is not None else [None] * len(micro_batches)
     if len(states) != len(micro_batches):
         raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(micro_batches)}); got {len(states)}")
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    trainable = [
+        (n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())
+    ]
     given = _applied(trainable, gradients)
     gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
     session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
     names = [name for name, _ in session.params]
     applied = [gradient[name].detach() for name in names]
+    applied = [torch.view_as_real(g.resolve_conj()) if g.is_complex() else g for g in applied]  # as a complex one's
+    # real view is probed (:mod:`~gradwatch.engine.function.complex_params`)
     if start is not None and len(start.sums) == len(trainable):
         position = {name: i for i, (name, _) in enumerate(trainable)}
         start = Checksums(tuple(start.sums[position[name]] for name in names))
@@ -176,6 +186,10 @@ def check_applied_gradient(
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
         session.leading.append(Note(NoteCode.APPLIED_UNCHECKED, text))
+    if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
+        text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                              notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
     autocast = path_autocast(path)
     native = min((p.dtype for _, p in session.params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     path_dtype = autocast or native
@@ -201,7 +215,7 @@ def check_applied_gradient(
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
-                                                     names, state, outcome.floors, plan.multiple, group)  # fmt: skip
+                                                     names, state, group, join)  # fmt: skip
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []
@@ -211,16 +225,7 @@ def check_applied_gradient(
     if attribution is not None and attribution.search_culprit:
         # today's check recognises straight-through estimators by their signature: tensors it calls surrogates are
         # not faults of the formula, and a check whose failures they explain is not a failure
-        try:
-            found = check_gradients(model, micro_batches[0], single_loss(loss_fn, states[0], None), step=step,
-                                    seed=session.settings.seed, optimizers=session.optimizers)  # fmt: skip
-        except CheckAbandonedError:
-            raise
-        except Exception as error:  # the verdict stands without it
-            text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
-            notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
-            found = CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
-                                duration_s=0.0)  # fmt: skip
+        found = recomputed_search(session, model, micro_batches[0], loss_fn, states[0], step, notes)
         surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
         failing_targets = {p.target for p in probes if p.verdict == "fail"}
         if failing_targets and failing_targets <= surrogate:
@@ -239,7 +244,7 @@ def check_applied_gradient(
         loss=outcome.loss,
         notes=notes,
         n_forward=evaluator.n_forward,
-        n_backward=outcome.backward + (2 if equivalence is not None else 0),
+        n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
         precision="float64" if evaluator.value_dtype == torch.float64 else "native",
         culprits=culprits,
@@ -303,7 +308,9 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     """The applied check's measurement plan, inside its session: the window's loss and eager gradient, the path's
     noise floor, the probes, and for a failure the attribution to a part of the path."""
     model, params, state, group = setting.model, setting.params, setting.state, setting.group
-    evaluator = _GlobalEvaluator(model, setting.batches, setting.window(with_path=False), setting.session.params, state)
+    window = setting.window(with_path=False)
+    session = setting.session
+    evaluator = _GlobalEvaluator(model, setting.batches, window, session.params, state, held=session.held_detaches())
     evaluator.group = group
     notes = evaluator.notes
     with recompute.exact_conditions():
@@ -323,7 +330,6 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         group,
     )
     backward = 1
-    window = setting.window(with_path=False)
     again = None
     path_dtype = plan.path_dtype
     if setting.autocast is not None or setting.compiled:

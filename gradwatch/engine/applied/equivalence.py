@@ -7,13 +7,18 @@ tokens weighed more, and the accumulated gradient was not the gradient of the wi
 along the update in a re-creation). The same window taken as one batch, under the loss's own reduction (a mean over its
 samples or tokens, a sum), gives the gradient the accumulation is meant to reproduce.
 
-:func:`compare_accumulation` concatenates the window's micro-batches (:func:`concatenate`: tensors along the batch
-dimension, token tensors of different lengths padded, labels with ``-100`` and masks with 0) and computes both
-gradients, eagerly and with the model in eval mode (dropout off, BatchNorm on its running statistics: otherwise the
+:func:`compare_accumulation` joins the window's micro-batches into one (by default :func:`concatenate`: tensors along
+the batch dimension, token tensors of different lengths padded, labels with ``-100`` and masks with 0; a loop whose
+micro-batch items carry more than the batch gives its own join, :data:`Join`) and computes both gradients, eagerly
+and with the model in eval mode (dropout off, BatchNorm on its running statistics: otherwise the
 micro-batches' own dropout masks and batch statistics would differ from one batch's, and that difference is no bug of
 the loss). Along the applied direction it reports the **scale** ``(g_acc · ĝ_acc) / (g_one · ĝ_acc)`` and the
-**cosine** of the two, and per tensor the same, and warns when they differ by more than the check's noise floor allows
-(:data:`EQUIVALENCE_RTOL` at least). Micro-batches that are equal-size means agree (their mean of means is the mean),
+**cosine** of the two, and per tensor the same, and warns when they differ by more than their rounding allows. That
+rounding is measured, as an applied check measures its floor (:mod:`.verdict`): the spread ``‖g_one,T − g_3,T / 3‖``
+between the one-batch gradient of the loss and of three times the loss, which the same kernels round otherwise (a
+float32 model: ~1e-7 of ``‖g‖``; a model that computes in 16 bits: ~1e-3), at least the storage rounding; each of the
+two gradients is that far off, and a difference beyond :func:`~.verdict.floor_multiple` times both is no rounding
+(:func:`tolerances`). Micro-batches that are equal-size means agree (their mean of means is the mean),
 as do sums combined by a sum; a summed loss averaged over the window is the one-batch gradient divided by the window's
 size, which is said without a warning.
 """
@@ -21,7 +26,7 @@ size, which is said without a warning.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple
 from gradwatch.engine.applied.window import Combine, single_loss, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
@@ -40,13 +46,14 @@ PADDING = {"labels": -100, "attention_mask": 0, "input_ids": 0, "token_type_ids"
 """What a token tensor of a mapping batch is padded with (by key), so that padded positions count for nothing: labels
 ignored by cross-entropy (``ignore_index=-100``), masked from attention."""
 
-EQUIVALENCE_RTOL = 1e-4
-"""The least relative difference warned of: both gradients are eager autograd of the same samples in the parameters'
-dtype, and differ only by the order of their reductions when the loss is normalised over the window (~1e-7 in float32
-on the equal-size windows of ``tests/engine/test_equivalence.py``); the bugs of this kind by 1e-2 and more."""
-
 ROUNDING_MULTIPLE = 8.0
-"""... and never less than this many units of the parameters' epsilon (6e-2 for bfloat16 parameters)."""
+"""The least relative difference warned of, in units of the computing dtype's epsilon (1e-6 in float32, 6e-2 in
+bfloat16): a measured spread of exactly zero (a gradient every kernel rounds alike) still leaves the storage rounding of
+two gradients reduced in different orders."""
+
+Join = Callable[[list[Any]], Any]
+"""``join(items) -> item``: the window's micro-batch items (as ``loss_fn`` takes them) as one item of all their
+samples, or ``ValueError`` saying why not; :func:`concatenate` by default."""
 
 
 def _cat(tensors: list[Tensor], key: str | None) -> Tensor:
@@ -98,10 +105,16 @@ class Equivalence:
     Attributes:
         scale: Along the accumulated gradient's direction, its derivative over the one-batch gradient's.
         cosine: The cosine of the two gradients.
-        tensor_scales: The same scale per tensor (``nan`` where a tensor's gradient is within the check's noise floor
-            of zero: a bias before a norm).
-        tolerance: The relative difference beyond which they are said to differ (:data:`EQUIVALENCE_RTOL`).
+        tensor_scales: The same scale per tensor (``nan`` where a tensor's gradient is within its rounding of zero:
+            a bias before a norm).
+        tolerance: The relative difference of the whole gradients beyond which they are said to differ (their
+            measured rounding, :func:`tolerances`).
         windows: How many micro-batches the window had.
+        tensor_tolerances: The same per tensor (empty: ``tolerance`` for every tensor).
+        sine: The sine of the angle between the two, computed as the share of the accumulated gradient's norm that
+            lies off the one-batch gradient's direction (``nan``: from ``cosine``, which float arithmetic resolves only
+            to ~1e-8, so a sine to ~1e-4).
+        backward: The backward passes the comparison made (2, or 3 when the rounding was measured).
     """
 
     scale: float
@@ -109,6 +122,9 @@ class Equivalence:
     tensor_scales: tuple[float, ...]
     tolerance: float
     windows: int
+    tensor_tolerances: tuple[float, ...] = ()
+    sine: float = math.nan
+    backward: int = 3
 
     @property
     def averaged_sum(self) -> bool:
@@ -120,27 +136,60 @@ class Equivalence:
 
     @property
     def _parallel(self) -> bool:
-        return math.sqrt(max(0.0, 1 - self.cosine**2)) <= self.tolerance
+        sine = self.sine if math.isfinite(self.sine) else math.sqrt(max(0.0, 1 - self.cosine**2))
+        return sine <= self.tolerance
 
     @property
     def differs(self) -> bool:
         """Whether the two differ beyond the tolerance (and not by the window's size alone)."""
         if self.averaged_sum:
             return False
-        within = [s for s in self.tensor_scales if math.isfinite(s)]
         off = abs(self.scale - 1) > self.tolerance or not self._parallel
-        return off or any(abs(s - 1) > self.tolerance for s in within)
+        return off or any(abs(s - 1) > t for s, t in self._tensors())
 
     @property
     def worst(self) -> int | None:
-        """The tensor whose scale is furthest from 1 (``None`` when none has one)."""
+        """The tensor whose scale is furthest from 1 in units of its tolerance (``None`` when none has one)."""
         found = [i for i, s in enumerate(self.tensor_scales) if math.isfinite(s)]
-        return max(found, key=lambda i: abs(self.tensor_scales[i] - 1), default=None)
+        tolerance = self.tensor_tolerances or (self.tolerance,) * len(self.tensor_scales)
+        return max(found, key=lambda i: abs(self.tensor_scales[i] - 1) / tolerance[i], default=None)
+
+    def _tensors(self) -> list[tuple[float, float]]:
+        tolerance = self.tensor_tolerances or (self.tolerance,) * len(self.tensor_scales)
+        return [(s, t) for s, t in zip(self.tensor_scales, tolerance, strict=True) if math.isfinite(s)]
 
 
 def _scale(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     along_one = total([dot(o, a) for o, a in zip(one, acc, strict=True)])
     return total([dot(a, a) for a in acc]) / along_one if along_one else math.inf
+
+
+def _sine(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
+    """``‖acc − λ·one‖ / ‖acc‖`` with ``λ·one`` the projection of ``acc`` on ``one``, in float64."""
+    along = total([dot(a, o) for a, o in zip(acc, one, strict=True)])
+    squares = total([dot(o, o) for o in one])
+    ratio = along / squares if squares > 0 else 0.0
+    off = norms([a.double() - ratio * o.double() for a, o in zip(acc, one, strict=True)], exact=True)
+    return math.hypot(*off) / max(math.hypot(*norms(acc, exact=True)), 1e-300)
+
+
+def _compared(
+    acc: Sequence[Tensor],
+    one: Sequence[Tensor],
+    spread: Sequence[float],
+    dtype: torch.dtype,
+    windows: int,
+    backward: int,
+) -> Equivalence:
+    """The two gradients compared against the tolerances of their measured ``spread`` (zeros: the least)."""
+    tolerance, per_tensor = tolerances(one, spread, dtype)
+    size = math.hypot(*norms(acc, exact=True))
+    cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
+        size * math.hypot(*norms(one, exact=True)), 1e-300
+    )
+    tensor_scales = tuple(_scale([a], [o]) if t < 1 else math.nan for a, o, t in zip(acc, one, per_tensor, strict=True))
+    return Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, windows, tuple(per_tensor), _sine(acc, one),
+                       backward)  # fmt: skip
 
 
 def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: TrainingState) -> bool:
@@ -160,6 +209,18 @@ def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: Trai
     return values[0] != values[1]
 
 
+def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtype) -> tuple[float, list[float]]:
+    """The relative differences of the two gradients that their rounding allows, of the whole and per tensor: each is
+    off by about the measured ``spread`` of the one-batch gradient (see the module doc), so
+    :func:`~.verdict.floor_multiple` times twice that, relative to the one-batch gradient's norm, and never less than
+    :data:`ROUNDING_MULTIPLE` units of ``dtype``'s epsilon."""
+    least = ROUNDING_MULTIPLE * torch.finfo(dtype).eps
+    bound = 2 * floor_multiple(dtype)
+    sizes = norms(list(one), exact=True)
+    whole = max(least, bound * math.hypot(*spread) / max(math.hypot(*sizes), 1e-300))
+    return whole, [max(least, bound * d / n) if n > 0 else math.inf for d, n in zip(spread, sizes, strict=True)]
+
+
 def compare_accumulation(
     model: nn.Module,
     batches: Sequence[Any],
@@ -169,19 +230,21 @@ def compare_accumulation(
     params: Sequence[Tensor],
     names: Sequence[str],
     state: TrainingState,
-    floors: Sequence[float],
-    multiple: float,
     group: Any = None,
+    join: Join | None = None,
 ) -> tuple[Equivalence | None, list[Note]]:
-    """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc).
+    """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
+    eager backward passes (the window, the one batch), in eval mode, and a third (the one batch at three times the
+    loss) only when they differ by more than the least tolerance: the tolerance is then measured, as the applied check
+    measures its floor only when a probe needs it (:mod:`.lazy_floor`).
 
-    Returns the comparison (``None`` when the batches cannot be concatenated or the loss refuses the result) and its
-    notes: the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they
-    differ."""
+    Returns the comparison (``None`` when the batches cannot be joined or the loss refuses the result) and its notes:
+    the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
     try:
-        joined = concatenate(batches)
+        joined = (join or concatenate)(list(batches))
     except ValueError as error:
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, f"accumulation not compared with one batch: {error}")]
+    dtype = max((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off, batch statistics fixed: both gradients under the same conditions
     try:
@@ -192,25 +255,28 @@ def compare_accumulation(
         acc = recompute.eager_gradient(model, batches, window_loss(loss_fn, rng_states, combine, None), params,
                                        state, group)  # fmt: skip
         one = recompute.eager_gradient(model, joined, one_loss, params, state, group)
-    except Exception as error:  # the loss refuses the concatenated batch: no comparison, the check stands
+        found = _compared(acc, one, [0.0] * len(one), dtype, len(batches), 2)
+        if found.differs:  # beyond the least tolerance: measure the rounding (monotone: a larger one only agrees more)
+            again = recompute.eager_gradient(model, joined, one_loss, params, state, group, SPREAD_SCALE)
+            found = _compared(acc, one, distances(one, again), dtype, len(batches), 3)
+    except Exception as error:  # the loss refuses the joined batch: no comparison, the check stands
         text = f"accumulation not compared with one batch: the loss raised {type(error).__name__} ({error})"
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
     finally:
         for module, training in modes:
             module.training = training
-    acc_norms, one_norms = norms(acc, exact=True), norms(one, exact=True)
-    size = math.hypot(*acc_norms)
-    cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(size * math.hypot(*one_norms), 1e-300)
-    relative = [multiple * f / n if n > 0 else math.inf for f, n in zip(floors, acc_norms, strict=True)]
-    tensor_scales = tuple(_scale([a], [o]) if r < 1 else math.nan for a, o, r in zip(acc, one, relative, strict=True))
-    dtype = max((p.dtype for p in params), key=lambda d: torch.finfo(d).eps, default=torch.float32)
-    tolerance = max(EQUIVALENCE_RTOL, ROUNDING_MULTIPLE * torch.finfo(dtype).eps)
-    found = Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, len(batches))
+    tolerance, per_tensor, tensor_scales = found.tolerance, found.tensor_tolerances, found.tensor_scales
     worst = found.worst
     figures = (
         f"the accumulated gradient of {len(batches)} micro-batches against the window's samples as one batch: scale "
-        f"{found.scale:.6g} along the applied direction, cosine {found.cosine:.6g} (tolerance {tolerance:.2g})"
-        + (f"; per tensor furthest from 1 at {names[worst]}: {tensor_scales[worst]:.6g}" if worst is not None else "")
+        f"{found.scale:.6g} along the applied direction, cosine {found.cosine:.6g} (tolerance {tolerance:.2g}, "
+        + ("their measured rounding)" if found.backward > 2 else f"{ROUNDING_MULTIPLE:g} units of {dtype}'s epsilon)")
+        + (
+            f"; per tensor furthest from 1 at {names[worst]}: {tensor_scales[worst]:.6g} (tolerance "
+            f"{per_tensor[worst]:.2g})"
+            if worst is not None
+            else ""
+        )
     )
     notes = [Note(NoteCode.ACCUMULATION_EQUIVALENCE, figures)]
     if found.averaged_sum:

@@ -34,6 +34,7 @@ from gradwatch.engine.applied.rounding import AutocastRounding
 from gradwatch.engine.distributed import collective as sharding
 from gradwatch.engine.distributed.parameters import sharded_backward
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
+from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, with_parameter_hooks
 from gradwatch.engine.function.conditions import (
     autocast_disabled,
     autocast_held_off,
@@ -41,7 +42,7 @@ from gradwatch.engine.function.conditions import (
     full_float32_precision,
 )
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
-from gradwatch.engine.function.precision import float64_storage
+from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.function.state import TrainingState
 
 Gradient = list[Tensor]
@@ -67,7 +68,9 @@ def _gradient(
             scaled = loss * scale if scale != 1.0 else loss
             if collective is None:
                 value = float(loss.detach())
-                found = list(torch.autograd.grad(scaled, list(wrt), allow_unused=True))
+                # a complex parameter's real view: autograd differentiates the complex tensor behind it
+                raw = torch.autograd.grad(scaled, [autograd_tensor(t) for t in wrt], allow_unused=True)
+                found = [checked_gradient(t, g) for t, g in zip(wrt, raw, strict=True)]
             else:  # FSDP reduces onto the shards in its backward hooks: the mean over the ranks, its own reduction
                 value, found = sharded_backward(collective, model, scaled, wrt, {})
                 value /= scale
@@ -137,14 +140,11 @@ def float64_gradient(
     the result, as autograd applies them to the parameters' gradient: a hook is part of the gradient being checked."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
-        wrt = [substitutes.get(id(p), p).requires_grad_(True) for p in params]
+        wrt = [substitute_of(p, substitutes) for p in params]
+        for tensor in wrt:
+            autograd_tensor(tensor).requires_grad_(True)
         grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, None)[1]
-    hooked = []
-    for param, grad in zip(params, grads, strict=True):
-        for hook in (getattr(param, "_backward_hooks", None) or {}).values():
-            result = hook(grad)
-            grad = result if result is not None else grad
-        hooked.append(grad)
+    hooked = [with_parameter_hooks(param, grad) for param, grad in zip(params, grads, strict=True)]
     return rank_mean(hooked, group)
 
 

@@ -43,7 +43,7 @@ from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.function.precision import float64_storage, resolve_precision
+from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
@@ -315,7 +315,7 @@ def measure(
         elif float64:
             try:
                 with float64_storage(evaluator.model) as substitutes:
-                    evaluator.params = [(n, substitutes.get(id(p), p)) for n, p in named]
+                    evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
                     return _probes_at(evaluator, *args, torch.float64)
             except CheckAbandonedError:

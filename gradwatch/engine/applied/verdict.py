@@ -82,13 +82,15 @@ def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: floa
     """Judge one stencil's measurement of the applied gradient against the path's floor along its direction."""
     if not stencil.finite:
         return Judgement("inconclusive", "nonfinite", math.inf, math.nan)
-    tolerance = multiple * floor + SIGNIFICANCE * assessment.noise
     if stencil.flat:
-        # the loss did not move at all: only a derivative within the tolerance agrees with that
+        # the loss did not move at all: only a derivative within the path's floor agrees with that (a flat stencil's
+        # noise is the derivative itself, "no information": counted, it would let any derivative agree)
+        tolerance = multiple * floor
         size = abs(stencil.analytic)
         if size <= tolerance:
             return Judgement("ok", "agrees", tolerance, size / tolerance if tolerance else 0.0)
         return Judgement("inconclusive", "flat", tolerance, math.nan)
+    tolerance = multiple * floor + SIGNIFICANCE * assessment.noise
     size = abs(assessment.discrepancy)
     excess = size / tolerance if tolerance > 0 else math.inf
     if size <= tolerance:

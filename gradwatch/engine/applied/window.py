@@ -104,6 +104,7 @@ class Checksums:
                 rows.append(torch.zeros(3, dtype=torch.float64))
                 continue
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a shard's own rows (FSDP2)
+            local = torch.view_as_real(local.resolve_conj()) if local.is_complex() else local
             flat = local.detach().reshape(-1).double()
             rows.append(torch.stack([flat.sum(), flat.abs().sum(), flat.square().sum()]).cpu())
         values = torch.stack(rows).tolist() if rows else []
@@ -147,6 +148,7 @@ class AppliedWindow:
         self.batches: list[Any] = []
         self.rng_states: list[dict[str, Any]] = []
         self.start: Checksums | None = None
+        self.last_fault: tuple[int, str | None] | None = None  # the last check's step and fault (kept by clear())
 
     def record(self, batch: Any) -> None:
         """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
@@ -163,7 +165,8 @@ class AppliedWindow:
     def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
         """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
         (``model``: the window's own by default); ``options`` are passed on, keywords all (``combine``, ``path``,
-        ``step``, the probe options or ``settings``, ...)."""
+        ``step``, the probe options or ``settings``, ...). A window reused across steps (:meth:`clear` after each)
+        calls a ``"transient"`` fault its previous check found too ``"modified"``."""
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
@@ -173,6 +176,12 @@ class AppliedWindow:
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("AppliedWindow.check: `model` must be given when the window was made without one")
-        return check_applied_gradient(
+        from gradwatch.engine.applied.step_hooks import recurring
+
+        report = check_applied_gradient(
             model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
         )
+        # a window reused from step to step (clear() after each) tells a change made at every step from a one-off
+        report = recurring(report, self.last_fault)
+        self.last_fault = (report.step, report.fault)
+        return report

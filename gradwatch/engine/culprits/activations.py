@@ -11,6 +11,7 @@ import random
 
 import torch
 
+from gradwatch.engine.culprits.consistency import own_share
 from gradwatch.engine.culprits.sites import Displacements, Site
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.numerics.assessment import Assessment
@@ -51,11 +52,40 @@ class ActivationProbes:
         self.relative_step = relative_step(compute, portfolio.native_dtype)
         self.tasks: list[ProbeTask] = []
         self._measured: dict[tuple[str, str], Assessment | None] = {}
+        self._failing: dict[tuple[str, str], tuple[list[torch.Tensor], ProbeTask]] = {}  # the direction that failed
+        self._splits: dict[str, str | None] = {}
+        self._extra = 0  # evaluations spent outside probes (the splits of failing input probes)
 
     @property
     def evaluations(self) -> int:
         """The loss evaluations the search spent so far."""
-        return sum(task.evaluations for task in self.tasks)
+        return self._extra + sum(task.evaluations for task in self.tasks)
+
+    def split(self, site: Site) -> str | None:
+        """Whether the failing input probe of ``site`` fails because of its own backward (``"own"``) or because of the
+        gradient reaching its output (``"downstream"``); ``None`` when its input probe did not fail or the split cannot
+        tell (:mod:`.consistency`)."""
+        while "module_input" in site.same_as_parent and site.parent is not None:
+            site = self.sites[site.parent]  # a wrapper: its input probe is its parent's
+        if site.name in self._splits:
+            return self._splits[site.name]
+        found = self._failing.get((site.name, "module_input"))
+        if found is None:
+            return None
+        if self.evaluations >= MAX_EVALUATIONS:
+            raise ExhaustedError
+        components, task = found
+        assert task.result is not None
+        evaluate = self.ladder.measurements.evaluator.loss
+        analytic = task.direction.analytic  # type: ignore[union-attr]
+        self._extra += 4
+        share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate)
+        self._splits[site.name] = share
+        return share
+
+    def known(self, site: Site, place: str) -> Assessment | None:
+        """The probe of ``place`` of ``site`` if it was measured already (``None`` otherwise): nothing is spent."""
+        return self._measured.get((site.name, place))
 
     def verdict(self, site: Site, place: str) -> Assessment | None:
         """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
@@ -109,6 +139,8 @@ class ActivationProbes:
                 self.ladder.measure_fully([task])
             assert task.result is not None
             results.append(task.result)
+            if task.result.verdict == "fail" and (site.name, place) not in self._failing:
+                self._failing[(site.name, place)] = (components, task)
             if task.result.verdict == "fail" and task.result.rel_error >= BORDERLINE[1] * self.ladder.rtol:
                 break  # wrong along autograd's gradient: the random direction has nothing to add
         failed = [r for r in results if r.verdict == "fail"]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from gradwatch.engine.culprits.reads import ParameterReads, attribute, direct_reads
 from gradwatch.engine.function.batch import map_tensors
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.results.kinds import kinds_where
@@ -63,7 +64,9 @@ class Site:
     scales: dict[str, float] = field(default_factory=dict)
     same_as_parent: set[str] = field(default_factory=set)
     parameters: list[str] = field(default_factory=list)
-    """The attribute names of its own trainable floating parameters (``"weight"``, ``"bias"``), in order."""
+    """The attribute names of its own trainable floating parameters (``"weight"``, ``"bias"``), in order, then those of
+    the parameters of modules inside it that its forward reads directly, their owner never called
+    (``"lora_A.default.weight"``: :mod:`.reads`)."""
     last_call: dict[str, int] = field(default_factory=dict)
     """By place, the position in :attr:`gradients` of the first tensor of the last call."""
 
@@ -100,8 +103,10 @@ def _direct_parameters(module: nn.Module) -> dict[str, Tensor]:
 class _Recorder:
     """The hooks of :func:`record_sites`: zero leaves added at every place, the call tree written down."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, reads: dict[str, list[str]] | None = None) -> None:
         self.model = model
+        self.reads = reads or {}  # by site, the parameters inside it its forward reads directly (relative names)
+        self.watch = ParameterReads(lambda: self._stack[-1] if self._stack and not self.done else None)
         self.sites: dict[str, Site] = {}
         self.leaves: list[tuple[str, str, Tensor]] = []  # (site, place, leaf)
         self.params: list[tuple[str, Tensor]] = []  # (site, parameter) of each module_params leaf
@@ -114,6 +119,7 @@ class _Recorder:
         # module's output would pass for its child's (a child whose output gradient is then never measured)
         self._held: list[Tensor] = []
         self._skipped: list[bool] = []  # for each open call, whether it is left alone
+        self.grads: list[Tensor | None] = []  # by leaf, autograd's gradient (after the recording's backward pass)
         self.done = False
         """Set once the forward pass has run: activation checkpointing runs modules again during the backward pass,
         to recompute what it did not keep, and those calls are left alone (the gradients flow through the leaves the
@@ -141,6 +147,8 @@ class _Recorder:
             return None
         site = self.sites.get(name)
         first = site is None
+        if not self.sites:
+            self.watch.watch(self.model)
         if site is None:
             parent = self._stack[-1] if self._stack else None
             site = self.sites[name] = Site(name, module, len(self.sites), parent)
@@ -162,6 +170,7 @@ class _Recorder:
                 site.same_as_parent.add("module_input")
         stack = contextlib.ExitStack()
         direct = _direct_parameters(module)
+        direct.update({relative: attribute(module, relative) for relative in self.reads.get(name, [])})
         if first:
             site.parameters = list(direct)
         if direct:
@@ -201,8 +210,17 @@ class _Recorder:
 
 def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
     """Every module the loss's forward runs, with autograd's gradient at each of its places (see the module doc), from
-    one forward and backward pass on the evaluator's (native) parameters. Modules are keyed by name, in call order."""
-    recorder = _Recorder(model)
+    one forward and backward pass on the evaluator's (native) parameters (two where a module's forward reads parameters
+    of a module it never calls: the second displaces them as that module's). Modules are keyed by name, in call
+    order."""
+    recorder = _record(model, evaluator, None)
+    reads = direct_reads(recorder.watch.readers, set(recorder.sites))
+    return _sites(_record(model, evaluator, reads) if reads else recorder)
+
+
+def _record(model: nn.Module, evaluator: LossEvaluator, reads: dict[str, list[str]] | None) -> _Recorder:
+    """One forward and backward pass under the recording's hooks."""
+    recorder = _Recorder(model, reads)
     handles = []
     try:
         for name, module in model.named_modules():
@@ -212,12 +230,18 @@ def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
                 )
             )
             handles.append(module.register_forward_hook(lambda m, a, o, name=name: recorder.after(name, o)))
-        _, grads = evaluator.gradients_wrt(recorder.created)
+        with recorder.watch if reads is None else contextlib.nullcontext():
+            _, recorder.grads = evaluator.gradients_wrt(recorder.created)
     finally:
         recorder.close()
         for handle in handles:
             handle.remove()
-    sites = recorder.sites
+    return recorder
+
+
+def _sites(recorder: _Recorder) -> dict[str, Site]:
+    """The sites of a recording, with the gradient and scale at each of their places."""
+    sites, grads = recorder.sites, recorder.grads
     hooks_of = _parameter_hooks(recorder.params)
     param_leaves = iter(hooks_of)
     for (name, place, leaf), grad in zip(recorder.leaves, grads, strict=True):
@@ -284,7 +308,7 @@ class Displacements:
             args, kwargs = map_tensors((args, kwargs), "", lambda _p, t: self._next(t) if t.is_floating_point() else t)
         elif self.place == "module_params":
             # by name: under float64 storage the module holds float64 substitutes, not its Parameters
-            moved = {name: self._next(getattr(module, name)) for name in self.site.parameters}
+            moved = {name: self._next(attribute(module, name)) for name in self.site.parameters}
             stack.enter_context(_reparametrize_module(module, moved, strict=False))
         self._open.append(stack)
         return args, kwargs

@@ -3,8 +3,8 @@
 FSDP2 (``fully_shard``) makes every parameter of a sharded module a ``DTensor`` placed ``Shard(0)`` over a 1-D device
 mesh: each rank holds a block of rows, and the forward pass gathers the whole parameter from the shards. A check
 moves the shards in place (the optimizer does the same) and never gathers a parameter outside the forward passes.
-Other placements under FSDP2 (tensor parallelism combined with it, a mesh of more than one dimension) are refused with
-a message; tensor parallelism alone is :mod:`gradwatch.engine.distributed.tensor_parallel`'s.
+Other placements under FSDP2 on a 1-D mesh are refused with a message; tensor parallelism, alone or with FSDP2 on a
+second mesh dimension, is :mod:`gradwatch.engine.distributed.tensor_parallel`'s.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def local_shards(params: Sequence[tuple[str, Tensor]]) -> tuple[Collective, list
             raise UnsupportedShardingError(
                 f"gradwatch checks parameters sharded by rows over one 1-D mesh (FSDP2's fully_shard); {name!r} is "
                 f"placed {placements} on a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())}: tensor-parallel "
-                "layouts combined with FSDP2, and hybrid layouts, are not supported (tensor parallelism alone is; "
-                "skip the check, or pass loss_fn= a loss of the data-parallel part only)"
+                "placements mixed with FSDP2 on one 1-D mesh are not supported (tensor parallelism alone is, and "
+                "with FSDP2 on a second mesh dimension; skip the check)"
             )
     group = first.get_group()
     collective = Collective(group=group, world=dist.get_world_size(group), rank=dist.get_rank(group))

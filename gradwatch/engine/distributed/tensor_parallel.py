@@ -8,16 +8,26 @@ hooks of ``torch.distributed.tensor`` set aside, so that the forward computes th
 every rank alike. Afterwards the very ``DTensor`` parameters are put back: whatever a check did to the plain copies
 cannot reach them. The gradients of the check are the whole ones (:func:`whole_gradients`): a replicated parameter's
 gradient is this rank's own, so ranks that disagree on it stay visible to the cross-rank comparison of an applied
-check. FSDP2-sharded models (``fully_shard``) are left to :mod:`gradwatch.engine.distributed.parameters`; a model with
-both is refused there.
+check.
+
+Combined with FSDP2 on a second mesh dimension (a 2-D mesh ``("dp", "tp")``, ``fully_shard`` over the tensor-parallel
+plan, as torchtitan composes them) the same holds, with FSDP2's module hooks set aside too: each parameter is gathered
+over both dimensions, every rank computes the loss of its own data-parallel batch (the ranks of a tensor-parallel group
+alike), and the applied check averages the window loss over every rank of the mesh (the ranks of a tensor-parallel
+group count their shared loss alike, so that mean is the data-parallel mean FSDP's gradient differentiates) and
+compares the whole gradients across all of them. FSDP2's hybrid sharding on a 2-D mesh (``Replicate`` and ``Shard(0)``
+placements, no tensor parallelism) goes the same way. FSDP2 alone on a 1-D mesh (parameters sharded by rows) is left
+to :mod:`gradwatch.engine.distributed.parameters`, which probes the shards in place.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.distributed.library_hooks import hooks_set_aside
@@ -27,28 +37,60 @@ TENSOR_PARALLEL_NOTE = (
     "hooks set aside), the loss every rank computes alike, the replicated parameters' gradients compared across ranks"
 )
 
+_PACKAGES = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed._composable")
+"""Where the module hooks a check sets aside are defined: tensor parallelism's redistributions, FSDP2's gathering."""
+
+
+_REPLICAS: ContextVar[Any] = ContextVar("gradwatch_tensor_parallel_group", default=None)
+
+
+def replicas_group() -> Any:
+    """Inside :func:`made_plain`: the process group of every rank of the model's mesh (ranks that compute the same
+    loss on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else
+    ``None``."""
+    return _REPLICAS.get()
+
 
 def _is_dtensor(tensor: Any) -> bool:
     return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` has ``DTensor`` parameters and no FSDP2 module (``fully_shard`` adds ``reshard``)."""
-    if not any(_is_dtensor(p) for p in model.parameters()):
+    """Whether ``model`` has ``DTensor`` parameters and either no FSDP2 module (``fully_shard`` adds ``reshard``) or
+    parameters on a mesh of more than one dimension (FSDP2 over a tensor-parallel plan, or hybrid sharding)."""
+    dtensors = [p for p in model.parameters() if _is_dtensor(p)]
+    if not dtensors:
         return False
+    if any(p.device_mesh.ndim > 1 for p in dtensors):  # type: ignore[attr-defined]
+        return True
     return not any(hasattr(m, "reshard") and hasattr(m, "unshard") for m in model.modules())
 
 
 def mesh_group(model: nn.Module) -> Any:
-    """The process group of the mesh the model's ``DTensor`` parameters live on (a 1-D mesh)."""
-    param = next(p for p in model.parameters() if _is_dtensor(p))
-    mesh = param.device_mesh  # type: ignore[attr-defined]
-    if mesh.ndim != 1:
+    """The process group of every rank the model's ``DTensor`` parameters live on: the group of a 1-D mesh, the
+    default group for a larger mesh that spans every process.
+
+    Raises:
+        ValueError: The parameters live on a mesh of several dimensions that leaves processes out (pass ``group=``).
+    """
+    meshes = [p.device_mesh for p in model.parameters() if _is_dtensor(p)]  # type: ignore[attr-defined]
+    mesh = max(meshes, key=lambda m: (m.size(), m.ndim))
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() != dist.get_world_size():
         raise ValueError(
-            f"gradwatch checks tensor-parallel models on a 1-D mesh; the parameters live on a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.mesh_dim_names or ())}"
+            f"the model's parameters live on a {mesh.ndim}-D mesh {tuple(mesh.mesh_dim_names or ())} of "
+            f"{mesh.size()} of the {dist.get_world_size()} processes: pass `group=` the process group of its ranks"
         )
-    return mesh.get_group()
+    return dist.group.WORLD
+
+
+def _spanning_group(model: nn.Module) -> Any:
+    """:func:`mesh_group`, or ``None`` for a mesh that leaves processes out."""
+    try:
+        return mesh_group(model)
+    except ValueError:
+        return None
 
 
 def whole(tensor: Tensor) -> Tensor:
@@ -67,19 +109,23 @@ def whole_gradients(model: nn.Module, gradients: Mapping[str, Tensor] | None) ->
 @contextlib.contextmanager
 def made_plain(model: nn.Module) -> Iterator[None]:
     """For the duration, every ``DTensor`` parameter of ``model`` replaced by a plain parameter holding the whole
-    tensor, and ``torch.distributed.tensor``'s module hooks set aside; the ``DTensor`` parameters are put back after.
-    A collective: every rank enters together."""
+    tensor, and the module hooks of ``torch.distributed.tensor`` and FSDP2 set aside; the ``DTensor`` parameters are
+    put back after. A collective: every rank enters together."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and _is_dtensor(param):
                 swapped.append((module, name, param))
     plain = [nn.Parameter(whole(param).clone(), requires_grad=param.requires_grad) for _, _, param in swapped]
+    token = _REPLICAS.set(_spanning_group(model) if swapped and dist.is_initialized() else None)
     try:
         for (module, name, _), copy in zip(swapped, plain, strict=True):
             module._parameters[name] = copy
-        with hooks_set_aside(model, "torch.distributed.tensor"):
+        with contextlib.ExitStack() as stack:
+            for package in _PACKAGES:
+                stack.enter_context(hooks_set_aside(model, package))
             yield
     finally:
+        _REPLICAS.reset(token)
         for module, name, param in swapped:
             module._parameters[name] = param

@@ -41,3 +41,19 @@ def stored_value(tensor: Tensor, value: Tensor) -> Tensor:
     """``value`` (a real tensor shaped like the checked tensor, with leading dimensions perhaps) as the module must
     hold it: complex for the real view of a complex parameter."""
     return torch.view_as_complex(value.contiguous()) if is_real_view(tensor) else value
+
+
+def with_parameter_hooks(tensor: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` (the gradient of a checked tensor, computed on a copy of its parameter: float64 storage) with the hooks
+    registered on the parameter (``register_hook``) applied, as autograd applies them to the parameter's own gradient;
+    a complex parameter's hooks take and give its complex gradient."""
+    hooks = list((getattr(autograd_tensor(tensor), "_backward_hooks", None) or {}).values())
+    if not hooks:
+        return grad
+    complex_view = is_real_view(tensor)
+    if complex_view:
+        grad = torch.view_as_complex(grad.contiguous())
+    for hook in hooks:
+        changed = hook(grad)
+        grad = changed if changed is not None else grad
+    return torch.view_as_real(grad.resolve_conj()) if complex_view else grad

@@ -78,13 +78,16 @@ class ReferenceFlow(TorchFunctionMode):
     first operation vmap would refuse on a value computed from what the probes move (see the module doc).
 
     Only tensors that require grad are followed back for a detach; a detach of an activation that depends on
-    parameters alone (a GAN's ``fake.detach()``) walks the graph once and finds nothing. Values computed from the
+    parameters alone (a GAN's ``fake.detach()``) walks the graph once and finds nothing. A detach whose value the
+    check holds (``held()`` true while it is made: :mod:`.held`) cuts nothing: the gradient of an input it reaches is
+    the derivative of the function the check evaluates. Values computed from the
     parameters are those that require grad, and the integer and boolean tensors computed from them (a router's
     ``topk`` indices, ``indices == e``).
     """
 
-    def __init__(self, leaves: Mapping[str, Tensor]) -> None:
+    def __init__(self, leaves: Mapping[str, Tensor], held: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
+        self._held = held
         self._wanted = {id(tensor): path for path, tensor in leaves.items()}
         self.detached: set[str] = set()
         self.data_dependent: str | None = None
@@ -100,6 +103,7 @@ class ReferenceFlow(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         cutting = func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad
+        cutting = cutting and not self._held()
         if cutting and len(self.detached) < len(self._wanted):
             self.detached |= _reached_leaves(args[0], self._wanted)
         if self.data_dependent is not None:

@@ -24,6 +24,7 @@ from gradwatch.engine.function.batch import complex_inputs, floating_tensors, op
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, stored_value
 from gradwatch.engine.function.dataflow import ReferenceFlow, unprobed_note
 from gradwatch.engine.function.fidelity import Float64Fidelity
+from gradwatch.engine.function.held import HeldDetaches
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
@@ -68,6 +69,8 @@ class LossEvaluator:
         state: The captured training state; its random state is replayed before every evaluation and its buffers are
             restored after every evaluation.
         float64_reductions: Accumulate the loss's final reductions in float64 in the gradient-free evaluations.
+        held: The values the loss detaches that every evaluation after the first reference holds at that reference's
+            (:mod:`.held`); none by default.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class LossEvaluator:
         params: list[tuple[str, Tensor]],
         state: TrainingState,
         float64_reductions: bool = True,
+        held: HeldDetaches | None = None,
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -85,6 +89,8 @@ class LossEvaluator:
         self.state = state
         self.float64_reductions = float64_reductions
         self.notes: list[Note] = []
+        self.held = held or HeldDetaches()
+        self.held.notes = self.notes
         self.inputs_refused = False
         """Whether the loss refused displaced inputs: the check then makes no input probe and shifts no input."""
         self.n_forward = 0
@@ -133,23 +139,11 @@ class LossEvaluator:
             yield
         self.n_forward += points - 1
         if fidelity is not None and not self._fidelity_settled:
-            self._settle_fidelity(fidelity)
-
-    def _settle_fidelity(self, fidelity: Float64Fidelity) -> None:
-        """After the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
-        otherwise (it would only cost its dispatch)."""
-        self._fidelity_settled = True
-        if not fidelity.acted:
-            self._fidelity = None
-            return
-        native = str(self.native_dtype).removeprefix("torch.")
-        kept = {
-            "casts": "its casts to a lower precision were kept at float64",
-            "random draws": f"its random draws were made in {native}, as training makes them, and cast",
-        }
-        codes = {"casts": NoteCode.FLOAT64_CASTS_KEPT, "random draws": NoteCode.FLOAT64_DRAWS_NATIVE}
-        for what in sorted(fidelity.acted & set(codes)):  # a note for each, with its own code; none for factories
-            self.notes.append(Note(codes[what], f"float64 probes evaluate the model's own function: {kept[what]}"))
+            # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
+            # otherwise (it would only cost its dispatch)
+            self._fidelity_settled = True
+            self._fidelity = fidelity if fidelity.acted else None
+            self.notes += fidelity.notes()
 
     def reference(self, with_inputs: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
@@ -190,10 +184,11 @@ class LossEvaluator:
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
         completed = False
-        watch = ReferenceFlow(leaves)
+        watch = ReferenceFlow(leaves, self.held.in_scope)
         try:
             with self._evaluation(grad=True):
-                with torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked), watch:
+                saved = torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked)
+                with saved, watch, self.held.evaluating():
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
@@ -202,13 +197,16 @@ class LossEvaluator:
                         "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
                     )
                 collective = sharding.active()
-                if collective is None:
-                    value = float(loss.detach())
-                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
-                else:
-                    value, sharded = sharded_backward(collective, self.model, loss, [p for _, p in self.params], leaves)
-                    grads = list(sharded)
+                with self.held.differentiating():
+                    if collective is None:
+                        value = float(loss.detach())
+                        grads: list[Tensor | None] = loss_gradient(loss, wrt)
+                    else:
+                        params = [p for _, p in self.params]
+                        value, sharded = sharded_backward(collective, self.model, loss, params, leaves)
+                        grads = list(sharded)
                 self.n_backward += 1
+                self.held.differentiated()
             self.state.skip_unused_generators()
             completed = True
         finally:
@@ -237,11 +235,14 @@ class LossEvaluator:
         completed = False
         try:
             with self._evaluation(grad=True):
-                loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+                with self.held.evaluating():
+                    loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
                 wanted = list(created())
                 needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
-                found = gradient(loss, needed)
+                with self.held.differentiating():
+                    found = gradient(loss, needed)
                 self.n_backward += 1
+                self.held.differentiated()
             self.state.skip_unused_generators()
             completed = True
         finally:
@@ -272,7 +273,7 @@ class LossEvaluator:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
             originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
-            with substituted(model, moved), OriginalsWatch(originals):
+            with substituted(model, moved), OriginalsWatch(originals), self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
         self._reset_inputs()
@@ -284,7 +285,7 @@ class LossEvaluator:
         finally:
             self.state.after_evaluation(completed)
         self.value_dtype = values.dtype
-        return values.detach().double().tolist()
+        return [self.held.value_of(value) for value in values.detach().double().tolist()]
 
     def loss(self) -> float:
         """The loss at the current (possibly perturbed) point, without building a graph.
@@ -349,13 +350,14 @@ class LossEvaluator:
         completed = False
         try:
             watch = self.watch or contextlib.nullcontext()
-            with self._evaluation(grad=self._grad_mode_evaluations if grad is None else grad), mode, watch:
+            grad = self._grad_mode_evaluations if grad is None else grad
+            with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
                 value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
             completed = True
         finally:
             self.state.after_evaluation(completed)
         self.value_dtype = value.dtype
-        return sharding.global_loss(float(value.detach().double()))
+        return sharding.global_loss(self.held.value_of(float(value.detach().double())))
 
     def use_float64_inputs(self) -> None:
         """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""

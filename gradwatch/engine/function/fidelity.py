@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.results.notes import Note, NoteCode
+
 _RANDOM_FACTORIES = {torch.randn, torch.rand, torch.normal}
 _RANDOM_LIKE = {torch.randn_like, torch.rand_like}
 _RANDOM_IN_PLACE = {
@@ -61,6 +63,20 @@ class Float64Fidelity(TorchFunctionMode):
         self.native_dtype = native_dtype
         self.acted: set[str] = set()
         """What it changed so far: ``"casts"`` and/or ``"random draws"``."""
+
+    def notes(self) -> list[Note]:
+        """What a report says of what it changed: a note for casts kept at float64, one for random draws made in the
+        native dtype; none for factories."""
+        native = str(self.native_dtype).removeprefix("torch.")
+        kept = {
+            "casts": "its casts to a lower precision were kept at float64",
+            "random draws": f"its random draws were made in {native}, as training makes them, and cast",
+        }
+        codes = {"casts": NoteCode.FLOAT64_CASTS_KEPT, "random draws": NoteCode.FLOAT64_DRAWS_NATIVE}
+        return [
+            Note(codes[what], f"float64 probes evaluate the model's own function: {kept[what]}")
+            for what in sorted(self.acted & set(codes))
+        ]
 
     def __torch_function__(
         self,

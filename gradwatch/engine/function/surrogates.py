@@ -11,9 +11,17 @@ differentiates.
 * ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
   design; the weight is not probed.
 * Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, fused or not, with fake quantisation
-  enabled): the loss is piecewise constant in everything upstream of a quantiser, whose gradient is a straight-through
-  estimator by design. Probes of parameters end inconclusive, as they should; the batch's inputs are not probed (an
-  activation quantiser makes their gradient a straight-through one too, and a staircase can read as a clean slope).
+  enabled: quantisation-aware training): the loss is piecewise constant in everything upstream of a quantiser, whose
+  gradient is a straight-through estimator by design. A recomputed check (:attr:`StockSurrogates.quantisers_off`) runs
+  the quantisers as the identity, which is what their straight-through backward differentiates: the rest of the model
+  (every backward formula, every parameter) is checked on the float function the quantisers round, and concludes; the
+  estimators themselves are not checked, and the batch's inputs are not probed. The applied check, which holds
+  training's own gradient against the loss, keeps them on: that gradient is the estimators'.
+* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``DoraLinearLayer``, ``DoraEmbeddingLayer`` and convolution variants,
+  recognised by name and their ``get_weight_norm``) divides the adapted weight by its column norm, detached (the DoRA
+  paper, section 4.3): the gradient treats the norm as a constant, the forward does not. During a check the values
+  those modules detach are held at the reference's (:mod:`.held`, scoped to those modules alone), so the check
+  differentiates what autograd does and a wrong backward of the adapter still fails.
 
 :func:`find_stock_surrogates` says what a model has, with the note a report gives once.
 """
@@ -46,6 +54,11 @@ class StockSurrogates:
     exempt: dict[str, Tensor] = field(default_factory=dict)
     unprobed: dict[str, str] = field(default_factory=dict)
     fake_quantisers: list[str] = field(default_factory=list)
+    weight_norms: list[nn.Module] = field(default_factory=list)
+    """DoRA modules, whose detached weight norms a check holds constant."""
+    weight_norm_names: list[str] = field(default_factory=list)
+    quantiser_modules: list[nn.Module] = field(default_factory=list)
+    quantisers_off: bool = False  # a recomputed check runs the fake quantisers as the identity (see the module doc)
 
     def notes(self) -> list[Note]:
         """What a report says of them."""
@@ -67,16 +80,40 @@ class StockSurrogates:
                 )
             )
         notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
-        if self.fake_quantisers:
+        if self.weight_norm_names:
+            shown = ", ".join(self.weight_norm_names[:4]) + (
+                f" and {len(self.weight_norm_names) - 4} more" if len(self.weight_norm_names) > 4 else ""
+            )
+            notes.append(
+                Note(
+                    NoteCode.DORA_NORM,
+                    f"DoRA weight norms of {shown} held constant during the check, as autograd treats them (they are "
+                    "detached by design)",
+                )
+            )
+        if self.fake_quantisers and self.quantisers_off:
             notes.append(
                 Note(
                     NoteCode.FAKE_QUANTISATION,
-                    f"fake quantisation enabled ({', '.join(self.fake_quantisers[:4])}): the loss is piecewise "
+                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): checked as their straight-through "
+                    "gradient differentiates them, as the identity (the float function they round); the estimators "
+                    "themselves are not checked, the batch's inputs not probed",
+                )
+            )
+        elif self.fake_quantisers:
+            notes.append(
+                Note(
+                    NoteCode.FAKE_QUANTISATION,
+                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): the loss is piecewise "
                     "constant upstream of them and their gradient a straight-through estimator; the batch's inputs "
                     "are not probed",
                 )
             )
         return notes
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _fake_quantising(module: nn.Module) -> bool:
@@ -89,6 +126,12 @@ def _fake_quantising(module: nn.Module) -> bool:
     return bool(enabled[0]) if isinstance(enabled, Tensor) and enabled.numel() else True
 
 
+def _dora(module: nn.Module) -> bool:
+    """A PEFT DoRA module (``DoraLinearLayer`` and its kin), by duck typing: peft is not imported."""
+    name = type(module).__name__.lstrip("_")
+    return name.startswith("Dora") and name.endswith("Layer") and callable(getattr(module, "get_weight_norm", None))
+
+
 def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
     """The stock surrogate-gradient layers of ``model`` (see the module doc)."""
     found = StockSurrogates()
@@ -96,6 +139,7 @@ def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
         prefix = f"{name}." if name else ""
         if _fake_quantising(module):
             found.fake_quantisers.append(name or "the model")
+            found.quantiser_modules.append(module)
         if type(module).__name__ == "_SpectralNorm" and module.training:
             found.power_iterations.append(module)
             found.names.append(name.removesuffix(".parametrizations.weight.0").removesuffix(".0") or "the model")
@@ -103,6 +147,9 @@ def find_stock_surrogates(model: nn.Module) -> StockSurrogates:
         if module.training and any(type(hook).__name__ == "SpectralNorm" for hook in hooks):
             found.power_iterations.append(module)
             found.names.append(name or "the model")
+        if _dora(module):
+            found.weight_norms.append(module)
+            found.weight_norm_names.append(name.rsplit(".lora_magnitude_vector", 1)[0] or "the model")
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             weight_name = f"{prefix}weight"
             if getattr(module, "scale_grad_by_freq", False):
@@ -127,3 +174,27 @@ def as_autograd_sees_them(found: StockSurrogates) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+
+
+@contextlib.contextmanager
+def quantisers_as_identity(found: StockSurrogates) -> Iterator[None]:
+    """When :attr:`~StockSurrogates.quantisers_off`, run the fake quantisers of ``found`` as the identity for the
+    duration (an instance attribute shadowing their ``forward``; entered before the check captures the model's state,
+    which it then holds as it is), then put back exactly what was there."""
+    quantisers = found.quantiser_modules if found.quantisers_off else []
+    saved = [(module, vars(module).get("forward")) for module in quantisers]
+    for module in quantisers:
+        module.forward = _identity
+    try:
+        yield
+    finally:
+        for module, forward in saved:
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
+def _identity(x: Tensor, *args: object, **kwargs: object) -> Tensor:
+    """A fake quantiser's forward as its straight-through backward sees it."""
+    return x

@@ -49,6 +49,7 @@ from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.recomputed.probes import least_precise, measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
+from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, CheckReport, Probe
@@ -80,6 +81,7 @@ def check_gradients(
     float64_reductions: bool = True,
     vectorize: bool = True,
     fail_on_imprecise: bool = False,
+    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
 ) -> CheckReport:
@@ -87,7 +89,7 @@ def check_gradients(
 
     The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
     ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
-    ``vectorize``, ``fail_on_imprecise``), are documented once, as the fields of the same names of
+    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are documented once, as the fields of the same names of
     :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
@@ -150,6 +152,7 @@ def check_gradients(
         "float64_reductions": float64_reductions,
         "vectorize": vectorize,
         "fail_on_imprecise": fail_on_imprecise,
+        "hold_detached": hold_detached,
     }
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     focus = validate.check_patterns("focus", focus)
@@ -164,6 +167,7 @@ def _check(
     """The recomputed check's measurement plan, in its session: :func:`check_gradients` once its arguments are
     validated."""
     model, settings, surrogates = session.model, session.settings, session.surrogates
+    session.quantisers_as_identity()  # the rest of the model checked on the float function the quantisers round
     for message in unmatched_patterns(settings.ignore, [name for name, _ in model.named_parameters()]):
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
@@ -262,6 +266,9 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         probes = nonfinite_probes(reference, params, grad_norms)
         asked = plan.rtol
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
+        # tensor parallelism: every rank compares, so that ranks of a group whose gradients differ stop together
+        replicas = disagreeing_replicas(probe_batch, params, grad_norms, plan.rtol, evaluator.notes)
+        probes = probes or replicas
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
             evaluator.notes.append(
                 Note(

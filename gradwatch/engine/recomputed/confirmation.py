@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradwatch.engine.function.complex_params import autograd_tensor
+from gradwatch.engine.function.complex_params import autograd_tensor, with_parameter_hooks
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.directions import VectorDirection
@@ -178,12 +178,7 @@ def _with_parameter_hooks(reference: Reference, native_params: Sequence[tuple[st
     lives in such a hook must not pass for rounding)."""
     grads: list[Tensor | None] = []
     for (_, param), grad in zip(native_params, reference.param_grads, strict=True):
-        hooks = getattr(param, "_backward_hooks", None) or {}
-        for hook in list(hooks.values()):
-            if grad is not None:
-                changed = hook(grad)
-                grad = changed if changed is not None else grad
-        grads.append(grad)
+        grads.append(with_parameter_hooks(param, grad) if grad is not None else None)  # a complex one's too
     return Reference(reference.loss, grads, reference.input_grads)
 
 

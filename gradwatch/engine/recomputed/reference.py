@@ -58,7 +58,8 @@ def reference_on_a_slice(
         probe_batch = leading_slice(batch, size)
         if probe_batch is batch:
             break
-        evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions)
+        held = session.held_detaches()
+        evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions, held)
         try:
             return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
         except CheckAbandonedError:
@@ -73,7 +74,7 @@ def reference_on_a_slice(
             )
     if refused:
         notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
-    evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions)
+    evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions, session.held_detaches())
     return evaluator, evaluator.reference(with_inputs=with_inputs), batch
 
 

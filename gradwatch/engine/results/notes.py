@@ -35,6 +35,8 @@ class NoteCode(StrEnum):
     INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
     BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
     DOUBLE_BACKWARD = "double-backward", "evaluations run with autograd on: the loss differentiates inside itself"
+    DETACHED_HELD = "detached-held", "values the loss detaches held at the reference's: what autograd differentiates"
+    DETACHED_MISMATCH = "detached-mismatch", "detached values could not be held: the loss detached other tensors"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
@@ -48,6 +50,7 @@ class NoteCode(StrEnum):
     PADDING_EXEMPT = "padding-exempt", "padding rows of embeddings not probed (no gradient by design)"
     NOT_PROBED = "not-probed", "a parameter not probed, and why (its gradient is not the derivative by design)"
     FAKE_QUANTISATION = "fake-quantisation", "fake quantisation enabled: a piecewise-constant loss; inputs not probed"
+    DORA_NORM = "dora-norm", "DoRA weight norms held constant during the check, as autograd treats them"
     # precision
     NATIVE_PRECISION = "native-precision", "probes run in the native precision: the loss refused float64"
     SIXTEEN_BIT_FLOOR = "sixteen-bit-floor", "a 16-bit model's tolerance, measured on its path or the fixed one"
@@ -79,6 +82,7 @@ class NoteCode(StrEnum):
     CULPRIT_FLOAT64_UNFAITHFUL = "culprit-float64-unfaithful", "no culprit search: float64 evaluates another function"
     CULPRIT_ABANDONED = "culprit-abandoned", "culprit search abandoned: the loss raised under its hooks"
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
+    CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
     # compiled graphs
     COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
@@ -91,6 +95,10 @@ class NoteCode(StrEnum):
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
+    REPLICAS_DISAGREE = (
+        "replicas-disagree",
+        "no probe made: tensor-parallel ranks on one batch differ in parameters or gradient",
+    )
     # applied checks (gradwatch.engine.applied)
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"

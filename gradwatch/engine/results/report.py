@@ -29,19 +29,23 @@ own path computed it (autocast, compiled graph, accumulation, cross-rank reducti
 :mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
 (:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
 
-Fault = Literal["formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping"]
+Fault = Literal[
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified"
+]
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
 ``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
 (right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
 ``"reduction"`` (the local gradients are right, the cross-rank reduced one is not, or ranks disagree),
 ``"accumulation"`` (the window's micro-batch gradients are right, their sum in the applied gradient is not: leftovers
 of an earlier window, a micro-batch counted twice or not at all), ``"transient"`` (the same path computed again gives
-the right gradient: a one-off corruption) or ``"unknown"``; ``"clipping"`` (the gradient the optimizer steps with is not
+the right gradient: a one-off corruption), ``"modified"`` (the same path computed again gives the right gradient, and
+the change recurs: the optimizer runs step pre-hooks, or the applied check before found the same) or ``"unknown"``;
+``"clipping"`` (the gradient the optimizer steps with is not
 the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
 :func:`~gradwatch.engine.applied.clipping.check_clipping`)."""
 
 FAULTS: tuple[Fault, ...] = (
-    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping"
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified"
 )  # fmt: skip
 """Every fault, in the order their codes are written (``gradwatch/applied/fault``: position plus one): new ones last."""
 

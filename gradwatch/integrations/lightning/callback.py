@@ -18,7 +18,6 @@ once per run.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,9 +28,10 @@ from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
-from gradwatch.integrations.lightning.training_step import loggers_silenced, training_step_loss
-from gradwatch.watch.alerts import GradientCheckWarning, OnFail
+from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
+from gradwatch.watch.alerts import OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.watch import GradientWatch
@@ -98,7 +98,9 @@ class GradWatch(Callback):
         super().__init__()
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
-        self._warned_applied_off = False
+        self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
+        self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
+        self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._watch = GradientWatch(
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
@@ -183,15 +185,19 @@ class GradWatch(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._applied_reachable(trainer):
-            self._watch.record((batch, batch_idx), model=pl_module, step=trainer.global_step + 1)
+        self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
+        self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        self._ordinal += 1
         if self._watch.recording:  # the gradient the optimizer applies, before clipping and the step
-            self._check_applied(trainer, pl_module)
+            earlier = tuple(self._stepped)
+            if len(trainer.optimizers) > 1:  # what the parameters held before this update, for the later steps' checks
+                self._stepped.append((optimizer, before_update(pl_module, optimizer)))
+            self._check_applied(trainer, pl_module, optimizer, earlier)
             self._check_clipping_after_step(trainer, pl_module, optimizer)
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
@@ -204,6 +210,7 @@ class GradWatch(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         scale_before, self._scale_before = self._scale_before, None
+        self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         scaler = _grad_scaler(trainer)
 
         def skipped() -> bool:  # asked only at a due step
@@ -216,26 +223,16 @@ class GradWatch(Callback):
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
 
-    def _applied_reachable(self, trainer: pl.Trainer) -> bool:
-        """Whether this run's applied gradient can be checked; says once why not."""
-        if self._watch.applied_every_n_steps is None or len(trainer.optimizers) <= 1:
-            return True
-        if not self._warned_applied_off:
-            self._warned_applied_off = True
-            warnings.warn(
-                "gradwatch: the applied gradient is not checked under several optimizers (which loss each optimizer's "
-                "gradient comes from is the module's own business); the recomputed checks go on. Give each optimizer "
-                "its own GradWatch(loss_fn=...) in a plain loop to check each (docs/loops.md)",
-                GradientCheckWarning,
-                stacklevel=2,
-            )
-        return False
-
-    def _check_applied(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        user_loss = self.loss_fn
+    def _check_applied(
+        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
+    ) -> None:
+        user_loss, ordinal = self.loss_fn, self._ordinal
+        several = len(trainer.optimizers) > 1  # manual optimization: each optimizer's step on its own loss
 
         def loss_fn(model: torch.nn.Module, item: Any) -> torch.Tensor:
             batch, batch_idx = item
+            if several:
+                return manual_step_loss(module, batch_idx, ordinal, optimizer, earlier)(model, batch)
             return (user_loss or training_step_loss(module, batch_idx))(model, batch)
 
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
@@ -249,10 +246,11 @@ class GradWatch(Callback):
 
         with self._handling(trainer):
             self._watch.before_optimizer_step(
-                module, loss_fn, step=trainer.global_step + 1,
+                module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers,
+                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
+                optimizer=optimizer if several else None,
             )  # fmt: skip
 
     def _check_clipping_after_step(

@@ -3,6 +3,7 @@
 A check calls the loss dozens of times. ``training_step`` logs (its ``self.log`` calls would overwrite the run's real
 metrics with perturbed values), may return ``None`` or a dict,. :func:`training_step_loss` silences the module's
 logging and unpacks the output; :func:`loggers_silenced` silences the loggers themselves for the duration of a check.
+The applied check's items are ``(batch, batch_idx)``; :func:`joined_window` makes a window of them one batch.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from gradwatch.engine import LossFn
+from gradwatch.engine.applied.equivalence import concatenate
 from gradwatch.watch.hooks import NoLossToCheckError  # training_step returned None: no loss to check
 
-__all__ = ["NoLossToCheckError", "loggers_silenced", "training_step_loss"]
+__all__ = ["NoLossToCheckError", "joined_window", "loggers_silenced", "training_step_loss"]
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -89,3 +91,11 @@ def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
         return output
 
     return loss_fn
+
+
+def joined_window(items: list[tuple[Any, int]]) -> tuple[Any, int]:
+    """A window's recorded items ``(batch, batch_idx)`` as one, for the comparison of the accumulated gradient with the
+    window's samples taken as one batch: the batches concatenated
+    (:func:`~gradwatch.engine.applied.equivalence.concatenate`: tensors, tuples and dicts of them, token tensors of
+    different lengths padded), with the first micro-batch's index, which ``training_step`` is given beside the data."""
+    return concatenate([batch for batch, _ in items]), items[0][1]

@@ -1,0 +1,51 @@
+"""The recomputed check a failing applied check runs on its first micro-batch, to name the module at fault.
+
+The applied check measures the gradient the optimizer applies along a few directions: it can say that a formula is
+wrong, not where. The recomputed check of the window's first micro-batch, with its culprit search, says where (and
+recognises the straight-through estimators whose failures are no fault). A 16-bit model's own gradient hides a few
+percent (its check's tolerance is 10%), so its search runs on a float32 twin of the model (:mod:`..function.twin`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from gradwatch.engine.applied.window import single_loss
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.twin import float32_twin, is_sixteen_bit, promoted_batch
+from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
+from gradwatch.engine.session import CheckSession
+
+TWIN_NOTE = (
+    "the culprit search ran on a float32 twin of the 16-bit model (the same modules on float32 copies of its "
+    "parameters, buffers and inputs), where a backward formula's error stands above the arithmetic's"
+)
+
+
+def recomputed_search(
+    session: CheckSession, model: nn.Module, batch: Any, loss_fn: LossFn, state: Any, step: int, notes: list[Note]
+) -> CheckReport:
+    """The recomputed check of ``batch`` (the window's first micro-batch, ``state`` its random state), for its
+    culprits and surrogates. Whatever it raises leaves an empty ``ok`` report and a note: the applied verdict stands
+    without it (an abandoned check is raised on)."""
+    searched = model
+    if is_sixteen_bit(model):
+        searched, batch = float32_twin(model), promoted_batch(batch)
+        notes.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
+    try:
+        return check_gradients(searched, batch, single_loss(loss_fn, state, None), step=step,
+                               seed=session.settings.seed, optimizers=session.optimizers,
+                               hold_detached=session.settings.hold_detached)  # fmt: skip
+    except CheckAbandonedError:
+        raise
+    except Exception as error:
+        text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
+        notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
+        return CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
+                           duration_s=0.0)  # fmt: skip

@@ -1,0 +1,103 @@
+"""Parameters a module's forward reads directly, through no call of the module that owns them.
+
+A LoRA variant reads its adapter's weights in the layer's own forward (``F.linear(x, self.lora_A["default"].weight)``,
+or a fused kernel given ``self.lora_A[name].weight``) and never calls the ``lora_A`` module; a tied or fused head does
+the same with another module's weight. The owner never runs, so a culprit search that displaces a module's parameters
+during its own forward only cannot place a wrong gradient of those weights: it belongs to the module whose forward
+reads them. :class:`ParameterReads`, active during the first recording of the sites, notes which module is running
+(the innermost) when an operation reads such a parameter; :func:`direct_reads` turns that into the parameters each
+module's forward reads, named relative to it, which the recording then displaces as that module's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import reduce
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+_NOT_READS = {Tensor.detach, torch.detach, Tensor.data.__get__, Tensor.grad.__get__}  # type: ignore[attr-defined,union-attr]
+"""Operations that return a parameter's tensor without passing its gradient on."""
+
+
+def _tensors(values: Any) -> list[Tensor]:
+    found = []
+    for value in values:
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, Tensor):
+                found.append(item)
+    return found
+
+
+class ParameterReads(TorchFunctionMode):
+    """Notes, for each trainable parameter an operation reads as itself (not displaced by the recording), which module
+    was running innermost: ``readers[name]``.
+
+    Args:
+        running: The name of the innermost module whose call is being recorded, ``None`` outside every recorded call
+            (the loss's own code, a call with gradients off, a recomputation during the backward pass).
+    """
+
+    def __init__(self, running: Callable[[], str | None]) -> None:
+        super().__init__()
+        self._running = running
+        self._names: dict[int, str] = {}
+        self.readers: dict[str, set[str]] = {}
+
+    def watch(self, model: nn.Module) -> None:
+        """The parameters to look for: the model's trainable floating ones, as its modules hold them now (under
+        float64 storage or a substitution, the tensors the forward will read)."""
+        self._names = {id(p): name for name, p in model.named_parameters() if p.is_floating_point() and p.requires_grad}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        grad = torch.is_grad_enabled()
+        result = func(*args, **kwargs)
+        running = self._running() if self._names and func not in _NOT_READS else None
+        if running is None:
+            return result
+        read = [self._names[id(t)] for t in _tensors((*args, *kwargs.values())) if id(t) in self._names]
+        # a read that passes the parameter's values on (a matmul, a cast, a transpose), not a look at its shape or
+        # dtype: with gradients on, into a result that requires grad; with them off, into any floating result (the
+        # forward of a custom autograd Function runs with gradients off, and its ``apply`` is not seen here)
+        made = [t for t in _tensors(result if isinstance(result, tuple) else (result,)) if t.is_floating_point()]
+        if read and any(t.requires_grad or not grad for t in made):
+            for name in read:
+                self.readers.setdefault(name, set()).add(running)
+        return result
+
+
+def _within(name: str, ancestor: str) -> bool:
+    return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")
+
+
+def direct_reads(readers: Mapping[str, set[str]], running: set[str]) -> dict[str, list[str]]:
+    """By module name, the parameters its forward reads directly, relative to it (``"lora_A.default.weight"``): each
+    parameter whose owning module never ran (``running`` holds the modules that did), given to the innermost running
+    module that holds both the parameter and every module that read it. A parameter whose owner ran is used through it
+    (or outside it, which the search names as such) and is left out."""
+    found: dict[str, list[str]] = {}
+    for name, modules in readers.items():
+        owner = name.rpartition(".")[0]
+        if owner in running:
+            continue
+        holders = [m for m in running if _within(owner, m) and all(_within(r, m) for r in modules)]
+        if not holders:
+            continue
+        reader = max(holders, key=len)
+        found.setdefault(reader, []).append(name[len(reader) + 1 :] if reader else name)
+    return found
+
+
+def attribute(module: nn.Module, name: str) -> Any:
+    """``module``'s attribute at the dotted path ``name`` (``"lora_A.default.weight"``)."""
+    return reduce(getattr, name.split("."), module)

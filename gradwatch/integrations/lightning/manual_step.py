@@ -1,0 +1,200 @@
+"""The loss an optimizer's step applies under Lightning's manual optimization: the step's own loss.
+
+With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to
+``self.manual_backward`` and steps that optimizer. The loss whose gradient optimizer step *k* of a batch applies is
+the sum of the losses ``training_step`` gave ``manual_backward`` since the step before it (or the batch's start),
+those of the step's own ``closure=`` included. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
+``training_step`` again from the batch's start (the window replays the batch's random state, so every draw, the
+noise of a generator included, is the training's), with the module's optimizers unable to step and
+``manual_backward`` recording its loss instead of differentiating it, and stops at step *k*. Nothing of the training is
+done twice: no ``.grad`` is written, no optimizer steps, no parameter's ``requires_grad`` is toggled
+(``toggle_optimizer`` does nothing: the parameters stay as training has them at this step), gradients are not
+clipped, logging is silenced.
+
+The parameters are as ``training_step`` had them at every point: the callback keeps, at each optimizer step of a
+checked batch, the values of that optimizer's parameters before its update (:data:`Earlier`), and the run again starts
+with every parameter an earlier step of the batch updated at its value before that step, then moves it on at each held
+step, as the update did (:class:`_Rewind`, which puts those values in the module's slots, as a check puts its float64
+copies there, and takes them out afterwards: the parameters themselves are never written). A generator's sample made
+before the generator's step and given to the discriminator after it is the training's sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+
+from gradwatch.engine import LossFn
+from gradwatch.integrations.lightning.training_step import _logging_silenced, _noop, _silenced
+
+__all__ = ["Earlier", "before_update", "manual_step_loss"]
+
+
+class _Reached(BaseException):
+    """The step whose loss is wanted was reached: ``training_step`` need not go on (a ``BaseException``, so that a
+    ``training_step`` catching ``Exception`` lets it through)."""
+
+
+Earlier = Sequence[tuple[torch.optim.Optimizer, dict[str, Tensor]]]
+"""The batch's optimizer steps before the checked one, in order: the optimizer, and the values its parameters held
+before its update, by name."""
+
+
+class _Rewind:
+    """The parameters of the batch's earlier steps as they were at each point of ``training_step`` run again: before a
+    step, the values they held before its update; after, those of their next step or the module's own (see the module
+    doc). Values are put in the module's parameter slots (every slot that holds the parameter: tied weights), never
+    written into a parameter."""
+
+    def __init__(self, module: nn.Module, earlier: Earlier) -> None:
+        self.module, self.earlier = module, earlier
+        self.timeline: dict[str, list[tuple[int, Tensor]]] = {}
+        for step, (_, values) in enumerate(earlier, start=1):
+            for name, value in values.items():
+                self.timeline.setdefault(name, []).append((step, value))
+        self.occupants: dict[str, Tensor] = {}
+        self.slots: dict[str, list[tuple[dict[str, Any], str]]] = {}
+
+    def __enter__(self) -> _Rewind:
+        for name in self.timeline:  # what the slots hold now (the check's float64 copy, a perturbed value, ...)
+            prefix, _, leaf = name.rpartition(".")
+            self.occupants[name] = self.module.get_submodule(prefix)._parameters[leaf]  # type: ignore[assignment]
+        held = {id(tensor): name for name, tensor in self.occupants.items()}
+        for module in self.module.modules():
+            for key, tensor in module._parameters.items():
+                if tensor is not None and id(tensor) in held:
+                    self.slots.setdefault(held[id(tensor)], []).append((module._parameters, key))
+        for name, values in self.timeline.items():
+            self._put(name, values[0][1])
+        return self
+
+    def stepped(self, step: int, optimizer: Any) -> None:
+        """Held step ``step`` (1 for the batch's first) of ``optimizer`` was reached: its parameters move on."""
+        expected = self.earlier[step - 1][0]
+        if optimizer is not expected:
+            raise ValueError(
+                f"training_step run again steps {type(optimizer).__name__} at its optimizer step {step}, where "
+                f"training stepped {type(expected).__name__}: its optimizer steps depend on more than the batch and "
+                "the random state, so gradwatch cannot tell which loss a step applies"
+            )
+        for name in self.earlier[step - 1][1]:
+            following = next((value for at, value in self.timeline[name] if at > step), None)
+            self._put(name, following)
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.timeline:
+            self._put(name, None)
+
+    def _put(self, name: str, value: Tensor | None) -> None:
+        occupant = self.occupants[name]
+        held = occupant if value is None else value.to(device=occupant.device, dtype=occupant.dtype)
+        for table, key in self.slots.get(name, []):
+            table[key] = held
+
+
+class _Steps:
+    """What the optimizers' stand-ins see: the losses given to ``manual_backward`` since the last step, and steps."""
+
+    def __init__(self, ordinal: int, optimizer: torch.optim.Optimizer, rewind: _Rewind) -> None:
+        self.ordinal, self.optimizer, self.rewind = ordinal, optimizer, rewind
+        self.taken = 0
+        self.losses: list[Tensor] = []
+        self.loss: Tensor | None = None
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        self.losses.append(loss)
+
+    def step(self, optimizer: Any, closure: Any = None, **kwargs: Any) -> Any:
+        result = closure() if closure is not None else None
+        self.taken += 1
+        if self.taken == self.ordinal:
+            raw = getattr(optimizer, "optimizer", optimizer)
+            if raw is not self.optimizer:
+                raise ValueError(
+                    f"training_step run again steps {type(raw).__name__} at its optimizer step {self.ordinal}, where "
+                    f"training stepped {type(self.optimizer).__name__}: its optimizer steps depend on more than the "
+                    "batch and the random state, so gradwatch cannot tell which loss this step applies"
+                )
+            if not self.losses:
+                raise ValueError(
+                    f"training_step gave manual_backward no loss before its optimizer step {self.ordinal}: gradwatch "
+                    "cannot tell which loss this step applies"
+                )
+            self.loss = self.losses[0]
+            for loss in self.losses[1:]:
+                self.loss = self.loss + loss
+            raise _Reached
+        self.rewind.stepped(self.taken, getattr(optimizer, "optimizer", optimizer))
+        self.losses = []
+        return result
+
+
+@contextlib.contextmanager
+def _stand_ins(module: pl.LightningModule, steps: _Steps) -> Iterator[None]:
+    """The module's optimizers and ``manual_backward`` as :class:`_Steps` sees them (instance attributes shadowing
+    the methods, put back exactly)."""
+    optimizers = module.optimizers()
+    optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_silenced(module, ("toggle_optimizer", "untoggle_optimizer", "clip_gradients")))
+        if callable(getattr(module, "toggled_optimizer", None)):
+            stack.enter_context(_replaced(module, "toggled_optimizer", lambda *a, **k: contextlib.nullcontext()))
+        stack.enter_context(_replaced(module, "manual_backward", steps.backward))
+        for optimizer in optimizers:
+            stack.enter_context(_silenced(optimizer, ("zero_grad",)))
+            stack.enter_context(_replaced(optimizer, "step", lambda *a, _o=optimizer, **k: steps.step(_o, *a, **k)))
+        yield
+
+
+@contextlib.contextmanager
+def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
+    saved = vars(obj).get(name, _noop)
+    had = name in vars(obj)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
+
+
+def before_update(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """The values of the module's parameters that ``optimizer`` updates, by name, copied before its update (an entry of
+    :data:`Earlier`)."""
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {name: p.detach().clone() for name, p in module.named_parameters() if id(p) in ids}
+
+
+def manual_step_loss(
+    module: pl.LightningModule,
+    batch_idx: int,
+    ordinal: int,
+    optimizer: torch.optim.Optimizer,
+    earlier: Earlier = (),
+) -> LossFn:
+    """A ``loss_fn`` for the applied check of the ``ordinal``-th optimizer step of a batch (1 for the first), which
+    steps ``optimizer``, after the batch's ``earlier`` steps: the step's own loss (see the module doc)."""
+    extra = (batch_idx,) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else ()
+    earlier = list(earlier)[: ordinal - 1]
+
+    def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
+        with _Rewind(module, earlier) as rewind:
+            steps = _Steps(ordinal, optimizer, rewind)
+            with _logging_silenced(module), _stand_ins(module, steps), contextlib.suppress(_Reached):
+                module.training_step(batch, *extra)
+        if steps.loss is None:
+            raise ValueError(
+                f"training_step run again took {steps.taken} optimizer step(s), fewer than the {ordinal} training took "
+                "in this batch: gradwatch cannot tell which loss this step applies"
+            )
+        return steps.loss
+
+    return loss_fn

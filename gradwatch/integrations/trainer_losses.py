@@ -1,0 +1,38 @@
+"""What a check of a Trainer's own ``compute_loss`` must know about the loss it computes.
+
+Most trainers train on the derivative of the value their ``compute_loss`` returns, and a check compares the two as
+they are. A trainer whose loss is a **surrogate objective** does not: GRPO's policy loss with one optimisation pass
+per generation (TRL's default, ``num_iterations=1``) is built on ``exp(logp - logp.detach())``, 1 at every point, so
+its value is flat in the parameters while its gradient is the policy gradient. For such trainers the callback checks
+the function autograd differentiates: the values the loss detaches outside the model's forward are held at the
+reference's (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`, :mod:`gradwatch.engine.function.held`).
+
+Trainers are recognised by the name of a class in their hierarchy (:data:`SURROGATE_TRAINERS`; subclasses included),
+without importing TRL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradwatch.engine.settings import ProbeSettings
+
+SURROGATE_TRAINERS = frozenset({"GRPOTrainer", "SDPOTrainer"})
+"""Trainers whose ``compute_loss`` detaches the policy's own log-probabilities to build its ratio (TRL's
+``GRPOTrainer`` and the trainers derived from it, its experimental ``SDPOTrainer``): checked with ``hold_detached``."""
+
+
+def surrogate_objective(trainer: Any) -> bool:
+    """Whether ``trainer``'s own loss is a surrogate objective (see the module doc)."""
+    return any(cls.__name__ in SURROGATE_TRAINERS for cls in type(trainer).__mro__)
+
+
+def trainer_options(
+    trainer: Any, loss_fn: Any, settings: ProbeSettings | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The probe options the callback passes on: ``options``, with ``hold_detached=True`` added when the check's loss
+    is the trainer's own surrogate objective and neither ``hold_detached`` nor ``settings`` was given (settings given
+    whole are taken as they are)."""
+    if loss_fn is None and settings is None and "hold_detached" not in options and surrogate_objective(trainer):
+        return {**options, "hold_detached": True}
+    return options
