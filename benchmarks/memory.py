@@ -5,7 +5,8 @@ builds the model (``benchmarks/overhead.py``'s GPT: pre-norm blocks, tied embedd
 batch of 8 × 128 tokens, and either stops there (the training step's peak) or then runs one recomputed check at
 :class:`~gradwatch.GradientWatch`'s probe defaults (the check's peak: the process's peak, training included). The table
 gives both peaks, their ratio, the check's extra memory in units of the float32 parameter size, and the check's time
-in training steps (the median of the steps of the same process).
+in training steps (medians of the checks and of the steps of the same process; ``--repeats 3`` makes 3 checks
+with 2 training steps between them, which a loaded machine needs for a cost figure).
 
 Run: ``python benchmarks/memory.py`` (25M and 100M; ``--sizes 25M 100M 300M`` for all, slow on 2 cores).
 """
@@ -30,7 +31,7 @@ SIZES = {"25M": (32000, 512, 3, 8), "100M": (32000, 768, 10, 12), "300M": (50304
 """vocabulary, width, depth, heads of each size."""
 
 
-def one(size: str, check: bool) -> dict[str, float]:
+def one(size: str, check: bool, repeats: int = 1) -> dict[str, float]:
     from overhead import GPT, _lm_loss
 
     from gradwatch import GradientWatch, check_gradients
@@ -41,13 +42,17 @@ def one(size: str, check: bool) -> dict[str, float]:
     net = GPT(vocab, width, depth, heads, 128)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
     tokens = torch.randint(0, vocab, (8, 129))
-    steps = []
-    for _ in range(3):
-        started = time.perf_counter()
-        optimizer.zero_grad()
-        _lm_loss(net, (tokens,)).backward()
-        optimizer.step()
-        steps.append(time.perf_counter() - started)
+    steps: list[float] = []
+
+    def train(count: int) -> None:
+        for _ in range(count):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            _lm_loss(net, (tokens,)).backward()
+            optimizer.step()
+            steps.append(time.perf_counter() - started)
+
+    train(3)
     result = {
         "parameters": sum(p.numel() for p in net.parameters()),
         "step_s": statistics.median(steps),
@@ -60,8 +65,15 @@ def one(size: str, check: bool) -> dict[str, float]:
             if name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "precision", "vectorize")
         }
         report = check_gradients(net, (tokens,), _lm_loss, step=3, probe_batch_size=2, **defaults)
+        durations = [report.duration_s]
+        for repeat in range(repeats - 1):  # checks and steps interleaved: a loaded machine slows both alike
+            train(2)
+            durations.append(check_gradients(net, (tokens,), _lm_loss, step=4 + repeat, probe_batch_size=2,
+                                             **defaults).duration_s)  # fmt: skip
+        train(2 if repeats > 1 else 0)
         result.update(
-            check_s=report.duration_s,
+            step_s=statistics.median(steps),
+            check_s=statistics.median(durations),
             check_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             evaluations=report.n_forward,
             verdict=str(report.verdict),
@@ -74,9 +86,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["25M", "100M"], choices=list(SIZES))
     parser.add_argument("--one", choices=("step", "check"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=1, help="checks per process, interleaved with training steps")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.sizes[0], args.one == "check")))
+        print(json.dumps(one(args.sizes[0], args.one == "check", args.repeats)))
         return
     print("| model | step peak | check peak | check / step | extra / float32 parameters | check / training step "
           "| evaluations | precision, verdict |")  # fmt: skip
@@ -84,7 +97,7 @@ def main() -> None:
     for size in args.sizes:
         runs = {}
         for kind in ("step", "check"):
-            command = [sys.executable, __file__, "--one", kind, "--sizes", size]
+            command = [sys.executable, __file__, "--one", kind, "--sizes", size, "--repeats", str(args.repeats)]
             runs[kind] = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
         step, check = runs["step"], runs["check"]
         parameters = step["parameters"]

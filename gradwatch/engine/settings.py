@@ -45,9 +45,11 @@ class ProbeSettings:
             unless the model has more than 2**25 parameter elements. See :mod:`gradwatch.engine.function.precision`.
         ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
             straight-through estimator whose gradient is deliberately not the derivative.
-        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
-            Either is raised to about ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that
-            large (``report.rtol`` says what was used); below a float32 loss of ~1e-5 no probe is made.
+        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64;
+            for 16-bit parameters probed in float64, measured on the model at each check, at most 3e-2 for float16 and
+            1e-1 for bfloat16: :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`). Either is raised to about
+            ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that large (``report.rtol`` says
+            what was used); below a float32 loss of ~1e-5 no probe is made.
         seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions (so every
             process of a distributed run probes the same ones).
         float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences

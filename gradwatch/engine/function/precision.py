@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradwatch.engine.function.cast_on_use import CastOnUse
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
@@ -72,7 +73,7 @@ def resolve_precision(precision: Precision, parameter_dtype: torch.dtype, parame
 
 
 @contextlib.contextmanager
-def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
+def float64_storage(model: nn.Module, moved: Collection[int] | None = None) -> Iterator[dict[int, Tensor]]:
     """Evaluate ``model`` on float64 copies of its floating parameters and buffers, then put everything back.
 
     Parameters are substituted, not converted: the module sees float64 tensors in their place for the duration, while
@@ -80,12 +81,20 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
     into are never touched (changing a parameter's dtype in place would reset its accumulator and silently unhook
     DDP's gradient reduction). Buffers, which have no accumulator, get float64 storage and their own back afterwards.
 
+    With ``moved`` (the ``id`` of the parameters probes will move), only those get a float64 substitute; the others are
+    cast to float64 where an operation uses them (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`), so that
+    a large model is evaluated in float64 without a float64 copy of it. Gradient-free evaluations only.
+
     Yields:
-        The float64 substitute of each parameter, keyed by ``id(parameter)``: probes perturb those.
+        The float64 substitute of each parameter (of each moved one), keyed by ``id(parameter)``: probes perturb those.
     """
     by_identity: dict[int, Tensor] = {}
+    cast: dict[int, torch.dtype] = {}
     for parameter in model.parameters():
         if parameter.dtype in _PROMOTED and parameter.dtype not in (torch.float64, torch.complex128):
+            if moved is not None and id(parameter) not in moved:
+                cast[id(parameter)] = _PROMOTED[parameter.dtype]
+                continue
             by_identity[id(parameter)] = parameter.detach().to(_PROMOTED[parameter.dtype])
             _SOURCES[by_identity[id(parameter)]] = parameter
     saved: list[tuple[Tensor, Tensor]] = []
@@ -95,7 +104,7 @@ def float64_storage(model: nn.Module) -> Iterator[dict[int, Tensor]]:
                 if buffer.dtype in _PROMOTED and buffer.dtype not in (torch.float64, torch.complex128):
                     saved.append((buffer, buffer.data))
                     buffer.data = buffer.data.to(_PROMOTED[buffer.dtype])
-        with substituted(model, by_identity):
+        with substituted(model, by_identity), CastOnUse(cast) if cast else contextlib.nullcontext():
             yield by_identity
     finally:
         for buffer, original in reversed(saved):

@@ -22,6 +22,11 @@ from gradwatch.engine.distributed.collective import layout, summed
 from gradwatch.engine.function.precision import exact_source
 from gradwatch.engine.numerics.norms import dot, total
 
+KEPT_COPY_ELEMENTS = 2**20
+"""A direction over at most this many elements (8 MiB in float64) keeps its copy of the tensors and its cast components
+from one move to the next (a small model's probes are dominated by such per-move work); a larger one makes them for
+each move and frees them after (a large model's check would otherwise hold several copies of it)."""
+
 
 @dataclass(frozen=True)
 class Displacement:
@@ -132,9 +137,10 @@ class VectorDirection:
     analytic slope is ``g · v``.
 
     While it moves the tensors it holds one copy of their original values, so that every restore is an exact copy, and
-    its components in the tensors' dtypes; both are freed when the move ends (:meth:`moving`), so that the probes of a
-    check hold one such copy at a time, not one each (on a model probed in float64 each is twice the float32
-    parameters).
+    its components in the tensors' dtypes. A direction over more than :data:`KEPT_COPY_ELEMENTS` elements frees both
+    when the move ends (:meth:`moving`), so that the probes of a large model hold one such copy at a time, not one each
+    (on a model probed in float64 each is twice the float32 parameters), and restores a float64 substitute from its
+    parameter; a smaller one keeps them for its next move.
 
     Args:
         tensors: The tensors to move (parameters, or working inputs of the evaluator).
@@ -173,6 +179,7 @@ class VectorDirection:
         else:
             pairs = zip(self.grads, self.components, self._factors, strict=True)
             self.analytic = coefficient * total([w * dot(g, c) for g, c, w in pairs])  # g · v, one host transfer
+        self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
@@ -194,7 +201,9 @@ class VectorDirection:
         """Yield ``move(offset)``, which moves every tensor to ``origin + offset · v`` (rounded to its dtype) and
         returns the displacement obtained; the tensors are restored once, on leaving (each move overwrites them)."""
         # a float64 substitute is restored from its parameter (exact in float64): no float64 copy of the model kept
-        self._origin = origin = [_origin_of(t) for t in self.tensors]
+        if self._origin is None:
+            self._origin = [_origin_of(t, self._large) for t in self.tensors]
+        origin = self._origin
         intended = all(t.dtype == torch.float64 for t in self.tensors)
 
         def move(offset: float) -> Displacement:
@@ -210,7 +219,8 @@ class VectorDirection:
             with torch.no_grad():
                 for tensor, saved in zip(self.tensors, origin, strict=True):
                     tensor.copy_(saved)
-            self._origin = self._components_cast = None  # freed between moves: see the class doc
+            if self._large:  # freed between moves: see the class doc
+                self._origin = self._components_cast = None
             del origin
             if self._after_write is not None:
                 self._after_write()
@@ -226,9 +236,10 @@ class VectorDirection:
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
         with torch.no_grad():
-            for tensor, component, weight in zip(self.tensors, self.components, self._factors, strict=True):
+            cast = self.components if self._large else self._cast_components()
+            for tensor, component, weight in zip(self.tensors, cast, self._factors, strict=True):
                 shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
-                increment = component.to(tensor.dtype)  # one tensor's cast at a time, not the whole model's kept
+                increment = component.to(tensor.dtype)  # a large direction: one tensor's cast at a time
                 torch.addcmul(tensor, shaped if weight == 1.0 else shaped * weight, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
@@ -264,6 +275,11 @@ class VectorDirection:
         the intended one, and take the intended one: ``v·δ = offset·‖v‖²`` along ``v`` (what the measuring path
         computes) and ``g·δ = offset·g·v`` predicted."""
         assert self._origin is not None
+        if not self._large:
+            moving = zip(self.tensors, self._origin, self._cast_components(), self._factors, strict=True)
+            for tensor, origin, increment, weight in moving:
+                torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
+            return Displacement(offset * self._squared_norm(), offset * self.analytic)
         moving = zip(self.tensors, self._origin, self.components, self._factors, strict=True)
         for tensor, origin, component, weight in moving:
             # in place on the float64 tensor: the sum is computed in float64 whatever the dtypes of the origin (its
@@ -283,9 +299,10 @@ class VectorDirection:
         return self._norm_squared
 
 
-def _origin_of(tensor: Tensor) -> Tensor:
-    """What a moved tensor is restored from: the parameter a float64 substitute was copied from, else a copy."""
-    source = exact_source(tensor)
+def _origin_of(tensor: Tensor, large: bool) -> Tensor:
+    """What a moved tensor is restored from: for a large direction, the parameter a float64 substitute was copied from;
+    else a copy."""
+    source = exact_source(tensor) if large else None
     return source.detach() if source is not None else tensor.detach().clone()
 
 

@@ -10,13 +10,13 @@ a while (:meth:`Measurements.in_float64`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from gradwatch.engine.function.evaluation import LossEvaluator
-from gradwatch.engine.function.precision import float64_storage
+from gradwatch.engine.function.precision import AUTO_FLOAT64_ELEMENTS, float64_storage
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, Displacement, VectorDirection
 from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
 from gradwatch.engine.numerics.stencil import Point, Stencil
@@ -135,8 +135,13 @@ class Measurements:
         return Stencil(step, self.center, direction.analytic, self.points(direction, step, offsets))
 
     @contextlib.contextmanager
-    def in_float64(self, reference_loss: float, native_dtype: torch.dtype) -> Iterator[dict[int, Tensor] | None]:
+    def in_float64(
+        self, reference_loss: float, native_dtype: torch.dtype, moved: Collection[int] = ()
+    ) -> Iterator[dict[int, Tensor] | None]:
         """Evaluate on float64 storage for the duration (see :func:`float64_storage`), around the float64 centre.
+
+        A model beyond the float64 limit (:data:`AUTO_FLOAT64_ELEMENTS`) gets float64 substitutes only for ``moved``
+        (the ``id`` of the parameters the probes move), the rest cast where used: no float64 copy of the whole model.
 
         Yields the float64 substitute of each parameter, keyed by ``id(parameter)``, for the probes to move; or
         ``None``, with a note, when the float64 loss at the centre is not the ``reference_loss`` autograd computed in
@@ -145,7 +150,9 @@ class Measurements:
         """
         native_center, native_dtype_used = self.center, self.compute_dtype
         try:
-            with float64_storage(self.evaluator.model) as substitutes:
+            model = self.evaluator.model
+            elements = sum(p.numel() for p in model.parameters() if p.is_floating_point() or p.is_complex())
+            with float64_storage(model, set(moved) if elements > AUTO_FLOAT64_ELEMENTS else None) as substitutes:
                 self.compute_dtype = torch.float64
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
@@ -112,7 +113,8 @@ class Ladder:
         notes = self.measurements.evaluator.notes
         scale = relative_step(torch.float64, self.native_dtype) / relative_step(self.probe_dtype, self.native_dtype)
         try:
-            with self.measurements.in_float64(self.reference_loss, self.native_dtype) as substitutes:
+            moved = {id(autograd_tensor(t)) for task in pending for t in getattr(task.direction, "tensors", ())}
+            with self.measurements.in_float64(self.reference_loss, self.native_dtype, moved) as substitutes:
                 if substitutes is None:
                     return
                 for task in pending:

@@ -73,7 +73,7 @@ def measured_probes(
     floor, fixed = None, plan
     if wanted(plan, evaluator.params):
         floor = SixteenBitFloor(evaluator, plan, grad_norms, reference.loss)
-        floor.measure_spread()
+        floor.measure_spread(reference.param_grads)
     with probe_precision(model, evaluator, plan.precision) as (precision, trial):
         if floor is not None and precision == "float64":
             plan = floor.plan_on_float64()

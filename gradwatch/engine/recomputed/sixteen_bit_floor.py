@@ -18,7 +18,8 @@ By Cauchy-Schwarz, a correct gradient is off along any unit direction within ``T
 relative tolerance is :data:`FLOOR_MULTIPLE` times the largest relative floor ``floor_T / max(‖g_T‖, ν‖g‖)`` (``ν``:
 the fraction of the whole gradient below which the tensor probes floor their relative errors, see
 :class:`~gradwatch.engine.probing.portfolio.Portfolio`), never above the dtype's fixed tolerance. It costs one native
-backward and two float64 forwards and backwards on the probe batch, made only for 16-bit models probed in float64.
+backward (of 3x the loss) and two float64 forwards and backwards on the probe batch, made only for 16-bit models
+probed in float64.
 """
 
 from __future__ import annotations
@@ -96,11 +97,14 @@ class SixteenBitFloor:
     """What the last measurement that raised said."""
     notes: list[Note] = dataclasses.field(default_factory=list)
 
-    def measure_spread(self) -> None:
-        """The backward's own rounding, on the native parameters (before the check moves to float64 storage)."""
-        native = self._guarded(lambda: _gradients(self.evaluator))
-        scaled = self._guarded(lambda: _gradients(self.evaluator, SPREAD_SCALE)) if native is not None else None
-        self.spread = None if native is None or scaled is None else _distances(native, scaled)
+    def measure_spread(self, reference: Sequence[Tensor | None]) -> None:
+        """The backward's own rounding against the ``reference`` gradient (the check's own, on the same samples), on
+        the native parameters (before the check moves to float64 storage)."""
+        params = [p for _, p in self.evaluator.params]
+        native = [torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
+                  for p, g in zip(params, reference, strict=True)]  # fmt: skip
+        scaled = self._guarded(lambda: _gradients(self.evaluator, SPREAD_SCALE))
+        self.spread = None if scaled is None else _distances(native, scaled)
 
     def plan_on_float64(self) -> ProbePlan:
         """The plan with its tolerance measured; called with the evaluator on float64 storage. The plan unchanged, with
