@@ -67,3 +67,11 @@ def test_the_rounding_emulation_holds_every_result_in_sixteen_bits() -> None:
         a.add_(1.0)  # in place: left alone
     assert torch.equal(product, product.to(torch.bfloat16).double())
     assert not torch.equal(a, a.to(torch.bfloat16).double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sixteen_bit_only_kernel_is_named_by_the_models_own_search(dtype: torch.dtype) -> None:
+    """The float32 twin passes (the bug lives in 16-bit arithmetic alone): the model's own search names the kernel."""
+    report = _checks(dtype, 1.05, 1)[0]
+    assert report.culprits[0] == "norm", str(report)
+    assert NoteCode.CULPRIT_FLOAT32_TWIN not in {note.code for note in report.notes}

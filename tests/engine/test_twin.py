@@ -87,3 +87,14 @@ def test_an_applied_check_names_a_3_percent_formula_bug_of_a_model_in_either_pre
     for param, value, grad in zip(model.parameters(), before, grads, strict=True):
         assert torch.equal(param, value)
         assert torch.equal(param.grad, grad)
+
+
+def test_a_failing_recomputed_check_of_a_bf16_model_names_the_module_from_its_float32_twin() -> None:
+    """A formula bug wrong in every precision: the twin's check fails too, and its culprit is the report's."""
+    from gradwatch import check_gradients
+
+    torch.manual_seed(0)
+    report = check_gradients(Net(factor=1.05).bfloat16(), _batch(1), _loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == "custom", str(report)
+    assert NoteCode.CULPRIT_FLOAT32_TWIN in {note.code for note in report.notes}

@@ -15,17 +15,12 @@ from torch import nn
 
 from gradwatch.engine.applied.window import single_loss
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.twin import float32_twin, is_sixteen_bit, promoted_batch
+from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.recomputed.check import check_gradients
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
 from gradwatch.engine.session import CheckSession
-
-TWIN_NOTE = (
-    "the culprit search ran on a float32 twin of the 16-bit model (the same modules on float32 copies of its "
-    "parameters, buffers and inputs), where a backward formula's error stands above the arithmetic's"
-)
 
 
 def recomputed_search(

@@ -29,6 +29,12 @@ from gradwatch.engine.function.guard import MODULE_DICTS
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
+TWIN_NOTE = (
+    "the culprit search ran on a float32 twin of the 16-bit model (the same modules on float32 copies of its "
+    "parameters, buffers and inputs), where a backward formula's error stands above the arithmetic's"
+)
+
+
 def is_sixteen_bit(model: nn.Module) -> bool:
     """Whether any trainable parameter of ``model`` is bfloat16 or float16."""
     return any(p.requires_grad and p.dtype in SIXTEEN_BITS for p in model.parameters())

@@ -38,6 +38,7 @@ from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -52,7 +53,7 @@ from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, CheckReport, Probe
+from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
@@ -206,6 +207,9 @@ def _check(
     with session.measuring():
         outcome = _run(session, batch, loss_fn, plan)
     evaluator = outcome.evaluator
+    culprits, culprit_message = outcome.culprits, outcome.culprit_message
+    if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
+        culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
     return session.report(
         verdict=_overall_verdict(outcome.probes),
         probes=outcome.probes,
@@ -219,10 +223,35 @@ def _check(
         vectorized=outcome.vectorized,
         rtol=outcome.rtol,
         surrogates=outcome.surrogates,
-        culprits=outcome.culprits,
-        culprit_message=outcome.culprit_message,
+        culprits=culprits,
+        culprit_message=culprit_message,
         probed_inputs=outcome.probed_inputs,
     )
+
+
+def _culprits_of_twin(
+    session: CheckSession, batch: Any, loss_fn: LossFn, own: tuple[list[str], str]
+) -> tuple[list[str], str]:
+    """The culprits of a failing check of a 16-bit model, from its float32 twin (:mod:`..function.twin`) where the
+    twin's check fails too: the search's probes of module inputs and outputs there stand above the arithmetic's error,
+    where in 16 bits they may not decide, or end at a wrong place. Where the twin passes, the fault lives in the 16-bit
+    arithmetic alone (a kernel wrong only in bfloat16) and the model's own search stands. A note says which."""
+    twin = float32_twin(session.model)
+    try:
+        found = check_gradients(twin, promoted_batch(batch), loss_fn, step=session.step, settings=session.settings)
+    except CheckAbandonedError:
+        raise
+    except Exception as error:  # the verdict stands; the model's own search with it
+        session.trailing.append(
+            Note(
+                NoteCode.CULPRIT_ABANDONED, f"no float32 twin search: its check raised {type(error).__name__} ({error})"
+            )
+        )
+        return own
+    if found.verdict != Verdict.FAIL:
+        return own
+    session.trailing.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
+    return found.culprits, found.culprit_message
 
 
 @dataclasses.dataclass(frozen=True)
