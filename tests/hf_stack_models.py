@@ -227,6 +227,47 @@ def plant_lora_variant_bug(model: nn.Module, name: str, where: str, fused: bool,
                 module.lora_variant["default"] = Variant(layer_factor)
 
 
+class ScaledGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``factor``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, float], output: Tensor) -> None:  # type: ignore[override]
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def plant_dora_bug(dora: nn.Module, where: str, factor: float = BUG) -> None:
+    """Put a :class:`ScaledGradient` in the ``forward`` of PEFT's ``DoraLinearLayer`` ``dora``: on its input ``x``
+    (``"input"``: the gradient its LoRA path gives ``x``), on the output of its call of ``lora_B``
+    (``"lora_output"``: inside its own code, between the adapters and the result) or on its result (``"output"``)."""
+    original = dora.forward
+
+    def forward(x: Tensor, *, lora_B: Any, **kwargs: Any) -> Tensor:
+        if where == "input":
+            x = ScaledGradient.apply(x, factor)
+        if where == "lora_output":
+            adapter = lora_B
+
+            def lora_B(h: Tensor) -> Tensor:  # noqa: N802 (PEFT's keyword)
+                # the call on the input, not the one on ``torch.eye`` that makes the weight for the norm
+                out = adapter(h)
+                return ScaledGradient.apply(out, factor) if h.dim() > 2 else out
+
+        result = original(x, lora_B=lora_B, **kwargs)
+        return ScaledGradient.apply(result, factor) if where == "output" else result
+
+    dora.forward = forward  # type: ignore[method-assign]
+
+
 def preference_dataset(count: int = 32, seed: int = 5) -> Any:
     """A ``datasets.Dataset`` of preference triples (``prompt``, ``chosen``, ``rejected``) in the tokenizer's words."""
     import datasets

@@ -138,6 +138,31 @@ def test_a_wrong_dora_magnitude_gradient_is_named_down_to_its_dora_module() -> N
     assert "(`DoraLinearLayer`) is wrong: the gradient of its parameters is" in report.culprit_message
 
 
+@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["plain", "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["input", "lora_output", "output"])
+def test_a_wrong_gradient_inside_a_dora_forward_is_named_down_to_its_dora_module(
+    where: str, checkpointing: bool | None
+) -> None:
+    """A 3% error in a custom Function inside the DoRA module's forward (on its input, between its adapters and its
+    result, on its result), the decoder layers checkpointed as ``gradient_checkpointing_enable`` does or not: the
+    DoRA module is named, never a module outside it."""
+    from hf_stack_models import plant_dora_bug, token_ids
+
+    from gradwatch import check_gradients
+
+    model = _dora_model()
+    if checkpointing is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        model.enable_input_require_grads()
+    plant_dora_bug(model.get_submodule(DORA), where)
+    report = check_gradients(model, torch.tensor(token_ids(4, 12)), _language_modeling)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == DORA, str(report)
+    assert "(`DoraLinearLayer`) is wrong" in report.culprit_message
+
+
 @pytest.mark.parametrize(
     ("fused", "where", "seed", "evidence"),
     [
