@@ -251,18 +251,19 @@ def plant_dora_bug(dora: nn.Module, where: str, factor: float = BUG) -> None:
     (``"lora_output"``: inside its own code, between the adapters and the result) or on its result (``"output"``)."""
     original = dora.forward
 
-    def forward(x: Tensor, *, lora_B: Any, **kwargs: Any) -> Tensor:
+    def forward(x: Tensor, **kwargs: Any) -> Tensor:
         if where == "input":
             x = ScaledGradient.apply(x, factor)
         if where == "lora_output":
-            adapter = lora_B
+            adapter = kwargs["lora_B"]
 
-            def lora_B(h: Tensor) -> Tensor:  # noqa: N802 (PEFT's keyword)
+            def scaled(h: Tensor) -> Tensor:
                 # the call on the input, not the one on ``torch.eye`` that makes the weight for the norm
                 out = adapter(h)
                 return ScaledGradient.apply(out, factor) if h.dim() > 2 else out
 
-        result = original(x, lora_B=lora_B, **kwargs)
+            kwargs["lora_B"] = scaled
+        result = original(x, **kwargs)
         return ScaledGradient.apply(result, factor) if where == "output" else result
 
     dora.forward = forward  # type: ignore[method-assign]
