@@ -69,6 +69,8 @@ class Site:
     (``"lora_A.default.weight"``: :mod:`.reads`)."""
     last_call: dict[str, int] = field(default_factory=dict)
     """By place, the position in :attr:`gradients` of the first tensor of the last call."""
+    strays: bool = False
+    """Whether a call of it ran outside a call of :attr:`parent` (a module shared by two parts of the model)."""
 
     @property
     def kind(self) -> str:
@@ -171,6 +173,8 @@ class _Recorder:
             if parent is not None:
                 self.sites[parent].children.append(name)
         site.calls += 1
+        if site.parent is not None and site.parent not in self._stack:
+            site.strays = True
         self._stack.append(name)
         raw = {id(t) for t in _floating((args, kwargs))}
         self._mark_call(site, "module_input")
