@@ -1,8 +1,9 @@
 """The Hugging Face stack as people run it, made tiny: a word-level tokenizer built on the spot, a randomly initialised
 Llama from a config, synthetic token datasets (prompts and a reward for GRPO), and the backward bugs planted in it (a
 3% RMSNorm input gradient, a 3% MLP activation input gradient, a 3% error in a custom LoRA variant's hand-written
-backward). Nothing is downloaded. Used by ``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py``
-and ``benchmarks/huggingface.py``."""
+backward, a 3% error inside a PEFT DoRA module's forward). Nothing is downloaded. Used by
+``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py``, ``benchmarks/huggingface.py`` and
+``benchmarks/dora_culprits.py``."""
 
 from __future__ import annotations
 
@@ -248,12 +249,15 @@ class ScaledGradient(torch.autograd.Function):
 def plant_dora_bug(dora: nn.Module, where: str, factor: float = BUG) -> None:
     """Put a :class:`ScaledGradient` in the ``forward`` of PEFT's ``DoraLinearLayer`` ``dora``: on its input ``x``
     (``"input"``: the gradient its LoRA path gives ``x``), on the output of its call of ``lora_B``
-    (``"lora_output"``: inside its own code, between the adapters and the result) or on its result (``"output"``)."""
+    (``"lora_output"``: inside its own code, between the adapters and the result), on its result (``"output"``) or on
+    the base layer's output it rescales (``"base_result"``)."""
     original = dora.forward
 
     def forward(x: Tensor, **kwargs: Any) -> Tensor:
         if where == "input":
             x = ScaledGradient.apply(x, factor)
+        if where == "base_result":
+            kwargs["base_result"] = ScaledGradient.apply(kwargs["base_result"], factor)
         if where == "lora_output":
             adapter = kwargs["lora_B"]
 
