@@ -1,8 +1,9 @@
 """The Hugging Face stack as people run it, made tiny: a word-level tokenizer built on the spot, a randomly initialised
 Llama from a config, synthetic token datasets (prompts and a reward for GRPO), and the backward bugs planted in it (a
 3% RMSNorm input gradient, a 3% MLP activation input gradient, a 3% error in a custom LoRA variant's hand-written
-backward). Nothing is downloaded. Used by ``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py``
-and ``benchmarks/huggingface.py``."""
+backward, a 3% error inside a PEFT DoRA module's forward). Nothing is downloaded. Used by
+``tests/integrations/test_trl.py``, ``tests/integrations/test_hf_stack.py``, ``benchmarks/huggingface.py`` and
+``benchmarks/dora_culprits.py``."""
 
 from __future__ import annotations
 
@@ -225,6 +226,51 @@ def plant_lora_variant_bug(model: nn.Module, name: str, where: str, fused: bool,
                 module.forward = fused_forward(module, layer_factor)
             else:
                 module.lora_variant["default"] = Variant(layer_factor)
+
+
+class ScaledGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by ``factor``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, factor: float) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, float], output: Tensor) -> None:  # type: ignore[override]
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def plant_dora_bug(dora: nn.Module, where: str, factor: float = BUG) -> None:
+    """Put a :class:`ScaledGradient` in the ``forward`` of PEFT's ``DoraLinearLayer`` ``dora``: on its input ``x``
+    (``"input"``: the gradient its LoRA path gives ``x``), on the output of its call of ``lora_B``
+    (``"lora_output"``: inside its own code, between the adapters and the result), on its result (``"output"``) or on
+    the base layer's output it rescales (``"base_result"``)."""
+    original = dora.forward
+
+    def forward(x: Tensor, **kwargs: Any) -> Tensor:
+        if where == "input":
+            x = ScaledGradient.apply(x, factor)
+        if where == "base_result":
+            kwargs["base_result"] = ScaledGradient.apply(kwargs["base_result"], factor)
+        if where == "lora_output":
+            adapter = kwargs["lora_B"]
+
+            def scaled(h: Tensor) -> Tensor:
+                # the call on the input, not the one on ``torch.eye`` that makes the weight for the norm
+                out = adapter(h)
+                return ScaledGradient.apply(out, factor) if h.dim() > 2 else out
+
+            kwargs["lora_B"] = scaled
+        result = original(x, **kwargs)
+        return ScaledGradient.apply(result, factor) if where == "output" else result
+
+    dora.forward = forward  # type: ignore[method-assign]
 
 
 def preference_dataset(count: int = 32, seed: int = 5) -> Any:

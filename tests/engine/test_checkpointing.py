@@ -114,3 +114,51 @@ def test_reentrant_checkpoints_compute_the_same_gradient_non_reentrant() -> None
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="reentrant"):
         torch.autograd.grad(_loss(model, x), list(model.parameters()))
+
+
+class ConstantInputBlock(nn.Module):
+    """A residual block whose weight is computed by a module fed a constant (``torch.eye``, made inside the block), as
+    PEFT's DoRA computes its adapted weight (``lora_B(lora_A(eye))``); ``factor`` plants a 3% input-gradient bug in the
+    block's activation."""
+
+    def __init__(self, width: int, factor: float) -> None:
+        super().__init__()
+        self.adapter = nn.Linear(width, width, bias=False)
+        self.act = Tanh(factor)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.adapter(torch.eye(x.shape[-1], dtype=x.dtype, device=x.device))
+        return self.norm(x + self.act(x @ weight.T))
+
+
+class ConstantInputs(nn.Module):
+    """Three :class:`ConstantInputBlock` run through ``torch.utils.checkpoint`` in training mode."""
+
+    def __init__(self, reentrant: bool, bug_at: int | None = None, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.embed = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(ConstantInputBlock(width, 1.03 if i == bug_at else 1.0) for i in range(3))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=self.reentrant) if self.training else block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("bug_at", [None, 1], ids=["healthy", "bug"])
+def test_a_module_fed_a_constant_inside_a_checkpoint_is_searched_and_named(reentrant: bool, bug_at: int | None) -> None:
+    # the search's recording makes the constant a function of a zero leaf in the forward: the recomputation must do
+    # the same, or torch's checkpoint refuses it ("a different number of tensors was saved")
+    report = check_gradients(ConstantInputs(reentrant, bug_at=bug_at).train(), _batch(), _loss)
+    if bug_at is None:
+        assert report.verdict == "ok", str(report)
+        return
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == "blocks.1.act", str(report)
+    assert "input gradient is 3" in report.culprit_message or "input gradient is 2.9" in report.culprit_message

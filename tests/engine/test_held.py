@@ -231,6 +231,9 @@ def test_a_dora_module_holds_its_weight_norm_and_its_wrong_gradient_still_fails(
     assert report.verdict == "fail", str(report)
     assert {p.target for p in report.probes if p.verdict == "fail" and p.kind == "tensor"} == {"dora.weight"}
     assert not report.noted(NoteCode.DETACHED_MISMATCH)
+    # checkpointed, the search's zero leaf on the constant `base` makes the norm's argument require grad in the
+    # recomputation, where the reference held nothing
+    assert report.culprits[0] == "dora", str(report)
 
 
 def test_the_same_detach_outside_a_dora_module_is_not_held() -> None:

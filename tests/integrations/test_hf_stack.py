@@ -92,12 +92,12 @@ def test_a_wrong_lora_adapter_backward_is_named_down_to_the_adapter(adapter: str
     assert evidence in report.culprit_message
 
 
-def _dora_model() -> Any:
+def _dora_model(seed: int = 0) -> Any:
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=True
     )
-    return peft.get_peft_model(tiny_llama(), config).train()
+    return peft.get_peft_model(tiny_llama(seed=seed), config).train()
 
 
 DORA = "base_model.model.model.layers.1.self_attn.q_proj.lora_magnitude_vector.default"
@@ -136,6 +136,52 @@ def test_a_wrong_dora_magnitude_gradient_is_named_down_to_its_dora_module() -> N
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == DORA, str(report)
     assert "(`DoraLinearLayer`) is wrong: the gradient of its parameters is" in report.culprit_message
+
+
+@pytest.mark.parametrize(
+    ("where", "seed", "checkpointing"),
+    [
+        ("input", 0, None),
+        ("input", 1, None),  # once the whole LlamaModel: the sweep spent its budget inside the victim layer 0
+        ("input", 0, False),
+        ("input", 0, True),
+        ("lora_output", 0, None),
+        ("lora_output", 0, False),
+        ("output", 0, None),
+        ("output", 0, True),
+    ],
+    ids=[
+        "input-plain",
+        "input-plain-seed1",
+        "input-non-reentrant",
+        "input-reentrant",
+        "lora_output-plain",
+        "lora_output-non-reentrant",
+        "output-plain",
+        "output-reentrant",
+    ],
+)
+def test_a_wrong_gradient_inside_a_dora_forward_is_named_down_to_its_dora_module(
+    where: str, seed: int, checkpointing: bool | None
+) -> None:
+    """A 3% error in a custom Function inside the DoRA module's forward (on its input, between its adapters and its
+    result, on its result), the decoder layers checkpointed as ``gradient_checkpointing_enable`` does or not: the
+    DoRA module is named, never a module outside it."""
+    from hf_stack_models import plant_dora_bug, token_ids
+
+    from gradwatch import check_gradients
+
+    model = _dora_model(seed)
+    if checkpointing is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers renames gradient_checkpointing
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        model.enable_input_require_grads()
+    plant_dora_bug(model.get_submodule(DORA), where)
+    report = check_gradients(model, torch.tensor(token_ids(4, 12, seed=seed + 3)), _language_modeling)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[0] == DORA, str(report)
+    assert report.culprit_message.startswith(f"the backward of `{DORA}` (`DoraLinearLayer`)")
 
 
 @pytest.mark.parametrize(

@@ -266,7 +266,7 @@ def test_sft_with_a_dora_adapter_at_its_defaults_is_checked_without_false_alarm(
     assert all(r.noted(NoteCode.DORA_NORM) for r in callback.reports)
 
 
-def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check(tmp_path: Path) -> None:
+def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check_and_is_named(tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_llama(), _dora_config())
     model.get_submodule(DORA).weight.register_hook(lambda grad: grad * 1.03)
@@ -294,3 +294,8 @@ def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check(tmp_pat
     report = callback.reports[0]
     assert (report.step, report.verdict) == (1, "fail"), str(report)
     assert {p.target for p in report.probes if p.kind == "tensor" and p.verdict == "fail"} == {f"{DORA}.weight"}
+    # the culprit search runs through the checkpointed decoder layers, whose DoRA modules feed PEFT's `torch.eye`
+    # to the LoRA layers: the search's recomputation replays the forward's leaves
+    assert trainer.args.gradient_checkpointing
+    assert report.culprits[0] == DORA, str(report)
+    assert "(`DoraLinearLayer`) is wrong: the gradient of its parameters is" in report.culprit_message

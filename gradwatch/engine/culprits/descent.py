@@ -307,18 +307,42 @@ class Descent:
         descent cannot decide, the error's share of a gradient many modules feed (the input of an attention, whose
         query, key and value projections all pass gradients to it) is too small to steer it, while the input gradient
         of the module with the bug, as that module alone passes it, holds the error undiluted: a 3% error in a LoRA
-        layer's input gradient is 0.03% of its decoder layer's input gradient, and about 1% of the layer's own."""
+        layer's input gradient is 0.03% of its decoder layer's input gradient, and about 1% of the layer's own. The
+        modules inside a victim (its output gradient measured wrong) are passed over where they run only during its one
+        call: their backward cannot have made that gradient wrong, and their probes would spend the budget upstream of
+        the bug (a LoRA layer's error near the tolerance was named only as the whole model, its budget spent inside
+        the decoder layer before the one holding it)."""
         level = node.children if node is not None else [n for n, s in self.sites.items() if s.parent is None]
         while level:
+            victims = set()
             for name in level:
                 site = self.sites[name]
-                known = self.probes.known(site, "activation")
-                if known is not None and known.verdict == "fail":
-                    continue  # its output gradient is wrong: a victim, whatever its input gradient
-                if self._proved_inside(site):
+                # a module whose output gradient is wrong is a victim, whatever its input gradient; and every module
+                # inside it too where none runs again after it returns (a wrong gradient there arises downstream)
+                if not self._victim(site) and self._proved_inside(site):
                     return site
-            level = [child for name in level for child in self.sites[name].children]
+                if self._victim(site):
+                    victims.add(name)
+            level = [
+                child
+                for name in level
+                if not (name in victims and self._runs_once(self.sites[name]))
+                for child in self.sites[name].children
+            ]
         return None
+
+    def _victim(self, site: Site) -> bool:
+        """Whether the probe of the site's output gradient was measured and failed (nothing is spent)."""
+        known = self.probes.known(site, "activation")
+        return known is not None and known.verdict == "fail"
+
+    def _runs_once(self, site: Site) -> bool:
+        """Whether the forward calls ``site`` once and the modules inside it only during that call: their backward
+        then runs after the gradient at the site's output is complete, and cannot make it wrong."""
+        return site.calls == 1 and all(self._stays_inside(self.sites[child]) for child in site.children)
+
+    def _stays_inside(self, site: Site) -> bool:
+        return not site.strays and all(self._stays_inside(self.sites[child]) for child in site.children)
 
     def _stop(self, node: Site | None) -> None:
         """A probe the descent needs could not decide: go on from a module inside the node that proves the bug inside

@@ -69,6 +69,8 @@ class Site:
     (``"lora_A.default.weight"``: :mod:`.reads`)."""
     last_call: dict[str, int] = field(default_factory=dict)
     """By place, the position in :attr:`gradients` of the first tensor of the last call."""
+    strays: bool = False
+    """Whether a call of it ran outside a call of :attr:`parent` (a module shared by two parts of the model)."""
 
     @property
     def kind(self) -> str:
@@ -118,12 +120,11 @@ class _Recorder:
         # the tensors those ids name, held for the recording: a freed tensor's id is reused by a later one, and a
         # module's output would pass for its child's (a child whose output gradient is then never measured)
         self._held: list[Tensor] = []
-        self._skipped: list[bool] = []  # for each open call, whether it is left alone
+        self._modes: list[str] = []  # for each open call: "record", "skip" (left alone) or "replay"
         self.grads: list[Tensor | None] = []  # by leaf, autograd's gradient (after the recording's backward pass)
         self.done = False
         """Set once the forward pass has run: activation checkpointing runs modules again during the backward pass,
-        to recompute what it did not keep, and those calls are left alone (the gradients flow through the leaves the
-        forward added, and the recomputed values equal the forward's, the leaves being zeros)."""
+        to recompute what it did not keep, and those calls are replayed, not recorded (see :meth:`_replay`)."""
 
     def created(self) -> list[Tensor]:
         """The leaves the forward pass added; the recording ends there."""
@@ -139,11 +140,28 @@ class _Recorder:
         self.values.setdefault((site, place), []).append(tensor.detach())
         return tensor + leaf
 
+    @staticmethod
+    def _replay(obj: Any) -> Any:
+        """``obj`` with a fresh zero leaf added to each floating tensor, as the forward added its recorded ones.
+
+        Activation checkpointing recomputes a block in the backward pass and requires the recomputation to save the
+        tensors the forward saved: a constant the block makes (PEFT DoRA's ``torch.eye``) required grad in the
+        forward, the recording's leaf added to it, and must in the recomputation too, or torch refuses it ("a
+        different number of tensors was saved"). The gradients flow through the forward's leaves; these get none, and
+        the values are the forward's (``t + 0``, as there). A module's parameters need no replay: the recording
+        displaces only those that require grad already."""
+        return map_tensors(
+            obj, "", lambda _p, t: t + torch.zeros_like(t, requires_grad=True) if t.is_floating_point() else t
+        )
+
     def before(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # a call with grad disabled (inside reentrant activation checkpointing, or a frozen part of the model) gives
         # its leaves no gradient: it is not recorded, and the search names a module around it instead
-        self._skipped.append(self.done or not torch.is_grad_enabled())
-        if self._skipped[-1]:
+        grad = torch.is_grad_enabled()
+        self._modes.append("skip" if not grad else "replay" if self.done else "record")
+        if self._modes[-1] == "replay":
+            return self._replay((args, kwargs))
+        if self._modes[-1] == "skip":
             return None
         site = self.sites.get(name)
         first = site is None
@@ -155,6 +173,8 @@ class _Recorder:
             if parent is not None:
                 self.sites[parent].children.append(name)
         site.calls += 1
+        if site.parent is not None and site.parent not in self._stack:
+            site.strays = True
         self._stack.append(name)
         raw = {id(t) for t in _floating((args, kwargs))}
         self._mark_call(site, "module_input")
@@ -183,7 +203,12 @@ class _Recorder:
         return args, kwargs
 
     def after(self, name: str, output: Any) -> Any:
-        if not self._skipped or self._skipped.pop():
+        # a recomputation that checkpoint stops early, once it has what it needs, leaves calls whose forward hook never
+        # runs: their entries stay below those of the later calls, which open and close in pairs above them
+        mode = self._modes.pop() if self._modes else "skip"
+        if mode == "replay":
+            return self._replay(output)
+        if mode == "skip":
             return None
         self._open.pop().close()
         self._stack.pop()

@@ -147,7 +147,8 @@ class HeldDetaches:
         self._position = 0
         self._recording = False
         self._recomputing = False
-        self._forward_pairs: list[tuple[Tensor, Tensor]] = []  # (argument, value returned): for recomputations
+        # (argument, value held or None where none was): for recomputations
+        self._forward_pairs: list[tuple[Tensor, Tensor | None]] = []
         self._model_depth, self._inside_depth = _Depth(), _Depth()
 
     @property
@@ -274,19 +275,19 @@ class HeldDetaches:
                 f"{entry.dtype} in the reference pass"
             )
             return func(*args, **kwargs)
-        if entry.value is None:
-            return func(*args, **kwargs)
-        value = entry.value.to(device=tensor.device, dtype=tensor.dtype, copy=True)
+        value = None if entry.value is None else entry.value.to(device=tensor.device, dtype=tensor.dtype, copy=True)
         if torch.is_grad_enabled() and self.inside and self._inside_depth.count > 0:
+            # a detach the reference made on a tensor that required no grad is not held, but its recomputation is
+            # known too: a culprit search's zero leaf on a constant input makes that tensor require grad now
             self._forward_pairs.append((tensor.detach().clone(), value))  # detach on a tensor: not this mode's
-        return value
+        return func(*args, **kwargs) if value is None else value
 
     def _recomputed(
         self, func: Callable[..., Any], tensor: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         for argument, value in self._forward_pairs:
             if argument.shape == tensor.shape and argument.dtype == tensor.dtype and torch.equal(argument, tensor):
-                return value.clone()
+                return func(*args, **kwargs) if value is None else value.clone()
         if tensor.requires_grad:  # one that does not depends on no parameter: the forward did not hold it either
             self.mismatch = "an activation checkpoint recomputed a detach the forward did not make"
         return func(*args, **kwargs)
