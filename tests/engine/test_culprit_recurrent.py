@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from gradwatch import check_gradients
+from gradwatch.engine.culprits.activations import ActivationProbes
 from gradwatch.engine.culprits.search import LOSS
 
 RECURRENT = {"LSTM": nn.LSTM, "GRU": nn.GRU, "RNN": nn.RNN}
@@ -74,3 +75,16 @@ def test_a_correct_recurrent_model_passes(kind: str) -> None:
     report = check_gradients(_with_hook(kind, 1.0), _batch(), _loss)
     assert report.verdict == "ok", str(report)
     assert report.culprits == []
+
+
+@pytest.mark.parametrize(("kind", "seed"), [("LSTM", 2), ("GRU", 3)])
+def test_an_undecided_parameter_probe_proves_no_use_outside_the_modules(
+    kind: str, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the module's probe displacing all its parameters again: the diluted error cannot be decided, and the search names
+    # the smallest module proved to hold the bug, or none, never the loss
+    monkeypatch.setattr(ActivationProbes, "_focus", lambda self, site, count: [True] * count, raising=False)
+    report = check_gradients(_with_hook(kind, 1.01, seed=seed), _batch(), _loss)
+    assert report.verdict == "fail", str(report)
+    assert report.culprits[:1] in (["rnn"], [""], []), str(report)
+    assert LOSS not in report.culprits, str(report)
