@@ -246,6 +246,11 @@ class Descent:
             else:
                 self._culprit(node, self._own_words(node, f" after {after}"))
             return
+        if owners and any(self._verdict(o, "module_params") != "ok" for o in owners):
+            # an owner's probe could not decide whether its parameters' gradients are right inside it: nothing is
+            # proved outside the modules either
+            self._stop(node)
+            return
         if owners:
             names = ", ".join(f"`{o.name}`" for o in owners[:4])
             if node is None:

@@ -96,7 +96,9 @@ def localize(
             if reproduced is None:
                 return found
             measurements = Measurements(evaluator, *reproduced)
-            probes = ActivationProbes(sites, ladder(measurements, portfolio.reference.loss), portfolio, compute)
+            probes = ActivationProbes(
+                sites, ladder(measurements, portfolio.reference.loss), portfolio, compute, frozenset(failing_params)
+            )
             found.tasks = probes.tasks  # the same list: filled as the search measures
             Descent(sites, probes, failing_params, found).run()
     except UnfaithfulFloat64Error as error:
