@@ -195,7 +195,7 @@ class AppliedProbes:
     ) -> Measured:
         screen_first = math.isfinite(self.loss_noise)
         evaluations = 0
-        key = (kind, target, step, self.measurements.compute_dtype)
+        key = (kind, tensors, target, step, self.measurements.compute_dtype)
         if screen_first and key in self.screens:
             stencil = self.screens[key]
         else:
