@@ -260,6 +260,35 @@ def language_models(seeds: int) -> None:
     print()
 
 
+def at_initialisation(seeds: int) -> None:
+    """One applied check of the overhead benchmark's CIFAR CNN (batch 128, BatchNorm) at initialisation per seed, in a
+    plain loop: its probes, their loss evaluations, and its CPU time over one forward and backward's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import overhead
+
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    print("| seed | verdict | probes | evaluations | check / one forward and backward (CPU time) |")
+    print("|---|---|---|---|---|")
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        model = overhead.CNN()
+        batch = (torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)))
+        started = time.process_time()
+        window = AppliedWindow(model)
+        window.record(batch)
+        loss(model, batch).backward()
+        step_s = time.process_time() - started
+        started = time.process_time()
+        report = window.check(loss)
+        ratio = (time.process_time() - started) / step_s
+        probes = ", ".join(f"{p.kind}" + (f" {p.target}" if p.target != "*" else "") for p in report.probes)
+        evaluations = sum(p.evaluations or 0 for p in report.probes)
+        print(f"| {seed} | {report.verdict} | {probes} | {evaluations} | {ratio:.1f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -267,11 +296,15 @@ def main() -> None:
     parser.add_argument("--cost-only", action="store_true", help="only the cost table")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the cost table runs")
     parser.add_argument("--sensitivity", type=float, help="only the one-tensor fault sweep at this relative size")
+    parser.add_argument("--at-init", action="store_true", help="only the CIFAR CNN's first applied check, per seed")
     options = parser.parse_args()
     if options.device == "cpu":
         torch.set_num_threads(1)
     if options.sensitivity is not None:
         sensitivity(options.sensitivity)
+        return
+    if options.at_init:
+        at_initialisation(options.seeds)
         return
     if options.cost_only:
         cost(options.steps, options.device)

@@ -14,6 +14,13 @@ resolves about as well (:func:`unvouched`): every tensor of a float32 path (floo
 one (floors ~1e-2), whose other tensors keep their own probes. The tensor probes are also made, in turn, when a
 combined probe does not agree well within its tolerance (:data:`CLOSER_LOOK`), and every tensor when one fails, so
 that a failing report still names the tensors at fault.
+
+A few tensors with a large floor spoil the vouching for all the others: on a float32 path a convolution before
+BatchNorm (its gradient a difference of nearly equal terms) is off by ~1e-3 of its gradient, a thousand times the rest,
+and its floor then dominates the tolerance of every combined direction through it. The tensors left unvouched are
+grouped (:func:`vouching_groups`) into balanced probes over those tensors alone, each group one a balanced probe over
+it would vouch for at its floors: one probe for the many precise tensors instead of one each, and the tensors with a
+large floor left to their own probes.
 """
 
 from __future__ import annotations
@@ -94,6 +101,34 @@ def unvouched(
         if min(resolved, default=math.inf) > max(RESOLUTION_LOSS * own, RESOLUTION_TARGET):
             left.append(i)
     return left
+
+
+def vouching_groups(
+    candidates: Sequence[int], grad_norms: Sequence[float], floors: Sequence[float], multiple: float
+) -> list[list[int]]:
+    """Groups of two or more ``candidates`` such that a balanced probe over a group alone, at the floors (before its
+    own noise), would vouch for each of its tensors (:func:`unvouched`'s test). Along the balanced direction over ``k``
+    tensors, ``T`` resolves ``multiple · Σ floor / ‖g_T‖``, so the test is ``Σ floor ≤ cap_T`` with ``cap_T`` the
+    larger of ``RESOLUTION_LOSS · floor_T`` and ``RESOLUTION_TARGET · ‖g_T‖ / multiple``: the tensors are taken in
+    order of their floor and added while the sum stays within every member's cap, then the rest grouped again."""
+    usable = [i for i in candidates if grad_norms[i] > 0 and math.isfinite(grad_norms[i]) and math.isfinite(floors[i])]
+    caps = {i: max(RESOLUTION_LOSS * floors[i], RESOLUTION_TARGET * grad_norms[i] / multiple) for i in usable}
+    left = sorted(usable, key=lambda i: floors[i])
+    groups = []
+    while len(left) >= 2:
+        group, rest, spent, cap = [], [], 0.0, math.inf
+        for i in left:
+            if spent + floors[i] <= min(cap, caps[i]):
+                group.append(i)
+                spent, cap = spent + floors[i], min(cap, caps[i])
+            else:
+                rest.append(i)
+        if len(group) < 2:  # the smallest floor fits with none of the others: it keeps its own probe
+            left = left[1:]
+            continue
+        groups.append(group)
+        left = rest
+    return groups
 
 
 def tensors_to_probe(

@@ -9,9 +9,9 @@ Two combined probes vouch for every tensor in four loss evaluations (besides the
   fault in one tensor moves by ``1/√N`` of that tensor's relative error, however small its share of ``‖g‖``
   (:mod:`.combined`).
 
-Only when one of them does not agree well within its tolerance (:data:`~.combined.CLOSER_LOOK`) are the tensors
-probed one by one (each along its own ``ĝ_T``), in turn, or every one of them when a combined probe fails, so that the
-report names the tensors at fault.
+Tensors they leave unvouched are probed in groups (:func:`~.combined.vouching_groups`), and the rest one by one along
+their own ``ĝ_T``, in turn; so is every tensor when a combined probe does not agree well within its tolerance
+(:data:`~.combined.CLOSER_LOOK`), and every one at once when one fails, so that the report names the tensors at fault.
 
 Every probe starts as a two-point screen (with float64 evaluations, whose round-off is known: ``ε₆₄ · |L|``; natively,
 the descent measures the noise of one loss evaluation with a full stencil first, which the others borrow), and climbs
@@ -37,6 +37,8 @@ from gradwatch.engine.applied.combined import (
     balanced_weights,
     floor_along,
     tensors_to_probe,
+    unvouched,
+    vouching_groups,
 )
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
@@ -72,6 +74,11 @@ class Measured:
     weights: tuple[float, ...]
     tolerance: float
     excess: float
+
+    def combined(self) -> Combined:
+        """What :func:`~.combined.tensors_to_probe` needs of it."""
+        weights = dict(zip(self.tensors, self.weights, strict=True))
+        return Combined(self.probe.verdict, self.excess, self.tolerance, weights)
 
     def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
         """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
@@ -148,19 +155,22 @@ class AppliedProbes:
         return self._measure(ProbeKind.DESCENT, DESCENT_TARGET, every, weights, direction, floor,
                              self.relative * math.sqrt(weighted))  # fmt: skip
 
-    def balanced(self) -> Measured | None:
-        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`); ``None`` with fewer
-        than two tensors with a gradient (the descent probe is that direction then)."""
-        weights = balanced_weights(self.grad_norms)
+    def balanced(self, group: Sequence[int] | None = None) -> Measured | None:
+        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`), or those of ``group``
+        alone (its target then names them); ``None`` with fewer than two tensors with a gradient (the descent probe is
+        that direction then)."""
+        chosen = set(range(len(self.grad_norms)) if group is None else group)
+        weights = balanced_weights([n if i in chosen else 0.0 for i, n in enumerate(self.grad_norms)])
         tensors = tuple(i for i, w in enumerate(weights) if w > 0)
         if len(tensors) < 2:
             return None
+        target = DESCENT_TARGET if group is None else f"{self.names[tensors[0]]} and {len(tensors) - 1} more"
         components = balanced_components([self.grads[i] for i in tensors], [weights[i] for i in tensors])
         direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
         part = 1.0 / math.sqrt(len(tensors))
         floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
         step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))
-        return self._measure(ProbeKind.TENSORS, DESCENT_TARGET, tensors, tuple(weights[i] for i in tensors),
+        return self._measure(ProbeKind.TENSORS, target, tensors, tuple(weights[i] for i in tensors),
                              direction, floor, step)  # fmt: skip
 
     def tensor(self, i: int) -> Measured | None:
@@ -185,7 +195,7 @@ class AppliedProbes:
     ) -> Measured:
         screen_first = math.isfinite(self.loss_noise)
         evaluations = 0
-        key = (kind, target, step, self.measurements.compute_dtype)
+        key = (kind, tensors, target, step, self.measurements.compute_dtype)
         if screen_first and key in self.screens:
             stencil = self.screens[key]
         else:
@@ -357,9 +367,13 @@ def _probes_at(
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured
-    count = len(plan.names)
-    combined = [Combined(m.probe.verdict, m.excess, m.tolerance, dict(zip(m.tensors, m.weights, strict=True)))
-                for m in measured]  # fmt: skip
+    if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for
+        left = unvouched([m.combined() for m in measured], probes.grad_norms, floors, plan.multiple)
+        groups = [probes.balanced(g) for g in vouching_groups(left, probes.grad_norms, floors, plan.multiple)]
+        measured += [m for m in groups if m is not None]
+        if provisional and not calm(measured):
+            return measured
+    combined = [m.combined() for m in measured]
     order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
     for i in order:
         found = probes.tensor(i)
@@ -367,8 +381,8 @@ def _probes_at(
             measured.append(found)
             if provisional and found.probe.verdict != "ok":
                 return measured
-    if any(m.probe.verdict == "fail" for m in measured) and len(order) < count:
-        for i in sorted(set(range(count)) - set(order)):  # name every tensor at fault
+    if any(m.probe.verdict == "fail" for m in measured) and len(order) < len(plan.names):
+        for i in sorted(set(range(len(plan.names))) - set(order)):  # name every tensor at fault
             found = probes.tensor(i)
             if found is not None:
                 measured.append(found)

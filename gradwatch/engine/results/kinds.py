@@ -49,7 +49,7 @@ class ProbeKind(StrEnum):
     is in one group at every recomputed check, so a wrong gradient in any one shows at once (see
     :mod:`gradwatch.engine.probing.cover`). ``"tensor"``: along one parameter tensor's own normalised gradient.
     ``"tensors"``: along every parameter tensor's own normalised gradient at once, each with equal weight (applied
-    checks: one probe that sees a fault in any tensor). ``"random"``: along a random unit direction within one
+    checks; ``target`` ``"*"``, or a group's first tensor). ``"random"``: along a random unit direction within one
     parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
     batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
     reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
@@ -139,7 +139,8 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
         refocused=True,
     ),
     ProbeKind.TENSORS: KindTraits(
-        "along every parameter tensor's own normalised gradient at once, each with equal weight (applied checks)",
+        "along every parameter tensor's own normalised gradient at once, each with equal weight (applied checks; a "
+        "target other than '*' names the first of a group of tensors probed so together)",
         moves_parameters=True,
         vouches=True,
         starts_culprit_search=True,
