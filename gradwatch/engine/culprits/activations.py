@@ -37,6 +37,12 @@ upstream) the evidence cannot steer the search, which stops at the deepest modul
 historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
 
 
+CLEAN_OUTPUT = 1e-2
+"""A wrong input gradient proves the bug inside a module (where the children's order cannot) only if its output's error
+is below this fraction of it: a correct backward can magnify a small error from downstream (a UNet block's time
+embedding, summed over every pixel, read 38× its output's relative error), a wrong one leaves the output exact."""
+
+
 class ExhaustedError(Exception):
     """The search made :data:`MAX_PROBES` probes."""
 
