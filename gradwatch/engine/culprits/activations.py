@@ -78,6 +78,14 @@ class ActivationProbes:
         self._measured[key] = result
         return result
 
+    def clean_failure(self, site: Site) -> bool:
+        """Whether ``site``'s input gradient fails while its output's error is below :data:`CLEAN_OUTPUT` of it: only
+        then does the input gradient prove the bug inside ``site``."""
+        entering, leaving = self.verdict(site, "module_input"), self.verdict(site, "activation")
+        if entering is None or leaving is None or entering.verdict != "fail":
+            return False
+        return leaving.rel_error <= CLEAN_OUTPUT * entering.rel_error
+
     def _measure(self, site: Site, place: str) -> Assessment | None:
         """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
         it, such as a dropped projection term) and along a random direction (which sees that error); the place is

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gradwatch.engine.culprits.activations import CLEAN_OUTPUT, ActivationProbes, ExhaustedError
+from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.sites import Site, record_sites
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
@@ -198,7 +198,7 @@ class _Search:
                 # later child whose output gradient is right can still pass a wrong one to the same input
                 child = next((c for c in chain[j + 1 :] if self._parallel_culprit(c)), child)
                 entering = self._verdict(child, "module_input")
-            if child is not None and entering == "fail":
+            if child is not None and entering == "fail" and self.probes.clean_failure(child):
                 self.path.append(child)
                 node = child
                 continue
@@ -231,11 +231,8 @@ class _Search:
             return
 
     def _parallel_culprit(self, site: Site) -> bool:
-        """Whether a child after the boundary gives its input a wrong gradient, its output right by CLEAN_OUTPUT."""
-        entering, leaving = self.probes.verdict(site, "module_input"), self.probes.verdict(site, "activation")
-        if entering is None or leaving is None or entering.verdict != "fail" or leaving.verdict != "ok":
-            return False
-        return leaving.rel_error <= CLEAN_OUTPUT * entering.rel_error
+        """Whether a child after the boundary gives its input a wrong gradient, its output gradient right."""
+        return self._verdict(site, "activation") == "ok" and self.probes.clean_failure(site)
 
     def _proved_inside(self, site: Site) -> bool:
         """Whether the bug is proved inside ``site`` (its output gradient right): its input gradient is wrong, or a
