@@ -109,7 +109,8 @@ def measured_probes(
         surrogates += stop_gradients(evaluator, tasks)
         found = None
         if sharding_active() is None:  # the search's activation probes are per rank: not a global function
-            found = localize(model, evaluator, portfolio, tasks, plan.ladder, precision)
+            searched_in = _search_precision(evaluator, plan, precision)
+            found = localize(model, evaluator, portfolio, tasks, plan.ladder, searched_in)
         if found is not None:
             evaluator.notes += found.notes
             culprits, message = found.culprits, found.message
@@ -213,3 +214,15 @@ def _confirm_failures(
 def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """The dtype of largest machine epsilon among ``dtypes`` (float32 if there is none)."""
     return max(dtypes, key=machine_epsilon, default=torch.float32)
+
+
+def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:
+    """The precision of a failing check's culprit search: float64 where the check's probes ran natively only because
+    the model is above the float64 limit (``precision="auto"``, undecided probes measured again in float64) and the
+    float64 re-measurement reproduced the loss. Native activation probes of a float32 model carry round-off near the
+    tolerance (a diffusers UNet's attention: every probe of the search undecided, no culprit named); the float64 copy
+    the search evaluates on is the one the re-measurement already made, for the failing check only."""
+    refused = any(note.code == NoteCode.NO_FLOAT64_REMEASUREMENT for note in evaluator.notes)
+    if precision == "native" and plan.precision == "native" and plan.float64_refinement and not refused:
+        return "float64"
+    return precision

@@ -1,0 +1,73 @@
+"""A 2% backward bug in one attention of a diffusers ``UNet2DModel`` (three resolutions, attention in the lower two, a
+DDPM noise-prediction loss) fails the first check of a ``GradientWatch`` at its defaults and is blamed on the module
+holding it or a container of it, never another module; the correct UNet passes. Above the float64 limit the check
+probes natively and the culprit search runs on the float64 copy (before: no culprit named)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from unet_models import ddpm_batches, noise_prediction_loss, unet
+
+from gradwatch import GradientWatch
+from gradwatch.engine.function import precision
+
+CHANNELS = (32, 32, 64)
+
+
+def _first_failing(bug: str | None, checks: int):  # type: ignore[no-untyped-def]
+    model = unet(bug, channels=CHANNELS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    watch = GradientWatch(every_n_steps=2, verbose=False)
+    made = 0
+    for step, batch in enumerate(ddpm_batches(2 * checks, resolution=16), 1):
+        optimizer.zero_grad()
+        noise_prediction_loss(model, batch).backward()
+        optimizer.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = watch.maybe_check(model, batch, noise_prediction_loss, step=step)
+        if report is not None:
+            made += 1
+            if report.verdict != "ok":
+                return made, report
+            if made == checks:
+                break
+    return None, None
+
+
+def test_a_two_percent_attention_output_bug_above_the_float64_limit_fails_the_first_check_with_its_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(precision, "AUTO_FLOAT64_ELEMENTS", 1000)  # the model counts as large: native probes
+    first, report = _first_failing("to_out input", checks=1)
+    assert first == 1
+    assert report is not None
+    assert report.verdict == "fail"
+    holder = "mid_block.attentions.0.to_out.0"
+    assert report.culprits, report.culprit_message
+    named = report.culprits[0]
+    assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
+
+
+def test_the_correct_unet_passes_above_the_float64_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision, "AUTO_FLOAT64_ELEMENTS", 1000)
+    first, report = _first_failing(None, checks=2)
+    assert first is None, report
+
+
+def test_a_softmax_backward_bug_is_never_blamed_on_a_module_outside_its_attention() -> None:
+    # the bug lives in the attention processor, in `up_blocks.0.attentions.1`'s own forward; a block upstream of it
+    # (`down_blocks.0`, whose time-embedding input magnified the small error reaching its output) was named before
+    first, report = _first_failing("softmax", checks=1)
+    assert first == 1
+    assert report is not None
+    assert report.culprits, report.culprit_message
+    holder = "up_blocks.0.attentions.1"
+    named = report.culprits[0]
+    assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
