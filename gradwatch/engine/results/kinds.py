@@ -174,7 +174,9 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
         culprit_search=True,
     ),
     ProbeKind.MODULE_PARAMS: KindTraits(
-        "culprit search: one module's own parameters, displaced during its own forward only", culprit_search=True
+        "culprit search: one module's own parameters (its failing ones, where it has any), displaced during its own "
+        "forward only",
+        culprit_search=True,
     ),
 }
 """Every probe kind's properties (see :class:`KindTraits`); the engine branches on these, never on kind names."""
