@@ -55,6 +55,7 @@ def _run(rank: int, world: int, out: str, port: str) -> None:
             record = {"verdict": str(report.verdict), "fault": report.fault, "message": report.fault_message,
                       "notes": [str(n) for n in report.notes], "total": verified.total}  # fmt: skip
             Path(out, f"{scenario}_rank{rank}.json").write_text(json.dumps(record))
+        dist.barrier()  # both ranks done before either tears gloo down (a rank torn down first aborted the other)
     finally:
         dist.destroy_process_group()
 
