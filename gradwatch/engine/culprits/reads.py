@@ -19,17 +19,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.dataflow import top_level_tensors
+
 _NOT_READS = {Tensor.detach, torch.detach, Tensor.data.__get__, Tensor.grad.__get__}  # type: ignore[attr-defined,union-attr]
 """Operations that return a parameter's tensor without passing its gradient on."""
-
-
-def _tensors(values: Any) -> list[Tensor]:
-    found = []
-    for value in values:
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, Tensor):
-                found.append(item)
-    return found
 
 
 class ParameterReads(TorchFunctionMode):
@@ -65,11 +58,12 @@ class ParameterReads(TorchFunctionMode):
         running = self._running() if self._names and func not in _NOT_READS else None
         if running is None:
             return result
-        read = [self._names[id(t)] for t in _tensors((*args, *kwargs.values())) if id(t) in self._names]
+        read = [self._names[id(t)] for t in top_level_tensors((*args, *kwargs.values())) if id(t) in self._names]
         # a read that passes the parameter's values on (a matmul, a cast, a transpose), not a look at its shape or
         # dtype: with gradients on, into a result that requires grad; with them off, into any floating result (the
         # forward of a custom autograd Function runs with gradients off, and its ``apply`` is not seen here)
-        made = [t for t in _tensors(result if isinstance(result, tuple) else (result,)) if t.is_floating_point()]
+        results = top_level_tensors(result if isinstance(result, tuple) else (result,))
+        made = [t for t in results if t.is_floating_point()]
         if read and any(t.requires_grad or not grad for t in made):
             for name in read:
                 self.readers.setdefault(name, set()).add(running)

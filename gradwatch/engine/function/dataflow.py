@@ -64,7 +64,8 @@ def _reached_leaves(tensor: Tensor, wanted: Mapping[int, str]) -> set[str]:
     return found
 
 
-def _tensors(values: Any) -> list[Tensor]:
+def top_level_tensors(values: Any) -> list[Tensor]:
+    """The tensors among ``values`` and one level of the lists and tuples in it (an operation's arguments)."""
     found = []
     for value in values:
         for item in value if isinstance(value, (list, tuple)) else (value,):
@@ -108,12 +109,12 @@ class ReferenceFlow(TorchFunctionMode):
             self.detached |= _reached_leaves(args[0], self._wanted)
         if self.data_dependent is not None:
             return func(*args, **kwargs)
-        derived = any(t.requires_grad or self._is_derived(t) for t in _tensors((*args, *kwargs.values())))
+        derived = any(t.requires_grad or self._is_derived(t) for t in top_level_tensors((*args, *kwargs.values())))
         if derived and func in _DATA_DEPENDENT:
             self.data_dependent = _DATA_DEPENDENT[func]
         result = func(*args, **kwargs)
         if derived:
-            for tensor in _tensors(result if isinstance(result, tuple) else (result,)):
+            for tensor in top_level_tensors(result if isinstance(result, tuple) else (result,)):
                 if not tensor.requires_grad:
                     self._derived[id(tensor)] = weakref.ref(tensor)
         return result
