@@ -152,7 +152,11 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
     if callback is not None:
         trainer.add_callback(callback)
     trainer.train()
-    engine = trainer.model_wrapped
+    return _outcome(trainer.model_wrapped, callback.watch.reports if callback is not None else [])
+
+
+def _outcome(engine: Any, reports: Any) -> dict[str, Any]:
+    """What a rank writes: digests of its parameters, fp32 master weights and optimizer state, and its reports."""
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
         module = _digest([p.data.clone() for p in params])
@@ -173,7 +177,7 @@ def run(kind: str, stage: int, bf16: bool, out: Path) -> dict[str, Any]:
                 "culprits": r.culprits,
                 "note_codes": codes(r.notes),
             }
-            for r in (callback.watch.reports if callback is not None else [])
+            for r in reports
         ],
     }
 
@@ -214,28 +218,7 @@ def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
             watch.maybe_check(engine.module, batch, loss_fn, step=engine.global_steps)
     if hook is not None:
         hook.remove()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        module = _digest([p.data.clone() for p in params])
-    return {
-        "rank": torch.distributed.get_rank(),
-        "engine": type(engine).__name__,
-        "params": module,
-        "master": _digest([safe_get_full_fp32_param(p) for p in params]),
-        "optimizer": _digest([v for s in engine.optimizer.optimizer.state.values() for v in s.values() if v.dim()]),
-        "reports": [
-            {
-                "step": r.step,
-                "scope": r.scope,
-                "verdict": r.verdict,
-                "fault": r.fault,
-                "failures": sorted({p.target for p in r.failures}),
-                "culprits": r.culprits,
-                "note_codes": codes(r.notes),
-            }
-            for r in (watch.reports if watch is not None else [])
-        ],
-    }
+    return _outcome(engine, watch.reports if watch is not None else [])
 
 
 def main() -> None:
