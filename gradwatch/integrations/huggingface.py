@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -156,6 +157,7 @@ class GradWatchCallback(TrainerCallback):
         self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
         self._in_window = False  # the micro-batches run are recorded for the applied check, until its check point
         self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
+        self._window_first: dict[str, Any] | None = None  # the inputs of the window's first micro-batch
         self._applied_off: str | None = None  # why this run's applied gradient cannot be reached
 
     @property
@@ -205,7 +207,7 @@ class GradWatchCallback(TrainerCallback):
         # keep a micro-batch only for a step that may be checked (a due or postponed check)
         self._keep_next = self.watch.due_next(state.global_step)
         self._kept = None
-        self._in_window, self._window_count = self._applied_off is None, None
+        self._in_window, self._window_count, self._window_first = self._applied_off is None, None, None
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -284,8 +286,35 @@ class GradWatchCallback(TrainerCallback):
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
                 join=joined_inputs,  # the window's inputs as one batch, with the window's count
+                window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
+
+    def _normalised_over_window(self, path: TrainerPath) -> bool:
+        """Whether ``compute_loss`` divides by the window's ``num_items_in_batch`` (a DAPO-style loss, a model taking
+        loss kwargs; the Trainer's argument, or the key of that name in the inputs): the window's first micro-batch's
+        loss given twice the count is half of it. Asked by the applied
+        check only when the window's gradient is the one-batch gradient divided by the micro-batch count, which is then
+        a second normalisation. Two forwards without gradient, in eval mode, random state and records put back."""
+        inputs, count = self._window_first, self._window_count
+        key = "num_items_in_batch"  # where TRL's GRPO-family trainers keep the window's count of completion tokens
+        if inputs is None or (count is None and key not in inputs):
+            return False
+        model = self._model
+        modes = [(module, module.training) for module in model.modules()]
+        values = []
+        try:
+            model.eval()
+            for factor in (1, 2):
+                with torch.random.fork_rng(devices=[]), torch.no_grad(), path.loss_context():
+                    torch.manual_seed(0)
+                    given = {**inputs, key: inputs[key] * factor} if key in inputs else inputs
+                    values.append(float(self._trainer_loss(None if count is None else count * factor)(model, given)))
+        finally:
+            for module, training in modes:
+                module.training = training
+        whole, doubled = values
+        return math.isfinite(whole) and whole != 0 and abs(2 * doubled - whole) <= 1e-3 * abs(whole)
 
     def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
         """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
@@ -366,6 +395,7 @@ class GradWatchCallback(TrainerCallback):
                 self._kept, self._keep_next = (kept, num_items_in_batch), False
             if self._in_window:
                 self._window_count = num_items_in_batch
+                self._window_first = self._window_first if self._window_first is not None else kept
                 step = self.trainer.state.global_step + 1
                 self.watch.record((kept, num_items_in_batch), model=self._model, step=step)
         return self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)

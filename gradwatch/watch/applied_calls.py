@@ -104,6 +104,7 @@ class AppliedCalls:
         optimizers: Sequence[torch.optim.Optimizer] = (),
         join: Join | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        window_normalised: bool | Callable[[], bool] = False,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
         ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
@@ -130,6 +131,10 @@ class AppliedCalls:
                 checked, against ``loss_fn``, which must be the loss whose backward made that optimizer's gradient
                 (the discriminator's loss for the discriminator's optimizer); the window is the one :meth:`record`
                 kept for this optimizer, else the one the step's optimizers share. Call once per optimizer step.
+            window_normalised: Each micro-batch's loss is already divided by the whole window's count of samples or
+                tokens (or a function that says so): a window gradient that is the one-batch gradient divided by the
+                number of micro-batches is then warned of as a second normalisation (see
+                :func:`~gradwatch.engine.applied.check_applied_gradient`).
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
@@ -168,7 +173,7 @@ class AppliedCalls:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
             gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
-            join=join,
+            join=join, window_normalised=window_normalised,
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))

@@ -157,3 +157,50 @@ def test_a_loss_drawing_random_numbers_is_not_compared() -> None:
     report = accumulate(model, micro_batches(unequal=False), noisy, divide=True).check(noisy)
     assert not report.noted(NoteCode.ACCUMULATION_UNEQUAL)
     assert "random" in report.noted(NoteCode.ACCUMULATION_EQUIVALENCE)[0]
+
+
+def test_micro_batch_means_summed_over_the_window_are_flagged_as_too_large() -> None:
+    """A loop that never divides its micro-batch means by the accumulation steps (TRL's "4x" class): its update is the
+    one-batch gradient times the window's size, said whatever ``combine`` the loop declares."""
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    window = accumulate(model, micro_batches(unequal=False), token_mean, divide=False)
+    report = window.check(token_mean, combine="sum")
+    assert report.verdict == "ok"  # the right derivative of the loss the loop computes
+    assert report.accumulation_scale == pytest.approx(ACCUMULATION, rel=1e-5)
+    (warning,) = report.noted(NoteCode.ACCUMULATION_UNEQUAL)
+    assert f"{ACCUMULATION} times too large" in warning
+
+
+def _window_normalised(model: nn.Module, batch: dict[str, Tensor], count: int) -> Tensor:
+    return token_sum(model, batch) / count
+
+
+@pytest.mark.parametrize("said", [True, "asked"])
+def test_a_loss_normalised_over_the_window_and_divided_again_is_flagged_when_the_loop_says_so(said: Any) -> None:
+    """Each micro-batch's summed loss divided by the window's token count (a DAPO-style loss), then by the number of
+    micro-batches again: the one-batch gradient divided by the window's size, as a summed loss averaged would be; the
+    loop that says its losses are normalised over the window gets the warning (a function is asked only then)."""
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    batches = micro_batches(unequal=True)
+    count = sum(int((b["labels"] != -100).sum()) for b in batches)
+    loss = lambda m, b: _window_normalised(m, b, count)  # noqa: E731
+    window = accumulate(model, batches, loss, divide=True)
+    asked: list[bool] = []
+    normalised = True if said is True else lambda: asked.append(True) or True
+    report = window.check(loss, window_normalised=normalised)
+    assert report.accumulation_scale == pytest.approx(1 / ACCUMULATION, rel=1e-5)
+    (warning,) = report.noted(NoteCode.ACCUMULATION_UNEQUAL)
+    assert "normalised twice" in warning
+    assert f"{ACCUMULATION} times too small" in warning
+    assert asked == ([] if said is True else [True])
+    assert not window.check(loss).noted(NoteCode.ACCUMULATION_UNEQUAL)  # unsaid: a summed loss averaged
+
+
+def test_the_loop_is_not_asked_when_the_window_agrees() -> None:
+    torch.manual_seed(0)
+    model = TinyLM().train()
+    window = accumulate(model, micro_batches(unequal=False), token_mean, divide=True)
+    report = window.check(token_mean, window_normalised=lambda: pytest.fail("asked"))
+    assert not report.noted(NoteCode.ACCUMULATION_UNEQUAL)

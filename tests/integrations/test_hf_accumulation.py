@@ -106,3 +106,77 @@ def test_the_window_is_joined_with_the_windows_count() -> None:
     assert (inputs["labels"][2, 3:] == -100).all()
     with pytest.raises(ValueError, match="different num_items_in_batch"):
         joined_inputs([(first, torch.tensor(11)), (second, torch.tensor(4))])
+
+
+def _token_sum(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    logits = model(input_ids=inputs["input_ids"]).logits[:, :-1].reshape(-1, VOCAB)
+    labels = inputs["labels"][:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+class NormalisedTwice(transformers.Trainer):
+    """A DAPO-style loss: the summed token loss divided by the window's ``num_items_in_batch``, in a trainer that says
+    its loss is not scaled for accumulation, so the Trainer divides it by the accumulation steps again: every update 4
+    times too small (ms-swift #10117, TRL's 0.25x)."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        return _token_sum(model, inputs) / num_items_in_batch
+
+
+class SummedOnly(transformers.Trainer):
+    """A summed token loss that ignores ``num_items_in_batch``: the Trainer averages it over the window (consistent)."""
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        return _token_sum(model, inputs)
+
+
+def _train_with(trainer_class: type, tmp_path: Path, model: Any, dataset: Any, **options: Any) -> GradWatchCallback:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), gradient_accumulation_steps=ACCUMULATION, per_device_train_batch_size=2,
+        max_steps=1, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, **options)
+    callback = GradWatchCallback(trainer, applied_every_n_steps=100, every_n_steps=1000, max_overhead=None)
+    trainer.add_callback(callback)
+    trainer.train()
+    return callback
+
+
+def test_a_loss_normalised_over_the_window_and_divided_again_is_flagged(tmp_path: Path) -> None:
+    with pytest.warns(GradientCheckWarning, match="normalised twice"):
+        callback = _train_with(NormalisedTwice, tmp_path, tiny_llama(), LabelledTokens(unequal=True))
+    report = _applied(callback)
+    assert report.verdict == "ok"  # the right derivative of the wrong loss
+    assert report.accumulation_scale == pytest.approx(1 / ACCUMULATION, rel=1e-4)
+    (warning,) = report.noted(NoteCode.ACCUMULATION_UNEQUAL)
+    assert "4 times too small" in warning
+
+
+def _token_mean(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """A token mean over the micro-batch alone, given as ``compute_loss_func``: the Trainer takes it for a loss
+    normalised over the window and sums the micro-batches' losses."""
+    logits = outputs.logits[:, :-1].reshape(-1, VOCAB)
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def test_micro_batch_means_summed_over_the_window_are_flagged(tmp_path: Path) -> None:
+    with pytest.warns(GradientCheckWarning, match="times too large"):
+        callback = _train(tmp_path, tiny_llama(), LabelledTokens(unequal=False), compute_loss_func=_token_mean)
+    report = _applied(callback)
+    assert report.accumulation_scale == pytest.approx(ACCUMULATION, rel=1e-4)
+
+
+def test_a_summed_loss_the_trainer_averages_over_the_window_is_not_flagged(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradientCheckWarning)
+        callback = _train_with(SummedOnly, tmp_path, _without_the_fix(), LabelledTokens(unequal=True))
+    report = _applied(callback)
+    assert not report.noted(NoteCode.ACCUMULATION_UNEQUAL), report.notes
+    assert report.accumulation_scale == pytest.approx(1 / ACCUMULATION, rel=1e-4)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -101,6 +101,7 @@ def check_applied_gradient(
     settings: ProbeSettings | None = None,
     compare_one_batch: bool = True,
     join: Join | None = None,
+    window_normalised: bool | Callable[[], bool] = False,
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
@@ -150,6 +151,11 @@ def check_applied_gradient(
         join: ``join(items) -> item``: the window's micro-batch items as one item of all their samples, for that
             comparison (by default :func:`~gradwatch.engine.applied.equivalence.concatenate`; a loop whose items carry
             more than the batch, such as Lightning's batch index, joins them itself).
+        window_normalised: Each micro-batch's loss is already divided by the whole window's count of samples or tokens
+            (transformers' ``num_items_in_batch``), so their gradients must add up to the one-batch gradient: an
+            accumulated gradient that is the one-batch one divided by the window's size is then warned of as a second
+            normalisation, not taken for a summed loss averaged over the window. A function that says so is asked
+            only when that comparison finds such a division.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -215,7 +221,7 @@ def check_applied_gradient(
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
-                                                     names, state, group, join)  # fmt: skip
+                                                     names, state, group, join, window_normalised)  # fmt: skip
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []

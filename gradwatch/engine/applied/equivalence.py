@@ -20,11 +20,16 @@ float32 model: ~1e-7 of ``‖g‖``; a model that computes in 16 bits: ~1e-3), a
 two gradients is that far off, and a difference beyond :func:`~.verdict.floor_multiple` times both is no rounding
 (:func:`tolerances`). Micro-batches that are equal-size means agree (their mean of means is the mean),
 as do sums combined by a sum; a summed loss averaged over the window is the one-batch gradient divided by the window's
-size, which is said without a warning.
+size, which is said without a warning, unless the loop says its micro-batch losses are already normalised over the
+whole window (``window_normalised``: each divided by the window's count of samples or tokens, as transformers'
+``num_items_in_batch`` does), when that division is a second normalisation (the 0.25x of a DAPO-style loss divided
+again by 4 micro-batches). The reverse, micro-batch means summed over the window (the one-batch gradient times the
+window's size: a loss never divided by the accumulation steps, TRL's "4x"), is always warned of.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,14 +130,28 @@ class Equivalence:
     tensor_tolerances: tuple[float, ...] = ()
     sine: float = math.nan
     backward: int = 3
+    window_normalised: bool = False
 
     @property
     def averaged_sum(self) -> bool:
-        """Whether the accumulated gradient is the one-batch gradient divided (or multiplied) by the window's size: a
-        summed loss averaged over the window, a consistent choice."""
+        """Whether the accumulated gradient is the one-batch gradient divided by the window's size: a summed loss
+        averaged over the window, a consistent choice (unless the loss was normalised over the window already)."""
+        return self.divided_by_window and not self.window_normalised
+
+    @property
+    def divided_by_window(self) -> bool:
+        """Whether the accumulated gradient is the one-batch gradient divided by the window's size."""
+        return self._window_factor(1 / self.windows)
+
+    @property
+    def multiplied_by_window(self) -> bool:
+        """Whether the accumulated gradient is the one-batch gradient times the window's size (means summed)."""
+        return self._window_factor(float(self.windows))
+
+    def _window_factor(self, factor: float) -> bool:
         if self.windows < 2 or not self._parallel:
             return False
-        return any(abs(self.scale * factor - 1) <= self.tolerance for factor in (self.windows, 1 / self.windows))
+        return abs(self.scale / factor - 1) <= self.tolerance
 
     @property
     def _parallel(self) -> bool:
@@ -232,11 +251,16 @@ def compare_accumulation(
     state: TrainingState,
     group: Any = None,
     join: Join | None = None,
+    window_normalised: bool | Callable[[], bool] = False,
 ) -> tuple[Equivalence | None, list[Note]]:
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
     eager backward passes (the window, the one batch), in eval mode, and a third (the one batch at three times the
     loss) only when they differ by more than the least tolerance: the tolerance is then measured, as the applied check
     measures its floor only when a probe needs it (:mod:`.lazy_floor`).
+
+    ``window_normalised`` (or a function that says so, asked only when the accumulated gradient is the one-batch one
+    divided by the window's size): each micro-batch's loss is already divided by the window's count, so that division
+    is no summed loss averaged but a second normalisation, warned of.
 
     Returns the comparison (``None`` when the batches cannot be joined or the loss refuses the result) and its notes:
     the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
@@ -265,6 +289,8 @@ def compare_accumulation(
     finally:
         for module, training in modes:
             module.training = training
+    if found.divided_by_window and (window_normalised() if callable(window_normalised) else window_normalised):
+        found = dataclasses.replace(found, window_normalised=True)
     tolerance, per_tensor, tensor_scales = found.tolerance, found.tensor_tolerances, found.tensor_scales
     worst = found.worst
     figures = (
@@ -284,13 +310,30 @@ def compare_accumulation(
                           f"divided by the window's {len(batches)} micro-batches: a summed loss averaged over the "
                           "window, consistently"))  # fmt: skip
     if found.differs:
-        notes.append(
-            Note(
-                NoteCode.ACCUMULATION_UNEQUAL,
-                f"the accumulated gradient is {found.scale:.4g}x the gradient of the window's samples taken as one "
-                f"batch (cosine {found.cosine:.6g}): the loss is normalised per micro-batch (a mean over each "
-                "micro-batch's own samples or tokens, of unequal counts), not over the window; divide the summed "
-                "loss by the window's count of samples or tokens instead (transformers' num_items_in_batch)",
-            )
-        )
+        notes.append(Note(NoteCode.ACCUMULATION_UNEQUAL, _unequal(found)))
     return found, notes
+
+
+def _unequal(found: Equivalence) -> str:
+    """The warning of a window whose accumulated gradient is not its one-batch gradient: what the scale says."""
+    said = (
+        f"the accumulated gradient is {found.scale:.4g}x the gradient of the window's samples taken as one batch "
+        f"(cosine {found.cosine:.6g}): "
+    )
+    if found.divided_by_window:
+        return said + (
+            f"the loss is normalised twice: each micro-batch's loss is already divided by the window's count of "
+            f"samples or tokens, and divided again by the window's {found.windows} micro-batches, so every update is "
+            f"{found.windows} times too small; divide by one of the two only"
+        )
+    if found.multiplied_by_window:
+        return said + (
+            f"the window's {found.windows} micro-batch losses are summed where each is a mean over its own "
+            f"micro-batch, so every update is {found.windows} times too large; divide each by the number of "
+            "micro-batches, or normalise the summed loss by the window's count of samples or tokens"
+        )
+    return said + (
+        "the loss is normalised per micro-batch (a mean over each micro-batch's own samples or tokens, of unequal "
+        "counts), not over the window; divide the summed loss by the window's count of samples or tokens instead "
+        "(transformers' num_items_in_batch)"
+    )
