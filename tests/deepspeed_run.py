@@ -15,7 +15,11 @@ before ``engine.step()``, the recomputed check (``watch.maybe_check``) after ste
 - ``scaled``: rank 1's partition of ``out.weight``'s gradient multiplied by 1.1 after the reduction, first window;
 - ``formula``: the custom layer's weight gradient 3% too large on every rank;
 - ``hooked``: as ``healthy``, the applied check run by ``before_engine_steps`` inside ``engine.step()`` (where
-  Accelerate and the Trainer step), not by the loop.
+  Accelerate and the Trainer step), not by the loop;
+- ``clipped``: as ``healthy``, and after each ``engine.step()`` the norm the engine clipped with checked against the
+  verified gradient's (``watch.after_clipping(..., clipped_with=...)``, :func:`clip_norm`);
+- ``clipnorm``: as ``clipped``, the engine's clip norm doubled in the first step (a norm counted twice);
+- ``clipnormhooked``: as ``clipnorm``, both checks run inside ``engine.step()`` by ``applied_checks_inside_steps``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,13 @@ from torch import Tensor, nn
 from gradwatch import GradientWatch
 from gradwatch.engine.distributed.zero import gathered
 from gradwatch.engine.results.notes import codes
-from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, full_gradients
+from gradwatch.integrations.deepspeed import (
+    FullGradients,
+    applied_checks_inside_steps,
+    before_engine_steps,
+    clip_norm,
+    full_gradients,
+)
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 # deepspeed.initialize compiles a shared-memory op (g++, minutes) used only by tensor-parallel inference; the attribute
@@ -136,6 +146,20 @@ def _scale_rank1_partition(engine: Any) -> None:
         _set_full_grad(engine.module.out.weight, full["out.weight"] * 1.1)
 
 
+def _double_the_clip_norm_once(engine: Any) -> None:
+    """The ZeRO optimizer's global gradient norm (the one it clips with) counted twice, in its next step only."""
+    optimizer = engine.optimizer
+    name = "scaled_global_norm" if hasattr(optimizer, "scaled_global_norm") else "_get_norm_groups"
+    own = getattr(optimizer, name)
+
+    def doubled(*args: Any, **kwargs: Any) -> Any:
+        del optimizer.__dict__[name]
+        found = own(*args, **kwargs)
+        return [2 * n for n in found] if isinstance(found, list) else 2 * found
+
+    setattr(optimizer, name, doubled)
+
+
 def _report(report: Any) -> dict[str, Any]:
     return {
         "step": report.step,
@@ -173,6 +197,8 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
         watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
                               decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
     hook = None
+    if watch is not None and kind == "clipnormhooked":
+        hook = applied_checks_inside_steps(engine, watch, loss_fn)
     if watch is not None and kind == "hooked":  # where Accelerate and the Trainer step: inside engine.step()
         hook = before_engine_steps(
             engine,
@@ -187,14 +213,21 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
             if watch is not None:
                 watch.record(batch, model=engine.module, step=step)
             engine.backward(loss_fn(engine, batch))
-            if engine.is_gradient_accumulation_boundary():
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:
                 if step == 1 and kind == "leftout":
                     _leave_last_micro_batch_out(engine, batch)
                 if step == 1 and kind == "scaled":
                     _scale_rank1_partition(engine)
                 if watch is not None and hook is None:
                     watch.before_optimizer_step(engine.module, loss_fn, step=step, gradients=FullGradients(engine))
+                if step == 1 and kind.startswith("clipnorm"):
+                    _double_the_clip_norm_once(engine)
             engine.step()
+            if watch is not None and hook is None and kind.startswith("clip") and boundary:
+                found = clip_norm(engine)
+                assert found is not None
+                watch.after_clipping(engine.module, found[0], step=step, clipped_with=found[1])
         norms.append(float(engine.get_global_grad_norm()))
         if watch is not None:
             watch.maybe_check(engine.module, data[(step - 1) * ACCUMULATE], loss_fn, step=step)

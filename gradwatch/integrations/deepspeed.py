@@ -11,10 +11,15 @@ as the model; under ZeRO-3 it gathers the parameters for the check (see :mod:`gr
 Where the loop does not call ``engine.step()`` itself (Accelerate and ``transformers.Trainer`` step inside
 ``accelerator.backward``), :func:`before_engine_steps` runs a check at the boundary all the same: it wraps the ZeRO
 optimizer's ``step``, which the engine calls only at the boundary, after the reduction and before clipping.
+
+The engine clips inside that ``step`` (``gradient_clipping``), on the partitions it keeps: :func:`clip_norm` reads the
+norm it clipped with afterwards, which ``watch.after_clipping(..., clipped_with=...)`` holds against the verified
+gradient's true norm (a norm over one rank's partition, or counted twice, gives every update the wrong scale).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +30,14 @@ from gradwatch.engine.distributed.zero import is_engine
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.watch.watch import GradientWatch
 
-__all__ = ["EngineStepHook", "FullGradients", "applied_checks_inside_steps", "before_engine_steps", "full_gradients"]
+__all__ = [
+    "EngineStepHook",
+    "FullGradients",
+    "applied_checks_inside_steps",
+    "before_engine_steps",
+    "clip_norm",
+    "full_gradients",
+]
 
 
 def _module(engine: Any) -> nn.Module:
@@ -88,11 +100,30 @@ class EngineStepHook:
             self.optimizer.__dict__.pop("step", None)  # the class's own step again
 
 
-def before_engine_steps(engine: Any, check: Callable[[], Any]) -> EngineStepHook:
+def clip_norm(engine: Any) -> tuple[float, float] | None:
+    """``(max_norm, norm)``: the engine's ``gradient_clipping`` and the norm its optimizer clipped the last step's
+    gradient with (unscaled; DeepSpeed's ZeRO and bf16 optimizers keep it as ``_global_grad_norm``, which the engine
+    returns as ``get_global_grad_norm()`` once its step is over); ``None`` when the engine does not clip, keeps no
+    such norm, or skipped the step (a non-finite norm)."""
+    _module(engine)
+    max_norm = float(engine.gradient_clipping() or 0.0)
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    if norm is None:
+        norm = engine.get_global_grad_norm()
+    if not max_norm > 0 or norm is None:
+        return None
+    norm = float(norm)
+    return (max_norm, norm) if math.isfinite(norm) and norm >= 0 else None
+
+
+def before_engine_steps(
+    engine: Any, check: Callable[[], Any], after: Callable[[], Any] | None = None
+) -> EngineStepHook:
     """Call ``check()`` at every accumulation boundary of ``engine``, just before its optimizer steps: after the
-    gradients are reduced, before they are clipped. ``check`` runs on every rank (the engine steps on all together)
-    and should not raise; what it returns is ignored. For loops that step inside another call (Accelerate's
-    ``accelerator.backward``, ``transformers.Trainer``); a plain loop checks before its own ``engine.step()``."""
+    gradients are reduced, before they are clipped; and ``after()``, if given, once that step (clipping included) is
+    over. Both run on every rank (the engine steps on all together) and should not raise; what they return is ignored.
+    For loops that step inside another call (Accelerate's ``accelerator.backward``, ``transformers.Trainer``); a plain
+    loop checks before its own ``engine.step()``."""
     _module(engine)
     optimizer = engine.optimizer
     if optimizer is None:
@@ -102,7 +133,10 @@ def before_engine_steps(engine: Any, check: Callable[[], Any]) -> EngineStepHook
 
     def step(*args: Any, **kwargs: Any) -> Any:
         check()
-        return own(*args, **kwargs)
+        result = own(*args, **kwargs)
+        if after is not None:
+            after()
+        return result
 
     optimizer.step = step
     return hook
@@ -113,9 +147,11 @@ def applied_checks_inside_steps(
 ) -> EngineStepHook:
     """The watch's applied check at every accumulation boundary of ``engine``, inside its step (after the reduction,
     before clipping): :func:`before_engine_steps` calling ``watch.before_optimizer_step(engine.module, loss_fn,
-    step=engine.global_steps + 1, gradients=FullGradients(engine), **options)``. For loops whose engine steps inside
-    another call (Accelerate's ``accelerator.backward``, ``transformers.Trainer``); the loop still records each
-    micro-batch (``watch.record(batch, model=engine.module, step=engine.global_steps + 1)``) before its forward.
+    step=engine.global_steps + 1, gradients=FullGradients(engine), **options)``, and after the step, where the engine
+    clips (``gradient_clipping``), the check of the norm it clipped with (``watch.after_clipping(...,
+    clipped_with=...)``, :func:`clip_norm`). For loops whose engine steps inside another call (Accelerate's
+    ``accelerator.backward``, ``transformers.Trainer``); the loop still records each micro-batch
+    (``watch.record(batch, model=engine.module, step=engine.global_steps + 1)``) before its forward.
     :meth:`EngineStepHook.remove` ends it."""
     if not isinstance(watch, GradientWatch):
         raise TypeError(f"`watch` must be a gradwatch.GradientWatch; got {type(watch).__name__}")
@@ -125,4 +161,9 @@ def applied_checks_inside_steps(
         step = int(engine.global_steps) + 1
         watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
 
-    return before_engine_steps(engine, check)
+    def clipped() -> None:
+        found = clip_norm(engine)
+        if found is not None:
+            watch.after_clipping(module, found[0], step=int(engine.global_steps) + 1, clipped_with=found[1])
+
+    return before_engine_steps(engine, check, clipped)

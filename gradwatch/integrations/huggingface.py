@@ -184,7 +184,7 @@ class GradWatchCallback(TrainerCallback):
             self._applied_off = self._applied_unreachable(args)
             if self._applied_off is None and getattr(self.trainer, "is_deepspeed_enabled", False):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
-                self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied)
+                self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
         self._restore_state(state)
         self.watch.setup(self._model)
@@ -266,6 +266,11 @@ class GradWatchCallback(TrainerCallback):
         if finite and getattr(self.trainer.accelerator, "scaler", None) is None and self._engine_hook is None:
             self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
         return norm
+
+    def _engine_clipped(self, max_norm: float, norm: float) -> None:
+        """Under DeepSpeed, after the engine's step: the norm it clipped with against the verified gradient's."""
+        step = self.trainer.state.global_step + 1  # the engine steps before the Trainer counts the step
+        self.watch.after_clipping(self._model, max_norm, step=step, clipped_with=norm)
 
     def _check_applied(self, gradients: Mapping[str, torch.Tensor] | None = None) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` (or the ``gradients``

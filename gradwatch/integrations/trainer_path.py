@@ -127,11 +127,21 @@ class TrainerPath:
             self.model.forward = saved  # type: ignore[method-assign]
 
 
-def engine_checks(engine: Any, check: Callable[[Mapping[str, torch.Tensor]], None]) -> Any:
+def engine_checks(
+    engine: Any,
+    check: Callable[[Mapping[str, torch.Tensor]], None],
+    clipped: Callable[[float, float], None] | None = None,
+) -> Any:
     """Under ``Trainer(deepspeed=...)`` the engine steps inside ``accelerator.backward`` and keeps the reduced gradient
     partitioned, out of each parameter's ``.grad``: ``check(gradients)`` runs at its accumulation boundary, after the
-    reduction and before its clipping, with the full gradients by name (read only when a due check reads them). The
-    returned hook's ``remove()`` ends it. Imports DeepSpeed, which such a run has."""
-    from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps
+    reduction and before its clipping, with the full gradients by name (read only when a due check reads them); and
+    ``clipped(max_norm, norm)`` after its step, where it clipped, with the norm it clipped with. The returned hook's
+    ``remove()`` ends it. Imports DeepSpeed, which such a run has."""
+    from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, clip_norm
 
-    return before_engine_steps(engine, lambda: check(FullGradients(engine)))
+    def after() -> None:
+        found = clip_norm(engine)
+        if clipped is not None and found is not None:
+            clipped(*found)
+
+    return before_engine_steps(engine, lambda: check(FullGradients(engine)), after)

@@ -51,7 +51,8 @@ class AppliedSchedule:
         self._open = False  # whether the window step is due and affordable
         self._said_unrecorded = False
         self.faults: dict[int, tuple[int, str | None]] = {}  # by optimizer (id; None's id: all), the last check's fault
-        self.verified: tuple[int, Any] | None = None  # (step, GradientNorms) of the last gradient a check verified
+        # (step, GradientNorms, whether they are .grad's) of the last gradient a check verified
+        self.verified: tuple[int, Any, bool] | None = None
         self.window_step = -1  # the optimizer step the current window leads to (recorded or not)
         self.checks = 0
         self.last_seconds = 0.0

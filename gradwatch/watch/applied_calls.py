@@ -18,7 +18,7 @@ from torch import nn
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
-from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
 from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.step_hooks import recurring
 from gradwatch.engine.applied.window import Combine, PathContext
@@ -185,25 +185,38 @@ class AppliedCalls:
             report = recurring(report, self._applied.faults.get(id(optimizer)))
             self._applied.faults[id(optimizer)] = (step, report.fault)
             self._outcomes.publish(report, self._schedule.clock.fraction)
-        if report is not None and own:
-            # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); not for gradients
-            # an engine keeps elsewhere (it clips them itself, out of .grad)
-            self._applied.verified = (step, GradientNorms.of(_gradients(model, updated)))
+        if report is not None:
+            # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
+            # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
+            held = _gradients(model, updated) if own else list((gradients or {}).values())
+            self._applied.verified = (step, GradientNorms.of(held), own)
         return report
 
-    def after_clipping(self, model: nn.Module, max_norm: float, *, step: int) -> CheckReport | None:
+    def after_clipping(
+        self, model: nn.Module, max_norm: float, *, step: int, clipped_with: float | None = None
+    ) -> CheckReport | None:
         """Call after the loop clipped the gradient by its norm (``clip_grad_norm_``, ``gradient_clip_val``,
         ``max_grad_norm``), before ``zero_grad``: when an applied check verified this step's gradient, check that the
         gradient the optimizer steps with is the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true
         global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
         the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
+
+        ``clipped_with``: for an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
+        after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against the
+        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`); without it such a gradient
+        (checked with ``gradients=``) is not checked here.
         """
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None
-        report = self._outcomes.guarded(
-            step, lambda: check_clipping(verified[1], _gradients(model), max_norm, step=step), []
-        )
+        norms, own = verified[1], verified[2]
+        if clipped_with is not None:
+            check = lambda: check_clip_norm(norms, float(clipped_with), max_norm, step=step)  # noqa: E731
+        elif own:
+            check = lambda: check_clipping(norms, _gradients(model), max_norm, step=step)  # noqa: E731
+        else:
+            return None
+        report = self._outcomes.guarded(step, check, [])
         if report is not None:
             self._outcomes.publish(report, self._schedule.clock.fraction)
         return report

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from two_processes import needs_gloo, run_ranks
 
-from gradwatch.engine.applied.clipping import GradientNorms, check_clipping
+from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
 from gradwatch.engine.results.notes import NoteCode
 
 
@@ -94,3 +94,18 @@ def test_ddp_norm_over_one_rank_only_is_caught_and_correct_clipping_is_clean(tmp
         assert (correct["verdict"], correct["fault"]) == ("ok", None), correct
         assert (wrong["verdict"], wrong["fault"]) == ("fail", "clipping"), wrong
         assert f"{wrong['total']:.6g}" in wrong["message"]
+
+
+def test_the_norm_an_engine_clipped_with_is_held_against_the_verified_norm() -> None:
+    """DeepSpeed clips the partitions it keeps: the norm it says it clipped with must give the true coefficient."""
+    verified = GradientNorms.of([torch.full((4,), 3.0), torch.full((3,), 4.0)])  # ‖g‖ = sqrt(36 + 48)
+    true = verified.total
+    assert check_clip_norm(verified, true, max_norm=1.0, step=3).verdict == "ok"
+    assert check_clip_norm(verified, true * (1 + 1e-7), max_norm=1.0).verdict == "ok"  # rounding of another order
+    report = check_clip_norm(verified, 2 * true, max_norm=1.0, step=3)
+    assert (report.step, report.verdict, report.fault) == (3, "fail", "clipping")
+    assert f"{2 * true:.6g}" in report.fault_message
+    # below the threshold both coefficients are 1: a wrong norm that changes nothing is no wrong gradient
+    assert check_clip_norm(verified, 2 * true, max_norm=100.0).verdict == "ok"
+    with pytest.raises(ValueError, match="`max_norm` must be a positive number"):
+        check_clip_norm(verified, true, max_norm=0.0)

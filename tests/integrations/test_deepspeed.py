@@ -137,3 +137,36 @@ def test_a_bf16_formula_bug_is_caught_at_the_first_applied_check_and_the_module_
         assert "culprit-float32-twin" in first["note_codes"]
         for report in rank["reports"]:
             assert report["verdict"] == "ok" or report["culprits"][0] == "custom"
+
+
+@pytest.fixture(scope="module")
+def clipping(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    scenarios = ["clipped-z2-fp32", *(f"clipnorm-z{stage}-fp32" for stage in STAGES), "clipnormhooked-z3-fp32"]
+    return _run(tmp_path_factory, "clipping", scenarios)
+
+
+def _clip_reports(rank: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in rank["reports"] if "applied-clipping" in r["note_codes"]]
+
+
+def test_the_norm_a_zero_engine_clipped_with_is_checked_and_correct_clipping_is_clean(
+    clipping: dict[str, Any],
+) -> None:
+    for rank in _ranks(clipping, "clipped-z2-fp32"):
+        clips = _clip_reports(rank)
+        assert [(r["step"], r["verdict"]) for r in clips] == [(1, "ok"), (2, "ok"), (3, "ok")]
+        assert all(r["verdict"] == "ok" for r in rank["reports"])
+
+
+@pytest.mark.parametrize("scenario", [*(f"clipnorm-z{stage}-fp32" for stage in STAGES), "clipnormhooked-z3-fp32"])
+def test_a_clip_norm_counted_twice_by_the_engine_fails_with_fault_clipping(
+    clipping: dict[str, Any], scenario: str
+) -> None:
+    for rank in _ranks(clipping, scenario):
+        clips = _clip_reports(rank)
+        assert [(r["step"], r["verdict"], r["fault"]) for r in clips] == [
+            (1, "fail", "clipping"), (2, "ok", None), (3, "ok", None)
+        ]  # fmt: skip
+        assert "the engine clipped with the norm" in clips[0]["message"]
+        applied = [r for r in rank["reports"] if r["scope"] == "applied" and r not in clips]
+        assert [r["verdict"] for r in applied] == ["ok"] * 3  # the gradient before clipping was right

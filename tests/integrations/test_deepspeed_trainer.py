@@ -55,6 +55,15 @@ def _ranks(fits: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     return [fits[f"{scenario}_rank{rank}"] for rank in (0, 1)]
 
 
+def _checks(rank: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rank's checks of the gradient, without the checks of the norm the engine clipped with."""
+    return [r for r in rank["reports"] if "applied-clipping" not in r["note_codes"]]
+
+
+def _clip_checks(rank: dict[str, Any]) -> list[tuple[int, str]]:
+    return [(r["step"], r["verdict"]) for r in rank["reports"] if "applied-clipping" in r["note_codes"]]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_healthy_trainer_fits_pass_every_check_and_train_as_without(
@@ -83,9 +92,10 @@ def test_accelerate_loops_check_the_applied_gradient_at_the_engines_boundary(
     for watched, plain in zip(
         _ranks(accelerate, f"accelerate-{scenario}"), _ranks(accelerate, f"accelerate_baseline-{scenario}"), strict=True
     ):
-        kinds = [(r["step"], r["scope"], r["verdict"]) for r in watched["reports"]]
+        kinds = [(r["step"], r["scope"], r["verdict"]) for r in _checks(watched)]
         assert kinds == [(1, "applied", "ok"), (1, "recomputed", "ok"), (2, "applied", "ok"), (2, "recomputed", "ok"),
                          (3, "applied", "ok")]  # fmt: skip
+        assert _clip_checks(watched) == [(1, "ok"), (2, "ok"), (3, "ok")]  # the norm the engine clipped with
         for key in ("params", "master", "optimizer"):
             assert watched[key] == plain[key], key
 
@@ -104,9 +114,10 @@ def test_trainer_fits_check_the_applied_gradient_inside_the_engines_step_and_tra
     for watched, plain in zip(
         _ranks(applied, f"applied-{scenario}"), _ranks(fits, f"baseline-{scenario}"), strict=True
     ):
-        assert [(r["step"], r["scope"], r["verdict"]) for r in watched["reports"]] == [
+        assert [(r["step"], r["scope"], r["verdict"]) for r in _checks(watched)] == [
             (1, "applied", "ok"), (2, "applied", "ok"), (3, "applied", "ok")
         ], [r["message"] for r in watched["reports"]]  # fmt: skip
+        assert _clip_checks(watched) == [(1, "ok"), (2, "ok"), (3, "ok")]  # the norm the engine clipped with
         for key in ("params", "master", "optimizer"):
             assert watched[key] == plain[key], key
 
@@ -117,8 +128,8 @@ def test_trainer_fits_catch_a_reduction_fault_at_the_first_applied_check(
     applied: dict[str, Any], fault: str, stage: int
 ) -> None:
     for rank in _ranks(applied, f"applied_{fault}-z{stage}-fp32"):
-        first = rank["reports"][0]
+        first = _checks(rank)[0]
         assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
-        assert [r["verdict"] for r in rank["reports"][1:]] == ["ok", "ok"]
+        assert [r["verdict"] for r in _checks(rank)[1:]] == ["ok", "ok"]
         if fault == "scaled":
             assert first["message"].startswith("rank(s) [1] own the partitions")

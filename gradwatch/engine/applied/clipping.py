@@ -11,7 +11,9 @@ coefficient, and every update is scaled by the error: the loss the loop computes
 signed sums and the global norm: a few numbers, no copy), :func:`check_clipping` compares the gradient the optimizer
 steps with against it: every tensor must be the verified one times the same coefficient, and that coefficient must be
 the one ``max_norm`` and the true global norm give. A wrong one fails with fault ``"clipping"`` and both norms in the
-message.
+message. An engine that clips gradients it keeps in its own partitions (DeepSpeed's ZeRO optimizers, inside their
+``step``) exposes the norm it clipped with instead (``engine.optimizer._global_grad_norm``): :func:`check_clip_norm`
+compares the coefficient that norm gives with the one the true norm gives.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport
 
-__all__ = ["CLIP_EPSILONS", "GradientNorms", "check_clipping"]
+__all__ = ["CLIP_EPSILONS", "GradientNorms", "check_clip_norm", "check_clipping"]
 
 CLIP_EPSILONS = (0.0, 1e-6)
 """What loops add to the norm before dividing ``max_norm`` by it: nothing (the textbook rule), or ``1e-6`` (torch's
@@ -178,6 +180,58 @@ def check_clipping(
         n_backward=0,
         duration_s=time.perf_counter() - started,
         notes=notes,
+        scope="applied",
+        fault="clipping" if failed else None,
+        fault_message=fault_message,
+    )
+
+
+def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, *, step: int = 0) -> CheckReport:
+    """Check the norm an engine clipped with against the true norm of the gradient the applied check verified: the
+    coefficient ``min(1, max_norm / (used_norm + 1e-6))`` the engine applied must be the one the verified gradient's
+    norm gives (see the module doc). For an engine whose clipped gradient lives in its own partitions (DeepSpeed),
+    where :func:`check_clipping` cannot read it.
+
+    Args:
+        verified: The :class:`GradientNorms` of the gradient before clipping, as the applied check verified it (the
+            full gradient over every rank: DeepSpeed's ``safe_get_full_grad``).
+        used_norm: The norm the engine divided ``max_norm`` by (unscaled by any loss scale).
+        max_norm: The engine's clipping threshold (DeepSpeed's ``gradient_clipping``).
+        step: The optimizer step, recorded on the report.
+
+    Returns:
+        A :class:`~gradwatch.CheckReport` as :func:`check_clipping` returns one.
+    """
+    started = time.perf_counter()
+    validate.check_int("step", step, minimum=0)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"`max_norm` must be a positive number; got {max_norm!r}")
+    if isinstance(used_norm, bool) or not isinstance(used_norm, (int, float)):
+        raise ValueError(f"`used_norm` must be a number; got {used_norm!r}")
+    tolerance = max(ROUNDING_MULTIPLE * machine_epsilon(verified.dtype), LEAST_TOLERANCE)
+    expected = _expected(verified.total, float(max_norm))
+    applied = _expected(float(used_norm), float(max_norm))[1] if math.isfinite(used_norm) else 0.0
+    text = (
+        f"clipping at max_norm {max_norm:g}: verified gradient norm {verified.total:.6g} (over every rank and shard), "
+        f"the engine clipped with norm {used_norm:.6g}: coefficient {applied:.6g}, expected {expected[1]:.6g}"
+    )
+    fault_message = ""
+    if not any(abs(applied - c) <= tolerance * c for c in expected):
+        fault_message = (
+            f"the gradient was clipped by {applied:.6g} where max_norm {max_norm:g} and its norm {verified.total:.6g} "
+            f"give {expected[1]:.6g}: the engine clipped with the norm {used_norm:.6g} (a norm over one rank's "
+            "partition, before the reduction, or counted twice over a mesh?)"
+        )
+    failed = bool(fault_message)
+    return CheckReport(
+        step=step,
+        verdict=Verdict.FAIL if failed else Verdict.OK,
+        probes=[],
+        loss=math.nan,
+        n_forward=0,
+        n_backward=0,
+        duration_s=time.perf_counter() - started,
+        notes=[Note(NoteCode.APPLIED_CLIPPING, text)],
         scope="applied",
         fault="clipping" if failed else None,
         fault_message=fault_message,
