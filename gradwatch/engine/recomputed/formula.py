@@ -55,12 +55,14 @@ its ``d(1/rms)/dx`` term, seen on the embedding through the residual stream."""
 def confirm_formula(
     evaluator: LossEvaluator, portfolio: Portfolio, tasks: Sequence[ProbeTask], plan: ProbePlan, precision: str
 ) -> Localization | None:
-    """Check in float64 the formula behind the passing probes of a float32 (or 16-bit) model measured in float64 whose
+    """Check in float64 the formula behind the passing probes of a float32 model measured in float64 whose
     discrepancy is significant but within the tolerance (see the module doc). A confirmed fault fails its probes (with
     a note) and is searched for on the float64 copy: returns that search, or ``None`` when no probe failed. Runs only
     where no probe failed already (their culprit search names the bug). ``evaluator`` must be on the native parameters
     and inputs; it is again afterwards."""
-    if precision != "float64" or plan.native_dtype == torch.float64 or any(task.failed for task in tasks):
+    if not plan.check_formula or precision != "float64" or plan.native_dtype != torch.float32:
+        return None
+    if any(task.failed for task in tasks):
         return None
     suspects = [task for task in tasks if _suspect(task)]
     if not suspects:
@@ -79,6 +81,7 @@ def confirm_formula(
             precision="native",
             measure_floor=False,
             measured_floor=False,
+            check_formula=False,
         )
         grads = [
             g if g is not None else p.new_zeros(())
@@ -96,6 +99,7 @@ def confirm_formula(
         measuring = precise.ladder(measurements, reference.loss)
         measuring.measure_fully([replica for _, replica in wrong])
         confirm_at_a_shifted_point(evaluator, on_copy, [replica for _, replica in wrong], precise, "native")
+        evaluator.use_float64_inputs()  # the shift put the batch's own inputs back
         confirmed = [(task, replica) for task, replica in wrong if replica.failed]
         for task, replica in wrong:
             task.evaluations += replica.evaluations
