@@ -68,7 +68,8 @@ def test_a_backward_off_by_less_than_the_tolerance_fails_and_is_named() -> None:
     report = check_gradients(Residual(factor=1 + 2e-5), _batch(), _loss)
     assert report.verdict == "fail"
     failing = [p for p in report.probes if p.verdict == "fail" and p.kind in ("descent", "tensor")]
-    assert failing and all(p.rel_error < report.rtol for p in failing)  # within the float32 tolerance
+    assert failing
+    assert all(p.rel_error < report.rtol for p in failing)  # within the float32 tolerance
     assert report.noted(NoteCode.FORMULA_WRONG_BELOW_TOLERANCE)
     assert report.culprits[:1] == ["branch"]
 
