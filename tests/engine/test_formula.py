@@ -104,3 +104,12 @@ def test_llama_layer_zero_input_norm_dropping_a_term_is_caught() -> None:
     assert report.culprits[0] == "model.layers.0.input_layernorm"
     healthy = check_gradients(cm.llama_with_wrong_norm(None), cm.tokens(), cm.causal_lm_loss)
     assert healthy.verdict == "ok"
+
+
+def test_a_gradient_hook_off_by_less_than_the_tolerance_fails_at_its_module() -> None:
+    model = Residual()
+    model.head.weight.register_hook(lambda grad: grad * (1 + 1e-4))
+    report = check_gradients(model, _batch(), _loss)
+    assert report.verdict == "fail"
+    assert report.noted(NoteCode.FORMULA_WRONG_BELOW_TOLERANCE)
+    assert report.culprits[:1] == ["head"]

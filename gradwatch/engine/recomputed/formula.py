@@ -40,7 +40,6 @@ from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.recomputed.confirmation import hooked_reference
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -141,15 +140,22 @@ def _formula_off(task: ProbeTask, replica: ProbeTask) -> bool:
 @contextmanager
 def _on_float64(evaluator: LossEvaluator, with_inputs: bool) -> Iterator[Reference]:
     """The evaluator on float64 copies of the parameters (leaves of their own, so that the parameters' accumulators
-    never see them) and float64 inputs, with the float64 gradient there as training's hooks would make it."""
+    never see them) and float64 inputs, with the float64 gradient there. The hooks registered on each parameter
+    (``register_hook``) are registered on its copy too, so that every float64 gradient taken there (at the point, at a
+    shifted point, in the culprit search) is the one training would get: a bug that lives in a hook is found."""
     native_params = evaluator.params
     with float64_storage(evaluator.model) as substitutes:
         for _, p in native_params:
-            substitutes.get(id(autograd_tensor(p)), p).requires_grad_()
+            original = autograd_tensor(p)
+            leaf = substitutes.get(id(original))
+            if leaf is not None:  # a float64 parameter is its own copy: its hooks run as they are
+                leaf.requires_grad_()
+                for hook in list((getattr(original, "_backward_hooks", None) or {}).values()):
+                    leaf.register_hook(hook)
         evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
         evaluator.use_float64_inputs()
         try:
-            yield hooked_reference(evaluator.reference(with_inputs=with_inputs), native_params)
+            yield evaluator.reference(with_inputs=with_inputs)
         finally:
             evaluator.params = native_params
             evaluator.use_native_inputs()
