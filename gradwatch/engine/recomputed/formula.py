@@ -106,7 +106,8 @@ def confirm_formula(
             return None
         for task, _ in confirmed:
             _fail(task)
-        evaluator.notes.append(_note(confirmed))
+        note = _note(confirmed)
+        evaluator.notes.append(note)
         failing = [replica for _, replica in confirmed]
         return localize(evaluator.model, evaluator, on_copy, failing, precise.ladder, "native")
 
