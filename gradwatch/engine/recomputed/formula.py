@@ -13,8 +13,10 @@ Where float64 autograd agrees with the float64 finite difference, the float32 gr
 ``ok``. Where it disagrees by about what the float32 gradient does (the same formula's error, not another float64
 function), the probe is measured as a float64 model's would be, on the float64 copy, against float64 autograd, judged
 with :data:`FORMULA_SUSPICION` as its tolerance: a full stencil, a confirming one at a second step, a shifted point
-where the loss has a kink (:mod:`.shifted`). A failure that stands fails the probe, and the culprit search runs there,
-on the float64 copy, where the bug's diluted effect on module gradients stands far above float64's rounding.
+where the loss has a kink (:mod:`.shifted`). A failure that stands fails the probe; as after any failure, the tensors
+not probed yet are screened (there, along their float64 gradients), and the culprit search runs on the float64 copy,
+where the bug's diluted effect on module gradients stands far above float64's rounding. The tensor probes that fail
+there are reported with the search's probes.
 
 Healthy checks pay one float64 forward and backward where a probe crosses the threshold (float32 rounding of a large
 summed loss often does), and nothing more.
@@ -37,12 +39,17 @@ from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
+
+LOCALIZED_AT_MOST = 8
+"""As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
+that look wrong on a screen are measured further."""
 
 FORMULA_SUSPICION = 1e-6
 """The relative discrepancy above which a passing float32 probe measured in float64 has its formula checked in
@@ -96,8 +103,10 @@ def confirm_formula(
         if plan.vectorize and not evaluator.state.sandbox.unrestorable():
             measurements.start_vectorizing()
         measuring = precise.ladder(measurements, reference.loss)
-        measuring.measure_fully([replica for _, replica in wrong])
-        confirm_at_a_shifted_point(evaluator, on_copy, [replica for _, replica in wrong], precise, "native")
+        measured = [replica for _, replica in wrong]
+        measuring.measure_fully(measured)
+        extra = _localization(measuring, on_copy, tasks, measured)
+        confirm_at_a_shifted_point(evaluator, on_copy, measured + extra, precise, "native")
         evaluator.use_float64_inputs()  # the shift put the batch's own inputs back
         confirmed = [(task, replica) for task, replica in wrong if replica.failed]
         for task, replica in wrong:
@@ -108,8 +117,27 @@ def confirm_formula(
             _fail(task)
         note = _note(confirmed)
         evaluator.notes.append(note)
-        failing = [replica for _, replica in confirmed]
-        return localize(evaluator.model, evaluator, on_copy, failing, precise.ladder, "native")
+        located = [task for task in extra if task.failed]
+        failing = [replica for _, replica in confirmed] + located
+        found = localize(evaluator.model, evaluator, on_copy, failing, precise.ladder, "native")
+        if found is not None:
+            found.tasks[:0] = located  # reported with the search's probes: measured on the float64 copy too
+        return found
+
+
+def _localization(
+    measuring: Ladder, on_copy: Portfolio, tasks: Sequence[ProbeTask], measured: Sequence[ProbeTask]
+) -> list[ProbeTask]:
+    """Once a probe failed on the float64 copy: every tensor the check did not probe along its gradient, screened there
+    (at most :data:`LOCALIZED_AT_MOST` measured further), so that the culprit search knows which parameters' gradients
+    are wrong, as after any failure (a gradient hook's bug shows in no module's input gradient)."""
+    results = [task.result for task in measured if task.failed and task.result is not None]
+    if not results:
+        return []
+    measuring.loss_noise = max(result.loss_noise for result in results)
+    extra = on_copy.localization(tasks)
+    measuring.screen_and_escalate(extra, most=LOCALIZED_AT_MOST)
+    return extra
 
 
 def _suspect(task: ProbeTask) -> bool:
