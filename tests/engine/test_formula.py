@@ -113,3 +113,14 @@ def test_a_gradient_hook_off_by_less_than_the_tolerance_fails_at_its_module() ->
     assert report.verdict == "fail"
     assert report.noted(NoteCode.FORMULA_WRONG_BELOW_TOLERANCE)
     assert report.culprits[:1] == ["head"]
+
+
+def test_a_loss_that_cannot_be_differentiated_in_float64_keeps_its_verdict_with_a_note() -> None:
+    def loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        if batch[0].dtype == torch.float64 and torch.is_grad_enabled():
+            raise RuntimeError("no float64 backward here")
+        return _loss(model, batch)
+
+    report = check_gradients(Residual(factor=1 + 2e-5), _batch(), loss)
+    assert report.verdict == "ok"
+    assert report.noted(NoteCode.FORMULA_UNCHECKED)

@@ -46,6 +46,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
 
 LOCALIZED_AT_MOST = 8
 """As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
@@ -73,6 +74,29 @@ def confirm_formula(
     suspects = [task for task in tasks if _suspect(task)]
     if not suspects:
         return None
+    try:
+        return _confirmed(evaluator, portfolio, tasks, suspects, plan)
+    except CheckAbandonedError:
+        raise
+    except Exception as error:  # the probes' verdicts stand as measured
+        evaluator.notes.append(
+            Note(
+                NoteCode.FORMULA_UNCHECKED,
+                f"no float64 check of the formula along {', '.join(dict.fromkeys(t.target for t in suspects))}: the "
+                f"loss raised {type(error).__name__} ({error})",
+            )
+        )
+        return None
+
+
+def _confirmed(
+    evaluator: LossEvaluator,
+    portfolio: Portfolio,
+    tasks: Sequence[ProbeTask],
+    suspects: Sequence[ProbeTask],
+    plan: ProbePlan,
+) -> Localization | None:
+    """:func:`confirm_formula` once it has suspects."""
     with _on_float64(evaluator, any(task.kind.traits.moves_inputs for task in suspects)) as reference:
         replicas = [portfolio.replica(task, evaluator, reference) for task in suspects]
         pairs = zip(suspects, replicas, strict=True)
