@@ -49,7 +49,9 @@ class ProbeSettings:
             for 16-bit parameters probed in float64, measured on the model at each check, at most 3e-2 for float16 and
             1e-1 for bfloat16: :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`). Either is raised to about
             ``4 ε / |loss|`` for a loss near zero, where autograd's own rounding is that large (``report.rtol`` says
-            what was used); below a float32 loss of ~1e-5 no probe is made.
+            what was used); below a float32 loss of ~1e-5 no probe is made. With ``None``, a float32 gradient within
+            the tolerance still fails where float64 autograd shows its formula wrong by more than 1e-6 (float64 probes:
+            :mod:`gradwatch.engine.recomputed.formula`); a given ``rtol`` is what the check accepts, and no more.
         seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions (so every
             process of a distributed run probes the same ones).
         float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences

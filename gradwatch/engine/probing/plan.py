@@ -36,6 +36,9 @@ class ProbePlan:
             :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`).
         measured_floor: Whether ``rtol`` is that measured tolerance: it then already is the rounding a correct gradient
             shows, and a larger error does not pass for rounding.
+        check_formula: Whether float64 probes of a float32 gradient that pass within the tolerance but are significantly
+            off have their formula checked in float64 (no ``rtol`` given: a tolerance the user chose is what they
+            accept; see :mod:`gradwatch.engine.recomputed.formula`).
     """
 
     portfolio: PortfolioSettings
@@ -47,6 +50,7 @@ class ProbePlan:
     precision: ResolvedPrecision = "native"
     measure_floor: bool = False
     measured_floor: bool = False
+    check_formula: bool = False
 
     @property
     def seed(self) -> str:

@@ -203,6 +203,7 @@ def _check(
         fail_on_imprecise=settings.fail_on_imprecise,
         precision=mode,
         measure_floor=settings.rtol is None,
+        check_formula=settings.rtol is None,
     )
     with session.measuring():
         outcome = _run(session, batch, loss_fn, plan)

@@ -85,7 +85,7 @@ def confirm_precision(
         evaluator.use_float64_inputs()
         try:
             reference = evaluator.reference(with_inputs=any(task.kind.traits.moves_inputs for task in failing))
-            precise = _with_parameter_hooks(reference, native_params)
+            precise = hooked_reference(reference, native_params)
             analytic = [portfolio.replica(task, evaluator, precise).direction.analytic for task in failing]
         finally:
             evaluator.params = native_params
@@ -172,7 +172,7 @@ def _measured_natively(
     return [replica.result for replica in replicas]
 
 
-def _with_parameter_hooks(reference: Reference, native_params: Sequence[tuple[str, Tensor]]) -> Reference:
+def hooked_reference(reference: Reference, native_params: Sequence[tuple[str, Tensor]]) -> Reference:
     """The float64 gradient as training would get it: the hooks registered on each parameter (``register_hook``), which
     autograd runs on the parameter itself but not on its float64 copy, applied to its float64 gradient (a bug that
     lives in such a hook must not pass for rounding)."""

@@ -25,6 +25,7 @@ from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.confirmation import confirm_precision
 from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error, quantised
+from gradwatch.engine.recomputed.formula import confirm_formula
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
@@ -106,9 +107,10 @@ def measured_probes(
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
         if any(task.failed for task in tasks):
             _confirm_failures(evaluator, tasks, portfolio, plan, precision)
+        # a formula fault within the tolerance is searched for on the float64 copy it was confirmed on
+        found = confirm_formula(evaluator, portfolio, tasks, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
-        found = None
-        if sharding_active() is None:  # the search's activation probes are per rank: not a global function
+        if found is None and sharding_active() is None:  # the search's probes are per rank: not a global function
             searched_in = _search_precision(evaluator, plan, precision)
             found = localize(model, evaluator, portfolio, tasks, plan.ladder, searched_in)
         if found is not None:

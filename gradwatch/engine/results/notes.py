@@ -76,6 +76,11 @@ class NoteCode(StrEnum):
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
     FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
     IMPRECISE_BEYOND_ROUNDING = "imprecise-beyond-rounding", "a native gradient is off by more than its rounding"
+    FORMULA_UNCHECKED = "formula-unchecked", "a gradient within the tolerance could not have its formula checked"
+    FORMULA_WRONG_BELOW_TOLERANCE = (
+        "formula-wrong-below-tolerance",
+        "a gradient within the tolerance is off by its formula, not its rounding: failed",
+    )
     # the culprit search
     CULPRIT_HOOKS_REFUSED = "culprit-hooks-refused", "no culprit search: the loss cannot run with hooks on its modules"
     CULPRIT_NO_MODULE = "culprit-no-module", "no culprit search: the loss runs no module"
