@@ -138,8 +138,9 @@ class Inferred:
 def reproducing_autocast(setting: PathSetting, applied: Sequence[Tensor], eager: Gradient) -> Inferred:
     """The autocast path, among :func:`candidates` for the parameters' device, whose recomputed window gradient
     reproduces ``applied`` :data:`ADOPTION_RATIO` times closer than ``eager`` does (the path's gradient without
-    autocast: eager float32, or the compiled code's), if one does (see the module doc); none tried where ``applied`` is within :data:`SCREEN` of ``eager``, else one backward pass per candidate tried,
-    stopping at one that reproduces it exactly."""
+    autocast: eager float32, or the compiled code's), if one does (see the module doc); none tried where ``applied``
+    is within :data:`SCREEN` of ``eager``, else one backward pass per candidate tried, stopping at one that reproduces
+    it exactly."""
     device = device_type(setting.params)
     missing = math.hypot(*distances(eager, list(applied)))
     size = math.hypot(*norms(list(applied), exact=True))
