@@ -88,7 +88,8 @@ def test_a_correct_bf16_path_no_one_named_concludes_ok_with_a_note(case: str) ->
     report = _window(model, outer=case != "own-autocast").check(_loss)
     assert (report.verdict, report.fault) == ("ok", None), str(report)
     inferred = [n for n in report.notes if n.code == NoteCode.APPLIED_PATH_INFERRED]
-    assert len(inferred) == 1 and "bfloat16" in inferred[0]
+    assert len(inferred) == 1
+    assert "bfloat16" in inferred[0]
     assert any(n.code == NoteCode.APPLIED_FLOOR and "bfloat16 path" in n for n in report.notes)
     if case != "own-autocast":
         assert 'path=lambda: torch.autocast("cpu", dtype=torch.bfloat16)' in inferred[0]

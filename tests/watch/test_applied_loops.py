@@ -62,7 +62,9 @@ def plain_loop(
     return state_of(model, optimizer)
 
 
-def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True) -> Any:
+def fabric_loop(
+    watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True, tell_path: bool = True
+) -> Any:
     """Fabric runs the wrapped module's forward in its precision's autocast: that is the path; the watch gets the
     module itself (``model.module``)."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed" if bf16 else "32-true")
@@ -76,7 +78,7 @@ def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, 
                 watch.record(batch)
             fabric.backward(cross_entropy(wrapped, batch) / ACCUMULATE)
         if watch is not None:
-            watch.before_optimizer_step(module, cross_entropy, step=step, path=fabric.autocast)
+            watch.before_optimizer_step(module, cross_entropy, step=step, path=fabric.autocast if tell_path else None)
         optimizer.step()
         if zero_grad:
             optimizer.zero_grad()
@@ -85,7 +87,9 @@ def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, 
     return state_of(module, optimizer.optimizer)
 
 
-def accelerate_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True) -> Any:
+def accelerate_loop(
+    watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True, tell_path: bool = True
+) -> Any:
     """Accelerate: ``record`` inside ``accelerator.accumulate`` before the forward, both checks on the sync step
     (``accelerator.sync_gradients``), around ``optimizer.step()``; ``accelerator.backward`` divides each loss by the
     accumulation steps (``combine="mean"``)."""
@@ -103,7 +107,8 @@ def accelerate_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = Fal
                 watch.record(batch)
             accelerator.backward(cross_entropy(wrapped, batch))
             if accelerator.sync_gradients and watch is not None:
-                watch.before_optimizer_step(module, cross_entropy, step=step + 1, path=accelerator.autocast)
+                path = accelerator.autocast if tell_path else None
+                watch.before_optimizer_step(module, cross_entropy, step=step + 1, path=path)
             optimizer.step()
             if zero_grad:
                 optimizer.zero_grad()
@@ -146,14 +151,16 @@ def test_a_backward_wrong_only_under_bf16_autocast_is_a_precision_fault(loop: st
     assert all(r.verdict == "ok" for r in watch.reports if r.scope == "recomputed")  # eager float32 is right
 
 
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
 @pytest.mark.parametrize("fault", [1.0, 1.5], ids=["healthy", "autocast-only-fault"])
-def test_a_bf16_loop_that_omits_path_is_judged_on_its_inferred_bf16_path(fault: float) -> None:
-    """No false alarm on a correct bf16 loop that does not pass ``path=``; a backward wrong only under autocast is
-    still a precision fault there."""
+def test_a_bf16_loop_that_omits_path_is_judged_on_its_inferred_bf16_path(loop: str, fault: float) -> None:
+    """No false alarm on a correct bf16 loop that does not pass ``path=`` (the plain loop's autocast is inferred by a
+    replay, Fabric's and Accelerate's, which wrap the forward, from the region the forward enters); a backward wrong
+    only under autocast is still a precision fault there."""
     watch = _watch(on_fail=lambda report: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error" if fault == 1.0 else "ignore", GradientCheckWarning)
-        plain_loop(watch, _model(fault=fault), bf16=True, tell_path=False)
+        LOOPS[loop](watch, _model(fault=fault), bf16=True, tell_path=False)
     expected = ("ok", None) if fault == 1.0 else ("fail", "precision")
     assert [(r.verdict, r.fault) for r in watch.applied_reports] == [expected] * STEPS
     assert all(r.noted(NoteCode.APPLIED_PATH_INFERRED) for r in watch.applied_reports)
