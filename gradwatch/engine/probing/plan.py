@@ -17,6 +17,8 @@ from gradwatch.engine.function.precision import ResolvedPrecision
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,8 @@ class ProbePlan:
             :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`).
         measured_floor: Whether ``rtol`` is that measured tolerance: it then already is the rounding a correct gradient
             shows, and a larger error does not pass for rounding.
+        tolerances: The tolerance of each probe from a floor measured per tensor (:mod:`.tolerances`); ``rtol`` is
+            then the largest, which probes of inputs and activations keep.
     """
 
     portfolio: PortfolioSettings
@@ -47,6 +51,7 @@ class ProbePlan:
     precision: ResolvedPrecision = "native"
     measure_floor: bool = False
     measured_floor: bool = False
+    tolerances: TensorTolerances | None = None
 
     @property
     def seed(self) -> str:
@@ -61,4 +66,9 @@ class ProbePlan:
             native_dtype=self.native_dtype,
             reference_loss=reference_loss,
             float64_refinement=self.float64_refinement,
+            tolerances=self.tolerances,
         )
+
+    def rtol_of(self, task: ProbeTask) -> float:
+        """The tolerance ``task`` is judged with (see :attr:`tolerances`)."""
+        return task_rtol(task, self.rtol, self.tolerances)
