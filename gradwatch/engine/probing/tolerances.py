@@ -15,9 +15,9 @@ was then the fixed cap (0.1 for bf16) in most checks, and a 5% bug in the classi
   along ``v`` by at most ``Σ_T ‖v_T‖ · floor_T`` (Cauchy-Schwarz in each tensor), so ``multiple`` times that over the
   probe's scale (its slope, or the size of its tensors' contributions);
 
-each between the float32 tolerance and the dtype's fixed one, raised for a loss near zero as every tolerance is
-(:func:`~gradwatch.engine.numerics.steps.gradient_tolerance`). A probe of anything else (inputs, activations) keeps the
-single tolerance.
+each tensor allowed at least the rounding of a gradient of a loss this near zero relative to its own gradient
+(:func:`~gradwatch.engine.numerics.steps.gradient_tolerance`), each probe's tolerance between float32's and ``highest``.
+A probe of anything else (inputs, activations) keeps the single tolerance.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TensorTolerances:
         grad_norms: Per checked parameter, the norm of its gradient.
         multiple: How many floors a gradient may be off.
         lowest: The least tolerance (float32's).
-        highest: The most (the dtype's fixed tolerance).
+        highest: The most.
         loss: The reference loss (a loss near zero raises every tolerance).
         dtype: The gradient's dtype.
         negligible: ``ν``, the fraction of ``‖g‖`` below which a tensor's gradient counts as that fraction.
