@@ -18,6 +18,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from applied_models import AutocastOnlyTanh, bf16, scaled_once
+from helpers import assert_bit_identical, snapshot
 
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.function.conditions import autocast_held_off
@@ -85,7 +86,12 @@ def _net(case: str, **faults: float) -> Net:
 @pytest.mark.parametrize("case", CASES)
 def test_a_correct_bf16_path_no_one_named_concludes_ok_with_a_note(case: str) -> None:
     model = _net(case)
-    report = _window(model, outer=case != "own-autocast").check(_loss)
+    window = _window(model, outer=case != "own-autocast")
+    before = snapshot(model)
+    random_state = torch.get_rng_state()
+    report = window.check(_loss)
+    assert_bit_identical(before, snapshot(model))  # the replays leave the run as it was
+    assert torch.equal(random_state, torch.get_rng_state())
     assert (report.verdict, report.fault) == ("ok", None), str(report)
     inferred = [n for n in report.notes if n.code == NoteCode.APPLIED_PATH_INFERRED]
     assert len(inferred) == 1
