@@ -91,7 +91,10 @@ def confirm_precision(
             evaluator.params = native_params
             evaluator.use_native_inputs()
     formula_right = [task for task, value in zip(failing, analytic, strict=True) if _agrees(task, value)]
-    natively = _measured_natively(evaluator, portfolio, failing, plan)
+    # a 16-bit gradient judged against its measured floor: native 16-bit finite differences resolve nothing near that
+    # floor (a loss quantised at 8e-3 of itself in bf16), and a lucky "ok" there would pass a 16-bit kernel's bug off as
+    # float64 evaluating another function; the float64 function was verified to be the model's before probing
+    natively = [None] * len(failing) if plan.measured_floor else _measured_natively(evaluator, portfolio, failing, plan)
     # a measured 16-bit tolerance already is the rounding of a correct gradient: beyond it, more than rounding
     multiple = 1.0 if plan.measured_floor else IMPRECISION_LIMIT
     limit = 0.0

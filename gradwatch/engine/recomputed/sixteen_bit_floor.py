@@ -128,6 +128,8 @@ class SixteenBitFloor:
         dtype = self.plan.native_dtype
         if self.spread is None:
             return self._fixed("the model's gradient of 3x the loss is not finite or could not be computed")
+        # the other points first: every evaluation after them is at the check's point again
+        others = self._other_realizations(dtype)
         precise = self._guarded(lambda: _gradients(self.evaluator))
         if precise is None:
             return self._fixed("no finite float64 gradient")
@@ -136,7 +138,7 @@ class SixteenBitFloor:
         if rounded is None:
             return self._fixed(f"no finite gradient with {_name(dtype)} rounding emulated")
         forward = _distances(rounded, precise)
-        for other in self._other_realizations(dtype):
+        for other in others:
             forward = [max(a, b) for a, b in zip(forward, other, strict=True)]
         rounding = machine_epsilon(dtype) / 2
         floors = [max(f, s, rounding * n) for f, s, n in zip(forward, self.spread, self.grad_norms, strict=True)]
