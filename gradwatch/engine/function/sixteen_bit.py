@@ -31,25 +31,15 @@ class SixteenBitRounding(TorchDispatchMode):
 
     Args:
         dtype: ``torch.bfloat16`` or ``torch.float16``.
-        dither: With a generator, each rounded value is moved further by up to half a unit in its last place, at
-            random: an error up to twice round-to-nearest's, as a kernel that rounds its intermediate results again
-            (inside a fused norm or convolution, where no dispatch sees them) errs, in another draw at every call.
     """
 
-    def __init__(self, dtype: torch.dtype, dither: torch.Generator | None = None) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self.dither = dither
 
     def _round(self, value: Any) -> Any:
         if isinstance(value, Tensor) and value.dtype in (torch.float32, torch.float64):
-            low = value.to(self.dtype)
-            rounded = low.to(value.dtype)
-            if self.dither is None:
-                return rounded
-            spacing = torch.nextafter(low, torch.full_like(low, torch.inf)).to(value.dtype) - rounded
-            noise = torch.rand(value.shape, generator=self.dither, dtype=value.dtype, device="cpu").to(value.device)
-            return torch.where(torch.isfinite(spacing), rounded + spacing * (noise - 0.5), rounded)
+            return value.to(self.dtype).to(value.dtype)
         return value
 
     def __torch_dispatch__(

@@ -180,7 +180,7 @@ class SixteenBitFloor:
                         noise = torch.rand(origin.shape, generator=generator, dtype=torch.float64) - 0.5
                         tensor.copy_(origin * (1 + machine_epsilon(dtype) * noise.to(origin.device)))
                 precise = self._guarded(lambda: _gradients(self.evaluator))
-                with SixteenBitRounding(dtype, dither=generator):
+                with SixteenBitRounding(dtype):
                     rounded = self._guarded(lambda: _gradients(self.evaluator))
                 if precise is not None and rounded is not None:
                     found.append(_distances(rounded, precise))
