@@ -19,6 +19,7 @@ from lightning.fabric import Fabric
 from loop_models import assert_same_state, classification_batches, cross_entropy, plant_bug, state_of
 
 from gradwatch import GradientCheckWarning, GradientWatch
+from gradwatch.engine.results.notes import NoteCode
 
 STEPS, ACCUMULATE = 3, 2
 
@@ -35,8 +36,11 @@ def _bf16() -> contextlib.AbstractContextManager[Any]:
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def plain_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True) -> Any:
-    """The recipe: record each micro-batch, the applied check before the step, the recomputed one after it."""
+def plain_loop(
+    watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True, tell_path: bool = True
+) -> Any:
+    """The recipe: record each micro-batch, the applied check before the step, the recomputed one after it
+    (``tell_path=False``: the loop omits ``path=``, as many do)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     path = _bf16 if bf16 else None
     batches = iter(classification_batches(STEPS * ACCUMULATE))
@@ -49,7 +53,7 @@ def plain_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, z
                 loss = cross_entropy(model, batch)
             (loss / ACCUMULATE).backward()
         if watch is not None:
-            watch.before_optimizer_step(model, cross_entropy, step=step, path=path)
+            watch.before_optimizer_step(model, cross_entropy, step=step, path=path if tell_path else None)
         optimizer.step()
         if zero_grad:
             optimizer.zero_grad()
@@ -58,7 +62,9 @@ def plain_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, z
     return state_of(model, optimizer)
 
 
-def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True) -> Any:
+def fabric_loop(
+    watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True, tell_path: bool = True
+) -> Any:
     """Fabric runs the wrapped module's forward in its precision's autocast: that is the path; the watch gets the
     module itself (``model.module``)."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed" if bf16 else "32-true")
@@ -72,7 +78,7 @@ def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, 
                 watch.record(batch)
             fabric.backward(cross_entropy(wrapped, batch) / ACCUMULATE)
         if watch is not None:
-            watch.before_optimizer_step(module, cross_entropy, step=step, path=fabric.autocast)
+            watch.before_optimizer_step(module, cross_entropy, step=step, path=fabric.autocast if tell_path else None)
         optimizer.step()
         if zero_grad:
             optimizer.zero_grad()
@@ -81,7 +87,9 @@ def fabric_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, 
     return state_of(module, optimizer.optimizer)
 
 
-def accelerate_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True) -> Any:
+def accelerate_loop(
+    watch: GradientWatch | None, model: MLP, *, bf16: bool = False, zero_grad: bool = True, tell_path: bool = True
+) -> Any:
     """Accelerate: ``record`` inside ``accelerator.accumulate`` before the forward, both checks on the sync step
     (``accelerator.sync_gradients``), around ``optimizer.step()``; ``accelerator.backward`` divides each loss by the
     accumulation steps (``combine="mean"``)."""
@@ -99,7 +107,8 @@ def accelerate_loop(watch: GradientWatch | None, model: MLP, *, bf16: bool = Fal
                 watch.record(batch)
             accelerator.backward(cross_entropy(wrapped, batch))
             if accelerator.sync_gradients and watch is not None:
-                watch.before_optimizer_step(module, cross_entropy, step=step + 1, path=accelerator.autocast)
+                path = accelerator.autocast if tell_path else None
+                watch.before_optimizer_step(module, cross_entropy, step=step + 1, path=path)
             optimizer.step()
             if zero_grad:
                 optimizer.zero_grad()
@@ -140,6 +149,21 @@ def test_a_backward_wrong_only_under_bf16_autocast_is_a_precision_fault(loop: st
     first = watch.applied_reports[0]
     assert (first.step, first.verdict, first.fault) == (1, "fail", "precision"), str(first)
     assert all(r.verdict == "ok" for r in watch.reports if r.scope == "recomputed")  # eager float32 is right
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
+@pytest.mark.parametrize("fault", [1.0, 1.5], ids=["healthy", "autocast-only-fault"])
+def test_a_bf16_loop_that_omits_path_is_judged_on_its_inferred_bf16_path(loop: str, fault: float) -> None:
+    """No false alarm on a correct bf16 loop that does not pass ``path=`` (the plain loop's autocast is inferred by a
+    replay, Fabric's and Accelerate's, which wrap the forward, from the region the forward enters); a backward wrong
+    only under autocast is still a precision fault there."""
+    watch = _watch(on_fail=lambda report: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if fault == 1.0 else "ignore", GradientCheckWarning)
+        LOOPS[loop](watch, _model(fault=fault), bf16=True, tell_path=False)
+    expected = ("ok", None) if fault == 1.0 else ("fail", "precision")
+    assert [(r.verdict, r.fault) for r in watch.applied_reports] == [expected] * STEPS
+    assert all(r.noted(NoteCode.APPLIED_PATH_INFERRED) for r in watch.applied_reports)
 
 
 def test_gradients_not_zeroed_between_windows_are_an_accumulation_fault() -> None:

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied import lazy_floor
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
+from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.culprit_search import recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
@@ -46,17 +47,6 @@ from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
 
 __all__ = ["check_applied_gradient", "path_autocast"]
-
-
-def path_autocast(path: PathContext | None) -> torch.dtype | None:
-    """The autocast dtype the path's context enables (on any device), or ``None``."""
-    if path is None:
-        return None
-    with path():
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                return torch.get_autocast_dtype(device)
-    return None
 
 
 def _rank_mean(value: float, group: Any) -> float:
@@ -319,8 +309,13 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     evaluator = _GlobalEvaluator(model, setting.batches, window, session.params, state, held=session.held_detaches())
     evaluator.group = group
     notes = evaluator.notes
-    with recompute.exact_conditions():
+    with recompute.exact_conditions() as entered:
         reference = evaluator.reference(with_inputs=False)
+    own = autocast_path.own_autocast(entered, autocast_path.device_type(params))
+    if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
+        setting.autocast, plan = own, autocast_path.replanned(plan, own)
+        said = autocast_path.own_note(own, autocast_path.device_type(params))
+        notes.append(said)
     reference = dataclasses.replace(reference, loss=_rank_mean(reference.loss, group))
     edited = [parameter.path for parameter in state.guard.edited]
     if edited:  # every evaluation starts where training left the parameters, and the loss moves them from there
@@ -353,11 +348,17 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
                 )
             )
             return _Outcome(evaluator, [], None, reference.loss, backward, [0.0] * len(params))
+    if setting.path is None and setting.autocast is None:  # a 16-bit path no one named?
+        inferred = autocast_path.reproducing_autocast(setting, plan.applied, again if again is not None else eager)
+        backward += inferred.backward
+        if inferred.setting is not None and inferred.gradient is not None and inferred.note is not None:
+            setting, again, said = inferred.setting, inferred.gradient, inferred.note
+            assert setting.autocast is not None
+            plan, path_dtype = autocast_path.replanned(plan, setting.autocast), setting.autocast
+            notes.append(said)
     if setting.autocast is not None:
         assert again is not None
-        emulated = recompute.emulated_gradient(model, setting.batches, window, params, state, setting.autocast, group)
-        scaled = setting.gradient(scale=SPREAD_SCALE)[1]
-        measured_floors = [distances(emulated, eager), distances(again, scaled)]
+        measured_floors = autocast_path.autocast_floors(setting, eager, again)
         backward += 2
     elif sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)
@@ -374,11 +375,11 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, path_dtype)
         measured = measure(evaluator, plan, floor_values, reference.loss, screens)
+    failing = [m for m in measured if m.probe.verdict == "fail"]
     floor_note = lazy_floor.floor_note(
         path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
     notes.append(floor_note)
-    failing = [m for m in measured if m.probe.verdict == "fail"]
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
 

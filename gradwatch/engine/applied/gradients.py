@@ -95,13 +95,14 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
 
 
 @contextlib.contextmanager
-def exact_conditions() -> Iterator[None]:
+def exact_conditions() -> Iterator[list[tuple[str, torch.dtype]]]:
     """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
     Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
     check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
-    passes), so that it draws the training's masks."""
-    with autocast_held_off(), full_float32_precision(), compiler_disabled():
-        yield
+    passes), so that it draws the training's masks. Yields the autocast regions the loss tried to enter meanwhile
+    (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)."""
+    with autocast_held_off() as entered, full_float32_precision(), compiler_disabled():
+        yield entered
 
 
 def eager_gradient(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.state import capture_rng, set_rng
+from gradwatch.engine.results.notes import Note, NoteCode
 
 if TYPE_CHECKING:
     from gradwatch.engine.results.report import CheckReport
@@ -88,6 +89,20 @@ def single_loss(loss_fn: LossFn, state: dict[str, Any] | None, path: PathContext
     return loss
 
 
+def _autocast_region() -> tuple[str, torch.dtype] | None:
+    """The 16-bit autocast region enabled here, as ``(device type, dtype)``, if any (CPU and CUDA)."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            if dtype in (torch.float16, torch.bfloat16):
+                return device, dtype
+    return None
+
+
+def _autocast_context(device: str, dtype: torch.dtype) -> PathContext:
+    return lambda: torch.autocast(device, dtype=dtype)
+
+
 @dataclass(frozen=True)
 class Checksums:
     """Per-tensor fingerprints of gradients: the float64 sum, sum of absolute values and sum of squares of each (three
@@ -149,6 +164,7 @@ class AppliedWindow:
         self.rng_states: list[dict[str, Any]] = []
         self.start: Checksums | None = None
         self.last_fault: tuple[int, str | None] | None = None  # the last check's step and fault (kept by clear())
+        self.autocast: tuple[str, torch.dtype] | None = None  # the autocast region record() was called in, if any
 
     def record(self, batch: Any) -> None:
         """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
@@ -157,16 +173,19 @@ class AppliedWindow:
             self.start = Checksums.of([p.grad for p in self.model.parameters() if p.requires_grad])
         self.batches.append(batch)
         self.rng_states.append(capture_rng())
+        self.autocast = self.autocast or _autocast_region()
 
     def clear(self) -> None:
         """Forget the window (after the optimizer step)."""
-        self.batches, self.rng_states, self.start = [], [], None
+        self.batches, self.rng_states, self.start, self.autocast = [], [], None, None
 
     def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
         """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
         (``model``: the window's own by default); ``options`` are passed on, keywords all (``combine``, ``path``,
         ``step``, the probe options or ``settings``, ...). A window reused across steps (:meth:`clear` after each)
-        calls a ``"transient"`` fault its previous check found too ``"modified"``."""
+        calls a ``"transient"`` fault its previous check found too ``"modified"``. Without a ``path``, a window
+        recorded inside an autocast region (``record`` called in the ``with torch.autocast(...)`` block of the forward)
+        is checked on that autocast path, with a note."""
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
@@ -178,9 +197,16 @@ class AppliedWindow:
             raise ValueError("AppliedWindow.check: `model` must be given when the window was made without one")
         from gradwatch.engine.applied.step_hooks import recurring
 
+        region = self.autocast if options.get("path") is None else None
+        if region is not None:
+            options["path"] = _autocast_context(*region)
         report = check_applied_gradient(
             model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
         )
+        if region is not None:
+            device, dtype = region[0], str(region[1]).removeprefix("torch.")
+            text = f"the window was recorded inside {device} autocast to {dtype}: the path is judged as that autocast"
+            report.notes.append(Note(NoteCode.APPLIED_PATH_INFERRED, text))
         # a window reused from step to step (clear() after each) tells a change made at every step from a one-off
         report = recurring(report, self.last_fault)
         self.last_fault = (report.step, report.fault)

@@ -65,9 +65,11 @@ def autocast_disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def autocast_held_off() -> Iterator[None]:
+def autocast_held_off() -> Iterator[list[tuple[str, torch.dtype]]]:
     """Leave any surrounding autocast region and keep every ``torch.autocast`` entered meanwhile off (a model's
-    ``forward`` wrapped in autocast, an ``accelerator.autocast()`` inside the loss), for the duration.
+    ``forward`` wrapped in autocast, an ``accelerator.autocast()`` inside the loss), for the duration; yields the list
+    of the regions the code tried to enable meanwhile, as ``(device type, dtype)``: what the training's path runs
+    under without anyone saying so (a model that enters autocast in its own ``forward``).
 
     ``torch.autocast.__enter__`` is swapped on the class (its CUDA and CPU subclasses call it): each region entered
     meanwhile is entered disabled, and left as torch leaves any region, restoring the state it found. The instance's own
@@ -76,9 +78,14 @@ def autocast_held_off() -> Iterator[None]:
     """
     autocast = torch.amp.autocast_mode.autocast
     enter = autocast.__enter__
+    entered: list[tuple[str, torch.dtype]] = []
 
     def enter_disabled(self: torch.amp.autocast_mode.autocast) -> Any:
         enabled = self._enabled
+        if enabled and len(entered) < 64:  # one of each is enough; a long loss enters a region per layer
+            region = (str(self.device), self.fast_dtype)
+            if region not in entered:
+                entered.append(region)
         self._enabled = False
         try:
             return enter(self)
@@ -88,7 +95,7 @@ def autocast_held_off() -> Iterator[None]:
     autocast.__enter__ = enter_disabled  # type: ignore[method-assign]
     try:
         with autocast_disabled():
-            yield
+            yield entered
     finally:
         autocast.__enter__ = enter  # type: ignore[method-assign]
 

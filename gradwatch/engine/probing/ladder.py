@@ -28,6 +28,7 @@ from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, sc
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 
@@ -50,6 +51,7 @@ class Ladder:
         native_dtype: The dtype of the gradient being checked.
         reference_loss: The loss autograd computed (a float64 re-measurement must reproduce it).
         float64_refinement: Whether undecided native probes are measured again in float64.
+        tolerances: Each probe's own tolerance, from a noise floor measured per tensor (``None``: ``rtol`` for all).
     """
 
     def __init__(
@@ -60,9 +62,11 @@ class Ladder:
         native_dtype: torch.dtype,
         reference_loss: float,
         float64_refinement: bool,
+        tolerances: TensorTolerances | None = None,
     ) -> None:
         self.measurements = measurements
         self.rtol = rtol
+        self.tolerances = tolerances
         self.native_dtype = native_dtype
         self.probe_dtype = measurements.compute_dtype
         self.reference_loss = reference_loss
@@ -106,7 +110,9 @@ class Ladder:
         pending = [
             task
             for task in tasks
-            if task.kind.traits.moves_parameters and task.result is not None and undecided(task.result, self.rtol)
+            if task.kind.traits.moves_parameters
+            and task.result is not None
+            and undecided(task.result, self.rtol_of(task))
         ]
         if not pending or not self.float64_refinement:
             return
@@ -136,13 +142,17 @@ class Ladder:
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
         )
 
+    def rtol_of(self, task: ProbeTask) -> float:
+        """The tolerance ``task`` is judged with: its own where the check has one per tensor, else the check's."""
+        return task_rtol(task, self.rtol, self.tolerances)
+
     # ---- the rungs ------------------------------------------------------------------------------------------------
 
     def _screen(self, task: ProbeTask) -> None:
         task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
         task.result = screen(
             task.stencil,
-            rtol=self.rtol,
+            rtol=self.rtol_of(task),
             scale_floor=task.scale_floor,
             value_epsilon=self.measurements.value_epsilon,
             loss_noise=self.loss_noise + self.measurements.jitter,
@@ -164,13 +174,13 @@ class Ladder:
         self._full_at_step(task)
         result = task.result
         assert result is not None
-        if task.index is not None or not undecided(result, self.rtol):
+        if task.index is not None or not undecided(result, self.rtol_of(task)):
             return
         finer = finer_step(
             task.step,
             center=self.measurements.center,
             scale=result.scale,
-            rtol=self.rtol,
+            rtol=self.rtol_of(task),
             compute_epsilon=machine_epsilon(self.measurements.compute_dtype),
         )
         if finer is not None:
@@ -183,23 +193,23 @@ class Ladder:
         if task.stencil is None or task.stencil.step != task.step:
             task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
         task.stencil = task.stencil.extended(self._points(task, task.step, HALF_OFFSETS))
-        first = self._assess(task.stencil, task.scale_floor)
+        first = self._assess(task, task.stencil)
         if first.verdict != "fail":
             task.result = first
             return
         confirming = task.step * CONFIRMATION_STEP
         self._prefetch([(task, FULL_OFFSETS)], step=confirming)
         second = self._stencil(task, confirming, FULL_OFFSETS)
-        task.result = confirm(first, self._assess(second, task.scale_floor))
+        task.result = confirm(first, self._assess(task, second))
         task.step = confirming
 
     # ---- measuring ------------------------------------------------------------------------------------------------
 
-    def _assess(self, stencil: Stencil, scale_floor: float) -> Assessment:
+    def _assess(self, task: ProbeTask, stencil: Stencil) -> Assessment:
         return assess(
             stencil,
-            rtol=self.rtol,
-            scale_floor=scale_floor,
+            rtol=self.rtol_of(task),
+            scale_floor=task.scale_floor,
             value_epsilon=self.measurements.value_epsilon,
             jitter=self.measurements.jitter,
         )

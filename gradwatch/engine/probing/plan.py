@@ -17,6 +17,8 @@ from gradwatch.engine.function.precision import ResolvedPrecision
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class ProbePlan:
         check_formula: Whether float64 probes of a float32 gradient that pass within the tolerance but are significantly
             off have their formula checked in float64 (no ``rtol`` given: a tolerance the user chose is what they
             accept; see :mod:`gradwatch.engine.recomputed.formula`).
+        tolerances: The tolerance of each probe from a floor measured per tensor (:mod:`.tolerances`); ``rtol`` is
+            then the largest, which probes of inputs and activations keep.
     """
 
     portfolio: PortfolioSettings
@@ -51,6 +55,7 @@ class ProbePlan:
     measure_floor: bool = False
     measured_floor: bool = False
     check_formula: bool = False
+    tolerances: TensorTolerances | None = None
 
     @property
     def seed(self) -> str:
@@ -65,4 +70,9 @@ class ProbePlan:
             native_dtype=self.native_dtype,
             reference_loss=reference_loss,
             float64_refinement=self.float64_refinement,
+            tolerances=self.tolerances,
         )
+
+    def rtol_of(self, task: ProbeTask) -> float:
+        """The tolerance ``task`` is judged with (see :attr:`tolerances`)."""
+        return task_rtol(task, self.rtol, self.tolerances)

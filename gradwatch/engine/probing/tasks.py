@@ -36,6 +36,8 @@ class ProbeTask:
         moves: What the direction moves, as positions in the check's parameters (``int``) and input paths (``str``):
             how the same probe is made again at another point (see :meth:`Portfolio.replica
             <gradwatch.engine.probing.portfolio.Portfolio.replica>`).
+        rtol: The probe's own tolerance where the check has one per tensor (:mod:`.tolerances`), once resolved;
+            ``None``: the check's.
     """
 
     kind: ProbeKind
@@ -51,6 +53,7 @@ class ProbeTask:
     initial_step: float = 0.0
     evaluations: int = 0
     moves: tuple[int | str, ...] = ()
+    rtol: float | None = None
 
     def __post_init__(self) -> None:
         self.kind = ProbeKind(self.kind)  # from a plain string too: its properties are `task.kind.traits`

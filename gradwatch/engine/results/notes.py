@@ -120,6 +120,10 @@ class NoteCode(StrEnum):
         "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
     )
     APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
+    APPLIED_PATH_INFERRED = (
+        "applied-path-inferred",
+        "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
+    )
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

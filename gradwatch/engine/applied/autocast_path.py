@@ -1,0 +1,179 @@
+"""A 16-bit autocast path: its noise floor, and its precision where no one named it.
+
+An applied check judges the gradient against the noise floor of the precision the training's path computes in. The
+loop names that path (``path=``, a factory of the context its forward ran in); where it does not, the check must not
+take a correct 16-bit gradient for a wrong float32 one. Two cases are common:
+
+* **the model enters autocast itself**, in its own ``forward`` (or a loss that enters ``accelerator.autocast()``):
+  the check's reference pass holds that region off (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)
+  and sees it entered, direct evidence of the path's precision (:func:`own_autocast`); the path is then judged as that
+  autocast path, its recomputation letting the model's own region run;
+* **the loop runs its forward under** ``torch.autocast`` **and did not say so** (a plain loop, Accelerate or Fabric
+  without ``path=``): the applied gradient then disagrees with eager float32 by the 16-bit rounding, beyond the float32
+  floor. Where the applied gradient is further from eager float32's than :data:`SCREEN` (a float32 path differs from
+  its own recomputation by the accumulation's rounding alone, ~1e-7 of ``‖g‖``; a 16-bit one by 5e-4 and more), the
+  window is run again under each autocast dtype of the parameters' device before any probe
+  (:func:`reproducing_autocast`); one whose gradient reproduces the applied one far more closely than eager float32
+  does (with the recorded random states, bit for bit on CPU) is the path the forward ran on, and the check judges the
+  gradient with that path's floor, with a note. A gradient changed after the backward is reproduced by no dtype, and a
+  float32 loop's faults stay float32 faults: a dtype is adopted only when it is :data:`ADOPTION_RATIO` times closer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.attribution import PathSetting
+from gradwatch.engine.applied.gradients import Gradient
+from gradwatch.engine.applied.probes import AppliedPlan
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple
+from gradwatch.engine.applied.window import PathContext
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckAbandonedError
+
+SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+ADOPTION_RATIO = 0.25
+"""How much closer to the applied gradient than eager float32's an autocast recomputation must come for the check to
+adopt its dtype as the path's: a float32 gradient changed after the backward is not made closer by 16-bit rounding
+(the rounding is unrelated to the change), while the path's own recomputation reproduces the applied gradient exactly
+where the random states are replayed (CPU) and within the kernels' nondeterminism elsewhere."""
+
+
+SCREEN = 1e-4
+"""How far from eager float32's gradient, relative to its norm, the applied one must be for the check to try autocast
+paths (measured on CPU, windows of 1 and 4 micro-batches of an MLP, a CNN and a transformer: float32 paths 0 to 6e-8,
+bf16 autocast 4e-3 to 4e-2, fp16 autocast 6e-4 to 1.4e-2): a float32 loop does not pay for the replays."""
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def device_type(params: Sequence[Tensor]) -> str:
+    """The device type the parameters live on (``"cpu"`` without any)."""
+    return params[0].device.type if params else "cpu"
+
+
+def path_autocast(path: PathContext | None) -> torch.dtype | None:
+    """The autocast dtype the path's context enables (on any device), or ``None``."""
+    if path is None:
+        return None
+    with path():
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+    return None
+
+
+def own_autocast(entered: Sequence[tuple[str, torch.dtype]], device: str) -> torch.dtype | None:
+    """The 16-bit dtype of the first autocast region the loss's code tried to enter on ``device`` (``entered``, as
+    :func:`~gradwatch.engine.function.conditions.autocast_held_off` records them), else ``None``: a region of another
+    device leaves the parameters' computations as they are."""
+    return next((dtype for kind, dtype in entered if kind == device and dtype in SIXTEEN_BITS), None)
+
+
+def own_note(dtype: torch.dtype, device: str) -> Note:
+    """The note of a path whose precision the model's own autocast region gave."""
+    return Note(
+        NoteCode.APPLIED_PATH_INFERRED,
+        f"the loss enters {device} autocast to {_name(dtype)} itself (in the model's forward or the loss): the path "
+        f"is judged as a {_name(dtype)} autocast path, its noise floor measured on it",
+    )
+
+
+def replanned(plan: AppliedPlan, dtype: torch.dtype) -> AppliedPlan:
+    """``plan`` judged on an autocast path to ``dtype``."""
+    return dataclasses.replace(plan, path_dtype=dtype, multiple=floor_multiple(dtype))
+
+
+def autocast_floors(setting: PathSetting, eager: Gradient, again: Gradient) -> list[list[float]]:
+    """The measured distances of a 16-bit autocast path's floor (:func:`~gradwatch.engine.applied.verdict.floors`):
+    float32 autograd with autocast's rounding emulated against ``eager``, and the path's gradient ``again`` against
+    the path's gradient of :data:`~gradwatch.engine.applied.verdict.SPREAD_SCALE` times the loss (two backward
+    passes)."""
+    assert setting.autocast is not None
+    window = setting.window(with_path=False)
+    emulated = recompute.emulated_gradient(setting.model, setting.batches, window, setting.params, setting.state,
+                                           setting.autocast, setting.group)  # fmt: skip
+    scaled = setting.gradient(scale=SPREAD_SCALE)[1]
+    return [distances(emulated, eager), distances(again, scaled)]
+
+
+def candidates(device: str) -> list[tuple[torch.dtype, PathContext]]:
+    """The autocast contexts a forward on ``device`` may have run under, the most common first."""
+    if not torch.amp.autocast_mode.is_autocast_available(device):
+        return []
+    order: tuple[torch.dtype, ...] = (
+        (torch.float16, torch.bfloat16) if device == "cuda" else (torch.bfloat16, torch.float16)
+    )
+    if device == "cuda" and not torch.cuda.is_bf16_supported():
+        order = (torch.float16,)
+    return [(dtype, _context(device, dtype)) for dtype in order]
+
+
+def _context(device: str, dtype: torch.dtype) -> PathContext:
+    return lambda: torch.autocast(device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """What :func:`reproducing_autocast` found: the path's setting with its autocast (``None``: none reproduces the
+    applied gradient), that path's gradient, the backward passes spent, the note to add."""
+
+    setting: PathSetting | None
+    gradient: Gradient | None
+    backward: int
+    note: Note | None
+
+
+def reproducing_autocast(setting: PathSetting, applied: Sequence[Tensor], eager: Gradient) -> Inferred:
+    """The autocast path, among :func:`candidates` for the parameters' device, whose recomputed window gradient
+    reproduces ``applied`` :data:`ADOPTION_RATIO` times closer than ``eager`` does (the path's gradient without
+    autocast: eager float32, or the compiled code's), if one does (see the module doc); none tried where ``applied``
+    is within :data:`SCREEN` of ``eager``, else one backward pass per candidate tried, stopping at one that reproduces
+    it exactly."""
+    device = device_type(setting.params)
+    missing = math.hypot(*distances(eager, list(applied)))
+    size = math.hypot(*norms(list(applied), exact=True))
+    best: tuple[float, PathSetting, Gradient] | None = None
+    backward = 0
+    if missing > SCREEN * size and math.isfinite(missing):
+        for dtype, context in candidates(device):
+            trial = dataclasses.replace(setting, path=context, autocast=dtype)
+            try:
+                gradient = trial.gradient()[1]
+            except CheckAbandonedError:
+                raise
+            except Exception:  # a dtype this device's autocast cannot run (an operator without a kernel for it)
+                continue
+            backward += 1
+            distance = math.hypot(*distances(gradient, list(applied)))
+            if best is None or distance < best[0]:
+                best = (distance, trial, gradient)
+            if distance == 0:
+                break
+    if best is None or not best[0] <= ADOPTION_RATIO * missing:
+        return Inferred(None, None, backward, None)
+    distance, trial, gradient = best
+    assert trial.autocast is not None
+    name = _name(trial.autocast)
+    closeness = (
+        "reproduces the applied one bit for bit"
+        if distance == 0
+        else f"is {distance / missing:.2g} times as far from the applied one as eager float32's"
+    )
+    text = (
+        f"the window's forward ran under {device} autocast to {name}: recomputed so, its gradient {closeness}; the "
+        f'path is judged as that autocast path (pass path=lambda: torch.autocast("{device}", dtype=torch.{name}) '
+        "to skip this inference)"
+    )
+    return Inferred(trial, gradient, backward, Note(NoteCode.APPLIED_PATH_INFERRED, text))
