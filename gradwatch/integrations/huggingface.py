@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -33,19 +32,25 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.integrations.trainer_losses import trainer_options
-from gradwatch.integrations.trainer_outputs import run_sinks
-from gradwatch.integrations.trainer_path import TrainerPath, engine_checks, joined_inputs, trainer_combine
+from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
+from gradwatch.integrations.trainer_path import (
+    TrainerPath,
+    divides_by_count,
+    engine_checks,
+    joined_inputs,
+    trainer_combine,
+)
 from gradwatch.integrations.trainer_records import records_kept
+from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
-from gradwatch.watch.defaults import DEFAULT_MAX_OVERHEAD
+from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["STATE_KEY", "GradWatchCallback"]
 
-STATE_KEY = "gradwatch"
 """The key of the watch's state in ``TrainerState.stateful_callbacks`` (saved in each checkpoint's
 ``trainer_state.json``). Not the callback's class name: with ``restore_callback_states_from_checkpoint=True`` the
 Trainer rebuilds a callback of that name from JSON arguments, which cannot hold the trainer."""
@@ -80,8 +85,8 @@ class GradWatchCallback(TrainerCallback):
     Keyword Args:
         every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
-        applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``);
-            ``None`` (the Trainer's default for now: untested with TRL's trainers): none. Not under FSDP.
+        applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``), within
+            the same budget (the watch's default, as under Lightning); ``None``: none. Not under FSDP (said once).
         on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
         loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss``. A GRPO-style
             trainer's own loss is checked with ``hold_detached`` (:mod:`gradwatch.integrations.trainer_losses`).
@@ -112,7 +117,7 @@ class GradWatchCallback(TrainerCallback):
         *,
         every_n_steps: int | None = None,
         first_check_step: int | None = 1,
-        applied_every_n_steps: int | None = None,
+        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
         max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
@@ -154,7 +159,7 @@ class GradWatchCallback(TrainerCallback):
         self._keep_next = False  # the next micro-batch of the step is kept
         self._wrapped = False
         self._engine_hook: Any = None  # under DeepSpeed: the applied check inside the engine's step
-        self._pending_logs: list[dict[str, float | str]] = []  # logged at the end of the step they belong to
+        self._log = TrainerLog(trainer)  # an applied check's values logged at the end of the step they belong to
         self._in_window = False  # the micro-batches run are recorded for the applied check, until its check point
         self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
         self._window_first: dict[str, Any] | None = None  # the inputs of the window's first micro-batch
@@ -162,8 +167,18 @@ class GradWatchCallback(TrainerCallback):
 
     @property
     def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks, oldest first."""
+        """The reports of this run's checks of both kinds, oldest first."""
         return self.watch.reports
+
+    @property
+    def applied_reports(self) -> list[CheckReport]:
+        """The reports of this run's applied checks (and of the clip coefficient), oldest first."""
+        return self.watch.applied_reports
+
+    @property
+    def recomputed_reports(self) -> list[CheckReport]:
+        """The reports of this run's recomputed checks, oldest first."""
+        return self.watch.recomputed_reports
 
     @property
     def counts(self) -> dict[str, int]:
@@ -186,7 +201,10 @@ class GradWatchCallback(TrainerCallback):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
-        self._restore_state(state)
+        saved = saved_state(state, STATE_KEY)
+        if saved is not None:
+            self.watch.load_state_dict(saved)
+        keep_state(state, STATE_KEY, self.watch.state_dict())
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
@@ -228,7 +246,7 @@ class GradWatchCallback(TrainerCallback):
         self._check_applied()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        self._log_pending()
+        self._log.flush()
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
@@ -241,7 +259,7 @@ class GradWatchCallback(TrainerCallback):
             skipped=lambda: bool(getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False)),
             optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
         )
-        self._save_state(state)  # before the Trainer saves a checkpoint of this step
+        keep_state(state, STATE_KEY, self.watch.state_dict())  # before the Trainer saves a checkpoint of this step
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -296,30 +314,12 @@ class GradWatchCallback(TrainerCallback):
             )
 
     def _normalised_over_window(self, path: TrainerPath) -> bool:
-        """Whether ``compute_loss`` divides by the window's ``num_items_in_batch`` (a DAPO-style loss, a model taking
-        loss kwargs; the Trainer's argument, or the key of that name in the inputs): the window's first micro-batch's
-        loss given twice the count is half of it. Asked by the applied
-        check only when the window's gradient is the one-batch gradient divided by the micro-batch count, which is then
-        a second normalisation. Two forwards without gradient, in eval mode, random state and records put back."""
-        inputs, count = self._window_first, self._window_count
-        key = "num_items_in_batch"  # where TRL's GRPO-family trainers keep the window's count of completion tokens
-        if inputs is None or (count is None and key not in inputs):
-            return False
-        model = self._model
-        modes = [(module, module.training) for module in model.modules()]
-        values = []
-        try:
-            model.eval()
-            for factor in (1, 2):
-                with torch.random.fork_rng(devices=[]), torch.no_grad(), path.loss_context():
-                    torch.manual_seed(0)
-                    given = {**inputs, key: inputs[key] * factor} if key in inputs else inputs
-                    values.append(float(self._trainer_loss(None if count is None else count * factor)(model, given)))
-        finally:
-            for module, training in modes:
-                module.training = training
-        whole, doubled = values
-        return math.isfinite(whole) and whole != 0 and abs(2 * doubled - whole) <= 1e-3 * abs(whole)
+        """Whether ``compute_loss`` divides by the window's count (:func:`~.trainer_path.divides_by_count`), asked by
+        the applied check only when the window's gradient is the one-batch one divided by the micro-batch count."""
+        inputs = self._window_first
+        return inputs is not None and divides_by_count(
+            self._trainer_loss, self._model, inputs, self._window_count, path.loss_context
+        )
 
     def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
         """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
@@ -345,38 +345,6 @@ class GradWatchCallback(TrainerCallback):
         )
 
     # --- the state in the Trainer's checkpoints ---------------------------------------------------------------------
-
-    def _restore_state(self, state: TrainerState) -> None:
-        """Continue from the watch's state in ``state`` (a checkpoint's, on resume), if it holds one."""
-        saved = _stateful(state).get(STATE_KEY)
-        if isinstance(saved, dict):
-            self.watch.load_state_dict(saved)
-        self._save_state(state)
-
-    def _save_state(self, state: TrainerState) -> None:
-        """Keep the watch's state in ``state``, where the Trainer's next checkpoint saves it (plain JSON values)."""
-        _stateful(state)[STATE_KEY] = self.watch.state_dict()
-
-    # --- outputs --------------------------------------------------------------------------------------------------
-
-    def _log(self, values: dict[str, float | str], step: int) -> None:
-        """Send a check's values through ``trainer.log`` at the Trainer's ``step``: at once when the Trainer is there,
-        else (an applied check, before its optimizer step) at that step's end."""
-        if step > self.trainer.state.global_step:
-            self._pending_logs.append(values)
-            return
-        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
-        # the Trainer would skip (and later average over) the loss it logs at this step
-        should_log = self.trainer.control.should_log
-        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
-        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
-        Trainer.log(self.trainer, cast(dict[str, float], values))
-        self.trainer.control.should_log = should_log
-
-    def _log_pending(self) -> None:
-        pending, self._pending_logs = self._pending_logs, []
-        for values in pending:
-            self._log(values, self.trainer.state.global_step)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 
@@ -417,14 +385,6 @@ class GradWatchCallback(TrainerCallback):
             return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
         return loss_fn
-
-
-def _stateful(state: TrainerState) -> dict[str, Any]:
-    """``state.stateful_callbacks``: a dict of states by name (a list before the Trainer's ``TrainerState`` turns it
-    into one)."""
-    if not isinstance(state.stateful_callbacks, dict):
-        state.stateful_callbacks = {}  # type: ignore[assignment]
-    return cast(dict[str, Any], state.stateful_callbacks)
 
 
 def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
@@ -23,7 +24,7 @@ from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.sinks import JsonLinesSink, LogCallSink, Sink, SummaryWriterSink
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
 
-__all__ = ["record_directories", "run_sinks", "tracking_run_id"]
+__all__ = ["TrainerLog", "record_directories", "run_sinks", "tracking_run_id"]
 
 
 def run_sinks(
@@ -68,3 +69,30 @@ def tracking_run_id(callback: TrainerCallback) -> str | None:
     except Exception:  # a tracking tool's state must not end the run: its record then goes to output_dir
         return None
     return None
+
+
+class TrainerLog:
+    """Sends a check's values through ``trainer.log`` at the Trainer's step: at once when the Trainer is at that step,
+    else (an applied check, made before its optimizer step) at that step's end (:meth:`flush`)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.pending: list[dict[str, float | str]] = []
+
+    def __call__(self, values: dict[str, float | str], step: int) -> None:
+        if step > self.trainer.state.global_step:
+            self.pending.append(values)
+            return
+        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
+        # the Trainer would skip (and later average over) the loss it logs at this step
+        should_log = self.trainer.control.should_log
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, cast(dict[str, float], values))
+        self.trainer.control.should_log = should_log
+
+    def flush(self) -> None:
+        """Log the values held back for the step that just ended."""
+        pending, self.pending = self.pending, []
+        for values in pending:
+            self(values, self.trainer.state.global_step)

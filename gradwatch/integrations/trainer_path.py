@@ -15,6 +15,7 @@ autocast. The model's ``forward`` is its own again when the check ends.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ from transformers import Trainer
 from gradwatch.engine.applied.equivalence import concatenate
 from gradwatch.engine.applied.window import Combine, PathContext
 
-__all__ = ["TrainerPath", "joined_inputs", "trainer_combine"]
+__all__ = ["TrainerPath", "divides_by_count", "joined_inputs", "trainer_combine"]
 
 
 def joined_inputs(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
@@ -145,3 +146,38 @@ def engine_checks(
             clipped(*found)
 
     return before_engine_steps(engine, lambda: check(FullGradients(engine)), after)
+
+
+COUNT_KEY = "num_items_in_batch"
+"""Where TRL's GRPO-family trainers keep the window's count of completion tokens in the inputs, besides the Trainer's
+own argument of that name."""
+
+
+def divides_by_count(
+    loss_with_count: Callable[[Any], Callable[[nn.Module, dict[str, Any]], torch.Tensor]],
+    model: nn.Module,
+    inputs: dict[str, Any],
+    count: Any,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> bool:
+    """Whether a Trainer's loss divides by the window's ``num_items_in_batch`` (a DAPO-style loss, a model taking loss
+    kwargs): the loss of ``inputs`` (``loss_with_count(count)(model, inputs)``) given twice the count, as the Trainer's
+    argument or as the inputs' key of that name, is half of it. Such a loss is normalised over the whole window, so a
+    window gradient that is the one-batch one divided by the micro-batch count is a second normalisation. Two forwards
+    without gradient in eval mode, inside ``context()``, the random state and the modules' modes put back."""
+    if count is None and COUNT_KEY not in inputs:
+        return False
+    modes = [(module, module.training) for module in model.modules()]
+    values = []
+    try:
+        model.eval()
+        for factor in (1, 2):
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), context():
+                torch.manual_seed(0)
+                given = {**inputs, COUNT_KEY: inputs[COUNT_KEY] * factor} if COUNT_KEY in inputs else inputs
+                values.append(float(loss_with_count(None if count is None else count * factor)(model, given)))
+    finally:
+        for module, training in modes:
+            module.training = training
+    whole, doubled = values
+    return math.isfinite(whole) and whole != 0 and abs(2 * doubled - whole) <= 1e-3 * abs(whole)

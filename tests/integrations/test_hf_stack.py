@@ -55,10 +55,14 @@ def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(t
         )
     counts = callback.counts
     assert (counts["checks"], counts["failed"], counts["skipped"]) == (1, 1, 0)  # no check that could not run
-    report = callback.reports[0]
+    report = callback.recomputed_reports[0]
     assert (report.step, report.verdict) == (1, "fail")
     assert report.culprits[0] == buggy, str(report)
     assert "(`BuggySiLU`) is wrong: its input gradient is" in report.culprit_message
+    # the applied check, by default at the first step, through the same checkpoints (reentrant ones run non-reentrant)
+    applied = callback.applied_reports[0]
+    assert (applied.step, applied.verdict, applied.fault) == (1, "fail", "formula"), str(applied)
+    assert applied.culprits[0] == buggy
 
 
 def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> None:
@@ -66,8 +70,8 @@ def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientCheckWarning)
         callback = _train(tmp_path, model, steps=8)
-    assert [r.verdict for r in callback.reports] == ["ok"] * 8
-    assert all(r.precision == "float64" for r in callback.reports)
+    assert [r.verdict for r in callback.recomputed_reports] == ["ok"] * 8
+    assert all(r.precision == "float64" for r in callback.recomputed_reports)
 
 
 @pytest.mark.parametrize(
@@ -230,6 +234,6 @@ def test_a_custom_lora_variant_bug_is_caught_and_named_at_the_first_check_of_a_t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradientCheckWarning)
         callback = _train(tmp_path, model, steps=1)
-    report = callback.reports[0]
+    report = callback.recomputed_reports[0]
     assert (report.step, report.verdict) == (1, "fail"), str(report)
     assert report.culprits[0] == buggy, str(report)

@@ -76,7 +76,7 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
         warnings.simplefilter("error", GradientCheckWarning)
         watched, callback = _train(tmp_path, every_n_steps=2)
     assert callback is not None
-    assert [(r.step, r.verdict) for r in callback.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
+    assert [(r.step, r.verdict) for r in callback.recomputed_reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
     assert callback.counts == {
         "checks": 4,
         "failed": 0,
@@ -85,7 +85,7 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
         "applied_checks": 0,
         "applied_failed": 0,
     }
-    assert all(r.samples == 2 for r in callback.reports)  # one micro-batch of 4 sequences, probed on 2
+    assert all(r.samples == 2 for r in callback.recomputed_reports)  # one micro-batch of 4 sequences, probed on 2
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
     assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit
     # the checks' scalars, one entry of their own at each checked step
@@ -115,13 +115,13 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
     )
     trainer.add_callback(callback)
     trainer.train()
-    assert [r.step for r in callback.reports] == [2]
+    assert [r.step for r in callback.recomputed_reports] == [2]
     training = [n for step, n in seen if step == 1][:2]  # the two micro-batches of the second optimizer step
     checking = [n for step, n in seen if step == 2]  # the check's evaluations, at the end of that step
-    assert len(checking) >= callback.reports[0].n_passes  # vectorised: one call evaluates many points
+    assert len(checking) >= callback.recomputed_reports[0].n_passes  # vectorised: one call evaluates many points
     # the count of the whole accumulation window, as the Trainer passed it (a number for the check)
     assert {float(n) for n in checking} == {float(training[0])}
-    assert callback.reports[0].verdict == "ok"
+    assert callback.recomputed_reports[0].verdict == "ok"
 
 
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported_from_tensorboard(
@@ -132,7 +132,7 @@ def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported
             tmp_path, bug_in=BUGGY, steps=1, arguments={"report_to": ["tensorboard"]}, every_n_steps=2
         )
     assert callback is not None
-    first = callback.reports[0]
+    first = callback.recomputed_reports[0]
     assert (first.step, first.verdict) == (1, "fail")
     assert first.culprits[0] == BUGGY
     assert any(p.target == f"{BUGGY}.weight" for p in first.failures)

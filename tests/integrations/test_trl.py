@@ -79,6 +79,11 @@ def _history(trainer: Any) -> list[dict[str, float]]:
     ]
 
 
+def _applied(callback: GradWatchCallback) -> list[tuple[int, str, bool]]:
+    """The run's applied checks (step 1 at the defaults): step, verdict, and whether it checked the clip coefficient."""
+    return [(r.step, r.verdict, bool(r.noted(NoteCode.APPLIED_CLIPPING))) for r in callback.applied_reports]
+
+
 def test_sft_at_its_defaults_is_checked_without_false_alarm_and_logs_as_without_gradwatch(tmp_path: Path) -> None:
     without, _ = _sft(tmp_path)
     assert without.args.bf16  # TRL's defaults, on a CPU
@@ -88,10 +93,12 @@ def test_sft_at_its_defaults_is_checked_without_false_alarm_and_logs_as_without_
         warnings.simplefilter("error", GradientCheckWarning)
         watched, callback = _sft(tmp_path, every_n_steps=2)
     assert callback is not None
-    assert [(r.step, r.verdict) for r in callback.reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
+    assert [(r.step, r.verdict) for r in callback.recomputed_reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
+    # the gradient the optimizer applies, at the first step by default, and the Trainer's clip coefficient after it
+    assert _applied(callback) == [(1, "ok", False), (1, "ok", True)]
     assert callback.counts["skipped"] == 0
     # the float32 function outside autocast: far below bf16's rounding (~1e-3 along a gradient)
-    assert all(max(r.conclusive_rel_errors) < 1e-4 for r in callback.reports)
+    assert all(max(r.conclusive_rel_errors) < 1e-4 for r in callback.recomputed_reports)
     history = _history(watched)
     assert history == _history(without)  # bit for bit, TRL's entropy, token accuracy and token count included
     assert all("entropy" in entry and "num_tokens" in entry for entry in history if "loss" in entry)
@@ -104,7 +111,7 @@ def test_a_wrong_rmsnorm_backward_is_caught_at_the_first_check_and_named(tmp_pat
     with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}` \(`LlamaRMSNorm`\)"):
         _, callback = _sft(tmp_path, steps=1, bug=True, every_n_steps=10)
     assert callback is not None
-    first = callback.reports[0]
+    first = callback.recomputed_reports[0]
     assert (first.step, first.verdict) == (1, "fail"), str(first)
     assert first.culprits[0] == NORM
     assert "input gradient is" in first.culprit_message
@@ -167,9 +174,10 @@ def test_dpo_at_its_defaults_is_checked_in_float64_and_logs_as_without_gradwatch
         warnings.simplefilter("error", GradientCheckWarning)
         watched, callback = _dpo(tmp_path, steps=4, every_n_steps=2)
     assert callback is not None
-    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [
+    assert [(r.step, r.verdict, r.precision) for r in callback.recomputed_reports] == [
         (1, "ok", "float64"), (2, "ok", "float64"), (4, "ok", "float64")
     ]  # fmt: skip
+    assert _applied(callback) == [(1, "ok", False), (1, "ok", True)]
     assert _history(watched) == _history(without)  # DPO's rewards, log-probabilities and token counts included
     assert "rewards/margins" in _history(watched)[0]
 
@@ -178,7 +186,7 @@ def test_a_wrong_rmsnorm_backward_under_dpo_is_caught_at_the_first_check_and_nam
     with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}`"):
         _, callback = _dpo(tmp_path, steps=1, bug=True, every_n_steps=10)
     assert callback is not None
-    assert callback.reports[0].culprits[0] == NORM
+    assert callback.recomputed_reports[0].culprits[0] == NORM
 
 
 def _grpo(tmp_path: Path, steps: int, bug: bool = False, **options: Any) -> tuple[Any, GradWatchCallback | None]:
@@ -223,9 +231,14 @@ def test_grpo_at_its_defaults_is_checked_on_the_function_autograd_differentiates
         warnings.simplefilter("error", GradientCheckWarning)
         watched, callback = _grpo(tmp_path, steps=4, every_n_steps=1)
     assert callback is not None
-    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [(s, "ok", "float64") for s in (1, 2, 3, 4)]
-    assert all(max(r.conclusive_rel_errors) < 1e-5 for r in callback.reports)
-    assert all(r.noted(NoteCode.DETACHED_HELD) for r in callback.reports)  # logp.detach(): the ratio's denominator
+    assert [(r.step, r.verdict, r.precision) for r in callback.recomputed_reports] == [
+        (s, "ok", "float64") for s in (1, 2, 3, 4)
+    ]
+    assert _applied(callback) == [(1, "ok", False), (1, "ok", True)]
+    assert all(max(r.conclusive_rel_errors) < 1e-5 for r in callback.recomputed_reports)
+    assert all(
+        r.noted(NoteCode.DETACHED_HELD) for r in callback.recomputed_reports
+    )  # logp.detach(): the ratio's denominator
     assert _history(watched) == _history(without)  # rewards, completions, clip ratios, entropy: bit for bit
     assert "rewards/low_token_reward/mean" in _history(watched)[0]
 
@@ -233,7 +246,7 @@ def test_grpo_at_its_defaults_is_checked_on_the_function_autograd_differentiates
 def test_grpo_without_held_values_checks_nothing(tmp_path: Path) -> None:
     _, callback = _grpo(tmp_path, steps=1, every_n_steps=1, hold_detached=False)
     assert callback is not None
-    report = callback.reports[0]
+    report = callback.recomputed_reports[0]
     assert report.verdict != "fail", str(report)
     assert report.probes[0].reason == "flat", str(report)  # exp(logp - logp.detach()) is 1 at every point
 
@@ -242,8 +255,8 @@ def test_a_wrong_rmsnorm_backward_under_grpo_is_caught_at_the_first_check_and_na
     with pytest.warns(GradientCheckWarning, match=rf"failed at step 1: the backward of `{NORM}`"):
         _, callback = _grpo(tmp_path, steps=1, bug=True, every_n_steps=10)
     assert callback is not None
-    assert callback.reports[0].culprits[0] == NORM
-    assert "input gradient is" in callback.reports[0].culprit_message
+    assert callback.recomputed_reports[0].culprits[0] == NORM
+    assert "input gradient is" in callback.recomputed_reports[0].culprit_message
 
 
 DORA = "base_model.model.model.layers.1.self_attn.q_proj.lora_magnitude_vector.default"
@@ -262,8 +275,10 @@ def test_sft_with_a_dora_adapter_at_its_defaults_is_checked_without_false_alarm(
         trainer, callback = _sft(tmp_path, steps=3, peft_config=_dora_config(), every_n_steps=1)
     assert callback is not None
     assert trainer.args.gradient_checkpointing  # the DoRA modules recomputed inside checkpointed decoder layers
-    assert [(r.step, r.verdict, r.precision) for r in callback.reports] == [(s, "ok", "float64") for s in (1, 2, 3)]
-    assert all(r.noted(NoteCode.DORA_NORM) for r in callback.reports)
+    assert [(r.step, r.verdict, r.precision) for r in callback.recomputed_reports] == [
+        (s, "ok", "float64") for s in (1, 2, 3)
+    ]
+    assert all(r.noted(NoteCode.DORA_NORM) for r in callback.recomputed_reports)
 
 
 def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check_and_is_named(tmp_path: Path) -> None:
@@ -291,7 +306,7 @@ def test_a_wrong_dora_magnitude_gradient_under_sft_fails_the_first_check_and_is_
         callback = GradWatchCallback(trainer, max_overhead=None)
         trainer.add_callback(callback)
         trainer.train()
-    report = callback.reports[0]
+    report = callback.recomputed_reports[0]
     assert (report.step, report.verdict) == (1, "fail"), str(report)
     assert {p.target for p in report.probes if p.kind == "tensor" and p.verdict == "fail"} == {f"{DORA}.weight"}
     # the culprit search runs through the checkpointed decoder layers, whose DoRA modules feed PEFT's `torch.eye`

@@ -40,6 +40,7 @@ from gradwatch.engine.function.conditions import (
     autocast_held_off,
     compiler_disabled,
     full_float32_precision,
+    reentrant_checkpoints_run_non_reentrant,
 )
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
 from gradwatch.engine.function.precision import float64_storage, substitute_of
@@ -63,7 +64,8 @@ def _gradient(
     collective = sharding.active()
     state.before_evaluation()
     try:
-        with sharding.evaluation(), torch.enable_grad():
+        # a reentrant activation checkpoint refuses torch.autograd.grad, which leaves .grad alone: run it non-reentrant
+        with sharding.evaluation(), torch.enable_grad(), reentrant_checkpoints_run_non_reentrant():
             loss = as_scalar_loss(loss_fn(model, batches))
             scaled = loss * scale if scale != 1.0 else loss
             if collective is None:
@@ -99,9 +101,15 @@ def exact_conditions() -> Iterator[list[tuple[str, torch.dtype]]]:
     """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
     Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
     check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
-    passes), so that it draws the training's masks. Yields the autocast regions the loss tried to enter meanwhile
+    passes), so that it draws the training's masks; activation checkpoints run non-reentrant (a reentrant one refuses
+    ``torch.autograd.grad``). Yields the autocast regions the loss tried to enter meanwhile
     (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)."""
-    with autocast_held_off() as entered, full_float32_precision(), compiler_disabled():
+    with (
+        autocast_held_off() as entered,
+        full_float32_precision(),
+        compiler_disabled(),
+        reentrant_checkpoints_run_non_reentrant(),
+    ):
         yield entered
 
 
