@@ -72,8 +72,14 @@ def test_healthy_trainer_fits_pass_every_check_and_train_as_without(
     checked = _ranks(fits, f"healthy-z{stage}-{dtype}")
     for watched, plain in zip(checked, _ranks(fits, f"baseline-z{stage}-{dtype}"), strict=True):
         assert watched["engine"] == "DeepSpeedEngine"
-        assert [(r["step"], r["verdict"]) for r in watched["reports"]] == [(1, "ok"), (2, "ok"), (3, "ok")]
-        assert all(("zero3-gathered" in r["note_codes"]) == (stage == 3) for r in watched["reports"])
+        recomputed = [r for r in watched["reports"] if r["scope"] == "recomputed"]
+        assert [(r["step"], r["verdict"]) for r in recomputed] == [(1, "ok"), (2, "ok"), (3, "ok")]
+        # by default the applied check too, at the first step, and the norm the engine clipped with after it
+        assert [(r["step"], r["scope"], r["verdict"]) for r in _checks(watched) if r["scope"] == "applied"] == [
+            (1, "applied", "ok")
+        ]  # fmt: skip
+        assert _clip_checks(watched) == [(1, "ok")]
+        assert all(("zero3-gathered" in r["note_codes"]) == (stage == 3) for r in _checks(watched))
         for key in ("params", "master", "optimizer"):
             assert watched[key] == plain[key], key
 
@@ -81,8 +87,9 @@ def test_healthy_trainer_fits_pass_every_check_and_train_as_without(
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_formula_bug_fails_every_check_and_names_the_module(fits: dict[str, Any], stage: int) -> None:
     for rank in _ranks(fits, f"formula-z{stage}-fp32"):
-        assert [r["verdict"] for r in rank["reports"]] == ["fail"] * 3
-        assert all("custom.weight" in r["failures"] and r["culprits"][0] == "custom" for r in rank["reports"])
+        checks = _checks(rank)
+        assert [(r["scope"], r["verdict"]) for r in checks] == [("applied", "fail")] + [("recomputed", "fail")] * 3
+        assert all("custom.weight" in r["failures"] and r["culprits"][0] == "custom" for r in checks)
 
 
 @pytest.mark.parametrize("scenario", ["z1-fp32", "z2-fp32", "z3-fp32", "z3-bf16"])
