@@ -31,8 +31,6 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.combined import (
-    CLOSER_LOOK,
-    Combined,
     balanced_components,
     balanced_weights,
     floor_along,
@@ -41,6 +39,7 @@ from gradwatch.engine.applied.combined import (
     vouching_groups,
 )
 from gradwatch.engine.applied.gradients import exact_conditions
+from gradwatch.engine.applied.measured import Measured, calm, explained
 from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
@@ -49,7 +48,7 @@ from gradwatch.engine.function.precision import float64_storage, resolve_precisi
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
-from gradwatch.engine.numerics.norms import dot, norms, total
+from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
 from gradwatch.engine.results.kinds import ProbeKind, Reason
@@ -62,29 +61,6 @@ ROUNDING_ULPS = 8.0
 """The round-off of one float64 loss evaluation, in units of its last place: the noise a screen assumes before any
 full stencil has measured it (float64 round-off lies orders of magnitude below every tolerance of a float32 or 16-bit
 gradient, so the figure only needs to be generous)."""
-
-
-@dataclass
-class Measured:
-    """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
-    over the applied gradient in each of them, the derivative it measured and its tolerance."""
-
-    probe: Probe
-    tensors: tuple[int, ...]
-    weights: tuple[float, ...]
-    tolerance: float
-    excess: float
-
-    def combined(self) -> Combined:
-        """What :func:`~.combined.tensors_to_probe` needs of it."""
-        weights = dict(zip(self.tensors, self.weights, strict=True))
-        return Combined(self.probe.verdict, self.excess, self.tolerance, weights)
-
-    def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
-        """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
-        pairs = zip(self.tensors, self.weights, strict=True)
-        slope = total([w * dot(grads[i], applied[i]) for i, w in pairs])
-        return math.isfinite(slope) and abs(slope - self.probe.numeric) <= self.tolerance
 
 
 class AppliedProbes:
@@ -102,6 +78,8 @@ class AppliedProbes:
             the check to measure the floor and probe again.
         screens: The screens of an earlier pass over the same point, by probe (filled in for a later one): probing
             again against another floor evaluates nothing twice.
+        rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
+            float64, :mod:`.lazy_floor`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
     def __init__(
@@ -115,8 +93,10 @@ class AppliedProbes:
         native_dtype: torch.dtype,
         provisional: bool = False,
         screens: dict[Any, Any] | None = None,
+        rounding: Sequence[float] | None = None,
     ) -> None:
         self.measurements = measurements
+        self.rounding = rounding
         self.provisional = provisional
         self.screens = screens if screens is not None else {}
         self.names = list(names)
@@ -267,12 +247,8 @@ class AppliedProbes:
             evaluations=evaluations,
             floor=floor,
         )
-        return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess)
-
-
-def calm(measured: Sequence[Measured]) -> bool:
-    """Whether every probe agrees within :data:`~.combined.CLOSER_LOOK` of its tolerance."""
-    return all(m.probe.verdict == "ok" and m.excess <= CLOSER_LOOK for m in measured)
+        return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess,
+                        explained(self.rounding, tensors, weights))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -306,6 +282,7 @@ def measure(
     loss: float,
     screens: dict[Any, Any] | None = None,
     provisional: bool = False,
+    rounding: Sequence[float] | None = None,
 ) -> list[Measured]:
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
@@ -313,10 +290,12 @@ def measure(
     ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the first
     screen that does not agree, or after the combined probes when one does not agree within
     :data:`~.combined.CLOSER_LOOK`. ``screens`` (a dict) collects the centre and the screens of one pass for another
-    over the same point (with the measured floor), which evaluates them again only if they are not there."""
+    over the same point (with the measured floor), which evaluates them again only if they are not there.
+    ``rounding``: per tensor, the measured rounding's part along its applied gradient (:class:`AppliedProbes`), which
+    a closer look discounts (:mod:`.measured`)."""
     named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (plan, floors, loss, screens, provisional)
+    args = (plan, floors, loss, screens, provisional, rounding)
     with exact_conditions():
         float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
@@ -346,6 +325,7 @@ def _probes_at(
     loss: float,
     screens: dict[Any, Any] | None,
     provisional: bool,
+    rounding: Sequence[float] | None,
     compute: torch.dtype,
 ) -> list[Measured]:
     screens = screens if screens is not None else {}
@@ -363,7 +343,7 @@ def _probes_at(
         return []
     measurements = Measurements(evaluator, center)
     probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
-                           plan.multiple, plan.native, provisional, screens)  # fmt: skip
+                           plan.multiple, plan.native, provisional, screens, rounding)  # fmt: skip
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured

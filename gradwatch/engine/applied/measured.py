@@ -1,0 +1,75 @@
+"""A finished probe of an applied check, and when the probes call for a closer look.
+
+A probe's discrepancy ``a − D`` (the applied gradient's slope against the measured derivative) holds the rounding of
+the path's gradient along its direction. Its tolerance allows for that rounding by Cauchy-Schwarz, tensor by tensor
+(``Σ_T floor_T ‖d_T‖``), so a rounding of the same sign in every tensor (common-mode: a float32 CNN at initialisation)
+brings a healthy combined probe close to half its tolerance, which alone would send the check on to tensor probes
+(:data:`~.combined.CLOSER_LOOK`). Once the float64 floor is measured (:mod:`.lazy_floor`) that rounding is known as a
+vector, not only as a norm: the eager gradient less the float64 one, ``e``. Its part along the probe's direction,
+``e · d`` (:attr:`Measured.explained`), is then the discrepancy rounding alone would give, and what calls for a closer
+look is what is left of the discrepancy beyond it (:attr:`Measured.closer`): a fault of the applied gradient, which
+``e`` does not hold (the float64 gradient applies the same formulas and hooks; a fault of the training's path alone is
+in neither), is left there whole, whatever the sign of the rounding. The verdict is left as it was: a probe fails only
+beyond its tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from gradwatch.engine.applied.combined import CLOSER_LOOK, Combined
+from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.results.report import Probe
+
+
+@dataclass
+class Measured:
+    """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
+    over the applied gradient in each of them, the derivative it measured and its tolerance; ``explained``, the
+    discrepancy ``a − D`` the path's measured rounding predicts along its direction (0 when that is not measured)."""
+
+    probe: Probe
+    tensors: tuple[int, ...]
+    weights: tuple[float, ...]
+    tolerance: float
+    excess: float
+    explained: float = 0.0
+
+    @property
+    def closer(self) -> float:
+        """The discrepancy left beyond the rounding that ``explained`` predicts, over the tolerance: what
+        :func:`calm` holds against :data:`~.combined.CLOSER_LOOK` (``excess`` itself when nothing is explained)."""
+        if not self.explained or not math.isfinite(self.excess):
+            return self.excess
+        left = abs(self.probe.analytic - self.probe.numeric - self.explained)
+        return left / self.tolerance if self.tolerance > 0 else math.inf
+
+    def combined(self) -> Combined:
+        """What :func:`~.combined.tensors_to_probe` needs of it."""
+        weights = dict(zip(self.tensors, self.weights, strict=True))
+        return Combined(self.probe.verdict, self.closer, self.tolerance, weights)
+
+    def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
+        """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
+        pairs = zip(self.tensors, self.weights, strict=True)
+        slope = total([w * dot(grads[i], applied[i]) for i, w in pairs])
+        return math.isfinite(slope) and abs(slope - self.probe.numeric) <= self.tolerance
+
+
+def explained(rounding: Sequence[float] | None, tensors: Sequence[int], weights: Sequence[float]) -> float:
+    """The discrepancy ``a − D`` the measured rounding predicts along the direction ``Σ_T w_T g_T`` over ``tensors``:
+    ``Σ_T w_T (e_T · g_T)``, with ``rounding[T] = e_T · g_T`` (0 without a measured rounding)."""
+    if rounding is None:
+        return 0.0
+    value = math.fsum(w * rounding[i] for i, w in zip(tensors, weights, strict=True))
+    return value if math.isfinite(value) else 0.0
+
+
+def calm(measured: Sequence[Measured]) -> bool:
+    """Whether every probe agrees, its discrepancy beyond the measured rounding within :data:`~.combined.CLOSER_LOOK`
+    of its tolerance."""
+    return all(m.probe.verdict == "ok" and m.closer <= CLOSER_LOOK for m in measured)

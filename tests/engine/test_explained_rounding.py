@@ -1,0 +1,78 @@
+"""The closer look of an applied check once its float64 floor is measured (engine/applied/measured.py): a discrepancy
+that the measured rounding of the eager gradient explains along a probe's direction calls for no tensor probes, while
+one a fault adds on top does, whatever the sign of the rounding; the verdict itself is left to the tolerance."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gradwatch.engine.applied import lazy_floor
+from gradwatch.engine.applied.measured import Measured, calm, explained
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.results.kinds import ProbeKind, Reason
+from gradwatch.engine.results.report import Probe
+
+
+def _measured(analytic: float, numeric: float, tolerance: float, predicted: float) -> Measured:
+    size = abs(analytic - numeric)
+    verdict = "ok" if size <= tolerance else "fail"
+    reason = Reason.AGREES if verdict == "ok" else Reason.DISCREPANCY
+    probe = Probe(ProbeKind.TENSORS, "*", None, analytic, numeric, size / abs(analytic), verdict, 0.0, 1e-6, reason,
+                  evaluations=2, floor=tolerance / 2)  # fmt: skip
+    return Measured(probe, (0, 1), (0.5, 0.5), tolerance, size / tolerance, predicted)
+
+
+def test_a_discrepancy_the_measured_rounding_explains_is_calm_and_a_fault_on_top_of_it_is_not() -> None:
+    # the rounding alone brings the probe to 0.9 of its tolerance: calm once that rounding is known
+    rounded = _measured(1.0, 1.0 - 0.9e-6, 1e-6, 0.9e-6)
+    assert rounded.excess > 0.5
+    assert rounded.closer < 1e-6
+    assert calm([rounded])
+    # unknown rounding: the excess itself decides, as before
+    assert not calm([_measured(1.0, 1.0 - 0.9e-6, 1e-6, 0.0)])
+    # a fault of 0.6 of the tolerance against a rounding of the other sign: the probe's excess is 0.3 (it would have
+    # looked calm), what is left beyond the rounding is 0.6: a closer look
+    hidden = _measured(1.0, 1.0 - 0.3e-6, 1e-6, -0.3e-6)
+    assert hidden.excess < 0.5
+    assert math.isclose(hidden.closer, 0.6)
+    assert not calm([hidden])
+    # the verdict is the tolerance's: a probe beyond it fails even if the rounding "explains" it
+    beyond = _measured(1.0, 1.0 - 1.5e-6, 1e-6, 1.5e-6)
+    assert beyond.probe.verdict == "fail"
+    assert not calm([beyond])
+    assert beyond.combined().excess < 1e-6
+    assert beyond.combined().verdict == "fail"
+
+
+def test_explained_is_the_rounding_along_the_direction() -> None:
+    assert explained(None, (0, 1), (1.0, 1.0)) == 0.0
+    assert math.isclose(explained([2.0, -3.0, 5.0], (0, 2), (0.5, 0.25)), 0.5 * 2.0 + 0.25 * 5.0)
+
+
+def test_float64_rounding_gives_each_tensors_rounding_along_the_applied_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    batch = torch.randn(16, 6)
+
+    def window(module: nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
+        return sum((module(b) ** 2).sum() for b in batches)  # type: ignore[return-value]
+
+    params = list(model.parameters())
+    eager = list(torch.autograd.grad(window(model, [batch]), params))
+    exact = list(torch.autograd.grad(window(model.double(), [batch.double()]), list(model.parameters())))
+    model.float()
+    applied = [g * 1.5 for g in eager]
+    state = TrainingState.capture(model)
+    notes: list = []
+    distances, rounding = lazy_floor.float64_rounding(model, [batch], window, params, state, None, eager, applied,
+                                                      notes)  # fmt: skip
+    assert rounding is not None
+    assert not notes
+    for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):
+        expected = float(((e.double() - x) * a.double()).sum())
+        assert math.isclose(rounding[i], expected, rel_tol=1e-6, abs_tol=1e-18)
+        assert math.isclose(distances[0][i], float((e.double() - x).norm()), rel_tol=1e-6, abs_tol=1e-18)
+    assert any(r != 0.0 for r in rounding)  # float32 rounds: the test measures something
