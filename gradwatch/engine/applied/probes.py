@@ -40,7 +40,7 @@ from gradwatch.engine.applied.combined import (
 )
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.measured import Measured, calm, explained
-from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
+from gradwatch.engine.applied.verdict import Judgement, confirmed, float64_step, judge, storage_rounding
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -111,6 +111,7 @@ class AppliedProbes:
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
+        self.storage = storage_rounding(native_dtype)
         self.scale_floor = machine_epsilon(native_dtype) ** (1 / 3) * self.grad_norm
         # float64 evaluations: the round-off of one is known well enough for a screen; natively the descent measures it
         self.loss_noise = (
@@ -118,9 +119,21 @@ class AppliedProbes:
             if measurements.compute_dtype == torch.float64
             else math.inf
         )
+        compute_epsilon = machine_epsilon(measurements.compute_dtype)
+        self.finer = math.isfinite(self.loss_noise) and compute_epsilon < machine_epsilon(native_dtype)
 
     def _scale(self, i: int) -> float:
         return max(self.param_rms[i], self.param_scale) or 1.0
+
+    def step_along(self, step: float, tensors: Sequence[int], weights: Sequence[float]) -> float:
+        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`), ``step`` itself for a
+        native one: it depends on the storage rounding alone, so a second pass against the measured floor reuses the
+        screens."""
+        if not self.finer:
+            return step
+        least = self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
+        rounding = self.loss_noise + self.measurements.value_epsilon * abs(self.measurements.center)
+        return float64_step(step, self.multiple * least, rounding)
 
     def descent(self) -> Measured | None:
         """The probe along ``ĝ`` (a full stencil), whose noise the screens borrow; ``None`` for a zero gradient."""
@@ -174,6 +187,7 @@ class AppliedProbes:
         step: float,
     ) -> Measured:
         screen_first = math.isfinite(self.loss_noise)
+        step = self.step_along(step, tensors, weights)
         evaluations = 0
         key = (kind, tensors, target, step, self.measurements.compute_dtype)
         if screen_first and key in self.screens:
