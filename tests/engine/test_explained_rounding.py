@@ -1,6 +1,8 @@
 """The closer look of an applied check once its float64 floor is measured (engine/applied/measured.py): a discrepancy
 that the measured rounding of the eager gradient explains along a probe's direction calls for no tensor probes, while
-one a fault adds on top does, whatever the sign of the rounding; the verdict itself is left to the tolerance."""
+one a fault adds on top does, whatever the sign of the rounding; the verdict itself is left to the tolerance. The
+probes then vouch at the storage rounding while what the rounding leaves is calm there, and a fault that the float64
+gradient shares (a hook) is still caught in a precise tensor next to tensors with large floors."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from gradwatch.engine.applied import lazy_floor
-from gradwatch.engine.applied.measured import Measured, calm, explained
+from gradwatch.engine.applied import AppliedWindow, lazy_floor
+from gradwatch.engine.applied.measured import Measured, calm, explained, vouchers
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.kinds import ProbeKind, Reason
 from gradwatch.engine.results.report import Probe
@@ -76,3 +79,55 @@ def test_float64_rounding_gives_each_tensors_rounding_along_the_applied_gradient
         assert math.isclose(rounding[i], expected, rel_tol=1e-6, abs_tol=1e-18)
         assert math.isclose(distances[0][i], float((e.double() - x).norm()), rel_tol=1e-6, abs_tol=1e-18)
     assert any(r != 0.0 for r in rounding)  # float32 rounds: the test measures something
+
+
+def _exact(analytic: float, numeric: float, tolerance: float, predicted: float, exact_tolerance: float) -> Measured:
+    measured = _measured(analytic, numeric, tolerance, predicted)
+    return Measured(measured.probe, measured.tensors, measured.weights, tolerance, measured.excess, predicted,
+                    exact_tolerance)  # fmt: skip
+
+
+def test_probes_vouch_at_the_storage_rounding_only_while_what_the_rounding_leaves_is_calm_there() -> None:
+    # the rounding explains the discrepancy to within 0.2 of the tolerance at the storage rounding: vouched there
+    calm_one = _exact(1.0, 1.0 - 0.4e-6, 1e-6, 0.4e-6 - 0.02e-6, 0.1e-6)
+    chosen = vouchers([calm_one])
+    assert chosen[0].tolerance == 0.1e-6
+    assert math.isclose(chosen[0].excess, 0.2)
+    # what it leaves is 0.6 of that tolerance (a fault a tensor's own probe might see): back to the probe's own
+    loud = _exact(1.0, 1.0 - 0.4e-6, 1e-6, 0.4e-6 - 0.06e-6, 0.1e-6)
+    for measured in ([loud], [calm_one, loud]):
+        assert [c.tolerance for c in vouchers(measured)] == [1e-6] * len(measured)
+    # no measured rounding: the probe's own tolerance
+    assert vouchers([_measured(1.0, 1.0 - 0.4e-6, 1e-6, 0.0)])[0].tolerance == 1e-6
+
+
+class _ConvBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 4)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def test_a_fault_the_float64_gradient_shares_is_caught_in_a_precise_tensor_next_to_large_floors() -> None:
+    # the hook stays on during the check: the eager and float64 gradients both hold the 2% fault, so the measured
+    # rounding (their difference) does not, and what the probes see beyond the rounding is the fault itself
+    for name in ("fc1.weight", "conv2.bias"):
+        torch.manual_seed(0)
+        model = _ConvBatchNorm()
+        batch = (torch.randn(32, 3, 12, 12), torch.randint(0, 10, (32,)))
+        handle = dict(model.named_parameters())[name].register_hook(lambda grad: grad * 1.02)
+        window = AppliedWindow(model)
+        window.record(batch)
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        report = window.check(lambda m, b: F.cross_entropy(m(b[0]), b[1]), culprit_search=False)
+        handle.remove()
+        assert report.verdict == "fail"
+        assert name in [p.target for p in report.probes if p.verdict == "fail"]

@@ -30,7 +30,9 @@ from gradwatch.engine.results.report import Probe
 class Measured:
     """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
     over the applied gradient in each of them, the derivative it measured and its tolerance; ``explained``, the
-    discrepancy ``a − D`` the path's measured rounding predicts along its direction (0 when that is not measured)."""
+    discrepancy ``a − D`` the path's measured rounding predicts along its direction (0 when that is not measured);
+    ``exact_tolerance``, with that rounding measured, the tolerance with the floor at the storage rounding alone
+    (:func:`vouchers`; ``nan`` when it is not measured)."""
 
     probe: Probe
     tensors: tuple[int, ...]
@@ -38,6 +40,7 @@ class Measured:
     tolerance: float
     excess: float
     explained: float = 0.0
+    exact_tolerance: float = math.nan
 
     @property
     def closer(self) -> float:
@@ -53,6 +56,15 @@ class Measured:
         weights = dict(zip(self.tensors, self.weights, strict=True))
         return Combined(self.probe.verdict, self.closer, self.tolerance, weights)
 
+    def exact(self) -> Combined | None:
+        """What :func:`~.combined.tensors_to_probe` needs of it judged at ``exact_tolerance``, its discrepancy less
+        ``explained``; ``None`` when the rounding is not measured."""
+        if not self.exact_tolerance > 0 or not math.isfinite(self.exact_tolerance):
+            return None
+        left = abs(self.probe.analytic - self.probe.numeric - self.explained)
+        weights = dict(zip(self.tensors, self.weights, strict=True))
+        return Combined(self.probe.verdict, left / self.exact_tolerance, self.exact_tolerance, weights)
+
     def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
         """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
         pairs = zip(self.tensors, self.weights, strict=True)
@@ -67,6 +79,23 @@ def explained(rounding: Sequence[float] | None, tensors: Sequence[int], weights:
         return 0.0
     value = math.fsum(w * rounding[i] for i, w in zip(tensors, weights, strict=True))
     return value if math.isfinite(value) else 0.0
+
+
+def vouchers(measured: Sequence[Measured]) -> list[Combined]:
+    """The probes as they vouch for the tensors (:func:`~.combined.unvouched`, :func:`~.combined.tensors_to_probe`).
+
+    Once the rounding is measured, and every probe's discrepancy less the part of it the rounding explains is within
+    :data:`~.combined.CLOSER_LOOK` of the tolerance with the floor at the storage rounding (``exact_tolerance``), the
+    probes vouch at that tolerance: a fault of a tensor that its own probe would resolve moves that discrepancy by at
+    least half its tolerance, sending the check back to the probes at their own tolerance (with their groups and
+    tensor probes); the rounding is not the fault. A float32 CNN at initialisation, whose convolutions before BatchNorm
+    have floors a thousand times the rest, then needs no group or tensor probe for its precise tensors. Else, or
+    without a measured rounding, the probes vouch at their own tolerance."""
+    exact = [m.exact() for m in measured]
+    chosen = [c for c in exact if c is not None and c.verdict == "ok" and c.excess <= CLOSER_LOOK]
+    if measured and len(chosen) == len(measured):
+        return chosen
+    return [m.combined() for m in measured]
 
 
 def calm(measured: Sequence[Measured]) -> bool:

@@ -39,7 +39,7 @@ from gradwatch.engine.applied.combined import (
     vouching_groups,
 )
 from gradwatch.engine.applied.gradients import exact_conditions
-from gradwatch.engine.applied.measured import Measured, calm, explained
+from gradwatch.engine.applied.measured import Measured, calm, explained, vouchers
 from gradwatch.engine.applied.verdict import Judgement, confirmed, float64_step, judge, storage_rounding
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
@@ -131,9 +131,13 @@ class AppliedProbes:
         screens."""
         if not self.finer:
             return step
-        least = self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
+        least = self._least(tensors, weights)
         rounding = self.loss_noise + self.measurements.value_epsilon * abs(self.measurements.center)
         return float64_step(step, self.multiple * least, rounding)
+
+    def _least(self, tensors: Sequence[int], weights: Sequence[float]) -> float:
+        """The storage rounding's floor along ``Σ_T w_T g_T``: ``u · Σ_T w_T ‖g_T‖²``."""
+        return self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
 
     def descent(self) -> Measured | None:
         """The probe along ``ĝ`` (a full stencil), whose noise the screens borrow; ``None`` for a zero gradient."""
@@ -261,8 +265,10 @@ class AppliedProbes:
             evaluations=evaluations,
             floor=floor,
         )
+        least = self._least(tensors, weights)
+        exact = judgement.tolerance - self.multiple * (floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess,
-                        explained(self.rounding, tensors, weights))  # fmt: skip
+                        explained(self.rounding, tensors, weights), exact)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -362,12 +368,12 @@ def _probes_at(
     if provisional and not calm(measured):
         return measured
     if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for
-        left = unvouched([m.combined() for m in measured], probes.grad_norms, floors, plan.multiple)
+        left = unvouched(vouchers(measured), probes.grad_norms, floors, plan.multiple)
         groups = [probes.balanced(g) for g in vouching_groups(left, probes.grad_norms, floors, plan.multiple)]
         measured += [m for m in groups if m is not None]
         if provisional and not calm(measured):
             return measured
-    combined = [m.combined() for m in measured]
+    combined = vouchers(measured)
     order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
     for i in order:
         found = probes.tensor(i)
