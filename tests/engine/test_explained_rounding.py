@@ -1,6 +1,6 @@
 """The closer look of an applied check once its float64 floor is measured (engine/applied/measured.py): a discrepancy
 that the measured rounding of the eager gradient explains along a probe's direction calls for no tensor probes, while
-one a fault adds on top does, whatever the sign of the rounding; the verdict itself is left to the tolerance. The
+one a fault adds on top does; the verdict itself is left to the tolerance. The
 probes then vouch at the storage rounding while what the rounding leaves is calm there, and a fault that the float64
 gradient shares (a hook) is still caught in a precise tensor next to tensors with large floors."""
 
@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch.engine.applied import AppliedWindow, lazy_floor
-from gradwatch.engine.applied.measured import Measured, calm, explained, vouchers
+from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.kinds import ProbeKind, Reason
 from gradwatch.engine.results.report import Probe
@@ -36,12 +36,15 @@ def test_a_discrepancy_the_measured_rounding_explains_is_calm_and_a_fault_on_top
     assert calm([rounded])
     # unknown rounding: the excess itself decides, as before
     assert not calm([_measured(1.0, 1.0 - 0.9e-6, 1e-6, 0.0)])
-    # a fault of 0.6 of the tolerance against a rounding of the other sign: the probe's excess is 0.3 (it would have
-    # looked calm), what is left beyond the rounding is 0.6: a closer look
-    hidden = _measured(1.0, 1.0 - 0.3e-6, 1e-6, -0.3e-6)
-    assert hidden.excess < 0.5
-    assert math.isclose(hidden.closer, 0.6)
-    assert not calm([hidden])
+    # a fault of 0.6 of the tolerance on top of a rounding of 0.3: the excess is 0.9, what is left beyond the
+    # rounding is 0.6: a closer look
+    faulty = _measured(1.0, 1.0 - 0.9e-6, 1e-6, 0.3e-6)
+    assert math.isclose(faulty.closer, 0.6)
+    assert not calm([faulty])
+    # the finite difference's own error cancelling part of the rounding: calm by the excess itself, as before
+    cancelled = _measured(1.0, 1.0 - 0.3e-6, 1e-6, 0.9e-6)
+    assert math.isclose(cancelled.closer, 0.3)
+    assert calm([cancelled])
     # the verdict is the tolerance's: a probe beyond it fails even if the rounding "explains" it
     beyond = _measured(1.0, 1.0 - 1.5e-6, 1e-6, 1.5e-6)
     assert beyond.probe.verdict == "fail"
@@ -55,7 +58,7 @@ def test_explained_is_the_rounding_along_the_direction() -> None:
     assert math.isclose(explained([2.0, -3.0, 5.0], (0, 2), (0.5, 0.25)), 0.5 * 2.0 + 0.25 * 5.0)
 
 
-def test_float64_rounding_gives_each_tensors_rounding_along_the_applied_gradient() -> None:
+def test_float64_rounding_gives_each_tensors_distance_from_float64_along_the_applied_gradient() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     batch = torch.randn(16, 6)
@@ -75,10 +78,24 @@ def test_float64_rounding_gives_each_tensors_rounding_along_the_applied_gradient
     assert rounding is not None
     assert not notes
     for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):
-        expected = float(((e.double() - x) * a.double()).sum())
-        assert math.isclose(rounding[i], expected, rel_tol=1e-6, abs_tol=1e-18)
+        assert math.isclose(
+            rounding.eager[i], float(((e.double() - x) * a.double()).sum()), rel_tol=1e-6, abs_tol=1e-18
+        )
+        assert math.isclose(rounding.path[i], float(((a.double() - e.double()) * a.double()).sum()), rel_tol=1e-6)
         assert math.isclose(distances[0][i], float((e.double() - x).norm()), rel_tol=1e-6, abs_tol=1e-18)
-    assert any(r != 0.0 for r in rounding)  # float32 rounds: the test measures something
+    assert all(p > 0.0 for p in rounding.path)  # the applied gradient is 1.5x the eager one
+    # 0.5 of each tensor's gradient along itself: far beyond its floor, so probed one by one and left in the closer
+    # look of the combined probes (a fault of the training's path)
+    norms = [float(a.norm()) for a in applied]
+    assert rounding.beyond(norms, distances[0], 2.0) == list(range(len(applied)))
+    assert rounding.explained(rounding.beyond(norms, distances[0], 2.0)) == list(rounding.eager)
+
+
+def test_the_applied_gradients_distance_from_the_eager_one_is_discounted_only_within_half_a_probes_tolerance() -> None:
+    rounding = Rounding(eager=[1e-9, 2e-9], path=[3e-9, 4e-7])
+    # tensor 0: (1e-9 + 3e-9) / 1 within 0.5 * 2 * 1e-8; tensor 1: 4.02e-7 beyond 1e-8
+    assert rounding.beyond([1.0, 1.0], [1e-8, 1e-8], 2.0) == [1]
+    assert rounding.explained([1]) == [1e-9 + 3e-9, 2e-9]
 
 
 def _exact(analytic: float, numeric: float, tolerance: float, predicted: float, exact_tolerance: float) -> Measured:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied.measured import Measured, calm
+from gradwatch.engine.applied.measured import Measured, Rounding, calm
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
@@ -60,13 +60,13 @@ def float64_rounding(
     eager: Sequence[Tensor],
     applied: Sequence[Tensor],
     notes: list[Note],
-) -> tuple[list[list[float]], list[float] | None]:
+) -> tuple[list[list[float]], Rounding | None]:
     """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
     measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes; and, with the ``applied`` gradient, the
-    part of that rounding along it per tensor, ``(eager_T − float64_T) · applied_T`` (what the probes' closer look
-    discounts, :mod:`.measured`). For a model without float64 kernels (Triton, fused CUDA kernels), with a note, the
-    float32 backward's own rounding instead: its distance from the gradient of 3x the loss divided by 3, which its
-    kernels round otherwise (a fault that scales the gradient cancels out of it), and no rounding along ``applied``."""
+    parts of a probe's discrepancy known without a probe (:class:`~.measured.Rounding`). For a model without float64
+    kernels (Triton, fused CUDA kernels), with a note, the float32 backward's own rounding instead: its distance from
+    the gradient of 3x the loss divided by 3, which its kernels round otherwise (a fault that scales the gradient
+    cancels out of it), and no known parts."""
     try:
         exact = recompute.float64_gradient(model, batches, window, params, state, group)
     except Exception as error:
@@ -76,8 +76,9 @@ def float64_rounding(
         return [distances(list(eager), list(scaled))], None
     rounding = None
     if applied:
-        parts = [dot(e.double() - x.double(), a) for e, x, a in zip(eager, exact, applied, strict=True)]
-        rounding = [float(p) for p in parts]
+        pairs = list(zip(eager, exact, applied, strict=True))
+        rounding = Rounding([float(dot(e.double() - x.double(), a)) for e, x, a in pairs],
+                            [float(dot(a.double() - e.double(), a)) for e, _, a in pairs])  # fmt: skip
     return [distances(list(eager), exact)], rounding
 
 

@@ -7,10 +7,15 @@ brings a healthy combined probe close to half its tolerance, which alone would s
 (:data:`~.combined.CLOSER_LOOK`). Once the float64 floor is measured (:mod:`.lazy_floor`) that rounding is known as a
 vector, not only as a norm: the eager gradient less the float64 one, ``e``. Its part along the probe's direction,
 ``e · d`` (:attr:`Measured.explained`), is then the discrepancy rounding alone would give, and what calls for a closer
-look is what is left of the discrepancy beyond it (:attr:`Measured.closer`): a fault of the applied gradient, which
-``e`` does not hold (the float64 gradient applies the same formulas and hooks; a fault of the training's path alone is
-in neither), is left there whole, whatever the sign of the rounding. The verdict is left as it was: a probe fails only
-beyond its tolerance.
+look is what is left of the discrepancy beyond it, or the discrepancy itself where that is smaller (the finite
+difference's own error can cancel part of the rounding: :attr:`Measured.closer`): a fault of the applied gradient,
+which ``e`` does not hold (the float64 gradient applies the same formulas and hooks; a fault of the training's path
+alone is in neither), is left there whole. A check calm by the discrepancy itself is calm as before; one that the
+rounding explains is calm now. The verdict is left as it was: a probe fails only beyond its tolerance.
+
+With the rounding measured, the probes also vouch for the tensors at the tolerance of the storage rounding alone while
+what the rounding leaves is calm there (:func:`vouchers`), and a tensor whose own probe the known parts alone would take
+beyond half its tolerance is probed (:meth:`Rounding.beyond`).
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ class Measured:
 
     @property
     def closer(self) -> float:
-        """The discrepancy left beyond the rounding that ``explained`` predicts, over the tolerance: what
-        :func:`calm` holds against :data:`~.combined.CLOSER_LOOK` (``excess`` itself when nothing is explained)."""
+        """The discrepancy left beyond the rounding that ``explained`` predicts, over the tolerance, or ``excess`` where
+        that is smaller (and when nothing is explained): what :func:`calm` holds against
+        :data:`~.combined.CLOSER_LOOK`."""
         if not self.explained or not math.isfinite(self.excess):
             return self.excess
         left = abs(self.probe.analytic - self.probe.numeric - self.explained)
-        return left / self.tolerance if self.tolerance > 0 else math.inf
+        return min(self.excess, left / self.tolerance if self.tolerance > 0 else math.inf)
 
     def combined(self) -> Combined:
         """What :func:`~.combined.tensors_to_probe` needs of it."""
@@ -96,6 +102,40 @@ def vouchers(measured: Sequence[Measured]) -> list[Combined]:
     if measured and len(chosen) == len(measured):
         return chosen
     return [m.combined() for m in measured]
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """What the float64 gradient tells of the applied one without a probe, per tensor along its applied gradient
+    ``g_T``: ``eager[T] = (eager_T − float64_T) · g_T`` (the path's rounding) and ``path[T] = (g_T − eager_T) · g_T``
+    (how far the applied gradient is from the eager one: another rounding of the same path, or a fault of the
+    training's path)."""
+
+    eager: Sequence[float]
+    path: Sequence[float]
+
+    def beyond(self, grad_norms: Sequence[float], floors: Sequence[float], multiple: float) -> list[int]:
+        """The tensors whose own probe the known parts alone, ``|eager[T] + path[T]| / ‖g_T‖``, would take beyond
+        :data:`~.combined.CLOSER_LOOK` of its tolerance at the floor (``multiple · floor_T``): probed one by one, with
+        their ``path`` part left in the combined probes' closer look (a fault of the training's path shows there); not
+        those whose own probe resolves nothing smaller than their gradient (:func:`~.combined.unvouched`)."""
+        known = zip(self.eager, self.path, grad_norms, floors, strict=True)
+        limit = CLOSER_LOOK * multiple
+        return [
+            i
+            for i, (eager, path, size, floor) in enumerate(known)
+            if size > 0
+            and math.isfinite(size)
+            and multiple * floor < size
+            and not abs(eager + path) / size <= limit * floor
+        ]
+
+    def explained(self, beyond: Sequence[int]) -> list[float]:
+        """Per tensor, what the combined probes' closer look discounts (:attr:`Measured.explained`): the rounding, and
+        the applied gradient's distance from the eager one where it keeps each tensor probe within half its tolerance
+        (no tensor probe could fail by it: it is the floor's own kind of distance)."""
+        left = set(beyond)
+        return [e + (0.0 if i in left else p) for i, (e, p) in enumerate(zip(self.eager, self.path, strict=True))]
 
 
 def calm(measured: Sequence[Measured]) -> bool:

@@ -39,7 +39,7 @@ from gradwatch.engine.applied.combined import (
     vouching_groups,
 )
 from gradwatch.engine.applied.gradients import exact_conditions
-from gradwatch.engine.applied.measured import Measured, calm, explained, vouchers
+from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
 from gradwatch.engine.applied.verdict import Judgement, confirmed, float64_step, judge, storage_rounding
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
@@ -126,17 +126,15 @@ class AppliedProbes:
         return max(self.param_rms[i], self.param_scale) or 1.0
 
     def step_along(self, step: float, tensors: Sequence[int], weights: Sequence[float]) -> float:
-        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`), ``step`` itself for a
-        native one: it depends on the storage rounding alone, so a second pass against the measured floor reuses the
-        screens."""
+        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`; ``step`` natively), of the
+        storage rounding alone: a second pass against the measured floor reuses the screens."""
         if not self.finer:
             return step
         least = self._least(tensors, weights)
         rounding = self.loss_noise + self.measurements.value_epsilon * abs(self.measurements.center)
         return float64_step(step, self.multiple * least, rounding)
 
-    def _least(self, tensors: Sequence[int], weights: Sequence[float]) -> float:
-        """The storage rounding's floor along ``Σ_T w_T g_T``: ``u · Σ_T w_T ‖g_T‖²``."""
+    def _least(self, tensors: Sequence[int], weights: Sequence[float]) -> float:  # the storage rounding's floor
         return self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
 
     def descent(self) -> Measured | None:
@@ -302,7 +300,7 @@ def measure(
     loss: float,
     screens: dict[Any, Any] | None = None,
     provisional: bool = False,
-    rounding: Sequence[float] | None = None,
+    rounding: Rounding | None = None,
 ) -> list[Measured]:
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
@@ -345,7 +343,7 @@ def _probes_at(
     loss: float,
     screens: dict[Any, Any] | None,
     provisional: bool,
-    rounding: Sequence[float] | None,
+    rounding: Rounding | None,
     compute: torch.dtype,
 ) -> list[Measured]:
     screens = screens if screens is not None else {}
@@ -362,19 +360,21 @@ def _probes_at(
         )
         return []
     measurements = Measurements(evaluator, center)
+    beyond = rounding.beyond(norms(plan.applied, exact=True), floors, plan.multiple) if rounding else []
+    discount = rounding.explained(beyond) if rounding else None  # (.measured)
     probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
-                           plan.multiple, plan.native, provisional, screens, rounding)  # fmt: skip
+                           plan.multiple, plan.native, provisional, screens, discount)  # fmt: skip
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured
     if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for
-        left = unvouched(vouchers(measured), probes.grad_norms, floors, plan.multiple)
+        left = sorted(set(unvouched(vouchers(measured), probes.grad_norms, floors, plan.multiple)) - set(beyond))
         groups = [probes.balanced(g) for g in vouching_groups(left, probes.grad_norms, floors, plan.multiple)]
         measured += [m for m in groups if m is not None]
         if provisional and not calm(measured):
             return measured
-    combined = vouchers(measured)
-    order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
+    order = tensors_to_probe(vouchers(measured), probes.grad_norms, floors, plan.multiple, plan.tensor_probes,
+                             plan.rotation, beyond)  # fmt: skip
     for i in order:
         found = probes.tensor(i)
         if found is not None:
