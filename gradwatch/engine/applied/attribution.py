@@ -1,7 +1,7 @@
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in.
 
 The failing probes measured the window loss's derivative along their directions; any gradient can be held against
-those measurements (:meth:`~gradwatch.engine.applied.probes.Measured.agrees`) at the cost of one backward pass, with
+those measurements (:meth:`~gradwatch.engine.applied.measured.Measured.agrees`) at the cost of one backward pass, with
 no new loss evaluation. The attribution recomputes the window's gradient along paths that differ from the training's in
 one element at a time:
 

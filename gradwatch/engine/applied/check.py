@@ -371,10 +371,11 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     screens, lazy = dict[Any, Any](), measured_floors is None
     measured = measure(evaluator, plan, floor_values, reference.loss, screens, lazy)
     if measured_floors is None and lazy_floor.needed(measured):
-        measured_floors = lazy_floor.float64_floor(model, setting.batches, window, params, state, group, eager, notes)
+        measured_floors, rounding = lazy_floor.float64_rounding(model, setting.batches, window, params, state, group,
+                                                                eager, plan.applied, notes)  # fmt: skip
         backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, path_dtype)
-        measured = measure(evaluator, plan, floor_values, reference.loss, screens)
+        measured = measure(evaluator, plan, floor_values, reference.loss, screens, rounding=rounding)
     failing = [m for m in measured if m.probe.verdict == "fail"]
     floor_note = lazy_floor.floor_note(
         path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None

@@ -138,17 +138,18 @@ def tensors_to_probe(
     multiple: float,
     tensor_probes: int | None,
     rotation: int,
+    also: Sequence[int] = (),
 ) -> list[int]:
     """Which tensors to probe one by one after the combined probes: every one when one fails; ``tensor_probes`` of
     them in turn (all for ``None``) from the ``rotation``-th window on (the check's position in a series) when one does
     not agree within :data:`CLOSER_LOOK` of its tolerance; else those none of them vouches for (:func:`unvouched`),
-    again ``tensor_probes`` of them in turn."""
+    again ``tensor_probes`` of them in turn; and every one of ``also`` besides."""
     count = len(grad_norms)
     if any(probe.verdict == "fail" for probe in combined):
         return list(range(count))
     calm = combined and all(p.verdict == "ok" and math.isfinite(p.excess) and p.excess <= CLOSER_LOOK for p in combined)
     candidates = unvouched(combined, grad_norms, floors, multiple) if calm else list(range(count))
-    if tensor_probes is None or tensor_probes >= len(candidates):
-        return candidates
-    first = (rotation * tensor_probes) % len(candidates)
-    return [candidates[(first + k) % len(candidates)] for k in range(tensor_probes)]
+    if not (tensor_probes is None or tensor_probes >= len(candidates)):
+        first = (rotation * tensor_probes) % len(candidates)
+        candidates = [candidates[(first + k) % len(candidates)] for k in range(tensor_probes)]
+    return candidates + sorted(set(also) - set(candidates))

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied.probes import Measured, calm
+from gradwatch.engine.applied.measured import Measured, Rounding, calm
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.results.notes import Note, NoteCode
 
 
@@ -45,17 +46,40 @@ def float64_floor(
     notes: list[Note],
 ) -> list[list[float]]:
     """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
-    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes. For a model without float64 kernels
-    (Triton, fused CUDA kernels), with a note, the float32 backward's own rounding instead: its distance from the
-    gradient of 3x the loss divided by 3, which its kernels round otherwise (a fault that scales the gradient cancels
-    out of it)."""
+    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes (see :func:`float64_rounding`)."""
+    return float64_rounding(model, batches, window, params, state, group, eager, (), notes)[0]
+
+
+def float64_rounding(
+    model: torch.nn.Module,
+    batches: Any,
+    window: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    group: Any,
+    eager: Sequence[Tensor],
+    applied: Sequence[Tensor],
+    notes: list[Note],
+) -> tuple[list[list[float]], Rounding | None]:
+    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
+    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes; and, with the ``applied`` gradient, the
+    parts of a probe's discrepancy known without a probe (:class:`~.measured.Rounding`). For a model without float64
+    kernels (Triton, fused CUDA kernels), with a note, the float32 backward's own rounding instead: its distance from
+    the gradient of 3x the loss divided by 3, which its kernels round otherwise (a fault that scales the gradient
+    cancels out of it), and no known parts."""
     try:
-        return [distances(list(eager), recompute.float64_gradient(model, batches, window, params, state, group))]
+        exact = recompute.float64_gradient(model, batches, window, params, state, group)
     except Exception as error:
         text = f"no float64 gradient ({type(error).__name__}: {error}): the float32 noise floor is its backward's own"
         notes.append(Note(NoteCode.APPLIED_FLOOR, f"{text} rounding (the spread at {SPREAD_SCALE:g}x the loss)"))
         scaled = recompute.eager_gradient(model, batches, window, params, state, group, SPREAD_SCALE)
-        return [distances(list(eager), list(scaled))]
+        return [distances(list(eager), list(scaled))], None
+    rounding = None
+    if applied:
+        pairs = list(zip(eager, exact, applied, strict=True))
+        rounding = Rounding([float(dot(e.double() - x.double(), a)) for e, x, a in pairs],
+                            [float(dot(a.double() - e.double(), a)) for e, _, a in pairs])  # fmt: skip
+    return [distances(list(eager), exact)], rounding
 
 
 def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence[float], multiple: float,

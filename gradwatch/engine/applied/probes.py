@@ -31,8 +31,6 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.combined import (
-    CLOSER_LOOK,
-    Combined,
     balanced_components,
     balanced_weights,
     floor_along,
@@ -41,7 +39,8 @@ from gradwatch.engine.applied.combined import (
     vouching_groups,
 )
 from gradwatch.engine.applied.gradients import exact_conditions
-from gradwatch.engine.applied.verdict import Judgement, confirmed, judge
+from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
+from gradwatch.engine.applied.verdict import Judgement, confirmed, float64_step, judge, storage_rounding
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -49,7 +48,7 @@ from gradwatch.engine.function.precision import float64_storage, resolve_precisi
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
-from gradwatch.engine.numerics.norms import dot, norms, total
+from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
 from gradwatch.engine.results.kinds import ProbeKind, Reason
@@ -62,29 +61,6 @@ ROUNDING_ULPS = 8.0
 """The round-off of one float64 loss evaluation, in units of its last place: the noise a screen assumes before any
 full stencil has measured it (float64 round-off lies orders of magnitude below every tolerance of a float32 or 16-bit
 gradient, so the figure only needs to be generous)."""
-
-
-@dataclass
-class Measured:
-    """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
-    over the applied gradient in each of them, the derivative it measured and its tolerance."""
-
-    probe: Probe
-    tensors: tuple[int, ...]
-    weights: tuple[float, ...]
-    tolerance: float
-    excess: float
-
-    def combined(self) -> Combined:
-        """What :func:`~.combined.tensors_to_probe` needs of it."""
-        weights = dict(zip(self.tensors, self.weights, strict=True))
-        return Combined(self.probe.verdict, self.excess, self.tolerance, weights)
-
-    def agrees(self, grads: Sequence[Tensor], applied: Sequence[Tensor]) -> bool:
-        """Whether another gradient ``grads`` agrees with the measured derivative along this probe's direction."""
-        pairs = zip(self.tensors, self.weights, strict=True)
-        slope = total([w * dot(grads[i], applied[i]) for i, w in pairs])
-        return math.isfinite(slope) and abs(slope - self.probe.numeric) <= self.tolerance
 
 
 class AppliedProbes:
@@ -102,6 +78,8 @@ class AppliedProbes:
             the check to measure the floor and probe again.
         screens: The screens of an earlier pass over the same point, by probe (filled in for a later one): probing
             again against another floor evaluates nothing twice.
+        rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
+            float64, :mod:`.lazy_floor`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
     def __init__(
@@ -115,8 +93,10 @@ class AppliedProbes:
         native_dtype: torch.dtype,
         provisional: bool = False,
         screens: dict[Any, Any] | None = None,
+        rounding: Sequence[float] | None = None,
     ) -> None:
         self.measurements = measurements
+        self.rounding = rounding
         self.provisional = provisional
         self.screens = screens if screens is not None else {}
         self.names = list(names)
@@ -131,6 +111,7 @@ class AppliedProbes:
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
+        self.storage = storage_rounding(native_dtype)
         self.scale_floor = machine_epsilon(native_dtype) ** (1 / 3) * self.grad_norm
         # float64 evaluations: the round-off of one is known well enough for a screen; natively the descent measures it
         self.loss_noise = (
@@ -138,9 +119,23 @@ class AppliedProbes:
             if measurements.compute_dtype == torch.float64
             else math.inf
         )
+        compute_epsilon = machine_epsilon(measurements.compute_dtype)
+        self.finer = math.isfinite(self.loss_noise) and compute_epsilon < machine_epsilon(native_dtype)
 
     def _scale(self, i: int) -> float:
         return max(self.param_rms[i], self.param_scale) or 1.0
+
+    def step_along(self, step: float, tensors: Sequence[int], weights: Sequence[float]) -> float:
+        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`; ``step`` natively), of the
+        storage rounding alone: a second pass against the measured floor reuses the screens."""
+        if not self.finer:
+            return step
+        least = self._least(tensors, weights)
+        rounding = self.loss_noise + self.measurements.value_epsilon * abs(self.measurements.center)
+        return float64_step(step, self.multiple * least, rounding)
+
+    def _least(self, tensors: Sequence[int], weights: Sequence[float]) -> float:  # the storage rounding's floor
+        return self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
 
     def descent(self) -> Measured | None:
         """The probe along ``ĝ`` (a full stencil), whose noise the screens borrow; ``None`` for a zero gradient."""
@@ -194,6 +189,7 @@ class AppliedProbes:
         step: float,
     ) -> Measured:
         screen_first = math.isfinite(self.loss_noise)
+        step = self.step_along(step, tensors, weights)
         evaluations = 0
         key = (kind, tensors, target, step, self.measurements.compute_dtype)
         if screen_first and key in self.screens:
@@ -267,12 +263,10 @@ class AppliedProbes:
             evaluations=evaluations,
             floor=floor,
         )
-        return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess)
-
-
-def calm(measured: Sequence[Measured]) -> bool:
-    """Whether every probe agrees within :data:`~.combined.CLOSER_LOOK` of its tolerance."""
-    return all(m.probe.verdict == "ok" and m.excess <= CLOSER_LOOK for m in measured)
+        least = self._least(tensors, weights)
+        exact = judgement.tolerance - self.multiple * (floor - least) if self.rounding is not None else math.nan
+        return Measured(probe, tensors, weights, judgement.tolerance, judgement.excess,
+                        explained(self.rounding, tensors, weights), exact)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -306,6 +300,7 @@ def measure(
     loss: float,
     screens: dict[Any, Any] | None = None,
     provisional: bool = False,
+    rounding: Rounding | None = None,
 ) -> list[Measured]:
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
@@ -313,10 +308,12 @@ def measure(
     ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the first
     screen that does not agree, or after the combined probes when one does not agree within
     :data:`~.combined.CLOSER_LOOK`. ``screens`` (a dict) collects the centre and the screens of one pass for another
-    over the same point (with the measured floor), which evaluates them again only if they are not there."""
+    over the same point (with the measured floor), which evaluates them again only if they are not there.
+    ``rounding``: per tensor, the measured rounding's part along its applied gradient (:class:`AppliedProbes`), which
+    a closer look discounts (:mod:`.measured`)."""
     named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (plan, floors, loss, screens, provisional)
+    args = (plan, floors, loss, screens, provisional, rounding)
     with exact_conditions():
         float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
@@ -346,6 +343,7 @@ def _probes_at(
     loss: float,
     screens: dict[Any, Any] | None,
     provisional: bool,
+    rounding: Rounding | None,
     compute: torch.dtype,
 ) -> list[Measured]:
     screens = screens if screens is not None else {}
@@ -362,19 +360,21 @@ def _probes_at(
         )
         return []
     measurements = Measurements(evaluator, center)
+    beyond = rounding.beyond(norms(plan.applied, exact=True), floors, plan.multiple) if rounding else []
+    discount = rounding.explained(beyond) if rounding else None  # (.measured)
     probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
-                           plan.multiple, plan.native, provisional, screens)  # fmt: skip
+                           plan.multiple, plan.native, provisional, screens, discount)  # fmt: skip
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured
     if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for
-        left = unvouched([m.combined() for m in measured], probes.grad_norms, floors, plan.multiple)
+        left = sorted(set(unvouched(vouchers(measured), probes.grad_norms, floors, plan.multiple)) - set(beyond))
         groups = [probes.balanced(g) for g in vouching_groups(left, probes.grad_norms, floors, plan.multiple)]
         measured += [m for m in groups if m is not None]
         if provisional and not calm(measured):
             return measured
-    combined = [m.combined() for m in measured]
-    order = tensors_to_probe(combined, probes.grad_norms, floors, plan.multiple, plan.tensor_probes, plan.rotation)
+    order = tensors_to_probe(vouchers(measured), probes.grad_norms, floors, plan.multiple, plan.tensor_probes,
+                             plan.rotation, beyond)  # fmt: skip
     for i in order:
         found = probes.tensor(i)
         if found is not None:

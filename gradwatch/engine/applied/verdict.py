@@ -68,6 +68,29 @@ def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], 
     return [max([rounding * a, *(m[i] for m in measured)]) for i, a in enumerate(applied_norms)]
 
 
+FINER_STEPS = 10.0
+"""How much finer than :func:`~gradwatch.engine.numerics.steps.relative_step` a float64 probe of a lower-precision
+gradient may step (:func:`float64_step`)."""
+
+NOISE_SHARE = 0.25
+"""... as long as its assumed round-off, :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times over, stays
+within this share of the tolerance's floor part at the storage rounding (a lower bound of any floor of the path)."""
+
+
+def float64_step(step: float, least: float, rounding: float) -> float:
+    """The step of a float64 probe of a lower-precision gradient: ``step`` (``ε^(1/3)``, the optimum of a smooth
+    loss's two-point difference) made up to :data:`FINER_STEPS` times finer while the screen's assumed noise,
+    ``rounding / h`` (``rounding``: one loss evaluation's assumed round-off plus its quantum), stays within
+    :data:`NOISE_SHARE` of ``least``, the tolerance's floor part at the storage rounding (``multiple · u · Σ_T w_T
+    ‖g_T‖²`` along ``Σ_T w_T g_T``). A large model crosses many ReLU kinks at ``ε^(1/3)``, and their error shrinks with
+    the step: a 26M GPT's screens read up to 1e-6 of ``‖g‖`` off there, ten times its float32 floor (which called for
+    the float64 floor and full stencils), 2e-8 at a tenth of the step."""
+    if not step > 0 or not rounding > 0 or not math.isfinite(least):
+        return step
+    room = NOISE_SHARE * least / (SIGNIFICANCE * rounding / step)
+    return step / min(max(room, 1.0), FINER_STEPS)
+
+
 @dataclass(frozen=True)
 class Judgement:
     """One probe's verdict: ``excess`` is ``|a − D|`` over the tolerance (above 1 fails)."""
