@@ -19,7 +19,6 @@ gradient's true norm (a norm over one rank's partition, or counted twice, gives 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -113,7 +112,7 @@ def clip_norm(engine: Any) -> tuple[float, float] | None:
     if not max_norm > 0 or norm is None:
         return None
     norm = float(norm)
-    return (max_norm, norm) if math.isfinite(norm) and norm >= 0 else None
+    return (max_norm, norm) if 0 <= norm < float("inf") else None  # NaN and inf: a skipped step
 
 
 def before_engine_steps(

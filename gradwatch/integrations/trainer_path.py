@@ -15,7 +15,6 @@ autocast. The model's ``forward`` is its own again when the check ends.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -180,4 +179,4 @@ def divides_by_count(
         for module, training in modes:
             module.training = training
     whole, doubled = values
-    return math.isfinite(whole) and whole != 0 and abs(2 * doubled - whole) <= 1e-3 * abs(whole)
+    return 0 < abs(whole) < float("inf") and abs(2 * doubled - whole) <= 1e-3 * abs(whole)
