@@ -51,6 +51,7 @@ import culprit_models as cm
 import hf_stack_models as hf
 import real_models as rm
 import special_point_models as sp
+import unet_models
 
 from gradwatch import CheckReport, GradWatch, check_gradients
 from gradwatch.cli import demo_models
@@ -179,35 +180,6 @@ def judged(report: CheckReport, holder: str) -> str:
     return "wrong"
 
 
-def _diffusers_unet(bug: str) -> nn.Module:
-    from diffusers import UNet2DModel
-
-    torch.manual_seed(0)
-    model = UNet2DModel(
-        sample_size=16,
-        in_channels=3,
-        out_channels=3,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-        norm_num_groups=8,
-        attention_head_dim=8,
-    )
-    cm.plant_linear_bug(model.get_submodule(bug), 1.02)
-    return model
-
-
-def _diffusion_batch() -> Any:
-    generator = torch.Generator().manual_seed(0)
-    images, noise = torch.randn(4, 3, 16, 16, generator=generator), torch.randn(4, 3, 16, 16, generator=generator)
-    return images, torch.tensor([10, 200, 500, 900]), noise
-
-
-def _diffusion_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(batch[0], batch[1]).sample, batch[2])
-
-
 def _special(name: str) -> Callable[[], Any]:
     return lambda: sp.CASES[name][1](torch.Generator().manual_seed(100))
 
@@ -276,9 +248,9 @@ LIBRARY_CASES = [
 DIFFUSERS_CASES = [
     Case(
         f"diffusers UNet2DModel `{bug}`, 2%",
-        lambda bug=bug: _diffusers_unet(bug),
-        _diffusion_batch,
-        _diffusion_loss,
+        lambda bug=bug: unet_models.small_unet(bug),
+        unet_models.small_unet_batch,
+        unet_models.noise_prediction_loss,
         bug,
     )
     for bug in ("mid_block.attentions.0.to_out.0", "down_blocks.1.attentions.0.to_v")

@@ -121,6 +121,34 @@ def unet(
     return model
 
 
+def small_unet(bug: str, factor: float = 1.02) -> nn.Module:
+    """The culprit benchmark's small ``UNet2DModel`` (16×16, channels 16 and 32, attention in the lower resolution and
+    the mid block) with a ``factor`` input-gradient bug planted in the linear layer ``bug``."""
+    from diffusers import UNet2DModel
+
+    torch.manual_seed(0)
+    model = UNet2DModel(
+        sample_size=16,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(16, 32),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    plant_linear_bug(model.get_submodule(bug), factor)  # type: ignore[arg-type]
+    return model
+
+
+def small_unet_batch() -> tuple[Tensor, Tensor, Tensor]:
+    """Four random 16×16 images, their timesteps across the schedule, and the noise to predict."""
+    generator = torch.Generator().manual_seed(0)
+    images, noise = torch.randn(4, 3, 16, 16, generator=generator), torch.randn(4, 3, 16, 16, generator=generator)
+    return images, torch.tensor([10, 200, 500, 900]), noise
+
+
 def ddpm_batches(count: int, size: int = 4, seed: int = 0, resolution: int = 32) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``count`` DDPM training batches of ``size`` images: noisy images (``add_noise``), timesteps, the noise."""
     from diffusers import DDPMScheduler

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from unet_models import ddpm_batches, noise_prediction_loss, unet
+from unet_models import ddpm_batches, noise_prediction_loss, small_unet, small_unet_batch, unet
 
-from gradwatch import GradientWatch
+from gradwatch import GradientWatch, check_gradients
 from gradwatch.engine.function import precision
 
 CHANNELS = (32, 32, 64)
@@ -71,3 +71,17 @@ def test_a_softmax_backward_bug_is_never_blamed_on_a_module_outside_its_attentio
     holder = "up_blocks.0.attentions.1"
     named = report.culprits[0]
     assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
+
+
+def test_a_bug_diluted_at_the_block_before_it_is_not_blamed_on_that_block() -> None:
+    # a 2% error in the mid block's attention output projection is a small share of the gradient at the output of the
+    # block before it (`down_blocks.1`), whose probes passed; its norms magnify it at its input, and a norm inside it
+    # has a wrong weight gradient: `down_blocks.1.attentions.0` was named. Its input probe's split proves the gradient
+    # at its output wrong, and the search goes on after it
+    report = check_gradients(small_unet("mid_block.attentions.0.to_out.0"), small_unet_batch(), noise_prediction_loss)
+    assert report.verdict == "fail"
+    holder = "mid_block.attentions.0.to_out.0"
+    assert report.culprits, report.culprit_message
+    named = report.culprits[0]
+    assert named == holder or holder.startswith(f"{named}."), report.culprit_message
+    assert all(holder.startswith(f"{name}.") or name in (holder, "") for name in report.culprits), report.culprits

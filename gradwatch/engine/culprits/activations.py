@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from gradwatch.engine.culprits.consistency import own_share
+from gradwatch.engine.culprits.consistency import DOWNSTREAM, own_share
 from gradwatch.engine.culprits.sites import Displacements, Site
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.numerics.assessment import Assessment
@@ -73,8 +73,10 @@ class ActivationProbes:
         """Whether the failing input probe of ``site`` fails because of its own backward (``"own"``) or because of the
         gradient reaching its output (``"downstream"``); ``None`` when its input probe did not fail or the split cannot
         tell (:mod:`.consistency`)."""
+        wrapped = [site]
         while "module_input" in site.same_as_parent and site.parent is not None:
             site = self.sites[site.parent]  # a wrapper: its input probe is its parent's
+            wrapped.append(site)
         if site.name in self._splits:
             return self._splits[site.name]
         found = self._failing.get((site.name, "module_input"))
@@ -89,7 +91,24 @@ class ActivationProbes:
         self._extra += 4
         share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate)
         self._splits[site.name] = share
+        if share == DOWNSTREAM:
+            self._outputs_wrong(wrapped, task.result)
         return share
+
+    def _outputs_wrong(self, sites: list[Site], evidence: Assessment) -> None:
+        """Record that the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is
+        its) is wrong: its input probe failed and its own backward passed on exactly what reached its output
+        (:mod:`.consistency`), so that gradient carries the error, whatever its own probes, blind to it along the
+        directions they took, said. A diluted error (a bug in the mid block of a diffusers UNet, a small share of the
+        gradient at the block before it) passes the output probes and is magnified by the block's backward (its norms
+        remove the gradient's dominant component): taken as right there, the block was searched and a module inside it
+        named, upstream of the bug. The evidence recorded is the input probe's failure."""
+        fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
+        wrong = Assessment(*fields, "fail", "discrepancy", evidence.loss_noise)
+        for site in sites:
+            known = self._measured.get((site.name, "activation"))
+            if known is None or known.verdict != "fail":
+                self._measured[(site.name, "activation")] = wrong
 
     def known(self, site: Site, place: str) -> Assessment | None:
         """The probe of ``place`` of ``site`` if it was measured already (``None`` otherwise): nothing is spent."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
-from gradwatch.engine.culprits.consistency import OWN
+from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -48,6 +48,7 @@ class Descent:
         self.failing_params = failing_params
         self.found = found
         self.path: list[Site] = []  # modules proven to contain the bug, outermost first
+        self.passed: set[str] = set()  # modules whose output gradient a split proved wrong: the boundary is after them
 
     def run(self) -> None:
         try:
@@ -103,9 +104,13 @@ class Descent:
                 child = next((c for c in chain[j + 1 :] if self._parallel_culprit(c)), child)
                 entering = self._verdict(child, "module_input")
             if child is not None and entering == "fail":
-                if self.probes.split(child) != OWN:
+                split = self.probes.split(child)
+                if split == DOWNSTREAM and child.name not in self.passed:
                     # its backward passes on what reaches its output: that gradient is wrong after all, its probe too
-                    # weak to see it (or the split cannot tell)
+                    # weak to see it; the split recorded it wrong, and the boundary lies after it
+                    self.passed.add(child.name)
+                    continue
+                if split != OWN:  # the split cannot tell
                     self._stop(node)
                     return
                 self.path.append(child)
