@@ -26,9 +26,9 @@ A module is proved to hold the bug by its input gradient only when the failure i
 its forward along the probed direction (:mod:`.consistency`), not merely passes on a wrong gradient its output probe
 was too weak to see. Conversely, when the split finds the failure downstream's, the gradient at the module's output is
 wrong, whatever its output probes (blind to a diluted error along the two directions they take) said: the module is a
-victim, and the boundary lies after it. Where a probe the descent needs cannot decide (a bug's share of a gradient many modules feed), the
-modules inside the deepest one proved are probed, breadth first, for one that proves the bug inside it by its own
-input gradient (``Descent._sweep`` in :mod:`.descent`).
+victim, and the boundary lies after it. Where a probe the descent needs cannot decide (a bug's share of a gradient
+many modules feed), the modules inside the deepest one proved are probed, breadth first, for one that proves the bug
+inside it by its own input gradient (``Descent._sweep`` in :mod:`.descent`).
 
 ``report.culprits`` lists the culprit and the modules proven to contain it, most specific first.
 """
