@@ -61,7 +61,7 @@ class ActivationProbes:
         self.tasks: list[ProbeTask] = []
         self._measured: dict[tuple[str, str], Assessment | None] = {}
         self._failing: dict[tuple[str, str], tuple[list[torch.Tensor], ProbeTask]] = {}  # the direction that failed
-        self._splits: dict[str, str | None] = {}
+        self._splits: dict[tuple[str, str], str | None] = {}
         self._extra = 0  # evaluations spent outside probes (the splits of failing input probes)
 
     @property
@@ -69,17 +69,17 @@ class ActivationProbes:
         """The loss evaluations the search spent so far."""
         return self._extra + sum(task.evaluations for task in self.tasks)
 
-    def split(self, site: Site) -> str | None:
-        """Whether the failing input probe of ``site`` fails because of its own backward (``"own"``) or because of the
-        gradient reaching its output (``"downstream"``); ``None`` when its input probe did not fail or the split cannot
-        tell (:mod:`.consistency`)."""
+    def split(self, site: Site, place: str = "module_input") -> str | None:
+        """Whether the failing probe of ``place`` of ``site`` (its input, or its own parameters) fails because of its
+        own backward (``"own"``) or because of the gradient reaching its output (``"downstream"``); ``None`` when that
+        probe did not fail or the split cannot tell (:mod:`.consistency`)."""
         wrapped = [site]
-        while "module_input" in site.same_as_parent and site.parent is not None:
+        while place in site.same_as_parent and site.parent is not None:
             site = self.sites[site.parent]  # a wrapper: its input probe is its parent's
             wrapped.append(site)
-        if site.name in self._splits:
-            return self._splits[site.name]
-        found = self._failing.get((site.name, "module_input"))
+        if (site.name, place) in self._splits:
+            return self._splits[(site.name, place)]
+        found = self._failing.get((site.name, place))
         if found is None:
             return None
         if self.evaluations >= MAX_EVALUATIONS:
@@ -89,20 +89,20 @@ class ActivationProbes:
         evaluate = self.ladder.measurements.evaluator.loss
         analytic = task.direction.analytic  # type: ignore[union-attr]
         self._extra += 4
-        share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate)
-        self._splits[site.name] = share
+        share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate, place)
+        self._splits[(site.name, place)] = share
         if share == DOWNSTREAM:
             self._outputs_wrong(wrapped, task.result)
         return share
 
     def _outputs_wrong(self, sites: list[Site], evidence: Assessment) -> None:
         """Record that the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is
-        its) is wrong: its input probe failed and its own backward passed on exactly what reached its output
-        (:mod:`.consistency`), so that gradient carries the error, whatever its own probes, blind to it along the
-        directions they took, said. A diluted error (a bug in the mid block of a diffusers UNet, a small share of the
-        gradient at the block before it) passes the output probes and is magnified by the block's backward (its norms
-        remove the gradient's dominant component): taken as right there, the block was searched and a module inside it
-        named, upstream of the bug. The evidence recorded is the input probe's failure."""
+        its) is wrong: its input or parameter probe failed and its own backward passed on exactly what reached its
+        output (:mod:`.consistency`), so that gradient carries the error, whatever its own probes, blind to it along
+        the directions they took, said. A diluted error (a bug in the mid block of a diffusers UNet, a small share of
+        the gradient at the block before it) passes the output probes and is magnified by the block's backward (its
+        norms remove the gradient's dominant component): taken as right there, the block was searched and a module
+        inside it named, upstream of the bug. The evidence recorded is the failing probe's."""
         fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
         wrong = Assessment(*fields, "fail", "discrepancy", evidence.loss_noise)
         for site in sites:

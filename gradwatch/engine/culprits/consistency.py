@@ -14,6 +14,10 @@ The test here needs no probe of the output: the displacement ``h·u`` of the inp
 measured as a central difference of the module's own outputs (two loss evaluations at each of two steps, which also
 bound its truncation error). The input probe's discrepancy ``D = a_in·u − numeric`` then splits into the module's own
 share ``C = a_in·u − a_out·(J·u)`` and the rest, which the output's gradient carries.
+
+A failing probe of the module's own parameters splits the same way, ``J`` then the derivative of its output with
+respect to them: a norm inside a block whose output probes missed a diluted error has a wrong weight gradient only
+because the gradient reaching it is wrong, and is no proof of a bug inside the block.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ split to decide; in between it is undecided."""
 
 
 def _pushed_forward(
-    site: Site, components: list[Tensor], step: float, evaluate: Callable[[], float]
+    site: Site, place: str, components: list[Tensor], step: float, evaluate: Callable[[], float]
 ) -> list[Tensor] | None:
     """The module's floating outputs, every call's in order, moved by ``+step`` minus moved by ``−step`` along the
-    input direction ``components``, over ``2·step``; ``None`` when the outputs do not match the recorded ones."""
+    direction ``components`` of ``place`` (its input or its own parameters), over ``2·step``; ``None`` when the outputs
+    do not match the recorded ones."""
     captured: list[list[Tensor]] = []
 
     def keep(_path: str, tensor: Tensor) -> Tensor:
@@ -48,7 +53,7 @@ def _pushed_forward(
     def capture(_module: Any, _args: Any, output: Any) -> None:
         map_tensors(output, "", keep)
 
-    displacements = Displacements(site, "module_input", components)
+    displacements = Displacements(site, place, components)
     with displacements.installed():
         handle = site.module.register_forward_hook(capture)
         try:
@@ -72,17 +77,18 @@ def own_share(
     numeric: float,
     step: float,
     evaluate: Callable[[], float],
+    place: str = "module_input",
 ) -> str | None:
-    """Whether a failing input probe of ``site`` (along ``components``, autograd's derivative ``analytic``, the loss's
-    ``numeric``, measured at ``step``) fails because of the module's own backward (:data:`OWN`) or because of the
-    gradient at its output (:data:`DOWNSTREAM`); ``None`` when it cannot tell (see the module doc). Costs four loss
-    evaluations through ``evaluate``."""
+    """Whether a failing probe of ``place`` of ``site`` (its input or its own parameters, along ``components``,
+    autograd's derivative ``analytic``, the loss's ``numeric``, measured at ``step``) fails because of the module's own
+    backward (:data:`OWN`) or because of the gradient at its output (:data:`DOWNSTREAM`); ``None`` when it cannot tell
+    (see the module doc). Costs four loss evaluations through ``evaluate``."""
     discrepancy = analytic - numeric
     if discrepancy == 0.0:
         return None
     along: list[float] = []
     for h in (step, step / 2):
-        moved = _pushed_forward(site, components, h, evaluate)
+        moved = _pushed_forward(site, place, components, h, evaluate)
         if moved is None:
             return None
         pairs = zip(site.gradients["activation"], moved, strict=True)

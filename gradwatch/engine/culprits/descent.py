@@ -133,6 +133,10 @@ class Descent:
                 self.path.append(child)
                 self._parameters_culprit(child)
                 return
+            if child is not None and child.name not in self.passed and self._verdict(child, "activation") == "fail":
+                # its parameters' split proved its output gradient wrong: the boundary lies after it
+                self.passed.add(child.name)
+                continue
             if child is not None and entering != "ok":
                 self._stop(node)
                 return
@@ -233,7 +237,7 @@ class Descent:
             {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
         )
         for owner in owners:
-            if self._verdict(owner, "module_params") == "fail" and self._verdict(owner, "activation") in ("ok", None):
+            if self._parameters_wrong(owner) and self._verdict(owner, "activation") in ("ok", None):
                 self.path.append(owner)
                 self._parameters_culprit(owner)
                 return
@@ -274,7 +278,15 @@ class Descent:
         """Whether ``site`` has no child and a probe of its own failing parameters, displaced during its forward only,
         fails."""
         owns = not site.children and self._holds_failing_parameters(site)
-        return owns and self._verdict(site, "module_params") == "fail"
+        return owns and self._parameters_wrong(site)
+
+    def _parameters_wrong(self, owner: Site) -> bool:
+        """Whether the probe of ``owner``'s own parameters, displaced during its forward only, fails, and not merely
+        because the gradient reaching its output is wrong (:mod:`.consistency`; that gradient is then recorded
+        wrong)."""
+        return (
+            self._verdict(owner, "module_params") == "fail" and self.probes.split(owner, "module_params") != DOWNSTREAM
+        )
 
     def _parameters_culprit(self, owner: Site) -> None:
         read = [name for name in owner.parameters if "." in name]  # a module's own parameters have plain names
