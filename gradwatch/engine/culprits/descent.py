@@ -138,7 +138,8 @@ class Descent:
                 self.passed.add(child.name)
                 continue
             if child is not None and entering != "ok":
-                self._stop(node)
+                fed_wrong = j > 0 and self._verdict(chain[j - 1], "activation") == "fail"
+                self._stop(node, first=child if fed_wrong else None)
                 return
             if child is None and chain:
                 self._after_last(node, chain[-1])
@@ -369,9 +370,18 @@ class Descent:
     def _stays_inside(self, site: Site) -> bool:
         return not site.strays and all(self._stays_inside(self.sites[child]) for child in site.children)
 
-    def _stop(self, node: Site | None) -> None:
+    def _stop(self, node: Site | None, first: Site | None = None) -> None:
         """A probe the descent needs could not decide: go on from a module inside the node that proves the bug inside
-        it by its own probes (:meth:`_sweep`), or name the deepest module proven, if any."""
+        it by its own probes (:meth:`_sweep`), or name the deepest module proven, if any. ``first`` (a child whose
+        output gradient is right, the child before it wrong, its own input probe undecided: the boundary) is swept
+        before the rest, a module inside it proving the bug inside itself proving it inside ``first`` too; swept with
+        the rest, the budget went to the victims upstream (a UNet above the float64 limit: the model named)."""
+        if first is not None:
+            inside = self._sweep(first)
+            if inside is not None:
+                self.path += [first, inside]
+                self._descend(inside)
+                return
         inside = self._sweep(node)
         if inside is not None:
             self.path.append(inside)
