@@ -16,6 +16,7 @@ from unet_models import ddpm_batches, noise_prediction_loss, small_unet, small_u
 
 from gradwatch import GradientWatch, check_gradients
 from gradwatch.engine.function import precision
+from gradwatch.engine.results.notes import NoteCode, codes
 
 CHANNELS = (32, 32, 64)
 
@@ -69,6 +70,22 @@ def test_a_softmax_backward_bug_is_never_blamed_on_a_module_outside_its_attentio
     assert report is not None
     assert report.culprits, report.culprit_message
     holder = "up_blocks.0.attentions.1"
+    named = report.culprits[0]
+    assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
+
+
+def test_a_key_projections_input_gradient_bug_below_the_tolerance_fails_the_first_check_on_its_formula() -> None:
+    # a 2% error in `to_k`'s input gradient reaches every probe of the check below the float32 tolerance (at most
+    # 3.6e-4, along a random direction in `conv_in.bias`); float64 autograd, without float32's rounding, disagrees with
+    # the float64 finite difference there (the formula check, engine/recomputed/formula.py): before, no check within 5
+    # failed
+    first, report = _first_failing("to_k input", checks=1)
+    assert first == 1
+    assert report is not None
+    assert report.verdict == "fail"
+    assert NoteCode.FORMULA_WRONG_BELOW_TOLERANCE in codes(report.notes), report.notes
+    holder = "down_blocks.2.attentions.0.to_k"
+    assert report.culprits, report.culprit_message
     named = report.culprits[0]
     assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
 
