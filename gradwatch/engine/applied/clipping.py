@@ -155,7 +155,6 @@ def check_clipping(
         f"clipping at max_norm {max_norm:g}: verified gradient norm {before.total:.6g} (over every rank and shard), "
         f"norm after clipping {after.total:.6g}: coefficient {applied:.6g}, expected {expected[0]:.6g}"
     )
-    notes = [Note(NoteCode.APPLIED_CLIPPING, text)]
     fault_message = ""
     if not coefficient_ok:
         implied = max_norm / applied if applied > 0 else math.inf
@@ -170,20 +169,7 @@ def check_clipping(
             f"{wrong[0]}, norm {before.norms[wrong[0]]:.6g} before, {after.norms[wrong[0]]:.6g} after): clipped "
             "separately, or changed between the check and the optimizer step"
         )
-    failed = bool(fault_message)
-    return CheckReport(
-        step=step,
-        verdict=Verdict.FAIL if failed else Verdict.OK,
-        probes=[],
-        loss=math.nan,
-        n_forward=0,
-        n_backward=0,
-        duration_s=time.perf_counter() - started,
-        notes=notes,
-        scope="applied",
-        fault="clipping" if failed else None,
-        fault_message=fault_message,
-    )
+    return _report(step, started, text, fault_message)
 
 
 def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, *, step: int = 0) -> CheckReport:
@@ -222,6 +208,11 @@ def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, 
             f"give {expected[1]:.6g}: the engine clipped with the norm {used_norm:.6g} (a norm over one rank's "
             "partition, before the reduction, or counted twice over a mesh?)"
         )
+    return _report(step, started, text, fault_message)
+
+
+def _report(step: int, started: float, text: str, fault_message: str) -> CheckReport:
+    """A clipping check's report: no probes, the norms in a note, ``fault == "clipping"`` when there is a message."""
     failed = bool(fault_message)
     return CheckReport(
         step=step,

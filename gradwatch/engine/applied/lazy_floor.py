@@ -35,21 +35,6 @@ def needed(measured: Sequence[Measured]) -> bool:
     return not calm(measured)
 
 
-def float64_floor(
-    model: torch.nn.Module,
-    batches: Any,
-    window: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    group: Any,
-    eager: Sequence[Tensor],
-    notes: list[Note],
-) -> list[list[float]]:
-    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
-    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes (see :func:`float64_rounding`)."""
-    return float64_rounding(model, batches, window, params, state, group, eager, (), notes)[0]
-
-
 def float64_rounding(
     model: torch.nn.Module,
     batches: Any,
