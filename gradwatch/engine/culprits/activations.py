@@ -6,6 +6,7 @@ kept here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -15,6 +16,7 @@ from gradwatch.engine.culprits.consistency import DOWNSTREAM, own_share
 from gradwatch.engine.culprits.sites import Displacements, Site
 from gradwatch.engine.measuring.directions import HookedDirection
 from gradwatch.engine.numerics.assessment import Assessment
+from gradwatch.engine.numerics.kinks import at_a_tie
 from gradwatch.engine.numerics.steps import relative_step
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
@@ -167,6 +169,10 @@ class ActivationProbes:
             with displacements.installed():
                 self.ladder.measure_fully([task])
             assert task.result is not None
+            if task.result.verdict == "fail" and at_a_tie(task.stencil):
+                # a tie at the place (a max-pool window of a ReLU's exact zeros, displaced directly): the module's
+                # function has no derivative there, and autograd's choice of one side is no wrong backward
+                task.result = dataclasses.replace(task.result, verdict="inconclusive", reason="tie")
             results.append(task.result)
             if task.result.verdict == "fail" and (site.name, place) not in self._failing:
                 self._failing[(site.name, place)] = (components, task)

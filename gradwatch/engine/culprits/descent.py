@@ -106,8 +106,7 @@ class Descent:
             if child is not None and entering == "fail":
                 split = self.probes.split(child)
                 if split == DOWNSTREAM and child.name not in self.passed:
-                    # its backward passes on what reaches its output: that gradient is wrong after all, its probe too
-                    # weak to see it; the split recorded it wrong, and the boundary lies after it
+                    # its backward passes on what reaches its output: that gradient is wrong after all (recorded)
                     self.passed.add(child.name)
                     continue
                 if split != OWN:  # the split cannot tell
@@ -144,7 +143,10 @@ class Descent:
             if child is None and chain:
                 self._after_last(node, chain[-1])
             elif child is not None and j > 0 and self._verdict(chain[j - 1], "activation") == "fail":
-                self._between(node, chain[j - 1], child)
+                if chain[j - 1].name in self.passed:  # inferred wrong, not measured: the next input probe may be the
+                    self._stop(node, first=child)  # same error diluted (a query path beside key and value), no glue
+                else:
+                    self._between(node, chain[j - 1], child)
             else:
                 self._parameters_only(node)
             return

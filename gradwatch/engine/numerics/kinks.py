@@ -50,3 +50,22 @@ def smooth_at_the_point(stencil: Stencil | None) -> bool:
         return False
     low, high = SMOOTH_RATIO
     return low <= at_h / at_half <= high
+
+
+TIE_RATIO = (0.6, 1.6)
+"""The range of the ratio of the one-sided jumps at ``h`` and ``h/2`` that marks a kink at the point (a jump of the
+slope that does not shrink with the step, ratio 1), where :func:`at_a_tie` says so."""
+
+
+def at_a_tie(stencil: Stencil | None) -> bool:
+    """Whether the stencil shows a kink at the point itself: a full stencil whose one-sided difference quotients differ
+    by about the same significant amount at ``h`` and at ``h/2`` (:data:`TIE_RATIO`). Unlike
+    :func:`smooth_at_the_point`, a stencil that cannot tell is no tie: only a measured kink is."""
+    if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
+        return False
+    at_h, at_half = one_sided_jumps(stencil)
+    noise = abs(stencil.odd_residual)
+    if at_half == 0.0 or abs(at_half) <= 2 * SIGNIFICANCE * noise or abs(at_h) <= 2 * SIGNIFICANCE * noise:
+        return False
+    low, high = TIE_RATIO
+    return low <= at_h / at_half <= high
