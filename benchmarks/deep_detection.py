@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from deep_models import DEEP_TENSORS, deep_llama, language_model_loss, token_batches
+from watched_runs import first_check_with
 
-from gradwatch import CheckReport, GradientWatch
+from gradwatch import CheckReport
 from gradwatch.engine.culprits.search import LOSS
 
 
@@ -48,26 +48,8 @@ def run(
     """Train under the watch until the first failing check or ``checks`` checks; the failing check's position, its
     report, and the loss evaluations of every healthy check."""
     model = deep_llama(bug_at, seed=seed, wrong_input=wrong_input)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = GradientWatch(every_n_steps=2, verbose=False)
-    healthy: list[int] = []
-    made = 0
-    for step, batch in enumerate(token_batches(2 * checks + 2, seed=seed), 1):
-        optimizer.zero_grad()
-        language_model_loss(model, batch).backward()
-        optimizer.step()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = watch.maybe_check(model, batch, language_model_loss, step=step)
-        if report is None:
-            continue
-        made += 1
-        if report.verdict == "fail":
-            return made, report, healthy
-        healthy.append(report.n_forward)
-        if made >= checks:
-            break
-    return None, None, healthy
+    batches = token_batches(2 * checks + 2, seed=seed)
+    return first_check_with(model, batches, language_model_loss, lr=1e-3, checks=checks)
 
 
 def main() -> None:

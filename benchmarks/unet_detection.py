@@ -20,16 +20,14 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from unet_models import BUGS, ddpm_batches, noise_prediction_loss, unet
+from watched_runs import first_check_with
 
-from gradwatch import CheckReport, GradientWatch
+from gradwatch import CheckReport
 from gradwatch.engine.function import precision
 
 
@@ -50,27 +48,9 @@ def run(
 ) -> tuple[int | None, CheckReport | None, list[int]]:
     """Train under the watch until the first check that is not ``ok`` or ``checks`` checks: its position, its report,
     and the loss evaluations of every ``ok`` check."""
-    model = unet(bug, channels=channels)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    watch = GradientWatch(every_n_steps=2, verbose=False)
-    healthy: list[int] = []
-    made = 0
-    for step, batch in enumerate(ddpm_batches(2 * checks + 2, resolution=resolution), 1):
-        optimizer.zero_grad()
-        noise_prediction_loss(model, batch).backward()
-        optimizer.step()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = watch.maybe_check(model, batch, noise_prediction_loss, step=step)
-        if report is None:
-            continue
-        made += 1
-        if report.verdict != "ok":
-            return made, report, healthy
-        healthy.append(report.n_forward)
-        if made >= checks:
-            break
-    return None, None, healthy
+    batches = ddpm_batches(2 * checks + 2, resolution=resolution)
+    return first_check_with(unet(bug, channels=channels), batches, noise_prediction_loss, lr=1e-4, checks=checks,
+                            stop=("fail", "inconclusive"))  # fmt: skip
 
 
 def main() -> None:

@@ -3,32 +3,18 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 from deep_models import deep_llama, language_model_loss, token_batches
-
-from gradwatch import GradientWatch
+from watched_runs import first_check_with
 
 
 def _first_failing_check(bug_at: str | None, wrong_input: bool = False, checks: int = 1):  # type: ignore[no-untyped-def]
     model = deep_llama(bug_at, wrong_input=wrong_input)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = GradientWatch(every_n_steps=2, verbose=False)
-    made = 0
-    for step, batch in enumerate(token_batches(2 * checks), 1):
-        optimizer.zero_grad()
-        language_model_loss(model, batch).backward()
-        optimizer.step()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = watch.maybe_check(model, batch, language_model_loss, step=step)
-        if report is not None:
-            made += 1
-            if report.verdict == "fail":
-                return made, report
-    return None, None
+    # every batch trained, as many checks as they hold (the first at step 1, then every 2 steps)
+    made, report, _ = first_check_with(
+        model, token_batches(2 * checks), language_model_loss, lr=1e-3, checks=2 * checks
+    )
+    return made, report
 
 
 @pytest.mark.parametrize("wrong_input", [False, True], ids=["weight-gradient", "input-gradient"])

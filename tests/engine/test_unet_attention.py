@@ -5,16 +5,14 @@ probes natively and the culprit search runs on the float64 copy (before: no culp
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
 pytest.importorskip("diffusers")
 
 from unet_models import ddpm_batches, noise_prediction_loss, small_unet, small_unet_batch, unet
+from watched_runs import first_check_with
 
-from gradwatch import GradientWatch, check_gradients
+from gradwatch import check_gradients
 from gradwatch.engine.function import precision
 from gradwatch.engine.results.notes import NoteCode, codes
 
@@ -22,24 +20,10 @@ CHANNELS = (32, 32, 64)
 
 
 def _first_failing(bug: str | None, checks: int):  # type: ignore[no-untyped-def]
-    model = unet(bug, channels=CHANNELS)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    watch = GradientWatch(every_n_steps=2, verbose=False)
-    made = 0
-    for step, batch in enumerate(ddpm_batches(2 * checks, resolution=16), 1):
-        optimizer.zero_grad()
-        noise_prediction_loss(model, batch).backward()
-        optimizer.step()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = watch.maybe_check(model, batch, noise_prediction_loss, step=step)
-        if report is not None:
-            made += 1
-            if report.verdict != "ok":
-                return made, report
-            if made == checks:
-                break
-    return None, None
+    batches = ddpm_batches(2 * checks, resolution=16)
+    made, report, _ = first_check_with(unet(bug, channels=CHANNELS), batches, noise_prediction_loss, lr=1e-4,
+                                       checks=checks, stop=("fail", "inconclusive"))  # fmt: skip
+    return made, report
 
 
 def test_a_two_percent_attention_output_bug_above_the_float64_limit_fails_the_first_check_with_its_module(
