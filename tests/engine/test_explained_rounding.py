@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from applied_models import ConvBatchNorm
 from torch import nn
 from torch.nn import functional as F
 
@@ -118,27 +119,12 @@ def test_probes_vouch_at_the_storage_rounding_only_while_what_the_rounding_leave
     assert vouchers([_measured(1.0, 1.0 - 0.4e-6, 1e-6, 0.0)])[0].tolerance == 1e-6
 
 
-class _ConvBatchNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 4 * 4, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 4)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
 def test_a_fault_the_float64_gradient_shares_is_caught_in_a_precise_tensor_next_to_large_floors() -> None:
     # the hook stays on during the check: the eager and float64 gradients both hold the 2% fault, so the measured
     # rounding (their difference) does not, and what the probes see beyond the rounding is the fault itself
     for name in ("fc1.weight", "conv2.bias"):
         torch.manual_seed(0)
-        model = _ConvBatchNorm()
+        model = ConvBatchNorm()
         batch = (torch.randn(32, 3, 12, 12), torch.randint(0, 10, (32,)))
         handle = dict(model.named_parameters())[name].register_hook(lambda grad: grad * 1.02)
         window = AppliedWindow(model)

@@ -9,7 +9,7 @@ import math
 import random
 
 import torch
-from torch import nn
+from applied_models import ConvBatchNorm
 from torch.nn import functional as F
 
 from gradwatch.engine.applied import AppliedWindow
@@ -49,27 +49,9 @@ def test_tensors_with_a_large_floor_are_kept_out_of_the_precise_tensors_group() 
     assert groups == [list(range(8))]
 
 
-class _ConvBatchNorm(nn.Module):
-    """A convolution before BatchNorm (a gradient whose float32 rounding can reach far above the rest's: the floor
-    that keeps the combined probes from vouching for the others), then a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc1 = nn.Linear(16 * 4 * 4, 32)
-        self.fc2 = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
-        x = F.adaptive_avg_pool2d(F.relu(self.conv2(x)), 4)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
 def _check(hooked: str | None, seed: int) -> tuple[str, list[str]]:
     torch.manual_seed(seed)
-    model = _ConvBatchNorm()
+    model = ConvBatchNorm()
     batch = (torch.randn(32, 3, 12, 12), torch.randint(0, 10, (32,)))
     handle = None
     if hooked is not None:
