@@ -35,6 +35,7 @@ __all__ = [
     "applied_checks_inside_steps",
     "before_engine_steps",
     "clip_norm",
+    "clipped_norm",
     "full_gradients",
 ]
 
@@ -99,20 +100,27 @@ class EngineStepHook:
             self.optimizer.__dict__.pop("step", None)  # the class's own step again
 
 
-def clip_norm(engine: Any) -> tuple[float, float] | None:
-    """``(max_norm, norm)``: the engine's ``gradient_clipping`` and the norm its optimizer clipped the last step's
-    gradient with (unscaled; DeepSpeed's ZeRO and bf16 optimizers keep it as ``_global_grad_norm``, which the engine
-    returns as ``get_global_grad_norm()`` once its step is over); ``None`` when the engine does not clip, keeps no
-    such norm, or skipped the step (a non-finite norm)."""
-    _module(engine)
-    max_norm = float(engine.gradient_clipping() or 0.0)
+def clipped_norm(engine: Any) -> float | None:
+    """The norm the engine's optimizer clipped its last step's gradient with (unscaled; DeepSpeed's ZeRO and bf16
+    optimizers keep it as ``_global_grad_norm``, which the engine returns as ``get_global_grad_norm()`` once its step
+    is over); ``None`` when it keeps no such norm or skipped the step (a non-finite norm). Reading it may wait for the
+    device."""
     norm = getattr(engine.optimizer, "_global_grad_norm", None)
     if norm is None:
         norm = engine.get_global_grad_norm()
-    if not max_norm > 0 or norm is None:
+    if norm is None:
         return None
     norm = float(norm)
-    return (max_norm, norm) if 0 <= norm < float("inf") else None  # NaN and inf: a skipped step
+    return norm if 0 <= norm < float("inf") else None  # NaN and inf: a skipped step
+
+
+def clip_norm(engine: Any) -> tuple[float, float] | None:
+    """``(max_norm, norm)``: the engine's ``gradient_clipping`` and the norm it clipped the last step's gradient with
+    (:func:`clipped_norm`); ``None`` when the engine does not clip, keeps no such norm, or skipped the step."""
+    _module(engine)
+    max_norm = float(engine.gradient_clipping() or 0.0)
+    norm = clipped_norm(engine) if max_norm > 0 else None
+    return None if norm is None else (max_norm, norm)
 
 
 def before_engine_steps(
@@ -161,8 +169,9 @@ def applied_checks_inside_steps(
         watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
 
     def clipped() -> None:
-        found = clip_norm(engine)
-        if found is not None:
-            watch.after_clipping(module, found[0], step=int(engine.global_steps) + 1, clipped_with=found[1])
+        max_norm = float(engine.gradient_clipping() or 0.0)
+        if max_norm > 0:  # the norm is read only when a check verified this step's gradient
+            step = int(engine.global_steps) + 1
+            watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
 
     return before_engine_steps(engine, check, clipped)

@@ -285,8 +285,9 @@ class GradWatchCallback(TrainerCallback):
             self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
         return norm
 
-    def _engine_clipped(self, max_norm: float, norm: float) -> None:
-        """Under DeepSpeed, after the engine's step: the norm it clipped with against the verified gradient's."""
+    def _engine_clipped(self, max_norm: float, norm: Callable[[], float | None]) -> None:
+        """Under DeepSpeed, after the engine's step: the norm it clipped with (read only if a check verified this step's
+        gradient) against the verified gradient's."""
         step = self.trainer.state.global_step + 1  # the engine steps before the Trainer counts the step
         self.watch.after_clipping(self._model, max_norm, step=step, clipped_with=norm)
 

@@ -193,7 +193,12 @@ class AppliedCalls:
         return report
 
     def after_clipping(
-        self, model: nn.Module, max_norm: float, *, step: int, clipped_with: float | None = None
+        self,
+        model: nn.Module,
+        max_norm: float,
+        *,
+        step: int,
+        clipped_with: float | Callable[[], float | None] | None = None,
     ) -> CheckReport | None:
         """Call after the loop clipped the gradient by its norm (``clip_grad_norm_``, ``gradient_clip_val``,
         ``max_grad_norm``), before ``zero_grad``: when an applied check verified this step's gradient, check that the
@@ -203,15 +208,19 @@ class AppliedCalls:
 
         ``clipped_with``: for an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
         after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against the
-        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`); without it such a gradient
-        (checked with ``gradients=``) is not checked here.
+        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function that reads it,
+        called only when a check verified this step's gradient (reading it may wait for the device; ``None`` from it:
+        nothing to check); without it such a gradient (checked with ``gradients=``) is not checked here.
         """
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None
         norms, own = verified[1], verified[2]
         if clipped_with is not None:
-            check = lambda: check_clip_norm(norms, float(clipped_with), max_norm, step=step)  # noqa: E731
+            used = clipped_with() if callable(clipped_with) else clipped_with
+            if used is None:
+                return None
+            check = lambda: check_clip_norm(norms, float(used), max_norm, step=step)  # noqa: E731
         elif own:
             check = lambda: check_clipping(norms, _gradients(model), max_norm, step=step)  # noqa: E731
         else:
