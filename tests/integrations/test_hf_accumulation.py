@@ -42,13 +42,15 @@ class LabelledTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": labels}
 
 
-def _train(tmp_path: Path, model: Any, dataset: Any, **trainer_options: Any) -> GradWatchCallback:
+def _train(
+    tmp_path: Path, model: Any, dataset: Any, trainer_class: type = transformers.Trainer, **trainer_options: Any
+) -> GradWatchCallback:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), gradient_accumulation_steps=ACCUMULATION, per_device_train_batch_size=2,
         max_steps=1, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
         dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, **trainer_options)
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, **trainer_options)
     callback = GradWatchCallback(trainer, applied_every_n_steps=100, every_n_steps=1000, max_overhead=None)
     trainer.add_callback(callback)
     trainer.train()
@@ -136,22 +138,9 @@ class SummedOnly(transformers.Trainer):
         return _token_sum(model, inputs)
 
 
-def _train_with(trainer_class: type, tmp_path: Path, model: Any, dataset: Any, **options: Any) -> GradWatchCallback:
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), gradient_accumulation_steps=ACCUMULATION, per_device_train_batch_size=2,
-        max_steps=1, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
-        dataloader_num_workers=0,
-    )  # fmt: skip
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, **options)
-    callback = GradWatchCallback(trainer, applied_every_n_steps=100, every_n_steps=1000, max_overhead=None)
-    trainer.add_callback(callback)
-    trainer.train()
-    return callback
-
-
 def test_a_loss_normalised_over_the_window_and_divided_again_is_flagged(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match="normalised twice"):
-        callback = _train_with(NormalisedTwice, tmp_path, tiny_llama(), LabelledTokens(unequal=True))
+        callback = _train(tmp_path, tiny_llama(), LabelledTokens(unequal=True), NormalisedTwice)
     report = _applied(callback)
     assert report.verdict == "ok"  # the right derivative of the wrong loss
     assert report.accumulation_scale == pytest.approx(1 / ACCUMULATION, rel=1e-4)
@@ -176,7 +165,7 @@ def test_micro_batch_means_summed_over_the_window_are_flagged(tmp_path: Path) ->
 def test_a_summed_loss_the_trainer_averages_over_the_window_is_not_flagged(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientCheckWarning)
-        callback = _train_with(SummedOnly, tmp_path, _without_the_fix(), LabelledTokens(unequal=True))
+        callback = _train(tmp_path, _without_the_fix(), LabelledTokens(unequal=True), SummedOnly)
     report = _applied(callback)
     assert not report.noted(NoteCode.ACCUMULATION_UNEQUAL), report.notes
     assert report.accumulation_scale == pytest.approx(1 / ACCUMULATION, rel=1e-4)
