@@ -21,9 +21,12 @@ is judged against the floors of the tensors it moves (:class:`~gradwatch.engine.
 reached that cap on a small bf16 CNN in most checks (a convolution's weight gradient before BatchNorm is 5-14% off in
 bf16, its classifier's 0.5%) and let a 5% bug read ``ok``, while on its float16 twin the cap was below what rounding
 that moves a kink does to a correct gradient. The forward's rounding is measured at :data:`REALIZATIONS` more points
-half a unit in the last place away, since one draw of it can be orders of magnitude below another where a kink moves.
+half a unit in the last place away, since one draw of it can be orders of magnitude below another where a kink moves,
+and once more with the native forward's own values at every leaf module's output
+(:mod:`~gradwatch.engine.function.native_values`: a 16-bit kernel that rounds inside moves kinks that the emulation,
+rounding each result once, does not).
 The check's ``rtol`` is the largest tolerance within the fixed one (the tolerance of the probes of inputs and
-activations, whose floor is not measured). It costs one native backward (of 3x the loss) and six float64 forwards and
+activations, whose floor is not measured). It costs one native backward (of 3x the loss) and seven float64 forwards and
 backwards on the probe batch, made only for 16-bit models probed in float64.
 """
 
@@ -38,6 +41,7 @@ from torch import Tensor
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.native_values import NativeValues
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT, SixteenBitRounding
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import gradient_tolerance, machine_epsilon, relative_tolerance
@@ -109,6 +113,8 @@ class SixteenBitFloor:
     grad_norms: Sequence[float]
     loss: float
     spread: list[float] | None = None
+    native: NativeValues | None = None
+    """The leaf modules' outputs of the native forward of the spread's measurement."""
     error: str = ""
     """What the last measurement that raised said."""
     notes: list[Note] = dataclasses.field(default_factory=list)
@@ -119,7 +125,9 @@ class SixteenBitFloor:
         params = [p for _, p in self.evaluator.params]
         native = [torch.zeros(p.shape, dtype=torch.float64) if g is None else g.detach().double()
                   for p, g in zip(params, reference, strict=True)]  # fmt: skip
-        scaled = self._guarded(lambda: _gradients(self.evaluator, SPREAD_SCALE))
+        self.native = NativeValues(self.evaluator.model)
+        with self.native.recording():
+            scaled = self._guarded(lambda: _gradients(self.evaluator, SPREAD_SCALE))
         self.spread = None if scaled is None else _distances(native, scaled)
 
     def plan_on_float64(self) -> ProbePlan:
@@ -138,6 +146,12 @@ class SixteenBitFloor:
         if rounded is None:
             return self._fixed(f"no finite gradient with {_name(dtype)} rounding emulated")
         forward = _distances(rounded, precise)
+        if self.native is not None and self.native.outputs:
+            with self.native.replayed():
+                replayed = self._guarded(lambda: _gradients(self.evaluator))
+            self.native.outputs = {}
+            if replayed is not None:
+                others.append(_distances(replayed, precise))
         for other in others:
             forward = [max(a, b) for a, b in zip(forward, other, strict=True)]
         rounding = machine_epsilon(dtype) / 2
