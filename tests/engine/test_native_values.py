@@ -52,8 +52,8 @@ def test_the_replayed_float64_gradient_has_the_native_forwards_kinks() -> None:
     with values.recording():
         _gradients(model, batch)
     values.model = precise_model  # the same modules, by position: a copy records under other ids
-    values.outputs = {id(b): values.outputs[id(a)] for a, b in zip(model.modules(), precise_model.modules())
-                      if id(a) in values.outputs}  # fmt: skip
+    pairs = zip(model.modules(), precise_model.modules(), strict=True)
+    values.outputs = {id(b): values.outputs[id(a)] for a, b in pairs if id(a) in values.outputs}
     with values.replayed():
         replayed = _gradients(precise_model, precise_batch)
     # the correct float16 gradient is 1.3% off the exact one at this point, and the replay reproduces that
@@ -94,3 +94,13 @@ def test_a_five_percent_float16_kernel_bug_still_fails_there() -> None:
     model, batch = _trained_cnn(factor=1.05)
     report = check_gradients(model, batch, classifier_loss, step=4, rotation=2)
     assert report.verdict == "fail", str(report)
+
+
+def test_a_check_says_which_modules_forward_is_not_rounding() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _WrongInSixteenBits(), nn.Linear(16, 4)).half()
+    batch = (torch.randn(16, 8).half(), torch.randint(0, 4, (16,)))
+    report = check_gradients(model, batch, classifier_loss)
+    said = [str(note) for note in report.notes if "differs from the float64 one" in str(note)]
+    assert len(said) == 1, [str(note) for note in report.notes]
+    assert "`2`, `3`" in said[0]

@@ -150,6 +150,8 @@ class SixteenBitFloor:
             with self.native.replayed():
                 replayed = self._guarded(lambda: _gradients(self.evaluator))
             self.native.outputs = {}
+            if self.native.unreplayed:
+                self.notes.append(_unreplayed_note(sorted(self.native.unreplayed), dtype))
             if replayed is not None:
                 others.append(_distances(replayed, precise))
         for other in others:
@@ -223,6 +225,16 @@ class SixteenBitFloor:
         except Exception as error:  # a loss that refuses the rounding emulation: the fixed tolerance, with a note
             self.error = f" ({type(error).__name__}: {error})"
             return None
+
+
+def _unreplayed_note(names: list[str], dtype: torch.dtype) -> Note:
+    shown = ", ".join(f"`{name}`" for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return Note(
+        NoteCode.SIXTEEN_BIT_FLOOR,
+        f"{shown}: the {_name(dtype)} forward differs from the float64 one by more than {_name(dtype)} rounding "
+        "(a forward wrong in 16 bits, or what its output reaches); the floor does not take these modules' "
+        f"{_name(dtype)} values",
+    )
 
 
 def _name(dtype: torch.dtype) -> str:
