@@ -104,3 +104,12 @@ def test_a_check_says_which_modules_forward_is_not_rounding() -> None:
     said = [str(note) for note in report.notes if "differs from the float64 one" in str(note)]
     assert len(said) == 1, [str(note) for note in report.notes]
     assert "`2`, `3`" in said[0]
+
+
+def test_an_output_changed_in_place_downstream_is_replayed_as_computed() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True), nn.Linear(16, 4)).half()
+    batch = (torch.randn(16, 8).half(), torch.randint(0, 4, (16,)))
+    report = check_gradients(model, batch, classifier_loss)
+    assert report.verdict == "ok", str(report)
+    assert not [str(note) for note in report.notes if "differs from the float64 one" in str(note)]

@@ -52,7 +52,8 @@ class NativeValues:
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, Tensor) and output.is_floating_point():
-                self.outputs.setdefault(id(module), []).append(output.detach())
+                # a copy: a later in-place operation (ReLU(inplace=True) after a BatchNorm) would change a view
+                self.outputs.setdefault(id(module), []).append(output.detach().clone())
 
         handles = [module.register_forward_hook(record) for _, module in _leaves(self.model)]
         try:
