@@ -1,0 +1,52 @@
+"""What a healthy applied check costs (engine/applied/stencils.py, engine/applied/check.py): no loss evaluated at the
+unperturbed point when the screens agree (the first screen's mean stands in for it), while a loss that draws
+is not a function of the parameters alone is still not probed and a planted fault still fails."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from applied_models import MLP, batch_for, cross_entropy, train_window
+from torch import Tensor, nn
+
+from gradwatch.engine.applied import check_applied_gradient
+from gradwatch.engine.results.notes import NoteCode
+
+
+def test_a_healthy_float32_check_evaluates_the_loss_at_the_screens_points_only() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    window = train_window(model, [batch_for(model, seed=1)])
+    report = window.check(cross_entropy)
+    assert report.verdict == "ok", str(report)
+    assert [p.kind for p in report.probes] == ["descent", "tensors"]
+    # the reference pass and two screens of two points: no centre
+    assert report.n_forward == 1 + sum(p.evaluations or 0 for p in report.probes) == 5
+
+
+def test_a_loss_that_is_not_a_function_of_the_parameters_is_still_not_probed() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    batch = batch_for(model, seed=1)
+    calls = itertools.count()
+
+    def noisy(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:  # another loss at every call
+        return cross_entropy(model, batch) * (1 + 0.1 * next(calls))
+
+    noisy(model, batch).backward()
+    report = check_applied_gradient(model, [batch], noisy)
+    assert report.verdict == "inconclusive", str(report)
+    assert report.noted(NoteCode.APPLIED_NOT_REPRODUCIBLE), report.notes
+
+
+def test_a_planted_fault_still_fails_the_cheaper_check() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    handle = model.fc2.weight.register_hook(lambda grad: grad * 1.02)
+    try:
+        report = train_window(model, [batch_for(model, seed=1)]).check(cross_entropy, culprit_search=False)
+    finally:
+        handle.remove()
+    assert report.verdict == "fail", str(report)
+    assert any(p.verdict == "fail" and p.target == "fc2.weight" for p in report.probes), str(report)
