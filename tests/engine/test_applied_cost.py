@@ -1,6 +1,7 @@
 """What a healthy applied check costs (engine/applied/stencils.py, engine/applied/check.py): no loss evaluated at the
-unperturbed point when the screens agree (the first screen's mean stands in for it), while a loss that draws
-is not a function of the parameters alone is still not probed and a planted fault still fails."""
+unperturbed point when the screens agree (the first screen's mean stands in for it), no dataflow watch in its
+reference pass; a loss that is not a function of the parameters alone is still not probed, and a planted fault still
+fails."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from applied_models import MLP, batch_for, cross_entropy, train_window
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import check_applied_gradient
+from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.notes import NoteCode
 
 
@@ -50,3 +53,20 @@ def test_a_planted_fault_still_fails_the_cheaper_check() -> None:
         handle.remove()
     assert report.verdict == "fail", str(report)
     assert any(p.verdict == "fail" and p.target == "fc2.weight" for p in report.probes), str(report)
+
+
+def test_a_reference_pass_without_vectorised_passes_to_follow_gives_the_same_loss_and_gradient() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    batch = batch_for(model, seed=1)
+    params = [(n, p) for n, p in model.named_parameters()]
+    state = TrainingState.capture(model)
+    try:
+        evaluator = LossEvaluator(model, batch, cross_entropy, params, state)
+        watched = evaluator.reference(with_inputs=False)
+        plain = evaluator.reference(with_inputs=False, vectorising=False)
+    finally:
+        state.restore()
+    assert watched.loss == plain.loss
+    assert all(torch.equal(a, b) for a, b in zip(watched.param_grads, plain.param_grads, strict=True))
+    assert evaluator.saved_elements == 0  # nothing counted: no vectorised pass needs it
