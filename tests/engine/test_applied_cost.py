@@ -1,7 +1,7 @@
 """What a healthy applied check costs (engine/applied/stencils.py, engine/applied/check.py): no loss evaluated at the
 unperturbed point when the screens agree (the first screen's mean stands in for it), no dataflow watch in its
-reference pass; a loss that is not a function of the parameters alone is still not probed, and a planted fault still
-fails."""
+reference pass, the autocast rounding's own walk of each operation's arguments; a loss that is not a function of the
+parameters alone is still not probed, and a planted fault still fails."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import itertools
 import torch
 from applied_models import MLP, batch_for, cross_entropy, train_window
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from gradwatch.engine.applied import check_applied_gradient
+from gradwatch.engine.applied.rounding import _floats, _mapped
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.notes import NoteCode
@@ -70,3 +72,17 @@ def test_a_reference_pass_without_vectorised_passes_to_follow_gives_the_same_los
     assert watched.loss == plain.loss
     assert all(torch.equal(a, b) for a, b in zip(watched.param_grads, plain.param_grads, strict=True))
     assert evaluator.saved_elements == 0  # nothing counted: no vectorised pass needs it
+
+
+def test_the_autocast_rounding_walks_an_operations_arguments_as_pytree_does() -> None:
+    a, b = torch.ones(2), torch.ones(3, dtype=torch.float64)
+    args = (a, [1, b, torch.ones(1, dtype=torch.int64)], {"out": b, "dtype": torch.float32}, None, 2.0)
+    flat = [t for t in tree_flatten(args)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    assert [id(t) for t in _floats(args)] == [id(t) for t in flat]
+    assert len(flat) == 3
+    doubled = _mapped(lambda t: t * 2, args)
+    assert type(doubled[1]) is list
+    assert doubled[4] == 2.0
+    assert doubled[2]["dtype"] is torch.float32
+    assert torch.equal(doubled[0], 2 * a)
+    assert torch.equal(doubled[2]["out"], 2 * b)
