@@ -310,7 +310,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     evaluator.group = group
     notes = evaluator.notes
     with recompute.exact_conditions() as entered:
-        reference = evaluator.reference(with_inputs=False)
+        reference = evaluator.reference(with_inputs=False, vectorising=False)
     own = autocast_path.own_autocast(entered, autocast_path.device_type(params))
     if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
         setting.autocast, plan = own, autocast_path.replanned(plan, own)

@@ -76,8 +76,40 @@ _PROMOTING = {
 """Operations whose result is float32 as soon as one float32 tensor (not a 0-dim scalar) takes part."""
 
 
-def _floats(values: Any) -> list[Tensor]:
-    return [v for v in tree_flatten(values)[0] if isinstance(v, Tensor) and v.is_floating_point()]
+def _floats(values: Any, found: list[Tensor] | None = None) -> list[Tensor]:
+    """The floating tensors among ``values`` (an operation's arguments or results), in ``tree_flatten``'s order: walked
+    by hand through tuples, lists and dicts (what the dispatcher passes), pytree's generic walk for anything else; this
+    runs for every operation of the forward and the backward, where pytree's walk cost more than the operation."""
+    found = [] if found is None else found
+    if isinstance(values, Tensor):
+        if values.is_floating_point():
+            found.append(values)
+    elif isinstance(values, (tuple, list)):
+        for value in values:
+            _floats(value, found)
+    elif isinstance(values, dict):
+        for value in values.values():
+            _floats(value, found)
+    elif not isinstance(values, _ATOMS) and values is not None:
+        found += [v for v in tree_flatten(values)[0] if isinstance(v, Tensor) and v.is_floating_point()]
+    return found
+
+
+def _mapped(function: Any, values: Any) -> Any:
+    """``tree_map(function, values)``, by hand through plain tuples, lists and dicts (see :func:`_floats`)."""
+    if isinstance(values, Tensor):
+        return function(values)
+    kind = type(values)
+    if kind is tuple or kind is list:
+        return kind(_mapped(function, value) for value in values)
+    if kind is dict:
+        return {key: _mapped(function, value) for key, value in values.items()}
+    if values is None or isinstance(values, _ATOMS):
+        return values
+    return tree_map(function, values)
+
+
+_ATOMS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class AutocastRounding(TorchDispatchMode):
@@ -118,8 +150,8 @@ class AutocastRounding(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func.overloadpacket
         if packet in _LOWER_PRECISION:
-            args, kwargs = tree_map(self._round, (args, kwargs))
-            return tree_map(self._round, func(*args, **kwargs))
+            args, kwargs = _mapped(self._round, (args, kwargs))
+            return _mapped(self._round, func(*args, **kwargs))
         if packet in _FLOAT32 or not self._held_low(func, (args, kwargs)):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -128,4 +160,4 @@ class AutocastRounding(TorchDispatchMode):
                 tensor.copy_(tensor.to(self.dtype))
                 self.low[tensor] = True
             return out
-        return tree_map(self._round, out)
+        return _mapped(self._round, out)

@@ -50,10 +50,6 @@ class Reference:
     input_grads: dict[str, Tensor]
 
 
-def _unpacked(tensor: Tensor) -> Tensor:
-    return tensor
-
-
 class LossEvaluator:
     """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters and the floating inputs.
 
@@ -145,13 +141,13 @@ class LossEvaluator:
             self._fidelity = fidelity if fidelity.acted else None
             self.notes += fidelity.notes()
 
-    def reference(self, with_inputs: bool = True) -> Reference:
+    def reference(self, with_inputs: bool = True, vectorising: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
 
         With ``with_inputs`` the gradient with respect to the floating inputs is computed too; if the loss function
         cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
         an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
-        """
+        ``vectorising=False``: no vectorised pass follows, so neither the dataflow watch nor the saved count runs."""
         for path in opaque_parts(self._batch) if with_inputs else ():
             self.notes.append(
                 Note(NoteCode.BATCH_OPAQUE, f"{path} holds tensors in an object gradwatch cannot look into: not probed")
@@ -174,9 +170,9 @@ class LossEvaluator:
                 )
             else:
                 return reference
-        return self._reference(with_inputs=False)
+        return self._reference(with_inputs=False, vectorising=vectorising)
 
-    def _reference(self, with_inputs: bool) -> Reference:
+    def _reference(self, with_inputs: bool, vectorising: bool = True) -> Reference:
         self._reset_inputs()
         leaves = (
             {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
@@ -185,10 +181,13 @@ class LossEvaluator:
         self.saved_elements = 0
         completed = False
         watch = ReferenceFlow(leaves, self.held.in_scope)
+        counted = torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda tensor: tensor)
         try:
             with self._evaluation(grad=True):
-                saved = torch.autograd.graph.saved_tensors_hooks(self._count_saved, _unpacked)
-                with saved, watch, self.held.evaluating():
+                with contextlib.ExitStack() as stack:  # the forward alone
+                    for context in (counted, watch) if vectorising or with_inputs else ():
+                        stack.enter_context(context)
+                    stack.enter_context(self.held.evaluating())
                     loss = as_scalar_loss(self.loss_fn(self.model, batch))
                 wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
                 if not loss.requires_grad:
