@@ -33,7 +33,7 @@ from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext
+from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
@@ -325,6 +325,8 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
             "window's loss evaluated again is not the function training differentiated at this point"
         )
         notes.append(Note(NoteCode.APPLIED_EDITED, text))
+        return _Outcome(evaluator, [], None, reference.loss, 1, [0.0] * len(params))
+    if unrecorded_randomness(state, setting.rng_states, notes):
         return _Outcome(evaluator, [], None, reference.loss, 1, [0.0] * len(params))
     eager = recompute.rank_mean(
         [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],

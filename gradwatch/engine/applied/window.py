@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
-from gradwatch.engine.function.state import capture_rng, set_rng
+from gradwatch.engine.function.state import TrainingState, capture_rng, set_rng
 from gradwatch.engine.results.notes import Note, NoteCode
 
 if TYPE_CHECKING:
@@ -74,6 +74,21 @@ def window_loss(
         return combined(losses, combine)
 
     return loss
+
+
+def unrecorded_randomness(state: TrainingState, rng_states: Sequence[dict[str, Any] | None], notes: list[Note]) -> bool:
+    """Whether the window's loss draws random numbers (dropout) that no recorded state replays (``rng_states`` all
+    ``None``), with a note then: the check would draw other masks than training did, and measure another function
+    than the one training differentiated (a correct gradient failed). Known after the check's first evaluation."""
+    if not state.draws_random or any(s is not None for s in rng_states):
+        return False
+    text = (
+        "no probe made: the loss draws random numbers (dropout) and no `rng_states` were given, so the check cannot "
+        "draw the masks training drew; pass each micro-batch's random state from before its forward "
+        "(`gradwatch.engine.function.state.capture_rng()`), or record the window with `AppliedWindow`, which does"
+    )
+    notes.append(Note(NoteCode.APPLIED_NOT_REPRODUCIBLE, text))
+    return True
 
 
 def single_loss(loss_fn: LossFn, state: dict[str, Any] | None, path: PathContext | None) -> LossFn:

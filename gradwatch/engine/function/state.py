@@ -128,6 +128,12 @@ class TrainingState:
         """
         self._replayed = {name for name in self._replayed if not _unchanged(name, self._rng[name])}
 
+    @property
+    def draws_random(self) -> bool:
+        """Whether the evaluations so far drew from a random generator (known after the first: see
+        :meth:`skip_unused_generators`)."""
+        return bool(self._replayed)
+
     def restore_buffers(self) -> None:
         """Undo any change to the buffers (BatchNorm running statistics, counters, caches) since the capture.
 
