@@ -151,7 +151,8 @@ class SixteenBitFloor:
                 replayed = self._guarded(lambda: _gradients(self.evaluator))
             self.native.outputs = {}
             if self.native.unreplayed:
-                self.notes.append(_unreplayed_note(sorted(self.native.unreplayed), dtype))
+                unreplayed = _unreplayed_note(sorted(self.native.unreplayed), dtype)
+                self.notes.append(unreplayed)
             if replayed is not None:
                 others.append(_distances(replayed, precise))
         for other in others:
