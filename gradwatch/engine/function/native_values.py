@@ -20,7 +20,7 @@ inputs, than :data:`OWN_ROUNDING` units of its dtype (relative, root-mean-square
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,17 @@ OWN_ROUNDING = 4.0
 """How far a module's native output may be from its precise output on the same inputs, relative to the precise one
 (root-mean-square), in units of the native dtype's machine epsilon, to be replayed. Measured on small 16-bit models
 (convolutions, BatchNorm, a decoder's norms and projections): at most 0.75 units with every upstream error included."""
+
+
+@contextlib.contextmanager
+def _forward_hooks(hooks: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """Each ``(module, hook)`` registered as a forward hook for the duration, removed afterwards."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -55,12 +66,8 @@ class NativeValues:
                 # a copy: a later in-place operation (ReLU(inplace=True) after a BatchNorm) would change a view
                 self.outputs.setdefault(id(module), []).append(output.detach().clone())
 
-        handles = [module.register_forward_hook(record) for _, module in _leaves(self.model)]
-        try:
+        with _forward_hooks([(module, record) for _, module in _leaves(self.model)]):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
@@ -82,13 +89,6 @@ class NativeValues:
                 return None
             return output + (native.to(output.dtype) - output).detach()
 
-        handles = [
-            module.register_forward_hook(lambda m, a, o, name=name: replay(name, m, o))
-            for name, module in _leaves(self.model)
-            if id(module) in self.outputs
-        ]
-        try:
+        hooks = [(module, lambda m, a, o, name=name: replay(name, m, o)) for name, module in _leaves(self.model)]
+        with _forward_hooks([(module, hook) for module, hook in hooks if id(module) in self.outputs]):
             yield
-        finally:
-            for handle in handles:
-                handle.remove()
