@@ -113,3 +113,31 @@ def test_an_output_changed_in_place_downstream_is_replayed_as_computed() -> None
     report = check_gradients(model, batch, classifier_loss)
     assert report.verdict == "ok", str(report)
     assert not [str(note) for note in report.notes if "differs from the float64 one" in str(note)]
+
+
+class _FloatSinusoid(nn.Module):
+    """A sinusoidal embedding computed in float32 inside a float16 model, of arguments near 1000 (as diffusers'
+    ``Timesteps``): float32's sine there is ~1e-4 off float64's, far beyond 4 units of float32, with no bug."""
+
+    def forward(self, t: Tensor) -> Tensor:
+        frequencies = torch.linspace(0.5, 1.0, 8, dtype=torch.float32, device=t.device)
+        return torch.sin(900 * t.float()[:, :1] * frequencies)
+
+
+class _TimeConditioned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.time = _FloatSinusoid()
+        self.mix = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mix(torch.cat([x, self.time(x).to(x.dtype)], dim=1))
+
+
+def test_a_float32_computation_inside_a_float16_model_is_left_to_float64_without_a_note() -> None:
+    torch.manual_seed(0)
+    model = _TimeConditioned().half()
+    batch = (torch.rand(16, 8).half() + 1, torch.randint(0, 4, (16,)))
+    report = check_gradients(model, batch, classifier_loss)
+    assert report.verdict == "ok", str(report)
+    assert not [str(note) for note in report.notes if "differs from the float64 one" in str(note)]

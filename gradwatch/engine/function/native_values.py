@@ -13,8 +13,9 @@ output (``o + (native - o).detach()``: the native forward's value, the precise f
 precise one at the native forward's decisions at module boundaries (which units a ReLU passes, which element a pool
 picks), 1.25% off the exact one in the case above. The backward formulas stay precise, so a backward that is wrong only
 for 16-bit inputs is not in it. A module whose native output is further from its precise output, on the same replayed
-inputs, than :data:`OWN_ROUNDING` units of its dtype (relative, root-mean-square) is not replayed: that is not rounding
-(a forward wrong in 16 bits), and it must not widen the floor.
+inputs, than :data:`OWN_ROUNDING` units of its dtype (relative, root-mean-square) is not replayed: that is more than
+the rounding of its result (an ill-conditioned operation, or a forward wrong in 16 bits), and it must not widen the
+floor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 
 OWN_ROUNDING = 4.0
 """How far a module's native output may be from its precise output on the same inputs, relative to the precise one
@@ -58,11 +61,14 @@ class NativeValues:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Record every floating tensor a leaf module returns during the forwards of the block (the last forward's)."""
+        """Record every 16-bit tensor a leaf module returns during the forwards of the block. A module that computes in
+        float32 inside a 16-bit model (a sinusoidal time embedding, a head cast with ``.float()``) is left to float64:
+        its float32 rounding moves no kink a 16-bit one would, and an ill-conditioned float32 operation (the sine of a
+        timestep near 1000) is further from float64 than 4 units of float32, without a bug."""
         self.outputs = {}
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
-            if isinstance(output, Tensor) and output.is_floating_point():
+            if isinstance(output, Tensor) and output.dtype in SIXTEEN_BIT:
                 # a copy: a later in-place operation (ReLU(inplace=True) after a BatchNorm) would change a view
                 self.outputs.setdefault(id(module), []).append(output.detach().clone())
 

@@ -232,9 +232,9 @@ def _unreplayed_note(names: list[str], dtype: torch.dtype) -> Note:
     shown = ", ".join(f"`{name}`" for name in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return Note(
         NoteCode.SIXTEEN_BIT_FLOOR,
-        f"{shown}: the {_name(dtype)} forward differs from the float64 one by more than {_name(dtype)} rounding "
-        "(a forward wrong in 16 bits, or what its output reaches); the floor does not take these modules' "
-        f"{_name(dtype)} values",
+        f"{shown}: the {_name(dtype)} output differs from the float64 one by more than {_name(dtype)} rounding of "
+        "its result (an ill-conditioned operation, a forward wrong in 16 bits, or what such an output reaches); the "
+        f"floor does not take these modules' {_name(dtype)} values",
     )
 
 
