@@ -22,7 +22,7 @@ reached that cap on a small bf16 CNN in most checks (a convolution's weight grad
 bf16, its classifier's 0.5%) and let a 5% bug read ``ok``, while on its float16 twin the cap was below what rounding
 that moves a kink does to a correct gradient. The forward's rounding is measured at :data:`REALIZATIONS` more points
 half a unit in the last place away, since one draw of it can be orders of magnitude below another where a kink moves,
-and once more with the native forward's own values at every leaf module's output
+and once more with the native forward's own values at every leaf module's 16-bit output
 (:mod:`~gradwatch.engine.function.native_values`: a 16-bit kernel that rounds inside moves kinks that the emulation,
 rounding each result once, does not).
 The check's ``rtol`` is the largest tolerance within the fixed one (the tolerance of the probes of inputs and
