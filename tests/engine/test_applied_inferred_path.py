@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,26 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from applied_models import AutocastOnlyTanh, bf16, scaled_once
 from helpers import assert_bit_identical, snapshot
+from library_models import ScaledBackward
 
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.function.conditions import autocast_held_off
 from gradwatch.engine.results.notes import NoteCode
-
-
-class ScaledTanh(torch.autograd.Function):
-    """``tanh`` whose backward is ``factor`` times the derivative on every path: a wrong formula."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        ctx.factor = factor
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        (y,) = ctx.saved_tensors
-        return grad * (1 - y * y) * ctx.factor, None
 
 
 class Net(nn.Module):
@@ -53,7 +37,7 @@ class Net(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         with bf16() if self.own_autocast else contextlib.nullcontext():
             h = self.a(x)
-            h = ScaledTanh.apply(h, self.formula) if self.formula != 1.0 else h
+            h = torch.tanh(ScaledBackward.apply(h, self.formula)) if self.formula != 1.0 else h
             h = AutocastOnlyTanh.apply(h, self.autocast_fault) if self.autocast_fault != 1.0 else torch.tanh(h)
             return self.b(h).float()
 
