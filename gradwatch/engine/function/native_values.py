@@ -87,14 +87,16 @@ class NativeValues:
             calls[id(module)] = index + 1
             if not isinstance(output, Tensor) or index >= len(recorded) or recorded[index].shape != output.shape:
                 return None
-            native = recorded[index]
-            gap = (native.double() - output.detach().double()).norm()
-            size = output.detach().double().norm()
-            if gap > OWN_ROUNDING * torch.finfo(native.dtype).eps * size:
+            native, precise = recorded[index], output.detach().double()
+            if (native.double() - precise).norm() > OWN_ROUNDING * torch.finfo(native.dtype).eps * precise.norm():
                 self.unreplayed.add(name)
                 return None
             return output + (native.to(output.dtype) - output).detach()
 
-        hooks = [(module, lambda m, a, o, name=name: replay(name, m, o)) for name, module in _leaves(self.model)]
-        with _forward_hooks([(module, hook) for module, hook in hooks if id(module) in self.outputs]):
+        hooks = [
+            (module, lambda m, a, o, name=name: replay(name, m, o))
+            for name, module in _leaves(self.model)
+            if id(module) in self.outputs
+        ]
+        with _forward_hooks(hooks):
             yield
