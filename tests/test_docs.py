@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import gradwatch
 import gradwatch.cli.demo
 import gradwatch.cli.reporting
 from gradwatch import GradWatch
@@ -44,36 +45,43 @@ def test_the_readme_keeps_the_demo_command() -> None:
     assert DEMO_COMMAND in README
 
 
-def _options_table() -> list[tuple[str, str]]:
-    """(option, default) of each row of the README's "options at a glance" table."""
+def _options_table() -> list[tuple[str, str, str]]:
+    """(option, default, what it does) of each row of the README's "options at a glance" table."""
     table = README.split("<!-- options-table", 1)[1].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
-    return [(name.strip("`"), default.strip("`")) for name, default, *_ in cells]
-
-
-def _value(quoted: str) -> object:
-    """A default as the README writes it: a Python literal, or a percentage."""
-    if quoted.endswith("%"):
-        return float(quoted[:-1]) / 100
-    return ast.literal_eval(quoted)
+    return [(name.strip("`"), default.strip("`"), what) for name, default, what, *_ in cells]
 
 
 OPTIONS = _options_table()
+SIGNATURE = inspect.signature(GradWatch.__init__).parameters
+
+
+def _shown(value: object) -> str:
+    """How the table's text writes a value in effect: a fraction as a percentage, a number as it is."""
+    if isinstance(value, float) and 0 < value < 1:
+        return f"{value * 100:g}%"
+    return str(value)
 
 
 def test_the_options_table_is_found() -> None:
     assert len(OPTIONS) >= 8
 
 
-@pytest.mark.parametrize(("name", "default"), OPTIONS, ids=[name for name, _ in OPTIONS])
-def test_each_option_at_a_glance_is_an_argument_of_gradwatch_with_that_default(name: str, default: str) -> None:
-    parameters = inspect.signature(GradWatch.__init__).parameters
+@pytest.mark.parametrize(("name", "default", "what"), OPTIONS, ids=[name for name, _, _ in OPTIONS])
+def test_each_option_at_a_glance_is_an_argument_of_gradwatch_with_that_default(
+    name: str, default: str, what: str
+) -> None:
     # an argument of its own, or a probe option (``**options``, the fields of ProbeSettings)
-    assert name in parameters or name in ProbeSettings.option_names()
-    # the default as GradWatch() resolves it (every_n_steps=None means 500, max_overhead="auto" means 1%)
+    assert name in SIGNATURE or name in ProbeSettings.option_names()
+    quoted = ast.literal_eval(default)
     resolved = getattr(GradWatch(), name)
-    assert resolved == _value(default)
+    if name in SIGNATURE:  # the default the signature (and the API reference) shows
+        assert quoted == SIGNATURE[name].default
+    else:  # a probe option: the value GradWatch() probes with
+        assert quoted == resolved
+    if resolved != quoted:  # a default that stands for another value (None: every 500 steps) says which
+        assert _shown(resolved) in what, f"the row of {name} should say what {default} means: {resolved}"
 
 
 def test_the_guide_quotes_the_default_probe_batch_size() -> None:
@@ -191,3 +199,9 @@ def test_the_docs_import_something_from_gradwatch() -> None:
 @pytest.mark.parametrize(("module", "name"), IMPORTS, ids=[f"{m}.{n}" for m, n in IMPORTS])
 def test_each_import_the_docs_show_works(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name)
+
+
+def test_the_api_reference_has_an_entry_for_each_name_gradwatch_exports() -> None:
+    # docs/api.md lists the exports one by one, in the order a user reads them (the loop adapters first)
+    entries = set(re.findall(r"^::: gradwatch\.(\w+)\s*$", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE))
+    assert set(gradwatch.__all__) <= entries, f"add to docs/api.md: {sorted(set(gradwatch.__all__) - entries)}"

@@ -83,7 +83,8 @@ class GradWatchCallback(TrainerCallback):
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
 
     Keyword Args:
-        every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500 (see
+            :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``), within
             the same budget (the watch's default, as under Lightning); ``None``: none. Not under FSDP (said once).
@@ -101,8 +102,9 @@ class GradWatchCallback(TrainerCallback):
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
             (:mod:`gradwatch.watch.distributed`).
-        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
-        **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
+        **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ...): the fields of
+            :class:`~gradwatch.engine.settings.ProbeSettings`, documented there.
 
     Example::
 

@@ -90,8 +90,8 @@ def check_gradients(
 
     The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
     ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
-    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are documented once, as the fields of the same names of
-    :class:`~gradwatch.engine.settings.ProbeSettings`.
+    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are summed up below and documented in full as the fields
+    of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
         model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps,
@@ -103,12 +103,30 @@ def check_gradients(
             screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
             In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
+        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
+            received no gradient at all.
+        param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
+        input_probes: Probes on the floating inputs of the batch (0 to skip input probes altogether).
+        probe_batch_size: Check the loss of the first this many samples of the batch; ``None`` for the whole batch.
+        precision: ``"native"`` (the parameters' dtype), ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter
+            elements) for the finite differences.
+        ignore: ``fnmatch`` patterns of parameter names not to check, e.g. ``["quantizer.*"]`` for a
+            straight-through estimator whose gradient is deliberately not the derivative.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
             a series of checks, the previous report's :attr:`~gradwatch.engine.results.report.CheckReport.undecided`,
             so that a
             tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
+        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
+        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
             ``step``. A caller running a series of checks passes the check's position in the series.
+        float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap``.
+        fail_on_imprecise: Fail a float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds
+            ``rtol`` (by default a probe ``"ok"`` with reason ``"imprecise"``).
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective such as GRPO's ``exp(logp - logp.detach())``).
         optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
             rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.

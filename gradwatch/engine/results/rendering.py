@@ -105,7 +105,11 @@ def _cells(probe: Probe) -> tuple[str, ...]:
 
 
 def probe_table(probes: Sequence[Probe]) -> str:
-    """The probes as an aligned plain-text table, one row per probe under a header and a rule."""
+    """The probes as an aligned plain-text table, one row per probe under a header and a rule.
+
+    Args:
+        probes: The probes to show, e.g. ``report.probes``.
+    """
     rows = [_TABLE_HEADER, *(_cells(p) for p in probes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE_HEADER))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]

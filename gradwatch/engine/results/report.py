@@ -217,9 +217,12 @@ class CheckReport:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
 
     def noted(self, code: NoteCode | str) -> list[Note]:
-        """The notes with ``code`` (a :class:`~gradwatch.engine.results.notes.NoteCode`), in order:
-        ``report.noted("sharded")``
-        is the note of a sharded check, ``[]`` if it was not sharded."""
+        """The notes with ``code``, in order: ``report.noted("sharded")`` is the note of a sharded check, ``[]`` if it
+        was not sharded.
+
+        Args:
+            code: A :class:`~gradwatch.engine.results.notes.NoteCode` or its value.
+        """
         return [note for note in self.notes if getattr(note, "code", None) == code]
 
     @property
@@ -262,7 +265,11 @@ class CheckReport:
         return tuple(dict.fromkeys(p.target for p in failed))
 
     def count(self, verdict: Verdict | str) -> int:
-        """How many probes ended with ``verdict``."""
+        """How many probes ended with ``verdict``.
+
+        Args:
+            verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        """
         return sum(p.verdict == verdict for p in self.probes)
 
     @property
