@@ -153,13 +153,42 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if line.startswith("#")}
 
 
+# The README is the package index's long description too, where a relative link leads nowhere: each of its links is
+# absolute, to the documentation site or to a file of the repository, both written once, in pyproject.toml
+URLS = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE))
+DOCS_SITE, REPOSITORY = URLS["Documentation"], URLS["Repository"]
 LINKS = sorted(set(re.findall(r"\]\(([^)\s]+)\)", README)) - {""})
 
 
-@pytest.mark.parametrize("link", [link for link in LINKS if "://" not in link], ids=str)
+def _file_of(url: str) -> Path | None:
+    """The file of this checkout a README link shows: a page (or file) of the docs site, a file of the repository."""
+    if url.startswith(DOCS_SITE):
+        page = url[len(DOCS_SITE) :].strip("/")
+        if "." in page.rsplit("/", 1)[-1]:  # a file the site copies as it is (dashboard.png)
+            return ROOT / "docs" / page
+        return ROOT / "docs" / f"{page or 'index'}.md"
+    if url.startswith(f"{REPOSITORY}/blob/main/"):
+        return ROOT / url[len(f"{REPOSITORY}/blob/main/") :]
+    return None
+
+
+def test_the_sites_address_is_the_one_the_package_metadata_gives() -> None:
+    assert DOCS_SITE.endswith("/")
+    site_url = re.search(r"^site_url: (\S+)", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    assert site_url is not None
+    assert site_url[1] == DOCS_SITE
+
+
+def test_the_readme_links_to_the_site_and_the_repository() -> None:
+    assert len(LINKS) >= 10
+    assert any(link.startswith(DOCS_SITE) for link in LINKS)
+
+
+@pytest.mark.parametrize("link", LINKS, ids=str)
 def test_each_link_of_the_readme_leads_to_a_file_and_heading_that_exist(link: str) -> None:
-    target, _, anchor = link.partition("#")
-    path = ROOT / target
+    url, _, anchor = link.partition("#")
+    path = _file_of(url)
+    assert path is not None, f"{link}: neither the docs site ({DOCS_SITE}) nor the repository ({REPOSITORY})"
     assert path.exists()
     if anchor:
         assert anchor in _anchors(path)
