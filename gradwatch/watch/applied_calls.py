@@ -101,6 +101,8 @@ class AppliedCalls:
         key = _optimizer("optimizer", optimizer)
         with self.guarded("watch.record"):  # its float64 checksums of the gradients may run out of memory
             self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
+            return
+        self._applied.abandon()
 
     def before_optimizer_step(
         self,

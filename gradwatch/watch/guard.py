@@ -4,8 +4,8 @@ A check is guarded where it runs (:meth:`Outcomes.guarded <gradwatch.watch.outco
 watch and its adapters run bookkeeping of their own: recording a window (its float64 checksums), the norms the clip
 check keeps, the schedule and budget, the state a checkpoint carries, the sinks, the lessons, the alerts, the loop's
 hooks. Each such call runs inside ``guard(site)``: an error there (an out-of-memory error included) becomes one note
-(:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`, once per site and run,
-and training goes on exactly as it would without gradwatch (these calls read training's tensors, never write them).
+(:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`, once per site and run
+(and once for the same error met at two sites), and training goes on exactly as it would without gradwatch (these calls read training's tensors, never write them).
 
 What passes every guard: :class:`~gradwatch.GradientCheckError` (``on_fail="raise"``), ``KeyboardInterrupt`` and
 ``SystemExit`` (no ``Exception``), and the errors that are the caller's: bad arguments and the user's own code
@@ -48,6 +48,7 @@ class Guard:
         self.notes: list[Note] = []
         """One note per site whose call raised, the first error there (in the order they happened)."""
         self._sites: set[str] = set()
+        self._errors: set[str] = set()
         self._passing: BaseException | None = None  # the last error that is the caller's, let through every guard
 
     @contextlib.contextmanager
@@ -84,9 +85,11 @@ class Guard:
             "unaffected (said once for this call)"
         )
         log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
-        if site in self._sites:
+        said = f"{type(error).__name__}: {error}"  # the same error from a function that two sites call: said once
+        if site in self._sites or said in self._errors:
             return
         self._sites.add(site)
+        self._errors.add(said)
         self.notes.append(Note(NoteCode.WATCH_ERROR, message))
         warnings.warn(message, GradientCheckWarning, stacklevel=4)
 
