@@ -5,7 +5,8 @@ watch and its adapters run bookkeeping of their own: recording a window (its flo
 check keeps, the schedule and budget, the state a checkpoint carries, the sinks, the lessons, the alerts, the loop's
 hooks. Each such call runs inside ``guard(site)``: an error there (an out-of-memory error included) becomes one note
 (:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`, once per site and run
-(and once for the same error met at two sites), and training goes on exactly as it would without gradwatch (these calls read training's tensors, never write them).
+(and once for the same error met at two sites), and training goes on exactly as it would without gradwatch (these
+calls read training's tensors, never write them).
 
 What passes every guard: :class:`~gradwatch.GradientCheckError` (``on_fail="raise"``), ``KeyboardInterrupt`` and
 ``SystemExit`` (no ``Exception``), and the errors that are the caller's: bad arguments and the user's own code

@@ -67,7 +67,7 @@ def _site_id(site: tuple[Any, str]) -> str:
     return f"{getattr(owner, '__name__', owner)}.{name}"
 
 
-class Injected(RuntimeError):
+class InjectedError(RuntimeError):
     """The error planted at a call site."""
 
 
@@ -126,7 +126,7 @@ def test_an_error_at_a_call_site_outside_a_check_is_reported_once_and_training_g
     unwatched = _train(None)
     watch = _watch(tmp_path)
     marker = f"injected at {_site_id(site)}"
-    calls = _inject(monkeypatch, *site, Injected(marker))
+    calls = _inject(monkeypatch, *site, InjectedError(marker))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         watched = _train(watch)
@@ -151,7 +151,8 @@ def test_an_out_of_memory_error_in_the_float64_checksums_of_record_does_not_esca
     assert len(calls) >= 2  # every applied window's first record
     assert_same_state(unwatched, watched)
     assert [note.code for note in watch.notes] == [NoteCode.WATCH_ERROR]
-    assert "OutOfMemoryError" in watch.notes[0] and "watch.record" in watch.notes[0]
+    assert "OutOfMemoryError" in watch.notes[0]
+    assert "watch.record" in watch.notes[0]
     # the windows whose recording failed are not checked in part: no applied check, and no false failure
     assert not watch.applied_reports or all(r.fault == "clipping" for r in watch.applied_reports)
     assert all(report.verdict != "fail" for report in watch.reports)
@@ -164,15 +165,16 @@ def test_what_must_propagate_still_does(tmp_path: Path, monkeypatch: pytest.Monk
         _watch(tmp_path).record((torch.zeros(1), torch.zeros(1)), step=0)
 
     def broken_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        raise Injected("the user's own loss")
+        raise InjectedError("the user's own loss")
 
-    with pytest.raises(Injected, match="the user's own loss"):  # the user's loss inside a check, on_fail="raise"
+    with pytest.raises(InjectedError, match="the user's own loss"):  # the user's loss inside a check, on_fail="raise"
         _train(_watch(tmp_path, on_fail="raise"), loss=broken_loss)
     watch = _watch(tmp_path)  # ... and under "warn", a check that could not run, as before
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train(watch, loss=broken_loss)
-    assert watch.counts["skipped"] >= 2 and not watch.notes
+    assert watch.counts["skipped"] >= 2
+    assert not watch.notes
     assert any("could not run" in str(w.message) for w in caught)
     _inject(monkeypatch, schedule.Schedule, "step_ended", KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
