@@ -124,6 +124,8 @@ class NoteCode(StrEnum):
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
     )
+    # a watch's own calls outside a check (gradwatch.watch.guard)
+    WATCH_ERROR = "watch-error", "a call gradwatch makes outside a check raised: skipped, training unaffected"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}
