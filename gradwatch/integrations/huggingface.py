@@ -31,6 +31,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.engine.validation import keyword_names, reject_unknown_options
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import (
@@ -134,6 +135,8 @@ class GradWatchCallback(TrainerCallback):
         on_report: Callable[[CheckReport], object] | None = None,
         **options: Unpack[ProbeOptions],
     ):
+        own = keyword_names(GradWatchCallback.__init__)
+        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer

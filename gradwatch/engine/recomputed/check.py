@@ -61,6 +61,7 @@ from gradwatch.engine.settings import ProbeSettings
 __all__ = ["check_gradients"]
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,
@@ -191,6 +192,13 @@ def _check(
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
     params = session.select()
+    if not any(p.requires_grad and p.is_floating_point() for p in model.parameters()):
+        text = (
+            f"{type(model).__name__} has no trainable floating-point parameter (frozen, or layers kept in a plain "
+            "list or dict, which are not registered): only the gradient in the batch's inputs is checked"
+        )
+        session.leading.append(Note(NoteCode.NO_TRAINABLE_PARAMETER, text))
+        warnings.warn(f"gradwatch: {text}", UserWarning, stacklevel=5)  # the caller of check_gradients
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(settings.precision, dtype, floating_elements)

@@ -31,6 +31,10 @@ class NoteCode(StrEnum):
     AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
+    NO_TRAINABLE_PARAMETER = (
+        "no-trainable-parameter",
+        "the model has no trainable parameter: only the gradient in the batch's inputs was checked",
+    )
     INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
     INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
     BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"

@@ -122,7 +122,10 @@ class Probe:
         return self.verdict != Verdict.INCONCLUSIVE
 
     def describe(self) -> str:
-        """One line naming where the probe looked, both derivatives and the verdict."""
+        """One line naming where the probe looked, both derivatives and the verdict (for a loss probe, the loss's
+        value: only a loss that is not finite is reported)."""
+        if self.kind == ProbeKind.LOSS:
+            return f"loss: {self.analytic:.6g} at the checked point -> {self.verdict} ({self.reason})"
         return (
             f"{self.kind} {self.location}: analytic {self.analytic:.6g}, numeric {self.numeric:.6g} "
             f"(± {self.noise:.2g}), rel. error {self.rel_error:.3g} -> {self.verdict} ({self.reason})"

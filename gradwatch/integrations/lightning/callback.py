@@ -28,6 +28,7 @@ from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.engine.validation import keyword_names, reject_unknown_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
@@ -112,6 +113,8 @@ class GradWatch(Callback):
         **options: Unpack[ProbeOptions],
     ) -> None:
         super().__init__()
+        own = keyword_names(GradWatch.__init__)
+        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatch()")
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
