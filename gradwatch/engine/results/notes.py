@@ -38,6 +38,7 @@ class NoteCode(StrEnum):
     DETACHED_HELD = "detached-held", "values the loss detaches held at the reference's: what autograd differentiates"
     DETACHED_MISMATCH = "detached-mismatch", "detached values could not be held: the loss detached other tensors"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
+    SILENTLY_INCORRECT = "silently-incorrect", "PyTorch warned that the loss's gradient may be silently incorrect"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
     STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
