@@ -90,6 +90,7 @@ class NoteCode(StrEnum):
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
     CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
+    UPSTREAM_IGNORED = "upstream-ignored", "a module's backward ignores its upstream gradient: right only at weight 1"
     # compiled graphs
     COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
     COMPILED_WOULD_RECOMPILE = "compiled-would-recompile", "compiled gradient not compared: the batch would recompile"
