@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
 from gradwatch.engine.distributed import SHARDED_NOTE
 from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.distributed.collective import active as sharding_active
@@ -237,7 +238,7 @@ def _check(
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
     if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
         culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
-    return session.report(
+    report = session.report(
         verdict=_overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
@@ -254,6 +255,9 @@ def _check(
         culprit_message=culprit_message,
         probed_inputs=outcome.probed_inputs,
     )
+    for latent in report.noted(NoteCode.UPSTREAM_IGNORED):  # right as training weights it: a warning, no verdict
+        warnings.warn(f"gradwatch: {latent}", UserWarning, stacklevel=4)
+    return report
 
 
 def _culprits_of_twin(
@@ -309,9 +313,11 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     model, state = session.model, session.state
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
+        custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
         evaluator, reference, probe_batch = reference_on_a_slice(
-            session, batch, loss_fn, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+            session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
+        evaluator.loss_fn = loss_fn
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
@@ -339,6 +345,9 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
+            if custom.found is not None and _overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+                latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
+                evaluator.notes += [latent] if latent is not None else []
     if (
         sharding_active() is None
         and compiled_parts(model)

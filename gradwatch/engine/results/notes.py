@@ -42,6 +42,7 @@ class NoteCode(StrEnum):
     DETACHED_HELD = "detached-held", "values the loss detaches held at the reference's: what autograd differentiates"
     DETACHED_MISMATCH = "detached-mismatch", "detached values could not be held: the loss detached other tensors"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
+    SILENTLY_INCORRECT = "silently-incorrect", "PyTorch warned that the loss's gradient may be silently incorrect"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
     STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
@@ -93,6 +94,7 @@ class NoteCode(StrEnum):
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
     CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
+    UPSTREAM_IGNORED = "upstream-ignored", "a module's backward ignores its upstream gradient: right only at weight 1"
     # compiled graphs
     COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
     COMPILED_WOULD_RECOMPILE = "compiled-would-recompile", "compiled gradient not compared: the batch would recompile"
