@@ -75,7 +75,8 @@ def headline(report: CheckReport, prefix: str = "") -> str:
     """The first line: the step and the culprit, or the step and the count of failing probes when none was found; for
     an applied check, led by the fault and what named it."""
     if report.fault is not None:
-        lead = f"{prefix}{report.fault} fault: applied gradient check failed at step {report.step}"
+        what = "update check" if report.scope == "update" else "applied gradient check"
+        lead = f"{prefix}{report.fault} fault: {what} failed at step {report.step}"
         return f"{lead}: {report.fault_message}"
     if report.culprit_message:
         return f"{prefix}gradient check failed at step {report.step}: {report.culprit_message}"
