@@ -117,6 +117,9 @@ class NoteCode(StrEnum):
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
     APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
     APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
+    UPDATE_REFERENCE = "update-reference", "the reference an update check compared the optimizer's update with"
+    UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
+    UPDATE_UNCHECKED = "update-unchecked", "a tensor an update check could not compare, and why"
     ACCUMULATION_EQUIVALENCE = (
         "accumulation-equivalence",
         "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",

@@ -93,7 +93,8 @@ def headline(report: CheckReport, prefix: str = "") -> str:
     if nonfinite_loss(report):
         return f"{prefix}{nonfinite_loss_words(report)}"
     if report.fault is not None:
-        lead = f"{prefix}{report.fault} fault: applied gradient check failed at step {report.step}"
+        what = "update check" if report.scope == "update" else "applied gradient check"
+        lead = f"{prefix}{report.fault} fault: {what} failed at step {report.step}"
         return f"{lead}: {report.fault_message}"
     if report.culprit_message:
         return f"{prefix}gradient check failed at step {report.step}: {report.culprit_message}"
