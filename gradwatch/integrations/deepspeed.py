@@ -198,13 +198,15 @@ def applied_checks_inside_steps(
     module = _module(engine)
 
     def check() -> None:
-        step = int(engine.global_steps) + 1
-        watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
+        with watch.guarded("the DeepSpeed engine's applied check"):
+            step = int(engine.global_steps) + 1
+            watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
 
     def clipped() -> None:
-        max_norm = float(engine.gradient_clipping() or 0.0)
-        if max_norm > 0:  # the norm is read only when a check verified this step's gradient
-            step = int(engine.global_steps) + 1
-            watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
+        with watch.guarded("the DeepSpeed engine's check of its clip norm"):
+            max_norm = float(engine.gradient_clipping() or 0.0)
+            if max_norm > 0:  # the norm is read only when a check verified this step's gradient
+                step = int(engine.global_steps) + 1
+                watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
 
     return before_engine_steps(engine, check, clipped)

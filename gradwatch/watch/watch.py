@@ -134,7 +134,13 @@ class GradientWatch(AppliedCalls):
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
+        self.settings = settings_of(
+            settings,
+            options,
+            {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE},
+            where="GradientWatch()",
+            own=validate.keyword_names(GradientWatch.__init__),
+        )
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self._decide = decide or as_decided
@@ -199,7 +205,9 @@ class GradientWatch(AppliedCalls):
             previous_step: The last optimizer step already considered.
             step: The optimizer step just taken.
         """
-        return self._schedule.due(previous_step, step)
+        with self.guarded("watch.due"):
+            return self._schedule.due(previous_step, step)
+        return False
 
     def due_next(self, step: int) -> bool:  # a recomputed check, e.g. to read a grad scaler's scale before it
         """Whether a recomputed check is (or stays) due at the optimizer step after ``step``.
@@ -207,7 +215,9 @@ class GradientWatch(AppliedCalls):
         Args:
             step: The optimizer step just taken.
         """
-        return self._schedule.due_next(step)
+        with self.guarded("watch.due_next"):
+            return self._schedule.due_next(step)
+        return False
 
     @property
     def recording(self) -> bool:
@@ -220,8 +230,9 @@ class GradientWatch(AppliedCalls):
         Args:
             step: The optimizer steps already taken (0 for a new run; a resumed run's step).
         """
-        self._schedule.start(step)
-        self._last_step = step
+        with self.guarded("watch.start"):
+            self._schedule.start(step)
+            self._last_step = step
 
     def setup(self, model: nn.Module) -> None:
         """Match the ``ignore`` patterns to the model's parameter names (each that matches none warns once); the first
@@ -231,7 +242,8 @@ class GradientWatch(AppliedCalls):
             model: The model the checks will see.
         """
         self._model = model
-        self._lessons.set_up(model)
+        with self.guarded("watch.setup"):
+            self._lessons.set_up(model)
 
     def maybe_check(
         self,
@@ -261,17 +273,19 @@ class GradientWatch(AppliedCalls):
         now = time.perf_counter()
         loss_fn = self._loss_fn(loss_fn, step)
         self._model, self._last_step = model, max(self._last_step, step)
-        if not self._schedule.step_ended(step, now):
-            return None
-        if skipped() if callable(skipped) else skipped:
-            # the check stays pending and runs at the next optimizer step
-            self._outcomes.counts["skipped"] += 1
-            if self.verbose:
-                log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
-            return None
-        if not self._schedule.runs_now(step, self._decide):
-            return None
-        return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
+        with self.guarded("watch.maybe_check"):
+            if not self._schedule.step_ended(step, now):
+                return None
+            if skipped() if callable(skipped) else skipped:
+                # the check stays pending and runs at the next optimizer step
+                self._outcomes.counts["skipped"] += 1
+                if self.verbose:
+                    log.info("gradwatch: the grad scaler skipped step %d; the check moves to the next step", step)
+                return None
+            if not self._schedule.runs_now(step, self._decide):
+                return None
+            return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
+        return None
 
     def check(
         self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int,
@@ -290,12 +304,16 @@ class GradientWatch(AppliedCalls):
             The report, or ``None`` when the check was skipped (an error the alert reported, no loss, no trainable
             parameter).
         """
-        return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter(), tuple(optimizers))
+        loss_fn = self._loss_fn(loss_fn, step)
+        with self.guarded("watch.check"):
+            return self._run(model, batch, loss_fn, step, time.perf_counter(), tuple(optimizers))
+        return None
 
     def flush(self) -> None:
         """Flush every sink."""
         for sink in self._outcomes.sinks:
-            sink.flush()
+            with self.guarded(f"the sink {type(sink).__name__}"):
+                sink.flush()
 
     def _run(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
@@ -311,14 +329,22 @@ class GradientWatch(AppliedCalls):
             focus=lessons.focus, optimizers=optimizers,
         )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
-        self._schedule.ran(started, time.perf_counter())
+        with self.guarded("the budget's clock"):
+            self._schedule.ran(started, time.perf_counter())
         if report is not None:
-            self._lessons.learn(report)
+            with self.guarded("the lessons of a check"):
+                self._lessons.learn(report)
             self._outcomes.publish(report, self.overhead)
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it)."""
+        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it); only the
+        version when it cannot be read (said once, see :meth:`guarded`)."""
+        with self.guarded("watch.state_dict"):
+            return self._state_dict()
+        return {"version": _STATE_VERSION}
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
             **self._outcomes.state_dict(),
@@ -333,8 +359,9 @@ class GradientWatch(AppliedCalls):
         Args:
             state_dict: What :meth:`state_dict` returned.
         """
-        self._outcomes.load_state_dict(state_dict)
-        self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
-        self._schedule.load_state_dict(state_dict)
-        self._applied.load_state_dict(state_dict)
-        self._last_step = int(state_dict.get("last_step", 0))
+        with self.guarded("watch.load_state_dict"):
+            self._outcomes.load_state_dict(state_dict)
+            self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
+            self._schedule.load_state_dict(state_dict)
+            self._applied.load_state_dict(state_dict)
+            self._last_step = int(state_dict.get("last_step", 0))

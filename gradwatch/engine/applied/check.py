@@ -67,6 +67,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,

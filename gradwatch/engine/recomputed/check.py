@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
 from gradwatch.engine.distributed import SHARDED_NOTE
 from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.distributed.collective import active as sharding_active
@@ -61,6 +62,7 @@ from gradwatch.engine.settings import ProbeSettings
 __all__ = ["check_gradients"]
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,
@@ -191,6 +193,13 @@ def _check(
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
     params = session.select()
+    if not any(p.requires_grad and p.is_floating_point() for p in model.parameters()):
+        text = (
+            f"{type(model).__name__} has no trainable floating-point parameter (frozen, or layers kept in a plain "
+            "list or dict, which are not registered): only the gradient in the batch's inputs is checked"
+        )
+        session.leading.append(Note(NoteCode.NO_TRAINABLE_PARAMETER, text))
+        warnings.warn(f"gradwatch: {text}", UserWarning, stacklevel=5)  # the caller of check_gradients
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(settings.precision, dtype, floating_elements)
@@ -229,7 +238,7 @@ def _check(
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
     if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
         culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
-    return session.report(
+    report = session.report(
         verdict=_overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
@@ -246,6 +255,9 @@ def _check(
         culprit_message=culprit_message,
         probed_inputs=outcome.probed_inputs,
     )
+    for latent in report.noted(NoteCode.UPSTREAM_IGNORED):  # right as training weights it: a warning, no verdict
+        warnings.warn(f"gradwatch: {latent}", UserWarning, stacklevel=4)
+    return report
 
 
 def _culprits_of_twin(
@@ -301,9 +313,11 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     model, state = session.model, session.state
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
+        custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
         evaluator, reference, probe_batch = reference_on_a_slice(
-            session, batch, loss_fn, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+            session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
+        evaluator.loss_fn = loss_fn
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
@@ -331,6 +345,9 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
+            if custom.found is not None and _overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+                latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
+                evaluator.notes += [latent] if latent is not None else []
     if (
         sharding_active() is None
         and compiled_parts(model)
