@@ -135,8 +135,8 @@ class GradWatchCallback(TrainerCallback):
         on_report: Callable[[CheckReport], object] | None = None,
         **options: Unpack[ProbeOptions],
     ):
-        own = keyword_names(GradWatchCallback.__init__)
-        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatchCallback()")
+        known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
+        reject_unknown_options(options, known, "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
@@ -353,13 +353,8 @@ class GradWatchCallback(TrainerCallback):
         return self._applied_off
 
     def _say_applied_off(self) -> None:
-        warnings.warn(
-            f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on",
-            GradientCheckWarning,
-            stacklevel=3,
-        )
-
-    # --- the state in the Trainer's checkpoints ---------------------------------------------------------------------
+        message = f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on"
+        warnings.warn(message, GradientCheckWarning, stacklevel=3)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 

@@ -51,8 +51,7 @@ APPLIED_VERDICT_TAG = APPLIED_PREFIX + "verdict"
 APPLIED_FAULT_TAG = APPLIED_PREFIX + "fault"
 CLIPPING_VERDICT_TAG = CLIPPING_PREFIX + "verdict"
 CLIPPING_FAULT_TAG = CLIPPING_PREFIX + "fault"
-TEXT_SUFFIX = "/text_summary"
-"""``SummaryWriter.add_text`` stores text under the tag plus this suffix."""
+TEXT_SUFFIX = "/text_summary"  # SummaryWriter.add_text stores text under the tag plus this suffix
 
 __all__ = [
     "AppliedRecord",
@@ -330,11 +329,8 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
         for step, values in sorted(run.scalars.items())
         if VERDICT_TAG in values
     ]
-    applied_checks = [
-        check
-        for step, values in sorted(run.scalars.items())
-        for check in _applied(step, values, run.applied_texts.get(step, ""))
-    ]
+    applied_checks = [check for step, values in sorted(run.scalars.items())
+                      for check in _applied(step, values, run.applied_texts.get(step, ""))]  # fmt: skip
     if not checks and not applied_checks:
         return None
     failures: list[FailureRecord] = []
