@@ -176,7 +176,7 @@ class CheckReport:
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
             singled out (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+        culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
             gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
