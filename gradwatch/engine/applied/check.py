@@ -45,6 +45,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -178,6 +179,9 @@ def check_applied_gradient(
         shards = shard_window(session.collective, [p for _, p in session.params], applied)
         applied, group = shards.applied, None
         session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    if gradients is None:  # each parameter's own .grad: one without it was not reached by the window's backward
+        missing = [name for (name, _), g in zip(trainable, given, strict=True) if g is None]
+        session.leading += unreached_note(model, missing, probed=False)
     unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
