@@ -31,6 +31,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.engine.validation import keyword_names, reject_unknown_options
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import (
@@ -84,7 +85,8 @@ class GradWatchCallback(TrainerCallback):
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
 
     Keyword Args:
-        every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500 (see
+            :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``), within
             the same budget (the watch's default, as under Lightning); ``None``: none. Not under FSDP (said once).
@@ -102,8 +104,9 @@ class GradWatchCallback(TrainerCallback):
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
             (:mod:`gradwatch.watch.distributed`).
-        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
-        **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
+        **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ...): the fields of
+            :class:`~gradwatch.engine.settings.ProbeSettings`, documented there.
 
     Example::
 
@@ -132,6 +135,8 @@ class GradWatchCallback(TrainerCallback):
         on_report: Callable[[CheckReport], object] | None = None,
         **options: Unpack[ProbeOptions],
     ):
+        own = keyword_names(GradWatchCallback.__init__)
+        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer

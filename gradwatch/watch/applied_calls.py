@@ -237,11 +237,16 @@ class AppliedCalls:
         global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
         the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
 
-        ``clipped_with``: for an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
-        after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against the
-        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function that reads it,
-        called only when a check verified this step's gradient (reading it may wait for the device; ``None`` from it:
-        nothing to check); without it such a gradient (checked with ``gradients=``) is not checked here.
+        Args:
+            model: The model whose gradient was clipped.
+            max_norm: The clipping threshold (``clip_grad_norm_``'s ``max_norm``).
+            step: The optimizer step, the one :meth:`before_optimizer_step` was given.
+            clipped_with: For an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
+                after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against
+                the verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function
+                that reads it, called only when a check verified this step's gradient (reading it may wait for the
+                device; ``None`` from it: nothing to check); without it such a gradient (checked with ``gradients=``)
+                is not checked here.
         """
         with self.guarded("watch.after_clipping"):
             return self._after_clipping(model, max_norm, step=step, clipped_with=clipped_with)

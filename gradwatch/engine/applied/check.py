@@ -68,6 +68,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
@@ -96,11 +97,9 @@ def check_applied_gradient(
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
-    ``hold_detached``) are
-    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
-    defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
+    The probe options an applied check uses (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``) are documented
+    in full as the fields of :class:`~gradwatch.engine.settings.ProbeSettings`, with the defaults of
+    :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
     them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
     selects, the state it puts back and names when it cannot) is the check session's
@@ -126,6 +125,8 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
+        tensor_probes: Tensors probed along their own part of the applied gradient per check, in turn (every tensor
+            when the descent probe fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -133,6 +134,10 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        ignore: ``fnmatch`` patterns of parameter names not to check (a gradient deliberately not the derivative).
+        seed: Seed of the culprit search's sampling.
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective; :class:`~gradwatch.engine.settings.ProbeSettings`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
