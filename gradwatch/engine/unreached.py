@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import Probe
@@ -22,13 +22,19 @@ SHOWN = 8
 
 
 def unreached_note(
-    model: nn.Module, names: Sequence[str], probes: Sequence[Probe] = (), *, probed: bool = True
+    model: nn.Module,
+    params: Sequence[tuple[str, Tensor]],
+    grads: Sequence[Tensor | None],
+    probes: Sequence[Probe] = (),
+    *,
+    probed: bool = True,
 ) -> list[Note]:
-    """The note naming the trainable parameters ``names`` that got no gradient (none when there are none, or when a
-    probe of each failed: the loss depends on it and the failing check says so). ``probed``: whether this check's
-    probes looked at them (the recomputed check's do; the applied check's cannot, having no gradient to compare)."""
+    """The note naming the trainable ``params`` whose gradient in ``grads`` is ``None`` (none when there are none, or
+    when a probe of each failed: the loss depends on it and the failing check says so). ``probed``: whether this
+    check's probes looked at them (the recomputed check's do; the applied check's cannot, having no gradient to
+    compare)."""
     failed = {probe.target for probe in probes if probe.verdict == "fail"}
-    left = [name for name in names if name not in failed]
+    left = [name for (name, _), grad in zip(params, grads, strict=True) if grad is None and name not in failed]
     if not left:
         return []
     looked = {probe.target for probe in probes}

@@ -58,7 +58,6 @@ from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError,
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
-from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_gradients"]
 
@@ -322,7 +321,6 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
-        unreached = [name for (name, _), g in zip(params, reference.param_grads, strict=True) if g is None]
         grads = [
             g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)
         ]
@@ -360,7 +358,6 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
         if not culprits:
             culprits, culprit_message = compiled_culprit(model, probes)
-    evaluator.notes += unreached_note(model, unreached, probes)
     return _Outcome(
         evaluator,
         reference.loss,
