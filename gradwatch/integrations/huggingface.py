@@ -32,7 +32,7 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.engine.validation import keyword_names, reject_unknown_options
-from gradwatch.integrations.trainer_losses import compute_loss_with_count, trainer_options
+from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import (
     TrainerPath,
@@ -251,7 +251,7 @@ class GradWatchCallback(TrainerCallback):
             )
             self._say_applied_off()
             self._in_window = False
-            self.watch.before_optimizer_step(self._model, _no_micro_batch, step=state.global_step + 1, skipped=True)
+            self.watch.before_optimizer_step(self._model, no_micro_batch, step=state.global_step + 1, skipped=True)
             return
         self._check_applied()
 
@@ -261,7 +261,7 @@ class GradWatchCallback(TrainerCallback):
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
-        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else _no_micro_batch)
+        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else no_micro_batch)
         self.watch.maybe_check(
             self._model,
             inputs,
@@ -391,10 +391,3 @@ class GradWatchCallback(TrainerCallback):
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
         return compute_loss_with_count(self._compute_loss, num_items_in_batch)
-
-
-def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss of a due step whose micro-batch the callback did not see: an error the watch reports."""
-    raise RuntimeError(
-        "gradwatch saw no micro-batch of this step: the Trainer's training_step did not call trainer.compute_loss"
-    )

@@ -290,7 +290,10 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
     assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit
     logged = [entry for entry in watched.state.log_history if "gradwatch/applied/verdict" in entry]
-    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0)] * 2 + [(4, 0.0)] * 2
+    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0), (4, 0.0)]
+    # the clip coefficient's check of the same step under its own tags: neither record stands in place of the other
+    clipped = [entry for entry in watched.state.log_history if "gradwatch/applied/clipping/verdict" in entry]
+    assert [(entry["step"], entry["gradwatch/applied/clipping/verdict"]) for entry in clipped] == [(2, 0.0), (4, 0.0)]
     assert "clip_grad_norm_" not in vars(watched.accelerator)  # the accelerator's own again after training
 
 

@@ -45,6 +45,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -124,8 +125,7 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
-        tensor_probes: Tensors probed along their own part of the applied gradient per check, in turn (every tensor
-            when the descent probe fails).
+        tensor_probes: Tensors probed per check along their part of the gradient (in turn; all if descent fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -183,6 +183,7 @@ def check_applied_gradient(
         shards = shard_window(session.collective, [p for _, p in session.params], applied)
         applied, group = shards.applied, None
         session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    session.leading += unreached_note(model, trainable, given, probed=False) if gradients is None else []  # .grad
     unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"

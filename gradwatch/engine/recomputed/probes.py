@@ -32,6 +32,7 @@ from gradwatch.engine.recomputed.signatures import stop_gradients, straight_thro
 from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import Probe
+from gradwatch.engine.unreached import unreached_note
 
 LOCALIZED_AT_MOST = 8
 """After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
@@ -118,6 +119,7 @@ def measured_probes(
             culprits, message = found.culprits, found.message
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
+    evaluator.notes += unreached_note(model, evaluator.params, reference.param_grads, probes)
     return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, plan.rtol)
 
 

@@ -133,6 +133,10 @@ class NoteCode(StrEnum):
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
     )
+    UNREACHED_PARAMETERS = (
+        "unreached-parameters",
+        "trainable parameters the loss never reaches: requires_grad, and no gradient after the backward",
+    )
     # a watch's own calls outside a check (gradwatch.watch.guard)
     WATCH_ERROR = "watch-error", "a call gradwatch makes outside a check raised: skipped, training unaffected"
 
