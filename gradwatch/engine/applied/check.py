@@ -28,7 +28,7 @@ from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.autocast_path import path_autocast
-from gradwatch.engine.applied.culprit_search import recomputed_search
+from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.sharded import shard_window
@@ -208,8 +208,10 @@ def check_applied_gradient(
     if not (shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in applied)):
         probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                       Reason.NONFINITE)  # fmt: skip
-        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", fault="unknown",
-                              fault_message="the applied gradient holds non-finite values")  # fmt: skip
+        named = list(zip(names, applied, strict=True))
+        fields = nonfinite_fault(session, model, named, micro_batches[0], loss_fn, states[0], step,
+                                 culprit_search and shards is None)  # fmt: skip
+        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
     equivalence, said = None, list[Note]()

@@ -49,6 +49,7 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
+from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import least_precise, measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
@@ -326,6 +327,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         ]
         grad_norms = norms(grads, exact=True)
         probes = nonfinite_probes(reference, params, grad_norms)
+        if probes and sharding_active() is None:  # measured against the loss's differences, traced to a module
+            nonfinite = measured_nonfinite(model, evaluator, reference, params)
+            probes, culprits, culprit_message = nonfinite.probes, nonfinite.culprits, nonfinite.message
+            evaluator.notes += nonfinite.notes
         asked = plan.rtol
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         # tensor parallelism: every rank compares, so that ranks of a group whose gradients differ stop together

@@ -29,6 +29,7 @@ class NoteCode(StrEnum):
     WHOLE_BATCH = "whole-batch", "probes use the whole batch because the loss refused a slice of it"
     NOT_REPRODUCIBLE = "not-reproducible", "no probe made: the loss draws randomness gradwatch cannot replay"
     AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
+    NONFINITE_LOSS = "nonfinite-loss", "the loss is not finite at the point or around it: no derivative to compare"
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     NO_TRAINABLE_PARAMETER = (
