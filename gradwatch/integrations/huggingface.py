@@ -38,8 +38,10 @@ from gradwatch.integrations.trainer_path import (
     TrainerPath,
     divides_by_count,
     engine_checks,
-    joined_inputs,
+    scaled_for_window,
     trainer_combine,
+    trainer_join,
+    window_share,
 )
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
@@ -323,7 +325,7 @@ class GradWatchCallback(TrainerCallback):
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                join=joined_inputs,  # the window's inputs as one batch, with the window's count
+                join=trainer_join(self.trainer),  # the window's inputs as one batch, with the window's count
                 window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
@@ -340,9 +342,13 @@ class GradWatchCallback(TrainerCallback):
         """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
         inputs, num_items_in_batch = batch
         with path.loss_context():
-            if self.loss_fn is not None:
-                return self.loss_fn(model, inputs)
-            return self._trainer_loss(num_items_in_batch)(model, inputs)
+            if self.loss_fn is None:
+                return self._trainer_loss(num_items_in_batch)(model, inputs)
+            loss = self.loss_fn(model, inputs)
+        # the user's loss, a mean over its own micro-batch, weighted as the Trainer's window-normalised loss weights it
+        if not scaled_for_window(self.trainer, num_items_in_batch):
+            return loss
+        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""

@@ -30,7 +30,7 @@ from gradwatch.engine.applied.attribution import Attribution, PathSetting, attri
 from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
-from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
+from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
@@ -390,7 +390,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     floor_note = lazy_floor.floor_note(
         path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
-    notes.append(floor_note)
+    notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
 

@@ -130,6 +130,14 @@ class NoteCode(StrEnum):
         "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
     )
     APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
+    APPLIED_COARSE_LOSS = (
+        "applied-coarse-loss",
+        "the loss's value is rounded coarser than the probes compute: probes stepped for its dtype",
+    )
+    APPLIED_UNRESOLVED = (
+        "applied-unresolved",
+        "probes whose noise is comparable to the slope they measure: undecided, never ok",
+    )
     APPLIED_PATH_INFERRED = (
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
