@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradwatch.outputs import beside
-from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
+from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record, record_numerics
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
     VERDICT_TAG,
@@ -46,6 +46,8 @@ class JsonLines:
     culprits: dict[int, str] = field(default_factory=dict)
     applied: dict[int, AppliedRecord] = field(default_factory=dict)
     """The applied checks (``"scope": "applied"``), by step."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """The numerics settings of the recomputed checks, in words, by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -85,6 +87,9 @@ def read_jsonl(path: Path) -> JsonLines:
                     check, failures, culprit = parse_record(decoded)
                 except EventFilesError as error:
                     raise EventFilesError(f"{where}: line {number}: {error}") from error
+                numerics = record_numerics(decoded)
+                if numerics is not None:
+                    found.numerics[check.step] = numerics
                 found.checks[check.step] = check
                 found.failures[check.step] = failures
                 found.culprits.pop(check.step, None)
@@ -123,6 +128,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         has_histogram=events is not None and events.has_histogram,
         has_dashboard=events is not None and events.has_dashboard,
         applied=[applied[step] for step in sorted(applied)],
+        numerics=dict(sorted(lines.numerics.items())),
     )
 
 
