@@ -78,7 +78,8 @@ def test_the_cpu_allocators_error_is_an_out_of_memory_error_too():
     before = _state(model)
     with CpuAllocatorLimit():
         report = check_gradients(model, _batch(), _loss, probe_batch_size=4)
-    assert report.verdict == "ok" and report.precision == "native"
+    assert report.verdict == "ok"
+    assert report.precision == "native"
     assert [n for n in report.notes if n.code == NoteCode.MEMORY_NATIVE], report.notes
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model), strict=True))
 
@@ -91,9 +92,11 @@ def test_float64_that_would_not_fit_in_the_free_memory_is_not_tried():
             report = check_gradients(model, _batch(), _loss, probe_batch_size=4)
     finally:
         memory.set_free_memory_probe(previous)
-    assert report.verdict == "ok" and report.precision == "native"
+    assert report.verdict == "ok"
+    assert report.precision == "native"
     (note,) = [n for n in report.notes if n.code == NoteCode.MEMORY_NATIVE]
-    assert "float64 probes need about" in note and "0.0 MiB free on the device" in note
+    assert "float64 probes need about" in note
+    assert "0.0 MiB free on the device" in note
     assert counting.largest < max(p.numel() for p in model.parameters())  # no float64 copy of a weight made
 
 
@@ -102,7 +105,8 @@ def test_the_estimate_counts_float64_copies_and_activations():
     estimate = memory.check_peak(params, [], [torch.zeros(4, 3)], 1000, 4, torch.device("cpu"))
     assert estimate.float64 == 8 * (105 + 12) + 8 * 1000
     assert estimate.native == 4 * 1000 + 2 * 100 * 4
-    assert estimate.free is None and estimate.fits("float64")
+    assert estimate.free is None
+    assert estimate.fits("float64")
 
 
 @pytest.mark.slow
@@ -112,7 +116,8 @@ def test_float64_a_hundred_times_slower_gives_way_to_native_probes_once_measured
         first = check_gradients(model, _batch(), _loss, probe_batch_size=4)
         second = check_gradients(model, _batch(), _loss, probe_batch_size=4)
     for report in (first, second):
-        assert report.verdict == "ok" and report.precision == "native"
+        assert report.verdict == "ok"
+        assert report.precision == "native"
         (note,) = [n for n in report.notes if n.code == NoteCode.FLOAT64_TOO_SLOW]
         assert "x a native forward and backward on this device" in note
     assert first.notes == second.notes
@@ -151,8 +156,8 @@ def test_a_device_with_little_more_than_the_steps_peak_free_and_slow_float64():
     tight = LimitedDevice(limit=int(1.1 * measuring.peak))
     model, reports = train(tight, slow=SlowFloat64.calibrated(_model(), _batch(), _loss, 100))
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
-    assert len(reports) == 3 and all(r.verdict != "fail" for r in reports)
+    assert len(reports) == 3
+    assert all(r.verdict != "fail" for r in reports)
     assert all(r.verdict == "ok" or r.notes for r in reports)
     assert sum(r.verdict == "ok" for r in reports) >= 2, [r.summary() for r in reports]
     assert all(r.precision == "native" for r in reports)  # float64 fits in neither the memory nor the time
-
