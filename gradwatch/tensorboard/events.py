@@ -158,6 +158,8 @@ class RunEvents:
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """By step, the numerics settings a recomputed check ran under, in words (from ``gradwatch.jsonl`` only)."""
 
     @property
     def failed(self) -> bool:

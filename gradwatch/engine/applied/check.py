@@ -31,6 +31,7 @@ from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
+from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
@@ -374,8 +375,9 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)
         measured_floors = [distances(eager, scaled)]
         backward += 1
-    else:
-        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
+    else:  # a TF32 path's floor now (.reduced_float32); else only if a probe needs it (.lazy_floor)
+        measured_floors = tf32_floors(setting, eager, notes)
+        backward += measured_floors is not None
     applied_norms = norms(plan.applied, exact=True)
     floor_values = floors(measured_floors or [], applied_norms, path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None

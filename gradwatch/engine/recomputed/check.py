@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -38,8 +39,10 @@ from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
+from gradwatch.engine.function.values import first_line
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -232,9 +235,22 @@ def _check(
         precision=mode,
         measure_floor=settings.rtol is None,
         check_formula=settings.rtol is None,
+        priced=settings.precision == "auto" and session.collective is None,
     )
-    with session.measuring():
-        outcome = _run(session, batch, loss_fn, plan)
+    try:
+        with session.measuring():
+            outcome = _run(session, batch, loss_fn, plan)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        problem = f"{type(error).__name__}: {first_line(error)}"
+    else:
+        problem = ""
+    if problem:  # the state is back; what the check allocated is freed once the error and its frames are gone
+        release_memory(next((p.device for _, p in params), None))
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=[
+            Note(NoteCode.OUT_OF_MEMORY, f"the check ran out of memory with {mode} probes ({problem}); the training "
+                 "state is put back and the next check of a run is made cheaper")], precision=mode)  # fmt: skip
     evaluator = outcome.evaluator
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
     if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
@@ -315,10 +331,13 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
         custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
+        started = time.perf_counter()
         evaluator, reference, probe_batch = reference_on_a_slice(
             session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
         evaluator.loss_fn = loss_fn
+        if plan.priced:  # a training step's work on the probe batch: what float64 probes are priced against
+            plan = dataclasses.replace(plan, step_seconds=time.perf_counter() - started)
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())

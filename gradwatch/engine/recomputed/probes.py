@@ -76,10 +76,12 @@ def measured_probes(
     if wanted(plan, evaluator.params):
         floor = SixteenBitFloor(evaluator, plan, grad_norms, reference.loss)
         floor.measure_spread(reference.param_grads)
-    with probe_precision(model, evaluator, plan.precision) as (precision, trial):
+    with probe_precision(model, evaluator, plan.precision, step_seconds=plan.step_seconds) as (precision, trial):
         if floor is not None and precision == "float64":
             plan = floor.plan_on_float64()
             evaluator.notes += floor.notes
+        elif precision != plan.precision and evaluator.notes[-1].code == NoteCode.FLOAT64_TOO_SLOW:
+            plan = dataclasses.replace(plan, float64_refinement=True)  # float64 only where it decides a verdict
         try:
             tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
                 evaluator, reference, grad_norms, trial, plan

@@ -67,6 +67,10 @@ class NoteCode(StrEnum):
         "float64-reductions-off",
         "float64 reductions switched off: one differed from the native result, or the loss raised",
     )
+    FLOAT64_TOO_SLOW = "float64-too-slow", "probes run natively: float64 costs too much against the step on this device"
+    # memory
+    MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit in the device's free memory"
+    OUT_OF_MEMORY = "out-of-memory", "the check ran out of memory: put back, inconclusive; the next runs cheaper"
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
