@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping
 
 from gradwatch.engine.culprits.descent import LOSS
 from gradwatch.engine.culprits.sites import Site
+from gradwatch.engine.results.kinds import ProbeKind
 
-INWARD = ("module_input", "module_params")
+INWARD = (ProbeKind.MODULE_INPUT, ProbeKind.MODULE_PARAMS)
 """The places whose gradient a module's own backward computes from the gradient at its outputs."""
 
 PlaceTest = Callable[[Site, str], bool]
