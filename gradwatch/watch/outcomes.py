@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.report import UnrestoredStateWarning
 from gradwatch.outputs.records import report_records
 from gradwatch.outputs.sinks import Sink, write_to_sinks
-from gradwatch.watch.alerts import AlertPolicy, Backoff, OnFail, Remarks
+from gradwatch.watch.alerts import AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.watch.distributed import rank
 from gradwatch.watch.guard import Guard
 from gradwatch.watch.hooks import Agree, NoLossToCheckError
@@ -60,6 +61,7 @@ class Outcomes:
         parameter), applied checks run and failed."""
         self._remarks = {"recomputed": Remarks(verbose=verbose), "applied": Remarks(verbose=verbose)}
         self.guard = Guard()  # the watch's calls outside a check
+        self._warned_unreached = False  # trainable parameters without a gradient: warned once per run, either kind
 
     def guarded(
         self, step: int, check: Callable[[], CheckReport], contexts: Sequence[contextlib.AbstractContextManager[Any]]
@@ -112,6 +114,10 @@ class Outcomes:
         with self.guard("the remarks on a report"):
             self._remarks[report.scope].hear(report)
             log.debug("gradwatch %s", report.summary())
+            unreached = report.noted(NoteCode.UNREACHED_PARAMETERS)
+            if unreached and not self._warned_unreached:
+                self._warned_unreached = True
+                warnings.warn(f"gradwatch (step {report.step}): {unreached[0]}", GradientCheckWarning, stacklevel=3)
         records = None
         with self.guard("the records of a report"):
             records = report_records(report, overhead)
