@@ -290,7 +290,7 @@ class GradientWatch(AppliedCalls):
         self._schedule.ran(started, time.perf_counter())
         if report is not None:
             self._lessons.learn(report)
-            self._outcomes.publish(report, self.overhead)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
     def state_dict(self) -> dict[str, Any]:
