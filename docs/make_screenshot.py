@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                 drawn = [REL_ERROR_TAGS[0], *(tag for tag in layout_tags() if tag not in REL_ERROR_TAGS)]
                 browser.wait_for_text(
                     [title for _, charts in SECTIONS for title, _, _ in charts]
-                    + [f"{tag} ({RUNS[name].run_name}/version_0)" for name in ("none", "rmsnorm") for tag in drawn]
+                    + [f"{tag} ({RUNS[name].run_name}/version_0)" for name in ("none", "rmsnorm") for tag in drawn],
+                    timeout=300,  # TensorBoard loads each chart's data in turn: slow on a busy machine
                 )
                 time.sleep(2)  # let the charts finish drawing
                 browser.screenshot(args.out)
