@@ -48,6 +48,8 @@ SCALAR_TAGS = {
     "gradwatch/forward_passes",
     "gradwatch/noise_median",
     "gradwatch/overhead",
+    "gradwatch/overhead_percent",
+    "gradwatch/first_checks_seconds",
     "gradwatch/rel_error_max_log10",
     "gradwatch/rel_error_median_log10",
     "gradwatch/rel_error_min_log10",
@@ -85,8 +87,14 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
         t for kind in ("scalars", "histograms", "tensors") for t in tags[kind] if t.startswith("gradwatch")
     ]
     applied = [t for t in gradwatch_tags if t.startswith("gradwatch/applied/")]  # the applied check at step 1
-    assert set(applied) == {*applied_scalars(watch.applied_reports[0]), "gradwatch/applied/failure/text_summary"}
-    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 2 + len(applied)
+    assert watch.applied_reports[0].fault == "formula"  # named in words too, for the TEXT tab
+    assert set(applied) == {
+        *applied_scalars(watch.applied_reports[0]),
+        "gradwatch/applied/failure/text_summary",
+        "gradwatch/applied/fault_name/text_summary",
+    }
+    assert [e.step for e in events.Scalars("gradwatch/first_checks_steps")] == [2, 4]  # once a step's time is known
+    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 3 + len(applied)
 
 
 @pytest.mark.slow
