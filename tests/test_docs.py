@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 GUIDE = (ROOT / "docs" / "guide.md").read_text()
 
-TEST_COMMAND = 'pip install -c constraints.txt torch==2.13.0 -e ".[test]" && python -m pytest tests'
+TEST_COMMAND = 'pip install -c constraints.txt torch==2.13.0 -e ".[test]" && python -m pytest tests -m "not slow"'
 DEMO_COMMAND = "pip install torch==2.13.0 -e . && gradwatch demo"
 
 

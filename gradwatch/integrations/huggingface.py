@@ -38,8 +38,10 @@ from gradwatch.integrations.trainer_path import (
     TrainerPath,
     divides_by_count,
     engine_checks,
-    joined_inputs,
+    scaled_for_window,
     trainer_combine,
+    trainer_join,
+    window_share,
 )
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
@@ -135,8 +137,8 @@ class GradWatchCallback(TrainerCallback):
         on_report: Callable[[CheckReport], object] | None = None,
         **options: Unpack[ProbeOptions],
     ):
-        own = keyword_names(GradWatchCallback.__init__)
-        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatchCallback()")
+        known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
+        reject_unknown_options(options, known, "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
@@ -323,7 +325,7 @@ class GradWatchCallback(TrainerCallback):
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                join=joined_inputs,  # the window's inputs as one batch, with the window's count
+                join=trainer_join(self.trainer),  # the window's inputs as one batch, with the window's count
                 window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
@@ -340,9 +342,13 @@ class GradWatchCallback(TrainerCallback):
         """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
         inputs, num_items_in_batch = batch
         with path.loss_context():
-            if self.loss_fn is not None:
-                return self.loss_fn(model, inputs)
-            return self._trainer_loss(num_items_in_batch)(model, inputs)
+            if self.loss_fn is None:
+                return self._trainer_loss(num_items_in_batch)(model, inputs)
+            loss = self.loss_fn(model, inputs)
+        # the user's loss, a mean over its own micro-batch, weighted as the Trainer's window-normalised loss weights it
+        if not scaled_for_window(self.trainer, num_items_in_batch):
+            return loss
+        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
@@ -353,11 +359,8 @@ class GradWatchCallback(TrainerCallback):
         return self._applied_off
 
     def _say_applied_off(self) -> None:
-        warnings.warn(
-            f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on",
-            GradientCheckWarning,
-            stacklevel=3,
-        )
+        message = f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on"
+        warnings.warn(message, GradientCheckWarning, stacklevel=3)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 

@@ -12,7 +12,10 @@ One line per check::
      "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope`` and ``fault`` are there when the report has them. An applied check
+read back as the float. ``scope``, ``fault`` and ``numerics`` are there when the report has them: ``numerics`` is the
+object of :meth:`gradwatch.engine.results.numerics.Numerics.as_dict`, the settings that change the numbers (TF32 per
+path, reduced-precision reductions, deterministic algorithms, attention backends, autocast), shown by
+``gradwatch report`` (:func:`record_numerics`). An applied check
 (``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
 ``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
 ``note_codes`` holds each note's code (:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes
@@ -28,6 +31,7 @@ from enum import Enum
 from typing import Any
 
 from gradwatch.engine.results.notes import codes
+from gradwatch.engine.results.numerics import describe_numerics
 from gradwatch.engine.results.rendering import ordered_failures
 from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
@@ -47,7 +51,7 @@ JSONL_NAME = "gradwatch.jsonl"
 
 FORMAT = "gradwatch-check"
 VERSION = 1
-OPTIONAL_FIELDS = ("scope", "fault")
+OPTIONAL_FIELDS = ("scope", "fault", "numerics")
 """Attributes of a report recorded when it has them (set by other parts of gradwatch, any JSON-able shape)."""
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -211,6 +215,13 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     return CheckRecord(step, scalars), failures, culprit or None
+
+
+def record_numerics(record: Any) -> str | None:
+    """A decoded line's numerics settings in words (:func:`~gradwatch.engine.results.numerics.describe_numerics`);
+    ``None`` when it has none (a record of an older gradwatch) or they are not an object."""
+    settings = record.get("numerics") if isinstance(record, Mapping) else None
+    return describe_numerics(settings) if isinstance(settings, Mapping) else None
 
 
 def is_applied(record: Any) -> bool:

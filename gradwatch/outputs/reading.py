@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradwatch.outputs import beside
-from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
+from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record, record_numerics
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
     VERDICT_TAG,
@@ -48,6 +48,8 @@ class JsonLines:
     """The applied checks of the gradient (``"scope": "applied"``), by step."""
     clipping: dict[int, AppliedRecord] = field(default_factory=dict)
     """The clip coefficient's checks, by step (the step of the applied check it follows, listed beside it)."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """The numerics settings of the recomputed checks, in words, by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -87,6 +89,9 @@ def read_jsonl(path: Path) -> JsonLines:
                     check, failures, culprit = parse_record(decoded)
                 except EventFilesError as error:
                     raise EventFilesError(f"{where}: line {number}: {error}") from error
+                numerics = record_numerics(decoded)
+                if numerics is not None:
+                    found.numerics[check.step] = numerics
                 found.checks[check.step] = check
                 found.failures[check.step] = failures
                 found.culprits.pop(check.step, None)
@@ -127,6 +132,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         has_histogram=events is not None and events.has_histogram,
         has_dashboard=events is not None and events.has_dashboard,
         applied=[applied[key] for key in sorted(applied, key=lambda key: (key[0], key[1] == "clipping"))],
+        numerics=dict(sorted(lines.numerics.items())),
     )
 
 

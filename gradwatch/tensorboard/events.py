@@ -51,8 +51,7 @@ APPLIED_VERDICT_TAG = APPLIED_PREFIX + "verdict"
 APPLIED_FAULT_TAG = APPLIED_PREFIX + "fault"
 CLIPPING_VERDICT_TAG = CLIPPING_PREFIX + "verdict"
 CLIPPING_FAULT_TAG = CLIPPING_PREFIX + "fault"
-TEXT_SUFFIX = "/text_summary"
-"""``SummaryWriter.add_text`` stores text under the tag plus this suffix."""
+TEXT_SUFFIX = "/text_summary"  # SummaryWriter.add_text stores text under the tag plus this suffix
 
 __all__ = [
     "AppliedRecord",
@@ -159,6 +158,8 @@ class RunEvents:
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """By step, the numerics settings a recomputed check ran under, in words (from ``gradwatch.jsonl`` only)."""
 
     @property
     def failed(self) -> bool:
@@ -330,11 +331,8 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
         for step, values in sorted(run.scalars.items())
         if VERDICT_TAG in values
     ]
-    applied_checks = [
-        check
-        for step, values in sorted(run.scalars.items())
-        for check in _applied(step, values, run.applied_texts.get(step, ""))
-    ]
+    applied_checks = [check for step, values in sorted(run.scalars.items())
+                      for check in _applied(step, values, run.applied_texts.get(step, ""))]  # fmt: skip
     if not checks and not applied_checks:
         return None
     failures: list[FailureRecord] = []

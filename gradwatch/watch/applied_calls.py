@@ -61,7 +61,11 @@ class AppliedCalls:
     def guarded(self, site: str) -> contextlib.AbstractContextManager[None]:
         """A context for what a watch or its adapter runs outside a check (``site`` names it): an error there is one
         note (:attr:`notes`) and one warning, once per site, and the block is left; training goes on (see
-        :mod:`gradwatch.watch.guard`)."""
+        :mod:`gradwatch.watch.guard`).
+
+        Args:
+            site: The call site, as the note and the warning name it (``"watch.record"``, ...).
+        """
         return self._outcomes.guard(site)
 
     @property

@@ -29,6 +29,7 @@ class NoteCode(StrEnum):
     WHOLE_BATCH = "whole-batch", "probes use the whole batch because the loss refused a slice of it"
     NOT_REPRODUCIBLE = "not-reproducible", "no probe made: the loss draws randomness gradwatch cannot replay"
     AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
+    NONFINITE_LOSS = "nonfinite-loss", "the loss is not finite at the point or around it: no derivative to compare"
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     NO_TRAINABLE_PARAMETER = (
@@ -66,6 +67,10 @@ class NoteCode(StrEnum):
         "float64-reductions-off",
         "float64 reductions switched off: one differed from the native result, or the loss raised",
     )
+    FLOAT64_TOO_SLOW = "float64-too-slow", "probes run natively: float64 costs too much against the step on this device"
+    # memory
+    MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit in the device's free memory"
+    OUT_OF_MEMORY = "out-of-memory", "the check ran out of memory: put back, inconclusive; the next runs cheaper"
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
@@ -129,6 +134,14 @@ class NoteCode(StrEnum):
         "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
     )
     APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
+    APPLIED_COARSE_LOSS = (
+        "applied-coarse-loss",
+        "the loss's value is rounded coarser than the probes compute: probes stepped for its dtype",
+    )
+    APPLIED_UNRESOLVED = (
+        "applied-unresolved",
+        "probes whose noise is comparable to the slope they measure: undecided, never ok",
+    )
     APPLIED_PATH_INFERRED = (
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",

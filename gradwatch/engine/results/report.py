@@ -15,6 +15,7 @@ from typing import Literal, TypeVar
 
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.numerics import Numerics
 from gradwatch.engine.results.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
@@ -176,7 +177,7 @@ class CheckReport:
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
             singled out (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+        culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
             gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
@@ -196,6 +197,9 @@ class CheckReport:
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
+        numerics: The settings that change the numbers, as training had them when the check started (TF32, reduced
+            reductions, deterministic algorithms, attention backends, autocast; see
+            :mod:`gradwatch.engine.results.numerics`).
     """
 
     step: int
@@ -224,6 +228,7 @@ class CheckReport:
     accumulation_scale: float = math.nan
     accumulation_cosine: float = math.nan
     probed_inputs: tuple[str, ...] = ()
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
