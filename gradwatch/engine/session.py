@@ -48,6 +48,7 @@ from gradwatch.engine.function.surrogates import (
 from gradwatch.engine.function.torch_warnings import incorrect_gradient_notes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.numerics import Numerics, current_numerics
 from gradwatch.engine.results.report import CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeSettings, settings_from
@@ -70,6 +71,7 @@ class CheckSession:
         collective: The collective of a sharded check (``None``: not sharded).
         leading: Notes a report gives before the measurements' own (sharding, parameters left out).
         state: The training state, captured while :meth:`measuring`.
+        numerics: The settings that change the numbers, as the check found them (recorded on its report).
     """
 
     model: nn.Module
@@ -84,6 +86,7 @@ class CheckSession:
     state: TrainingState | None = None
     trailing: list[Note] = dataclasses.field(default_factory=list)
     unrestored: tuple[str, ...] = ()
+    numerics: Numerics = dataclasses.field(default_factory=current_numerics)
 
     @classmethod
     def open(
@@ -204,5 +207,6 @@ class CheckSession:
             notes=list(dict.fromkeys([*self.leading, *notes, *self.trailing])),
             side_effects=tuple(state.sandbox.changed + state.guard.changed) if state is not None else (),
             unrestored=self.unrestored,
+            numerics=self.numerics,
             **fields,
         )

@@ -30,7 +30,8 @@ from gradwatch.engine.applied.attribution import Attribution, PathSetting, attri
 from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
-from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
+from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
+from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
@@ -45,6 +46,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -67,6 +69,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
@@ -95,11 +98,9 @@ def check_applied_gradient(
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
-    ``hold_detached``) are
-    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
-    defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
+    The probe options an applied check uses (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``) are documented
+    in full as the fields of :class:`~gradwatch.engine.settings.ProbeSettings`, with the defaults of
+    :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
     them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
     selects, the state it puts back and names when it cannot) is the check session's
@@ -125,6 +126,7 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
+        tensor_probes: Tensors probed per check along their part of the gradient (in turn; all if descent fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -132,6 +134,10 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        ignore: ``fnmatch`` patterns of parameter names not to check (a gradient deliberately not the derivative).
+        seed: Seed of the culprit search's sampling.
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective; :class:`~gradwatch.engine.settings.ProbeSettings`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
@@ -178,6 +184,7 @@ def check_applied_gradient(
         shards = shard_window(session.collective, [p for _, p in session.params], applied)
         applied, group = shards.applied, None
         session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    session.leading += unreached_note(model, trainable, given, probed=False) if gradients is None else []  # .grad
     unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
@@ -368,8 +375,9 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)
         measured_floors = [distances(eager, scaled)]
         backward += 1
-    else:
-        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
+    else:  # a TF32 path's floor now (.reduced_float32); else only if a probe needs it (.lazy_floor)
+        measured_floors = tf32_floors(setting, eager, notes)
+        backward += measured_floors is not None
     applied_norms = norms(plan.applied, exact=True)
     floor_values = floors(measured_floors or [], applied_norms, path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
@@ -384,7 +392,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     floor_note = lazy_floor.floor_note(
         path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
-    notes.append(floor_note)
+    notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
 
