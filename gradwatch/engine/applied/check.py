@@ -33,7 +33,7 @@ from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
 from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
@@ -258,7 +258,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=_relative_floor(descent.probe if descent else None),
+        noise_floor=relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
         accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
         accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
@@ -395,10 +395,3 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
-
-
-def _relative_floor(descent: Probe | None) -> float:
-    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
-    if descent is None or descent.floor is None or not descent.analytic:
-        return math.nan
-    return descent.floor / descent.analytic

@@ -32,15 +32,13 @@ from torch import nn
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
-from gradwatch.engine.distributed import SHARDED_NOTE
-from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
 from gradwatch.engine.function.memory import is_out_of_memory, release_memory
-from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.precision import Precision, resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.function.values import first_line
 from gradwatch.engine.numerics.norms import norms
@@ -52,13 +50,14 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
+from gradwatch.engine.recomputed.decisions import overall_verdict, sharded_settings
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import least_precise, measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
@@ -209,7 +208,7 @@ def _check(
     mode = resolve_precision(settings.precision, dtype, floating_elements)
     vectorize = settings.vectorize
     if session.collective is not None:
-        sharding_notes, mode, vectorize = _sharded_settings(session.collective, mode)
+        sharding_notes, mode, vectorize = sharded_settings(session.collective, mode)
         session.leading += sharding_notes
     session.leading += focus_notes
     plan = ProbePlan(
@@ -253,10 +252,10 @@ def _check(
                  "state is put back and the next check of a run is made cheaper")], precision=mode)  # fmt: skip
     evaluator = outcome.evaluator
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
-    if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
+    if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
         culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
     report = session.report(
-        verdict=_overall_verdict(outcome.probes),
+        verdict=overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
         notes=evaluator.notes,
@@ -369,7 +368,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
-            if custom.found is not None and _overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+            if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
                 latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
                 evaluator.notes += [latent] if latent is not None else []
     if (
@@ -395,30 +394,3 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         culprit_message,
         tuple(reference.input_grads),
     )
-
-
-def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
-    """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
-    notes = [
-        Note(
-            NoteCode.SHARDED,
-            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
-            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
-            "forward pass; no input coordinate probes and no culprit search",
-        )
-    ]
-    if mode == "float64":
-        why = "FSDP gathers parameters in their own dtype"
-        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
-    return notes, "native", False
-
-
-def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
-    if any(p.verdict == Verdict.FAIL for p in probes):
-        return Verdict.FAIL
-    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
-    if any(p.verdict == Verdict.OK for p in whole):
-        return Verdict.OK
-    return Verdict.INCONCLUSIVE
