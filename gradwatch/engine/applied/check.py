@@ -33,8 +33,16 @@ from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
 from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
+from gradwatch.engine.applied.window import (
+    COMBINES,
+    Checksums,
+    Combine,
+    PathContext,
+    applied_gradients,
+    disagreeing_ranks,
+    unrecorded_randomness,
+)
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
@@ -169,7 +177,7 @@ def check_applied_gradient(
     trainable = [
         (n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())
     ]
-    given = _applied(trainable, gradients)
+    given = applied_gradients(trainable, gradients)
     gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
     session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
     names = [name for name, _ in session.params]
@@ -199,7 +207,7 @@ def check_applied_gradient(
     plan = AppliedPlan(names, applied, native, path_dtype, floor_multiple(path_dtype), session.settings.tensor_probes,
                        rotation)  # fmt: skip
     if group is not None:
-        disagreeing = _disagreeing_ranks(applied, group)
+        disagreeing = disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
             probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
@@ -258,7 +266,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=relative_floor(descent.probe if descent else None),
+        noise_floor=_relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
         accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
         accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
@@ -269,32 +277,6 @@ def _undecided(probe: Probe) -> Probe:
     """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
     design (``ignore=`` it to leave it out)."""
     return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
-
-
-def _applied(
-    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
-) -> list[Tensor | None]:
-    if given is None:
-        return [p.grad for _, p in trainable]
-    if isinstance(given, Mapping):
-        unknown = sorted(set(given) - {n for n, _ in trainable})
-        if unknown:
-            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
-        return [given.get(n) for n, _ in trainable]
-    given = list(given)
-    if len(given) != len(trainable):
-        raise ValueError(
-            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
-        )
-    return list[Tensor | None](given)
-
-
-def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
-    """The ranks whose gradient checksums differ from rank 0's."""
-    mine = Checksums.of(applied)
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,3 +377,10 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
+
+
+def _relative_floor(descent: Probe | None) -> float:
+    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
+    if descent is None or descent.floor is None or not descent.analytic:
+        return math.nan
+    return descent.floor / descent.analytic

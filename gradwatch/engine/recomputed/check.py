@@ -50,11 +50,11 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
-from gradwatch.engine.recomputed.decisions import overall_verdict, sharded_settings
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
-from gradwatch.engine.recomputed.probes import least_precise, measured_probes
+from gradwatch.engine.recomputed.probes import least_precise, measured_probes, overall_verdict
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
+from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
