@@ -31,7 +31,7 @@ def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
     wrong_inside = [
         site
         for site in sites.values()
-        if not faulty(site, "activation") and any(faulty(site, place) for place in INWARD)
+        if not faulty(site, ProbeKind.ACTIVATION) and any(faulty(site, place) for place in INWARD)
     ]
     if wrong_inside:
         innermost = [s for s in wrong_inside if not any(_within(o.name, s.name) for o in wrong_inside if o is not s)]
@@ -39,7 +39,7 @@ def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
         outer = [s for s in wrong_inside if s is not first and _within(first.name, s.name)]
         outer.sort(key=lambda s: -len(s.name))
         return [first.name, *(s.name for s in outer)]
-    if any(faulty(site, place) for site in sites.values() for place in ("activation", *INWARD)):
+    if any(faulty(site, place) for site in sites.values() for place in (ProbeKind.ACTIVATION, *INWARD)):
         return [LOSS]
     return []
 
