@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradwatch.outputs import beside
-from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
+from gradwatch.outputs.jsonl import (
+    JSONL_NAME,
+    is_applied,
+    is_update,
+    parse_applied_record,
+    parse_record,
+    parse_update_record,
+)
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
     VERDICT_TAG,
@@ -46,6 +53,8 @@ class JsonLines:
     culprits: dict[int, str] = field(default_factory=dict)
     applied: dict[int, AppliedRecord] = field(default_factory=dict)
     """The applied checks (``"scope": "applied"``), by step."""
+    updates: dict[int, AppliedRecord] = field(default_factory=dict)
+    """The update checks (``"scope": "update"``), by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -78,6 +87,10 @@ def read_jsonl(path: Path) -> JsonLines:
                 except RecursionError as error:
                     raise EventFilesError(f"{where}: line {number} is nested too deeply to read") from error
                 try:
+                    if is_update(decoded):
+                        update = parse_update_record(decoded)
+                        found.updates[update.step] = update
+                        continue
                     if is_applied(decoded):
                         applied = parse_applied_record(decoded)
                         found.applied[applied.step] = applied
@@ -101,7 +114,7 @@ def _wanted(name: str) -> bool:
 
 def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLines | None) -> RunEvents | None:
     """One run from its event files and its JSON lines record; the record wins for a step both hold."""
-    if lines is None or not (lines.checks or lines.applied):
+    if lines is None or not (lines.checks or lines.applied or lines.updates):
         return events
     applied = dict(lines.applied)
     checks = dict(lines.checks)
@@ -123,6 +136,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         has_histogram=events is not None and events.has_histogram,
         has_dashboard=events is not None and events.has_dashboard,
         applied=[applied[step] for step in sorted(applied)],
+        updates=[lines.updates[step] for step in sorted(lines.updates)],
     )
 
 

@@ -94,10 +94,12 @@ class AppliedRecord:
     fault: str | None
     fault_message: str
     scalars: dict[str, float]
+    prefix: str = APPLIED_PREFIX
+    """The prefix of its scalars: ``gradwatch/applied/``, or ``gradwatch/update/`` for an update check's record."""
 
     def get(self, name: str) -> float:
-        """The scalar ``gradwatch/applied/<name>``, NaN when it was not logged for this check."""
-        return self.scalars.get(APPLIED_PREFIX + name, math.nan)
+        """The scalar ``<prefix><name>`` (``gradwatch/applied/<name>``), NaN when it was not logged for this check."""
+        return self.scalars.get(self.prefix + name, math.nan)
 
 
 def fault_of_code(code: float, where: str, step: int) -> str | None:
@@ -152,6 +154,8 @@ class RunEvents:
     has_histogram: bool = False
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
+    updates: list[AppliedRecord] = field(default_factory=list)
+    """The update checks (``"scope": "update"`` in the JSON lines record), by step."""
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
 
     @property

@@ -31,13 +31,15 @@ from gradwatch.watch.hooks import Context, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.update_calls import UpdateCalls
 
 log = logging.getLogger(__name__)
 
 
-class AppliedCalls:
+class AppliedCalls(UpdateCalls):
     """The applied-check calls of a watch (see the module doc) and what both kinds' calls share (the loss a call
-    checks, the contexts around a check); the watch holds the state they use."""
+    checks, the contexts around a check); the watch holds the state they use. The update check each verified gradient
+    leads to is :class:`~gradwatch.watch.update_calls.UpdateCalls`'."""
 
     verbose: bool
     _applied: AppliedSchedule
@@ -83,6 +85,7 @@ class AppliedCalls:
                 about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
                 states). Without it, the window is shared by every optimizer of the step.
         """
+        self._update_release()
         if not self._applied.enabled:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
@@ -105,9 +108,12 @@ class AppliedCalls:
         join: Join | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         window_normalised: bool | Callable[[], bool] = False,
+        max_norm: float | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
-        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
+        verified the gradient, the update the optimizer then makes of it is checked too, from a step post hook
+        (``check_update=True``, the default; :mod:`gradwatch.watch.update_calls`): its report joins :attr:`reports`.
 
         Args:
             model: The module whose ``.grad`` the optimizer applies.
@@ -135,9 +141,18 @@ class AppliedCalls:
                 tokens (or a function that says so): a window gradient that is the one-batch gradient divided by the
                 number of micro-batches is then warned of as a second normalisation (see
                 :func:`~gradwatch.engine.applied.check_applied_gradient`).
+            max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
+                the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
+                declares it too).
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not max_norm > 0):  # fmt: skip
+            raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
+        self._update_release(step)
+        if self.check_update and self._applied.enabled and self._applied.due(step + 1, step):
+            self._update_keep_previous(model, step, optimizer, optimizers, _updated(model, optimizer))
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
@@ -189,7 +204,10 @@ class AppliedCalls:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
             # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
             held = _gradients(model, updated) if own else list((gradients or {}).values())
-            self._applied.verified = (step, GradientNorms.of(held), own)
+            norms = GradientNorms.of(held)
+            self._applied.verified = (step, norms, own)
+            if own:  # an engine's own gradients (DeepSpeed's partitions) are not the update's: not checked here
+                self._update_prepare(model, step, optimizer, optimizers, updated, norms.total, max_norm)
         return report
 
     def after_clipping(
@@ -212,6 +230,7 @@ class AppliedCalls:
         called only when a check verified this step's gradient (reading it may wait for the device; ``None`` from it:
         nothing to check); without it such a gradient (checked with ``gradients=``) is not checked here.
         """
+        self._update_declare(step, max_norm)
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
-from tests import update_models as models
+import update_models as models
 
 Make = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
