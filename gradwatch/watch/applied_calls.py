@@ -206,7 +206,9 @@ class AppliedCalls(UpdateCalls):
             held = _gradients(model, updated) if own else list((gradients or {}).values())
             norms = GradientNorms.of(held)
             self._applied.verified = (step, norms, own)
-            if own:  # an engine's own gradients (DeepSpeed's partitions) are not the update's: not checked here
+            # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
+            # unscales it after this call) are not what the optimizer steps with: their update is not checked here
+            if own and loss_scale == 1.0:
                 self._update_prepare(model, step, optimizer, optimizers, updated, norms.total, max_norm)
         return report
 

@@ -283,7 +283,11 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     # each applied check, then the check of the clip coefficient it makes possible (max_grad_norm=1.0)
     clipping = [r for r in callback.reports if _is_clipping(r)]
     checks = [r for r in callback.reports if not _is_clipping(r)]
-    assert [(r.scope, r.step, r.verdict) for r in checks] == [("applied", 2, "ok"), ("applied", 4, "ok")]
+    # each followed by the update check of the optimizer's step (the Trainer's optimizer hooked, its clip declared)
+    assert [(r.scope, r.step, r.verdict) for r in checks] == [
+        ("applied", 2, "ok"), ("update", 2, "ok"), ("applied", 4, "ok"), ("update", 4, "ok"),
+    ]  # fmt: skip
+    assert callback.update_reports == [checks[1], checks[3]]
     assert [(r.scope, r.step, r.verdict) for r in clipping] == [("applied", 2, "ok"), ("applied", 4, "ok")]
     assert callback.counts["applied_failed"] == 0
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))

@@ -70,6 +70,9 @@ class GradWatch(Callback):
             Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
         applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
             optimizer steps (``None``: off), within the same ``max_overhead``.
+        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
+            makes of it (after ``gradient_clip_val``'s clip) against a reference update (``scope == "update"``);
+            ``False``: no update check.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -93,6 +96,7 @@ class GradWatch(Callback):
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ) -> None:
         super().__init__()
@@ -105,7 +109,8 @@ class GradWatch(Callback):
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
             max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
-            agree=agree_across_ranks, context=self._context, on_report=self._on_report, **options,
+            agree=agree_across_ranks, context=self._context, on_report=self._on_report, check_update=check_update,
+            **options,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
@@ -129,6 +134,11 @@ class GradWatch(Callback):
     def applied_reports(self) -> list[CheckReport]:
         """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
         return self._watch.applied_reports
+
+    @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks, oldest first (``scope == "update"``)."""
+        return self._watch.update_reports
 
     @property
     def recomputed_reports(self) -> list[CheckReport]:
@@ -237,6 +247,8 @@ class GradWatch(Callback):
 
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
         scaler = _grad_scaler(trainer)
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
+        by_norm = bool(clip) and (algorithm is None or str(algorithm).lower().endswith("norm"))
 
         def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
             grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -250,7 +262,7 @@ class GradWatch(Callback):
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
                 skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None,
+                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm else None,
             )  # fmt: skip
 
     def _check_clipping_after_step(
@@ -288,7 +300,7 @@ class GradWatch(Callback):
             yield
 
     def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope != "applied":
+        if self._trainer is not None and report.scope == "recomputed":
             show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
