@@ -1,10 +1,10 @@
 """The update check (issue 42): what one costs, in training steps, on a small MLP and a tiny transformer.
 
 Usage: ``python benchmarks/update.py [--repeats N]`` (CPU, well under a minute). Prints a markdown table: per model and
-optimizer, the least time (over the repeats) of a training step (forward, backward, ``optimizer.step()``), of one update check (the
-copies kept before the step of the :data:`~gradwatch.engine.update.snapshot.UPDATE_TENSORS` tensors it compares, their
-float64 reference and the floor's re-run after it), that cost in training steps, and the largest discrepancy of a
-healthy check in units of its tolerance (a failure needs more than 1).
+optimizer, the least time over the repeats of a training step (forward, backward, ``optimizer.step()``) and of one
+update check (the copies kept before the step of the three tensors it compares, their float64 reference and the
+floor's re-run after it), that cost in training steps, and the largest discrepancy of a healthy check in units of its
+tolerance (a failure needs more than 1).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ OPTIMIZERS: dict[str, Callable[[torch.nn.Module], torch.optim.Optimizer]] = {
 }
 
 
-def _measure(model: torch.nn.Module, make: Callable[[torch.nn.Module], Any], repeats: int) -> tuple[float, float, float]:
+def _measure(
+    model: torch.nn.Module, make: Callable[[torch.nn.Module], Any], repeats: int
+) -> tuple[float, float, float]:
     optimizer = make(model)
     steps, checks, excess = [], [], 0.0
     for seed in range(repeats):

@@ -114,7 +114,7 @@ class GradWatch(Callback):
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
-        self.applied_every_n_steps = watch.applied_every_n_steps
+        self.applied_every_n_steps, self.check_update = watch.applied_every_n_steps, watch.check_update
         self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
         self.verbose = verbose
         for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
