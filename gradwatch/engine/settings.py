@@ -9,7 +9,7 @@ documented and defaulted in this one place, the same for every entry point.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypedDict
 
 from gradwatch.engine import validation as validate
@@ -145,15 +145,18 @@ class ProbeOptions(TypedDict, total=False):
 
 
 def settings_of(
-    settings: ProbeSettings | None, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    settings: ProbeSettings | None,
+    options: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    where: str = "the check",
+    own: Collection[str] = (),
 ) -> ProbeSettings:
     """The settings of an entry point that takes ``settings=`` or the probe options one by one (``options``, only those
     given), not both; ``defaults`` are the entry point's own defaults for options left out (a series of checks probes 2
-    samples)."""
-    unknown = sorted(set(options) - set(ProbeSettings.option_names()))
-    if unknown:
-        names = list(ProbeSettings.option_names())
-        raise TypeError(f"unknown probe option(s) {unknown}; the probe options are {names}")
+    samples). An unknown option raises ``TypeError`` naming ``where`` and the nearest of the probe options and the
+    entry point's ``own`` keyword names (``evry_n_steps``: did you mean ``every_n_steps``?)."""
+    validate.reject_unknown_options(options, (*ProbeSettings.option_names(), *own), where)
     if settings is not None:
         if not isinstance(settings, ProbeSettings):
             raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")

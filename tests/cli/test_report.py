@@ -38,8 +38,8 @@ def demo_logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_demo_prints_verdicts_and_the_tensorboard_command(demo_logdir: tuple[Path, str]) -> None:
     logdir, out = demo_logdir
     assert "healthy: no false alarm (3 checks, none failed)" in out
-    assert "rmsnorm: caught at step 1 (the first check), culprit `net.1`; 3 of 3 checks failed" in out
-    assert "gradient check failed at step 1: the backward of `net.1` (`RMSNorm`) is wrong" in out
+    assert "rmsnorm: caught at step 1 (the first check), culprit `net[1]`; 3 of 3 checks failed" in out
+    assert "gradient check failed at step 1: the backward of `net[1]` (`RMSNorm`) is wrong" in out
     assert f"tensorboard --logdir {logdir}" in out
     assert f"gradwatch report {logdir / 'rmsnorm'}" in out
     assert sorted(p.name for p in logdir.iterdir()) == ["healthy", "rmsnorm"]
@@ -61,7 +61,7 @@ def test_report_on_the_buggy_run_lists_each_failure_and_exits_1(demo_logdir: tup
     # the applied check at the first check step sees the wrong backward too: a formula fault, named in the header
     assert "3 fail; first failure at step 1; formula fault in the applied gradient at step 1 ==" in out
     assert "formula fault at step 1: the eager float32 recomputation disagrees with the loss too" in out
-    assert "culprit at step 1: the backward of `net.1` (`RMSNorm`) is wrong: its input gradient is" in out
+    assert "culprit at step 1: the backward of `net[1]` (`RMSNorm`) is wrong: its input gradient is" in out
     assert "worst tensors" in out
     assert "net.0.weight" in out  # upstream of the broken backward
     (run,) = read_logdir(logdir)

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hf_stack_models import Tokens, plant_activation_bug, tiny_llama  # noqa: E402
 
 from gradwatch import GradientCheckWarning  # noqa: E402
+from gradwatch.engine.results.naming import display_name  # noqa: E402
 from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
 
 
@@ -185,7 +186,7 @@ def test_a_wrong_gradient_inside_a_dora_forward_is_named_down_to_its_dora_module
     report = check_gradients(model, torch.tensor(token_ids(4, 12, seed=seed + 3)), _language_modeling)
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == DORA, str(report)
-    assert report.culprit_message.startswith(f"the backward of `{DORA}` (`DoraLinearLayer`)")
+    assert report.culprit_message.startswith(f"the backward of `{display_name(DORA)}` (`DoraLinearLayer`)")
 
 
 @pytest.mark.parametrize(

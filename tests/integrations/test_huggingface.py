@@ -29,6 +29,7 @@ from gradwatch.integrations.trainer_outputs import run_sinks  # noqa: E402
 from gradwatch.outputs import JsonLinesSink  # noqa: E402
 
 BUGGY = "model.layers.0.self_attn.o_proj"
+SHOWN_BUGGY = "model.layers[0].self_attn.o_proj"  # as the culprit message names it
 """The module the bug is planted in: one of the tensors the first check's rotation probes along their gradient."""
 
 
@@ -129,7 +130,7 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported_from_tensorboard(
     tmp_path: Path,
 ) -> None:
-    with pytest.warns(GradientCheckWarning, match=r"failed at step 1: the backward of `model\.layers\.0\.self_attn"):
+    with pytest.warns(GradientCheckWarning, match=r"failed at step 1: the backward of `model\.layers\[0\]\.self_attn"):
         _trainer, callback = _train(
             tmp_path, bug_in=BUGGY, steps=1, arguments={"report_to": ["tensorboard"]}, every_n_steps=2
         )
@@ -144,9 +145,9 @@ def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported
     tags = EventAccumulator(str(run)).Reload().Tags()
     assert {"train/gradwatch/verdict", "train/gradwatch/rel_error_max_log10"} <= set(tags["scalars"])
     assert "train/gradwatch/rel_error_log10" in tags["histograms"]
-    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{BUGGY}`")
+    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")
     (run / "gradwatch.jsonl").unlink()  # the event files alone: the culprit from the failure text
-    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{BUGGY}`")
+    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")
 
 
 def _report(logdir: Path) -> tuple[int, str]:
@@ -155,7 +156,7 @@ def _report(logdir: Path) -> tuple[int, str]:
     with contextlib.redirect_stdout(output):
         code = main(["report", str(logdir)])
     culprits = [line for line in output.getvalue().splitlines() if line.startswith("culprit at step")]
-    return code, culprits[0][: len(f"culprit at step 1: the backward of `{BUGGY}`")] if culprits else ""
+    return code, culprits[0][: len(f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")] if culprits else ""
 
 
 def test_on_fail_stop_ends_training_at_the_failing_step(tmp_path: Path) -> None:
@@ -295,7 +296,10 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
     assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit
     logged = [entry for entry in watched.state.log_history if "gradwatch/applied/verdict" in entry]
-    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0)] * 2 + [(4, 0.0)] * 2
+    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0), (4, 0.0)]
+    # the clip coefficient's check of the same step under its own tags: neither record stands in place of the other
+    clipped = [entry for entry in watched.state.log_history if "gradwatch/applied/clipping/verdict" in entry]
+    assert [(entry["step"], entry["gradwatch/applied/clipping/verdict"]) for entry in clipped] == [(2, 0.0), (4, 0.0)]
     assert "clip_grad_norm_" not in vars(watched.accelerator)  # the accelerator's own again after training
 
 

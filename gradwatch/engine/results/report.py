@@ -15,6 +15,7 @@ from typing import Literal, TypeVar
 
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.numerics import Numerics
 from gradwatch.engine.results.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
@@ -130,7 +131,10 @@ class Probe:
         return self.verdict != Verdict.INCONCLUSIVE
 
     def describe(self) -> str:
-        """One line naming where the probe looked, both derivatives and the verdict."""
+        """One line naming where the probe looked, both derivatives and the verdict (for a loss probe, the loss's
+        value: only a loss that is not finite is reported)."""
+        if self.kind == ProbeKind.LOSS:
+            return f"loss: {self.analytic:.6g} at the checked point -> {self.verdict} ({self.reason})"
         return (
             f"{self.kind} {self.location}: analytic {self.analytic:.6g}, numeric {self.numeric:.6g} "
             f"(± {self.noise:.2g}), rel. error {self.rel_error:.3g} -> {self.verdict} ({self.reason})"
@@ -173,7 +177,7 @@ class CheckReport:
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
             singled out (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+        culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
             gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
@@ -193,6 +197,9 @@ class CheckReport:
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
+        numerics: The settings that change the numbers, as training had them when the check started (TF32, reduced
+            reductions, deterministic algorithms, attention backends, autocast; see
+            :mod:`gradwatch.engine.results.numerics`).
     """
 
     step: int
@@ -221,14 +228,18 @@ class CheckReport:
     accumulation_scale: float = math.nan
     accumulation_cosine: float = math.nan
     probed_inputs: tuple[str, ...] = ()
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
 
     def noted(self, code: NoteCode | str) -> list[Note]:
-        """The notes with ``code`` (a :class:`~gradwatch.engine.results.notes.NoteCode`), in order:
-        ``report.noted("sharded")``
-        is the note of a sharded check, ``[]`` if it was not sharded."""
+        """The notes with ``code``, in order: ``report.noted("sharded")`` is the note of a sharded check, ``[]`` if it
+        was not sharded.
+
+        Args:
+            code: A :class:`~gradwatch.engine.results.notes.NoteCode` or its value.
+        """
         return [note for note in self.notes if getattr(note, "code", None) == code]
 
     @property
@@ -271,7 +282,11 @@ class CheckReport:
         return tuple(dict.fromkeys(p.target for p in failed))
 
     def count(self, verdict: Verdict | str) -> int:
-        """How many probes ended with ``verdict``."""
+        """How many probes ended with ``verdict``.
+
+        Args:
+            verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        """
         return sum(p.verdict == verdict for p in self.probes)
 
     @property
