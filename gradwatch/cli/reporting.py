@@ -104,8 +104,9 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
 
 
 def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
-    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path): each failing
-    one led by its fault and what named it, then a table of every one."""
+    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path, and the clip
+    coefficient's check of the same step): each failing one led by its fault and what named it, then a table of every
+    one, each with its own verdict."""
     applied = run.applied
     if not applied:
         return []
@@ -123,6 +124,7 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     rows = [
         [
             str(a.step),
+            "clip coefficient" if a.check == "clipping" else "gradient",
             a.verdict,
             a.fault or "-",
             _fmt(a.get("floor_excess"), ".3g"),
@@ -131,8 +133,8 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
         ]
         for a in applied
     ]
-    header = ["step", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
-    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<>>>")]
+    header = ["step", "check", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
+    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<<>>>")]
 
 
 def _first_fault(run: RunEvents) -> str:

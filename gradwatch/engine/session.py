@@ -45,6 +45,7 @@ from gradwatch.engine.function.surrogates import (
     find_stock_surrogates,
     quantisers_as_identity,
 )
+from gradwatch.engine.function.torch_warnings import incorrect_gradient_notes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics, current_numerics
@@ -177,6 +178,7 @@ class CheckSession:
                     f"{withheld[0]}",
                 )
             )
+            self.trailing += incorrect_gradient_notes(withheld)
         self.trailing += state.sandbox.notes(state.sandbox.unrestorable()) + state.guard.notes()
         self.unrestored = tuple(state.unrestorable())
         if self.unrestored:

@@ -37,6 +37,7 @@ from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
+    CLIPPING_VERDICT_TAG,
     VERDICT_TAG,
     AppliedRecord,
     CheckRecord,
@@ -243,9 +244,18 @@ def parse_applied_record(record: Any) -> AppliedRecord:
         message = record.get("fault_message")
         message = "" if message is None else _field(record, "fault_message", str)
         code = float(VERDICTS.index(check.verdict))
-        if check.scalars.get(APPLIED_VERDICT_TAG, code) != code:
-            raise _BadRecordError(f"the {APPLIED_VERDICT_TAG} scalar contradicts the verdict {check.verdict!r}")
+        kind = "clipping" if _is_clipping(record, check.scalars) else "gradient"
+        tag = CLIPPING_VERDICT_TAG if kind == "clipping" else APPLIED_VERDICT_TAG
+        if check.scalars.get(tag, code) != code:
+            raise _BadRecordError(f"the {tag} scalar contradicts the verdict {check.verdict!r}")
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     scalars = {tag: value for tag, value in check.scalars.items() if tag.startswith(APPLIED_PREFIX)}
-    return AppliedRecord(check.step, check.verdict, fault, message, scalars)
+    return AppliedRecord(check.step, check.verdict, fault, message, scalars, kind)
+
+
+def _is_clipping(record: Mapping[str, Any], scalars: Mapping[str, float]) -> bool:
+    """Whether an applied line is the clip coefficient's check: its scalars under the clipping prefix, or (a record
+    written before they were) its note code ``applied-clipping``."""
+    codes = record.get("note_codes")
+    return CLIPPING_VERDICT_TAG in scalars or (isinstance(codes, list) and "applied-clipping" in codes)

@@ -10,9 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
 from gradwatch.engine.results.report import FAULTS, VERDICTS, CheckReport
-from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.writer import (
+    APPLIED_FAILURE_TAG,
+    APPLIED_PREFIX,
+    CLIPPING_PREFIX,
+    FAILURES_TAG,
+    HISTOGRAM_TAG,
+)
 
 OVERHEAD_TAG = "gradwatch/overhead"
 """gradwatch's time so far as a fraction of the training time (a series of checks knows it, a single check not)."""
@@ -83,7 +90,9 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
     fail), the fault (0 none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the
     descent
     ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
-    and loss evaluations the check took."""
+    and loss evaluations the check took. The clip coefficient's check logs its own under
+    :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
+    prefix = CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
     values = {
         "verdict": float(VERDICTS.index(report.verdict)),
         "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
@@ -93,7 +102,7 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
         "check_seconds": report.duration_s,
         "loss_evaluations": float(report.n_forward),
     }
-    return {APPLIED_PREFIX + name: float(value) for name, value in values.items() if not math.isnan(value)}
+    return {prefix + name: float(value) for name, value in values.items() if not math.isnan(value)}
 
 
 def applied_text(report: CheckReport) -> str | None:

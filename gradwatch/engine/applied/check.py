@@ -33,11 +33,12 @@ from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
 from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
 from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.compiled import compiled_parts
@@ -68,6 +69,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
@@ -96,11 +98,9 @@ def check_applied_gradient(
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
-    ``hold_detached``) are
-    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
-    defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
+    The probe options an applied check uses (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``) are documented
+    in full as the fields of :class:`~gradwatch.engine.settings.ProbeSettings`, with the defaults of
+    :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
     them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
     selects, the state it puts back and names when it cannot) is the check session's
@@ -126,6 +126,8 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
+        tensor_probes: Tensors probed along their own part of the applied gradient per check, in turn (every tensor
+            when the descent probe fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -133,6 +135,10 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        ignore: ``fnmatch`` patterns of parameter names not to check (a gradient deliberately not the derivative).
+        seed: Seed of the culprit search's sampling.
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective; :class:`~gradwatch.engine.settings.ProbeSettings`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
@@ -208,11 +214,13 @@ def check_applied_gradient(
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
     equivalence, said = None, list[Note]()
-    with session.measuring() as state:
+    with surviving_out_of_memory(None, setting.params[0].device) as ran_out, session.measuring() as state:
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
                                                      names, state, group, join, window_normalised)  # fmt: skip
+    if ran_out:  # the state is back and what the check allocated freed: the run goes on
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []
@@ -250,7 +258,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=_relative_floor(descent.probe if descent else None),
+        noise_floor=relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
         accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
         accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
@@ -368,8 +376,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         measured_floors = [distances(eager, scaled)]
         backward += 1
     else:  # a TF32 path's floor now (.reduced_float32); else only if a probe needs it (.lazy_floor)
-        measured_floors = tf32_floors(setting, eager, notes)
-        backward += measured_floors is not None
+        backward += (measured_floors := tf32_floors(setting, eager, notes)) is not None
     applied_norms = norms(plan.applied, exact=True)
     floor_values = floors(measured_floors or [], applied_norms, path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
@@ -387,10 +394,3 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     notes.append(floor_note)
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
-
-
-def _relative_floor(descent: Probe | None) -> float:
-    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
-    if descent is None or descent.floor is None or not descent.analytic:
-        return math.nan
-    return descent.floor / descent.analytic

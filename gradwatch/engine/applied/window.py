@@ -183,7 +183,11 @@ class AppliedWindow:
 
     def record(self, batch: Any) -> None:
         """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
-        micro-batch, the fingerprint of the gradients already there."""
+        micro-batch, the fingerprint of the gradients already there.
+
+        Args:
+            batch: The micro-batch about to be run forward (not copied: do not change it in place before the step).
+        """
         if not self.batches and self.model is not None:
             self.start = Checksums.of([p.grad for p in self.model.parameters() if p.requires_grad])
         self.batches.append(batch)
@@ -195,12 +199,18 @@ class AppliedWindow:
         self.batches, self.rng_states, self.start, self.autocast = [], [], None, None
 
     def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
-        """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
-        (``model``: the window's own by default); ``options`` are passed on, keywords all (``combine``, ``path``,
-        ``step``, the probe options or ``settings``, ...). A window reused across steps (:meth:`clear` after each)
-        calls a ``"transient"`` fault its previous check found too ``"modified"``. Without a ``path``, a window
-        recorded inside an autocast region (``record`` called in the ``with torch.autocast(...)`` block of the forward)
-        is checked on that autocast path, with a note."""
+        """:func:`~gradwatch.check_applied_gradient` of the model's ``.grad`` over the recorded window.
+
+        A window reused across steps (:meth:`clear` after each) calls a ``"transient"`` fault its previous check found
+        too ``"modified"``. Without a ``path``, a window recorded inside an autocast region (``record`` called in the
+        ``with torch.autocast(...)`` block of the forward) is checked on that autocast path, with a note.
+
+        Args:
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss of one micro-batch as the loop computes it.
+            model: The module whose ``.grad`` is checked; the window's own by default.
+            **options: Passed on to :func:`~gradwatch.check_applied_gradient`, keywords all (``combine``, ``path``,
+                ``step``, the probe options or ``settings``, ...).
+        """
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
