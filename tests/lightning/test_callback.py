@@ -32,7 +32,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.integrations.lightning.publishing import progress_status
-from gradwatch.outputs.records import applied_scalars
+from gradwatch.outputs.records import applied_scalars, update_scalars
 from gradwatch.watch import watch as watch_module
 
 SCALAR_TAGS = {
@@ -48,6 +48,8 @@ SCALAR_TAGS = {
     "gradwatch/forward_passes",
     "gradwatch/noise_median",
     "gradwatch/overhead",
+    "gradwatch/overhead_percent",
+    "gradwatch/first_checks_seconds",
     "gradwatch/rel_error_max_log10",
     "gradwatch/rel_error_median_log10",
     "gradwatch/rel_error_min_log10",
@@ -85,8 +87,16 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
         t for kind in ("scalars", "histograms", "tensors") for t in tags[kind] if t.startswith("gradwatch")
     ]
     applied = [t for t in gradwatch_tags if t.startswith("gradwatch/applied/")]  # the applied check at step 1
-    assert set(applied) == {*applied_scalars(watch.applied_reports[0]), "gradwatch/applied/failure/text_summary"}
-    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 2 + len(applied)
+    assert watch.applied_reports[0].fault == "formula"  # named in words too, for the TEXT tab
+    assert set(applied) == {
+        *applied_scalars(watch.applied_reports[0]),
+        "gradwatch/applied/failure/text_summary",
+        "gradwatch/applied/fault_name/text_summary",
+    }
+    assert [e.step for e in events.Scalars("gradwatch/first_checks_steps")] == [2, 4]  # once a step's time is known
+    update = [t for t in gradwatch_tags if t.startswith("gradwatch/update/")]  # the update check at step 1
+    assert set(update) == set(update_scalars(watch.update_reports[0]))
+    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 3 + len(applied) + len(update)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.reading import read_jsonl, read_logdir
 from gradwatch.tensorboard.events import EventFilesError
 
-CULPRIT = "the backward of `net.1` (`RMSNorm`) is wrong"
+CULPRIT = "the backward of `net[1]` (`RMSNorm`) is wrong"
 
 
 @pytest.fixture(scope="module")

@@ -47,9 +47,14 @@ def update_tensors(
     optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0
 ) -> list[tuple[str, Tensor]]:
     """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
-    updates that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the module doc)."""
-    updated = {id(p) for group in innermost(optimizer).param_groups for p in group["params"]}
-    candidates = [(n, p) for n, p in named if id(p) in updated and p.grad is not None and p.is_floating_point()]
+    updates (any, for ``None``) that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the
+    module doc)."""
+    updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
+    candidates = [
+        (n, p)
+        for n, p in named
+        if (updated is None or id(p) in updated) and p.grad is not None and p.is_floating_point()
+    ]
     small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
     candidates = small or candidates
     if len(candidates) <= count:
