@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -135,19 +135,13 @@ class UpdateCalls:
             pending.handles.append(inner.register_step_post_hook(self._update_hook(pending)))
             return
 
-        # the verified gradient as it is now: by the step the loop may have clipped .grad in place, and the snapshot
-        # must hold the gradient the declared clip's coefficient applies to, not the clipped one (clipped twice)
-        verified = {name: p.grad.detach().clone() for name, p in pending.named if p.grad is not None}
-
         def before(stepping: Any, *_: Any) -> None:  # the first optimizer that updates a kept tensor
             if pending.snapshot is None and not pending.done:
                 ids = {id(p) for group in stepping.param_groups for p in group["params"]}
                 mine = [(n, p) for n, p in pending.named if id(p) in ids]
                 if mine:
                     pending.named = mine
-                    taken = self._update_snapshot(pending, stepping)
-                    kept = tuple(replace(k, grad=verified.get(k.name, k.grad)) for k in taken.kept)
-                    pending.snapshot = replace(taken, kept=kept)
+                    pending.snapshot = self._update_snapshot(pending, stepping)
 
         with torch.no_grad():  # the step's pre-hook runs after any clipping: keep the gradient the check verified
             pending.verified = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
