@@ -12,7 +12,10 @@ One line per check::
      "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope`` and ``fault`` are there when the report has them. An applied check
+read back as the float. ``scope``, ``fault`` and ``numerics`` are there when the report has them: ``numerics`` is the
+object of :meth:`gradwatch.engine.results.numerics.Numerics.as_dict`, the settings that change the numbers (TF32 per
+path, reduced-precision reductions, deterministic algorithms, attention backends, autocast), shown by
+``gradwatch report`` (:func:`record_numerics`). An applied check
 (``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
 ``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
 ``note_codes`` holds each note's code (:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes
@@ -28,11 +31,13 @@ from enum import Enum
 from typing import Any
 
 from gradwatch.engine.results.notes import codes
+from gradwatch.engine.results.numerics import describe_numerics
 from gradwatch.engine.results.rendering import ordered_failures
 from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
+    CLIPPING_VERDICT_TAG,
     VERDICT_TAG,
     AppliedRecord,
     CheckRecord,
@@ -46,7 +51,7 @@ JSONL_NAME = "gradwatch.jsonl"
 
 FORMAT = "gradwatch-check"
 VERSION = 1
-OPTIONAL_FIELDS = ("scope", "fault")
+OPTIONAL_FIELDS = ("scope", "fault", "numerics")
 """Attributes of a report recorded when it has them (set by other parts of gradwatch, any JSON-able shape)."""
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -212,6 +217,13 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     return CheckRecord(step, scalars), failures, culprit or None
 
 
+def record_numerics(record: Any) -> str | None:
+    """A decoded line's numerics settings in words (:func:`~gradwatch.engine.results.numerics.describe_numerics`);
+    ``None`` when it has none (a record of an older gradwatch) or they are not an object."""
+    settings = record.get("numerics") if isinstance(record, Mapping) else None
+    return describe_numerics(settings) if isinstance(settings, Mapping) else None
+
+
 def is_applied(record: Any) -> bool:
     """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
     return isinstance(record, Mapping) and record.get("scope") == "applied"
@@ -232,9 +244,18 @@ def parse_applied_record(record: Any) -> AppliedRecord:
         message = record.get("fault_message")
         message = "" if message is None else _field(record, "fault_message", str)
         code = float(VERDICTS.index(check.verdict))
-        if check.scalars.get(APPLIED_VERDICT_TAG, code) != code:
-            raise _BadRecordError(f"the {APPLIED_VERDICT_TAG} scalar contradicts the verdict {check.verdict!r}")
+        kind = "clipping" if _is_clipping(record, check.scalars) else "gradient"
+        tag = CLIPPING_VERDICT_TAG if kind == "clipping" else APPLIED_VERDICT_TAG
+        if check.scalars.get(tag, code) != code:
+            raise _BadRecordError(f"the {tag} scalar contradicts the verdict {check.verdict!r}")
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     scalars = {tag: value for tag, value in check.scalars.items() if tag.startswith(APPLIED_PREFIX)}
-    return AppliedRecord(check.step, check.verdict, fault, message, scalars)
+    return AppliedRecord(check.step, check.verdict, fault, message, scalars, kind)
+
+
+def _is_clipping(record: Mapping[str, Any], scalars: Mapping[str, float]) -> bool:
+    """Whether an applied line is the clip coefficient's check: its scalars under the clipping prefix, or (a record
+    written before they were) its note code ``applied-clipping``."""
+    codes = record.get("note_codes")
+    return CLIPPING_VERDICT_TAG in scalars or (isinstance(codes, list) and "applied-clipping" in codes)

@@ -10,9 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
 from gradwatch.engine.results.report import FAULTS, VERDICTS, CheckReport
-from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, APPLIED_PREFIX, FAILURES_TAG, HISTOGRAM_TAG
+from gradwatch.tensorboard.writer import (
+    APPLIED_FAILURE_TAG,
+    APPLIED_PREFIX,
+    CLIPPING_PREFIX,
+    FAILURES_TAG,
+    HISTOGRAM_TAG,
+)
 
 OVERHEAD_TAG = "gradwatch/overhead"
 """gradwatch's time so far as a fraction of the training time, the first checks included (a series of checks knows
@@ -127,7 +134,8 @@ def records_of(report: CheckReport, overhead: Overhead | float | None = None) ->
 
 FAULT_NAME_TAG = APPLIED_PREFIX + "fault_name"
 """The fault of a failing applied check in words (``"precision"``, ``"accumulation"``: see
-:data:`~gradwatch.engine.results.report.FAULTS`), for the backends that take text."""
+:data:`~gradwatch.engine.results.report.FAULTS`), for the backends that take text (under
+:data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX` for the clip coefficient's check)."""
 
 
 def applied_scalars(report: CheckReport) -> dict[str, float]:
@@ -135,7 +143,9 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
     fail), the fault (0 none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the
     descent
     ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
-    and loss evaluations the check took."""
+    and loss evaluations the check took. The clip coefficient's check logs its own under
+    :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
+    prefix = _applied_prefix(report)
     values = {
         "verdict": float(VERDICTS.index(report.verdict)),
         "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
@@ -145,7 +155,7 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
         "check_seconds": report.duration_s,
         "loss_evaluations": float(report.n_forward),
     }
-    return {APPLIED_PREFIX + name: float(value) for name, value in values.items() if not math.isnan(value)}
+    return {prefix + name: float(value) for name, value in values.items() if not math.isnan(value)}
 
 
 def applied_text(report: CheckReport) -> str | None:
@@ -167,8 +177,12 @@ def applied_records_of(report: CheckReport) -> CheckRecords:
         histograms={},
         report=report,
         text_tag=APPLIED_FAILURE_TAG,
-        labels={FAULT_NAME_TAG: str(report.fault)} if report.fault is not None else {},
+        labels={_applied_prefix(report) + "fault_name": str(report.fault)} if report.fault is not None else {},
     )
+
+
+def _applied_prefix(report: CheckReport) -> str:
+    return CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
 
 
 def report_records(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:

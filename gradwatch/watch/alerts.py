@@ -85,14 +85,18 @@ class AlertPolicy:
         self.verbose = verbose
         self.warned_nonfinite = False
 
-    def handle(self, report: CheckReport) -> bool:
-        """React to a report; returns whether training should stop. Reports that did not fail are ignored."""
+    def handle(self, report: CheckReport, call: Callable[..., object] | None = None) -> bool:
+        """React to a report; returns whether training should stop. Reports that did not fail are ignored. ``call``
+        runs a callable ``on_fail`` (the watch's guard marks its errors as the user's)."""
         if report.verdict != "fail":
             return False
         if self.on_fail == "raise":
             raise GradientCheckError(report)
         if callable(self.on_fail):
-            self.on_fail(report)
+            if call is None:
+                self.on_fail(report)
+            else:
+                call(self.on_fail, report)
             return False
         if nonfinite_loss(report):
             self._nonfinite(report)

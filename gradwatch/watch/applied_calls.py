@@ -23,6 +23,7 @@ from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.step_hooks import recurring
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
@@ -57,6 +58,21 @@ class AppliedCalls:
             raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
         return chosen
 
+    def guarded(self, site: str) -> contextlib.AbstractContextManager[None]:
+        """A context for what a watch or its adapter runs outside a check (``site`` names it): an error there is one
+        note (:attr:`notes`) and one warning, once per site, and the block is left; training goes on (see
+        :mod:`gradwatch.watch.guard`).
+
+        Args:
+            site: The call site, as the note and the warning name it (``"watch.record"``, ...).
+        """
+        return self._outcomes.guard(site)
+
+    @property
+    def notes(self) -> list[Note]:
+        """What the watch's own calls outside a check could not do (code ``watch-error``), one note per call site."""
+        return list(self._outcomes.guard.notes)
+
     def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
         """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
         return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
@@ -87,7 +103,10 @@ class AppliedCalls:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
         key = _optimizer("optimizer", optimizer)
-        self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
+        with self.guarded("watch.record"):  # its float64 checksums of the gradients may run out of memory
+            self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
+            return
+        self._applied.abandon()
 
     def before_optimizer_step(
         self,
@@ -138,6 +157,20 @@ class AppliedCalls:
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
+        with self.guarded("watch.before_optimizer_step"):
+            return self._before_optimizer_step(
+                model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,
+                gradients=gradients, skipped=skipped, optimizers=optimizers, join=join, optimizer=optimizer,
+                window_normalised=window_normalised,
+            )  # fmt: skip
+        return None
+
+    def _before_optimizer_step(
+        self, model: nn.Module, loss_fn: LossFn | None, *, step: int, combine: Combine, path: PathContext | None,
+        group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
+        skipped: bool | Callable[[], bool], optimizers: Sequence[torch.optim.Optimizer], join: Join | None,
+        optimizer: Any, window_normalised: bool | Callable[[], bool],
+    ) -> CheckReport | None:  # fmt: skip
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
@@ -157,8 +190,9 @@ class AppliedCalls:
             if self.verbose:
                 log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
             return None
-        loss_fn = self._loss_fn(loss_fn, step)
-        updated, own = _updated(model, optimizer), gradients is None
+        guard = self._outcomes.guard
+        loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
+        updated, own = guard.callers(_updated, model, optimizer), gradients is None
         if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
             given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
             only = {name for name, _ in updated}
@@ -188,8 +222,9 @@ class AppliedCalls:
         if report is not None:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
             # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
-            held = _gradients(model, updated) if own else list((gradients or {}).values())
-            self._applied.verified = (step, GradientNorms.of(held), own)
+            with self.guarded("the clip check's norms of the verified gradient"):
+                held = _gradients(model, updated) if own else list((gradients or {}).values())
+                self._applied.verified = (step, GradientNorms.of(held), own)
         return report
 
     def after_clipping(
@@ -206,12 +241,24 @@ class AppliedCalls:
         global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
         the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
 
-        ``clipped_with``: for an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
-        after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against the
-        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function that reads it,
-        called only when a check verified this step's gradient (reading it may wait for the device; ``None`` from it:
-        nothing to check); without it such a gradient (checked with ``gradients=``) is not checked here.
+        Args:
+            model: The model whose gradient was clipped.
+            max_norm: The clipping threshold (``clip_grad_norm_``'s ``max_norm``).
+            step: The optimizer step, the one :meth:`before_optimizer_step` was given.
+            clipped_with: For an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
+                after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against
+                the verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function
+                that reads it, called only when a check verified this step's gradient (reading it may wait for the
+                device; ``None`` from it: nothing to check); without it such a gradient (checked with ``gradients=``)
+                is not checked here.
         """
+        with self.guarded("watch.after_clipping"):
+            return self._after_clipping(model, max_norm, step=step, clipped_with=clipped_with)
+        return None
+
+    def _after_clipping(
+        self, model: nn.Module, max_norm: float, *, step: int, clipped_with: float | Callable[[], float | None] | None
+    ) -> CheckReport | None:
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None

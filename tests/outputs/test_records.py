@@ -36,6 +36,7 @@ def failing() -> CheckReport:
     return check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
 
 
+@pytest.mark.slow
 def test_a_healthy_check_has_scalars_and_a_histogram_but_no_text(healthy: CheckReport) -> None:
     records = records_of(healthy, overhead=0.004)
     assert records.step == healthy.step
@@ -48,6 +49,7 @@ def test_a_healthy_check_has_scalars_and_a_histogram_but_no_text(healthy: CheckR
     assert len(records.histograms[HISTOGRAM_TAG]) == len(healthy.conclusive_rel_errors)
 
 
+@pytest.mark.slow
 def test_relative_errors_are_also_scalars_on_a_log10_scale(healthy: CheckReport, failing: CheckReport) -> None:
     for report in (healthy, failing):
         scalars = records_of(report).scalars

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
 from helpers import LitSeedModel, SeedModel, loader, seed_batch, seed_loss, trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -83,6 +84,7 @@ def test_write_dashboard_writes_the_layout() -> None:
     assert writer.layouts == [layout()]
 
 
+@pytest.mark.slow
 def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(

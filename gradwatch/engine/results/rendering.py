@@ -93,7 +93,8 @@ def headline(report: CheckReport, prefix: str = "") -> str:
     if nonfinite_loss(report):
         return f"{prefix}{nonfinite_loss_words(report)}"
     if report.fault is not None:
-        lead = f"{prefix}{report.fault} fault: applied gradient check failed at step {report.step}"
+        what = "update check" if report.scope == "update" else "applied gradient check"
+        lead = f"{prefix}{report.fault} fault: {what} failed at step {report.step}"
         return f"{lead}: {report.fault_message}"
     if report.culprit_message:
         return f"{prefix}gradient check failed at step {report.step}: {report.culprit_message}"
@@ -123,7 +124,11 @@ def _cells(probe: Probe) -> tuple[str, ...]:
 
 
 def probe_table(probes: Sequence[Probe]) -> str:
-    """The probes as an aligned plain-text table, one row per probe under a header and a rule."""
+    """The probes as an aligned plain-text table, one row per probe under a header and a rule.
+
+    Args:
+        probes: The probes to show, e.g. ``report.probes``.
+    """
     rows = [_TABLE_HEADER, *(_cells(p) for p in probes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE_HEADER))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
