@@ -102,6 +102,8 @@ class GradWatchCallback(TrainerCallback):
         verbose: Log what is worth knowing but is no failure (see :class:`~gradwatch.GradientWatch`).
         sinks: More outputs for every check's records, besides the run's own.
         on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
+        check_update: Also check the update the optimizer makes of each gradient an applied check verified (after
+            ``max_grad_norm``'s clip), from a step hook on the Trainer's optimizer (``False``: not).
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
@@ -135,6 +137,7 @@ class GradWatchCallback(TrainerCallback):
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ):
         known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
@@ -144,23 +147,14 @@ class GradWatchCallback(TrainerCallback):
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.watch = GradientWatch(
-            every_n_steps=every_n_steps,
-            first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps,
-            on_fail=on_fail,
-            loss_fn=loss_fn,
-            max_overhead=max_overhead,
-            max_reports=max_reports,
-            verbose=verbose,
-            settings=settings,
-            sinks=sinks,
+            every_n_steps=every_n_steps, first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
+            max_reports=max_reports, verbose=verbose, settings=settings, sinks=sinks,
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-            decide=decide or rank0_decides,
-            agree=agree or agree_across_ranks,
-            context=self._records_kept,
-            on_report=on_report,
+            decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
+            on_report=on_report, check_update=check_update,
             **trainer_options(trainer, loss_fn, settings, dict(options)),
-        )
+        )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
@@ -177,6 +171,11 @@ class GradWatchCallback(TrainerCallback):
     def reports(self) -> list[CheckReport]:
         """The reports of this run's checks of both kinds, oldest first."""
         return self.watch.reports
+
+    @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks (the update the optimizer made of a verified gradient)."""
+        return self.watch.update_reports
 
     @property
     def applied_reports(self) -> list[CheckReport]:

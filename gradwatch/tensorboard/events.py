@@ -98,11 +98,14 @@ class AppliedRecord:
     scalars: dict[str, float]
     check: str = "gradient"
     """``"gradient"``: the check of the applied gradient; ``"clipping"``: the clip coefficient's, of the same step."""
+    prefix: str = ""
+    """The prefix of its scalars when it is not an applied check's: ``gradwatch/update/`` for an update check's."""
 
     def get(self, name: str) -> float:
         """The scalar ``gradwatch/applied/<name>`` (``gradwatch/applied/clipping/<name>`` for the clip coefficient's
-        check), NaN when it was not logged for this check."""
-        return self.scalars.get((CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX) + name, math.nan)
+        check, ``<prefix><name>`` for an update check's), NaN when it was not logged for this check."""
+        prefix = self.prefix or (CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX)
+        return self.scalars.get(prefix + name, math.nan)
 
 
 def fault_of_code(code: float, where: str, step: int) -> str | None:
@@ -157,6 +160,8 @@ class RunEvents:
     has_histogram: bool = False
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
+    updates: list[AppliedRecord] = field(default_factory=list)
+    """The update checks (``"scope": "update"`` in the JSON lines record), by step."""
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
     numerics: dict[int, str] = field(default_factory=dict)
     """By step, the numerics settings a recomputed check ran under, in words (from ``gradwatch.jsonl`` only)."""
@@ -164,11 +169,8 @@ class RunEvents:
     @property
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
-        return (
-            bool(self.failures)
-            or any(check.verdict == "fail" for check in self.checks)
-            or any(check.verdict == "fail" for check in self.applied)
-        )
+        failing = any(c.verdict == "fail" for c in self.checks) or any(a.verdict == "fail" for a in self.applied)
+        return bool(self.failures) or failing
 
 
 def is_event_file(name: str) -> bool:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import update_models as models
 
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
-from tests import update_models as models
 
 Make = Callable[[torch.nn.Module], torch.optim.Optimizer]
 

@@ -86,6 +86,8 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
         "postponed": 0,
         "applied_checks": 0,
         "applied_failed": 0,
+        "update_checks": 0,
+        "update_failed": 0,
     }
     assert all(r.samples == 2 for r in callback.recomputed_reports)  # one micro-batch of 4 sequences, probed on 2
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
@@ -290,7 +292,11 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     # each applied check, then the check of the clip coefficient it makes possible (max_grad_norm=1.0)
     clipping = [r for r in callback.reports if _is_clipping(r)]
     checks = [r for r in callback.reports if not _is_clipping(r)]
-    assert [(r.scope, r.step, r.verdict) for r in checks] == [("applied", 2, "ok"), ("applied", 4, "ok")]
+    # each followed by the update check of the optimizer's step (the Trainer's optimizer hooked, its clip declared)
+    assert [(r.scope, r.step, r.verdict) for r in checks] == [
+        ("applied", 2, "ok"), ("update", 2, "ok"), ("applied", 4, "ok"), ("update", 4, "ok"),
+    ]  # fmt: skip
+    assert callback.update_reports == [checks[1], checks[3]]
     assert [(r.scope, r.step, r.verdict) for r in clipping] == [("applied", 2, "ok"), ("applied", 4, "ok")]
     assert callback.counts["applied_failed"] == 0
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
@@ -310,7 +316,7 @@ def test_a_backward_wrong_only_in_bf16_is_a_precision_fault_of_the_applied_gradi
     with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
         _, callback = _train_model(tmp_path, model, 2, **APPLIED)
     assert callback is not None
-    (report,) = [r for r in callback.reports if not _is_clipping(r)]
+    (report,) = [r for r in callback.applied_reports if not _is_clipping(r)]
     assert (report.scope, report.step, report.verdict, report.fault) == ("applied", 2, "fail", "precision")
     record = json.loads((tmp_path / "gradwatch.jsonl").read_text().splitlines()[0])  # the check, then the clipping's
     assert (record["scope"], record["fault"]) == ("applied", "precision")
@@ -329,5 +335,5 @@ def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -
     with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
         _, callback = _train_model(tmp_path, model, 2, **APPLIED)
     assert callback is not None
-    (report,) = [r for r in callback.reports if not _is_clipping(r)]
+    (report,) = [r for r in callback.applied_reports if not _is_clipping(r)]
     assert (report.scope, report.verdict) == ("applied", "fail")

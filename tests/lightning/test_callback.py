@@ -32,7 +32,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.integrations.lightning.publishing import progress_status
-from gradwatch.outputs.records import applied_scalars
+from gradwatch.outputs.records import applied_scalars, update_scalars
 from gradwatch.watch import watch as watch_module
 
 SCALAR_TAGS = {
@@ -94,7 +94,9 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
         "gradwatch/applied/fault_name/text_summary",
     }
     assert [e.step for e in events.Scalars("gradwatch/first_checks_steps")] == [2, 4]  # once a step's time is known
-    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 3 + len(applied)
+    update = [t for t in gradwatch_tags if t.startswith("gradwatch/update/")]  # the update check at step 1
+    assert set(update) == set(update_scalars(watch.update_reports[0]))
+    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 3 + len(applied) + len(update)
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ training's own path computed it (autocast, compiled graph, accumulation, cross-r
 Fault = Literal[
     "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
     "update", "gradient",
-]
+]  # fmt: skip
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
 ``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
 (right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
