@@ -136,7 +136,8 @@ def records_of(report: CheckReport, overhead: Overhead | float | None = None) ->
 
 FAULT_NAME_TAG = APPLIED_PREFIX + "fault_name"
 """The fault of a failing applied check in words (``"precision"``, ``"accumulation"``: see
-:data:`~gradwatch.engine.results.report.FAULTS`), for the backends that take text."""
+:data:`~gradwatch.engine.results.report.FAULTS`), for the backends that take text (under
+:data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX` for the clip coefficient's check)."""
 
 
 def applied_scalars(report: CheckReport) -> dict[str, float]:
@@ -146,7 +147,7 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
     ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
     and loss evaluations the check took. The clip coefficient's check logs its own under
     :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
-    prefix = CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
+    prefix = _applied_prefix(report)
     values = {
         "verdict": float(VERDICTS.index(report.verdict)),
         "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
@@ -178,8 +179,12 @@ def applied_records_of(report: CheckReport) -> CheckRecords:
         histograms={},
         report=report,
         text_tag=APPLIED_FAILURE_TAG,
-        labels={FAULT_NAME_TAG: str(report.fault)} if report.fault is not None else {},
+        labels={_applied_prefix(report) + "fault_name": str(report.fault)} if report.fault is not None else {},
     )
+
+
+def _applied_prefix(report: CheckReport) -> str:
+    return CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
 
 
 def update_scalars(report: CheckReport) -> dict[str, float]:

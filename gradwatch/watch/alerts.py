@@ -212,13 +212,14 @@ class Remarks:
         floor = report.noise_floor
         if not self._warned_weak and report.verdict == "ok" and math.isfinite(floor) and floor > WEAK_FLOOR:
             self._warned_weak = True
+            passes = f"less than about {3 * floor:.0%} off" if floor < 1 / 3 else "off by as much as its own size"
             log.warning(
                 "gradwatch: the applied check at step %d passed, but weakly: the noise floor of the training's path is "
-                "%.1f%% of ‖g‖ along the gradient (16-bit rounding), so an applied gradient less than about %.0f%% "
-                "off may pass it (a float32 path resolves far smaller errors)",
+                "%.1f%% of ‖g‖ along the gradient (16-bit rounding), so an applied gradient %s may pass it (a float32 "
+                "path resolves far smaller errors)",
                 report.step,
                 100 * floor,
-                300 * floor,
+                passes,
             )
         unchecked = report.noted(NoteCode.APPLIED_UNCHECKED)
         if unchecked and not self._warned_unchecked:

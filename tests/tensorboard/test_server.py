@@ -88,12 +88,14 @@ def test_server_serves_the_dashboard_layout(server: TensorBoardServer) -> None:
     assert server.get_json("/data/plugins_listing")["custom_scalars"]["enabled"]
     layout = server.get_json("/data/plugin/custom_scalars/layout")
     assert [category["title"] for category in layout["category"]] == [title for title, _ in SECTIONS]
-    (margin,) = [chart["margin"]["series"][0] for c in layout["category"] for chart in c["chart"] if "margin" in chart]
-    assert margin == {
+    margins = [chart["margin"]["series"][0] for c in layout["category"] for chart in c["chart"] if "margin" in chart]
+    assert len(margins) == sum(len(charts) for _, charts in SECTIONS)  # every chart a Margin chart: a lone point shows
+    assert {
         "value": "gradwatch/rel_error_median_log10",
         "lower": "gradwatch/rel_error_min_log10",
         "upper": "gradwatch/rel_error_max_log10",
-    }
+    } in margins
+    assert {"value": "gradwatch/verdict", "lower": "gradwatch/verdict", "upper": "gradwatch/verdict"} in margins
     # every tag the dashboard draws is one the server has data for
     assert layout_tags() <= set(server.get_json("/data/plugin/scalars/tags")[RUN])
 
