@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import gradwatch
 import gradwatch.cli.demo
 import gradwatch.cli.reporting
 from gradwatch import GradWatch
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 GUIDE = (ROOT / "docs" / "guide.md").read_text()
 
-TEST_COMMAND = 'pip install -c constraints.txt torch==2.13.0 -e ".[test]" && python -m pytest tests'
+TEST_COMMAND = 'pip install -c constraints.txt torch==2.13.0 -e ".[test]" && python -m pytest tests -m "not slow"'
 DEMO_COMMAND = "pip install torch==2.13.0 -e . && gradwatch demo"
 
 
@@ -44,36 +45,43 @@ def test_the_readme_keeps_the_demo_command() -> None:
     assert DEMO_COMMAND in README
 
 
-def _options_table() -> list[tuple[str, str]]:
-    """(option, default) of each row of the README's "options at a glance" table."""
+def _options_table() -> list[tuple[str, str, str]]:
+    """(option, default, what it does) of each row of the README's "options at a glance" table."""
     table = README.split("<!-- options-table", 1)[1].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
-    return [(name.strip("`"), default.strip("`")) for name, default, *_ in cells]
-
-
-def _value(quoted: str) -> object:
-    """A default as the README writes it: a Python literal, or a percentage."""
-    if quoted.endswith("%"):
-        return float(quoted[:-1]) / 100
-    return ast.literal_eval(quoted)
+    return [(name.strip("`"), default.strip("`"), what) for name, default, what, *_ in cells]
 
 
 OPTIONS = _options_table()
+SIGNATURE = inspect.signature(GradWatch.__init__).parameters
+
+
+def _shown(value: object) -> str:
+    """How the table's text writes a value in effect: a fraction as a percentage, a number as it is."""
+    if isinstance(value, float) and 0 < value < 1:
+        return f"{value * 100:g}%"
+    return str(value)
 
 
 def test_the_options_table_is_found() -> None:
     assert len(OPTIONS) >= 8
 
 
-@pytest.mark.parametrize(("name", "default"), OPTIONS, ids=[name for name, _ in OPTIONS])
-def test_each_option_at_a_glance_is_an_argument_of_gradwatch_with_that_default(name: str, default: str) -> None:
-    parameters = inspect.signature(GradWatch.__init__).parameters
+@pytest.mark.parametrize(("name", "default", "what"), OPTIONS, ids=[name for name, _, _ in OPTIONS])
+def test_each_option_at_a_glance_is_an_argument_of_gradwatch_with_that_default(
+    name: str, default: str, what: str
+) -> None:
     # an argument of its own, or a probe option (``**options``, the fields of ProbeSettings)
-    assert name in parameters or name in ProbeSettings.option_names()
-    # the default as GradWatch() resolves it (every_n_steps=None means 500, max_overhead="auto" means 1%)
+    assert name in SIGNATURE or name in ProbeSettings.option_names()
+    quoted = ast.literal_eval(default)
     resolved = getattr(GradWatch(), name)
-    assert resolved == _value(default)
+    if name in SIGNATURE:  # the default the signature (and the API reference) shows
+        assert quoted == SIGNATURE[name].default
+    else:  # a probe option: the value GradWatch() probes with
+        assert quoted == resolved
+    if resolved != quoted:  # a default that stands for another value (None: every 500 steps) says which
+        assert _shown(resolved) in what, f"the row of {name} should say what {default} means: {resolved}"
 
 
 def test_the_guide_quotes_the_default_probe_batch_size() -> None:
@@ -145,13 +153,42 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if line.startswith("#")}
 
 
+# The README is the package index's long description too, where a relative link leads nowhere: each of its links is
+# absolute, to the documentation site or to a file of the repository, both written once, in pyproject.toml
+URLS = dict(re.findall(r'^(\w+) = "(https://[^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE))
+DOCS_SITE, REPOSITORY = URLS["Documentation"], URLS["Repository"]
 LINKS = sorted(set(re.findall(r"\]\(([^)\s]+)\)", README)) - {""})
 
 
-@pytest.mark.parametrize("link", [link for link in LINKS if "://" not in link], ids=str)
+def _file_of(url: str) -> Path | None:
+    """The file of this checkout a README link shows: a page (or file) of the docs site, a file of the repository."""
+    if url.startswith(DOCS_SITE):
+        page = url[len(DOCS_SITE) :].strip("/")
+        if "." in page.rsplit("/", 1)[-1]:  # a file the site copies as it is (dashboard.png)
+            return ROOT / "docs" / page
+        return ROOT / "docs" / f"{page or 'index'}.md"
+    if url.startswith(f"{REPOSITORY}/blob/main/"):
+        return ROOT / url[len(f"{REPOSITORY}/blob/main/") :]
+    return None
+
+
+def test_the_sites_address_is_the_one_the_package_metadata_gives() -> None:
+    assert DOCS_SITE.endswith("/")
+    site_url = re.search(r"^site_url: (\S+)", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    assert site_url is not None
+    assert site_url[1] == DOCS_SITE
+
+
+def test_the_readme_links_to_the_site_and_the_repository() -> None:
+    assert len(LINKS) >= 10
+    assert any(link.startswith(DOCS_SITE) for link in LINKS)
+
+
+@pytest.mark.parametrize("link", LINKS, ids=str)
 def test_each_link_of_the_readme_leads_to_a_file_and_heading_that_exist(link: str) -> None:
-    target, _, anchor = link.partition("#")
-    path = ROOT / target
+    url, _, anchor = link.partition("#")
+    path = _file_of(url)
+    assert path is not None, f"{link}: neither the docs site ({DOCS_SITE}) nor the repository ({REPOSITORY})"
     assert path.exists()
     if anchor:
         assert anchor in _anchors(path)
@@ -191,3 +228,9 @@ def test_the_docs_import_something_from_gradwatch() -> None:
 @pytest.mark.parametrize(("module", "name"), IMPORTS, ids=[f"{m}.{n}" for m, n in IMPORTS])
 def test_each_import_the_docs_show_works(module: str, name: str) -> None:
     assert hasattr(importlib.import_module(module), name)
+
+
+def test_the_api_reference_has_an_entry_for_each_name_gradwatch_exports() -> None:
+    # docs/api.md lists the exports one by one, in the order a user reads them (the loop adapters first)
+    entries = set(re.findall(r"^::: gradwatch\.(\w+)\s*$", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE))
+    assert set(gradwatch.__all__) <= entries, f"add to docs/api.md: {sorted(set(gradwatch.__all__) - entries)}"

@@ -79,3 +79,26 @@ def test_the_public_constructors_take_their_options_keyword_only(name: str, func
     kinds = {p.kind for p in parameters[len(leading) :]}
     assert kinds <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}
     assert "settings" in {p.name for p in parameters}
+
+
+def test_the_engine_and_the_watch_are_imported_without_lightning() -> None:
+    """Lightning's import (seconds) is paid only by those who use ``GradWatch``: in a fresh interpreter, the names of
+    a plain loop leave ``lightning`` out of ``sys.modules`` (that ``from gradwatch import GradWatch`` then imports it
+    is tests/test_layering.py's check)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from gradwatch import AppliedWindow, GradientWatch, ProbeSettings, check_applied_gradient, check_gradients\n"
+        "import gradwatch.testing\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'transformers'}))\n"
+    )
+    root = Path(gradwatch.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}  # this checkout's gradwatch, not an installed one
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert "GradWatch" in gradwatch.__all__

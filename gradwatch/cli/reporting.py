@@ -67,6 +67,19 @@ def _first(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | 
     return [*rows[:max_rows], f"... and {len(rows) - max_rows} more {what} (--max-rows 0 shows all)"]
 
 
+def _numerics_lines(run: RunEvents) -> list[str]:
+    """The numerics settings the checks ran under, each set once with the steps it held (in a run that changed them,
+    as a fit that turns TF32 on after a warm-up does, each change)."""
+    spans: list[list[Any]] = []  # [settings, first step, last step, checks]
+    for step, settings in run.numerics.items():
+        if spans and spans[-1][0] == settings:
+            spans[-1][2:] = [step, spans[-1][3] + 1]
+        else:
+            spans.append([settings, step, step, 1])
+    lines = [f"numerics (steps {first} to {last}, {n} checks): {settings}" for settings, first, last, n in spans]
+    return [*lines, ""] if lines else []
+
+
 def _culprit_lines(run: RunEvents, max_rows: int) -> list[str]:
     """One line per check that named a culprit, the first ``max_rows`` (0: all), then how many were left out."""
     rows = [[f"culprit at step {step}: {message}"] for step, message in run.culprits.items()]
@@ -91,8 +104,9 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
 
 
 def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
-    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path): each failing
-    one led by its fault and what named it, then a table of every one."""
+    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path, and the clip
+    coefficient's check of the same step): each failing one led by its fault and what named it, then a table of every
+    one, each with its own verdict."""
     applied = run.applied
     if not applied:
         return []
@@ -110,6 +124,7 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     rows = [
         [
             str(a.step),
+            "clip coefficient" if a.check == "clipping" else "gradient",
             a.verdict,
             a.fault or "-",
             _fmt(a.get("floor_excess"), ".3g"),
@@ -118,8 +133,34 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
         ]
         for a in applied
     ]
-    header = ["step", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
-    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<>>>")]
+    header = ["step", "check", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
+    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<<>>>")]
+
+
+def _update_lines(run: RunEvents, max_rows: int) -> list[str]:
+    """The update checks of a run (the update the optimizer made, against a reference): each failing one led by its
+    fault and what named it, then a table of every one."""
+    updates = run.updates
+    if not updates:
+        return []
+    counts = {verdict: sum(u.verdict == verdict for u in updates) for verdict in ("ok", "inconclusive", "fail")}
+    lines = [
+        f"update checks (the update the optimizer made): {len(updates)}, "
+        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+    ]
+    failing = [
+        [f"{u.fault or 'unknown'} fault at step {u.step}: {u.fault_message or '(no message recorded)'}"]
+        for u in updates
+        if u.verdict == "fail"
+    ]
+    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, "failing update checks")]
+    rows = [
+        [str(u.step), u.verdict, u.fault or "-", _fmt(u.get("floor_excess"), ".3g"),
+         _fmt(u.get("rel_error_max"), ".2e"), _fmt(u.get("noise_floor"), ".2e")]
+        for u in updates
+    ]  # fmt: skip
+    header = ["step", "verdict", "fault", "floor excess", "max rel. error", "floor"]
+    return [*lines, *_table(header, _elide(rows, max_rows, "update checks"), "><<>>>")]
 
 
 def _first_fault(run: RunEvents) -> str:
@@ -137,8 +178,11 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
     counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in ("ok", "inconclusive", "fail")}
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
     applied = _applied_lines(run, max_rows)
+    updates = _update_lines(run, max_rows)
+    applied = [*applied, *([""] if applied and updates else []), *updates]
     if not checks:
-        title = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{_first_fault(run)} =="
+        update = f", {len(run.updates)} update" if run.updates else ""
+        title = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{update}{_first_fault(run)} =="
         return "\n".join([title, "", *applied])
     lines = [
         f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "
@@ -148,6 +192,7 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
         + " ==",
         "",
         *([*applied, ""] if applied else []),
+        *_numerics_lines(run),
         *_culprit_lines(run, max_rows),
         "checks (verdicts over time):",
     ]

@@ -45,8 +45,10 @@ from gradwatch.engine.function.surrogates import (
     find_stock_surrogates,
     quantisers_as_identity,
 )
+from gradwatch.engine.function.torch_warnings import incorrect_gradient_notes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.numerics import Numerics, current_numerics
 from gradwatch.engine.results.report import CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeSettings, settings_from
@@ -69,6 +71,7 @@ class CheckSession:
         collective: The collective of a sharded check (``None``: not sharded).
         leading: Notes a report gives before the measurements' own (sharding, parameters left out).
         state: The training state, captured while :meth:`measuring`.
+        numerics: The settings that change the numbers, as the check found them (recorded on its report).
     """
 
     model: nn.Module
@@ -83,6 +86,7 @@ class CheckSession:
     state: TrainingState | None = None
     trailing: list[Note] = dataclasses.field(default_factory=list)
     unrestored: tuple[str, ...] = ()
+    numerics: Numerics = dataclasses.field(default_factory=current_numerics)
 
     @classmethod
     def open(
@@ -174,6 +178,7 @@ class CheckSession:
                     f"{withheld[0]}",
                 )
             )
+            self.trailing += incorrect_gradient_notes(withheld)
         self.trailing += state.sandbox.notes(state.sandbox.unrestorable()) + state.guard.notes()
         self.unrestored = tuple(state.unrestorable())
         if self.unrestored:
@@ -202,5 +207,6 @@ class CheckSession:
             notes=list(dict.fromkeys([*self.leading, *notes, *self.trailing])),
             side_effects=tuple(state.sandbox.changed + state.guard.changed) if state is not None else (),
             unrestored=self.unrestored,
+            numerics=self.numerics,
             **fields,
         )

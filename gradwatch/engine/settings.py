@@ -9,7 +9,7 @@ documented and defaulted in this one place, the same for every entry point.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypedDict
 
 from gradwatch.engine import validation as validate
@@ -42,7 +42,9 @@ class ProbeSettings:
             of a batch; a loss that refuses the slice is probed on four, else on the whole batch.
         precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
             parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
-            unless the model has more than 2**25 parameter elements. See :mod:`gradwatch.engine.function.precision`.
+            unless the model has more than 2**25 parameter elements, float64 would not fit in the device's free memory
+            or costs more than 10 native reference passes on the device. See
+            :mod:`gradwatch.engine.function.precision`.
         ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
             straight-through estimator whose gradient is deliberately not the derivative.
         rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64;
@@ -145,15 +147,18 @@ class ProbeOptions(TypedDict, total=False):
 
 
 def settings_of(
-    settings: ProbeSettings | None, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+    settings: ProbeSettings | None,
+    options: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    where: str = "the check",
+    own: Collection[str] = (),
 ) -> ProbeSettings:
     """The settings of an entry point that takes ``settings=`` or the probe options one by one (``options``, only those
     given), not both; ``defaults`` are the entry point's own defaults for options left out (a series of checks probes 2
-    samples)."""
-    unknown = sorted(set(options) - set(ProbeSettings.option_names()))
-    if unknown:
-        names = list(ProbeSettings.option_names())
-        raise TypeError(f"unknown probe option(s) {unknown}; the probe options are {names}")
+    samples). An unknown option raises ``TypeError`` naming ``where`` and the nearest of the probe options and the
+    entry point's ``own`` keyword names (``evry_n_steps``: did you mean ``every_n_steps``?)."""
+    validate.reject_unknown_options(options, (*ProbeSettings.option_names(), *own), where)
     if settings is not None:
         if not isinstance(settings, ProbeSettings):
             raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")

@@ -6,9 +6,15 @@ than at the first check hours into a run.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+Arguments = ParamSpec("Arguments")
+Result = TypeVar("Result")
 
 
 def _received(value: Any) -> str:
@@ -74,3 +80,38 @@ def check_patterns(name: str, value: Any) -> tuple[str, ...]:
             f"`{name}` must be a list or tuple of pattern strings, e.g. ['head.*']; got {_received(value)}"
         )
     return tuple(value)
+
+
+def reject_unknown_options(given: Iterable[str], valid: Iterable[str], where: str) -> None:
+    """Raise ``TypeError`` for keyword arguments ``where`` does not take, each with the nearest valid name (difflib's
+    closest match, when one is close enough): a typo (``evry_n_steps=1``) is answered with what was meant
+    (``every_n_steps``) instead of being silently kept or listed among every valid name."""
+    names = sorted(set(valid))
+    unknown = sorted(set(given) - set(names))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        parts.append(f"`{name}` (did you mean `{near[0]}`?)" if near else f"`{name}`")
+    raise TypeError(f"{where} got unknown option(s) {', '.join(parts)}; its options are {', '.join(names)}")
+
+
+def keyword_names(function: Callable[..., object]) -> tuple[str, ...]:
+    """The names ``function`` takes as keywords (``self`` and ``**`` catch-alls left out)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(function).parameters.values()
+    return tuple(p.name for p in parameters if p.kind in kinds and p.name != "self")
+
+
+def suggests_options(function: Callable[Arguments, Result]) -> Callable[Arguments, Result]:
+    """Make a function with a fixed signature answer an unknown keyword with the nearest valid name (see
+    :func:`reject_unknown_options`) instead of Python's bare "unexpected keyword argument"."""
+    names = keyword_names(function)
+
+    @functools.wraps(function)
+    def checked(*args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
+        reject_unknown_options(kwargs, names, f"{function.__name__}()")
+        return function(*args, **kwargs)
+
+    return checked

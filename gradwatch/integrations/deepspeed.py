@@ -51,7 +51,11 @@ def full_gradients(engine: Any) -> dict[str, Tensor]:
     """The gradient the engine is about to apply, by name of the wrapped module's parameters: each trainable
     parameter's full, reduced, accumulated gradient before clipping (``safe_get_full_grad``), in float32. Call it at
     the accumulation boundary (``engine.is_gradient_accumulation_boundary()``, after the last micro-batch's
-    ``engine.backward``, before ``engine.step()``), on every rank together: it gathers the gradient's partitions."""
+    ``engine.backward``, before ``engine.step()``), on every rank together: it gathers the gradient's partitions.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
     found = {}
     for name, param in _module(engine).named_parameters():
         if param.requires_grad:
@@ -64,7 +68,11 @@ def full_gradients(engine: Any) -> dict[str, Tensor]:
 class FullGradients(Mapping[str, Tensor]):
     """:func:`full_gradients` of ``engine``, gathered when first read: what a loop passes as ``gradients=`` at every
     accumulation boundary, paying the gathering only when a check is due and reads it (every rank reads it then, as
-    every rank runs the check)."""
+    every rank runs the check).
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
 
     def __init__(self, engine: Any) -> None:
         _module(engine)
@@ -87,7 +95,11 @@ class FullGradients(Mapping[str, Tensor]):
 
 
 class EngineStepHook:
-    """What :func:`before_engine_steps` installed; :meth:`remove` puts the optimizer's own ``step`` back."""
+    """What :func:`before_engine_steps` installed; :meth:`remove` puts the optimizer's own ``step`` back.
+
+    Args:
+        optimizer: The engine's optimizer, whose ``step`` the hook wraps.
+    """
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -104,7 +116,11 @@ def clipped_norm(engine: Any) -> float | None:
     """The norm the engine's optimizer clipped its last step's gradient with (unscaled; DeepSpeed's ZeRO and bf16
     optimizers keep it as ``_global_grad_norm``, which the engine returns as ``get_global_grad_norm()`` once its step
     is over); ``None`` when it keeps no such norm or skipped the step (a non-finite norm). Reading it may wait for the
-    device."""
+    device.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
     norm = getattr(engine.optimizer, "_global_grad_norm", None)
     if norm is None:
         norm = engine.get_global_grad_norm()
@@ -116,7 +132,11 @@ def clipped_norm(engine: Any) -> float | None:
 
 def clip_norm(engine: Any) -> tuple[float, float] | None:
     """``(max_norm, norm)``: the engine's ``gradient_clipping`` and the norm it clipped the last step's gradient with
-    (:func:`clipped_norm`); ``None`` when the engine does not clip, keeps no such norm, or skipped the step."""
+    (:func:`clipped_norm`); ``None`` when the engine does not clip, keeps no such norm, or skipped the step.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
     _module(engine)
     max_norm = float(engine.gradient_clipping() or 0.0)
     norm = clipped_norm(engine) if max_norm > 0 else None
@@ -130,7 +150,13 @@ def before_engine_steps(
     gradients are reduced, before they are clipped; and ``after()``, if given, once that step (clipping included) is
     over. Both run on every rank (the engine steps on all together) and should not raise; what they return is ignored.
     For loops that step inside another call (Accelerate's ``accelerator.backward``, ``transformers.Trainer``); a plain
-    loop checks before its own ``engine.step()``."""
+    loop checks before its own ``engine.step()``.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result), with an optimizer.
+        check: Called with no argument just before each optimizer step.
+        after: Called with no argument once each optimizer step is over.
+    """
     _module(engine)
     optimizer = engine.optimizer
     if optimizer is None:
@@ -159,19 +185,28 @@ def applied_checks_inside_steps(
     clipped_with=...)``, :func:`clip_norm`). For loops whose engine steps inside another call (Accelerate's
     ``accelerator.backward``, ``transformers.Trainer``); the loop still records each micro-batch
     (``watch.record(batch, model=engine.module, step=engine.global_steps + 1)``) before its forward.
-    :meth:`EngineStepHook.remove` ends it."""
+    :meth:`EngineStepHook.remove` ends it.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+        watch: The :class:`~gradwatch.GradientWatch` whose applied checks run.
+        loss_fn: ``loss_fn(module, batch) -> scalar Tensor``; the watch's own by default.
+        **options: Passed on to ``watch.before_optimizer_step`` (``combine``, ``path``, ...).
+    """
     if not isinstance(watch, GradientWatch):
         raise TypeError(f"`watch` must be a gradwatch.GradientWatch; got {type(watch).__name__}")
     module = _module(engine)
 
     def check() -> None:
-        step = int(engine.global_steps) + 1
-        watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
+        with watch.guarded("the DeepSpeed engine's applied check"):
+            step = int(engine.global_steps) + 1
+            watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
 
     def clipped() -> None:
-        max_norm = float(engine.gradient_clipping() or 0.0)
-        if max_norm > 0:  # the norm is read only when a check verified this step's gradient
-            step = int(engine.global_steps) + 1
-            watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
+        with watch.guarded("the DeepSpeed engine's check of its clip norm"):
+            max_norm = float(engine.gradient_clipping() or 0.0)
+            if max_norm > 0:  # the norm is read only when a check verified this step's gradient
+                step = int(engine.global_steps) + 1
+                watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
 
     return before_engine_steps(engine, check, clipped)

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +31,8 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.integrations.trainer_losses import trainer_options
+from gradwatch.engine.validation import keyword_names, reject_unknown_options
+from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import (
     TrainerPath,
@@ -48,6 +49,7 @@ from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning, OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.watch import GradientWatch
 
@@ -85,7 +87,8 @@ class GradWatchCallback(TrainerCallback):
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
 
     Keyword Args:
-        every_n_steps: A recomputed check every this many optimizer steps (see :class:`~gradwatch.GradientWatch`).
+        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500 (see
+            :class:`~gradwatch.GradientWatch`).
         first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
         applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``), within
             the same budget (the watch's default, as under Lightning); ``None``: none. Not under FSDP (said once).
@@ -99,12 +102,15 @@ class GradWatchCallback(TrainerCallback):
         verbose: Log what is worth knowing but is no failure (see :class:`~gradwatch.GradientWatch`).
         sinks: More outputs for every check's records, besides the run's own.
         on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
+        check_update: Also check the update the optimizer makes of each gradient an applied check verified (after
+            ``max_grad_norm``'s clip), from a step hook on the Trainer's optimizer (``False``: not).
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
             (:mod:`gradwatch.watch.distributed`).
-        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings`, or
-        **options: one by one (``tensor_probes``, ``precision``, ``ignore``, ...: documented there).
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
+        **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ...): the fields of
+            :class:`~gradwatch.engine.settings.ProbeSettings`, documented there.
 
     Example::
 
@@ -131,30 +137,24 @@ class GradWatchCallback(TrainerCallback):
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ):
+        known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
+        reject_unknown_options(options, known, "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.watch = GradientWatch(
-            every_n_steps=every_n_steps,
-            first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps,
-            on_fail=on_fail,
-            loss_fn=loss_fn,
-            max_overhead=max_overhead,
-            max_reports=max_reports,
-            verbose=verbose,
-            settings=settings,
-            sinks=sinks,
+            every_n_steps=every_n_steps, first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
+            max_reports=max_reports, verbose=verbose, settings=settings, sinks=sinks,
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-            decide=decide or rank0_decides,
-            agree=agree or agree_across_ranks,
-            context=self._records_kept,
-            on_report=on_report,
+            decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
+            on_report=on_report, check_update=check_update,
             **trainer_options(trainer, loss_fn, settings, dict(options)),
-        )
+        )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
@@ -173,6 +173,11 @@ class GradWatchCallback(TrainerCallback):
         return self.watch.reports
 
     @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks (the update the optimizer made of a verified gradient)."""
+        return self.watch.update_reports
+
+    @property
     def applied_reports(self) -> list[CheckReport]:
         """The reports of this run's applied checks (and of the clip coefficient), oldest first."""
         return self.watch.applied_reports
@@ -189,6 +194,7 @@ class GradWatchCallback(TrainerCallback):
 
     # --- the Trainer's events --------------------------------------------------------------------------------------
 
+    @guarded_hook("GradWatchCallback.on_train_begin")
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if not self._wrapped:
             # an instance attribute shadows the method (a subclass's override included) for the run's duration
@@ -210,6 +216,7 @@ class GradWatchCallback(TrainerCallback):
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
+    @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
@@ -223,12 +230,14 @@ class GradWatchCallback(TrainerCallback):
         self._kept = None
         self.watch.sinks = self._sinks  # the run's writers close with it
 
+    @guarded_hook("GradWatchCallback.on_step_begin")
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         # keep a micro-batch only for a step that may be checked (a due or postponed check)
         self._keep_next = self.watch.due_next(state.global_step)
         self._kept = None
         self._in_window, self._window_count, self._window_first = self._applied_off is None, None, None
 
+    @guarded_hook("GradWatchCallback.on_pre_optimizer_step")
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ):
@@ -243,16 +252,17 @@ class GradWatchCallback(TrainerCallback):
             )
             self._say_applied_off()
             self._in_window = False
-            self.watch.before_optimizer_step(self._model, _no_micro_batch, step=state.global_step + 1, skipped=True)
+            self.watch.before_optimizer_step(self._model, no_micro_batch, step=state.global_step + 1, skipped=True)
             return
         self._check_applied()
 
+    @guarded_hook("GradWatchCallback.on_step_end")
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         self._log.flush()
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
-        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else _no_micro_batch)
+        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else no_micro_batch)
         self.watch.maybe_check(
             self._model,
             inputs,
@@ -280,19 +290,22 @@ class GradWatchCallback(TrainerCallback):
         gradient the optimizer steps with is the verified one times ``min(1, max_grad_norm / ‖g‖)``). Not under a grad
         scaler: the check ran on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
-        norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)
-        finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
-        # not under DeepSpeed either: its engine clips its own partitioned gradients, inside its step
-        if finite and getattr(self.trainer.accelerator, "scaler", None) is None and self._engine_hook is None:
-            self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
+        norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)  # training's: not guarded
+        with self.watch.guarded("GradWatchCallback's check of the clip coefficient"):
+            finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
+            # not under DeepSpeed either: its engine clips its own partitioned gradients, inside its step
+            if finite and getattr(self.trainer.accelerator, "scaler", None) is None and self._engine_hook is None:
+                self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
         return norm
 
+    @guarded_hook("GradWatchCallback's check of the engine's clip norm")
     def _engine_clipped(self, max_norm: float, norm: Callable[[], float | None]) -> None:
         """Under DeepSpeed, after the engine's step: the norm it clipped with (read only if a check verified this step's
         gradient) against the verified gradient's."""
         step = self.trainer.state.global_step + 1  # the engine steps before the Trainer counts the step
         self.watch.after_clipping(self._model, max_norm, step=step, clipped_with=norm)
 
+    @guarded_hook("GradWatchCallback's applied check")
     def _check_applied(self, gradients: Mapping[str, torch.Tensor] | None = None) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` (or the ``gradients``
         a DeepSpeed engine keeps) before clipping, against the window's loss as the Trainer combines it, on the path
@@ -345,11 +358,8 @@ class GradWatchCallback(TrainerCallback):
         return self._applied_off
 
     def _say_applied_off(self) -> None:
-        warnings.warn(
-            f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on",
-            GradientCheckWarning,
-            stacklevel=3,
-        )
+        message = f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on"
+        warnings.warn(message, GradientCheckWarning, stacklevel=3)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
 
@@ -368,32 +378,21 @@ class GradWatchCallback(TrainerCallback):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         if model.training and (self._keep_next or self._in_window):
-            kept = dict(inputs)  # compute_loss may pop the labels
-            if self._keep_next:
-                self._kept, self._keep_next = (kept, num_items_in_batch), False
-            if self._in_window:
-                self._window_count = num_items_in_batch
-                self._window_first = self._window_first if self._window_first is not None else kept
-                step = self.trainer.state.global_step + 1
-                self.watch.record((kept, num_items_in_batch), model=self._model, step=step)
+            self._keep(inputs, num_items_in_batch)
+        # the training's own loss, outside any guard: its errors are the training's
         return self._compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
+    @guarded_hook("GradWatchCallback's record of a micro-batch")
+    def _keep(self, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None) -> None:
+        """A micro-batch of the step kept for the recomputed check, and of a due window recorded for the applied one."""
+        kept = dict(inputs)  # compute_loss may pop the labels
+        if self._keep_next:
+            self._kept, self._keep_next = (kept, num_items_in_batch), False
+        if self._in_window:
+            self._window_count = num_items_in_batch
+            self._window_first = self._window_first if self._window_first is not None else kept
+            step = self.trainer.state.global_step + 1
+            self.watch.record((kept, num_items_in_batch), model=self._model, step=step)
+
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
-        compute_loss = self._compute_loss
-        count: Any = num_items_in_batch
-        if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0:
-            # The same count as a number (the loss divides by it exactly either way): the Trainer's float tensor would
-            # be a floating input of the model to the culprit search, which cannot displace it.
-            count = num_items_in_batch.item()
-
-        def loss_fn(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-            return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
-
-        return loss_fn
-
-
-def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss of a due step whose micro-batch the callback did not see: an error the watch reports."""
-    raise RuntimeError(
-        "gradwatch saw no micro-batch of this step: the Trainer's training_step did not call trainer.compute_loss"
-    )
+        return compute_loss_with_count(self._compute_loss, num_items_in_batch)

@@ -13,8 +13,13 @@ without importing TRL.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+import torch
+from torch import nn
+
+from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.settings import ProbeSettings
 
 SURROGATE_TRAINERS = frozenset({"GRPOTrainer", "SDPOTrainer"})
@@ -36,3 +41,25 @@ def trainer_options(
     if loss_fn is None and settings is None and "hold_detached" not in options and surrogate_objective(trainer):
         return {**options, "hold_detached": True}
     return options
+
+
+def compute_loss_with_count(compute_loss: Callable[..., Any], num_items_in_batch: torch.Tensor | int | None) -> LossFn:
+    """A Trainer's ``compute_loss`` as a check's ``loss_fn(model, inputs)``, with the ``num_items_in_batch`` the
+    Trainer passed (a copy of the inputs each call: ``compute_loss`` may pop the labels)."""
+    count: Any = num_items_in_batch
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.dim() == 0:
+        # The same count as a number (the loss divides by it exactly either way): the Trainer's float tensor would
+        # be a floating input of the model to the culprit search, which cannot displace it.
+        count = num_items_in_batch.item()
+
+    def loss_fn(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
+
+    return loss_fn
+
+
+def no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of a due step whose micro-batch the callback did not see: an error the watch reports."""
+    raise RuntimeError(
+        "gradwatch saw no micro-batch of this step: the Trainer's training_step did not call trainer.compute_loss"
+    )

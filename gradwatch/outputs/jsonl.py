@@ -12,7 +12,10 @@ One line per check::
      "scope": ..., "fault": ...}
 
 A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope`` and ``fault`` are there when the report has them. An applied check
+read back as the float. ``scope``, ``fault`` and ``numerics`` are there when the report has them: ``numerics`` is the
+object of :meth:`gradwatch.engine.results.numerics.Numerics.as_dict`, the settings that change the numbers (TF32 per
+path, reduced-precision reductions, deterministic algorithms, attention backends, autocast), shown by
+``gradwatch report`` (:func:`record_numerics`). An applied check
 (``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
 ``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
 ``note_codes`` holds each note's code (:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes
@@ -28,25 +31,27 @@ from enum import Enum
 from typing import Any
 
 from gradwatch.engine.results.notes import codes
+from gradwatch.engine.results.numerics import describe_numerics
 from gradwatch.engine.results.rendering import ordered_failures
 from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
+    CLIPPING_VERDICT_TAG,
     VERDICT_TAG,
     AppliedRecord,
     CheckRecord,
     EventFilesError,
     FailureRecord,
 )
-from gradwatch.tensorboard.writer import APPLIED_PREFIX
+from gradwatch.tensorboard.writer import APPLIED_PREFIX, UPDATE_PREFIX
 
 JSONL_NAME = "gradwatch.jsonl"
 """The file name of the record, in the directory of the run's logs."""
 
 FORMAT = "gradwatch-check"
 VERSION = 1
-OPTIONAL_FIELDS = ("scope", "fault")
+OPTIONAL_FIELDS = ("scope", "fault", "numerics")
 """Attributes of a report recorded when it has them (set by other parts of gradwatch, any JSON-able shape)."""
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -119,7 +124,7 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         value = getattr(report, name, None)
         if value is not None:
             record[name] = jsonable(value)
-    if getattr(report, "scope", None) == "applied":
+    if getattr(report, "scope", None) in ("applied", "update"):
         record["fault_message"] = report.fault_message or None
     return record
 
@@ -212,9 +217,30 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     return CheckRecord(step, scalars), failures, culprit or None
 
 
+def record_numerics(record: Any) -> str | None:
+    """A decoded line's numerics settings in words (:func:`~gradwatch.engine.results.numerics.describe_numerics`);
+    ``None`` when it has none (a record of an older gradwatch) or they are not an object."""
+    settings = record.get("numerics") if isinstance(record, Mapping) else None
+    return describe_numerics(settings) if isinstance(settings, Mapping) else None
+
+
 def is_applied(record: Any) -> bool:
     """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
     return isinstance(record, Mapping) and record.get("scope") == "applied"
+
+
+def is_update(record: Any) -> bool:
+    """Whether a decoded line is an update check's (``"scope": "update"``)."""
+    return isinstance(record, Mapping) and record.get("scope") == "update"
+
+
+def parse_update_record(record: Any) -> AppliedRecord:
+    """One decoded line of an update check (:func:`is_update`), checked as :func:`parse_applied_record` checks an
+    applied check's; its scalars are the ``gradwatch/update/*`` ones."""
+    parsed = parse_applied_record(record)
+    scalars = {tag: value for tag, value in record.get("scalars", {}).items() if tag.startswith(UPDATE_PREFIX)}
+    numbers = {tag: read_number(value, f"scalar {tag!r}") for tag, value in scalars.items()}
+    return AppliedRecord(parsed.step, parsed.verdict, parsed.fault, parsed.fault_message, numbers, prefix=UPDATE_PREFIX)
 
 
 def parse_applied_record(record: Any) -> AppliedRecord:
@@ -232,9 +258,18 @@ def parse_applied_record(record: Any) -> AppliedRecord:
         message = record.get("fault_message")
         message = "" if message is None else _field(record, "fault_message", str)
         code = float(VERDICTS.index(check.verdict))
-        if check.scalars.get(APPLIED_VERDICT_TAG, code) != code:
-            raise _BadRecordError(f"the {APPLIED_VERDICT_TAG} scalar contradicts the verdict {check.verdict!r}")
+        kind = "clipping" if _is_clipping(record, check.scalars) else "gradient"
+        tag = CLIPPING_VERDICT_TAG if kind == "clipping" else APPLIED_VERDICT_TAG
+        if check.scalars.get(tag, code) != code:
+            raise _BadRecordError(f"the {tag} scalar contradicts the verdict {check.verdict!r}")
     except _BadRecordError as error:
         raise EventFilesError(str(error)) from error
     scalars = {tag: value for tag, value in check.scalars.items() if tag.startswith(APPLIED_PREFIX)}
-    return AppliedRecord(check.step, check.verdict, fault, message, scalars)
+    return AppliedRecord(check.step, check.verdict, fault, message, scalars, kind)
+
+
+def _is_clipping(record: Mapping[str, Any], scalars: Mapping[str, float]) -> bool:
+    """Whether an applied line is the clip coefficient's check: its scalars under the clipping prefix, or (a record
+    written before they were) its note code ``applied-clipping``."""
+    codes = record.get("note_codes")
+    return CLIPPING_VERDICT_TAG in scalars or (isinstance(codes, list) and "applied-clipping" in codes)

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradwatch.outputs import beside
-from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record
+from gradwatch.outputs.jsonl import (
+    JSONL_NAME,
+    is_applied,
+    is_update,
+    parse_applied_record,
+    parse_record,
+    parse_update_record,
+    record_numerics,
+)
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
     VERDICT_TAG,
@@ -45,7 +53,13 @@ class JsonLines:
     failures: dict[int, list[FailureRecord]] = field(default_factory=dict)
     culprits: dict[int, str] = field(default_factory=dict)
     applied: dict[int, AppliedRecord] = field(default_factory=dict)
-    """The applied checks (``"scope": "applied"``), by step."""
+    """The applied checks of the gradient (``"scope": "applied"``), by step."""
+    clipping: dict[int, AppliedRecord] = field(default_factory=dict)
+    """The clip coefficient's checks, by step (the step of the applied check it follows, listed beside it)."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """The numerics settings of the recomputed checks, in words, by step."""
+    updates: dict[int, AppliedRecord] = field(default_factory=dict)
+    """The update checks (``"scope": "update"``), by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -78,13 +92,20 @@ def read_jsonl(path: Path) -> JsonLines:
                 except RecursionError as error:
                     raise EventFilesError(f"{where}: line {number} is nested too deeply to read") from error
                 try:
+                    if is_update(decoded):
+                        update = parse_update_record(decoded)
+                        found.updates[update.step] = update
+                        continue
                     if is_applied(decoded):
                         applied = parse_applied_record(decoded)
-                        found.applied[applied.step] = applied
+                        (found.clipping if applied.check == "clipping" else found.applied)[applied.step] = applied
                         continue
                     check, failures, culprit = parse_record(decoded)
                 except EventFilesError as error:
                     raise EventFilesError(f"{where}: line {number}: {error}") from error
+                numerics = record_numerics(decoded)
+                if numerics is not None:
+                    found.numerics[check.step] = numerics
                 found.checks[check.step] = check
                 found.failures[check.step] = failures
                 found.culprits.pop(check.step, None)
@@ -101,9 +122,11 @@ def _wanted(name: str) -> bool:
 
 def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLines | None) -> RunEvents | None:
     """One run from its event files and its JSON lines record; the record wins for a step both hold."""
-    if lines is None or not (lines.checks or lines.applied):
+    if lines is None or not (lines.checks or lines.applied or lines.clipping or lines.updates):
         return events
-    applied = dict(lines.applied)
+    # every applied record of a step listed with its own verdict: the gradient's, then the clip coefficient's
+    applied = {(step, "gradient"): record for step, record in lines.applied.items()}
+    applied.update({(step, "clipping"): record for step, record in lines.clipping.items()})
     checks = dict(lines.checks)
     failures = [f for step in sorted(lines.failures) for f in lines.failures[step]]
     culprits = dict(lines.culprits)
@@ -113,7 +136,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         failures += [f for f in events.failures if f.step not in lines.checks]
         culprits.update({step: text for step, text in events.culprits.items() if step not in lines.checks})
         for logged in events.applied:
-            applied.setdefault(logged.step, logged)
+            applied.setdefault((logged.step, logged.check), logged)
     return RunEvents(
         name=name,
         path=directory,
@@ -122,7 +145,9 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         culprits=dict(sorted(culprits.items())),
         has_histogram=events is not None and events.has_histogram,
         has_dashboard=events is not None and events.has_dashboard,
-        applied=[applied[step] for step in sorted(applied)],
+        applied=[applied[key] for key in sorted(applied, key=lambda key: (key[0], key[1] == "clipping"))],
+        numerics=dict(sorted(lines.numerics.items())),
+        updates=[lines.updates[step] for step in sorted(lines.updates)],
     )
 
 

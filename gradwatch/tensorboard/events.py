@@ -39,6 +39,7 @@ from gradwatch.tensorboard.tfrecord import CorruptRecordError, records
 from gradwatch.tensorboard.writer import (
     APPLIED_FAILURE_TAG,
     APPLIED_PREFIX,
+    CLIPPING_PREFIX,
     FAILURES_TAG,
     HISTOGRAM_TAG,
     TRAINER_PREFIX,
@@ -48,8 +49,9 @@ PREFIX = "gradwatch/"
 VERDICT_TAG = "gradwatch/verdict"
 APPLIED_VERDICT_TAG = APPLIED_PREFIX + "verdict"
 APPLIED_FAULT_TAG = APPLIED_PREFIX + "fault"
-TEXT_SUFFIX = "/text_summary"
-"""``SummaryWriter.add_text`` stores text under the tag plus this suffix."""
+CLIPPING_VERDICT_TAG = CLIPPING_PREFIX + "verdict"
+CLIPPING_FAULT_TAG = CLIPPING_PREFIX + "fault"
+TEXT_SUFFIX = "/text_summary"  # SummaryWriter.add_text stores text under the tag plus this suffix
 
 __all__ = [
     "AppliedRecord",
@@ -94,10 +96,16 @@ class AppliedRecord:
     fault: str | None
     fault_message: str
     scalars: dict[str, float]
+    check: str = "gradient"
+    """``"gradient"``: the check of the applied gradient; ``"clipping"``: the clip coefficient's, of the same step."""
+    prefix: str = ""
+    """The prefix of its scalars when it is not an applied check's: ``gradwatch/update/`` for an update check's."""
 
     def get(self, name: str) -> float:
-        """The scalar ``gradwatch/applied/<name>``, NaN when it was not logged for this check."""
-        return self.scalars.get(APPLIED_PREFIX + name, math.nan)
+        """The scalar ``gradwatch/applied/<name>`` (``gradwatch/applied/clipping/<name>`` for the clip coefficient's
+        check, ``<prefix><name>`` for an update check's), NaN when it was not logged for this check."""
+        prefix = self.prefix or (CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX)
+        return self.scalars.get(prefix + name, math.nan)
 
 
 def fault_of_code(code: float, where: str, step: int) -> str | None:
@@ -152,16 +160,16 @@ class RunEvents:
     has_histogram: bool = False
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
+    updates: list[AppliedRecord] = field(default_factory=list)
+    """The update checks (``"scope": "update"`` in the JSON lines record), by step."""
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
+    numerics: dict[int, str] = field(default_factory=dict)
+    """By step, the numerics settings a recomputed check ran under, in words (from ``gradwatch.jsonl`` only)."""
 
     @property
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
-        return (
-            bool(self.failures)
-            or any(check.verdict == "fail" for check in self.checks)
-            or any(check.verdict == "fail" for check in self.applied)
-        )
+        return bool(self.failures) or any(check.verdict == "fail" for check in [*self.checks, *self.applied])
 
 
 def is_event_file(name: str) -> bool:
@@ -290,9 +298,9 @@ class _Run:
             (self.texts if tag == FAILURES_TAG else self.applied_texts)[step] = text
         elif field == "simple_value" or (field == "tensor" and plugin == "scalars"):
             number = value.simple_value if field == "simple_value" else _tensor_scalar(path, step, value)
-            if tag in (VERDICT_TAG, APPLIED_VERDICT_TAG):
+            if tag in (VERDICT_TAG, APPLIED_VERDICT_TAG, CLIPPING_VERDICT_TAG):
                 check_verdict(number, step, shown(path))
-            elif tag == APPLIED_FAULT_TAG:
+            elif tag in (APPLIED_FAULT_TAG, CLIPPING_FAULT_TAG):
                 fault_of_code(number, shown(path), step)
             self.scalars.setdefault(step, {})[tag] = number
 
@@ -324,8 +332,8 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
         for step, values in sorted(run.scalars.items())
         if VERDICT_TAG in values
     ]
-    applied = [_applied(step, values, run.applied_texts.get(step, "")) for step, values in sorted(run.scalars.items())]
-    applied_checks = [check for check in applied if check is not None]
+    applied_checks = [check for step, values in sorted(run.scalars.items())
+                      for check in _applied(step, values, run.applied_texts.get(step, ""))]  # fmt: skip
     if not checks and not applied_checks:
         return None
     failures: list[FailureRecord] = []
@@ -341,14 +349,19 @@ def read_run(path: Path, name: str, files: list[Path] | None = None) -> RunEvent
     return RunEvents(name, path, checks, failures, culprits, run.has_histogram, run.has_dashboard, applied_checks)
 
 
-def _applied(step: int, values: dict[str, float], text: str) -> AppliedRecord | None:
-    """The applied check logged at ``step``, if one was (its scalars were checked as they were read)."""
-    if APPLIED_VERDICT_TAG not in values:
-        return None
-    scalars = {tag: v for tag, v in values.items() if tag.startswith(APPLIED_PREFIX)}
-    fault = FAULTS[round(scalars[APPLIED_FAULT_TAG]) - 1] if scalars.get(APPLIED_FAULT_TAG) else None
-    verdict = VERDICTS[round(scalars[APPLIED_VERDICT_TAG])]
-    return AppliedRecord(step, verdict, fault, parse_fault_message(text), scalars)
+def _applied(step: int, values: dict[str, float], text: str) -> list[AppliedRecord]:
+    """The applied checks logged at ``step``: the gradient's and the clip coefficient's, each with its own verdict
+    (their scalars were checked as they were read); the failure text is the failing one's."""
+    found = []
+    for check, prefix in (("gradient", APPLIED_PREFIX), ("clipping", CLIPPING_PREFIX)):
+        if prefix + "verdict" in values:
+            scalars = {tag: v for tag, v in values.items() if tag.startswith(prefix)}
+            scalars = {t: v for t, v in scalars.items() if check == "clipping" or not t.startswith(CLIPPING_PREFIX)}
+            fault = FAULTS[round(scalars[prefix + "fault"]) - 1] if scalars.get(prefix + "fault") else None
+            verdict = VERDICTS[round(scalars[prefix + "verdict"])]
+            message = parse_fault_message(text) if verdict == "fail" else ""
+            found.append(AppliedRecord(step, verdict, fault, message, scalars, check))
+    return found
 
 
 def check_directory(logdir: Path) -> None:

@@ -12,13 +12,14 @@ withholds (with ``verbose=False``, not even those).
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Literal
 
 from gradwatch.engine.results.diagnosis import diagnose
 from gradwatch.engine.results.notes import NoteCode
-from gradwatch.engine.results.rendering import DEFAULT_LIMIT, render_text
+from gradwatch.engine.results.rendering import DEFAULT_LIMIT, nonfinite_loss, nonfinite_loss_words, render_text
 from gradwatch.engine.results.report import CheckReport, GradientCheckError
 
 log = logging.getLogger(__name__)
@@ -82,16 +83,24 @@ class AlertPolicy:
         self.failures = failures or Backoff()
         self.errors = errors or Backoff()
         self.verbose = verbose
+        self.warned_nonfinite = False
 
-    def handle(self, report: CheckReport) -> bool:
-        """React to a report; returns whether training should stop. Reports that did not fail are ignored."""
+    def handle(self, report: CheckReport, call: Callable[..., object] | None = None) -> bool:
+        """React to a report; returns whether training should stop. Reports that did not fail are ignored. ``call``
+        runs a callable ``on_fail`` (the watch's guard marks its errors as the user's)."""
         if report.verdict != "fail":
             return False
         if self.on_fail == "raise":
             raise GradientCheckError(report)
         if callable(self.on_fail):
-            self.on_fail(report)
+            if call is None:
+                self.on_fail(report)
+            else:
+                call(self.on_fail, report)
             return False
+        if nonfinite_loss(report):
+            self._nonfinite(report)
+            return self.on_fail == "stop"
         if self.failures.admit():
             if not self.shown:
                 return self.on_fail == "stop"
@@ -114,6 +123,19 @@ class AlertPolicy:
             )
         return self.on_fail == "stop"
 
+    def _nonfinite(self, report: CheckReport) -> None:
+        """A loss that is not finite: one line, the first time in the run (it stays so once the parameters are not
+        finite), then log records (INFO); it is no wrong gradient, so it is kept apart from the failures' backoff."""
+        words = f"gradwatch: {nonfinite_loss_words(report)}"
+        if self.on_fail == "stop":
+            words += "; stopping training (on_fail='stop')"
+        if not self.warned_nonfinite:
+            self.warned_nonfinite = True
+            if self.shown:
+                warnings.warn(words, GradientCheckWarning, stacklevel=3)
+        elif self.verbose and self.shown:
+            log.info(words)
+
     def check_error(self, step: int, error: Exception) -> None:
         """Report (rate-limited) a check that could not run; training goes on."""
         message = (
@@ -130,6 +152,11 @@ class AlertPolicy:
 BLIND_AFTER = 3
 """Inconclusive checks in a row after which the run is warned that it checks nothing."""
 
+WEAK_FLOOR = 0.01
+"""An applied check whose noise floor along the gradient is above this fraction of ``‖g‖`` is weak, and the run is
+told so once: it allows a correct gradient of its path 2 to 3 times its floor, so an error of 3% of ``‖g‖`` (the
+size of the faults the benchmarks plant) may pass it (under bf16 autocast a floor reached 10% of ``‖g‖``)."""
+
 
 class Remarks:
     """What a run's reports say besides their verdicts, said once per run: each distinct note as a log record (INFO,
@@ -137,7 +164,9 @@ class Remarks:
     changed, the first time :data:`BLIND_AFTER` checks in a row were inconclusive (with the reason and the remedy), the
     first time an applied check found the accumulated gradient unlike the window's as one batch (a loss normalised per
     micro-batch: the gradient is right, the loss is not, so the verdict stays ``"ok"``), and (when ``verbose``) for each
-    surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it)."""
+    surrogate gradient a check recognised (with the ``ignore=`` pattern that exempts it); a log record of level WARNING
+    the first time an applied check passed weakly (its floor above :data:`WEAK_FLOOR`) or left trainable tensors
+    unchecked."""
 
     def __init__(self, *, verbose: bool = True) -> None:
         self.verbose = verbose
@@ -146,9 +175,12 @@ class Remarks:
         self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
         self._warned_blind = False
         self._warned_unequal = False
+        self._warned_weak = False
+        self._warned_unchecked = False
 
     def hear(self, report: CheckReport) -> None:
         self._watch_for_blindness(report)
+        self._watch_for_weakness(report)
         for note in report.notes:
             if note not in self._noted:  # a note that comes back at every check is said once
                 self._noted.add(note)
@@ -171,6 +203,27 @@ class Remarks:
                 GradientCheckWarning,
                 stacklevel=2,
             )
+
+    def _watch_for_weakness(self, report: CheckReport) -> None:
+        """A verdict weaker than it reads, said once per run as a log record of level WARNING (no failure, so no
+        :class:`GradientCheckWarning`; Python shows it on the console unless logging is set up otherwise): an applied
+        check that passed with a noise floor above :data:`WEAK_FLOOR`, and the first check that left trainable
+        tensors unchecked."""
+        floor = report.noise_floor
+        if not self._warned_weak and report.verdict == "ok" and math.isfinite(floor) and floor > WEAK_FLOOR:
+            self._warned_weak = True
+            log.warning(
+                "gradwatch: the applied check at step %d passed, but weakly: the noise floor of the training's path is "
+                "%.1f%% of ‖g‖ along the gradient (16-bit rounding), so an applied gradient less than about %.0f%% "
+                "off may pass it (a float32 path resolves far smaller errors)",
+                report.step,
+                100 * floor,
+                300 * floor,
+            )
+        unchecked = report.noted(NoteCode.APPLIED_UNCHECKED)
+        if unchecked and not self._warned_unchecked:
+            self._warned_unchecked = True
+            log.warning("gradwatch (step %d): the applied check left %s", report.step, unchecked[0])
 
     def _watch_for_blindness(self, report: CheckReport) -> None:
         if report.verdict != "inconclusive":

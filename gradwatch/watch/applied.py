@@ -106,6 +106,11 @@ class AppliedSchedule:
             return self.windows.pop(key, None)
         return self.windows.get(None)  # the shared window, for every optimizer step of its batch
 
+    def abandon(self) -> None:
+        """Recording this window failed (an error the watch's guard reported): no check of it, since a window kept
+        in part would be checked against the wrong loss; the next window is decided afresh."""
+        self.windows, self._open = {}, False
+
     def unrecorded(self, step: int) -> bool:
         """Whether optimizer step ``step`` is due while no micro-batch was recorded for it (a loop that does not call
         ``record``): ``True`` once per run, to be said."""

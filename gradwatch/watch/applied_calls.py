@@ -23,6 +23,7 @@ from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.step_hooks import recurring
 from gradwatch.engine.applied.window import Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
@@ -31,13 +32,15 @@ from gradwatch.watch.hooks import Context, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.update_calls import UpdateCalls
 
 log = logging.getLogger(__name__)
 
 
-class AppliedCalls:
+class AppliedCalls(UpdateCalls):
     """The applied-check calls of a watch (see the module doc) and what both kinds' calls share (the loss a call
-    checks, the contexts around a check); the watch holds the state they use."""
+    checks, the contexts around a check); the watch holds the state they use. The update check each verified gradient
+    leads to is :class:`~gradwatch.watch.update_calls.UpdateCalls`'."""
 
     verbose: bool
     _applied: AppliedSchedule
@@ -56,6 +59,21 @@ class AppliedCalls:
         if chosen is None:
             raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
         return chosen
+
+    def guarded(self, site: str) -> contextlib.AbstractContextManager[None]:
+        """A context for what a watch or its adapter runs outside a check (``site`` names it): an error there is one
+        note (:attr:`notes`) and one warning, once per site, and the block is left; training goes on (see
+        :mod:`gradwatch.watch.guard`).
+
+        Args:
+            site: The call site, as the note and the warning name it (``"watch.record"``, ...).
+        """
+        return self._outcomes.guard(site)
+
+    @property
+    def notes(self) -> list[Note]:
+        """What the watch's own calls outside a check could not do (code ``watch-error``), one note per call site."""
+        return list(self._outcomes.guard.notes)
 
     def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
         """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
@@ -83,11 +101,15 @@ class AppliedCalls:
                 about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
                 states). Without it, the window is shared by every optimizer of the step.
         """
+        self._update_release()
         if not self._applied.enabled:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
         key = _optimizer("optimizer", optimizer)
-        self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
+        with self.guarded("watch.record"):  # its float64 checksums of the gradients may run out of memory
+            self._applied.record(batch, model if model is not None else self._model, step, self._decide, key)
+            return
+        self._applied.abandon()
 
     def before_optimizer_step(
         self,
@@ -105,9 +127,12 @@ class AppliedCalls:
         join: Join | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         window_normalised: bool | Callable[[], bool] = False,
+        max_norm: float | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
-        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
+        verified the gradient, the update the optimizer then makes of it is checked too, from a step post hook
+        (``check_update=True``, the default; :mod:`gradwatch.watch.update_calls`): its report joins :attr:`reports`.
 
         Args:
             model: The module whose ``.grad`` the optimizer applies.
@@ -135,9 +160,32 @@ class AppliedCalls:
                 tokens (or a function that says so): a window gradient that is the one-batch gradient divided by the
                 number of micro-batches is then warned of as a second normalisation (see
                 :func:`~gradwatch.engine.applied.check_applied_gradient`).
+            max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
+                the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
+                declares it too).
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not max_norm > 0):  # fmt: skip
+            raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
+        with self.guarded("watch.before_optimizer_step"):
+            return self._before_optimizer_step(
+                model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,
+                gradients=gradients, skipped=skipped, optimizers=optimizers, join=join, optimizer=optimizer,
+                window_normalised=window_normalised, max_norm=max_norm,
+            )  # fmt: skip
+        return None
+
+    def _before_optimizer_step(
+        self, model: nn.Module, loss_fn: LossFn | None, *, step: int, combine: Combine, path: PathContext | None,
+        group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
+        skipped: bool | Callable[[], bool], optimizers: Sequence[torch.optim.Optimizer], join: Join | None,
+        optimizer: Any, window_normalised: bool | Callable[[], bool], max_norm: float | None,
+    ) -> CheckReport | None:  # fmt: skip
+        self._update_release(step)
+        if self.check_update and self._applied.enabled and self._applied.due(step + 1, step):
+            self._update_keep_previous(model, step, optimizer, optimizers, _updated(model, optimizer))
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
@@ -157,8 +205,9 @@ class AppliedCalls:
             if self.verbose:
                 log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
             return None
-        loss_fn = self._loss_fn(loss_fn, step)
-        updated, own = _updated(model, optimizer), gradients is None
+        guard = self._outcomes.guard
+        loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
+        updated, own = guard.callers(_updated, model, optimizer), gradients is None
         if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
             given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
             only = {name for name, _ in updated}
@@ -184,12 +233,19 @@ class AppliedCalls:
         if report is not None:
             report = recurring(report, self._applied.faults.get(id(optimizer)))
             self._applied.faults[id(optimizer)] = (step, report.fault)
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         if report is not None:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
             # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
-            held = _gradients(model, updated) if own else list((gradients or {}).values())
-            self._applied.verified = (step, GradientNorms.of(held), own)
+            with self.guarded("the clip check's norms of the verified gradient"):
+                held = _gradients(model, updated) if own else list((gradients or {}).values())
+                norms = GradientNorms.of(held)
+                self._applied.verified = (step, norms, own)
+            # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
+            # unscales it after this call) are not what the optimizer steps with: their update is not checked here
+            if own and loss_scale == 1.0:
+                with self.guarded("the update check's copies before the step"):
+                    self._update_prepare(model, step, optimizer, optimizers, updated, norms.total, max_norm)
         return report
 
     def after_clipping(
@@ -206,12 +262,25 @@ class AppliedCalls:
         global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
         the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
 
-        ``clipped_with``: for an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
-        after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against the
-        verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function that reads it,
-        called only when a check verified this step's gradient (reading it may wait for the device; ``None`` from it:
-        nothing to check); without it such a gradient (checked with ``gradients=``) is not checked here.
+        Args:
+            model: The model whose gradient was clipped.
+            max_norm: The clipping threshold (``clip_grad_norm_``'s ``max_norm``).
+            step: The optimizer step, the one :meth:`before_optimizer_step` was given.
+            clipped_with: For an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
+                after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against
+                the verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function
+                that reads it, called only when a check verified this step's gradient (reading it may wait for the
+                device; ``None`` from it: nothing to check); without it such a gradient (checked with ``gradients=``)
+                is not checked here.
         """
+        with self.guarded("watch.after_clipping"):
+            return self._after_clipping(model, max_norm, step=step, clipped_with=clipped_with)
+        return None
+
+    def _after_clipping(
+        self, model: nn.Module, max_norm: float, *, step: int, clipped_with: float | Callable[[], float | None] | None
+    ) -> CheckReport | None:
+        self._update_declare(step, max_norm)
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None
@@ -227,7 +296,7 @@ class AppliedCalls:
             return None
         report = self._outcomes.guarded(step, check, [])
         if report is not None:
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
 

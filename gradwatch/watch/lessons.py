@@ -15,6 +15,8 @@ import warnings
 from torch import nn
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.function.memory import backed_off
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch.alerts import GradientCheckWarning
@@ -68,6 +70,14 @@ class Lessons:
             self.active = dataclasses.replace(self.active, probe_batch_size=report.samples)
         retried = report.failed_tensors[: self.active.tensor_probes]  # a wrong gradient is confirmed at every check
         self.focus = tuple(dict.fromkeys([*report.undecided, *retried]))
+        if any(note.code == NoteCode.OUT_OF_MEMORY for note in report.notes):
+            # one step cheaper each time: native probes, native reductions, no vectorised passes, half the probe batch
+            active = self.active
+            cheaper = backed_off(
+                report.precision, float64_reductions=active.float64_reductions, vectorize=active.vectorize,
+                probe_batch_size=active.probe_batch_size, samples=report.samples,
+            )  # fmt: skip
+            self.active = dataclasses.replace(active, **cheaper)
         if report.vectorized is False:
             # the loss could not be vectorised: the next checks need not try again
             self.active = dataclasses.replace(self.active, vectorize=False)

@@ -55,24 +55,24 @@ class GradientWatch(AppliedCalls):
     :class:`~gradwatch.engine.settings.ProbeSettings`, and may be given as ``settings=`` instead.
 
     Args:
-        every_n_steps: A recomputed check every this many optimizer steps; by default every
-            :data:`~gradwatch.watch.defaults.DEFAULT_EVERY_N_STEPS`, within the budget of ``max_overhead``.
+        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500
+            (``DEFAULT_EVERY_N_STEPS``), within the budget of ``max_overhead``.
         first_check_step: Also check (both kinds) at this optimizer step, so a wrong gradient surfaces in the first
             minutes of a run; ``None`` to rely on the cadences alone.
         applied_every_n_steps: An applied check every this many optimizer steps (``None``: none), within the same
-            budget (:data:`~gradwatch.watch.defaults.DEFAULT_APPLIED_EVERY_N_STEPS`).
+            budget; 5000 by default (``DEFAULT_APPLIED_EVERY_N_STEPS``).
         on_fail: ``"warn"`` (a :class:`~gradwatch.GradientCheckWarning` naming the culprit, the tensor and index,
             rate-limited), ``"raise"`` (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and set
             :attr:`should_stop`) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
         max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
             would exceed this fraction of the training time (measured between calls); the first recomputed check is
-            always made, and measures the cost. ``"auto"`` (the default): :data:`DEFAULT_MAX_OVERHEAD` (1%) when
+            always made, and measures the cost. ``"auto"`` (the default): 1% (``DEFAULT_MAX_OVERHEAD``) when
             ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: none.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
-            a series of checks probes 2 samples unless told (:data:`DEFAULT_PROBE_BATCH_SIZE`).
+            a series of checks probes 2 samples unless told (``DEFAULT_PROBE_BATCH_SIZE``).
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
         decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
             the steps to wait), returns the decision (under DDP, rank 0's). :mod:`gradwatch.watch.distributed` has it.
@@ -80,6 +80,11 @@ class GradientWatch(AppliedCalls):
             ended its check) into the report every process acts on (a gather).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
+        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
+            makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.update_calls`);
+            ``False``: no update check.
+        **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
+            fields of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Raises ``ValueError`` at construction for an argument out of range or of the wrong type.
 
@@ -118,6 +123,7 @@ class GradientWatch(AppliedCalls):
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ) -> None:
         chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
@@ -132,9 +138,17 @@ class GradientWatch(AppliedCalls):
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
+        self.settings = settings_of(
+            settings,
+            options,
+            {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE},
+            where="GradientWatch()",
+            own=validate.keyword_names(GradientWatch.__init__),
+        )
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
+        self.check_update = validate.check_bool("check_update", check_update)
+        self._update_reset()
         self._decide = decide or as_decided
         self._agree = agree
         self._context = context or no_context
@@ -176,13 +190,19 @@ class GradientWatch(AppliedCalls):
         return [report for report in self._outcomes.reports if report.scope == "applied"]
 
     @property
+    def update_reports(self) -> list[CheckReport]:
+        """This run's reports with ``scope == "update"``, oldest first."""
+        return [report for report in self._outcomes.reports if report.scope == "update"]
+
+    @property
     def recomputed_reports(self) -> list[CheckReport]:
         """This run's reports with ``scope == "recomputed"``, oldest first."""
         return [report for report in self._outcomes.reports if report.scope == "recomputed"]
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed, skipped, postponed (over budget) and applied checks run and failed (kept on resume)."""
+        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (kept on
+        resume)."""
         return {**self._outcomes.counts, "postponed": self._schedule.postponed}
 
     @property
@@ -191,12 +211,25 @@ class GradientWatch(AppliedCalls):
         return self._schedule.clock.fraction
 
     def due(self, previous_step: int, step: int) -> bool:
-        """Whether a recomputed check is due after the optimizer steps ``previous_step < s <= step``."""
-        return self._schedule.due(previous_step, step)
+        """Whether a recomputed check is due after the optimizer steps ``previous_step < s <= step``.
+
+        Args:
+            previous_step: The last optimizer step already considered.
+            step: The optimizer step just taken.
+        """
+        with self.guarded("watch.due"):
+            return self._schedule.due(previous_step, step)
+        return False
 
     def due_next(self, step: int) -> bool:  # a recomputed check, e.g. to read a grad scaler's scale before it
-        """Whether a recomputed check is (or stays) due at the optimizer step after ``step``."""
-        return self._schedule.due_next(step)
+        """Whether a recomputed check is (or stays) due at the optimizer step after ``step``.
+
+        Args:
+            step: The optimizer step just taken.
+        """
+        with self.guarded("watch.due_next"):
+            return self._schedule.due_next(step)
+        return False
 
     @property
     def recording(self) -> bool:
@@ -204,15 +237,25 @@ class GradientWatch(AppliedCalls):
         return bool(self._applied.windows)
 
     def start(self, step: int = 0) -> None:
-        """Training (re)starts at optimizer step ``step``: the time until the next call is not training time."""
-        self._schedule.start(step)
-        self._last_step = step
+        """Training (re)starts: the time until the next call is not training time.
+
+        Args:
+            step: The optimizer steps already taken (0 for a new run; a resumed run's step).
+        """
+        with self.guarded("watch.start"):
+            self._schedule.start(step)
+            self._last_step = step
 
     def setup(self, model: nn.Module) -> None:
         """Match the ``ignore`` patterns to the model's parameter names (each that matches none warns once); the first
-        check does it if not done before."""
+        check does it if not done before.
+
+        Args:
+            model: The model the checks will see.
+        """
         self._model = model
-        self._lessons.set_up(model)
+        with self.guarded("watch.setup"):
+            self._lessons.set_up(model)
 
     def maybe_check(
         self,
@@ -240,32 +283,50 @@ class GradientWatch(AppliedCalls):
             The check's report, or ``None`` when no check ran (not due, postponed, skipped).
         """
         now = time.perf_counter()
+        self._update_release()  # the update check's one-shot hooks, once they have run
         loss_fn = self._loss_fn(loss_fn, step)
         self._model, self._last_step = model, max(self._last_step, step)
-        if not self._schedule.step_ended(step, now):
-            return None
-        if skipped() if callable(skipped) else skipped:
-            # the check stays pending and runs at the next optimizer step
-            self._outcomes.counts["skipped"] += 1
-            if self.verbose:
-                log.info("gradwatch: the grad scaler skipped optimizer step %d; the check moves to the next step", step)
-            return None
-        if not self._schedule.runs_now(step, self._decide):
-            return None
-        return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
+        with self.guarded("watch.maybe_check"):
+            if not self._schedule.step_ended(step, now):
+                return None
+            if skipped() if callable(skipped) else skipped:
+                # the check stays pending and runs at the next optimizer step
+                self._outcomes.counts["skipped"] += 1
+                if self.verbose:
+                    log.info("gradwatch: the grad scaler skipped step %d; the check moves to the next step", step)
+                return None
+            if not self._schedule.runs_now(step, self._decide):
+                return None
+            return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
+        return None
 
     def check(
         self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int,
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> CheckReport | None:  # fmt: skip
-        """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check. ``None`` when the
-        check was skipped (an error the alert reported, no loss, no trainable parameter)."""
-        return self._run(model, batch, self._loss_fn(loss_fn, step), step, time.perf_counter(), tuple(optimizers))
+        """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check.
+
+        Args:
+            model: The model to check.
+            batch: The batch whose loss is checked (its first ``probe_batch_size`` samples).
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``; the watch's own by default.
+            step: The optimizer steps taken so far, recorded on the report.
+            optimizers: Optimizers whose state the check puts back if the loss changes it.
+
+        Returns:
+            The report, or ``None`` when the check was skipped (an error the alert reported, no loss, no trainable
+            parameter).
+        """
+        loss_fn = self._loss_fn(loss_fn, step)
+        with self.guarded("watch.check"):
+            return self._run(model, batch, loss_fn, step, time.perf_counter(), tuple(optimizers))
+        return None
 
     def flush(self) -> None:
         """Flush every sink."""
         for sink in self._outcomes.sinks:
-            sink.flush()
+            with self.guarded(f"the sink {type(sink).__name__}"):
+                sink.flush()
 
     def _run(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
@@ -281,14 +342,22 @@ class GradientWatch(AppliedCalls):
             focus=lessons.focus, optimizers=optimizers,
         )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
-        self._schedule.ran(started, time.perf_counter())
+        with self.guarded("the budget's clock"):
+            self._schedule.ran(started, time.perf_counter())
         if report is not None:
-            self._lessons.learn(report)
-            self._outcomes.publish(report, self.overhead)
+            with self.guarded("the lessons of a check"):
+                self._lessons.learn(report)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
     def state_dict(self) -> dict[str, Any]:
-        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it)."""
+        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it); only the
+        version when it cannot be read (said once, see :meth:`guarded`)."""
+        with self.guarded("watch.state_dict"):
+            return self._state_dict()
+        return {"version": _STATE_VERSION}
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
             **self._outcomes.state_dict(),
@@ -298,9 +367,14 @@ class GradientWatch(AppliedCalls):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (keys missing from an older version take their defaults)."""
-        self._outcomes.load_state_dict(state_dict)
-        self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
-        self._schedule.load_state_dict(state_dict)
-        self._applied.load_state_dict(state_dict)
-        self._last_step = int(state_dict.get("last_step", 0))
+        """Resume from :meth:`state_dict` (keys missing from an older version take their defaults).
+
+        Args:
+            state_dict: What :meth:`state_dict` returned.
+        """
+        with self.guarded("watch.load_state_dict"):
+            self._outcomes.load_state_dict(state_dict)
+            self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
+            self._schedule.load_state_dict(state_dict)
+            self._applied.load_state_dict(state_dict)
+            self._last_step = int(state_dict.get("last_step", 0))

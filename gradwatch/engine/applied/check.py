@@ -28,15 +28,25 @@ from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.autocast_path import path_autocast
-from gradwatch.engine.applied.culprit_search import recomputed_search
+from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
+from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
+from gradwatch.engine.applied.window import (
+    COMBINES,
+    Checksums,
+    Combine,
+    PathContext,
+    applied_gradients,
+    disagreeing_ranks,
+    unrecorded_randomness,
+)
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.compiled import compiled_parts
@@ -45,6 +55,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -67,6 +78,7 @@ class _GlobalEvaluator(LossEvaluator):
         return _rank_mean(super().loss(), self.group)
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
@@ -95,11 +107,9 @@ def check_applied_gradient(
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses (``tensor_probes``: tensors probed along their own applied gradient per
-    check, in turn, every tensor when the descent probe fails; ``ignore``; ``seed``, of the culprit search;
-    ``hold_detached``) are
-    documented once, as the fields of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`, with their
-    defaults, which are those of :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
+    The probe options an applied check uses (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``) are documented
+    in full as the fields of :class:`~gradwatch.engine.settings.ProbeSettings`, with the defaults of
+    :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
     padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
     them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
     selects, the state it puts back and names when it cannot) is the check session's
@@ -125,6 +135,7 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
+        tensor_probes: Tensors probed per check along their part of the gradient (in turn; all if descent fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -132,6 +143,10 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
+        ignore: ``fnmatch`` patterns of parameter names not to check (a gradient deliberately not the derivative).
+        seed: Seed of the culprit search's sampling.
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective; :class:`~gradwatch.engine.settings.ProbeSettings`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
@@ -163,7 +178,7 @@ def check_applied_gradient(
     trainable = [
         (n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())
     ]
-    given = _applied(trainable, gradients)
+    given = applied_gradients(trainable, gradients)
     gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
     session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
     names = [name for name, _ in session.params]
@@ -178,6 +193,7 @@ def check_applied_gradient(
         shards = shard_window(session.collective, [p for _, p in session.params], applied)
         applied, group = shards.applied, None
         session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    session.leading += unreached_note(model, trainable, given, probed=False) if gradients is None else []  # .grad
     unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
@@ -192,7 +208,7 @@ def check_applied_gradient(
     plan = AppliedPlan(names, applied, native, path_dtype, floor_multiple(path_dtype), session.settings.tensor_probes,
                        rotation)  # fmt: skip
     if group is not None:
-        disagreeing = _disagreeing_ranks(applied, group)
+        disagreeing = disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
             probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
@@ -202,16 +218,20 @@ def check_applied_gradient(
     if not (shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in applied)):
         probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                       Reason.NONFINITE)  # fmt: skip
-        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", fault="unknown",
-                              fault_message="the applied gradient holds non-finite values")  # fmt: skip
+        named = list(zip(names, applied, strict=True))
+        fields = nonfinite_fault(session, model, named, micro_batches[0], loss_fn, states[0], step,
+                                 culprit_search and shards is None)  # fmt: skip
+        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
     equivalence, said = None, list[Note]()
-    with session.measuring() as state:
+    with surviving_out_of_memory(None, setting.params[0].device) as ran_out, session.measuring() as state:
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
                                                      names, state, group, join, window_normalised)  # fmt: skip
+    if ran_out:  # the state is back and what the check allocated freed: the run goes on
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []
@@ -249,7 +269,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=_relative_floor(descent.probe if descent else None),
+        noise_floor=relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
         accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
         accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
@@ -260,32 +280,6 @@ def _undecided(probe: Probe) -> Probe:
     """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
     design (``ignore=`` it to leave it out)."""
     return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
-
-
-def _applied(
-    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
-) -> list[Tensor | None]:
-    if given is None:
-        return [p.grad for _, p in trainable]
-    if isinstance(given, Mapping):
-        unknown = sorted(set(given) - {n for n, _ in trainable})
-        if unknown:
-            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
-        return [given.get(n) for n, _ in trainable]
-    given = list(given)
-    if len(given) != len(trainable):
-        raise ValueError(
-            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
-        )
-    return list[Tensor | None](given)
-
-
-def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
-    """The ranks whose gradient checksums differ from rank 0's."""
-    mine = Checksums.of(applied)
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +361,8 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)
         measured_floors = [distances(eager, scaled)]
         backward += 1
-    else:
-        measured_floors = None  # measured only if a probe needs it (.lazy_floor)
+    else:  # a TF32 path's floor now (.reduced_float32); else only if a probe needs it (.lazy_floor)
+        backward += (measured_floors := tf32_floors(setting, eager, notes)) is not None
     applied_norms = norms(plan.applied, exact=True)
     floor_values = floors(measured_floors or [], applied_norms, path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
@@ -386,10 +380,3 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
-
-
-def _relative_floor(descent: Probe | None) -> float:
-    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
-    if descent is None or descent.floor is None or not descent.analytic:
-        return math.nan
-    return descent.floor / descent.analytic

@@ -50,9 +50,15 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a shard's own rows (FSDP2)
 
 
+def _real(tensor: Tensor) -> Tensor:
+    """A complex gradient as the real pairs the optimizer updates (``view_as_real``: same norm, both parts summed),
+    a real one as it is; the clipping loops take a complex tensor's norm over its moduli, which this equals."""
+    return torch.view_as_real(tensor.detach().resolve_conj()) if tensor.is_complex() else tensor.detach()
+
+
 def _norm(tensor: Tensor) -> float:
     """``‖tensor‖`` in float64, over every shard of a DTensor (its own reduction, over its own mesh)."""
-    norm = torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)
+    norm = torch.linalg.vector_norm(_real(tensor), dtype=torch.float64)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
@@ -60,7 +66,7 @@ def _norm(tensor: Tensor) -> float:
 
 def _sum(tensor: Tensor) -> tuple[float, float]:
     """The signed sum and the sum of absolute values of this rank's part, in float64."""
-    flat = _local(tensor).detach().reshape(-1).double()
+    flat = _real(_local(tensor)).reshape(-1).double()
     return float(flat.sum()), float(flat.abs().sum())
 
 
@@ -98,7 +104,7 @@ class GradientNorms:
         present = [t for t in tensors if t is not None]
         norms = tuple(_norm(t) if t is not None else 0.0 for t in tensors)
         sums = tuple(_sum(t) if t is not None else (0.0, 0.0) for t in tensors)
-        dtype = max((t.dtype for t in present), key=lambda d: machine_epsilon(d), default=torch.float32)
+        dtype = max((_real(t).dtype for t in present), key=lambda d: machine_epsilon(d), default=torch.float32)
         return cls(norms, sums, math.hypot(*norms), dtype)
 
 

@@ -97,16 +97,17 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
 
 
 @contextlib.contextmanager
-def exact_conditions() -> Iterator[list[tuple[str, torch.dtype]]]:
+def exact_conditions(ieee: bool = True) -> Iterator[list[tuple[str, torch.dtype]]]:
     """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
     Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
     check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
     passes), so that it draws the training's masks; activation checkpoints run non-reentrant (a reentrant one refuses
     ``torch.autograd.grad``). Yields the autocast regions the loss tried to enter meanwhile
-    (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)."""
+    (:func:`~gradwatch.engine.function.conditions.autocast_held_off`). Not ``ieee``: float32 kernels as training set
+    them (TF32 where it is on: :mod:`.reduced_float32`)."""
     with (
         autocast_held_off() as entered,
-        full_float32_precision(),
+        full_float32_precision() if ieee else contextlib.nullcontext(),
         compiler_disabled(),
         reentrant_checkpoints_run_non_reentrant(),
     ):
@@ -121,10 +122,12 @@ def eager_gradient(
     state: TrainingState,
     group: Any = None,
     scale: float = 1.0,
+    ieee: bool = True,
 ) -> Gradient:
     """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window); with
-    a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise)."""
-    with exact_conditions():
+    a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise); not ``ieee``, with the
+    float32 kernels training's settings choose (TF32)."""
+    with exact_conditions(ieee):
         return _gradient(model, batches, loss_fn, params, state, group, scale)[1]
 
 

@@ -31,6 +31,7 @@ from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import Assessment, assess, screen
+from gradwatch.engine.numerics.kinks import at_a_tie
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
@@ -272,6 +273,11 @@ class AppliedProbes:
             reason = "agrees" if second_judgement.verdict == "ok" else "unstable"
             verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
             second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
+        elif at_a_tie(stencil) or at_a_tie(second):
+            # a kink at the point (a ReLU input or a max-pool window exactly tied): the loss has no derivative
+            # along the probe, the central difference is the mean of its one-sided slopes at any step (so the
+            # discrepancy reproduces) and autograd's choice of one side is no wrong formula
+            second_judgement = Judgement("inconclusive", "tie", second_judgement.tolerance, second_judgement.excess)
         return second, second_assessment, second_judgement, 4
 
     def _centred(self, screen: Stencil) -> Stencil:

@@ -14,11 +14,12 @@ to zero them leaves them in the applied gradient).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
@@ -183,7 +184,11 @@ class AppliedWindow:
 
     def record(self, batch: Any) -> None:
         """Keep ``batch`` (a reference) and the random state its forward will draw from; on the window's first
-        micro-batch, the fingerprint of the gradients already there."""
+        micro-batch, the fingerprint of the gradients already there.
+
+        Args:
+            batch: The micro-batch about to be run forward (not copied: do not change it in place before the step).
+        """
         if not self.batches and self.model is not None:
             self.start = Checksums.of([p.grad for p in self.model.parameters() if p.requires_grad])
         self.batches.append(batch)
@@ -195,12 +200,18 @@ class AppliedWindow:
         self.batches, self.rng_states, self.start, self.autocast = [], [], None, None
 
     def check(self, loss_fn: LossFn, model: nn.Module | None = None, **options: Any) -> CheckReport:
-        """:func:`~gradwatch.engine.applied.check_applied_gradient` of the model's ``.grad`` over the recorded window
-        (``model``: the window's own by default); ``options`` are passed on, keywords all (``combine``, ``path``,
-        ``step``, the probe options or ``settings``, ...). A window reused across steps (:meth:`clear` after each)
-        calls a ``"transient"`` fault its previous check found too ``"modified"``. Without a ``path``, a window
-        recorded inside an autocast region (``record`` called in the ``with torch.autocast(...)`` block of the forward)
-        is checked on that autocast path, with a note."""
+        """:func:`~gradwatch.check_applied_gradient` of the model's ``.grad`` over the recorded window.
+
+        A window reused across steps (:meth:`clear` after each) calls a ``"transient"`` fault its previous check found
+        too ``"modified"``. Without a ``path``, a window recorded inside an autocast region (``record`` called in the
+        ``with torch.autocast(...)`` block of the forward) is checked on that autocast path, with a note.
+
+        Args:
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss of one micro-batch as the loop computes it.
+            model: The module whose ``.grad`` is checked; the window's own by default.
+            **options: Passed on to :func:`~gradwatch.check_applied_gradient`, keywords all (``combine``, ``path``,
+                ``step``, the probe options or ``settings``, ...).
+        """
         from gradwatch.engine.applied.check import check_applied_gradient  # it imports this module
 
         if not self.batches:
@@ -226,3 +237,31 @@ class AppliedWindow:
         report = recurring(report, self.last_fault)
         self.last_fault = (report.step, report.fault)
         return report
+
+
+def applied_gradients(
+    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
+) -> list[Tensor | None]:
+    """The gradient to check of each trainable parameter: its ``.grad``, or what ``given`` holds for it (by name or in
+    order), validated against the parameters."""
+    if given is None:
+        return [p.grad for _, p in trainable]
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - {n for n, _ in trainable})
+        if unknown:
+            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
+        return [given.get(n) for n, _ in trainable]
+    given = list(given)
+    if len(given) != len(trainable):
+        raise ValueError(
+            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
+        )
+    return list[Tensor | None](given)
+
+
+def disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
+    """The ranks whose gradient checksums differ from rank 0's."""
+    mine = Checksums.of(applied)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]

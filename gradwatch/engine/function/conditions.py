@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from torch import Tensor
 
+from gradwatch.engine.function.torch_warnings import torch_registries_cleared
+
 # torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
 _PRECISION_SETTINGS = (
     ("cuda", "matmul"),
@@ -162,11 +164,14 @@ def warnings_withheld() -> Iterator[list[str]]:
     def withhold(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
         withheld.append(f"{category.__name__}: {message}")
 
-    warnings.showwarning = withhold  # type: ignore[assignment]
-    try:
-        yield withheld
-    finally:
-        warnings.showwarning = shown
+    # PyTorch's own warnings that training has shown once are raised again (its warning registries emptied and put
+    # back): some say a gradient is silently incorrect (:mod:`.torch_warnings`)
+    with torch_registries_cleared():
+        warnings.showwarning = withhold  # type: ignore[assignment]
+        try:
+            yield withheld
+        finally:
+            warnings.showwarning = shown
 
 
 _DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")

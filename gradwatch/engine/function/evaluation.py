@@ -25,6 +25,7 @@ from gradwatch.engine.function.complex_params import autograd_tensor, checked_gr
 from gradwatch.engine.function.dataflow import ReferenceFlow, unprobed_note
 from gradwatch.engine.function.fidelity import Float64Fidelity
 from gradwatch.engine.function.held import HeldDetaches
+from gradwatch.engine.function.memory import ending_check_when_out_of_memory
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
@@ -130,11 +131,11 @@ class LossEvaluator:
         self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
-        fidelity = self._fidelity if self._float64_inputs else None
-        with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity or contextlib.nullcontext():
+        fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
+        with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
             yield
         self.n_forward += points - 1
-        if fidelity is not None and not self._fidelity_settled:
+        if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
             # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
             # otherwise (it would only cost its dispatch)
             self._fidelity_settled = True

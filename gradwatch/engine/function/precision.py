@@ -7,7 +7,9 @@ of float64 kernels (about 2x slower on CPUs and data-centre GPUs, far slower on 
 float64 kernel at all) and of a float64 copy of the parameters and buffers during the check.
 
 ``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
-parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`). Native float32 probes cannot tell a 1e-3 error from noise on a
+parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`), fits in the device's free memory
+(:mod:`~gradwatch.engine.function.memory`) and float64 is not priced out on the device (:data:`FLOAT64_SLOWDOWN_LIMIT`).
+Native float32 probes cannot tell a 1e-3 error from noise on a
 network full of kinks (ReLU, max-pool): their steps must be large to beat round-off, and large steps cross kinks. In
 float64 the steps are thousands of times smaller (see :func:`gradwatch.engine.numerics.steps.relative_step`) and
 round-off is still negligible, so a healthy check ends after its screens instead of escalating, which is why float64
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Collection, Iterator
+import time
+import weakref
+from collections.abc import Callable, Collection, Iterator
 from typing import Literal
 
 import torch
@@ -33,7 +37,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradwatch.engine.function.cast_on_use import CastOnUse
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.memory import check_peak, is_out_of_memory, release_memory
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.function.values import first_line
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 
@@ -131,42 +137,117 @@ def substitute_of(checked: Tensor, substitutes: dict[int, Tensor]) -> Tensor:
     return checked_view(found) if is_real_view(checked) else found
 
 
+FLOAT64_SLOWDOWN_LIMIT = 10.0
+"""The most a float64 evaluation of the loss (a forward pass) may cost against the check's native reference pass (a
+forward and a backward: a training step's work), timed on the device, before ``precision="auto"`` probes natively,
+with float64 only for the probes native ones leave undecided, and a note. By peak-rate arithmetic a float64 forward of
+a GEMM-bound model costs under one step on a CPU, ~5 steps on an H100 or A100 (float64 tensor cores: float64 stays),
+~19 on a B200, ~43 on an RTX 4090 and 600-900 on a B300 (native)."""
+
+
 @contextlib.contextmanager
-def probe_precision(model: nn.Module, evaluator: LossEvaluator, mode: str) -> Iterator[tuple[str, float]]:
+def probe_precision(
+    model: nn.Module, evaluator: LossEvaluator, mode: str, *, step_seconds: float = math.nan
+) -> Iterator[tuple[str, float]]:
     """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used and the loss
     of the trial evaluation in float64 (NaN if none), which the probes take as their centre.
 
     Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
-    float64 kernel, a tensor created in float32 inside the model). The evaluator is back on the native parameters and
-    inputs afterwards.
+    float64 kernel, a tensor created in float32 inside the model), when float64 would not fit in the device's free
+    memory (:mod:`~gradwatch.engine.function.memory`: estimated before, or an out-of-memory error in the copy or the
+    trial) and, given ``step_seconds`` (``precision="auto"``: the time of the reference pass, a native forward and
+    backward of the probe batch, a training step's work), when the trial costs more than
+    :data:`FLOAT64_SLOWDOWN_LIMIT` of those on this device. The evaluator is back on the native parameters and inputs
+    afterwards.
     """
     if mode != "float64":
         yield "native", math.nan
         return
     native_params = evaluator.params
-    named = {id(p): name for name, p in model.named_parameters()}
-    with float64_storage(model) as substitutes:
-        evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
-        evaluator.use_float64_inputs()
-        originals = {key: name for key, name in named.items() if key in substitutes}
-        try:
-            evaluator.watch = OriginalsWatch(originals)  # the trial alone: a loss using an original does every time
+    code, problem = _unaffordable(model, evaluator)
+    device, priced = _device_of(model), math.isfinite(step_seconds)
+    if priced and not problem and _TOO_SLOW.get(model, ("", ""))[0] == str(device):  # once per model and device
+        code, problem = NoteCode.FLOAT64_TOO_SLOW, _TOO_SLOW[model][1]
+    if not problem:
+        named = {id(p): name for name, p in model.named_parameters()}
+        with contextlib.ExitStack() as storage:
             try:
-                trial = evaluator.loss()
+                substitutes = storage.enter_context(float64_storage(model))
+                evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
+                evaluator.use_float64_inputs()
+                originals = {key: name for key, name in named.items() if key in substitutes}
+                evaluator.watch = OriginalsWatch(originals)  # the trial alone: a loss using an original does every time
+                try:
+                    trial, seconds = _timed(evaluator.loss)
+                finally:
+                    evaluator.watch = None
+                if priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds:  # timed again, warmed up
+                    seconds = min(seconds, _timed(evaluator.loss)[1])
+            except Exception as error:
+                if not is_out_of_memory(error) and isinstance(error, CheckAbandonedError):
+                    raise
+                code, problem = (
+                    (NoteCode.MEMORY_NATIVE, f"float64 ran out of memory ({first_line(error)})")
+                    if is_out_of_memory(error)
+                    else (NoteCode.NATIVE_PRECISION, f"the loss raised {type(error).__name__} in float64 ({error})")
+                )
+            else:
+                if priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds:
+                    code = NoteCode.FLOAT64_TOO_SLOW
+                    problem = (
+                        f"a float64 evaluation of the loss took {seconds / step_seconds:.0f}x a native forward and "
+                        f"backward on this device (more than {FLOAT64_SLOWDOWN_LIMIT:.0f}x)"
+                    )
+                    _TOO_SLOW[model] = (str(device), problem)
+                else:
+                    try:
+                        yield "float64", trial
+                    finally:
+                        evaluator.use_native_inputs()
+                        evaluator.params = native_params
+                    return
             finally:
-                evaluator.watch = None
-        except CheckAbandonedError:
-            raise
-        except Exception as error:
-            problem = f"the loss raised {type(error).__name__} in float64 ({error})"
-        else:
-            try:
-                yield "float64", trial
-            finally:
-                evaluator.use_native_inputs()
-            return
-        finally:
-            evaluator.params = native_params
-    evaluator.notes.append(Note(NoteCode.NATIVE_PRECISION, f"probes run in the native precision: {problem}"))
+                evaluator.params = native_params
+    if code == NoteCode.MEMORY_NATIVE:
+        release_memory(device)
+    evaluator.notes.append(Note(code, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan
+
+
+_TOO_SLOW: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakKeyDictionary()
+"""The models whose float64 evaluation was timed too slow against a native one, with what was measured: their later
+checks are not timed again (a float64 trial on such a device costs more than the rest of a check)."""
+
+
+def _unaffordable(model: nn.Module, evaluator: LossEvaluator) -> tuple[NoteCode, str]:
+    """Why float64 probes would not fit in the device's free memory (``""``: they would), by the estimate of
+    :func:`~gradwatch.engine.function.memory.check_peak`."""
+    params = [p for _, p in evaluator.params]
+    if not params:
+        return NoteCode.NATIVE_PRECISION, ""
+    estimate = check_peak(
+        params, list(model.buffers()), list(evaluator.inputs.values()), evaluator.saved_elements,
+        params[0].element_size(), params[0].device,
+    )  # fmt: skip
+    if estimate.fits("float64"):
+        return NoteCode.NATIVE_PRECISION, ""
+    return NoteCode.MEMORY_NATIVE, estimate.describe("float64")
+
+
+def _timed(evaluate: Callable[[], float]) -> tuple[float, float]:
+    """``evaluate()`` and the seconds it took (the device synchronised, so that its kernels are counted)."""
+    _synchronize()
+    started = time.perf_counter()
+    value = evaluate()
+    _synchronize()
+    return value, max(time.perf_counter() - started, 1e-9)
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    return next((p.device for p in model.parameters()), None)

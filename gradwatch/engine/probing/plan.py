@@ -10,6 +10,7 @@ measurements
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -43,6 +44,9 @@ class ProbePlan:
             accept; see :mod:`gradwatch.engine.recomputed.formula`).
         tolerances: The tolerance of each probe from a floor measured per tensor (:mod:`.tolerances`); ``rtol`` is
             then the largest, which probes of inputs and activations keep.
+        priced: Whether float64 probes give way to native ones where float64 costs too much on the device
+            (``precision="auto"``; see :func:`gradwatch.engine.function.precision.probe_precision`).
+        step_seconds: What a priced check's native reference pass took: the price float64 is compared with.
     """
 
     portfolio: PortfolioSettings
@@ -56,6 +60,8 @@ class ProbePlan:
     measured_floor: bool = False
     check_formula: bool = False
     tolerances: TensorTolerances | None = None
+    priced: bool = False
+    step_seconds: float = math.nan
 
     @property
     def seed(self) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -30,14 +31,14 @@ import torch
 from torch import nn
 
 from gradwatch.engine import validation as validate
-from gradwatch.engine.distributed import SHARDED_NOTE
-from gradwatch.engine.distributed.collective import Collective
+from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.precision import Precision, ResolvedPrecision, resolve_precision
+from gradwatch.engine.function.memory import surviving_out_of_memory
+from gradwatch.engine.function.precision import Precision, resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
@@ -48,12 +49,14 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
-from gradwatch.engine.recomputed.probes import least_precise, measured_probes
+from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
+from gradwatch.engine.recomputed.probes import least_precise, measured_probes, overall_verdict
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
+from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
@@ -61,6 +64,7 @@ from gradwatch.engine.settings import ProbeSettings
 __all__ = ["check_gradients"]
 
 
+@validate.suggests_options
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,
@@ -90,8 +94,8 @@ def check_gradients(
 
     The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
     ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
-    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are documented once, as the fields of the same names of
-    :class:`~gradwatch.engine.settings.ProbeSettings`.
+    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are summed up below and documented in full as the fields
+    of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
         model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps,
@@ -103,12 +107,30 @@ def check_gradients(
             screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
             In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
+        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
+        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
+            received no gradient at all.
+        param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
+        input_probes: Probes on the floating inputs of the batch (0 to skip input probes altogether).
+        probe_batch_size: Check the loss of the first this many samples of the batch; ``None`` for the whole batch.
+        precision: ``"native"`` (the parameters' dtype), ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter
+            elements) for the finite differences.
+        ignore: ``fnmatch`` patterns of parameter names not to check, e.g. ``["quantizer.*"]`` for a
+            straight-through estimator whose gradient is deliberately not the derivative.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
             a series of checks, the previous report's :attr:`~gradwatch.engine.results.report.CheckReport.undecided`,
             so that a
             tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
+        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
+        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
             ``step``. A caller running a series of checks passes the check's position in the series.
+        float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences.
+        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap``.
+        fail_on_imprecise: Fail a float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds
+            ``rtol`` (by default a probe ``"ok"`` with reason ``"imprecise"``).
+        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
+            objective such as GRPO's ``exp(logp - logp.detach())``).
         optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
             rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
@@ -173,12 +195,19 @@ def _check(
         warnings.warn(message, UserWarning, stacklevel=3)
     focus, focus_notes = known_focus(focus, model)
     params = session.select()
+    if not any(p.requires_grad and p.is_floating_point() for p in model.parameters()):
+        text = (
+            f"{type(model).__name__} has no trainable floating-point parameter (frozen, or layers kept in a plain "
+            "list or dict, which are not registered): only the gradient in the batch's inputs is checked"
+        )
+        session.leading.append(Note(NoteCode.NO_TRAINABLE_PARAMETER, text))
+        warnings.warn(f"gradwatch: {text}", UserWarning, stacklevel=5)  # the caller of check_gradients
     dtype = least_precise([p.dtype for _, p in params])
     floating_elements = sum(p.numel() for p in model.parameters() if p.is_floating_point())
     mode = resolve_precision(settings.precision, dtype, floating_elements)
     vectorize = settings.vectorize
     if session.collective is not None:
-        sharding_notes, mode, vectorize = _sharded_settings(session.collective, mode)
+        sharding_notes, mode, vectorize = sharded_settings(session.collective, mode)
         session.leading += sharding_notes
     session.leading += focus_notes
     plan = ProbePlan(
@@ -204,15 +233,18 @@ def _check(
         precision=mode,
         measure_floor=settings.rtol is None,
         check_formula=settings.rtol is None,
+        priced=settings.precision == "auto" and session.collective is None,
     )
-    with session.measuring():
+    with surviving_out_of_memory(mode, next((p.device for _, p in params), None)) as ran_out, session.measuring():
         outcome = _run(session, batch, loss_fn, plan)
+    if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
     evaluator = outcome.evaluator
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
-    if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
+    if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
         culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
-    return session.report(
-        verdict=_overall_verdict(outcome.probes),
+    report = session.report(
+        verdict=overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
         notes=evaluator.notes,
@@ -228,6 +260,9 @@ def _check(
         culprit_message=culprit_message,
         probed_inputs=outcome.probed_inputs,
     )
+    for latent in report.noted(NoteCode.UPSTREAM_IGNORED):  # right as training weights it: a warning, no verdict
+        warnings.warn(f"gradwatch: {latent}", UserWarning, stacklevel=4)
+    return report
 
 
 def _culprits_of_twin(
@@ -283,9 +318,14 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     model, state = session.model, session.state
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
+        custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
+        started = time.perf_counter()
         evaluator, reference, probe_batch = reference_on_a_slice(
-            session, batch, loss_fn, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+            session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
+        evaluator.loss_fn = loss_fn
+        if plan.priced:  # a training step's work on the probe batch: what float64 probes are priced against
+            plan = dataclasses.replace(plan, step_seconds=time.perf_counter() - started)
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
@@ -294,6 +334,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         ]
         grad_norms = norms(grads, exact=True)
         probes = nonfinite_probes(reference, params, grad_norms)
+        if probes and sharding_active() is None:  # measured against the loss's differences, traced to a module
+            nonfinite = measured_nonfinite(model, evaluator, reference, params)
+            probes, culprits, culprit_message = nonfinite.probes, nonfinite.culprits, nonfinite.message
+            evaluator.notes += nonfinite.notes
         asked = plan.rtol
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         # tensor parallelism: every rank compares, so that ranks of a group whose gradients differ stop together
@@ -313,6 +357,9 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
+            if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+                latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
+                evaluator.notes += [latent] if latent is not None else []
     if (
         sharding_active() is None
         and compiled_parts(model)
@@ -336,30 +383,3 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         culprit_message,
         tuple(reference.input_grads),
     )
-
-
-def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
-    """A sharded check's notes, precision and vectorisation: native probes, evaluated one by one."""
-    notes = [
-        Note(
-            NoteCode.SHARDED,
-            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
-            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
-            "forward pass; no input coordinate probes and no culprit search",
-        )
-    ]
-    if mode == "float64":
-        why = "FSDP gathers parameters in their own dtype"
-        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
-    return notes, "native", False
-
-
-def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
-    if any(p.verdict == Verdict.FAIL for p in probes):
-        return Verdict.FAIL
-    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
-    if any(p.verdict == Verdict.OK for p in whole):
-        return Verdict.OK
-    return Verdict.INCONCLUSIVE

@@ -59,7 +59,9 @@ class ProbeKind(StrEnum):
     (:mod:`gradwatch.engine.culprits`) adds probes of one module (``target`` its name as in ``named_modules()``,
     ``""`` the model itself), each displacing what that module alone sees along autograd's gradient there:
     ``"activation"`` its output, ``"module_input"`` its inputs as it receives them, ``"module_params"`` its own
-    parameters during its own forward.
+    parameters during its own forward. ``"update"``: an update check's comparison of the update the optimizer
+    applied to one tensor (``numeric``, its norm) with the reference update (``analytic``, its norm); ``rel_error`` is
+    the norm of their difference relative to the reference's (see :mod:`gradwatch.engine.update`).
     """
 
     DESCENT = "descent"
@@ -71,6 +73,7 @@ class ProbeKind(StrEnum):
     INPUT = "input"
     LOSS = "loss"
     COMPILED = "compiled"
+    UPDATE = "update"
     ACTIVATION = "activation"
     MODULE_INPUT = "module_input"
     MODULE_PARAMS = "module_params"
@@ -162,6 +165,11 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
         starts_culprit_search=True,
     ),
     ProbeKind.LOSS: KindTraits("the loss itself, reported only when it is not finite"),
+    ProbeKind.UPDATE: KindTraits(
+        "the update the optimizer applied to one tensor (numeric, its norm) against the reference update from the "
+        "verified gradient and the kept state (analytic, its norm) (gradwatch.engine.update)",
+        vouches=True,
+    ),
     ProbeKind.COMPILED: KindTraits(
         "the gradient of one tensor (or of all, target '*') through the training's compiled graph against eager "
         "autograd's (gradwatch.engine.recomputed.compiled)"

@@ -29,8 +29,13 @@ class NoteCode(StrEnum):
     WHOLE_BATCH = "whole-batch", "probes use the whole batch because the loss refused a slice of it"
     NOT_REPRODUCIBLE = "not-reproducible", "no probe made: the loss draws randomness gradwatch cannot replay"
     AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
+    NONFINITE_LOSS = "nonfinite-loss", "the loss is not finite at the point or around it: no derivative to compare"
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
+    NO_TRAINABLE_PARAMETER = (
+        "no-trainable-parameter",
+        "the model has no trainable parameter: only the gradient in the batch's inputs was checked",
+    )
     INPUT_PROBES_REFUSED = "input-probes-refused", "input probes skipped: the loss cannot be differentiated in inputs"
     INPUTS_DETACHED = "inputs-detached", "inputs the loss detaches are not probed: their gradient is not the derivative"
     BATCH_OPAQUE = "batch-opaque", "a tensor of the batch gradwatch cannot probe (in an opaque object, or complex)"
@@ -38,6 +43,7 @@ class NoteCode(StrEnum):
     DETACHED_HELD = "detached-held", "values the loss detaches held at the reference's: what autograd differentiates"
     DETACHED_MISMATCH = "detached-mismatch", "detached values could not be held: the loss detached other tensors"
     WARNINGS_WITHHELD = "warnings-withheld", "warnings raised during the check's evaluations were not shown"
+    SILENTLY_INCORRECT = "silently-incorrect", "PyTorch warned that the loss's gradient may be silently incorrect"
     # the model's state
     STATE_RESTORED = "state-restored", "the loss changes the model's state, which the check put back"
     STATE_UNRESTORED = "state-unrestored", "the loss changed state in place that the check could not put back"
@@ -61,6 +67,10 @@ class NoteCode(StrEnum):
         "float64-reductions-off",
         "float64 reductions switched off: one differed from the native result, or the loss raised",
     )
+    FLOAT64_TOO_SLOW = "float64-too-slow", "probes run natively: float64 costs too much against the step on this device"
+    # memory
+    MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit in the device's free memory"
+    OUT_OF_MEMORY = "out-of-memory", "the check ran out of memory: put back, inconclusive; the next runs cheaper"
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
@@ -89,6 +99,7 @@ class NoteCode(StrEnum):
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
     CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
+    UPSTREAM_IGNORED = "upstream-ignored", "a module's backward ignores its upstream gradient: right only at weight 1"
     # compiled graphs
     COMPILED_UNSUPPORTED = "compiled-unsupported", "compiled gradient not compared: needs torch >= 2.6"
     COMPILED_WOULD_RECOMPILE = "compiled-would-recompile", "compiled gradient not compared: the batch would recompile"
@@ -111,6 +122,9 @@ class NoteCode(StrEnum):
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
     APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
     APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
+    UPDATE_REFERENCE = "update-reference", "the reference an update check compared the optimizer's update with"
+    UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
+    UPDATE_UNCHECKED = "update-unchecked", "a tensor an update check could not compare, and why"
     ACCUMULATION_EQUIVALENCE = (
         "accumulation-equivalence",
         "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",
@@ -132,6 +146,12 @@ class NoteCode(StrEnum):
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
     )
+    UNREACHED_PARAMETERS = (
+        "unreached-parameters",
+        "trainable parameters the loss never reaches: requires_grad, and no gradient after the backward",
+    )
+    # a watch's own calls outside a check (gradwatch.watch.guard)
+    WATCH_ERROR = "watch-error", "a call gradwatch makes outside a check raised: skipped, training unaffected"
 
 
 _BY_VALUE: dict[str, NoteCode] = {code.value: code for code in NoteCode}

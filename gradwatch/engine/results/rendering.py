@@ -71,11 +71,30 @@ def ordered_failures(report: CheckReport) -> list[Probe]:
     ]
 
 
+def nonfinite_loss(report: CheckReport) -> bool:
+    """Whether the check failed because the loss itself is not finite at the checked point: no gradient there can be
+    checked (or trusted), and no backward is shown wrong by it."""
+    return any(p.kind == ProbeKind.LOSS and p.reason == "nonfinite" for p in report.failures)
+
+
+def nonfinite_loss_words(report: CheckReport) -> str:
+    """A non-finite loss in words: what it is, and that it is no wrong gradient."""
+    value = next((p.analytic for p in report.failures if p.kind == ProbeKind.LOSS), report.loss)
+    return (
+        f"the loss is not finite ({value}) at step {report.step}: no gradient can be checked at this point, and this "
+        "is not a wrong gradient (look for an overflow, a log or division of zero in the loss, or parameters already "
+        "not finite)"
+    )
+
+
 def headline(report: CheckReport, prefix: str = "") -> str:
     """The first line: the step and the culprit, or the step and the count of failing probes when none was found; for
-    an applied check, led by the fault and what named it."""
+    an applied check, led by the fault and what named it; for a loss that is not finite, that (no gradient failure)."""
+    if nonfinite_loss(report):
+        return f"{prefix}{nonfinite_loss_words(report)}"
     if report.fault is not None:
-        lead = f"{prefix}{report.fault} fault: applied gradient check failed at step {report.step}"
+        what = "update check" if report.scope == "update" else "applied gradient check"
+        lead = f"{prefix}{report.fault} fault: {what} failed at step {report.step}"
         return f"{lead}: {report.fault_message}"
     if report.culprit_message:
         return f"{prefix}gradient check failed at step {report.step}: {report.culprit_message}"
@@ -105,7 +124,11 @@ def _cells(probe: Probe) -> tuple[str, ...]:
 
 
 def probe_table(probes: Sequence[Probe]) -> str:
-    """The probes as an aligned plain-text table, one row per probe under a header and a rule."""
+    """The probes as an aligned plain-text table, one row per probe under a header and a rule.
+
+    Args:
+        probes: The probes to show, e.g. ``report.probes``.
+    """
     rows = [_TABLE_HEADER, *(_cells(p) for p in probes)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_TABLE_HEADER))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -15,6 +15,7 @@ from typing import Literal, TypeVar
 
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.numerics import Numerics
 from gradwatch.engine.results.rendering import render_text
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
@@ -23,15 +24,17 @@ VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 UNDECIDED_REASONS: tuple[Reason, ...] = tuple(reason for reason in Reason if reason.retried)
 """Why a probe may end undecided where the next check, at another point, could decide."""
 
-Scope = Literal["applied", "recomputed"]
-"""What a check compared with the loss: ``"applied"``, the gradient the optimizer is about to apply, as the training's
-own path computed it (autocast, compiled graph, accumulation, cross-rank reduction, hooks;
+Scope = Literal["applied", "recomputed", "update"]
+"""What a check compared: ``"update"``, the update the optimizer applied against a reference update computed from the
+verified gradient (:mod:`gradwatch.engine.update`); ``"applied"``, the gradient the optimizer is about to apply, as the
+training's own path computed it (autocast, compiled graph, accumulation, cross-rank reduction, hooks;
 :mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
 (:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
 
 Fault = Literal[
-    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified"
-]
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
+    "update", "gradient",
+]  # fmt: skip
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
 ``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
 (right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
@@ -42,10 +45,16 @@ the right gradient: a one-off corruption), ``"modified"`` (the same path compute
 the change recurs: the optimizer runs step pre-hooks, or the applied check before found the same) or ``"unknown"``;
 ``"clipping"`` (the gradient the optimizer steps with is not
 the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
-:func:`~gradwatch.engine.applied.clipping.check_clipping`)."""
+:func:`~gradwatch.engine.applied.clipping.check_clipping`; for an update check, the update matches the reference from
+the unclipped gradient, or from a gradient that is the verified one scaled otherwise). Update checks
+(:mod:`gradwatch.engine.update`) also name ``"update"`` (the optimizer's update is not its algorithm's from the
+verified gradient and state: a Muon orthogonalising shards, a weight decay applied twice) and ``"gradient"`` (the
+update is the algorithm's from another gradient than the verified one: the previous step's, or one changed between
+the check and the step)."""
 
 FAULTS: tuple[Fault, ...] = (
-    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified"
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
+    "update", "gradient",
 )  # fmt: skip
 """Every fault, in the order their codes are written (``gradwatch/applied/fault``: position plus one): new ones last."""
 
@@ -122,7 +131,10 @@ class Probe:
         return self.verdict != Verdict.INCONCLUSIVE
 
     def describe(self) -> str:
-        """One line naming where the probe looked, both derivatives and the verdict."""
+        """One line naming where the probe looked, both derivatives and the verdict (for a loss probe, the loss's
+        value: only a loss that is not finite is reported)."""
+        if self.kind == ProbeKind.LOSS:
+            return f"loss: {self.analytic:.6g} at the checked point -> {self.verdict} ({self.reason})"
         return (
             f"{self.kind} {self.location}: analytic {self.analytic:.6g}, numeric {self.numeric:.6g} "
             f"(± {self.noise:.2g}), rel. error {self.rel_error:.3g} -> {self.verdict} ({self.reason})"
@@ -165,10 +177,11 @@ class CheckReport:
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
             singled out (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+        culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
-            gradwatch's own recomputation (see :data:`Scope`).
+            gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
+            :data:`Scope`).
         fault: For a failing applied check, the part of the training's path at fault (see :data:`Fault`); ``None``
             when the check passed, and for recomputed checks.
         fault_message: The fault in words, with the evidence that named it.
@@ -184,6 +197,9 @@ class CheckReport:
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
+        numerics: The settings that change the numbers, as training had them when the check started (TF32, reduced
+            reductions, deterministic algorithms, attention backends, autocast; see
+            :mod:`gradwatch.engine.results.numerics`).
     """
 
     step: int
@@ -212,14 +228,18 @@ class CheckReport:
     accumulation_scale: float = math.nan
     accumulation_cosine: float = math.nan
     probed_inputs: tuple[str, ...] = ()
+    numerics: Numerics | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
 
     def noted(self, code: NoteCode | str) -> list[Note]:
-        """The notes with ``code`` (a :class:`~gradwatch.engine.results.notes.NoteCode`), in order:
-        ``report.noted("sharded")``
-        is the note of a sharded check, ``[]`` if it was not sharded."""
+        """The notes with ``code``, in order: ``report.noted("sharded")`` is the note of a sharded check, ``[]`` if it
+        was not sharded.
+
+        Args:
+            code: A :class:`~gradwatch.engine.results.notes.NoteCode` or its value.
+        """
         return [note for note in self.notes if getattr(note, "code", None) == code]
 
     @property
@@ -262,7 +282,11 @@ class CheckReport:
         return tuple(dict.fromkeys(p.target for p in failed))
 
     def count(self, verdict: Verdict | str) -> int:
-        """How many probes ended with ``verdict``."""
+        """How many probes ended with ``verdict``.
+
+        Args:
+            verdict: ``"ok"``, ``"fail"`` or ``"inconclusive"``.
+        """
         return sum(p.verdict == verdict for p in self.probes)
 
     @property
@@ -284,8 +308,9 @@ class CheckReport:
         descent ratio."""
         errors = self.conclusive_rel_errors
         worst = f"{max(errors):.2g}" if errors else "n/a"
-        lead = f"{self.fault} fault in the applied gradient; " if self.fault is not None else ""
-        scope = "applied " if self.scope == "applied" else ""
+        where = "the optimizer's update" if self.scope == "update" else "the applied gradient"
+        lead = f"{self.fault} fault in {where}; " if self.fault is not None else ""
+        scope = f"{self.scope} " if self.scope != "recomputed" else ""
         return (
             f"{lead}{scope}step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
             f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "

@@ -28,6 +28,7 @@ from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.engine.validation import keyword_names, reject_unknown_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
@@ -66,10 +67,29 @@ class GradWatch(Callback):
     are matched to the module's parameter names at ``setup``).
 
     Args:
-        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
-            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500, within
+            the 1% budget of ``max_overhead``.
+        first_check_step: Also check (both kinds) at this optimizer step, so a wrong gradient surfaces in the first
+            minutes of a run; ``None`` to rely on the cadences alone.
         applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
             optimizer steps (``None``: off), within the same ``max_overhead``.
+        on_fail: ``"warn"`` (a :class:`~gradwatch.GradientCheckWarning`, rate-limited), ``"raise"``
+            (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and stop the trainer cleanly) or a callable
+            receiving the failing :class:`~gradwatch.CheckReport`.
+        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
+            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
+        max_overhead: The fraction of the training time both kinds of check may take; a due check waits until the
+            run affords it. ``"auto"`` (the default): 1% when ``every_n_steps`` is left at its default, no budget
+            when you choose a cadence yourself; ``None``: no budget.
+        max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
+        verbose: Log (INFO) what is no failure: notes once each, postponed checks; ``False``: warnings for failures
+            and problems only.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
+        **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
+            fields of :class:`~gradwatch.engine.settings.ProbeSettings`; 2 samples are probed unless told.
+        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
+            makes of it (after ``gradient_clip_val``'s clip) against a reference update (``scope == "update"``);
+            ``False``: no update check.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -93,9 +113,12 @@ class GradWatch(Callback):
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ) -> None:
         super().__init__()
+        own = keyword_names(GradWatch.__init__)
+        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatch()")
         self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
@@ -105,11 +128,12 @@ class GradWatch(Callback):
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
             max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
-            agree=agree_across_ranks, context=self._context, on_report=self._on_report, **options,
+            agree=agree_across_ranks, context=self._context, on_report=self._on_report, check_update=check_update,
+            **options,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
-        self.applied_every_n_steps = watch.applied_every_n_steps
+        self.applied_every_n_steps, self.check_update = watch.applied_every_n_steps, watch.check_update
         self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
         self.verbose = verbose
         for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
@@ -129,6 +153,11 @@ class GradWatch(Callback):
     def applied_reports(self) -> list[CheckReport]:
         """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
         return self._watch.applied_reports
+
+    @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks, oldest first (``scope == "update"``)."""
+        return self._watch.update_reports
 
     @property
     def recomputed_reports(self) -> list[CheckReport]:
@@ -157,7 +186,12 @@ class GradWatch(Callback):
         return self._generate_state_key(every_n_steps=self.every_n_steps, seed=self._watch.settings.seed, **distinct)
 
     def due(self, previous_step: int, step: int) -> bool:
-        """Whether a check is due after the optimizer steps ``previous_step < s <= step``."""
+        """Whether a check is due after the optimizer steps ``previous_step < s <= step``.
+
+        Args:
+            previous_step: The last optimizer step already considered.
+            step: The optimizer step just taken.
+        """
         return self._watch.due(previous_step, step)
 
     @override
@@ -169,13 +203,15 @@ class GradWatch(Callback):
                 "check instead: GradWatch(loss_fn=lambda module, batch: ...)"
             )
         if stage == "fit":
-            self._watch.setup(pl_module)  # ignore= patterns that match nothing warn here, once
+            self._watch.setup(pl_module)  # ignore= patterns that match nothing warn here, once (guarded there)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
-        publish_dashboard(trainer)
-        self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
+        with self._watch.guarded("GradWatch.on_fit_start (the dashboard)"):
+            publish_dashboard(trainer)
+        with self._watch.guarded("GradWatch.on_fit_start (the sinks)"):
+            self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -185,11 +221,18 @@ class GradWatch(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
-        self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
+        with self._watch.guarded("GradWatch.on_train_batch_start"):
+            self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
+            self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
 
     @override
     def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        with self._watch.guarded("GradWatch.on_before_optimizer_step"):
+            self._before_optimizer_step(trainer, pl_module, optimizer)
+
+    def _before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._ordinal += 1
@@ -211,14 +254,14 @@ class GradWatch(Callback):
     ) -> None:
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
-        scaler = _grad_scaler(trainer)
+        with self._handling(trainer), self._watch.guarded("GradWatch.on_train_batch_end"):
+            scaler = _grad_scaler(trainer)
 
-        def skipped() -> bool:  # asked only at a due step
-            return scale_before is not None and scaler is not None and scaler.get_scale() < scale_before
+            def skipped() -> bool:  # asked only at a due step
+                return scale_before is not None and scaler is not None and scaler.get_scale() < scale_before
 
-        # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
-        loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
-        with self._handling(trainer):
+            # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
+            loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
             self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
@@ -237,6 +280,8 @@ class GradWatch(Callback):
 
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
         scaler = _grad_scaler(trainer)
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
+        by_norm = bool(clip) and (algorithm is None or str(algorithm).lower().endswith("norm"))
 
         def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
             grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -250,7 +295,7 @@ class GradWatch(Callback):
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
                 skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None,
+                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm else None,
             )  # fmt: skip
 
     def _check_clipping_after_step(
@@ -264,8 +309,8 @@ class GradWatch(Callback):
         step = trainer.global_step + 1
 
         def after_step(*_: Any) -> None:
-            handle.remove()
-            with self._handling(trainer):
+            with self._handling(trainer), self._watch.guarded("GradWatch's hook after the optimizer step"):
+                handle.remove()
                 self._watch.after_clipping(module, float(max_norm), step=step)
 
         handle = optimizer.register_step_post_hook(after_step)
@@ -288,12 +333,13 @@ class GradWatch(Callback):
             yield
 
     def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope != "applied":
-            show_in_progress_bar(self._trainer, report, self.counts["failed"])
+        if self._trainer is not None and report.scope == "recomputed":
+            with self._watch.guarded("GradWatch's progress bar"):
+                show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._watch.state_dict()
+        return self._watch.state_dict()  # guarded there, as load_state_dict
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,0 +1,156 @@
+"""What an update check keeps before ``optimizer.step()``: :class:`UpdateSnapshot`.
+
+The update of a parameter is a function of its whole tensor (Muon orthogonalises the whole matrix), of its gradient
+and of the optimizer's state for it: the check keeps, for the few tensors it checks, a copy of each value, of the
+verified gradient (before the loop clips it) and of the optimizer's state for it (its tensors cloned), and the param
+group's hyperparameters as they are before the step (a learning-rate scheduler changes them after). Nothing of the
+optimizer itself is touched: its state is read, never written.
+
+:func:`update_tensors` chooses the tensors as the applied check chooses those it probes one by one: a few in turn over
+a series of checks (``rotation``), always with a matrix among them when the optimizer updates one (Muon's update is a
+function of the whole matrix), tensors too large to copy and step on one device cheaply left out while smaller ones
+remain.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["MAX_ELEMENTS", "UPDATE_TENSORS", "KeptParameter", "UpdateSnapshot", "innermost", "update_tensors"]
+
+UPDATE_TENSORS = 3
+"""Tensors an update check compares (in turn over a series of checks): the cost is a float64 step of each on the CPU."""
+
+MAX_ELEMENTS = 1 << 22
+"""Tensors of more elements are checked only when no smaller one remains (a float64 Newton-Schulz iteration of a
+4096×1024 matrix is a few seconds of CPU)."""
+
+
+def innermost(optimizer: Any) -> Any:
+    """The optimizer that holds the state: through wrappers that keep the real one as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), else ``optimizer`` itself."""
+    seen = {id(optimizer)}
+    inner = getattr(optimizer, "optimizer", None)
+    while inner is not None and isinstance(getattr(inner, "param_groups", None), list) and id(inner) not in seen:
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+        seen.add(id(optimizer))
+    return optimizer
+
+
+def update_tensors(
+    optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0
+) -> list[tuple[str, Tensor]]:
+    """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
+    updates (any, for ``None``) that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the
+    module doc)."""
+    updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
+    candidates = [
+        (n, p)
+        for n, p in named
+        if (updated is None or id(p) in updated) and p.grad is not None and p.is_floating_point()
+    ]
+    small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
+    candidates = small or candidates
+    if len(candidates) <= count:
+        return candidates
+    first = (rotation * count) % len(candidates)
+    chosen = [candidates[(first + k) % len(candidates)] for k in range(count)]
+    if not any(p.dim() >= 2 for _, p in chosen):
+        matrices = [(n, p) for n, p in candidates if p.dim() >= 2]
+        if matrices:
+            chosen[-1] = matrices[rotation % len(matrices)]
+    return chosen
+
+
+def _copied(value: Any) -> Any:
+    """A state entry, kept: a tensor cloned (detached), anything else deep-copied."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+@dataclass(frozen=True)
+class KeptParameter:
+    """One checked parameter as it was before the step.
+
+    Attributes:
+        name: Its name in ``named_parameters()``.
+        param: The parameter itself (read after the step).
+        before: Its values before the step.
+        grad: The verified gradient, before the loop clipped it.
+        state: The optimizer's state for it, kept (tensors cloned).
+        hyper: Its param group's hyperparameters before the step (without ``params``).
+        group: The index of its param group.
+    """
+
+    name: str
+    param: Tensor
+    before: Tensor
+    grad: Tensor
+    state: Mapping[str, Any]
+    hyper: Mapping[str, Any]
+    group: int
+
+
+@dataclass(frozen=True)
+class UpdateSnapshot:
+    """What an update check keeps before the step (see the module doc).
+
+    Attributes:
+        optimizer: The optimizer about to step (the one holding the state, through any wrapper).
+        kept: The checked parameters.
+        norm: The global norm of the verified gradient (over every tensor the loop clips), for the declared clip.
+        max_norm: The clip the loop declared (``None``: none): the gradient it steps with is the verified one times
+            ``min(1, max_norm / (norm + 1e-6))``.
+        previous: By name, the gradient of the step before, when kept: a step taken with it is named.
+    """
+
+    optimizer: Any
+    kept: tuple[KeptParameter, ...]
+    norm: float = 0.0
+    max_norm: float | None = None
+    previous: Mapping[str, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def take(
+        cls,
+        optimizer: Any,
+        named: Sequence[tuple[str, Tensor]],
+        *,
+        norm: float = 0.0,
+        max_norm: float | None = None,
+        previous: Mapping[str, Tensor] | None = None,
+    ) -> UpdateSnapshot:
+        """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``."""
+        optimizer = innermost(optimizer)
+        group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        kept = []
+        with torch.no_grad():
+            for name, param in named:
+                if param.grad is None or id(param) not in group_of:
+                    continue
+                index = group_of[id(param)]
+                hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
+                state = {k: _copied(v) for k, v in optimizer.state.get(param, {}).items()}
+                kept.append(KeptParameter(name, param, param.detach().clone(), param.grad.detach().clone(), state,
+                                          hyper, index))  # fmt: skip
+        return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
+
+    def with_clip(self, max_norm: float | None) -> UpdateSnapshot:
+        """This snapshot with the clip the loop declared after it was taken (``None``: leave it)."""
+        if max_norm is None:
+            return self
+        return UpdateSnapshot(self.optimizer, self.kept, self.norm, float(max_norm), self.previous)
+
+    @property
+    def coefficient(self) -> float:
+        """The declared clip's coefficient ``min(1, max_norm / (‖g‖ + 1e-6))`` (1 without a clip)."""
+        if self.max_norm is None or self.norm + 1e-6 <= 0:
+            return 1.0
+        return min(1.0, self.max_norm / (self.norm + 1e-6))

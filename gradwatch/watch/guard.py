@@ -1,0 +1,110 @@
+"""What a watch runs outside a check never ends a run either: :class:`Guard`.
+
+A check is guarded where it runs (:meth:`Outcomes.guarded <gradwatch.watch.outcomes.Outcomes.guarded>`). Around it a
+watch and its adapters run bookkeeping of their own: recording a window (its float64 checksums), the norms the clip
+check keeps, the schedule and budget, the state a checkpoint carries, the sinks, the lessons, the alerts, the loop's
+hooks. Each such call runs inside ``guard(site)``: an error there (an out-of-memory error included) becomes one note
+(:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`, once per site and run
+(and once for the same error met at two sites), and training goes on exactly as it would without gradwatch (these
+calls read training's tensors, never write them).
+
+What passes every guard: :class:`~gradwatch.GradientCheckError` (``on_fail="raise"``), ``KeyboardInterrupt`` and
+``SystemExit`` (no ``Exception``), and the errors that are the caller's: bad arguments and the user's own code
+(a ``loss_fn``, an ``on_report``, an ``on_fail`` callable), run through :meth:`Guard.callers`, and an error a check's
+own guard lets through (``on_fail="raise"``), marked by :meth:`Guard.passes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
+
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import GradientCheckError
+from gradwatch.watch.alerts import GradientCheckWarning
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Guard:
+    """The guard of one run's calls outside a check (see the module doc).
+
+    Example:
+        >>> import warnings
+        >>> guard = Guard()
+        >>> with warnings.catch_warnings(record=True), guard("record"):
+        ...     raise RuntimeError("out of memory")
+        >>> [note.code.value for note in guard.notes]
+        ['watch-error']
+    """
+
+    def __init__(self) -> None:
+        self.notes: list[Note] = []
+        """One note per site whose call raised, the first error there (in the order they happened)."""
+        self._sites: set[str] = set()
+        self._errors: set[str] = set()
+        self._passing: BaseException | None = None  # the last error that is the caller's, let through every guard
+
+    @contextlib.contextmanager
+    def __call__(self, site: str) -> Iterator[None]:
+        """Run the block; an ``Exception`` it raises that is not the caller's is reported (once for ``site``) and the
+        block is left, as if it had returned."""
+        try:
+            yield
+        except GradientCheckError:
+            raise
+        except Exception as error:
+            if error is self._passing:
+                raise
+            self.report(site, error)
+
+    def passes(self, error: BaseException) -> BaseException:
+        """Mark ``error`` as the caller's: it passes every guard it meets (returned, for ``raise guard.passes(e)``)."""
+        self._passing = error
+        return error
+
+    def callers(self, call: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``call(*args, **kwargs)``, whose errors are the caller's (argument validation, the user's own callables):
+        they pass every guard."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as error:
+            self.passes(error)
+            raise
+
+    def report(self, site: str, error: Exception) -> None:
+        """``error`` in ``site``: a note and a warning the first time ``site`` raised in this run; a debug log."""
+        message = (
+            f"gradwatch: {site} raised {type(error).__name__}: {error}; gradwatch skipped it and training goes on "
+            "unaffected (said once for this call)"
+        )
+        log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
+        said = f"{type(error).__name__}: {error}"  # the same error from a function that two sites call: said once
+        if site in self._sites or said in self._errors:
+            return
+        self._sites.add(site)
+        self._errors.add(said)
+        self.notes.append(Note(NoteCode.WATCH_ERROR, message))
+        warnings.warn(message, GradientCheckWarning, stacklevel=4)
+
+
+def guarded_hook(site: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A loop's hook method (of an adapter whose ``watch`` is the watch it drives) run inside ``watch.guarded(site)``:
+    what the adapter does there never ends the run. For hooks that return nothing."""
+
+    def decorate(hook: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(hook)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> None:
+            with self.watch.guarded(site):
+                hook(self, *args, **kwargs)
+
+        return guarded
+
+    return decorate

@@ -1,0 +1,235 @@
+"""A GPU's numerics, emulated on the CPU (:mod:`tests.gpu_emulation`), in every verdict: TF32 matmuls and
+convolutions, a backward that sums in a random order (atomics), kernels that refuse float64 or compute it in float32.
+Healthy models raise no alarm under them, a 3% backward bug is caught at the first check, and every report records
+the settings that change the numbers (``report.numerics``), in the JSON lines record and ``gradwatch report``."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradwatch import GradientWatch
+from gradwatch.cli.reporting import format_run
+from gradwatch.engine.results.numerics import Numerics, current_numerics, describe_numerics
+from gradwatch.outputs.jsonl import record_json, record_numerics
+from gradwatch.outputs.reading import read_logdir
+from gradwatch.outputs.records import report_records
+from gradwatch.outputs.sinks import JsonLinesSink
+from tests.gpu_emulation import Float32Inside, RefusesFloat64, ShuffledLinear, TF32Emulation, tf32
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class BuggyConv(nn.Conv2d):
+    """A convolution whose backward is wrong by ``factor`` (1: right)."""
+
+    def __init__(self, *args: Any, factor: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(_ScaleGrad.apply(x, self.factor) if self.factor != 1.0 else x)
+
+
+class CNN(nn.Module):
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = BuggyConv(6, 6, 3, padding=1, factor=factor)
+        self.head = nn.Linear(6 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.avg_pool2d(torch.tanh(self.conv1(x)), 2)
+        x = nn.functional.avg_pool2d(torch.tanh(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)).mean(1))
+
+
+def _images(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(6, 3, 16, 16, generator=generator), torch.randint(0, 5, (6,), generator=generator)
+
+
+def _sequences(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(6, 4, 8, generator=generator), torch.randint(0, 5, (6,), generator=generator)
+
+
+def _vectors(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 16, generator=generator), torch.randint(0, 5, (8,), generator=generator)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _bf16_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+def train(model: nn.Module, batches: Callable[[torch.Generator], Any], steps: int, loss_fn=_loss,
+          mode: contextlib.AbstractContextManager[Any] | None = None, **options: Any) -> GradientWatch:  # fmt: skip
+    """``steps`` SGD steps with a recomputed and an applied check at each, in a plain loop, under ``mode``."""
+    generator = torch.Generator().manual_seed(3)
+    watch = GradientWatch(every_n_steps=1, applied_every_n_steps=1, max_overhead=None, verbose=False, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with mode or contextlib.nullcontext():
+        for step in range(1, steps + 1):
+            batch = batches(generator)
+            watch.record(batch)
+            loss_fn(model, batch).backward()
+            watch.before_optimizer_step(model, loss_fn, step=step)
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.maybe_check(model, batch, loss_fn, step=step)
+    return watch
+
+
+def _tally(watch: GradientWatch) -> collections.Counter:
+    return collections.Counter((r.scope, r.verdict) for r in watch.reports)
+
+
+def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return make()
+
+
+def test_tf32_rounds_to_ten_mantissa_bits():
+    x = torch.tensor([1.0 + 2**-11, 1.0 + 2**-10 + 2**-11, 3.14159265])
+    rounded = tf32(x)
+    assert rounded[0] == 1.0
+    assert rounded[1] == 1.0 + 2**-9
+    assert abs(rounded[2] - x[2]) <= 2**-11 * 2
+    assert rounded[2] != x[2]
+
+
+def test_the_emulation_rounds_only_where_the_settings_allow_tf32():
+    a, b = torch.randn(32, 32, dtype=torch.float32), torch.randn(32, 32)
+    with TF32Emulation() as emulation:
+        rounded = a @ b
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        exact = a @ b
+    assert emulation.rounded == 1
+    assert torch.equal(exact, a @ b)
+    assert not torch.equal(rounded, exact)
+    assert 1e-4 < ((rounded - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("make", "batches", "loss_fn", "steps"),
+    [
+        pytest.param(CNN, _images, _loss, 3, marks=pytest.mark.slow, id="cnn"),
+        pytest.param(Transformer, _sequences, _loss, 3, id="transformer"),
+        pytest.param(CNN, _images, _bf16_loss, 2, marks=pytest.mark.slow, id="cnn-bf16-mixed"),
+    ],
+)
+def test_healthy_models_under_tf32_raise_no_alarm(make, batches, loss_fn, steps):
+    emulation = TF32Emulation()
+    watch = train(_seeded(make), batches, steps, loss_fn, emulation)
+    assert emulation.rounded > 0
+    tally = _tally(watch)
+    assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), [str(r) for r in watch.reports]
+    assert (tally[("recomputed", "ok")], tally[("applied", "ok")]) == (steps, steps), tally
+    for report in watch.reports:
+        assert report.numerics is not None
+        assert report.numerics.matmul == "tf32"
+        assert report.numerics.cudnn_conv == "tf32"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("make", "batches"), [(CNN, _images), (Transformer, _sequences)], ids=["cnn", "transformer"])
+def test_fifty_healthy_checks_of_each_kind_under_tf32(make, batches):
+    watch = train(_seeded(make), batches, 50, mode=TF32Emulation(), max_reports=200)
+    tally = _tally(watch)
+    assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), tally
+    assert min(tally[("recomputed", "ok")], tally[("applied", "ok")]) >= 48, tally
+
+
+@pytest.mark.slow
+def test_a_three_percent_backward_bug_in_the_tf32_layer_is_caught_at_the_first_check():
+    watch = train(_seeded(lambda: CNN(factor=1.03)), _images, 1, mode=TF32Emulation())
+    (applied,) = watch.applied_reports
+    (recomputed,) = watch.recomputed_reports
+    assert applied.verdict == "fail"
+    assert recomputed.verdict == "fail"
+    assert recomputed.culprits[0] == "conv2", recomputed.culprit_message
+
+
+@pytest.mark.parametrize("steps", [4])
+def test_a_backward_summing_in_a_random_order_is_noise(steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(ShuffledLinear(16, 32), nn.Tanh(), nn.Linear(32, 5))
+    first = torch.autograd.grad(_loss(model, _vectors(torch.Generator().manual_seed(0))), model[0].weight)[0]
+    again = torch.autograd.grad(_loss(model, _vectors(torch.Generator().manual_seed(0))), model[0].weight)[0]
+    assert not torch.equal(first, again)  # the emulation does sum otherwise at every call
+    watch = train(model, _vectors, steps)
+    assert all(r.verdict == "ok" for r in watch.reports), [str(r) for r in watch.reports]
+    assert not [r for r in watch.reports if r.fault is not None]
+
+
+@pytest.mark.parametrize("kernel", [RefusesFloat64, Float32Inside], ids=["refuses-float64", "float32-inside"])
+def test_kernels_without_float64_raise_no_alarm_and_their_three_percent_bug_is_caught(kernel):
+    torch.manual_seed(0)
+    healthy = train(nn.Sequential(nn.Linear(16, 32), kernel(), nn.Linear(32, 5)), _vectors, 3)
+    assert all(r.verdict == "ok" for r in healthy.reports), [str(r) for r in healthy.reports]
+    torch.manual_seed(0)
+    buggy = train(nn.Sequential(nn.Linear(16, 32), kernel(factor=1.03), nn.Linear(32, 5)), _vectors, 1)
+    assert all(r.verdict == "fail" for r in buggy.reports), [str(r) for r in buggy.reports]
+    if kernel is RefusesFloat64:
+        assert all(r.precision == "native" for r in buggy.recomputed_reports)
+    named = [r.culprits[0] for r in buggy.reports if r.culprits]
+    assert named, [r.culprit_message for r in buggy.reports]
+    assert all(name == "1" for name in named), [r.culprit_message for r in buggy.reports]
+
+
+def test_numerics_are_read_as_set_and_described():
+    with TF32Emulation(conv=False):
+        found = current_numerics()
+    assert found.matmul == "tf32"
+    assert found.reduced_on("cpu") == ("matmul",)
+    assert current_numerics().matmul == "ieee"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert current_numerics().autocast == "cpu:bfloat16"
+    text = found.describe()
+    assert "float32 matmul tf32" in text
+    assert "autocast off" in text
+    assert describe_numerics(json.loads(json.dumps(found.as_dict()))) == text
+    assert Numerics(**{k: tuple(v) if isinstance(v, list) else v for k, v in found.as_dict().items()}) == found
+
+
+def test_numerics_are_in_the_json_lines_record_and_gradwatch_report(tmp_path):
+    watch = train(_seeded(CNN), _images, 2, mode=TF32Emulation(), sinks=[JsonLinesSink(tmp_path / "gradwatch.jsonl")])
+    watch.flush()
+    report = watch.recomputed_reports[-1]
+    record = record_json(report_records(report, 0.0))
+    assert record["numerics"]["matmul"] == "tf32"
+    assert record["numerics"]["cudnn_conv"] == "tf32"
+    assert record_numerics(record) == report.numerics.describe()
+    (run,) = read_logdir(tmp_path)
+    shown = format_run(run)
+    assert "numerics (steps 1 to 2, 2 checks): float32 matmul tf32, float32 cudnn conv tf32" in shown, shown
