@@ -24,7 +24,7 @@ def main(out: Path, scenario: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(10 + rank)  # each rank its own part of the model: other parameters on each rank
-    part = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    part = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)) if rank == 0 else nn.Sequential(nn.Linear(6, 3))
     if scenario == "halved" and rank == 1:
         part[0].weight.register_hook(lambda grad: grad * 0.5)
     optimizer = torch.optim.SGD(part.parameters(), lr=0.05)

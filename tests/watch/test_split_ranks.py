@@ -1,6 +1,6 @@
 """Ranks that hold different parameters without a library that says how (issue 44): a model split across two ranks by
 hand (each rank its own layers, no DTensor) was taken for DDP, and its correct control failed with ``reduction``
-("rank(s) [1] hold a different gradient"). The watch now compares the ranks' parameters (names, shapes, checksums, one
+("rank(s) [1] hold a different gradient"). The watch now compares the ranks' parameters (names and shapes, one
 gather) before a check: such a model is refused with the reason (once for each kind of check), never failed. The
 applied check refuses it (note ``ranks-split``), and the recomputed checks are skipped. Not checked, so rank 1's halved
 gradient is not caught either: these checks have no way to evaluate such a model's loss across the ranks."""
