@@ -51,6 +51,9 @@ class _Pending:
     norm: float
     max_norm: float | None
     previous: dict[str, Tensor]
+    verified: dict[str, Tensor] = field(default_factory=dict)
+    """The verified gradient of each kept tensor, copied when the snapshot waits for the step (the loop may clip
+    ``.grad`` in place before it)."""
     snapshot: UpdateSnapshot | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
@@ -100,7 +103,8 @@ class UpdateCalls:
         """Before a step due for an applied check, keep this step's gradient of the tensors that check will compare."""
         optimizer = _stepping(optimizer, optimizers)
         with torch.no_grad():
-            grads = {n: p.grad.detach().clone() for n, p in self._update_candidates(model, optimizer, updated)}
+            candidates = self._update_candidates(model, optimizer, updated)
+            grads = {n: p.grad.detach().clone() for n, p in candidates if p.grad is not None}
         self._update_previous = (step, grads)
 
     def _update_prepare(
@@ -139,12 +143,14 @@ class UpdateCalls:
                     pending.named = mine
                     pending.snapshot = self._update_snapshot(pending, stepping)
 
+        with torch.no_grad():  # the step's pre-hook runs after any clipping: keep the gradient the check verified
+            pending.verified = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
         after = self._update_hook(pending)
         pending.handles += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
     def _update_snapshot(self, pending: _Pending, optimizer: Any) -> UpdateSnapshot:
         return UpdateSnapshot.take(optimizer, pending.named, norm=pending.norm, max_norm=pending.max_norm,
-                                   previous=pending.previous)  # fmt: skip
+                                   previous=pending.previous, verified=pending.verified or None)  # fmt: skip
 
     def _update_hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:

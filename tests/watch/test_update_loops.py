@@ -81,6 +81,16 @@ def test_healthy_muon_with_a_declared_clip() -> None:
     assert all(r.verdict == "ok" for r in watch.update_reports)
 
 
+@pytest.mark.parametrize("tell", ["optimizers", "nothing"])
+def test_healthy_adamw_with_a_clip_whichever_way_the_watch_finds_the_optimizer(tell: str) -> None:
+    # found by its global step hooks, the snapshot is taken after clip_grad_norm_ scaled .grad in place: the reference
+    # must start from the gradient the applied check verified, not clip the clipped one again
+    watch = _watch()
+    loop(watch, ADAMW, steps=12, tell=tell, clip=0.05)
+    assert len(watch.update_reports) == 3
+    assert all(r.verdict == "ok" for r in watch.update_reports), [str(r) for r in watch.update_reports][:1]
+
+
 def test_check_update_false_makes_none() -> None:
     watch = _watch(check_update=False)
     loop(watch, ADAMW, steps=6)
