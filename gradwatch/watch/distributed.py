@@ -42,6 +42,20 @@ def default_group(model: torch.nn.Module) -> Any:
     return torch.distributed.group.WORLD
 
 
+def split_ranks(model: torch.nn.Module) -> list[int]:
+    """Under a default group of several processes whose parameters are whole (:func:`default_group`), the ranks that
+    hold other parameters than rank 0 (a model split across the ranks by hand:
+    :func:`~gradwatch.engine.applied.window.ranks_with_other_parameters`); empty otherwise. A collective: every process
+    calls it together."""
+    group = default_group(model)
+    if group is None:
+        return []
+    from gradwatch.engine.applied.window import ranks_with_other_parameters
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    return ranks_with_other_parameters(named, group)
+
+
 def rank0_decides(wait: int) -> int:
     """Rank 0's budget decision, for every process (they measure different times): 0 to check now, else the steps
     the due check waits."""

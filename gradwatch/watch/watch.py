@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -16,9 +17,10 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
+from gradwatch.engine.applied.window import split_note
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
 from gradwatch.outputs.sinks import Sink
-from gradwatch.watch.alerts import ON_FAIL_CHOICES, OnFail
+from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.applied_calls import AppliedCalls
 from gradwatch.watch.defaults import (
@@ -27,6 +29,7 @@ from gradwatch.watch.defaults import (
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
+from gradwatch.watch.distributed import split_ranks
 from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, no_context
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
@@ -160,6 +163,7 @@ class GradientWatch(AppliedCalls):
             self.applied_every_n_steps, self.first_check_step, self.max_overhead, self._schedule.clock
         )
         self._last_step = 0  # the last optimizer step a call named: record() keeps windows for the one after it
+        self._split_models: dict[int, bool] = {}  # by model: whether its ranks hold other parameters (a split by hand)
 
     @property
     def sinks(self) -> tuple[Sink, ...]:
@@ -332,7 +336,7 @@ class GradientWatch(AppliedCalls):
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
     ) -> CheckReport | None:  # fmt: skip
-        if not self._lessons.checkable(model):
+        if not self._lessons.checkable(model) or self._split(model):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
@@ -349,6 +353,19 @@ class GradientWatch(AppliedCalls):
                 self._lessons.learn(report)
             self._outcomes.publish(report, self._schedule.overhead())
         return report
+
+    def _split(self, model: nn.Module) -> bool:
+        """Whether the ranks hold other parameters than rank 0 (a model split by hand), asked once per model on every
+        rank together before its first recomputed check, and said once: such a model is not checked."""
+        if id(model) not in self._split_models:
+            ranks = split_ranks(model)
+            self._split_models[id(model)] = bool(ranks)
+            if ranks:
+                text = split_note(ranks).replace("this applied check does not", "recomputed checks do not")
+                warnings.warn(
+                    f"gradwatch: no recomputed checks in this run: {text}", GradientCheckWarning, stacklevel=3
+                )
+        return self._split_models[id(model)]
 
     def state_dict(self) -> dict[str, Any]:
         """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it); only the

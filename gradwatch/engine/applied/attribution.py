@@ -32,7 +32,7 @@ from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.probes import AppliedPlan, Measured
 from gradwatch.engine.applied.sharded import ranks_at_fault
-from gradwatch.engine.applied.step_hooks import modified_message, step_pre_hooks
+from gradwatch.engine.applied.step_hooks import accumulate_hooks, accumulate_message, modified_message, step_pre_hooks
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import every_rank
@@ -156,6 +156,11 @@ def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], 
             "the applied gradient is the window's gradient plus the gradients that were already there when the window "
             "began (not zeroed between optimizer steps)",
         )
+    differing = [(name, p) for (name, p), r, f in zip(setting.session.params, residual, floors, strict=True)
+                 if float(r.norm()) > multiple * f]  # fmt: skip
+    hooked = accumulate_hooks(differing)
+    if hooked:  # before a recombination: a hook rescaling each accumulation also recombines the micro-batches
+        return Attribution("modified", accumulate_message(hooked))
     if len(setting.batches) > 1:
         weights = _recombination(setting, plan, floors)
         if weights is not None:

@@ -41,6 +41,8 @@ from gradwatch.engine.applied.window import (
     PathContext,
     applied_gradients,
     disagreeing_ranks,
+    ranks_with_other_parameters,
+    split_note,
     unrecorded_randomness,
 )
 from gradwatch.engine.distributed.collective import active as sharding_active
@@ -208,6 +210,10 @@ def check_applied_gradient(
     plan = AppliedPlan(names, applied, native, path_dtype, floor_multiple(path_dtype), session.settings.tensor_probes,
                        rotation)  # fmt: skip
     if group is not None:
+        split = ranks_with_other_parameters(session.params, group)
+        if split:  # not replicas: their gradients differ by design, and no reduction is at fault
+            return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                                  notes=[Note(NoteCode.RANKS_SPLIT, split_note(split))])  # fmt: skip
         disagreeing = disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
@@ -355,6 +361,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     if setting.autocast is not None:
         assert again is not None
         measured_floors: list[list[float]] | None = autocast_path.autocast_floors(setting, eager, again)
+        plan = dataclasses.replace(plan, eager=eager)  # each tensor held against eager's (.measured.off_eager)
         backward += 2
     elif sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)

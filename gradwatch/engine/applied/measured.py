@@ -138,6 +138,31 @@ class Rounding:
         return [e + (0.0 if i in left else p) for i, (e, p) in enumerate(zip(self.eager, self.path, strict=True))]
 
 
+def off_eager(
+    applied: Sequence[Tensor],
+    eager: Sequence[Tensor],
+    grad_norms: Sequence[float],
+    floors: Sequence[float],
+    multiple: float,
+) -> list[int]:
+    """On a 16-bit path, the tensors whose applied gradient ``g_T`` is further from eager float32 autograd's along
+    ``ĝ_T``, ``|(g_T − eager_T) · ĝ_T|``, than :data:`~.combined.CLOSER_LOOK` of its own probe's tolerance at the floor
+    (``multiple · floor_T``): a fault in one tensor's 16-bit backward shows there whole, however small its share of
+    ``‖g‖``, where a combined probe over every tensor sums all their floors and a tensor probe in turn may not reach it
+    at this check. Each is probed on its own; a correct path's rounding stays within its floor (the floor is a bound of
+    it), so a healthy check rarely probes one more. Not those whose own probe resolves nothing smaller than their
+    gradient."""
+    limit = CLOSER_LOOK * multiple
+    found = []
+    for i, (g, e, size, floor) in enumerate(zip(applied, eager, grad_norms, floors, strict=True)):
+        if not (size > 0 and math.isfinite(size)) or multiple * floor >= size:
+            continue
+        along = abs(dot(g.double() - e.double(), g.double())) / size
+        if not along <= limit * floor:
+            found.append(i)
+    return found
+
+
 def calm(measured: Sequence[Measured]) -> bool:
     """Whether every probe agrees, its discrepancy beyond the measured rounding within :data:`~.combined.CLOSER_LOOK`
     of its tolerance."""

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from gradwatch.engine.applied.combined import tensors_to_probe, unvouched, vouching_groups
 from gradwatch.engine.applied.gradients import exact_conditions
-from gradwatch.engine.applied.measured import Measured, Rounding, calm, vouchers
+from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
 from gradwatch.engine.applied.stencils import AppliedProbes, NotReproducibleError
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -53,6 +53,9 @@ class AppliedPlan:
         tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
             call for them (see :mod:`.combined`; every tensor once a probe fails).
         rotation: Which turn of tensors this check probes.
+        eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
+            applied gradient is further from it than its floor allows is probed on its own
+            (:func:`~.measured.off_eager`).
     """
 
     names: list[str]
@@ -62,6 +65,7 @@ class AppliedPlan:
     multiple: float
     tensor_probes: int
     rotation: int
+    eager: list[Tensor] | None = None
 
 
 def measure(
@@ -125,7 +129,10 @@ def _probes_at(
     if not pending and abs(center - loss) > center_tolerance(loss, plan.native, compute):
         return _not_reproducible(evaluator, center, loss)
     measurements = Measurements(evaluator, center)
-    beyond = rounding.beyond(norms(plan.applied, exact=True), floors, plan.multiple) if rounding else []
+    sizes = norms(plan.applied, exact=True)
+    beyond = rounding.beyond(sizes, floors, plan.multiple) if rounding else []
+    if plan.eager is not None:  # a 16-bit path: each tensor's applied gradient against eager's, at its own floor
+        beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))
     discount = rounding.explained(beyond) if rounding else None  # (.measured)
     probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
                            plan.multiple, plan.native, provisional, screens, discount, loss, pending)  # fmt: skip

@@ -1,10 +1,13 @@
-"""What may change a gradient between the backward that made it and the optimizer's update: step pre-hooks.
+"""What may change a gradient between the backward that made it and the optimizer's update: step pre-hooks and
+post-accumulate-grad hooks.
 
 An applied gradient that differs from what the training's path computes again, with no leftover, recombination or
 reduction to explain it, was changed after the backward. Once (hardware, a race) is a ``"transient"`` fault; every
 step (a step pre-hook ``optimizer.register_step_pre_hook``, global or the optimizer's own, that edits ``.grad``; a
-callback or a loop that scales it) is a ``"modified"`` one. :func:`step_pre_hooks` names the hooks the optimizers a
-check knows of would run: where there are some, the change is no one-off, and the fault says so from the first check.
+callback or a loop that scales it; a post-accumulate-grad hook that rescales the accumulated ``.grad``) is a
+``"modified"`` one. :func:`step_pre_hooks` names the hooks the optimizers a check knows of would run, and
+:func:`accumulate_hooks` the post-accumulate-grad hooks of the tensors that differ: where there are some, the change is
+no one-off, and the fault says so from the first check.
 """
 
 from __future__ import annotations
@@ -47,6 +50,28 @@ def step_pre_hooks(optimizers: Iterable[Any]) -> list[str]:
             f"{type(raw).__name__}: {_name(hook)}" for hook in _theirs(getattr(raw, "_optimizer_step_pre_hooks", None))
         ]
     return found
+
+
+def accumulate_hooks(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """``"name: hook"`` for each post-accumulate-grad hook (``register_post_accumulate_grad_hook``) on the ``named``
+    parameters: it runs on the accumulated ``.grad`` after each backward, where a recomputation of the path (which
+    leaves ``.grad`` alone) does not run it, so a hook that rescales the gradient there is a change made at every
+    step, on the path from the backward to the optimizer."""
+    found = []
+    for name, parameter in named:
+        found += [f"{name}: {_name(hook)}" for hook in _theirs(getattr(parameter, "_post_accumulate_grad_hooks", None))]
+    return found
+
+
+def accumulate_message(hooks: list[str]) -> str:
+    """The words of a ``"modified"`` fault that post-accumulate-grad hooks on the tensors at fault explain."""
+    listed = ", ".join(hooks[:4]) + (f" and {len(hooks) - 4} more" if len(hooks) > 4 else "")
+    return (
+        "the same path, run again on the same micro-batches with the same random states, gives the right gradient: "
+        "the applied one was changed after the backward, and the tensors that differ have post-accumulate-grad hooks "
+        f"({listed}), which run on the accumulated .grad after each backward: a hook that rescales the gradient there "
+        "changes it at every step"
+    )
 
 
 def modified_message(hooks: list[str]) -> str:

@@ -111,6 +111,10 @@ class NoteCode(StrEnum):
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
+    RANKS_SPLIT = (
+        "ranks-split",
+        "no probe made: the ranks hold different parameters (a model split across them by hand)",
+    )
     REPLICAS_DISAGREE = (
         "replicas-disagree",
         "no probe made: tensor-parallel ranks on one batch differ in parameters or gradient",
