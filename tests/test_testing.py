@@ -27,7 +27,7 @@ def test_wrong_gradient_raises_with_a_table_of_the_failing_probes() -> None:
     message = str(error.value)
     first, counts, header, rule, *rows = (line.strip() for line in message.splitlines())
     # the culprit first: the model's forward reads fc's weights through a custom Function, fc never runs
-    culprit = "the backward of the model (`SeedModel`) is wrong: the gradient of the parameters it reads (`fc.weight`"
+    culprit = "the backward of `<model>` (`SeedModel`) is wrong: the gradient of the parameters it reads (`fc.weight`"
     assert first.startswith(f"gradient check failed at step 0: {culprit}"), first
     assert re.match(r"\(\d+ of \d+ probes failed; descent ratio 0\.9", counts)
     assert header.split() == ["kind", "tensor[index]", "analytic", "numeric", "rel.", "error", "noise", "reason"]

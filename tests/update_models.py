@@ -23,6 +23,13 @@ def loss_fn(model: nn.Module, item: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return nn.functional.mse_loss(model(item[0]), item[1])
 
 
+def _closure(closure: Callable[[], float] | None) -> None:
+    """Run a step's closure as torch's optimizers do (Lightning passes its training step as one)."""
+    if closure is not None:
+        with torch.enable_grad():
+            closure()
+
+
 class _StepMuon(torch.optim.Muon):
     """torch's Muon with its orthogonalisation replaced (``_orthogonalised``)."""
 
@@ -31,6 +38,7 @@ class _StepMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        _closure(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -67,6 +75,7 @@ class TwiceDecayedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        _closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -79,6 +88,7 @@ class LateBiasCorrectionAdam(torch.optim.Adam):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        _closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -106,6 +116,7 @@ class StaleGradientSGD(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        _closure(closure)
         current = {}
         for group in self.param_groups:
             for p in group["params"]:
@@ -129,6 +140,7 @@ class KellerMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        _closure(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

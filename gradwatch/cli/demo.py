@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradwatch.engine.results.naming import display_name
 from gradwatch.engine.results.rendering import render_text
 from gradwatch.engine.results.report import CheckReport
 from gradwatch.watch.alerts import GradientCheckWarning
@@ -73,9 +74,12 @@ RUNS: dict[str, Run] = {
 DEFAULT_BUGS = ("none", "rmsnorm")
 
 
-def train(run: Run, logdir: Path, steps: int, every: int, progress_bar: bool = True) -> tuple[list[CheckReport], str]:
-    """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch; returns the recomputed checks'
-    reports and the run's log directory. The same arguments give the same run."""
+def train(
+    run: Run, logdir: Path, steps: int, every: int | None, progress_bar: bool = True
+) -> tuple[list[CheckReport], str]:
+    """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch (checking every ``every`` steps,
+    ``None``: at its defaults); returns the recomputed checks' reports and the run's log directory. The same arguments
+    give the same run."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -140,7 +144,7 @@ def describe(name: str, reports: list[CheckReport]) -> str:
         lines.append(f"\nfirst failing check:\n{render_text(first, prefix='', limit=DEMO_LIMIT)}")
         tensors = sorted({p.target for r in failing for p in r.failures if not p.kind.traits.culprit_search})
         lines.append(f"tensors with failing probes over the run: {', '.join(tensors)}")
-        culprits = sorted({r.culprits[0] for r in failing if r.culprits})
+        culprits = sorted({display_name(r.culprits[0]) for r in failing if r.culprits})
         if culprits:
             lines.append(f"culprits named over the run: {', '.join(f'`{c}`' for c in culprits)}")
     return "\n".join(lines)
@@ -157,7 +161,7 @@ def outcome(run: Run, reports: list[CheckReport]) -> tuple[bool, str]:
         return False, f"NOT CAUGHT: none of {len(reports)} checks failed"
     first = " (the first check)" if reports[0].verdict == "fail" else ""
     failed = next(r for r in reports if r.verdict == "fail")
-    culprit = f", culprit `{failed.culprits[0]}`" if failed.culprits else ""
+    culprit = f", culprit `{display_name(failed.culprits[0])}`" if failed.culprits else ""
     return True, f"caught at step {failing[0]}{first}{culprit}; {len(failing)} of {len(reports)} checks failed"
 
 

@@ -137,6 +137,32 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<<>>>")]
 
 
+def _update_lines(run: RunEvents, max_rows: int) -> list[str]:
+    """The update checks of a run (the update the optimizer made, against a reference): each failing one led by its
+    fault and what named it, then a table of every one."""
+    updates = run.updates
+    if not updates:
+        return []
+    counts = {verdict: sum(u.verdict == verdict for u in updates) for verdict in ("ok", "inconclusive", "fail")}
+    lines = [
+        f"update checks (the update the optimizer made): {len(updates)}, "
+        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+    ]
+    failing = [
+        [f"{u.fault or 'unknown'} fault at step {u.step}: {u.fault_message or '(no message recorded)'}"]
+        for u in updates
+        if u.verdict == "fail"
+    ]
+    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, "failing update checks")]
+    rows = [
+        [str(u.step), u.verdict, u.fault or "-", _fmt(u.get("floor_excess"), ".3g"),
+         _fmt(u.get("rel_error_max"), ".2e"), _fmt(u.get("noise_floor"), ".2e")]
+        for u in updates
+    ]  # fmt: skip
+    header = ["step", "verdict", "fault", "floor excess", "max rel. error", "floor"]
+    return [*lines, *_table(header, _elide(rows, max_rows, "update checks"), "><<>>>")]
+
+
 def _first_fault(run: RunEvents) -> str:
     """``"; precision fault in the applied gradient at step 4"`` for the first failing applied check, else ``""``."""
     failing = [a for a in run.applied if a.verdict == "fail"]
@@ -152,8 +178,11 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
     counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in ("ok", "inconclusive", "fail")}
     failing_steps = [c.step for c in checks if c.verdict == "fail"]
     applied = _applied_lines(run, max_rows)
+    updates = _update_lines(run, max_rows)
+    applied = [*applied, *([""] if applied and updates else []), *updates]
     if not checks:
-        title = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{_first_fault(run)} =="
+        update = f", {len(run.updates)} update" if run.updates else ""
+        title = f"== run {run.name}: no recomputed check, {len(run.applied)} applied{update}{_first_fault(run)} =="
         return "\n".join([title, "", *applied])
     lines = [
         f"== run {run.name}: {len(checks)} checks, steps {checks[0].step} to {checks[-1].step}: "

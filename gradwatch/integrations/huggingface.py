@@ -32,14 +32,16 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.engine.validation import keyword_names, reject_unknown_options
-from gradwatch.integrations.trainer_losses import compute_loss_with_count, trainer_options
+from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import (
     TrainerPath,
     divides_by_count,
     engine_checks,
-    joined_inputs,
+    scaled_for_window,
     trainer_combine,
+    trainer_join,
+    window_share,
 )
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
@@ -100,6 +102,8 @@ class GradWatchCallback(TrainerCallback):
         verbose: Log what is worth knowing but is no failure (see :class:`~gradwatch.GradientWatch`).
         sinks: More outputs for every check's records, besides the run's own.
         on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
+        check_update: Also check the update the optimizer makes of each gradient an applied check verified (after
+            ``max_grad_norm``'s clip), from a step hook on the Trainer's optimizer (``False``: not).
         context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
@@ -133,6 +137,7 @@ class GradWatchCallback(TrainerCallback):
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ):
         known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
@@ -142,23 +147,14 @@ class GradWatchCallback(TrainerCallback):
         self.trainer = trainer
         self.loss_fn = loss_fn
         self.watch = GradientWatch(
-            every_n_steps=every_n_steps,
-            first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps,
-            on_fail=on_fail,
-            loss_fn=loss_fn,
-            max_overhead=max_overhead,
-            max_reports=max_reports,
-            verbose=verbose,
-            settings=settings,
-            sinks=sinks,
+            every_n_steps=every_n_steps, first_check_step=first_check_step,
+            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
+            max_reports=max_reports, verbose=verbose, settings=settings, sinks=sinks,
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-            decide=decide or rank0_decides,
-            agree=agree or agree_across_ranks,
-            context=self._records_kept,
-            on_report=on_report,
+            decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
+            on_report=on_report, check_update=check_update,
             **trainer_options(trainer, loss_fn, settings, dict(options)),
-        )
+        )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
         self._kept: tuple[dict[str, Any], Any] | None = None  # (inputs, num_items_in_batch) of the step's micro-batch
@@ -175,6 +171,11 @@ class GradWatchCallback(TrainerCallback):
     def reports(self) -> list[CheckReport]:
         """The reports of this run's checks of both kinds, oldest first."""
         return self.watch.reports
+
+    @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks (the update the optimizer made of a verified gradient)."""
+        return self.watch.update_reports
 
     @property
     def applied_reports(self) -> list[CheckReport]:
@@ -251,7 +252,7 @@ class GradWatchCallback(TrainerCallback):
             )
             self._say_applied_off()
             self._in_window = False
-            self.watch.before_optimizer_step(self._model, _no_micro_batch, step=state.global_step + 1, skipped=True)
+            self.watch.before_optimizer_step(self._model, no_micro_batch, step=state.global_step + 1, skipped=True)
             return
         self._check_applied()
 
@@ -261,7 +262,7 @@ class GradWatchCallback(TrainerCallback):
         kept, self._kept, self._keep_next = self._kept, None, False
         # called at every step, due or not: the watch measures the training time between calls
         inputs, num_items_in_batch = kept if kept is not None else (None, None)
-        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else _no_micro_batch)
+        loss_fn = self.loss_fn or (self._trainer_loss(num_items_in_batch) if kept is not None else no_micro_batch)
         self.watch.maybe_check(
             self._model,
             inputs,
@@ -323,7 +324,7 @@ class GradWatchCallback(TrainerCallback):
                 path=path.path,
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                join=joined_inputs,  # the window's inputs as one batch, with the window's count
+                join=trainer_join(self.trainer),  # the window's inputs as one batch, with the window's count
                 window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
@@ -340,9 +341,13 @@ class GradWatchCallback(TrainerCallback):
         """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
         inputs, num_items_in_batch = batch
         with path.loss_context():
-            if self.loss_fn is not None:
-                return self.loss_fn(model, inputs)
-            return self._trainer_loss(num_items_in_batch)(model, inputs)
+            if self.loss_fn is None:
+                return self._trainer_loss(num_items_in_batch)(model, inputs)
+            loss = self.loss_fn(model, inputs)
+        # the user's loss, a mean over its own micro-batch, weighted as the Trainer's window-normalised loss weights it
+        if not scaled_for_window(self.trainer, num_items_in_batch):
+            return loss
+        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""
@@ -391,10 +396,3 @@ class GradWatchCallback(TrainerCallback):
 
     def _trainer_loss(self, num_items_in_batch: torch.Tensor | int | None) -> LossFn:
         return compute_loss_with_count(self._compute_loss, num_items_in_batch)
-
-
-def _no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss of a due step whose micro-batch the callback did not see: an error the watch reports."""
-    raise RuntimeError(
-        "gradwatch saw no micro-batch of this step: the Trainer's training_step did not call trainer.compute_loss"
-    )

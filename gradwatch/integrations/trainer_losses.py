@@ -56,3 +56,10 @@ def compute_loss_with_count(compute_loss: Callable[..., Any], num_items_in_batch
         return cast(torch.Tensor, compute_loss(model, dict(inputs), num_items_in_batch=count))
 
     return loss_fn
+
+
+def no_micro_batch(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of a due step whose micro-batch the callback did not see: an error the watch reports."""
+    raise RuntimeError(
+        "gradwatch saw no micro-batch of this step: the Trainer's training_step did not call trainer.compute_loss"
+    )

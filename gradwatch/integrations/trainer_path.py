@@ -25,7 +25,15 @@ from transformers import Trainer
 from gradwatch.engine.applied.equivalence import concatenate
 from gradwatch.engine.applied.window import Combine, PathContext
 
-__all__ = ["TrainerPath", "divides_by_count", "joined_inputs", "trainer_combine"]
+__all__ = [
+    "TrainerPath",
+    "divides_by_count",
+    "joined_inputs",
+    "scaled_for_window",
+    "trainer_combine",
+    "trainer_join",
+    "window_share",
+]
 
 
 def joined_inputs(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
@@ -44,16 +52,70 @@ def joined_inputs(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
     return concatenate([inputs for inputs, _ in items]), count
 
 
+PAIRED_TRAINERS = frozenset({"DPOTrainer"})
+"""Trainers whose micro-batch holds pairs as two halves (TRL's ``DataCollatorForPreference``: the chosen sequences, then
+the rejected ones, and the loss splits its rows in half): a window joined as one batch keeps every pair's halves
+apart (:func:`trainer_join`)."""
+
+
+def trainer_join(trainer: Any) -> Callable[[list[tuple[dict[str, Any], Any]]], tuple[dict[str, Any], Any]]:
+    """How a Trainer's window is joined into one batch for the accumulation comparison: :func:`joined_inputs`, or for
+    a trainer of :data:`PAIRED_TRAINERS` the same with each micro-batch's halves joined apart (all chosen halves, then
+    all rejected ones), since concatenating ``[c1, r1]`` and ``[c2, r2]`` would pair ``c1`` with ``c2``."""
+    if not any(cls.__name__ in PAIRED_TRAINERS for cls in type(trainer).__mro__):
+        return joined_inputs
+
+    def join(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
+        halves = [_halves(inputs) for inputs, _ in items]
+        first, _ = joined_inputs([(h[0], count) for h, (_, count) in zip(halves, items, strict=True)])
+        second, count = joined_inputs([(h[1], count) for h, (_, count) in zip(halves, items, strict=True)])
+        return {key: _rejoined(key, first[key], second[key]) for key in first}, count
+
+    return join
+
+
+def _halves(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A paired micro-batch as its first and second halves: its tensors of twice the pair count split in two, the
+    others (per-pair values such as ``ref_chosen_logps``, non-tensors) kept whole in the first half."""
+    rows = [v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    pairs = max(rows, default=0) // 2
+    if not pairs or any(r not in (pairs, 2 * pairs) for r in rows):
+        raise ValueError("a paired micro-batch whose tensors are not of one or two rows per pair")
+    first, second = {}, {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 2 * pairs:
+            first[key], second[key] = value[:pairs], value[pairs:]
+        else:
+            first[key], second[key] = value, None
+    return first, second
+
+
+def _rejoined(key: str, first: Any, second: Any) -> Any:
+    """A joined tensor's first-half rows then its second-half rows, padded to one length as
+    :func:`~gradwatch.engine.applied.equivalence.concatenate` pads (``ValueError`` where no padding is known)."""
+    if second is None:
+        return first
+    return concatenate([{key: first}, {key: second}])[key]
+
+
+def scaled_for_window(trainer: Trainer, num_items_in_batch: Any) -> bool:
+    """Whether the Trainer takes each micro-batch's ``compute_loss`` as already normalised over the whole window (its
+    ``loss_is_scaled_for_ga``, else a model taking loss kwargs given the count, or a ``compute_loss_func``), as its
+    ``training_step`` decides before dividing by the accumulation steps."""
+    scaled = trainer.loss_is_scaled_for_ga
+    if scaled is None:
+        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        scaled = (accepts and num_items_in_batch is not None) or trainer.compute_loss_func is not None
+    return bool(scaled)
+
+
 def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
     """How ``trainer.training_step`` combines a window's micro-batch losses into the gradient: their sum when each is
     already divided by the window's ``num_items_in_batch`` (a model taking loss kwargs given the count, a
     ``compute_loss_func``, or ``trainer.loss_is_scaled_for_ga``), else their mean (each divided by the window's
     micro-batch count); then divided by the accelerator's own accumulation steps (1 as the Trainer sets it up; under
     DeepSpeed the engine's, which the Trainer's ``scale_wrt_gas=False`` turns off)."""
-    scaled = trainer.loss_is_scaled_for_ga
-    if scaled is None:
-        accepts = bool(getattr(trainer, "model_accepts_loss_kwargs", False))
-        scaled = (accepts and num_items_in_batch is not None) or trainer.compute_loss_func is not None
+    scaled = scaled_for_window(trainer, num_items_in_batch)
     # DeepSpeed divides by its own accumulation steps only where the Trainer does not say scale_wrt_gas=False (it does)
     deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
     divisor = 1 if deepspeed else int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1))
@@ -65,6 +127,33 @@ def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
         return (total if scaled else total / len(losses)) / divisor
 
     return combine
+
+
+def window_share(trainer: Trainer, inputs: Mapping[str, Any], num_items_in_batch: Any) -> float:
+    """The weight of one micro-batch's own mean loss in the loss the Trainer differentiates, for a user's ``loss_fn``
+    (``loss_fn(model, inputs)``, never given the window's count) when the Trainer's loss is normalised over the whole
+    window (:func:`scaled_for_window`: the micro-batch losses are summed): the micro-batch's count of labelled items
+    over the window's ``num_items_in_batch``, times the number of processes the Trainer multiplies by when it averages
+    the tokens across devices. The micro-batch's count is the Trainer's own (``shift_labels``, else ``labels[..., 1:]``
+    for a causal LM's shifted loss, else ``labels``; not ``-100``): a loss that is the mean over its micro-batch's
+    labelled tokens (the model's own loss when no count is passed), weighted so, is the window's token mean the
+    Trainer trains on; two such means summed as they are make twice it. ``1.0`` when the inputs carry no labels or the
+    Trainer passed no count (such a loss is taken as normalised over the window already, as a GRPO-style loss divides
+    by the count its inputs carry)."""
+    labels = inputs.get("shift_labels")
+    if labels is None:
+        labels = inputs.get("labels")
+        if isinstance(labels, torch.Tensor) and getattr(trainer, "_loss_shifts_labels", False):
+            labels = labels[..., 1:]
+    if num_items_in_batch is None or not isinstance(labels, torch.Tensor):
+        return 1.0
+    window = float(torch.as_tensor(num_items_in_batch).float().sum())
+    if window <= 0:
+        return 1.0
+    processes = 1
+    if getattr(trainer.args, "average_tokens_across_devices", False) and trainer.args.world_size > 1:
+        processes = int(trainer.accelerator.num_processes) // int(trainer.get_tp_size())
+    return float(labels.ne(-100).sum()) * processes / window
 
 
 class TrainerPath:

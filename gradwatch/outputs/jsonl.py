@@ -44,7 +44,7 @@ from gradwatch.tensorboard.events import (
     EventFilesError,
     FailureRecord,
 )
-from gradwatch.tensorboard.writer import APPLIED_PREFIX
+from gradwatch.tensorboard.writer import APPLIED_PREFIX, UPDATE_PREFIX
 
 JSONL_NAME = "gradwatch.jsonl"
 """The file name of the record, in the directory of the run's logs."""
@@ -124,7 +124,7 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         value = getattr(report, name, None)
         if value is not None:
             record[name] = jsonable(value)
-    if getattr(report, "scope", None) == "applied":
+    if getattr(report, "scope", None) in ("applied", "update"):
         record["fault_message"] = report.fault_message or None
     return record
 
@@ -227,6 +227,20 @@ def record_numerics(record: Any) -> str | None:
 def is_applied(record: Any) -> bool:
     """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
     return isinstance(record, Mapping) and record.get("scope") == "applied"
+
+
+def is_update(record: Any) -> bool:
+    """Whether a decoded line is an update check's (``"scope": "update"``)."""
+    return isinstance(record, Mapping) and record.get("scope") == "update"
+
+
+def parse_update_record(record: Any) -> AppliedRecord:
+    """One decoded line of an update check (:func:`is_update`), checked as :func:`parse_applied_record` checks an
+    applied check's; its scalars are the ``gradwatch/update/*`` ones."""
+    parsed = parse_applied_record(record)
+    scalars = {tag: value for tag, value in record.get("scalars", {}).items() if tag.startswith(UPDATE_PREFIX)}
+    numbers = {tag: read_number(value, f"scalar {tag!r}") for tag, value in scalars.items()}
+    return AppliedRecord(parsed.step, parsed.verdict, parsed.fault, parsed.fault_message, numbers, prefix=UPDATE_PREFIX)
 
 
 def parse_applied_record(record: Any) -> AppliedRecord:

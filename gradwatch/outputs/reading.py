@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradwatch.outputs import beside
-from gradwatch.outputs.jsonl import JSONL_NAME, is_applied, parse_applied_record, parse_record, record_numerics
+from gradwatch.outputs.jsonl import (
+    JSONL_NAME,
+    is_applied,
+    is_update,
+    parse_applied_record,
+    parse_record,
+    parse_update_record,
+    record_numerics,
+)
 from gradwatch.tensorboard.events import (
     APPLIED_VERDICT_TAG,
     VERDICT_TAG,
@@ -50,6 +58,8 @@ class JsonLines:
     """The clip coefficient's checks, by step (the step of the applied check it follows, listed beside it)."""
     numerics: dict[int, str] = field(default_factory=dict)
     """The numerics settings of the recomputed checks, in words, by step."""
+    updates: dict[int, AppliedRecord] = field(default_factory=dict)
+    """The update checks (``"scope": "update"``), by step."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -82,6 +92,10 @@ def read_jsonl(path: Path) -> JsonLines:
                 except RecursionError as error:
                     raise EventFilesError(f"{where}: line {number} is nested too deeply to read") from error
                 try:
+                    if is_update(decoded):
+                        update = parse_update_record(decoded)
+                        found.updates[update.step] = update
+                        continue
                     if is_applied(decoded):
                         applied = parse_applied_record(decoded)
                         (found.clipping if applied.check == "clipping" else found.applied)[applied.step] = applied
@@ -108,7 +122,7 @@ def _wanted(name: str) -> bool:
 
 def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLines | None) -> RunEvents | None:
     """One run from its event files and its JSON lines record; the record wins for a step both hold."""
-    if lines is None or not (lines.checks or lines.applied or lines.clipping):
+    if lines is None or not (lines.checks or lines.applied or lines.clipping or lines.updates):
         return events
     # every applied record of a step listed with its own verdict: the gradient's, then the clip coefficient's
     applied = {(step, "gradient"): record for step, record in lines.applied.items()}
@@ -133,6 +147,7 @@ def _merge(name: str, directory: Path, events: RunEvents | None, lines: JsonLine
         has_dashboard=events is not None and events.has_dashboard,
         applied=[applied[key] for key in sorted(applied, key=lambda key: (key[0], key[1] == "clipping"))],
         numerics=dict(sorted(lines.numerics.items())),
+        updates=[lines.updates[step] for step in sorted(lines.updates)],
     )
 
 

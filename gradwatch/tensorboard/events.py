@@ -98,11 +98,14 @@ class AppliedRecord:
     scalars: dict[str, float]
     check: str = "gradient"
     """``"gradient"``: the check of the applied gradient; ``"clipping"``: the clip coefficient's, of the same step."""
+    prefix: str = ""
+    """The prefix of its scalars when it is not an applied check's: ``gradwatch/update/`` for an update check's."""
 
     def get(self, name: str) -> float:
         """The scalar ``gradwatch/applied/<name>`` (``gradwatch/applied/clipping/<name>`` for the clip coefficient's
-        check), NaN when it was not logged for this check."""
-        return self.scalars.get((CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX) + name, math.nan)
+        check, ``<prefix><name>`` for an update check's), NaN when it was not logged for this check."""
+        prefix = self.prefix or (CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX)
+        return self.scalars.get(prefix + name, math.nan)
 
 
 def fault_of_code(code: float, where: str, step: int) -> str | None:
@@ -157,6 +160,8 @@ class RunEvents:
     has_histogram: bool = False
     has_dashboard: bool = False
     applied: list[AppliedRecord] = field(default_factory=list)
+    updates: list[AppliedRecord] = field(default_factory=list)
+    """The update checks (``"scope": "update"`` in the JSON lines record), by step."""
     """The checks of the applied gradient (``gradwatch/applied/*``), by step."""
     numerics: dict[int, str] = field(default_factory=dict)
     """By step, the numerics settings a recomputed check ran under, in words (from ``gradwatch.jsonl`` only)."""
@@ -350,19 +355,14 @@ def _applied(step: int, values: dict[str, float], text: str) -> list[AppliedReco
     (their scalars were checked as they were read); the failure text is the failing one's."""
     found = []
     for check, prefix in (("gradient", APPLIED_PREFIX), ("clipping", CLIPPING_PREFIX)):
-        if prefix + "verdict" not in values:
-            continue
-        own = (lambda tag: tag.startswith(CLIPPING_PREFIX)) if check == "clipping" else _gradient_tag
-        scalars = {tag: v for tag, v in values.items() if own(tag)}
-        fault = FAULTS[round(scalars[prefix + "fault"]) - 1] if scalars.get(prefix + "fault") else None
-        verdict = VERDICTS[round(scalars[prefix + "verdict"])]
-        message = parse_fault_message(text) if verdict == "fail" else ""
-        found.append(AppliedRecord(step, verdict, fault, message, scalars, check))
+        if prefix + "verdict" in values:
+            scalars = {tag: v for tag, v in values.items() if tag.startswith(prefix)}
+            scalars = {t: v for t, v in scalars.items() if check == "clipping" or not t.startswith(CLIPPING_PREFIX)}
+            fault = FAULTS[round(scalars[prefix + "fault"]) - 1] if scalars.get(prefix + "fault") else None
+            verdict = VERDICTS[round(scalars[prefix + "verdict"])]
+            message = parse_fault_message(text) if verdict == "fail" else ""
+            found.append(AppliedRecord(step, verdict, fault, message, scalars, check))
     return found
-
-
-def _gradient_tag(tag: str) -> bool:
-    return tag.startswith(APPLIED_PREFIX) and not tag.startswith(CLIPPING_PREFIX)
 
 
 def check_directory(logdir: Path) -> None:

@@ -29,6 +29,10 @@ CLIPPING_PREFIX = APPLIED_PREFIX + "clipping/"
 check's, and one tag for both would let the later record stand in place of the other."""
 APPLIED_FAILURE_TAG = APPLIED_PREFIX + "failure"
 """The text of a failing applied check, led by the fault."""
+UPDATE_PREFIX = "gradwatch/update/"
+"""The update checks' scalars are logged under this prefix (:mod:`gradwatch.engine.update`)."""
+UPDATE_FAILURE_TAG = UPDATE_PREFIX + "failure"
+"""The text of a failing update check, led by the fault."""
 TRAINER_PREFIX = "train/"
 """A Hugging Face Trainer's TensorBoard run holds the tags of its training logs under this prefix (its
 ``rewrite_logs``: ``train/gradwatch/verdict``); gradwatch writes its histograms and texts there beside them, and
@@ -39,6 +43,8 @@ __all__ = [
     "FAILURES_TAG",
     "HISTOGRAM_TAG",
     "LOG10_FLOOR",
+    "UPDATE_FAILURE_TAG",
+    "UPDATE_PREFIX",
     "SummaryWriterLike",
     "failures_markdown",
     "rel_error_log10",

@@ -32,13 +32,15 @@ from gradwatch.watch.hooks import Context, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.update_calls import UpdateCalls
 
 log = logging.getLogger(__name__)
 
 
-class AppliedCalls:
+class AppliedCalls(UpdateCalls):
     """The applied-check calls of a watch (see the module doc) and what both kinds' calls share (the loss a call
-    checks, the contexts around a check); the watch holds the state they use."""
+    checks, the contexts around a check); the watch holds the state they use. The update check each verified gradient
+    leads to is :class:`~gradwatch.watch.update_calls.UpdateCalls`'."""
 
     verbose: bool
     _applied: AppliedSchedule
@@ -61,7 +63,11 @@ class AppliedCalls:
     def guarded(self, site: str) -> contextlib.AbstractContextManager[None]:
         """A context for what a watch or its adapter runs outside a check (``site`` names it): an error there is one
         note (:attr:`notes`) and one warning, once per site, and the block is left; training goes on (see
-        :mod:`gradwatch.watch.guard`)."""
+        :mod:`gradwatch.watch.guard`).
+
+        Args:
+            site: The call site, as the note and the warning name it (``"watch.record"``, ...).
+        """
         return self._outcomes.guard(site)
 
     @property
@@ -95,6 +101,7 @@ class AppliedCalls:
                 about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
                 states). Without it, the window is shared by every optimizer of the step.
         """
+        self._update_release()
         if not self._applied.enabled:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
@@ -120,9 +127,12 @@ class AppliedCalls:
         join: Join | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         window_normalised: bool | Callable[[], bool] = False,
+        max_norm: float | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
-        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``.
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
+        verified the gradient, the update the optimizer then makes of it is checked too, from a step post hook
+        (``check_update=True``, the default; :mod:`gradwatch.watch.update_calls`): its report joins :attr:`reports`.
 
         Args:
             model: The module whose ``.grad`` the optimizer applies.
@@ -150,14 +160,20 @@ class AppliedCalls:
                 tokens (or a function that says so): a window gradient that is the one-batch gradient divided by the
                 number of micro-batches is then warned of as a second normalisation (see
                 :func:`~gradwatch.engine.applied.check_applied_gradient`).
+            max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
+                the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
+                declares it too).
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not max_norm > 0):  # fmt: skip
+            raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
         with self.guarded("watch.before_optimizer_step"):
             return self._before_optimizer_step(
                 model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,
                 gradients=gradients, skipped=skipped, optimizers=optimizers, join=join, optimizer=optimizer,
-                window_normalised=window_normalised,
+                window_normalised=window_normalised, max_norm=max_norm,
             )  # fmt: skip
         return None
 
@@ -165,8 +181,11 @@ class AppliedCalls:
         self, model: nn.Module, loss_fn: LossFn | None, *, step: int, combine: Combine, path: PathContext | None,
         group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
         skipped: bool | Callable[[], bool], optimizers: Sequence[torch.optim.Optimizer], join: Join | None,
-        optimizer: Any, window_normalised: bool | Callable[[], bool],
+        optimizer: Any, window_normalised: bool | Callable[[], bool], max_norm: float | None,
     ) -> CheckReport | None:  # fmt: skip
+        self._update_release(step)
+        if self.check_update and self._applied.enabled and self._applied.due(step + 1, step):
+            self._update_keep_previous(model, step, optimizer, optimizers, _updated(model, optimizer))
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._schedule.clock.batch_ended(time.perf_counter())
@@ -214,13 +233,19 @@ class AppliedCalls:
         if report is not None:
             report = recurring(report, self._applied.faults.get(id(optimizer)))
             self._applied.faults[id(optimizer)] = (step, report.fault)
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         if report is not None:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
             # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
             with self.guarded("the clip check's norms of the verified gradient"):
                 held = _gradients(model, updated) if own else list((gradients or {}).values())
-                self._applied.verified = (step, GradientNorms.of(held), own)
+                norms = GradientNorms.of(held)
+                self._applied.verified = (step, norms, own)
+            # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
+            # unscales it after this call) are not what the optimizer steps with: their update is not checked here
+            if own and loss_scale == 1.0:
+                with self.guarded("the update check's copies before the step"):
+                    self._update_prepare(model, step, optimizer, optimizers, updated, norms.total, max_norm)
         return report
 
     def after_clipping(
@@ -255,6 +280,7 @@ class AppliedCalls:
     def _after_clipping(
         self, model: nn.Module, max_norm: float, *, step: int, clipped_with: float | Callable[[], float | None] | None
     ) -> CheckReport | None:
+        self._update_declare(step, max_norm)
         verified, self._applied.verified = self._applied.verified, None
         if verified is None or verified[0] != step:
             return None
@@ -270,7 +296,7 @@ class AppliedCalls:
             return None
         report = self._outcomes.guarded(step, check, [])
         if report is not None:
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
 

@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.report import UnrestoredStateWarning
-from gradwatch.outputs.records import report_records
+from gradwatch.outputs.records import Overhead, report_records
 from gradwatch.outputs.sinks import Sink, write_to_sinks
-from gradwatch.watch.alerts import AlertPolicy, Backoff, OnFail, Remarks
+from gradwatch.watch.alerts import AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.watch.distributed import rank
 from gradwatch.watch.guard import Guard
 from gradwatch.watch.hooks import Agree, NoLossToCheckError
@@ -55,11 +56,15 @@ class Outcomes:
         self.reports: deque[CheckReport] = deque(maxlen=max_reports)
         self.alerts = AlertPolicy(on_fail, verbose=verbose)
         self.should_stop = False
-        self.counts = {"checks": 0, "failed": 0, "skipped": 0, "applied_checks": 0, "applied_failed": 0}
+        self.counts = {
+            "checks": 0, "failed": 0, "skipped": 0, "applied_checks": 0, "applied_failed": 0, "update_checks": 0,
+            "update_failed": 0,
+        }  # fmt: skip
         """Recomputed checks run, failed and skipped (an error, no loss, a step the grad scaler skipped, no trainable
-        parameter), applied checks run and failed."""
-        self._remarks = {"recomputed": Remarks(verbose=verbose), "applied": Remarks(verbose=verbose)}
+        parameter), applied and update checks run and failed."""
+        self._remarks = {scope: Remarks(verbose=verbose) for scope in ("recomputed", "applied", "update")}
         self.guard = Guard()  # the watch's calls outside a check
+        self._warned_unreached = False  # trainable parameters without a gradient: warned once per run, either kind
 
     def guarded(
         self, step: int, check: Callable[[], CheckReport], contexts: Sequence[contextlib.AbstractContextManager[Any]]
@@ -101,17 +106,21 @@ class Outcomes:
             raise
         return report if agree is None else agree(report, None, step)
 
-    def publish(self, report: CheckReport, overhead: float) -> None:
+    def publish(self, report: CheckReport, overhead: Overhead | float) -> None:
         """A report of either kind: kept, counted, remarked on, written to every sink, handed to ``on_report``, then
         to the alerts. Each part guarded on its own (:mod:`.guard`), so that a sink that raises cannot keep a failure
         from being counted and alerted; ``on_report`` is the user's, its errors theirs."""
         self.reports.append(report)
-        prefix = "applied_" if report.scope == "applied" else ""
+        prefix = "" if report.scope == "recomputed" else f"{report.scope}_"
         self.counts[prefix + "checks"] += 1
         self.counts[prefix + "failed"] += report.verdict == "fail"
         with self.guard("the remarks on a report"):
             self._remarks[report.scope].hear(report)
             log.debug("gradwatch %s", report.summary())
+            unreached = report.noted(NoteCode.UNREACHED_PARAMETERS)
+            if unreached and not self._warned_unreached:
+                self._warned_unreached = True
+                warnings.warn(f"gradwatch (step {report.step}): {unreached[0]}", GradientCheckWarning, stacklevel=3)
         records = None
         with self.guard("the records of a report"):
             records = report_records(report, overhead)
@@ -123,7 +132,7 @@ class Outcomes:
         # where every process holds the same report (agreed, or an applied check the ranks made together) only rank
         # 0 shows its warning; the backoff counts alike everywhere
         with self.guard("the alerts"):
-            self.alerts.shown = not (self.agreed_reports or report.scope == "applied") or rank() == 0
+            self.alerts.shown = not (self.agreed_reports or report.scope != "recomputed") or rank() == 0
             if self.alerts.handle(report, self.guard.callers):
                 self.should_stop = True
 
@@ -133,6 +142,8 @@ class Outcomes:
             "failed_checks": self.counts["failed"],
             "skipped_checks": self.counts["skipped"],
             "applied_failed": self.counts["applied_failed"],
+            "update_checks": self.counts["update_checks"],
+            "update_failed": self.counts["update_failed"],
             "failure_warnings": self.alerts.failures.count,
             "error_warnings": self.alerts.errors.count,
         }
@@ -143,6 +154,8 @@ class Outcomes:
         self.counts["skipped"] = int(state.get("skipped_checks", 0))
         self.counts["applied_checks"] = int(state.get("applied_checks", 0))
         self.counts["applied_failed"] = int(state.get("applied_failed", 0))
+        self.counts["update_checks"] = int(state.get("update_checks", 0))
+        self.counts["update_failed"] = int(state.get("update_failed", 0))
         self.alerts = AlertPolicy(
             self.on_fail,
             Backoff(int(state.get("failure_warnings", 0))),

@@ -80,6 +80,9 @@ class GradientWatch(AppliedCalls):
             ended its check) into the report every process acts on (a gather).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
+        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
+            makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.update_calls`);
+            ``False``: no update check.
         **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
@@ -120,6 +123,7 @@ class GradientWatch(AppliedCalls):
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ) -> None:
         chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
@@ -143,6 +147,8 @@ class GradientWatch(AppliedCalls):
         )
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
+        self.check_update = validate.check_bool("check_update", check_update)
+        self._update_reset()
         self._decide = decide or as_decided
         self._agree = agree
         self._context = context or no_context
@@ -184,13 +190,19 @@ class GradientWatch(AppliedCalls):
         return [report for report in self._outcomes.reports if report.scope == "applied"]
 
     @property
+    def update_reports(self) -> list[CheckReport]:
+        """This run's reports with ``scope == "update"``, oldest first."""
+        return [report for report in self._outcomes.reports if report.scope == "update"]
+
+    @property
     def recomputed_reports(self) -> list[CheckReport]:
         """This run's reports with ``scope == "recomputed"``, oldest first."""
         return [report for report in self._outcomes.reports if report.scope == "recomputed"]
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed, skipped, postponed (over budget) and applied checks run and failed (kept on resume)."""
+        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (kept on
+        resume)."""
         return {**self._outcomes.counts, "postponed": self._schedule.postponed}
 
     @property
@@ -271,6 +283,7 @@ class GradientWatch(AppliedCalls):
             The check's report, or ``None`` when no check ran (not due, postponed, skipped).
         """
         now = time.perf_counter()
+        self._update_release()  # the update check's one-shot hooks, once they have run
         loss_fn = self._loss_fn(loss_fn, step)
         self._model, self._last_step = model, max(self._last_step, step)
         with self.guarded("watch.maybe_check"):
@@ -334,7 +347,7 @@ class GradientWatch(AppliedCalls):
         if report is not None:
             with self.guarded("the lessons of a check"):
                 self._lessons.learn(report)
-            self._outcomes.publish(report, self.overhead)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
     def state_dict(self) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def test_a_wrong_compiled_backward_names_the_compiled_module() -> None:
     model, batch = _compiled_and_trained_once(1.03)
     report = check_gradients(model, batch, _loss)
     assert report.culprits == [""], str(report)  # the model itself is the compiled module
-    assert report.culprit_message.startswith("the compiled backward of the model (`OptimizedModule`) is wrong")
+    assert report.culprit_message.startswith("the compiled backward of `<model>` (`OptimizedModule`) is wrong")
     torch._dynamo.reset()
     torch.manual_seed(0)
     inner = Net(1.03)
@@ -122,4 +122,4 @@ def test_a_wrong_compiled_backward_names_the_compiled_module() -> None:
     report = check_gradients(outer, batch, _loss)
     assert report.verdict == "fail", str(report)
     assert report.culprits == ["1", ""], str(report)
-    assert report.culprit_message.startswith("the compiled backward of `1` (`Net`) is wrong")
+    assert report.culprit_message.startswith("the compiled backward of `<model>[1]` (`Net`) is wrong")

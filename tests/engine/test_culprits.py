@@ -39,7 +39,7 @@ def test_the_module_whose_backward_is_wrong_is_named_not_its_victims(bug_at: int
     report = check_gradients(Stack(bug_at=bug_at), _batch(), _cross_entropy)
     assert report.verdict == "fail", str(report)
     assert report.culprits[:2] == [f"blocks.{bug_at}.act", f"blocks.{bug_at}"], str(report)
-    assert report.culprit_message.startswith(f"the backward of `blocks.{bug_at}.act` (`Tanh`) is wrong: its input")
+    assert report.culprit_message.startswith(f"the backward of `blocks[{bug_at}].act` (`Tanh`) is wrong: its input")
     assert "while its output gradient is right" in report.culprit_message
     search = [p for p in report.probes if p.kind in SEARCH_KINDS]
     assert search
@@ -65,7 +65,8 @@ def test_a_bug_in_functional_code_names_the_smallest_module_containing_it() -> N
     report = check_gradients(Functional(), _batch(), _cross_entropy)
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == "", str(report)
-    assert "in its own code between `first` and `second`" in report.culprit_message, report.culprit_message
+    between = "in its own code between `first` (`Linear`) and `second` (`Linear`)"
+    assert between in report.culprit_message, report.culprit_message
 
 
 def test_a_shared_module_called_twice_is_named() -> None:
@@ -96,7 +97,7 @@ def test_the_demo_rmsnorm_is_named() -> None:
     torch.manual_seed(0)
     report = check_gradients(CustomNormClassifier(correct_backward=False), _classification(), _classifier_loss)
     assert report.culprits == ["net.1", "net", ""], str(report)
-    assert report.culprit_message.startswith("the backward of `net.1` (`RMSNorm`) is wrong: its input gradient is")
+    assert report.culprit_message.startswith("the backward of `net[1]` (`RMSNorm`) is wrong: its input gradient is")
 
 
 def test_a_wrong_parameter_gradient_names_its_module() -> None:
@@ -115,7 +116,7 @@ def test_parameters_used_outside_their_modules_name_the_loss() -> None:
 
 
 def test_assert_gradients_ok_leads_with_the_culprit() -> None:
-    culprit_first = r"^gradient check failed at step 0: the backward of `blocks\.3\.act` \(`Tanh`\) is wrong"
+    culprit_first = r"^gradient check failed at step 0: the backward of `blocks\[3\]\.act` \(`Tanh`\) is wrong"
     with pytest.raises(AssertionError, match=culprit_first):
         assert_gradients_ok(Stack(bug_at=3), _batch(), _cross_entropy)
 
@@ -191,7 +192,7 @@ def test_a_bug_in_the_models_own_code_before_a_parameter_names_the_model() -> No
     report = check_gradients(build(), batch(torch.Generator().manual_seed(100)), loss, step=0, probe_batch_size=2)
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == "", str(report)
-    assert "in its own code after `theta`" in report.culprit_message, report.culprit_message
+    assert "in its own code after `theta` (`" in report.culprit_message, report.culprit_message
 
 
 def test_the_search_stops_at_its_budget_naming_the_deepest_module_proved(monkeypatch: pytest.MonkeyPatch) -> None:

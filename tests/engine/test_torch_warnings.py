@@ -16,6 +16,7 @@ from public_bug_models import (
     regression_batch,
     regression_mlp,
 )
+from two_processes import needs_gloo, run_launched
 
 from gradwatch import check_gradients
 from gradwatch.engine.function.torch_warnings import incorrect_gradient_notes, torch_registries_cleared
@@ -97,3 +98,16 @@ def test_warnings_of_other_kinds_are_quoted_and_unrelated_ones_ignored() -> None
     assert [n.code for n in notes] == [NoteCode.SILENTLY_INCORRECT] * 2
     assert "`mylib::op`" in notes[0]
     assert "silently incorrect gradients" in notes[1]
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_a_plain_all_reduce_across_two_ranks_is_reported_and_its_wrong_gradient_caught(tmp_path: Path) -> None:
+    found = run_launched("all_reduce_loss_run.py", tmp_path, "all_reduce", "autograd_all_reduce", timeout_s=240)[0]
+    for rank in (0, 1):
+        plain, autograd = found[f"all_reduce_rank{rank}"], found[f"autograd_all_reduce_rank{rank}"]
+        assert plain["verdict"] == "fail", plain["report"]
+        assert plain["descent_ratio"] == pytest.approx(2.0, rel=1e-3), plain["report"]  # this rank's term alone
+        assert any("`c10d::allreduce_`" in note for note in plain["silently_incorrect"]), plain["report"]
+        assert autograd["verdict"] == "ok", autograd["report"]
+        assert autograd["silently_incorrect"] == [], autograd["report"]

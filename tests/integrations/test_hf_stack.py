@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from hf_stack_models import Tokens, plant_activation_bug, tiny_llama  # noqa: E402
 
 from gradwatch import GradientCheckWarning  # noqa: E402
+from gradwatch.engine.results.naming import display_name  # noqa: E402
 from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
 
 
@@ -39,6 +40,7 @@ def _train(tmp_path: Path, model: torch.nn.Module, steps: int, **arguments: Any)
     return callback
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(tmp_path: Path, reentrant: bool) -> None:
     model = tiny_llama()
@@ -65,6 +67,7 @@ def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(t
     assert applied.culprits[0] == buggy
 
 
+@pytest.mark.slow
 def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> None:
     model = tiny_llama(torch.bfloat16)
     with warnings.catch_warnings():
@@ -185,7 +188,7 @@ def test_a_wrong_gradient_inside_a_dora_forward_is_named_down_to_its_dora_module
     report = check_gradients(model, torch.tensor(token_ids(4, 12, seed=seed + 3)), _language_modeling)
     assert report.verdict == "fail", str(report)
     assert report.culprits[0] == DORA, str(report)
-    assert report.culprit_message.startswith(f"the backward of `{DORA}` (`DoraLinearLayer`)")
+    assert report.culprit_message.startswith(f"the backward of `{display_name(DORA)}` (`DoraLinearLayer`)")
 
 
 @pytest.mark.parametrize(
@@ -221,6 +224,7 @@ def test_a_custom_lora_variant_reading_its_adapters_weights_is_named(
     assert evidence in report.culprit_message, report.culprit_message
 
 
+@pytest.mark.slow
 def test_a_custom_lora_variant_bug_is_caught_and_named_at_the_first_check_of_a_trainer(tmp_path: Path) -> None:
     """The LoRA variant's weight-gradient bug under ``transformers.Trainer`` with ``GradWatchCallback``: the first check
     fails and names the LoRA layer."""

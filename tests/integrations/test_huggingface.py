@@ -29,6 +29,7 @@ from gradwatch.integrations.trainer_outputs import run_sinks  # noqa: E402
 from gradwatch.outputs import JsonLinesSink  # noqa: E402
 
 BUGGY = "model.layers.0.self_attn.o_proj"
+SHOWN_BUGGY = "model.layers[0].self_attn.o_proj"  # as the culprit message names it
 """The module the bug is planted in: one of the tensors the first check's rotation probes along their gradient."""
 
 
@@ -70,6 +71,7 @@ def _own_entries(trainer: Any) -> list[dict[str, float]]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.slow
 def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path: Path) -> None:
     without, _ = _train(tmp_path)
     with warnings.catch_warnings():
@@ -84,6 +86,8 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
         "postponed": 0,
         "applied_checks": 0,
         "applied_failed": 0,
+        "update_checks": 0,
+        "update_failed": 0,
     }
     assert all(r.samples == 2 for r in callback.recomputed_reports)  # one micro-batch of 4 sequences, probed on 2
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
@@ -99,6 +103,7 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
     assert "compute_loss" not in vars(watched)  # the Trainer's compute_loss is its own again after training
 
 
+@pytest.mark.slow
 def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_path: Path) -> None:
     seen: list[tuple[int, Any]] = []
 
@@ -124,10 +129,11 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
     assert callback.recomputed_reports[0].verdict == "ok"
 
 
+@pytest.mark.slow
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported_from_tensorboard(
     tmp_path: Path,
 ) -> None:
-    with pytest.warns(GradientCheckWarning, match=r"failed at step 1: the backward of `model\.layers\.0\.self_attn"):
+    with pytest.warns(GradientCheckWarning, match=r"failed at step 1: the backward of `model\.layers\[0\]\.self_attn"):
         _trainer, callback = _train(
             tmp_path, bug_in=BUGGY, steps=1, arguments={"report_to": ["tensorboard"]}, every_n_steps=2
         )
@@ -142,9 +148,9 @@ def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported
     tags = EventAccumulator(str(run)).Reload().Tags()
     assert {"train/gradwatch/verdict", "train/gradwatch/rel_error_max_log10"} <= set(tags["scalars"])
     assert "train/gradwatch/rel_error_log10" in tags["histograms"]
-    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{BUGGY}`")
+    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")
     (run / "gradwatch.jsonl").unlink()  # the event files alone: the culprit from the failure text
-    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{BUGGY}`")
+    assert _report(tmp_path / "runs") == (1, f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")
 
 
 def _report(logdir: Path) -> tuple[int, str]:
@@ -153,9 +159,10 @@ def _report(logdir: Path) -> tuple[int, str]:
     with contextlib.redirect_stdout(output):
         code = main(["report", str(logdir)])
     culprits = [line for line in output.getvalue().splitlines() if line.startswith("culprit at step")]
-    return code, culprits[0][: len(f"culprit at step 1: the backward of `{BUGGY}`")] if culprits else ""
+    return code, culprits[0][: len(f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")] if culprits else ""
 
 
+@pytest.mark.slow
 def test_on_fail_stop_ends_training_at_the_failing_step(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match="stopping training"):
         trainer, _ = _train(tmp_path, bug_in=BUGGY, every_n_steps=2, on_fail="stop")
@@ -181,6 +188,7 @@ def test_options_are_keyword_only(tmp_path: Path) -> None:
         GradWatchCallback(trainer, 10)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
     saving = {"save_strategy": "steps", "save_steps": 2}
     _, whole = _train(tmp_path, steps=4, arguments=saving, every_n_steps=2)
@@ -274,6 +282,7 @@ def _is_clipping(report: Any) -> bool:
     return "applied-clipping" in {str(code) for code in codes(report.notes)}
 
 
+@pytest.mark.slow
 def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_identical(tmp_path: Path) -> None:
     without, _ = _train_model(tmp_path / "without", tiny_llama(), 4)
     with warnings.catch_warnings():
@@ -283,28 +292,37 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     # each applied check, then the check of the clip coefficient it makes possible (max_grad_norm=1.0)
     clipping = [r for r in callback.reports if _is_clipping(r)]
     checks = [r for r in callback.reports if not _is_clipping(r)]
-    assert [(r.scope, r.step, r.verdict) for r in checks] == [("applied", 2, "ok"), ("applied", 4, "ok")]
+    # each followed by the update check of the optimizer's step (the Trainer's optimizer hooked, its clip declared)
+    assert [(r.scope, r.step, r.verdict) for r in checks] == [
+        ("applied", 2, "ok"), ("update", 2, "ok"), ("applied", 4, "ok"), ("update", 4, "ok"),
+    ]  # fmt: skip
+    assert callback.update_reports == [checks[1], checks[3]]
     assert [(r.scope, r.step, r.verdict) for r in clipping] == [("applied", 2, "ok"), ("applied", 4, "ok")]
     assert callback.counts["applied_failed"] == 0
     assert_same_state(state_of(without.model, without.optimizer), state_of(watched.model, watched.optimizer))
     assert _own_entries(without) == _own_entries(watched)  # the Trainer's logged values, bit for bit
     logged = [entry for entry in watched.state.log_history if "gradwatch/applied/verdict" in entry]
-    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0)] * 2 + [(4, 0.0)] * 2
+    assert [(entry["step"], entry["gradwatch/applied/verdict"]) for entry in logged] == [(2, 0.0), (4, 0.0)]
+    # the clip coefficient's check of the same step under its own tags: neither record stands in place of the other
+    clipped = [entry for entry in watched.state.log_history if "gradwatch/applied/clipping/verdict" in entry]
+    assert [(entry["step"], entry["gradwatch/applied/clipping/verdict"]) for entry in clipped] == [(2, 0.0), (4, 0.0)]
     assert "clip_grad_norm_" not in vars(watched.accelerator)  # the accelerator's own again after training
 
 
+@pytest.mark.slow
 def test_a_backward_wrong_only_in_bf16_is_a_precision_fault_of_the_applied_gradient(tmp_path: Path) -> None:
     model = tiny_llama()
     _plant_bf16_fault(model.get_submodule(BUGGY))
     with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
         _, callback = _train_model(tmp_path, model, 2, **APPLIED)
     assert callback is not None
-    (report,) = [r for r in callback.reports if not _is_clipping(r)]
+    (report,) = [r for r in callback.applied_reports if not _is_clipping(r)]
     assert (report.scope, report.step, report.verdict, report.fault) == ("applied", 2, "fail", "precision")
     record = json.loads((tmp_path / "gradwatch.jsonl").read_text().splitlines()[0])  # the check, then the clipping's
     assert (record["scope"], record["fault"]) == ("applied", "precision")
 
 
+@pytest.mark.slow
 def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -> None:
     model = tiny_llama()
     weight = model.get_submodule(BUGGY).weight
@@ -317,5 +335,5 @@ def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -
     with pytest.warns(GradientCheckWarning, match="applied gradient check failed at step 2"):
         _, callback = _train_model(tmp_path, model, 2, **APPLIED)
     assert callback is not None
-    (report,) = [r for r in callback.reports if not _is_clipping(r)]
+    (report,) = [r for r in callback.applied_reports if not _is_clipping(r)]
     assert (report.scope, report.verdict) == ("applied", "fail")

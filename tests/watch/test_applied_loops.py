@@ -135,10 +135,11 @@ def test_healthy_runs_are_checked_by_both_kinds_and_train_as_without(loop: str) 
         watched = LOOPS[loop](watch, _model())
     kinds = [(r.scope, r.step, r.verdict) for r in watch.reports]
     assert kinds == [
-        ("applied", 1, "ok"), ("recomputed", 1, "ok"), ("applied", 2, "ok"), ("recomputed", 2, "ok"),
-        ("applied", 3, "ok"),
+        ("applied", 1, "ok"), ("update", 1, "ok"), ("recomputed", 1, "ok"), ("applied", 2, "ok"), ("update", 2, "ok"),
+        ("recomputed", 2, "ok"), ("applied", 3, "ok"), ("update", 3, "ok"),
     ]  # fmt: skip
     assert watch.counts["applied_checks"] == 3
+    assert watch.counts["update_checks"] == 3  # the optimizer found by its step hooks: the loops name none
     assert_same_state(LOOPS[loop](None, _model()), watched)
 
 

@@ -52,6 +52,8 @@ def test_a_plain_loop_checks_on_schedule_and_trains_as_without_the_watch() -> No
         "postponed": 0,
         "applied_checks": 0,
         "applied_failed": 0,
+        "update_checks": 0,
+        "update_failed": 0,
     }
     assert_same_state(_train(None), watched)
 
@@ -157,6 +159,8 @@ def test_a_step_the_grad_scaler_skipped_moves_the_check_to_the_next() -> None:
         "postponed": 0,
         "applied_checks": 0,
         "applied_failed": 0,
+        "update_checks": 0,
+        "update_failed": 0,
     }
 
 
@@ -252,4 +256,7 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         # the applied checks' keys, as GradWatch's checkpoints held them, and two added since
         "applied_checks", "applied_pending", "applied_resume_at", "applied_last_seconds", "applied_steps_seen",
         "applied_failed",
+        "first_seconds",  # the first checks' time, apart from the steady share (read with a default: older states load)
+        # the update checks' counts (gradwatch.watch.update_calls)
+        "update_checks", "update_failed",
     }  # fmt: skip

@@ -28,13 +28,21 @@ from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, PathSetting, attribute
 from gradwatch.engine.applied.autocast_path import path_autocast
-from gradwatch.engine.applied.culprit_search import recomputed_search
+from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Join, compare_accumulation
-from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure
+from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
 from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
-from gradwatch.engine.applied.window import COMBINES, Checksums, Combine, PathContext, unrecorded_randomness
+from gradwatch.engine.applied.window import (
+    COMBINES,
+    Checksums,
+    Combine,
+    PathContext,
+    applied_gradients,
+    disagreeing_ranks,
+    unrecorded_randomness,
+)
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
@@ -47,6 +55,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
@@ -126,8 +135,7 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
-        tensor_probes: Tensors probed along their own part of the applied gradient per check, in turn (every tensor
-            when the descent probe fails).
+        tensor_probes: Tensors probed per check along their part of the gradient (in turn; all if descent fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -170,7 +178,7 @@ def check_applied_gradient(
     trainable = [
         (n, p) for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())
     ]
-    given = _applied(trainable, gradients)
+    given = applied_gradients(trainable, gradients)
     gradient = {name: g for (name, _), g in zip(trainable, given, strict=True) if g is not None}
     session.select(only=gradient)  # FSDP2: this rank's shards, every rank checking together
     names = [name for name, _ in session.params]
@@ -185,6 +193,7 @@ def check_applied_gradient(
         shards = shard_window(session.collective, [p for _, p in session.params], applied)
         applied, group = shards.applied, None
         session.leading.append(Note(NoteCode.SHARDED, shards.note()))
+    session.leading += unreached_note(model, trainable, given, probed=False) if gradients is None else []  # .grad
     unchecked = len(trainable) - len(names)
     if unchecked:
         text = f"{unchecked} trainable parameter(s) not checked (no gradient, ignore=, or not the derivative by design)"
@@ -199,7 +208,7 @@ def check_applied_gradient(
     plan = AppliedPlan(names, applied, native, path_dtype, floor_multiple(path_dtype), session.settings.tensor_probes,
                        rotation)  # fmt: skip
     if group is not None:
-        disagreeing = _disagreeing_ranks(applied, group)
+        disagreeing = disagreeing_ranks(applied, group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
             probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
@@ -209,8 +218,10 @@ def check_applied_gradient(
     if not (shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in applied)):
         probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
                       Reason.NONFINITE)  # fmt: skip
-        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", fault="unknown",
-                              fault_message="the applied gradient holds non-finite values")  # fmt: skip
+        named = list(zip(names, applied, strict=True))
+        fields = nonfinite_fault(session, model, named, micro_batches[0], loss_fn, states[0], step,
+                                 culprit_search and shards is None)  # fmt: skip
+        return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
     equivalence, said = None, list[Note]()
@@ -269,32 +280,6 @@ def _undecided(probe: Probe) -> Probe:
     """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
     design (``ignore=`` it to leave it out)."""
     return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
-
-
-def _applied(
-    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
-) -> list[Tensor | None]:
-    if given is None:
-        return [p.grad for _, p in trainable]
-    if isinstance(given, Mapping):
-        unknown = sorted(set(given) - {n for n, _ in trainable})
-        if unknown:
-            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
-        return [given.get(n) for n, _ in trainable]
-    given = list(given)
-    if len(given) != len(trainable):
-        raise ValueError(
-            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
-        )
-    return list[Tensor | None](given)
-
-
-def _disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
-    """The ranks whose gradient checksums differ from rank 0's."""
-    mine = Checksums.of(applied)
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +377,6 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     floor_note = lazy_floor.floor_note(
         path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
     )
-    notes.append(floor_note)
+    notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)

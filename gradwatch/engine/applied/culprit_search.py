@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from gradwatch.engine.applied.window import single_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.recomputed.nonfinite import nonfinite_entries
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
@@ -44,3 +45,25 @@ def recomputed_search(
         notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
         return CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
                            duration_s=0.0)  # fmt: skip
+
+
+def nonfinite_fault(
+    session: CheckSession,
+    model: nn.Module,
+    applied: list[tuple[str, Tensor]],
+    batch: Any,
+    loss_fn: LossFn,
+    state: Any,
+    step: int,
+    search: bool,
+) -> dict[str, Any]:
+    """The fault of an applied gradient that holds non-finite values, as report fields: where (by tensor and index),
+    and, with ``search``, the module at which the gradient turns non-finite and the loss's central differences there,
+    from the recomputed check of the window's first micro-batch (:mod:`..recomputed.nonfinite`)."""
+    found = recomputed_search(session, model, batch, loss_fn, state, step, []) if search else None
+    return {
+        "fault": "unknown",
+        "fault_message": f"the applied gradient holds non-finite values: {nonfinite_entries(applied)}",
+        "culprits": found.culprits if found is not None else [],
+        "culprit_message": found.culprit_message if found is not None else "",
+    }

@@ -47,7 +47,14 @@ from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.results.notes import Note, NoteCode
 
-PADDING = {"labels": -100, "attention_mask": 0, "input_ids": 0, "token_type_ids": 0, "decoder_input_ids": 0}
+PADDING = {
+    "labels": -100,
+    "attention_mask": 0,
+    "completion_mask": 0,
+    "input_ids": 0,
+    "token_type_ids": 0,
+    "decoder_input_ids": 0,
+}
 """What a token tensor of a mapping batch is padded with (by key), so that padded positions count for nothing: labels
 ignored by cross-entropy (``ignore_index=-100``), masked from attention."""
 

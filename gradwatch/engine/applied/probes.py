@@ -37,7 +37,7 @@ from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 
-__all__ = ["AppliedPlan", "AppliedProbes", "Measured", "measure"]
+__all__ = ["AppliedPlan", "AppliedProbes", "Measured", "measure", "unresolved_note"]
 
 
 @dataclass(frozen=True)
@@ -178,3 +178,22 @@ def _probed(
             if found is not None:
                 measured.append(found)
     return measured
+
+
+def unresolved_note(measured: list[Measured], value_dtype: torch.dtype) -> list[Note]:
+    """A note naming the probes that could not resolve the gradient (reason ``unresolved``: a central difference whose
+    noise is comparable to the slope it measures), with what would resolve them; none when every probe resolved."""
+    unresolved = [m.probe for m in measured if m.probe.reason == "unresolved"]
+    if not unresolved:
+        return []
+    worst = max(unresolved, key=lambda p: p.noise / max(abs(p.analytic), abs(p.numeric), 1e-300))
+    shown = ", ".join(f"{p.kind} {p.target}" for p in unresolved[:4]) + (" ..." if len(unresolved) > 4 else "")
+    dtype = str(value_dtype).removeprefix("torch.")
+    text = (
+        f"{len(unresolved)} probe(s) could not resolve the gradient ({shown}): their central differences carry a noise "
+        f"comparable to the slope they measure (analytic {worst.analytic:.6g}, numeric {worst.numeric:.6g} ± "
+        f"{worst.noise:.2g}), so they are undecided, not ok; the loss's value arrives in {dtype}: a loss returned in "
+        "float64 (the computed tensor itself, not a float32 copy of it), or a check of the module alone "
+        "(check_gradients on it), would resolve it"
+    )
+    return [Note(NoteCode.APPLIED_UNRESOLVED, text)]

@@ -36,6 +36,7 @@ from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, center_tolerance, machine_epsilon, relative_step
 from gradwatch.engine.results.kinds import ProbeKind, Reason
+from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, Probe
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
@@ -183,9 +184,50 @@ class AppliedProbes:
         floor: float,
         step: float,
     ) -> Measured:
-        screen_first = math.isfinite(self.loss_noise)
+        base = step
         step = self.step_along(step, tensors, weights)
-        evaluations = 0
+        stencil, assessment, judgement, evaluations = self._stencils(kind, target, tensors, direction, floor, step)
+        if judgement.reason in (Reason.UNRESOLVED, Reason.FLAT) and self._coarse_values and not self.provisional:
+            # the loss's values are rounded coarser than the probes compute (a float32 copy of a float64 loss): a step
+            # made for the computing dtype leaves a difference of rounding noise; the step of the values' dtype
+            # resolves the slope
+            coarse = base * self.measurements.value_epsilon**0.2 / self.relative
+            self._say_coarse()
+            found = self._full(direction, floor, coarse, kind)
+            evaluations += found[3]
+            if found[2].reason not in (Reason.UNRESOLVED, Reason.FLAT) or not math.isfinite(found[1].noise):
+                stencil, assessment, judgement = found[:3]
+        return self._finish(kind, target, tensors, weights, stencil, assessment, judgement, floor, evaluations)
+
+    def _say_coarse(self) -> None:
+        evaluator = self.measurements.evaluator
+        if any(getattr(n, "code", None) == NoteCode.APPLIED_COARSE_LOSS for n in evaluator.notes):
+            return
+        dtype = str(evaluator.value_dtype).removeprefix("torch.")
+        computed = str(self.measurements.compute_dtype).removeprefix("torch.")
+        text = (
+            f"the loss's value is delivered in {dtype} while the probes compute in {computed} (a {dtype} copy of the "
+            f"loss on the way, such as torch.FloatTensor([cost])): probes the {computed} step could not resolve were "
+            f"measured again at a step made for {dtype} values"
+        )
+        evaluator.notes.append(Note(NoteCode.APPLIED_COARSE_LOSS, text))
+
+    @property
+    def _coarse_values(self) -> bool:
+        """Whether the loss delivers its values in a coarser dtype than the probes compute in."""
+        return self.measurements.value_epsilon > machine_epsilon(self.measurements.compute_dtype)
+
+    def _stencils(
+        self,
+        kind: ProbeKind,
+        target: str,
+        tensors: tuple[int, ...],
+        direction: VectorDirection,
+        floor: float,
+        step: float,
+    ) -> tuple[Stencil, Assessment, Judgement, int]:
+        """A probe's screen, then its full stencil and confirmation where the screen does not agree."""
+        screen_first = math.isfinite(self.loss_noise)
         key = (kind, tensors, target, step, self.measurements.compute_dtype)
         if screen_first and key in self.screens:
             stencil = self.screens[key]
@@ -194,36 +236,49 @@ class AppliedProbes:
             if screen_first:
                 stencil = self._centred(stencil)
                 self.screens[key] = stencil
-        evaluations += len(stencil.points)
+        evaluations = len(stencil.points)
         if screen_first:
             assessment = self._screen(stencil)
             judgement = judge(assessment, stencil, floor, self.multiple)
             if judgement.verdict == "ok" or self.provisional:
-                return self._finish(kind, target, tensors, weights, stencil, assessment, judgement, floor, evaluations)
+                return stencil, assessment, judgement, evaluations
         if not stencil.full:
             stencil = self._exact(stencil).extended(self.measurements.points(direction, step, HALF_OFFSETS))
             evaluations += 2
+        found = self._judged(stencil, floor, step, direction, kind)
+        return found[0], found[1], found[2], evaluations + found[3]
+
+    def _full(
+        self, direction: VectorDirection, floor: float, step: float, kind: ProbeKind
+    ) -> tuple[Stencil, Assessment, Judgement, int]:
+        """A full stencil at ``step`` (around the centre), judged and confirmed."""
+        stencil = self._exact(self.measurements.stencil(direction, step, FULL_OFFSETS))
+        found = self._judged(stencil, floor, step, direction, kind)
+        return found[0], found[1], found[2], len(FULL_OFFSETS) + found[3]
+
+    def _judged(
+        self, stencil: Stencil, floor: float, step: float, direction: VectorDirection, kind: ProbeKind
+    ) -> tuple[Stencil, Assessment, Judgement, int]:
+        """A full stencil's judgement; a failure confirmed at a second, smaller step (which then stands)."""
         assessment = self._assess(stencil)
         judgement = judge(assessment, stencil, floor, self.multiple)
         if kind == ProbeKind.DESCENT and stencil.finite and not math.isfinite(self.loss_noise):
             self.loss_noise = assessment.loss_noise
-        if judgement.verdict == "fail":
-            step *= CONFIRMATION_STEP
-            second = self.measurements.stencil(direction, step, FULL_OFFSETS)
-            evaluations += 4
-            second_assessment = self._assess(second)
-            second_judgement = judge(second_assessment, second, floor, self.multiple)
-            if not confirmed(assessment, judgement, second_assessment, second_judgement):
-                reason = "agrees" if second_judgement.verdict == "ok" else "unstable"
-                verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
-                second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
-            elif at_a_tie(stencil) or at_a_tie(second):
-                # a kink at the point (a ReLU input or a max-pool window exactly tied): the loss has no derivative
-                # along the probe, the central difference is the mean of its one-sided slopes at any step (so the
-                # discrepancy reproduces) and autograd's choice of one side is no wrong formula
-                second_judgement = Judgement("inconclusive", "tie", second_judgement.tolerance, second_judgement.excess)
-            stencil, assessment, judgement = second, second_assessment, second_judgement
-        return self._finish(kind, target, tensors, weights, stencil, assessment, judgement, floor, evaluations)
+        if judgement.verdict != "fail":
+            return stencil, assessment, judgement, 0
+        second = self.measurements.stencil(direction, step * CONFIRMATION_STEP, FULL_OFFSETS)
+        second_assessment = self._assess(second)
+        second_judgement = judge(second_assessment, second, floor, self.multiple)
+        if not confirmed(assessment, judgement, second_assessment, second_judgement):
+            reason = "agrees" if second_judgement.verdict == "ok" else "unstable"
+            verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
+            second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
+        elif at_a_tie(stencil) or at_a_tie(second):
+            # a kink at the point (a ReLU input or a max-pool window exactly tied): the loss has no derivative
+            # along the probe, the central difference is the mean of its one-sided slopes at any step (so the
+            # discrepancy reproduces) and autograd's choice of one side is no wrong formula
+            second_judgement = Judgement("inconclusive", "tie", second_judgement.tolerance, second_judgement.excess)
+        return second, second_assessment, second_judgement, 4
 
     def _centred(self, screen: Stencil) -> Stencil:
         """``screen`` around the centre as far as it is known: the first screen's mean stands in for the loss at the

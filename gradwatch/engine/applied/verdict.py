@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon
@@ -117,9 +117,20 @@ def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: floa
     tolerance = multiple * floor + SIGNIFICANCE * assessment.noise
     size = abs(assessment.discrepancy)
     excess = size / tolerance if tolerance > 0 else math.inf
-    if size <= tolerance:
-        return Judgement("ok", "agrees", tolerance, excess)
-    return Judgement("fail", "discrepancy", tolerance, excess)
+    if size > tolerance:
+        return Judgement("fail", "discrepancy", tolerance, excess)
+    if not resolves(assessment, stencil):
+        return Judgement("inconclusive", "unresolved", tolerance, excess)
+    return Judgement("ok", "agrees", tolerance, excess)
+
+
+def resolves(assessment: Assessment, stencil: Stencil) -> bool:
+    """Whether a probe's central difference resolves the slope it measures: its noise, :data:`SIGNIFICANCE` times
+    over, within :data:`~gradwatch.engine.numerics.assessment.RESOLUTION` of the slope (as for a recomputed probe's
+    ``"ok"``). A probe whose noise is comparable to the slope (a loss rounded to float32 on the way, measured at a step
+    made for float64) "agrees" with any gradient within that noise, a 50% wrong one included: it says nothing."""
+    scale = max(abs(stencil.analytic), abs(assessment.numeric))
+    return SIGNIFICANCE * assessment.noise <= RESOLUTION * scale
 
 
 def confirmed(first: Assessment, first_judgement: Judgement, second: Assessment, second_judgement: Judgement) -> bool:

@@ -14,11 +14,12 @@ to zero them leaves them in the applied gradient).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
@@ -236,3 +237,31 @@ class AppliedWindow:
         report = recurring(report, self.last_fault)
         self.last_fault = (report.step, report.fault)
         return report
+
+
+def applied_gradients(
+    trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
+) -> list[Tensor | None]:
+    """The gradient to check of each trainable parameter: its ``.grad``, or what ``given`` holds for it (by name or in
+    order), validated against the parameters."""
+    if given is None:
+        return [p.grad for _, p in trainable]
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - {n for n, _ in trainable})
+        if unknown:
+            raise ValueError(f"`gradients` must name trainable parameters of the model; got {unknown}")
+        return [given.get(n) for n, _ in trainable]
+    given = list(given)
+    if len(given) != len(trainable):
+        raise ValueError(
+            f"`gradients` must have one tensor per trainable parameter ({len(trainable)}); got {len(given)}"
+        )
+    return list[Tensor | None](given)
+
+
+def disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
+    """The ranks whose gradient checksums differ from rank 0's."""
+    mine = Checksums.of(applied)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]

@@ -12,6 +12,7 @@ from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedErr
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.results.naming import display_name, named
 from gradwatch.engine.results.notes import Note, NoteCode
 
 LOSS = "<loss>"
@@ -57,13 +58,13 @@ class Descent:
             spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
             if self.path:
                 deepest = self.path[-1]
-                self._name(deepest, f"the search stopped at its budget ({spent}) inside `{deepest.name}`")
+                self._name(deepest, f"the search stopped at its budget ({spent}) inside `{display_name(deepest.name)}`")
             self.found.notes.append(
                 Note(
                     NoteCode.CULPRIT_PROBE_LIMIT,
                     f"culprit search stopped at its budget ({spent}): "
                     + (
-                        f"`{self.path[-1].name}` is the deepest module proved to hold the bug"
+                        f"{named(self.path[-1])} is the deepest module proved to hold the bug"
                         if self.path
                         else "no module proved to hold the bug"
                     ),
@@ -177,23 +178,23 @@ class Descent:
         if node is None:
             self._culprit(
                 None,
-                f"the loss's own backward is wrong: the gradient at the output of `{last.name}` (`{last.kind}`) is "
+                f"the loss's own backward is wrong: the gradient at the output of {named(last)} is "
                 f"{self._off(last, 'activation')} off",
             )
         else:
-            self._culprit(node, self._own_words(node, f" after `{last.name}`"))
+            self._culprit(node, self._own_words(node, f" after {named(last)}"))
 
     def _between(self, node: Site | None, before: Site, after: Site) -> None:
         """The gradient is right at ``after``'s input and wrong at ``before``'s output: the node's own code."""
         if node is None:
             self._culprit(
                 None,
-                f"the loss's own backward is wrong between `{before.name}` and `{after.name}`: the gradient at the "
-                f"input of `{after.name}` is right, at the output of `{before.name}` "
+                f"the loss's own backward is wrong between {named(before)} and {named(after)}: the gradient at "
+                f"the input of `{display_name(after.name)}` is right, at the output of `{display_name(before.name)}` "
                 f"{self._off(before, 'activation')} off",
             )
         else:
-            self._culprit(node, self._own_words(node, f" between `{before.name}` and `{after.name}`"))
+            self._culprit(node, self._own_words(node, f" between {named(before)} and {named(after)}"))
 
     def _wrong_inside(self, site: Site) -> bool:
         """Whether a failing parameter inside ``site`` has a wrong gradient as its own module uses it (a probe
@@ -248,7 +249,7 @@ class Descent:
             o for o in owners if o.name != (node.name if node else None) and self._verdict(o, "activation") == "fail"
         ]
         if fed:  # the gradient reaching an owner's output is wrong, the node's is right: the node's own code after it
-            after = f"`{fed[0].name}`"
+            after = named(fed[0])
             if node is None:
                 self._culprit(
                     None,
@@ -264,7 +265,7 @@ class Descent:
             self._stop(node)
             return
         if owners:
-            names = ", ".join(f"`{o.name}`" for o in owners[:4])
+            names = ", ".join(named(o) for o in owners[:4])
             if node is None:
                 self._culprit(
                     None,
@@ -294,10 +295,9 @@ class Descent:
     def _parameters_culprit(self, owner: Site) -> None:
         read = [name for name in owner.parameters if "." in name]  # a module's own parameters have plain names
         whose = "its parameters" if not read else "the parameters it reads (" + ", ".join(f"`{n}`" for n in read) + ")"
-        named = f"`{owner.name}`" if owner.name else "the model"
         self._culprit(
             owner,
-            f"the backward of {named} (`{owner.kind}`) is wrong: the gradient of {whose} is "
+            f"the backward of {named(owner)} is wrong: the gradient of {whose} is "
             f"{self._off(owner, 'module_params')} off while its output gradient is right",
         )
 
@@ -307,11 +307,10 @@ class Descent:
             if self._verdict(node, "module_input") == "fail"
             else "the gradient of its parameters is wrong while its output gradient is right"
         )
-        named = f"`{node.name}`" if node.name else "the model"
         code = f" in its own code{where}" if where else ""
         if not node.children:
             code = ""
-        return f"the backward of {named} (`{node.kind}`) is wrong{code}: {evidence}"
+        return f"the backward of {named(node)} is wrong{code}: {evidence}"
 
     def _off(self, site: Site, place: str) -> str:
         result = self.probes.verdict(site, place)
@@ -327,7 +326,7 @@ class Descent:
         self.found.message = message
 
     def _name(self, site: Site, why: str) -> None:
-        self._culprit(site, f"the backward of `{site.name}` (`{site.kind}`) or of a module inside it is wrong ({why})")
+        self._culprit(site, f"the backward of {named(site)} or of a module inside it is wrong ({why})")
 
     def _sweep(self, node: Site | None) -> Site | None:
         """The first module inside ``node``, breadth first along the calls, whose output gradient is right and whose

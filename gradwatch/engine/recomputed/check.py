@@ -49,13 +49,14 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
-from gradwatch.engine.recomputed.probes import least_precise, measured_probes
+from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
+from gradwatch.engine.recomputed.probes import least_precise, measured_probes, overall_verdict
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
-from gradwatch.engine.recomputed.sharded_settings import sharded_settings
+from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
@@ -240,10 +241,10 @@ def _check(
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
     evaluator = outcome.evaluator
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
-    if _overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
+    if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
         culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
     report = session.report(
-        verdict=_overall_verdict(outcome.probes),
+        verdict=overall_verdict(outcome.probes),
         probes=outcome.probes,
         loss=outcome.loss,
         notes=evaluator.notes,
@@ -317,14 +318,14 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     model, state = session.model, session.state
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
-        started = time.perf_counter()
         custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
+        started = time.perf_counter()
         evaluator, reference, probe_batch = reference_on_a_slice(
             session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
+        evaluator.loss_fn = loss_fn
         if plan.priced:  # a training step's work on the probe batch: what float64 probes are priced against
             plan = dataclasses.replace(plan, step_seconds=time.perf_counter() - started)
-        evaluator.loss_fn = loss_fn
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
@@ -333,6 +334,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         ]
         grad_norms = norms(grads, exact=True)
         probes = nonfinite_probes(reference, params, grad_norms)
+        if probes and sharding_active() is None:  # measured against the loss's differences, traced to a module
+            nonfinite = measured_nonfinite(model, evaluator, reference, params)
+            probes, culprits, culprit_message = nonfinite.probes, nonfinite.culprits, nonfinite.message
+            evaluator.notes += nonfinite.notes
         asked = plan.rtol
         plan = dataclasses.replace(plan, rtol=gradient_tolerance(asked, reference.loss, plan.native_dtype))
         # tensor parallelism: every rank compares, so that ranks of a group whose gradients differ stop together
@@ -352,7 +357,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message = measured.culprits, measured.culprit_message
-            if custom.found is not None and _overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+            if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
                 latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
                 evaluator.notes += [latent] if latent is not None else []
     if (
@@ -378,14 +383,3 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         culprit_message,
         tuple(reference.input_grads),
     )
-
-
-def _overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
-    if any(p.verdict == Verdict.FAIL for p in probes):
-        return Verdict.FAIL
-    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
-    if any(p.verdict == Verdict.OK for p in whole):
-        return Verdict.OK
-    return Verdict.INCONCLUSIVE

@@ -34,6 +34,7 @@ from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_epsilon
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
+from gradwatch.engine.results.naming import named_module
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, Probe
 
@@ -83,12 +84,12 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
     parts = name.split(".") if name else []
     culprits = [name] + [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
     worst = max(failing, key=lambda p: p.rel_error)
-    named = f"`{name}`" if name else "the model"
+    named = named_module(name, type(module).__name__)
     message = (
-        f"the compiled backward of {named} (`{type(module).__name__}`) is wrong: its compiled gradient differs from "
+        f"the compiled backward of {named} is wrong: its compiled gradient differs from "
         f"eager autograd's ({worst.rel_error:.1%} on `{worst.target}`), and eager autograd's agrees with the loss"
         if not any(p.verdict == "fail" for p in probes if p.kind != ProbeKind.COMPILED)
-        else f"the compiled backward of {named} (`{type(module).__name__}`) differs from eager autograd's "
+        else f"the compiled backward of {named} differs from eager autograd's "
         f"({worst.rel_error:.1%} on `{worst.target}`)"
     )
     return culprits, message

@@ -30,8 +30,10 @@ from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
 from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
+from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import Probe
+from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+from gradwatch.engine.unreached import unreached_note
 
 LOCALIZED_AT_MOST = 8
 """After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
@@ -120,6 +122,7 @@ def measured_probes(
             culprits, message = found.culprits, found.message
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
+    evaluator.notes += unreached_note(model, evaluator.params, reference.param_grads, probes)
     return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, plan.rtol)
 
 
@@ -230,3 +233,14 @@ def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str)
     if precision == "native" and plan.precision == "native" and plan.float64_refinement and not refused:
         return "float64"
     return precision
+
+
+def overall_verdict(probes: Sequence[Probe]) -> Verdict:
+    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
+    "inconclusive"."""
+    if any(p.verdict == Verdict.FAIL for p in probes):
+        return Verdict.FAIL
+    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
+    if any(p.verdict == Verdict.OK for p in whole):
+        return Verdict.OK
+    return Verdict.INCONCLUSIVE

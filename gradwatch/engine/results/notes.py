@@ -29,6 +29,7 @@ class NoteCode(StrEnum):
     WHOLE_BATCH = "whole-batch", "probes use the whole batch because the loss refused a slice of it"
     NOT_REPRODUCIBLE = "not-reproducible", "no probe made: the loss draws randomness gradwatch cannot replay"
     AUTOGRAD_RECORDING = "autograd-recording", "evaluations run with autograd on: the loss differs under no_grad"
+    NONFINITE_LOSS = "nonfinite-loss", "the loss is not finite at the point or around it: no derivative to compare"
     LOSS_NEAR_ZERO = "loss-near-zero", "no probe made: the loss is too close to zero for its gradient's rounding"
     NOTHING_TO_PROBE = "nothing-to-probe", "no probe made: no parameter to check and no input with a gradient"
     NO_TRAINABLE_PARAMETER = (
@@ -133,9 +134,21 @@ class NoteCode(StrEnum):
         "the accumulated gradient is not the window's as one batch (a loss normalised per micro-batch)",
     )
     APPLIED_EDITED = "applied-edited", "no probe made: the loss changes parameters itself, away from training's point"
+    APPLIED_COARSE_LOSS = (
+        "applied-coarse-loss",
+        "the loss's value is rounded coarser than the probes compute: probes stepped for its dtype",
+    )
+    APPLIED_UNRESOLVED = (
+        "applied-unresolved",
+        "probes whose noise is comparable to the slope they measure: undecided, never ok",
+    )
     APPLIED_PATH_INFERRED = (
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
+    )
+    UNREACHED_PARAMETERS = (
+        "unreached-parameters",
+        "trainable parameters the loss never reaches: requires_grad, and no gradient after the backward",
     )
     # a watch's own calls outside a check (gradwatch.watch.guard)
     WATCH_ERROR = "watch-error", "a call gradwatch makes outside a check raised: skipped, training unaffected"

@@ -32,18 +32,9 @@ training's own path computed it (autocast, compiled graph, accumulation, cross-r
 (:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
 
 Fault = Literal[
-    "formula",
-    "precision",
-    "compiled",
-    "reduction",
-    "accumulation",
-    "transient",
-    "unknown",
-    "clipping",
-    "modified",
-    "update",
-    "gradient",
-]
+    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
+    "update", "gradient",
+]  # fmt: skip
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
 ``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
 (right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
@@ -186,7 +177,7 @@ class CheckReport:
             it, most specific first (names as in ``model.named_modules()`` of the checked model, ``""`` the model
             itself, ``"<loss>"`` the loss function's own code); empty when the check passed or no module could be
             singled out (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words: ``"the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input
+        culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
             gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see

@@ -179,10 +179,16 @@ def _fault(
                     f"it is the update from the verified gradient times {scale:.6g}, where the declared clip gives "
                     f"{snapshot.coefficient:.6g}: the gradient was clipped with another norm than its own"
                 )
-            return "gradient", "it is the update from the .grad the optimizer was given, which is not the verified one"
+            return "gradient", (
+                "it is the update from the .grad the optimizer held when it stepped, not the verified one: the "
+                "gradient was changed between the check and the step (a stale copy, a step pre-hook)"
+            )
     previous = snapshot.previous.get(kept.name)
     if previous is not None and _matches(compared, previous):
-        return "gradient", "it is the update from the previous step's gradient: the optimizer stepped with a stale one"
+        return "gradient", (
+            "it is the update from the previous step's gradient, not the verified one: the optimizer stepped with a "
+            "stale gradient"
+        )
     return "update", (
         f"it is not the update {compared.source.split(' in ')[0]} makes from the verified gradient and the optimizer's "
         "own state: the optimizer's update itself is wrong"

@@ -47,9 +47,14 @@ def update_tensors(
     optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0
 ) -> list[tuple[str, Tensor]]:
     """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
-    updates that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the module doc)."""
-    updated = {id(p) for group in innermost(optimizer).param_groups for p in group["params"]}
-    candidates = [(n, p) for n, p in named if id(p) in updated and p.grad is not None and p.is_floating_point()]
+    updates (any, for ``None``) that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the
+    module doc)."""
+    updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
+    candidates = [
+        (n, p)
+        for n, p in named
+        if (updated is None or id(p) in updated) and p.grad is not None and p.is_floating_point()
+    ]
     small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
     candidates = small or candidates
     if len(candidates) <= count:
@@ -121,8 +126,11 @@ class UpdateSnapshot:
         norm: float = 0.0,
         max_norm: float | None = None,
         previous: Mapping[str, Tensor] | None = None,
+        verified: Mapping[str, Tensor] | None = None,
     ) -> UpdateSnapshot:
-        """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``."""
+        """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; their
+        gradient from ``verified`` (by name) where given, a copy taken when the applied check verified it, since the
+        loop may have clipped ``.grad`` in place since, else their ``.grad``."""
         optimizer = innermost(optimizer)
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         kept = []
@@ -133,8 +141,8 @@ class UpdateSnapshot:
                 index = group_of[id(param)]
                 hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
                 state = {k: _copied(v) for k, v in optimizer.state.get(param, {}).items()}
-                kept.append(KeptParameter(name, param, param.detach().clone(), param.grad.detach().clone(), state,
-                                          hyper, index))  # fmt: skip
+                grad = verified[name] if verified is not None and name in verified else param.grad.detach().clone()
+                kept.append(KeptParameter(name, param, param.detach().clone(), grad, state, hyper, index))
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:

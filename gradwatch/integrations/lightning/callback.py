@@ -87,6 +87,9 @@ class GradWatch(Callback):
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
         **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`; 2 samples are probed unless told.
+        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
+            makes of it (after ``gradient_clip_val``'s clip) against a reference update (``scope == "update"``);
+            ``False``: no update check.
 
     Raises:
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
@@ -110,6 +113,7 @@ class GradWatch(Callback):
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
+        check_update: bool = True,
         **options: Unpack[ProbeOptions],
     ) -> None:
         super().__init__()
@@ -124,11 +128,12 @@ class GradWatch(Callback):
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
             max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
-            agree=agree_across_ranks, context=self._context, on_report=self._on_report, **options,
+            agree=agree_across_ranks, context=self._context, on_report=self._on_report, check_update=check_update,
+            **options,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
-        self.applied_every_n_steps = watch.applied_every_n_steps
+        self.applied_every_n_steps, self.check_update = watch.applied_every_n_steps, watch.check_update
         self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
         self.verbose = verbose
         for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
@@ -148,6 +153,11 @@ class GradWatch(Callback):
     def applied_reports(self) -> list[CheckReport]:
         """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
         return self._watch.applied_reports
+
+    @property
+    def update_reports(self) -> list[CheckReport]:
+        """The reports of this run's update checks, oldest first (``scope == "update"``)."""
+        return self._watch.update_reports
 
     @property
     def recomputed_reports(self) -> list[CheckReport]:
@@ -270,6 +280,8 @@ class GradWatch(Callback):
 
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
         scaler = _grad_scaler(trainer)
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
+        by_norm = bool(clip) and (algorithm is None or str(algorithm).lower().endswith("norm"))
 
         def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
             grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -283,7 +295,7 @@ class GradWatch(Callback):
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
                 skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None,
+                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm else None,
             )  # fmt: skip
 
     def _check_clipping_after_step(
@@ -321,7 +333,7 @@ class GradWatch(Callback):
             yield
 
     def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope != "applied":
+        if self._trainer is not None and report.scope == "recomputed":
             with self._watch.guarded("GradWatch's progress bar"):
                 show_in_progress_bar(self._trainer, report, self.counts["failed"])
 

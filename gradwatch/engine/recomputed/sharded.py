@@ -1,4 +1,5 @@
-"""A sharded check's settings: :func:`sharded_settings` (FSDP2: native probes, one point per forward pass)."""
+"""The settings of a recomputed check on sharded parameters (FSDP2, tensor parallelism): native probes of the global
+loss, evaluated one point per forward pass, every rank in lockstep."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ from gradwatch.engine.distributed import SHARDED_NOTE
 from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.function.precision import ResolvedPrecision
 from gradwatch.engine.results.notes import Note, NoteCode
-
-__all__ = ["sharded_settings"]
 
 
 def sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
