@@ -169,7 +169,7 @@ class RunEvents:
     @property
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
-        failing = any(c.verdict == "fail" for c in self.checks) or any(c.verdict == "fail" for c in self.applied)
+        failing = any(c.verdict == "fail" for c in self.checks) or any(a.verdict == "fail" for a in self.applied)
         return bool(self.failures) or failing
 
 
