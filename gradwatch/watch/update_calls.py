@@ -51,6 +51,7 @@ class _Pending:
     norm: float
     max_norm: float | None
     previous: dict[str, Tensor]
+    grads: dict[str, Tensor] = field(default_factory=dict)  # the verified gradients, copied before the loop clips
     snapshot: UpdateSnapshot | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
@@ -122,8 +123,10 @@ class UpdateCalls:
         named = self._update_candidates(model, optimizer, updated)
         if not named:
             return
+        with torch.no_grad():  # copied now: the loop clips .grad in place before the step
+            grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
         pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._update_declared.get(step),
-                           previous)  # fmt: skip
+                           previous, grads)  # fmt: skip
         self._update_pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
@@ -132,6 +135,10 @@ class UpdateCalls:
             return
 
         def before(stepping: Any, *_: Any) -> None:  # the first optimizer that updates a kept tensor
+            with self._outcomes.guard("the update check's step pre-hook"):
+                _keep(stepping)
+
+        def _keep(stepping: Any) -> None:
             if pending.snapshot is None and not pending.done:
                 ids = {id(p) for group in stepping.param_groups for p in group["params"]}
                 mine = [(n, p) for n, p in pending.named if id(p) in ids]
@@ -144,13 +151,14 @@ class UpdateCalls:
 
     def _update_snapshot(self, pending: _Pending, optimizer: Any) -> UpdateSnapshot:
         return UpdateSnapshot.take(optimizer, pending.named, norm=pending.norm, max_norm=pending.max_norm,
-                                   previous=pending.previous)  # fmt: skip
+                                   previous=pending.previous, grads=pending.grads)  # fmt: skip
 
     def _update_hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:
             snapshot = pending.snapshot
             if not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer:
-                self._update_run(pending)
+                with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
+                    self._update_run(pending)
 
         return after
 
@@ -168,7 +176,7 @@ class UpdateCalls:
         self._schedule.clock.add_check(seconds)  # gradwatch's time, within the applied checks' budget
         self._applied.last_seconds += seconds
         self._update_checks += 1
-        pending.snapshot = None  # the copies are needed no more
+        pending.snapshot, pending.grads = None, {}  # the copies are needed no more
         if report is not None:
             self._outcomes.publish(report, self._schedule.clock.fraction)
         return report
