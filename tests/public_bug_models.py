@@ -292,3 +292,41 @@ def regression_mlp() -> nn.Module:
 def regression_batch() -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(2)
     return torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+
+
+class ScaledLinearWeightGradient(torch.autograd.Function):
+    """``x @ weight.T + bias`` with a hand-written backward whose weight gradient is ``factor`` times the true one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor, factor: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.factor = factor
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.t() @ x * ctx.factor, grad.sum(0), None
+
+
+class BuggyLinear(nn.Linear):
+    def __init__(self, features: int, out: int, bug: float) -> None:
+        super().__init__(features, out)
+        self.bug = bug
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ScaledLinearWeightGradient.apply(x, self.weight, self.bias, self.bug)
+
+
+class SharedNormNet(nn.Module):
+    """One BatchNorm called twice in train mode (its second call updates the running statistics its first call's
+    backward saved: in place, legitimately) around a linear whose weight gradient is ``bug`` times the true one."""
+
+    def __init__(self, bug: float = 1.05) -> None:
+        super().__init__()
+        self.inner = BuggyLinear(6, 6, bug)
+        self.norm = nn.BatchNorm1d(6)
+        self.outer = nn.Linear(6, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(self.norm(torch.tanh(self.inner(self.norm(x)))))

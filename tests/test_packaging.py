@@ -56,6 +56,7 @@ def test_the_extras_are_named_for_the_integrations_they_serve() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_the_source_distribution_holds_the_whole_test_suite_and_what_it_reads(tmp_path: Path) -> None:
     code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}

@@ -15,6 +15,8 @@ from torch import nn
 
 from gradwatch.testing import assert_gradients_ok
 
+pytestmark = pytest.mark.slow
+
 
 class WrongSquare(torch.autograd.Function):
     @staticmethod

@@ -74,9 +74,12 @@ RUNS: dict[str, Run] = {
 DEFAULT_BUGS = ("none", "rmsnorm")
 
 
-def train(run: Run, logdir: Path, steps: int, every: int, progress_bar: bool = True) -> tuple[list[CheckReport], str]:
-    """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch; returns the recomputed checks'
-    reports and the run's log directory. The same arguments give the same run."""
+def train(
+    run: Run, logdir: Path, steps: int, every: int | None, progress_bar: bool = True
+) -> tuple[list[CheckReport], str]:
+    """Seed, build the model and fit it for ``steps`` optimizer steps with GradWatch (checking every ``every`` steps,
+    ``None``: at its defaults); returns the recomputed checks' reports and the run's log directory. The same arguments
+    give the same run."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 

@@ -61,5 +61,6 @@ def _described(model: nn.Module, name: str) -> str:
         module = model.get_submodule(path)
     except AttributeError:
         return f"'{name}'"
-    where = f"'{path}'" if path else "the model"
-    return f"'{name}' ({attribute} of {type(module).__name__} {where})"
+    if not path:
+        return f"'{name}' (of the model, {type(module).__name__})"
+    return f"'{name}' ({attribute} of {type(module).__name__} '{path}')"

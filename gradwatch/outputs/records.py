@@ -8,7 +8,7 @@ it. The numbers are computed once here, so two backends never disagree about a c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
@@ -24,7 +24,47 @@ from gradwatch.tensorboard.writer import (
 )
 
 OVERHEAD_TAG = "gradwatch/overhead"
-"""gradwatch's time so far as a fraction of the training time (a series of checks knows it, a single check not)."""
+"""gradwatch's time so far as a fraction of the training time, the first checks included (a series of checks knows
+it, a single check not): what ``max_overhead`` bounds, 700 at step 1 where a first check costs 700 steps' time."""
+
+OVERHEAD_PERCENT_TAG = "gradwatch/overhead_percent"
+"""gradwatch's share of the training time in percent, apart from the first checks (the first recomputed and the first
+applied check, made whatever the budget): what the default budget keeps at 1 or below."""
+
+FIRST_CHECKS_SECONDS_TAG = "gradwatch/first_checks_seconds"
+"""The one-time cost of the first checks, in seconds (known from the first check on)."""
+
+FIRST_CHECKS_STEPS_TAG = "gradwatch/first_checks_steps"
+"""The one-time cost of the first checks in mean training steps (logged once a training step's time is known: from the
+second check on)."""
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """gradwatch's time against the training time at a check of a series.
+
+    Attributes:
+        fraction: All of gradwatch's time so far over the training time (:data:`OVERHEAD_TAG`).
+        steady_fraction: The same apart from the first checks (:data:`OVERHEAD_PERCENT_TAG`, in percent).
+        first_seconds: The first checks' time (:data:`FIRST_CHECKS_SECONDS_TAG`).
+        step_seconds: The mean training step's time, ``nan`` while unknown.
+    """
+
+    fraction: float
+    steady_fraction: float = 0.0
+    first_seconds: float = math.nan
+    step_seconds: float = math.nan
+
+    def scalars(self) -> dict[str, float]:
+        """The overhead scalars, by tag (those not known yet are ``nan``, left out by :func:`scalars_of`)."""
+        steps = self.first_seconds / self.step_seconds if self.step_seconds > 0 else math.nan
+        return {
+            OVERHEAD_TAG: self.fraction,
+            OVERHEAD_PERCENT_TAG: 100.0 * self.steady_fraction,
+            FIRST_CHECKS_SECONDS_TAG: self.first_seconds,
+            FIRST_CHECKS_STEPS_TAG: steps,
+        }
+
 
 LOG10_SUFFIX = "_log10"
 LOG10_OF = ("gradwatch/rel_error_max", "gradwatch/rel_error_median", "gradwatch/rel_error_min")
@@ -49,6 +89,8 @@ class CheckRecords:
         report: The report itself, for a backend that records more (the JSON lines record).
         text_tag: The tag a backend shows the text under: :data:`~gradwatch.tensorboard.writer.FAILURES_TAG` for a
             recomputed check, :data:`APPLIED_FAILURE_TAG` for an applied one.
+        labels: Short strings by tag, for the backends that take text: :data:`FAULT_NAME_TAG`, the fault of a failing
+            applied check in words (``"precision"``), beside its numeric code ``gradwatch/applied/fault``.
     """
 
     step: int
@@ -57,6 +99,7 @@ class CheckRecords:
     histograms: dict[str, list[float]]
     report: CheckReport
     text_tag: str = FAILURES_TAG
+    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -64,10 +107,13 @@ class CheckRecords:
         return self.report.verdict == "fail"
 
 
-def scalars_of(report: CheckReport, overhead: float | None = None) -> dict[str, float]:
-    """The finite ``gradwatch/*`` scalars of a report, with their log10 forms and ``gradwatch/overhead``."""
+def scalars_of(report: CheckReport, overhead: Overhead | float | None = None) -> dict[str, float]:
+    """The finite ``gradwatch/*`` scalars of a report, with their log10 forms and the overhead's (``overhead``: an
+    :class:`Overhead`, or a bare fraction for ``gradwatch/overhead`` alone)."""
     scalars = dict(report.scalars())
-    if overhead is not None:
+    if isinstance(overhead, Overhead):
+        scalars.update(overhead.scalars())
+    elif overhead is not None:
         scalars[OVERHEAD_TAG] = float(overhead)
     for tag in LOG10_OF:
         if tag in scalars:
@@ -75,8 +121,9 @@ def scalars_of(report: CheckReport, overhead: float | None = None) -> dict[str, 
     return {tag: float(value) for tag, value in scalars.items() if math.isfinite(value)}
 
 
-def records_of(report: CheckReport, overhead: float | None = None) -> CheckRecords:
-    """Everything the outputs show of ``report``; ``overhead``: gradwatch's share of the training time so far."""
+def records_of(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:
+    """Everything the outputs show of ``report``; ``overhead``: gradwatch's time against the training time so far (an
+    :class:`Overhead`, or the bare fraction of ``gradwatch/overhead``)."""
     values = rel_error_log10(report)
     return CheckRecords(
         step=report.step,
@@ -85,6 +132,11 @@ def records_of(report: CheckReport, overhead: float | None = None) -> CheckRecor
         histograms={HISTOGRAM_TAG: values} if values else {},
         report=report,
     )
+
+
+FAULT_NAME_TAG = APPLIED_PREFIX + "fault_name"
+"""The fault of a failing applied check in words (``"precision"``, ``"accumulation"``: see
+:data:`~gradwatch.engine.results.report.FAULTS`), for the backends that take text."""
 
 
 def applied_scalars(report: CheckReport) -> dict[str, float]:
@@ -117,7 +169,8 @@ def applied_text(report: CheckReport) -> str | None:
 
 def applied_records_of(report: CheckReport) -> CheckRecords:
     """Everything the outputs show of an applied check (``report.scope == "applied"``): its ``gradwatch/applied/*``
-    scalars and, when it failed, its text under :data:`APPLIED_FAILURE_TAG`; no histogram."""
+    scalars and, when it failed, its text under :data:`APPLIED_FAILURE_TAG` and its fault's name under
+    :data:`FAULT_NAME_TAG`; no histogram."""
     return CheckRecords(
         step=report.step,
         scalars=applied_scalars(report),
@@ -125,6 +178,7 @@ def applied_records_of(report: CheckReport) -> CheckRecords:
         histograms={},
         report=report,
         text_tag=APPLIED_FAILURE_TAG,
+        labels={FAULT_NAME_TAG: str(report.fault)} if report.fault is not None else {},
     )
 
 
@@ -157,7 +211,7 @@ def update_records_of(report: CheckReport) -> CheckRecords:
     )
 
 
-def report_records(report: CheckReport, overhead: float | None = None) -> CheckRecords:
+def report_records(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:
     """The records of a report of any kind: :func:`applied_records_of` for an applied check,
     :func:`update_records_of` for an update check, else :func:`records_of` (with ``overhead``)."""
     if report.scope == "update":

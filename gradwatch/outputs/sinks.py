@@ -71,6 +71,8 @@ class SummaryWriterSink:
             write_histogram(self.writer, values, records.step, self.prefix + tag)
         if self.text and records.text:
             self.writer.add_text(self.prefix + records.text_tag, records.text, records.step)
+        for tag, label in records.labels.items() if self.text else ():
+            self.writer.add_text(self.prefix + tag, label, records.step)
 
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)
@@ -79,7 +81,8 @@ class SummaryWriterSink:
 
 
 class TextSink:
-    """The failure text through a backend's own text call, ``log_text(tag, text, step)``, when a check failed.
+    """The failure text through a backend's own text call, ``log_text(tag, text, step)``, when a check failed, and the
+    records' labels (a failing applied check's fault in words).
 
     Args:
         log_text: Called with the records' ``text_tag`` (:data:`~gradwatch.tensorboard.writer.FAILURES_TAG` for a
@@ -92,6 +95,8 @@ class TextSink:
     def write(self, records: CheckRecords) -> None:
         if records.text:
             self.log_text(records.text_tag, records.text, records.step)
+        for tag, label in records.labels.items():
+            self.log_text(tag, label, records.step)
 
     def flush(self) -> None:
         """Nothing to do: the backend sends what it was given."""
@@ -144,6 +149,8 @@ class LogCallSink:
         values: dict[str, float | str] = dict(records.scalars)
         if self.text and records.text:
             values[records.text_tag] = records.text
+        if self.text:
+            values.update(records.labels)
         self.log(values, records.step)
 
     def flush(self) -> None:

@@ -1,22 +1,25 @@
 """The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
 
-TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's three sections
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's four sections
 hold one chart per question a reader has about a run:
 
-* **verdict**: 0 ok, 1 inconclusive, 2 fail;
-* **largest relative error, log10** (``gradwatch/rel_error_max_log10``), beside it: a wrong backward lifts it by
-  orders of magnitude, even at checks where most probes agree. TensorBoard's charts have no logarithmic axis, and on a
-  linear one a healthy run (1e-5 to 1e-3) is a flat line at 0 beside a failing run's 1e-1; in log10 they are apart;
-* **relative error band, log10**: a Margin chart, the median relative error of the conclusive probes of each check
-  inside a band from the smallest to the largest (tags ``gradwatch/rel_error_median_log10``,
-  ``gradwatch/rel_error_min_log10``, ``gradwatch/rel_error_max_log10``);
+* **verdict**: 0 ok, 1 inconclusive, 2 fail, of the recomputed and of the applied checks;
+* **relative error band, log10**: the median relative error of the conclusive probes of each check inside a band from
+  the smallest to the largest (tags ``gradwatch/rel_error_median_log10``, ``gradwatch/rel_error_min_log10``,
+  ``gradwatch/rel_error_max_log10``), and the **largest relative error, log10** on its own: a wrong backward lifts it
+  by orders of magnitude, even at checks where most probes agree. TensorBoard's charts have no logarithmic axis, and on
+  a linear one a healthy run (1e-5 to 1e-3) is a flat line at 0 beside a failing run's 1e-1; in log10 they are apart;
 * **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
-* **probes failing / inconclusive**: counts per check;
-* **check seconds**: the wall time of each check.
+* **probes failing**, **inconclusive**: counts per check;
+* **check seconds**: the wall time of each check, of either kind;
+* **overhead**: gradwatch's share of the training time in percent, apart from the one-time first checks
+  (``gradwatch/overhead_percent``), and the first checks' one-time cost (``gradwatch/first_checks_seconds``).
 
-The layout names only fixed scalar tags (those of :meth:`gradwatch.engine.results.report.CheckReport.scalars` and their
-log10
-forms, which every logger receives), so it does not grow with the model. It is written through ``add_custom_scalars``
+Every chart is a Margin chart, the charts of one tag with the value as its own band, because TensorBoard draws a
+line chart of a single point per run as nothing visible (its default scaling drops the points as outliers), and a run
+at the defaults has one check of each kind per 500 steps or fewer. The layout names only fixed scalar tags (those of
+:meth:`gradwatch.engine.results.report.CheckReport.scalars`, their log10 forms, the applied checks' and the overhead's,
+which every logger receives), so it does not grow with the model. It is written through ``add_custom_scalars``
 of a ``torch.utils.tensorboard.SummaryWriter``.
 """
 
@@ -42,31 +45,50 @@ MAX_REL_ERROR_TAG = REL_ERROR_TAGS[2]
 Chart = tuple[str, str, tuple[str, ...]]
 """A chart: title, TensorBoard chart kind (``"Margin"`` or ``"Multiline"``) and the scalar tags it draws."""
 
-# The first section answers "is the gradient right, and how wrong is it": the verdicts beside the largest relative
-# error of each check, which a wrong backward lifts by orders of magnitude even where most probes of its check agree.
-# TensorBoard draws a section's Multiline charts before its Margin charts, so the band has a section of its own.
+
+def _points(title: str, tag: str) -> Chart:
+    """A chart of one tag that shows every point, a lone one too: a Margin chart whose band is the value itself.
+    TensorBoard scales a line chart without its outliers by default, and with one point per run (a run at gradwatch's
+    defaults checks at step 1, then every 500 steps within a 1% budget) the points are the outliers: a Multiline chart
+    of two runs' single checks was drawn empty, the Margin chart of the same points shows both."""
+    return (title, "Margin", (tag, tag, tag))
+
+
+# The first sections answer "is the gradient right, and how wrong is it": the verdicts of both kinds of check, then
+# the relative errors of each check, which a wrong backward lifts by orders of magnitude even where most probes of its
+# check agree. Every chart is a Margin chart (see _points): one point per run, or a thousand, each is drawn.
+# The order below is the order shown (see layout()).
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
-        "gradwatch: verdicts and relative error",
+        "gradwatch: verdicts (0 ok, 1 inconclusive, 2 fail)",
         (
-            ("verdict (0 ok, 1 inconclusive, 2 fail)", "Multiline", ("gradwatch/verdict",)),
-            ("log10 largest relative error of each check", "Multiline", (MAX_REL_ERROR_TAG,)),
+            _points("verdict of the recomputed checks (the formulas)", "gradwatch/verdict"),
+            _points("verdict of the applied checks (the gradient the optimizer applies)", "gradwatch/applied/verdict"),
         ),
     ),
     (
-        "gradwatch: relative error band",
-        (("log10 relative error of the checks (median, band from min to max)", "Margin", REL_ERROR_TAGS),),
+        "gradwatch: relative error, log10",
+        (
+            ("median relative error of each check, in a band from min to max", "Margin", REL_ERROR_TAGS),
+            _points("largest relative error of each check", MAX_REL_ERROR_TAG),
+        ),
     ),
     (
-        "gradwatch: descent ratio, probes, cost",
+        "gradwatch: descent ratio and probes",
         (
-            ("descent ratio (1 = correct gradient)", "Multiline", ("gradwatch/descent_ratio",)),
-            (
-                "probes failing / inconclusive per check",
-                "Multiline",
-                ("gradwatch/failing_probes", "gradwatch/inconclusive_probes"),
-            ),
-            ("check seconds", "Multiline", ("gradwatch/check_seconds",)),
+            _points("descent ratio of the recomputed checks (1 = correct gradient)", "gradwatch/descent_ratio"),
+            _points("descent ratio of the applied checks (1 = correct gradient)", "gradwatch/applied/descent_ratio"),
+            _points("failing probes per check", "gradwatch/failing_probes"),
+            _points("inconclusive probes per check", "gradwatch/inconclusive_probes"),
+        ),
+    ),
+    (
+        "gradwatch: cost",
+        (
+            _points("overhead, % of the training time after the first checks", "gradwatch/overhead_percent"),
+            _points("first checks: one-time cost, seconds", "gradwatch/first_checks_seconds"),
+            _points("seconds per recomputed check", "gradwatch/check_seconds"),
+            _points("seconds per applied check", "gradwatch/applied/check_seconds"),
         ),
     ),
 )
@@ -80,11 +102,13 @@ def _exact(tag: str) -> str:
 
 def layout() -> dict[str, dict[str, list[object]]]:
     """The custom-scalars layout, in the format ``SummaryWriter.add_custom_scalars`` takes:
-    ``{section: {chart title: ["Multiline", [tag regexes]] or ["Margin", [value, lower, upper]]}}``."""
+    ``{section: {chart title: ["Multiline", [tag regexes]] or ["Margin", [value, lower, upper]]}}``; each section's
+    charts in the reverse of :data:`SECTIONS`' order, because TensorBoard draws a section's Margin charts last first
+    (seen in headless Chromium), so that they are shown in that order."""
     return {
         section: {
             title: [kind, list(tags) if kind == "Margin" else [_exact(tag) for tag in tags]]
-            for title, kind, tags in charts
+            for title, kind, tags in reversed(charts)
         }
         for section, charts in SECTIONS
     }

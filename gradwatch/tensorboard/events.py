@@ -169,11 +169,7 @@ class RunEvents:
     @property
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
-        return (
-            bool(self.failures)
-            or any(check.verdict == "fail" for check in self.checks)
-            or any(check.verdict == "fail" for check in self.applied)
-        )
+        return bool(self.failures) or any(check.verdict == "fail" for check in [*self.checks, *self.applied])
 
 
 def is_event_file(name: str) -> bool:

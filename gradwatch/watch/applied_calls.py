@@ -233,7 +233,7 @@ class AppliedCalls(UpdateCalls):
         if report is not None:
             report = recurring(report, self._applied.faults.get(id(optimizer)))
             self._applied.faults[id(optimizer)] = (step, report.fault)
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         if report is not None:
             # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
             # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
@@ -296,7 +296,7 @@ class AppliedCalls(UpdateCalls):
             return None
         report = self._outcomes.guarded(step, check, [])
         if report is not None:
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
 

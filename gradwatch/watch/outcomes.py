@@ -18,7 +18,7 @@ from typing import Any
 from gradwatch.engine import CheckReport
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.report import UnrestoredStateWarning
-from gradwatch.outputs.records import report_records
+from gradwatch.outputs.records import Overhead, report_records
 from gradwatch.outputs.sinks import Sink, write_to_sinks
 from gradwatch.watch.alerts import AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
 from gradwatch.watch.distributed import rank
@@ -106,7 +106,7 @@ class Outcomes:
             raise
         return report if agree is None else agree(report, None, step)
 
-    def publish(self, report: CheckReport, overhead: float) -> None:
+    def publish(self, report: CheckReport, overhead: Overhead | float) -> None:
         """A report of either kind: kept, counted, remarked on, written to every sink, handed to ``on_report``, then
         to the alerts. Each part guarded on its own (:mod:`.guard`), so that a sink that raises cannot keep a failure
         from being counted and alerted; ``on_report`` is the user's, its errors theirs."""

@@ -1,4 +1,9 @@
-"""gradwatch's own time against the training time, for the ``gradwatch/overhead`` scalar and the budget mode.
+"""gradwatch's own time against the training time, for the ``gradwatch/overhead*`` scalars and the budget mode.
+
+The first recomputed check and the first applied check are made whatever the budget (they measure what a check
+costs): their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share of the training time the
+checks take from then on (:attr:`OverheadClock.steady_fraction`, what the budget keeps near 1%) is not drowned by a
+one-time cost set against the few steps trained so far.
 
 Training time is measured between the ends of consecutive training batches, minus the time the checks took; time
 before the first batch (set-up, a resumed run's restart) does not count.
@@ -18,6 +23,8 @@ class OverheadClock:
         self.train_seconds = 0.0
         self.last_check_seconds = 0.0
         self.applied_seconds = 0.0
+        self.first_seconds = 0.0
+        """The time of the first recomputed check and of the first applied check: a one-time cost."""
         self._mark: float | None = None  # the end of the last training batch (or check)
 
     def restart(self) -> None:
@@ -33,12 +40,16 @@ class OverheadClock:
     def check_ran(self, started: float, ended: float) -> None:
         """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
         self.last_check_seconds = ended - started
+        if self.check_seconds == 0.0:
+            self.first_seconds += self.last_check_seconds
         self.check_seconds += self.last_check_seconds
         self._mark = ended  # the check's own time is not training time
 
     def add_check(self, seconds: float) -> None:
         """An applied check took ``seconds`` inside a training batch (at the optimizer step): its time is gradwatch's,
         not training's, and counts against the budget both kinds of check share."""
+        if self.applied_seconds == 0.0:
+            self.first_seconds += seconds
         self.applied_seconds += seconds
         if self._mark is not None:
             self._mark += seconds
@@ -48,6 +59,13 @@ class OverheadClock:
         """gradwatch's time so far as a fraction of the training time."""
         spent = self.check_seconds + self.applied_seconds
         return spent / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    @property
+    def steady_fraction(self) -> float:
+        """gradwatch's time so far apart from the first checks (:attr:`first_seconds`), as a fraction of the training
+        time (0 before any training time is measured)."""
+        spent = self.check_seconds + self.applied_seconds - self.first_seconds
+        return max(spent, 0.0) / self.train_seconds if self.train_seconds > 0 else 0.0
 
     def affordable(self, budget: float) -> bool:
         """Whether another check, costing what the last one did, keeps gradwatch's time within ``budget`` (a
@@ -73,6 +91,7 @@ class OverheadClock:
             "train_seconds": self.train_seconds,
             "last_check_seconds": self.last_check_seconds,
             "applied_seconds": self.applied_seconds,
+            "first_seconds": self.first_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -80,3 +99,4 @@ class OverheadClock:
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_check_seconds = float(state.get("last_check_seconds", 0.0))
         self.applied_seconds = float(state.get("applied_seconds", 0.0))
+        self.first_seconds = float(state.get("first_seconds", 0.0))

@@ -13,9 +13,11 @@ deciding for all), and no work at all on the steps in between.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
+from gradwatch.outputs.records import Overhead
 from gradwatch.watch.overhead import OverheadClock
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,12 @@ class Schedule:
     def resume_at(self) -> int:
         """The step a postponed check waits for."""
         return self._resume_at
+
+    def overhead(self) -> Overhead:
+        """gradwatch's time so far against the training time, as the outputs show it."""
+        clock = self.clock
+        step = clock.train_seconds / self._timed_steps if self._timed_steps and clock.train_seconds > 0 else math.nan
+        return Overhead(clock.fraction, clock.steady_fraction, clock.first_seconds, step)
 
     def ran(self, started: float, ended: float) -> None:
         """The check ran (or was attempted) from ``started`` to ``ended``."""

@@ -347,7 +347,7 @@ class GradientWatch(AppliedCalls):
         if report is not None:
             with self.guarded("the lessons of a check"):
                 self._lessons.learn(report)
-            self._outcomes.publish(report, self.overhead)
+            self._outcomes.publish(report, self._schedule.overhead())
         return report
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradwatch.cli.demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,6 +22,7 @@ def test_the_next_steps_name_the_dashboards_tab_and_each_runs_summary() -> None:
     assert "gradwatch report logs/rmsnorm" in text
 
 
+@pytest.mark.slow
 def test_a_redirected_output_gets_no_progress_bar(tmp_path: Path) -> None:
     # stdout is a pipe here, as in `gradwatch demo > out.txt` or `| tee`
     command = [sys.executable, "-m", "gradwatch", "demo", "--bug", "none", "--steps", "3", "--every", "50"]

@@ -35,6 +35,7 @@ def demo_logdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return logdir, out
 
 
+@pytest.mark.slow
 def test_demo_prints_verdicts_and_the_tensorboard_command(demo_logdir: tuple[Path, str]) -> None:
     logdir, out = demo_logdir
     assert "healthy: no false alarm (3 checks, none failed)" in out
@@ -45,6 +46,7 @@ def test_demo_prints_verdicts_and_the_tensorboard_command(demo_logdir: tuple[Pat
     assert sorted(p.name for p in logdir.iterdir()) == ["healthy", "rmsnorm"]
 
 
+@pytest.mark.slow
 def test_report_on_the_healthy_run_exits_0(demo_logdir: tuple[Path, str]) -> None:
     code, out, _ = _run(["report", str(demo_logdir[0] / "healthy")])
     assert code == report_command.EXIT_OK
@@ -54,6 +56,7 @@ def test_report_on_the_healthy_run_exits_0(demo_logdir: tuple[Path, str]) -> Non
     assert out.rstrip().endswith("result: ok, no gradient failure recorded (exit status 0)")
 
 
+@pytest.mark.slow
 def test_report_on_the_buggy_run_lists_each_failure_and_exits_1(demo_logdir: tuple[Path, str]) -> None:
     logdir = demo_logdir[0] / "rmsnorm"
     code, out, _ = _run(["report", str(logdir), "--max-rows", "0"])
@@ -74,6 +77,7 @@ def test_report_on_the_buggy_run_lists_each_failure_and_exits_1(demo_logdir: tup
     assert "result: FAIL, gradient failures recorded in version_0 (exit status 1)" in out
 
 
+@pytest.mark.slow
 def test_report_over_several_runs_fails_if_any_failed(demo_logdir: tuple[Path, str]) -> None:
     code, out, _ = _run(["report", str(demo_logdir[0]), "--max-rows", "2"])
     assert code == report_command.EXIT_FAILURE_RECORDED
@@ -93,6 +97,7 @@ def test_report_over_several_runs_fails_if_any_failed(demo_logdir: tuple[Path, s
     ],
     ids=["missing", "empty", "corrupt"],
 )
+@pytest.mark.slow
 def test_report_on_bad_input_exits_2_with_a_clear_error(
     demo_logdir: tuple[Path, str], tmp_path: Path, setup: str, message: str
 ) -> None:
@@ -110,6 +115,7 @@ def test_report_on_bad_input_exits_2_with_a_clear_error(
     assert re.search(message, err)
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_names_the_extra(
     demo_logdir: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -122,6 +128,7 @@ def test_plot_without_matplotlib_names_the_extra(
     assert not (tmp_path / "figure.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the 'plot' extra)")
 def test_plot_writes_a_png(demo_logdir: tuple[Path, str], tmp_path: Path) -> None:
     figure = tmp_path / "rel_error.png"
@@ -132,6 +139,7 @@ def test_plot_writes_a_png(demo_logdir: tuple[Path, str], tmp_path: Path) -> Non
     assert figure.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_console_script_exit_status_gates_ci(demo_logdir: tuple[Path, str]) -> None:
     script = Path(sys.executable).parent / "gradwatch"
     if not script.exists():
@@ -149,6 +157,7 @@ def test_python_dash_m_gradwatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert capsys.readouterr().out.strip().startswith("gradwatch ")
 
 
+@pytest.mark.slow
 def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--bug", "nonsense"])
@@ -156,6 +165,7 @@ def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'nonsense'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_check_was_inconclusive_exits_3(tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 

@@ -22,6 +22,8 @@ from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.sinks import JsonLinesSink, LogCallSink, Sink
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
 
+pytestmark = pytest.mark.slow
+
 
 def _train(sinks: list[Sink], steps: int = 2) -> GradientWatch:
     """Applied checks only (as a Trainer run whose recomputed checks all passed would show none failing), of a model

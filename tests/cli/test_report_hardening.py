@@ -27,6 +27,8 @@ from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.tensorboard import files, tfrecord
 from gradwatch.tensorboard.tfrecord import _checksum
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 EXIT_CODES = {0, 1, 2, 3}
 

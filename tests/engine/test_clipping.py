@@ -86,6 +86,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_ddp_norm_over_one_rank_only_is_caught_and_correct_clipping_is_clean(tmp_path: Path) -> None:
     found, _ = run_ranks("clipping_ddp_run.py", tmp_path, _free_port(), timeout_s=120)

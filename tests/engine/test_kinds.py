@@ -15,7 +15,7 @@ import pytest
 from gradwatch.cli.demo import describe
 from gradwatch.engine.culprits.sites import PLACES
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.recomputed.check import _overall_verdict
+from gradwatch.engine.recomputed.probes import overall_verdict
 from gradwatch.engine.results import kinds
 from gradwatch.engine.results.kinds import PROBE_KINDS, KindTraits, ProbeKind, Reason, Verdict, kinds_where
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -111,11 +111,11 @@ def test_refocused_kinds_name_the_undecided_tensors(monkeypatch: pytest.MonkeyPa
 
 def test_an_agreeing_probe_of_a_vouching_kind_makes_the_check_ok(monkeypatch: pytest.MonkeyPatch) -> None:
     along_inputs = _probe("input")
-    assert _overall_verdict([along_inputs]) == Verdict.OK
-    assert _overall_verdict([_probe("input", index=(0,))]) == Verdict.INCONCLUSIVE  # a coordinate vouches for little
+    assert overall_verdict([along_inputs]) == Verdict.OK
+    assert overall_verdict([_probe("input", index=(0,))]) == Verdict.INCONCLUSIVE  # a coordinate vouches for little
     _patched(monkeypatch, ProbeKind.INPUT, vouches=False)
-    assert _overall_verdict([along_inputs]) == Verdict.INCONCLUSIVE
-    assert _overall_verdict([along_inputs, _probe("param", "fail", "discrepancy", (0,))]) == "fail"
+    assert overall_verdict([along_inputs]) == Verdict.INCONCLUSIVE
+    assert overall_verdict([along_inputs, _probe("param", "fail", "discrepancy", (0,))]) == "fail"
 
 
 def test_culprit_search_probes_are_listed_after_the_victims_and_are_none() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from two_processes import needs_gloo, run_launched
 
-pytestmark = needs_gloo
+pytestmark = [needs_gloo, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

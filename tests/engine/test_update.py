@@ -135,6 +135,7 @@ def test_an_unclipped_step_under_a_declared_clip_is_a_clipping_fault() -> None:
     assert "unclipped" in report.fault_message
 
 
+@pytest.mark.slow
 def test_the_check_leaves_the_optimizer_untouched() -> None:
     def run(check: bool) -> tuple[list[torch.Tensor], dict]:
         torch.manual_seed(3)

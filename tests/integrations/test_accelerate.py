@@ -85,6 +85,7 @@ def test_the_accelerate_recipe_checks_both_kinds_logs_both_and_trains_as_without
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_gradwatch_report_reads_both_kinds_of_check_of_the_recipes_tensorboard_run(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     watch = GradientWatch(every_n_steps=2, applied_every_n_steps=4)

@@ -15,7 +15,7 @@ import pytest
 from two_processes import needs_gloo, run_launched
 
 pytest.importorskip("deepspeed")
-pytestmark = needs_gloo
+pytestmark = [needs_gloo, pytest.mark.slow]
 
 STAGES = (1, 2, 3)
 FAULTS = ("leftout", "scaled", "formula")

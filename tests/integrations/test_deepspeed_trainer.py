@@ -20,7 +20,7 @@ from two_processes import needs_gloo, run_launched
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
-pytestmark = needs_gloo
+pytestmark = [needs_gloo, pytest.mark.slow]
 
 FITS = [
     f"{kind}-z{stage}-{dtype}" for stage in (1, 2, 3) for dtype in ("fp32", "bf16") for kind in ("healthy", "baseline")

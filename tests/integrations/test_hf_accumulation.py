@@ -70,6 +70,7 @@ def _without_the_fix() -> Any:
     return model
 
 
+@pytest.mark.slow
 def test_the_late_2024_accumulation_bug_is_flagged_at_the_first_applied_check_with_the_scale(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match=r"gradwatch \(step 1\): the accumulated gradient is [0-9.]+x"):
         callback = _train(tmp_path, _without_the_fix(), LabelledTokens(unequal=True))
@@ -86,6 +87,7 @@ def _sum_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None
     return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["the Trainer's fix", "equal-size means", "summed compute_loss_func"])
 def test_the_fix_equal_size_means_and_sums_are_not_flagged(case: str, tmp_path: Path) -> None:
     options: dict[str, Any] = {"compute_loss_func": _sum_loss} if case == "summed compute_loss_func" else {}
@@ -138,6 +140,7 @@ class SummedOnly(transformers.Trainer):
         return _token_sum(model, inputs)
 
 
+@pytest.mark.slow
 def test_a_loss_normalised_over_the_window_and_divided_again_is_flagged(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match="normalised twice"):
         callback = _train(tmp_path, tiny_llama(), LabelledTokens(unequal=True), NormalisedTwice)
@@ -155,6 +158,7 @@ def _token_mean(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = No
     return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
+@pytest.mark.slow
 def test_micro_batch_means_summed_over_the_window_are_flagged(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match="times too large"):
         callback = _train(tmp_path, tiny_llama(), LabelledTokens(unequal=False), compute_loss_func=_token_mean)
@@ -162,6 +166,7 @@ def test_micro_batch_means_summed_over_the_window_are_flagged(tmp_path: Path) ->
     assert report.accumulation_scale == pytest.approx(ACCUMULATION, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_summed_loss_the_trainer_averages_over_the_window_is_not_flagged(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientCheckWarning)

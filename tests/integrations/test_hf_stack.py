@@ -40,6 +40,7 @@ def _train(tmp_path: Path, model: torch.nn.Module, steps: int, **arguments: Any)
     return callback
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(tmp_path: Path, reentrant: bool) -> None:
     model = tiny_llama()
@@ -66,6 +67,7 @@ def test_a_wrong_activation_under_activation_checkpointing_is_caught_and_named(t
     assert applied.culprits[0] == buggy
 
 
+@pytest.mark.slow
 def test_a_pure_bf16_model_is_checked_without_false_alarm(tmp_path: Path) -> None:
     model = tiny_llama(torch.bfloat16)
     with warnings.catch_warnings():
@@ -222,6 +224,7 @@ def test_a_custom_lora_variant_reading_its_adapters_weights_is_named(
     assert evidence in report.culprit_message, report.culprit_message
 
 
+@pytest.mark.slow
 def test_a_custom_lora_variant_bug_is_caught_and_named_at_the_first_check_of_a_trainer(tmp_path: Path) -> None:
     """The LoRA variant's weight-gradient bug under ``transformers.Trainer`` with ``GradWatchCallback``: the first check
     fails and names the LoRA layer."""

@@ -71,6 +71,7 @@ def _own_entries(trainer: Any) -> list[dict[str, float]]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.slow
 def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path: Path) -> None:
     without, _ = _train(tmp_path)
     with warnings.catch_warnings():
@@ -102,6 +103,7 @@ def test_checks_on_schedule_without_false_alarms_and_training_unchanged(tmp_path
     assert "compute_loss" not in vars(watched)  # the Trainer's compute_loss is its own again after training
 
 
+@pytest.mark.slow
 def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_path: Path) -> None:
     seen: list[tuple[int, Any]] = []
 
@@ -127,6 +129,7 @@ def test_the_check_evaluates_the_trainers_own_loss_on_the_kept_micro_batch(tmp_p
     assert callback.recomputed_reports[0].verdict == "ok"
 
 
+@pytest.mark.slow
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module_and_reported_from_tensorboard(
     tmp_path: Path,
 ) -> None:
@@ -159,6 +162,7 @@ def _report(logdir: Path) -> tuple[int, str]:
     return code, culprits[0][: len(f"culprit at step 1: the backward of `{SHOWN_BUGGY}`")] if culprits else ""
 
 
+@pytest.mark.slow
 def test_on_fail_stop_ends_training_at_the_failing_step(tmp_path: Path) -> None:
     with pytest.warns(GradientCheckWarning, match="stopping training"):
         trainer, _ = _train(tmp_path, bug_in=BUGGY, every_n_steps=2, on_fail="stop")
@@ -184,6 +188,7 @@ def test_options_are_keyword_only(tmp_path: Path) -> None:
         GradWatchCallback(trainer, 10)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
     saving = {"save_strategy": "steps", "save_steps": 2}
     _, whole = _train(tmp_path, steps=4, arguments=saving, every_n_steps=2)
@@ -277,6 +282,7 @@ def _is_clipping(report: Any) -> bool:
     return "applied-clipping" in {str(code) for code in codes(report.notes)}
 
 
+@pytest.mark.slow
 def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_identical(tmp_path: Path) -> None:
     without, _ = _train_model(tmp_path / "without", tiny_llama(), 4)
     with warnings.catch_warnings():
@@ -303,6 +309,7 @@ def test_applied_checks_in_a_bf16_trainer_with_accumulation_leave_training_bit_i
     assert "clip_grad_norm_" not in vars(watched.accelerator)  # the accelerator's own again after training
 
 
+@pytest.mark.slow
 def test_a_backward_wrong_only_in_bf16_is_a_precision_fault_of_the_applied_gradient(tmp_path: Path) -> None:
     model = tiny_llama()
     _plant_bf16_fault(model.get_submodule(BUGGY))
@@ -315,6 +322,7 @@ def test_a_backward_wrong_only_in_bf16_is_a_precision_fault_of_the_applied_gradi
     assert (record["scope"], record["fault"]) == ("applied", "precision")
 
 
+@pytest.mark.slow
 def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -> None:
     model = tiny_llama()
     weight = model.get_submodule(BUGGY).weight

@@ -10,6 +10,8 @@ import pytest
 from gradwatch import ProbeSettings
 from gradwatch.integrations.trainer_losses import surrogate_objective, trainer_options
 
+pytestmark = pytest.mark.slow
+
 
 class GRPOTrainer:  # named as TRL's: recognised without importing TRL
     pass

@@ -33,6 +33,8 @@ from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.engine.results.notes import NoteCode  # noqa: E402
 from gradwatch.integrations.huggingface import GradWatchCallback  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 NORM = "model.layers.1.post_attention_layernorm"
 SHOWN_NORM = re.escape("model.layers[1].post_attention_layernorm")  # as the culprit message names it
 TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time"}

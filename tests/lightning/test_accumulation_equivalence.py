@@ -71,6 +71,7 @@ def _fit(module: pl.LightningModule, batches: list[Any], tmp_path: Path) -> Grad
     return watch
 
 
+@pytest.mark.slow
 def test_per_micro_batch_token_means_of_unequal_counts_are_flagged_at_the_first_applied_check(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with pytest.warns(GradientCheckWarning, match=r"gradwatch \(step 1\): the accumulated gradient is [0-9.]+x"):
@@ -82,6 +83,7 @@ def test_per_micro_batch_token_means_of_unequal_counts_are_flagged_at_the_first_
     assert f"{report.accumulation_scale:.4g}x" in warning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["equal-size means", "sums"])
 def test_equal_size_means_and_sums_are_not_flagged(case: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -109,6 +111,7 @@ class _Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+@pytest.mark.slow
 def test_tuple_batches_of_equal_size_are_compared_and_not_flagged(tmp_path: Path) -> None:
     torch.manual_seed(0)
     batches = [(torch.randn(4, 6), torch.randn(4)) for _ in range(2 * ACCUMULATION)]

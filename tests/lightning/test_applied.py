@@ -70,6 +70,7 @@ def test_the_default_cadence_is_documented() -> None:
         GradWatch(applied_every_n_steps=0)
 
 
+@pytest.mark.slow
 def test_a_backward_wrong_only_under_bf16_autocast_is_caught_at_the_first_applied_check(tmp_path: Path) -> None:
     torch.manual_seed(0)
     watch = GradWatch(applied_every_n_steps=2, every_n_steps=100, max_overhead=None)
@@ -82,6 +83,7 @@ def test_a_backward_wrong_only_under_bf16_autocast_is_caught_at_the_first_applie
     assert watch.reports[0] is first  # reports holds both kinds: the applied check ran before the step
 
 
+@pytest.mark.slow
 def test_manual_optimization_that_never_zeroes_gradients_is_an_accumulation_fault(tmp_path: Path) -> None:
     torch.manual_seed(0)
     watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, loss_fn=cross_entropy_of_net)
@@ -97,6 +99,7 @@ def cross_entropy_of_net(module: torch.nn.Module, batch: tuple[Tensor, Tensor]) 
     return cross_entropy(module.net, batch)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "accumulate"), [("32-true", 1), ("bf16-mixed", 1), ("32-true", 2)], ids=["32", "bf16", "accumulate"]
 )
@@ -117,6 +120,7 @@ def test_healthy_runs_pass_and_train_bit_identically(
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_the_gradient_is_checked_before_clipping(tmp_path: Path) -> None:
     """Accumulation with clipping: the applied check sees the accumulated gradient before clipping rescales it (a
     clipped gradient is not the derivative of the loss), and the run trains exactly as without it."""
@@ -145,6 +149,7 @@ class _ClipsOnAWrongNorm(_Lit):
             g.mul_(min(1.0, float(gradient_clip_val) / (float(norm) + 1e-6)))
 
 
+@pytest.mark.slow
 def test_a_clip_coefficient_computed_on_a_wrong_norm_fails_as_clipping(tmp_path: Path) -> None:
     watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, on_fail=lambda report: None)
     _fit(MLP(), [watch], tmp_path, module=_ClipsOnAWrongNorm, gradient_clip_val=1e-3, max_steps=2)
@@ -153,6 +158,7 @@ def test_a_clip_coefficient_computed_on_a_wrong_norm_fails_as_clipping(tmp_path:
     assert all(r.verdict == "ok" for r in watch.applied_reports if r.probes)  # the gradient before clipping is right
 
 
+@pytest.mark.slow
 def test_under_the_default_budget_the_first_applied_check_runs_at_step_1_and_the_next_waits_for_the_budget(
     tmp_path: Path,
 ) -> None:

@@ -23,6 +23,8 @@ from helpers import trainer
 from gradwatch import GradientCheckWarning, GradWatch
 from gradwatch.outputs import JSONL_NAME
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

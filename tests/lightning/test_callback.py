@@ -48,6 +48,8 @@ SCALAR_TAGS = {
     "gradwatch/forward_passes",
     "gradwatch/noise_median",
     "gradwatch/overhead",
+    "gradwatch/overhead_percent",
+    "gradwatch/first_checks_seconds",
     "gradwatch/rel_error_max_log10",
     "gradwatch/rel_error_median_log10",
     "gradwatch/rel_error_min_log10",
@@ -60,6 +62,7 @@ def _events(log_dir: str) -> EventAccumulator:
     return accumulator
 
 
+@pytest.mark.slow
 def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=2)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
@@ -84,12 +87,19 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
         t for kind in ("scalars", "histograms", "tensors") for t in tags[kind] if t.startswith("gradwatch")
     ]
     applied = [t for t in gradwatch_tags if t.startswith("gradwatch/applied/")]  # the applied check at step 1
-    assert set(applied) == {*applied_scalars(watch.applied_reports[0]), "gradwatch/applied/failure/text_summary"}
+    assert watch.applied_reports[0].fault == "formula"  # named in words too, for the TEXT tab
+    assert set(applied) == {
+        *applied_scalars(watch.applied_reports[0]),
+        "gradwatch/applied/failure/text_summary",
+        "gradwatch/applied/fault_name/text_summary",
+    }
+    assert [e.step for e in events.Scalars("gradwatch/first_checks_steps")] == [2, 4]  # once a step's time is known
     update = [t for t in gradwatch_tags if t.startswith("gradwatch/update/")]  # the update check at step 1
     assert set(update) == set(update_scalars(watch.update_reports[0]))
-    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 2 + len(applied) + len(update)
+    assert len(gradwatch_tags) == len(SCALAR_TAGS) + 3 + len(applied) + len(update)
 
 
+@pytest.mark.slow
 def test_healthy_run_logs_no_failure_text(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=3)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
@@ -102,6 +112,7 @@ def test_healthy_run_logs_no_failure_text(tmp_path: Path) -> None:
     assert all(abs(r - 1) < 1e-3 for r in ratios)
 
 
+@pytest.mark.slow
 def test_checks_run_on_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=3, first_check_step=1, param_probes=2, input_probes=0)
     model = LitClassifier()
@@ -125,6 +136,7 @@ def test_without_first_check_only_the_interval_counts() -> None:
     assert watch.due(4, 5)
 
 
+@pytest.mark.slow
 def test_probes_do_not_overwrite_the_runs_logged_metrics(tmp_path: Path) -> None:
     # every step is checked; without silencing, the last perturbed loss of the probes would be logged as train_loss
     model = LitClassifier()
@@ -139,6 +151,7 @@ def test_probes_do_not_overwrite_the_runs_logged_metrics(tmp_path: Path) -> None
     assert "log_dict" not in model.__dict__
 
 
+@pytest.mark.slow
 def test_other_loggers_get_the_scalars(tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(
@@ -150,12 +163,14 @@ def test_other_loggers_get_the_scalars(tmp_path: Path) -> None:
     assert set(rows[0]) >= SCALAR_TAGS
 
 
+@pytest.mark.slow
 def test_no_logger_is_fine(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=2)
     trainer(tmp_path, [watch], logger=False, max_steps=4).fit(LitClassifier(), loader(classification_batch()))
     assert len(watch.recomputed_reports) == 3
 
 
+@pytest.mark.slow
 def test_on_fail_raise(tmp_path: Path) -> None:
     with pytest.raises(GradientCheckError, match=r"(?s)gradient check failed at step 1\b.*\n.*fc\.weight"):
         trainer(tmp_path, [GradWatch(on_fail="raise", applied_every_n_steps=None)], max_steps=4).fit(
@@ -163,6 +178,7 @@ def test_on_fail_raise(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.slow
 def test_on_fail_stop_stops_the_trainer_cleanly(tmp_path: Path) -> None:
     run = trainer(tmp_path, [GradWatch(every_n_steps=1, on_fail="stop")], max_steps=8)
     with pytest.warns(GradientCheckWarning, match="stopping training"):
@@ -171,6 +187,7 @@ def test_on_fail_stop_stops_the_trainer_cleanly(tmp_path: Path) -> None:
     assert run.state.finished
 
 
+@pytest.mark.slow
 def test_on_fail_callable_receives_the_report(tmp_path: Path) -> None:
     received: list[CheckReport] = []
     watch = GradWatch(every_n_steps=2, on_fail=received.append, applied_every_n_steps=None)
@@ -186,6 +203,7 @@ def _headline(message: str) -> str:
     return found.group(0)
 
 
+@pytest.mark.slow
 def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -206,6 +224,7 @@ def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
     ]
 
 
+@pytest.mark.slow
 def test_not_verbose_logs_no_info_and_warns_only_for_failures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False, applied_every_n_steps=None)
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
@@ -247,6 +266,7 @@ class _Undo(pl.Callback):
         self.flag.undo(pl_module)
 
 
+@pytest.mark.slow
 def test_probe_that_raises_never_stops_training_or_changes_state(tmp_path: Path) -> None:
     flag = _Flag(raise_in_step=True)
     watch = GradWatch(every_n_steps=2)
@@ -259,6 +279,7 @@ def test_probe_that_raises_never_stops_training_or_changes_state(tmp_path: Path)
         assert_bit_identical(before, after)
 
 
+@pytest.mark.slow
 def test_probe_that_raises_with_on_fail_raise_propagates(tmp_path: Path) -> None:
     flag = _Flag(raise_in_step=True)
     with pytest.raises(RuntimeError, match="training_step failed on purpose"):
@@ -267,6 +288,7 @@ def test_probe_that_raises_with_on_fail_raise_propagates(tmp_path: Path) -> None
         )
 
 
+@pytest.mark.slow
 def test_training_step_returning_none_skips_the_check(tmp_path: Path) -> None:
     flag = _Flag(output="none")
     watch = GradWatch(every_n_steps=1)
@@ -275,6 +297,7 @@ def test_training_step_returning_none_skips_the_check(tmp_path: Path) -> None:
     assert watch.counts["skipped"] == 3
 
 
+@pytest.mark.slow
 def test_training_step_returning_a_dict(tmp_path: Path) -> None:
     model = LitClassifier()
     model.output = "dict"
@@ -297,17 +320,20 @@ class _ManualModule(LitClassifier):
         return loss
 
 
+@pytest.mark.slow
 def test_manual_optimization_needs_a_loss_fn(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"manual optimization.*GradWatch\(loss_fn="):
         trainer(tmp_path, [GradWatch()], max_steps=2).fit(_ManualModule(), loader(classification_batch()))
 
 
+@pytest.mark.slow
 def test_manual_optimization_with_a_loss_fn(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=2, loss_fn=lambda module, batch: cross_entropy_loss(module.net, batch))
     trainer(tmp_path, [watch], max_steps=4).fit(_ManualModule(), loader(classification_batch()))
     assert [(r.step, r.verdict) for r in watch.recomputed_reports] == [(1, "ok"), (2, "ok"), (4, "ok")]
 
 
+@pytest.mark.slow
 def test_reports_are_bounded_oldest_first(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=1, max_reports=2, param_probes=1, input_probes=0)
     trainer(tmp_path, [watch], max_steps=5).fit(LitClassifier(), loader(classification_batch()))
@@ -315,6 +341,7 @@ def test_reports_are_bounded_oldest_first(tmp_path: Path) -> None:
     assert watch.counts["checks"] == 5
 
 
+@pytest.mark.slow
 def test_tensors_a_check_could_not_decide_are_probed_again_at_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -338,6 +365,7 @@ def test_tensors_a_check_could_not_decide_are_probed_again_at_the_next(
     assert watch.state_dict()["focus"] == list(undecided[2])
 
 
+@pytest.mark.slow
 def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=1, param_probes=1, input_probes=0)
     with pytest.warns(GradientCheckWarning):
@@ -390,6 +418,7 @@ def test_constructor_validates_every_argument(kwargs: dict[str, Any], message: s
         GradWatch(**kwargs)
 
 
+@pytest.mark.slow
 def test_zero_interference_with_training(tmp_path: Path) -> None:
     # the same seeded run with and without gradwatch: identical parameters and buffers afterwards
     def run(callbacks: list[pl.Callback]) -> dict[str, torch.Tensor]:
@@ -405,6 +434,7 @@ def test_zero_interference_with_training(tmp_path: Path) -> None:
         assert torch.equal(value, with_checks[name]), name
 
 
+@pytest.mark.slow
 def test_progress_bar_shows_the_last_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # the TQDM bar explicitly: Lightning picks the Rich bar when `rich` is installed, which draws differently
     bar = TQDMProgressBar()
@@ -427,6 +457,7 @@ def test_progress_status_keeps_earlier_failures_in_sight() -> None:
     assert progress_status(report("inconclusive", 1000), failed_checks=2) == "inconclusive@1000 (2 failed)"
 
 
+@pytest.mark.slow
 def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=1, probe_batch_size=1)  # one sample, which the BatchNorm of LitClassifier refuses
     trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
@@ -434,6 +465,7 @@ def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> No
     assert [bool(r.noted(NoteCode.SLICE_REFUSED)) for r in watch.recomputed_reports] == [True, False, False]
 
 
+@pytest.mark.slow
 def test_loss_that_cannot_be_vectorised_is_not_tried_again(tmp_path: Path) -> None:
     # LitSeedModel's custom autograd.Function has no vmap rule
     watch = GradWatch(every_n_steps=1)
@@ -442,6 +474,7 @@ def test_loss_that_cannot_be_vectorised_is_not_tried_again(tmp_path: Path) -> No
     assert [r.verdict for r in watch.recomputed_reports] == ["ok", "ok", "ok"]
 
 
+@pytest.mark.slow
 def test_training_step_is_vectorised(tmp_path: Path) -> None:
     watch = GradWatch(every_n_steps=1)
     trainer(tmp_path, [watch], max_steps=2).fit(LitClassifier(), loader(classification_batch()))

@@ -16,7 +16,7 @@ from two_processes import needs_gloo, run_ranks
 
 from gradwatch.engine.results.notes import NoteCode
 
-pytestmark = needs_gloo
+pytestmark = [needs_gloo, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

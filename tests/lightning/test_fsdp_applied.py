@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from two_processes import needs_gloo, run_ranks
 
-pytestmark = needs_gloo
+pytestmark = [needs_gloo, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

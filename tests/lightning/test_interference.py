@@ -12,6 +12,8 @@ from lightning_patterns import PATTERNS, Pattern, RaisesDuringChecks, compare, f
 
 from gradwatch import GradientCheckWarning
 
+pytestmark = pytest.mark.slow
+
 
 def _inductor_works() -> bool:
     import torch

@@ -18,6 +18,8 @@ from gradwatch import GradientCheckWarning, GradWatch
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, FAILURES_TAG
 
+pytestmark = pytest.mark.slow
+
 
 class _Quiet(Logger):
     """A logger that keeps what it is given (the base of the fakes below)."""

@@ -27,6 +27,7 @@ def _skip_without(model: RealModel) -> None:
         pytest.skip(f"needs {model.needs}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", CORRECT, ids=[m.name for m in CORRECT])
 def test_a_correct_model_never_fails(model: RealModel) -> None:
     _skip_without(model)
@@ -50,6 +51,7 @@ def test_a_correct_model_never_fails(model: RealModel) -> None:
         assert all(report.verdict == "ok" for report in applied), "\n\n".join(map(str, applied))
 
 
+@pytest.mark.slow
 def test_hugging_face_losses_are_probed_in_float64_on_their_own_function() -> None:
     model = next(m for m in CORRECT if m.name == "Hugging Face Llama")
     _skip_without(model)
@@ -59,6 +61,7 @@ def test_hugging_face_losses_are_probed_in_float64_on_their_own_function() -> No
     assert report.noted(NoteCode.FLOAT64_CASTS_KEPT), report.notes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", BUGGY, ids=[m.name for m in BUGGY])
 def test_a_planted_two_percent_bug_is_caught_and_named(model: RealModel) -> None:
     _skip_without(model)
@@ -93,6 +96,7 @@ class _Wrapped(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.slow
 def test_an_ignore_pattern_that_matches_nothing_warns_once_with_the_names_meant() -> None:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
     watch = GradWatch(ignore=["encoder.*"], every_n_steps=1)

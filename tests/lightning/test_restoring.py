@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import GradientCheckWarning, GradWatch
 
+pytestmark = pytest.mark.slow
+
 
 class InPlaceProjection(Classifier):
     """A projection step in ``training_step``: the first layer's weights clamped in place before the forward."""

@@ -23,6 +23,8 @@ from helpers import trainer
 
 from gradwatch import GradientCheckWarning, GradWatch
 
+pytestmark = pytest.mark.slow
+
 
 class LitGAN(pl.LightningModule):
     """Lightning's basic GAN recipe: the generator's step, then the discriminator's on a sample made again after it."""

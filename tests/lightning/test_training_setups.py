@@ -37,6 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import CheckReport, GradientCheckWarning, GradWatch
 
+pytestmark = pytest.mark.slow
+
 # -- modules -----------------------------------------------------------------------------------------------------------
 
 

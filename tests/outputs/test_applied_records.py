@@ -67,6 +67,7 @@ def test_applied_records_lead_with_the_fault_under_their_own_tags(applied_fail: 
     assert applied_records_of(_applied(applied_fail, 4)).text is None
 
 
+@pytest.mark.slow
 def test_the_json_lines_record_reads_back_apart_from_the_recomputed_checks(
     tmp_path: Path, healthy: CheckReport, applied_fail: CheckReport
 ) -> None:
@@ -89,6 +90,7 @@ def test_the_json_lines_record_reads_back_apart_from_the_recomputed_checks(
     assert "result: FAIL" in out
 
 
+@pytest.mark.slow
 def test_a_malformed_applied_record_is_an_input_error(tmp_path: Path, applied_fail: CheckReport) -> None:
     path = tmp_path / "gradwatch.jsonl"
     JsonLinesSink(path).write(applied_records_of(applied_fail))
@@ -101,6 +103,7 @@ def test_a_malformed_applied_record_is_an_input_error(tmp_path: Path, applied_fa
     assert "'fault' is 'cosmic rays'" in out
 
 
+@pytest.mark.slow
 def test_event_files_read_back_the_applied_check_and_its_fault(tmp_path: Path, applied_fail: CheckReport) -> None:
     writer = SummaryWriter(str(tmp_path))
     sink = SummaryWriterSink(writer)
@@ -119,6 +122,7 @@ def test_event_files_read_back_the_applied_check_and_its_fault(tmp_path: Path, a
     assert f"precision fault at step 3: {MESSAGE}" in out
 
 
+@pytest.mark.slow
 def test_exit_status_counts_applied_checks(tmp_path: Path, healthy: CheckReport) -> None:
     only_inconclusive = tmp_path / "inconclusive"
     JsonLinesSink(only_inconclusive / "gradwatch.jsonl").write(

@@ -20,6 +20,8 @@ from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, records_of
 from gradwatch.outputs.beside import record_directory, tool_runs
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
 
+pytestmark = pytest.mark.slow
+
 WANDB_ID = "abc123de"
 MLFLOW_ID = "0123456789abcdef0123456789abcdef"
 CULPRIT = "the backward of `fc` is wrong"

@@ -24,7 +24,7 @@ from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.reading import read_jsonl, read_logdir
 from gradwatch.tensorboard.events import EventFilesError
 
-CULPRIT = "the backward of `net.1` (`RMSNorm`) is wrong"
+CULPRIT = "the backward of `net[1]` (`RMSNorm`) is wrong"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def csv_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GradWatch]:
     return logdir, watch
 
 
+@pytest.mark.slow
 def test_a_csv_logger_run_is_recorded_and_read_back(csv_run: tuple[Path, GradWatch]) -> None:
     logdir, watch = csv_run
     (record,) = logdir.rglob(JSONL_NAME)
@@ -60,6 +61,7 @@ def test_a_csv_logger_run_is_recorded_and_read_back(csv_run: tuple[Path, GradWat
     assert list(run.culprits) == [1, 2]
 
 
+@pytest.mark.slow
 def test_gradwatch_report_on_a_csv_logger_run_names_the_culprit_and_exits_1(csv_run: tuple[Path, GradWatch]) -> None:
     logdir, _ = csv_run
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), *sys.path])}
@@ -129,6 +131,7 @@ def test_a_line_longer_than_the_bound_is_refused_without_reading_it_whole(
         read_jsonl(path)
 
 
+@pytest.mark.slow
 def test_event_files_and_json_lines_of_one_run_are_merged(csv_run: tuple[Path, GradWatch], tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 

@@ -18,6 +18,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.outputs import GuardedSink, JsonLinesSink, LogCallSink, SummaryWriterSink, TextSink, records_of
 from gradwatch.outputs.jsonl import parse_record, record_json
+from gradwatch.outputs.records import FAULT_NAME_TAG, applied_records_of
 from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 
 
@@ -169,3 +170,20 @@ def test_guarded_sink_warns_once_and_never_raises(failing: CheckReport, tmp_path
     (warning,) = [record.getMessage() for record in caplog.records]
     assert "could not write to JsonLinesSink(" in warning
     assert "training goes on" in warning
+
+
+def test_the_fault_of_a_failing_applied_check_reaches_the_text_backends_in_words(failing: CheckReport) -> None:
+    applied = dataclasses.replace(failing, scope="applied", fault="accumulation", fault_message="summed twice")
+    records = applied_records_of(applied)
+    writer = FakeWriter()
+    SummaryWriterSink(writer).write(records)
+    assert ("text", FAULT_NAME_TAG, 4) in writer.calls
+    texts: list[tuple[str, str, int]] = []
+    TextSink(lambda tag, text, step: texts.append((tag, text, step))).write(records)
+    assert (FAULT_NAME_TAG, "accumulation", 4) in texts
+    calls: list[tuple[dict[str, float | str], int]] = []
+    LogCallSink(lambda values, step: calls.append((values, step)), text=True).write(records)
+    assert calls[0][0][FAULT_NAME_TAG] == "accumulation"
+    assert calls[0][0]["gradwatch/applied/fault"] == 5.0  # the numeric code stays beside it
+    LogCallSink(lambda values, step: calls.append((values, step))).write(records)
+    assert FAULT_NAME_TAG not in calls[1][0]  # a call whose backends show no strings gets numbers only

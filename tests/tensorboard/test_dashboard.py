@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import pytest
 from helpers import LitSeedModel, SeedModel, loader, seed_batch, seed_loss, trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from gradwatch import GradWatch, check_gradients
+from gradwatch.outputs.records import Overhead, applied_scalars
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTIONS, layout, layout_tags, write_dashboard
 
 
@@ -26,10 +29,14 @@ def _linear(tag: str) -> str:
     return tag.removesuffix("_log10")
 
 
-def test_every_charted_tag_is_a_scalar_of_the_report_or_its_log10() -> None:
-    scalars = set(check_gradients(SeedModel(), seed_batch(), seed_loss).scalars())
-    assert {_linear(tag) for tag in layout_tags()} <= scalars
+def test_every_charted_tag_is_a_scalar_of_the_report_its_log10_the_applied_checks_or_the_overhead() -> None:
+    report = check_gradients(SeedModel(), seed_batch(), seed_loss)
+    applied = set(applied_scalars(dataclasses.replace(report, scope="applied", noise_floor=1e-6, floor_excess=0.1)))
+    overhead = set(Overhead(0.5, 0.01, 2.0, 0.01).scalars())
+    assert {_linear(tag) for tag in layout_tags()} <= set(report.scalars()) | applied | overhead
     assert {"gradwatch/descent_ratio", "gradwatch/failing_probes", "gradwatch/inconclusive_probes"} <= layout_tags()
+    charted = {"gradwatch/applied/verdict", "gradwatch/overhead_percent", "gradwatch/first_checks_seconds"}
+    assert charted <= layout_tags()
 
 
 def test_the_relative_error_is_charted_on_a_log_scale() -> None:
@@ -44,10 +51,25 @@ def test_margin_band_is_min_to_max_around_the_median() -> None:
     charts = [chart for section in layout().values() for chart in section.values()]
     assert ["Margin", list(REL_ERROR_TAGS)] in charts
     first_section = next(iter(layout().values()))
+    # the reverse of the order shown: TensorBoard draws a section's Margin charts last first
     assert list(first_section.values()) == [
-        ["Multiline", ["^gradwatch/verdict$"]],
-        ["Multiline", ["^gradwatch/rel_error_max_log10$"]],
+        ["Margin", ["gradwatch/applied/verdict"] * 3],
+        ["Margin", ["gradwatch/verdict"] * 3],
     ]
+    assert [title for _, _, tags in SECTIONS[0][1] for title in [tags[0]]] == [
+        "gradwatch/verdict",
+        "gradwatch/applied/verdict",
+    ]
+
+
+def test_every_chart_draws_a_lone_point() -> None:
+    """TensorBoard scales a line chart without its outliers: one point per run drew an empty Multiline chart, while a
+    Margin chart draws each (seen in headless Chromium); every chart is a Margin chart, one tag's with the value as its
+    band."""
+    for section in layout().values():
+        for kind, tags in section.values():
+            assert kind == "Margin"
+            assert len(tags) == 3  # type: ignore[arg-type]
 
 
 def test_multiline_expressions_are_anchored() -> None:
@@ -62,6 +84,7 @@ def test_write_dashboard_writes_the_layout() -> None:
     assert writer.layouts == [layout()]
 
 
+@pytest.mark.slow
 def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(
@@ -76,7 +99,10 @@ def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) ->
     assert [category.title for category in parsed.category] == [section for section, _ in SECTIONS]
     charts = [chart for category in parsed.category for chart in category.chart]
     margins = [chart.margin.series[0] for chart in charts if chart.HasField("margin")]
-    assert [(m.value, m.lower, m.upper) for m in margins] == [REL_ERROR_TAGS]
-    assert len(charts) == sum(len(charts) for _, charts in SECTIONS) == 6
+    assert [(m.value, m.lower, m.upper) for m in margins] == [
+        tags for _, charts in SECTIONS for _, _, tags in reversed(charts)
+    ]
+    assert REL_ERROR_TAGS in [(m.value, m.lower, m.upper) for m in margins]
+    assert len(charts) == len(margins) == sum(len(charts) for _, charts in SECTIONS) == 12
     # every tag the dashboard draws was logged
     assert layout_tags() <= set(events.Tags()["scalars"])

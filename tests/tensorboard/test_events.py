@@ -31,6 +31,7 @@ def failing_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GradWat
     return logdir, watch
 
 
+@pytest.mark.slow
 def test_a_real_run_reads_back_check_by_check(failing_run: tuple[Path, GradWatch]) -> None:
     logdir, watch = failing_run
     (run,) = read_logdir(logdir)
@@ -45,6 +46,7 @@ def test_a_real_run_reads_back_check_by_check(failing_run: tuple[Path, GradWatch
     assert run.failed
 
 
+@pytest.mark.slow
 def test_every_failing_probe_reads_back_with_step_tensor_index_and_both_values(
     failing_run: tuple[Path, GradWatch],
 ) -> None:
@@ -102,6 +104,7 @@ def test_event_files_without_gradwatch_data_are_refused(tmp_path: Path) -> None:
         read_logdir(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped_byte", "truncated", "garbage"])
 def test_corrupt_event_files_are_refused(failing_run: tuple[Path, GradWatch], tmp_path: Path, damage: str) -> None:
     (source,) = event_files(failing_run[0])
@@ -121,6 +124,7 @@ def test_corrupt_event_files_are_refused(failing_run: tuple[Path, GradWatch], tm
     verify_event_file(source)  # the intact original reads to its end
 
 
+@pytest.mark.slow
 def test_several_runs_are_found_and_sorted(failing_run: tuple[Path, GradWatch], tmp_path: Path) -> None:
     for name in ("b", "a"):
         shutil.copytree(failing_run[0], tmp_path / name)

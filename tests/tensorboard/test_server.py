@@ -47,6 +47,7 @@ def _query(**params: str) -> str:
     return urllib.parse.urlencode(params)
 
 
+@pytest.mark.slow
 def test_server_serves_the_gradwatch_scalars(server: TensorBoardServer, fitted: tuple[Path, list[CheckReport]]) -> None:
     reports = fitted[1]
     tags = server.get_json("/data/plugin/scalars/tags")[RUN]
@@ -70,6 +71,7 @@ def test_server_serves_the_histogram(server: TensorBoardServer) -> None:
     assert all(buckets for _, _, buckets in histograms)
 
 
+@pytest.mark.slow
 def test_server_serves_the_failure_text(server: TensorBoardServer, fitted: tuple[Path, list[CheckReport]]) -> None:
     texts = server.get_json(f"/data/plugin/text/text?{_query(run=RUN, tag=FAILURES_TEXT_TAG)}")
     assert [entry["step"] for entry in texts] == [1, 2, 4]

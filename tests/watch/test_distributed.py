@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -36,6 +37,7 @@ def _run(rank: int, store: str, results: Any) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_agree(tmp_path: Path) -> None:
     context = mp.get_context("spawn")
     results = context.Queue()

@@ -40,3 +40,22 @@ def test_state_round_trips() -> None:
     restored.load_state_dict(clock.state_dict())
     assert restored.state_dict() == clock.state_dict()
     assert OverheadClock().fraction == 0.0
+
+
+def test_the_first_checks_are_kept_apart_from_the_steady_share() -> None:
+    clock = OverheadClock()
+    clock.batch_ended(0.0)
+    clock.add_check(2.0)  # the first applied check, inside batch 1
+    clock.batch_ended(3.0)  # 1 s of training beside it
+    clock.check_ran(3.0, 6.0)  # the first recomputed check: 3 s
+    assert clock.first_seconds == pytest.approx(5.0)
+    assert clock.fraction == pytest.approx(5.0)  # 500% of the one second trained: the one-time cost
+    assert clock.steady_fraction == 0.0  # nothing but the first checks so far
+    clock.batch_ended(105.0)  # 99 s more of training
+    clock.check_ran(105.0, 105.5)  # a later check: 0.5 s
+    clock.add_check(0.5)  # a later applied check
+    assert clock.first_seconds == pytest.approx(5.0)
+    assert clock.steady_fraction == pytest.approx(1.0 / 100.0)
+    restored = OverheadClock()
+    restored.load_state_dict(clock.state_dict())
+    assert restored.first_seconds == pytest.approx(5.0)

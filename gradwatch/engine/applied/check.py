@@ -33,7 +33,7 @@ from gradwatch.engine.applied.equivalence import Join, compare_accumulation
 from gradwatch.engine.applied.probes import AppliedPlan, Measured, measure, unresolved_note
 from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.sharded import shard_window
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors, relative_floor
 from gradwatch.engine.applied.window import (
     COMBINES,
     Checksums,
@@ -46,6 +46,7 @@ from gradwatch.engine.applied.window import (
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.compiled import compiled_parts
@@ -224,11 +225,13 @@ def check_applied_gradient(
     setting = PathSetting(session, micro_batches, loss_fn, states, combine, path, autocast, bool(compiled_parts(model)),
                           group, start, loss_scale)  # fmt: skip
     equivalence, said = None, list[Note]()
-    with session.measuring() as state:
+    with surviving_out_of_memory(None, setting.params[0].device) as ran_out, session.measuring() as state:
         outcome = _measure(setting, plan)
         if compare_one_batch and len(micro_batches) > 1 and session.collective is None:
             equivalence, said = compare_accumulation(model, micro_batches, loss_fn, states, combine, setting.params,
                                                      names, state, group, join, window_normalised)  # fmt: skip
+    if ran_out:  # the state is back and what the check allocated freed: the run goes on
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
     notes, attribution = outcome.evaluator.notes, outcome.attribution
     notes.extend(said)
     culprits: list[str] = []
@@ -266,7 +269,7 @@ def check_applied_gradient(
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
-        noise_floor=_relative_floor(descent.probe if descent else None),
+        noise_floor=relative_floor(descent.probe if descent else None),
         floor_excess=max((m.excess for m in outcome.measured if math.isfinite(m.excess)), default=math.nan),
         accumulation_scale=equivalence.scale if equivalence is not None else math.nan,
         accumulation_cosine=equivalence.cosine if equivalence is not None else math.nan,
@@ -358,8 +361,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
         measured_floors = [distances(eager, scaled)]
         backward += 1
     else:  # a TF32 path's floor now (.reduced_float32); else only if a probe needs it (.lazy_floor)
-        measured_floors = tf32_floors(setting, eager, notes)
-        backward += measured_floors is not None
+        backward += (measured_floors := tf32_floors(setting, eager, notes)) is not None
     applied_norms = norms(plan.applied, exact=True)
     floor_values = floors(measured_floors or [], applied_norms, path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
@@ -377,10 +379,3 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
     notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, again) if failing else None
     return _Outcome(evaluator, measured, attribution, reference.loss, backward, floor_values)
-
-
-def _relative_floor(descent: Probe | None) -> float:
-    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
-    if descent is None or descent.floor is None or not descent.analytic:
-        return math.nan
-    return descent.floor / descent.analytic

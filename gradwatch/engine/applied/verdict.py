@@ -37,6 +37,7 @@ from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFIC
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.results.report import Probe
 
 FLOOR_MULTIPLE = {torch.float32: 2.0, torch.float64: 2.0, torch.float16: 3.0, torch.bfloat16: 3.0}
 """How many times its noise floor an applied gradient may be off (``torch._dynamo.utils.same``'s multiple: 2 in
@@ -139,3 +140,10 @@ def confirmed(first: Assessment, first_judgement: Judgement, second: Assessment,
         return False
     spread = abs(first.discrepancy - second.discrepancy)
     return spread <= AGREEMENT * max(abs(first.discrepancy), abs(second.discrepancy))
+
+
+def relative_floor(descent: Probe | None) -> float:
+    """The path's noise floor along the descent probe relative to ``‖g‖`` (``nan`` without one)."""
+    if descent is None or descent.floor is None or not descent.analytic:
+        return math.nan
+    return descent.floor / descent.analytic

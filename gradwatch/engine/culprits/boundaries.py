@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping
 
 from gradwatch.engine.culprits.descent import LOSS
 from gradwatch.engine.culprits.sites import Site
+from gradwatch.engine.results.kinds import ProbeKind
 
-INWARD = ("module_input", "module_params")
+INWARD = (ProbeKind.MODULE_INPUT, ProbeKind.MODULE_PARAMS)
 """The places whose gradient a module's own backward computes from the gradient at its outputs."""
 
 PlaceTest = Callable[[Site, str], bool]
@@ -30,7 +31,7 @@ def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
     wrong_inside = [
         site
         for site in sites.values()
-        if not faulty(site, "activation") and any(faulty(site, place) for place in INWARD)
+        if not faulty(site, ProbeKind.ACTIVATION) and any(faulty(site, place) for place in INWARD)
     ]
     if wrong_inside:
         innermost = [s for s in wrong_inside if not any(_within(o.name, s.name) for o in wrong_inside if o is not s)]
@@ -38,7 +39,7 @@ def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
         outer = [s for s in wrong_inside if s is not first and _within(first.name, s.name)]
         outer.sort(key=lambda s: -len(s.name))
         return [first.name, *(s.name for s in outer)]
-    if any(faulty(site, place) for site in sites.values() for place in ("activation", *INWARD)):
+    if any(faulty(site, place) for site in sites.values() for place in (ProbeKind.ACTIVATION, *INWARD)):
         return [LOSS]
     return []
 

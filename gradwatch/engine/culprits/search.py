@@ -42,6 +42,7 @@ from torch import nn
 from gradwatch.engine.culprits.activations import ActivationProbes
 from gradwatch.engine.culprits.descent import LOSS, Descent, Localization
 from gradwatch.engine.culprits.sites import record_sites
+from gradwatch.engine.culprits.writes import writes_behind_autograds_back
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import Measurements
@@ -78,6 +79,15 @@ def localize(
     if not failing:
         return None
     found = Localization()
+    try:
+        written = writes_behind_autograds_back(model, evaluator)  # the writer, not the first victim, is at fault
+    except CheckAbandonedError:
+        raise
+    except Exception:  # the loss refuses saved-tensor hooks: the search goes on without them
+        written = None
+    if written is not None:
+        found.culprits, found.message = written.culprits, written.message
+        return found
     try:
         sites = record_sites(model, evaluator)
     except CheckAbandonedError:

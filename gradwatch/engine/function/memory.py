@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "is_out_of_memory",
     "release_memory",
     "set_free_memory_probe",
+    "surviving_out_of_memory",
 ]
 
 HEADROOM = 0.8
@@ -77,6 +79,25 @@ def ending_check_when_out_of_memory() -> Iterator[None]:
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             ) from error
         raise
+
+
+@contextlib.contextmanager
+def surviving_out_of_memory(precision: str | None, device: torch.device | None) -> Iterator[list[Note]]:
+    """End a check that runs out of memory inside, instead of the run: the error is caught (any other goes on), the
+    list yielded gets the note that says so, and what the check allocated is freed once the error is gone. Enter it
+    outside the context that puts the training state back, so that the state is back before."""
+    ran_out: list[Note] = []
+    try:
+        yield ran_out
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        problem = str(error) if isinstance(error, CheckOutOfMemoryError) else f"{type(error).__name__}: {error}"
+        probes = f" with {precision} probes" if precision else ""
+        text = f"the check ran out of memory{probes} ({problem.splitlines()[0]}); the training state "
+        ran_out.append(Note(NoteCode.OUT_OF_MEMORY, text + "is put back and the next check of a run is made cheaper"))
+    if ran_out:
+        release_memory(device)
 
 
 def set_free_memory_probe(probe: FreeMemoryProbe | None) -> FreeMemoryProbe | None:

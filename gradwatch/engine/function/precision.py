@@ -7,7 +7,9 @@ of float64 kernels (about 2x slower on CPUs and data-centre GPUs, far slower on 
 float64 kernel at all) and of a float64 copy of the parameters and buffers during the check.
 
 ``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
-parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`). Native float32 probes cannot tell a 1e-3 error from noise on a
+parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`), fits in the device's free memory
+(:mod:`~gradwatch.engine.function.memory`) and float64 is not priced out on the device (:data:`FLOAT64_SLOWDOWN_LIMIT`).
+Native float32 probes cannot tell a 1e-3 error from noise on a
 network full of kinks (ReLU, max-pool): their steps must be large to beat round-off, and large steps cross kinks. In
 float64 the steps are thousands of times smaller (see :func:`gradwatch.engine.numerics.steps.relative_step`) and
 round-off is still negligible, so a healthy check ends after its screens instead of escalating, which is why float64

@@ -37,10 +37,9 @@ from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
-from gradwatch.engine.function.memory import is_out_of_memory, release_memory
+from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.function.precision import Precision, resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
-from gradwatch.engine.function.values import first_line
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
@@ -236,20 +235,10 @@ def _check(
         check_formula=settings.rtol is None,
         priced=settings.precision == "auto" and session.collective is None,
     )
-    try:
-        with session.measuring():
-            outcome = _run(session, batch, loss_fn, plan)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        problem = f"{type(error).__name__}: {first_line(error)}"
-    else:
-        problem = ""
-    if problem:  # the state is back; what the check allocated is freed once the error and its frames are gone
-        release_memory(next((p.device for _, p in params), None))
-        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=[
-            Note(NoteCode.OUT_OF_MEMORY, f"the check ran out of memory with {mode} probes ({problem}); the training "
-                 "state is put back and the next check of a run is made cheaper")], precision=mode)  # fmt: skip
+    with surviving_out_of_memory(mode, next((p.device for _, p in params), None)) as ran_out, session.measuring():
+        outcome = _run(session, batch, loss_fn, plan)
+    if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
     evaluator = outcome.evaluator
     culprits, culprit_message = outcome.culprits, outcome.culprit_message
     if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
