@@ -51,9 +51,7 @@ class _Pending:
     norm: float
     max_norm: float | None
     previous: dict[str, Tensor]
-    verified: dict[str, Tensor] = field(default_factory=dict)
-    """The verified gradient of each kept tensor, copied when the snapshot waits for the step (the loop may clip
-    ``.grad`` in place before it)."""
+    grads: dict[str, Tensor] = field(default_factory=dict)  # the verified gradients, copied before the loop clips
     snapshot: UpdateSnapshot | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
@@ -126,8 +124,10 @@ class UpdateCalls:
         named = self._update_candidates(model, optimizer, updated)
         if not named:
             return
+        with torch.no_grad():  # copied now: the loop clips .grad in place before the step
+            grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
         pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._update_declared.get(step),
-                           previous)  # fmt: skip
+                           previous, grads)  # fmt: skip
         self._update_pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
@@ -136,6 +136,10 @@ class UpdateCalls:
             return
 
         def before(stepping: Any, *_: Any) -> None:  # the first optimizer that updates a kept tensor
+            with self._outcomes.guard("the update check's step pre-hook"):
+                _keep(stepping)
+
+        def _keep(stepping: Any) -> None:
             if pending.snapshot is None and not pending.done:
                 ids = {id(p) for group in stepping.param_groups for p in group["params"]}
                 mine = [(n, p) for n, p in pending.named if id(p) in ids]
@@ -143,20 +147,19 @@ class UpdateCalls:
                     pending.named = mine
                     pending.snapshot = self._update_snapshot(pending, stepping)
 
-        with torch.no_grad():  # the step's pre-hook runs after any clipping: keep the gradient the check verified
-            pending.verified = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
         after = self._update_hook(pending)
         pending.handles += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
     def _update_snapshot(self, pending: _Pending, optimizer: Any) -> UpdateSnapshot:
         return UpdateSnapshot.take(optimizer, pending.named, norm=pending.norm, max_norm=pending.max_norm,
-                                   previous=pending.previous, verified=pending.verified or None)  # fmt: skip
+                                   previous=pending.previous, grads=pending.grads)  # fmt: skip
 
     def _update_hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:
             snapshot = pending.snapshot
             if not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer:
-                self._update_run(pending)
+                with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
+                    self._update_run(pending)
 
         return after
 
@@ -174,7 +177,7 @@ class UpdateCalls:
         self._schedule.clock.add_check(seconds)  # gradwatch's time, within the applied checks' budget
         self._applied.last_seconds += seconds
         self._update_checks += 1
-        pending.snapshot = None  # the copies are needed no more
+        pending.snapshot, pending.grads = None, {}  # the copies are needed no more
         if report is not None:
             self._outcomes.publish(report, self._schedule.clock.fraction)
         return report

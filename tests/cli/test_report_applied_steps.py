@@ -75,8 +75,11 @@ def test_an_applied_failure_sharing_its_step_with_the_clip_check_exits_1_and_is_
         watch = _train(sinks)
     if writer is not None:
         writer.close()
-    # the update check of each step (its own records, ok here) aside: the gradient's and the clip coefficient's
-    kinds = [(r.step, r.verdict, r.fault) for r in watch.reports if not any(p.kind == "update" for p in r.probes)]
+    kinds = [(r.step, r.verdict, r.fault) for r in watch.reports if r.scope != "update"]  # the update's: its own
+    assert [(r.step, r.verdict) for r in watch.update_reports] == [
+        (1, "ok"),
+        (2, "ok"),
+    ]  # the clip declared by after_clipping
     assert kinds == [(1, "fail", kinds[0][2]), (1, "ok", None), (2, "fail", kinds[2][2]), (2, "ok", None)], kinds
     assert kinds[0][2] not in (None, "clipping")
     code, out = _report(tmp_path)

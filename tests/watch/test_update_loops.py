@@ -64,7 +64,7 @@ ADAMW = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, amsgrad=True)  # no
 @pytest.mark.parametrize("tell", ["optimizers", "optimizer", "nothing"])
 def test_healthy_plain_loop_checks_every_verified_update(tell: str) -> None:
     watch = _watch()
-    loop(watch, ADAMW, steps=50, tell=tell)
+    loop(watch, ADAMW, steps=50, tell=tell, clip=0.05)  # the gradient copied before the clip, whatever finds the step
     updates, applied = watch.update_reports, watch.applied_reports
     assert len(updates) == len(applied) == 11  # step 1, then every 5
     assert [r.step for r in updates] == [r.step for r in applied]

@@ -126,23 +126,23 @@ class UpdateSnapshot:
         norm: float = 0.0,
         max_norm: float | None = None,
         previous: Mapping[str, Tensor] | None = None,
-        verified: Mapping[str, Tensor] | None = None,
+        grads: Mapping[str, Tensor] | None = None,
     ) -> UpdateSnapshot:
-        """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; their
-        gradient from ``verified`` (by name) where given, a copy taken when the applied check verified it, since the
-        loop may have clipped ``.grad`` in place since, else their ``.grad``."""
+        """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; ``grads``:
+        by name, the verified gradients when copied earlier (before the loop clipped them), else each ``.grad`` now."""
         optimizer = innermost(optimizer)
         group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         kept = []
         with torch.no_grad():
             for name, param in named:
-                if param.grad is None or id(param) not in group_of:
+                grad = grads.get(name) if grads is not None else param.grad
+                if grad is None or id(param) not in group_of:
                     continue
                 index = group_of[id(param)]
                 hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
                 state = {k: _copied(v) for k, v in optimizer.state.get(param, {}).items()}
-                grad = verified[name] if verified is not None and name in verified else param.grad.detach().clone()
-                kept.append(KeptParameter(name, param, param.detach().clone(), grad, state, hyper, index))
+                copied = grad.detach().clone() if grads is None else grad
+                kept.append(KeptParameter(name, param, param.detach().clone(), copied, state, hyper, index))
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:
