@@ -358,7 +358,6 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
             assert setting.autocast is not None
             plan, path_dtype = autocast_path.replanned(plan, setting.autocast), setting.autocast
             notes.append(said)
-    measured_floors: list[list[float]] | None
     if setting.autocast is not None:
         assert again is not None
         measured_floors: list[list[float]] | None = autocast_path.autocast_floors(setting, eager, again)
