@@ -12,7 +12,8 @@ batch. The layer's forward all-gathers; its backward, by scenario:
   other ranks' losses' share of this rank's embeddings is dropped;
 - ``all_reduce_none``: returns what ``dist.all_reduce`` returns (``None``): no gradient reaches the encoder at all;
 - ``summed_slots``: returns the sum of the slots of every rank (the gradients of other ranks' embeddings added to
-  this rank's).
+  this rank's);
+- ``correct_dropout``: the correct layer, with dropout in the encoder (each check replays the random numbers).
 
 A learnable temperature after the gather keeps one gradient alive in every scenario (so DDP's reducer and the
 applied check have something to hold), as CLIP-style losses have.
@@ -66,9 +67,9 @@ class _Gather(torch.autograd.Function):
 class Contrastive(nn.Module):
     """An encoder of two views and a learnable log-temperature."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.encoder = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 8))
         self.log_temperature = nn.Parameter(torch.tensor(-1.0))
 
     def forward(self, views: Tensor) -> Tensor:
@@ -94,9 +95,9 @@ def nt_xent(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 def _train(scenario: str, watched: bool) -> tuple[dict[str, Any], list[float]]:
     """Two optimizer steps, both kinds of check at step 1 when ``watched``: what each check said, the gradient
     norms of step 1 and the parameters after step 2."""
-    _Gather.mode = scenario
+    _Gather.mode = scenario.removesuffix("_dropout")
     torch.manual_seed(0)
-    model = DistributedDataParallel(Contrastive())
+    model = DistributedDataParallel(Contrastive(dropout=0.2 if scenario.endswith("_dropout") else 0.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = GradientWatch(every_n_steps=1000, applied_every_n_steps=1000, first_check_step=1, max_overhead=None,
                           verbose=False, decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
@@ -105,6 +106,7 @@ def _train(scenario: str, watched: bool) -> tuple[dict[str, Any], list[float]]:
     for step in (1, 2):
         x = torch.randn(4, 6, generator=generator)
         batch = (x + 0.1 * torch.randn(4, 6, generator=generator), x + 0.1 * torch.randn(4, 6, generator=generator))
+        torch.manual_seed(10 * step + dist.get_rank())  # dropout: each rank its own draws
         optimizer.zero_grad()
         if watched:
             watch.record(batch, model=model, step=step)

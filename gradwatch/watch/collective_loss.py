@@ -30,6 +30,7 @@ from torch import nn
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.applied import check_applied_gradient
+from gradwatch.engine.function.state import capture_rng
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 from gradwatch.engine.settings import ProbeSettings
@@ -75,8 +76,9 @@ class CollectiveCounter:
 
 
 def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor]:
-    """The gradient of ``loss_fn`` at the current parameters, computed on every rank and averaged over ``group`` as
-    DDP averages it; ``.grad``, DDP's reducer and the random state are left as they were."""
+    """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
+    rank and averaged over ``group`` as DDP averages it; ``.grad``, DDP's reducer and the random state are left as
+    they were."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     syncing = getattr(model, "no_sync", None)
     forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
@@ -114,9 +116,10 @@ def global_check(
     issued: int,
 ) -> CheckReport:
     """The recomputed check of a loss with collectives inside, as the global loss every rank evaluates together."""
+    drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
     gradients = _mean_gradient(model, batch, loss_fn, group)
     report = check_applied_gradient(model, [batch], loss_fn, gradients, group=group, step=step, settings=settings,
-                                    optimizers=optimizers, compare_one_batch=False)  # fmt: skip
+                                    optimizers=optimizers, compare_one_batch=False, rng_states=[drawn])  # fmt: skip
     text = (
         f"the loss calls collectives ({issued} in its first evaluation): a rank's own loss is not the function its "
         "gradient differentiates, so this step's gradient, recomputed on every rank and averaged as DDP averages it, "

@@ -13,7 +13,7 @@ from two_processes import needs_gloo, run_launched
 
 pytestmark = [needs_gloo, pytest.mark.slow]
 
-SCENARIOS = ("correct", "local_slot", "all_reduce_none", "summed_slots")
+SCENARIOS = ("correct", "local_slot", "all_reduce_none", "summed_slots", "correct_dropout")
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,9 @@ def test_training_is_unchanged_by_the_watch(found: dict[str, Any], scenario: str
         assert rank["identical"], scenario
 
 
-def test_the_correct_gather_layer_fails_no_check(found: dict[str, Any]) -> None:
-    for rank in _both(found, "correct"):
+@pytest.mark.parametrize("scenario", ["correct", "correct_dropout"])
+def test_the_correct_gather_layer_fails_no_check(found: dict[str, Any], scenario: str) -> None:
+    for rank in _both(found, scenario):
         assert rank["applied"]["verdict"] == "ok", rank["applied"]["report"]
         # the per-rank check failed this correct layer (its backward carries the other rank's loss); the global one not
         assert rank["recomputed"]["verdict"] == "ok", rank["recomputed"]["report"]
