@@ -81,7 +81,8 @@ def _halves(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     pairs = max(rows, default=0) // 2
     if not pairs or any(r not in (pairs, 2 * pairs) for r in rows):
         raise ValueError("a paired micro-batch whose tensors are not of one or two rows per pair")
-    first, second = {}, {}
+    first: dict[str, Any] = {}
+    second: dict[str, Any] = {}
     for key, value in inputs.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 2 * pairs:
             first[key], second[key] = value[:pairs], value[pairs:]

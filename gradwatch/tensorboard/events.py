@@ -169,7 +169,8 @@ class RunEvents:
     @property
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failure table or a failing applied check."""
-        return bool(self.failures) or any(check.verdict == "fail" for check in [*self.checks, *self.applied])
+        failing = any(c.verdict == "fail" for c in self.checks) or any(a.verdict == "fail" for a in self.applied)
+        return bool(self.failures) or failing
 
 
 def is_event_file(name: str) -> bool:

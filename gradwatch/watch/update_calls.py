@@ -103,7 +103,8 @@ class UpdateCalls:
         """Before a step due for an applied check, keep this step's gradient of the tensors that check will compare."""
         optimizer = _stepping(optimizer, optimizers)
         with torch.no_grad():
-            grads = {n: p.grad.detach().clone() for n, p in self._update_candidates(model, optimizer, updated)}
+            candidates = self._update_candidates(model, optimizer, updated)
+            grads = {n: p.grad.detach().clone() for n, p in candidates if p.grad is not None}
         self._update_previous = (step, grads)
 
     def _update_prepare(

@@ -354,7 +354,7 @@ def _measure(setting: PathSetting, plan: AppliedPlan) -> _Outcome:
             notes.append(said)
     if setting.autocast is not None:
         assert again is not None
-        measured_floors = autocast_path.autocast_floors(setting, eager, again)
+        measured_floors: list[list[float]] | None = autocast_path.autocast_floors(setting, eager, again)
         backward += 2
     elif sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
         scaled = recompute.eager_gradient(model, setting.batches, window, params, state, scale=SPREAD_SCALE)

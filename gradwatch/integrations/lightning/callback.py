@@ -295,7 +295,7 @@ class GradWatch(Callback):
                 combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
                 path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
                 skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm else None,
+                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
             )  # fmt: skip
 
     def _check_clipping_after_step(
