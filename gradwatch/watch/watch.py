@@ -20,6 +20,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.window import split_note
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
 from gradwatch.outputs.sinks import Sink
+from gradwatch.watch import collective_loss
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.applied_calls import AppliedCalls
@@ -340,11 +341,20 @@ class GradientWatch(AppliedCalls):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
-        lessons = self._lessons
-        check = lambda: check_gradients(  # noqa: E731
-            model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
-            focus=lessons.focus, optimizers=optimizers,
-        )  # fmt: skip
+        lessons, group = self._lessons, collective_loss.default_process_group()
+
+        def check() -> CheckReport:
+            counted = collective_loss.CollectiveCounter(loss_fn, group) if group is not None else loss_fn
+            try:
+                return check_gradients(model, batch, counted, step=step, settings=lessons.active,
+                                       rotation=self._outcomes.counts["checks"], focus=lessons.focus,
+                                       optimizers=optimizers)  # fmt: skip
+            except collective_loss.LossCollectivesError:  # every rank here at once: the global loss, together
+                assert isinstance(counted, collective_loss.CollectiveCounter)
+                return collective_loss.global_check(model, batch, loss_fn, group=group, step=step,
+                                                    settings=lessons.active, optimizers=optimizers,
+                                                    issued=counted.issued)  # fmt: skip
+
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
             self._schedule.ran(started, time.perf_counter())

@@ -109,6 +109,7 @@ class NoteCode(StrEnum):
     SHARDED_NATIVE = "sharded-native", "float64 probes are not made on shards"
     RANKS_TOGETHER = "ranks-together", "the verdict of every rank, which ran one check of the global loss together"
     RANKS_SHARDS = "ranks-shards", "the verdict of every rank, each of which checked its own batch shard"
+    LOSS_COLLECTIVES = "loss-collectives", "the loss calls collectives: checked as the global loss, every rank together"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
     RANKS_SPLIT = (

@@ -1,0 +1,55 @@
+"""Losses with collectives inside, under DDP (two processes, CPU, gloo): an NT-Xent loss over embeddings gathered
+from both ranks with a hand-written ``GatherLayer`` (``tests/gather_loss_run.py``), each rank on its own data, both
+kinds of check at step 1 of a plain-PyTorch loop. The correct layer fails no check; each published wrong backward
+(this rank's slot only, ``all_reduce``'s ``None``, the slots summed) fails both at the first check, on every rank
+alike; nothing hangs (a bounded timeout), and training is bit-identical with and without the watch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from two_processes import needs_gloo, run_launched
+
+pytestmark = [needs_gloo, pytest.mark.slow]
+
+SCENARIOS = ("correct", "local_slot", "all_reduce_none", "summed_slots", "correct_dropout")
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gather_loss")
+    return run_launched("gather_loss_run.py", out, *SCENARIOS, timeout_s=480)[0]
+
+
+def _both(found: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    return [found[f"{scenario}_rank{rank}"] for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_training_is_unchanged_by_the_watch(found: dict[str, Any], scenario: str) -> None:
+    for rank in _both(found, scenario):
+        assert rank["identical"], scenario
+
+
+@pytest.mark.parametrize("scenario", ["correct", "correct_dropout"])
+def test_the_correct_gather_layer_fails_no_check(found: dict[str, Any], scenario: str) -> None:
+    for rank in _both(found, scenario):
+        assert rank["applied"]["verdict"] == "ok", rank["applied"]["report"]
+        # the per-rank check failed this correct layer (its backward carries the other rank's loss); the global one not
+        assert rank["recomputed"]["verdict"] == "ok", rank["recomputed"]["report"]
+        assert any(note.startswith("the loss calls collectives") for note in rank["recomputed"]["notes"])
+
+
+@pytest.mark.parametrize("scenario", ["local_slot", "all_reduce_none", "summed_slots"])
+def test_each_published_wrong_backward_fails_at_the_first_check_on_every_rank(
+    found: dict[str, Any], scenario: str
+) -> None:
+    ranks = _both(found, scenario)
+    for rank in ranks:
+        for kind in ("applied", "recomputed"):
+            assert rank[kind]["verdict"] == "fail", rank[kind]["report"]
+            assert rank[kind]["fault"] == "formula", rank[kind]["report"]
+    for kind in ("applied", "recomputed"):
+        assert ranks[0][kind]["verdict"] == ranks[1][kind]["verdict"]
+        assert ranks[0][kind]["fault"] == ranks[1][kind]["fault"]
