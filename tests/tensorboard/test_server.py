@@ -88,6 +88,10 @@ def test_server_serves_the_dashboard_layout(server: TensorBoardServer) -> None:
     assert server.get_json("/data/plugins_listing")["custom_scalars"]["enabled"]
     layout = server.get_json("/data/plugin/custom_scalars/layout")
     assert [category["title"] for category in layout["category"]] == [title for title, _ in SECTIONS]
+    # each section's charts stored last first: TensorBoard draws a section's Margin charts in reverse
+    assert [[chart["title"] for chart in category["chart"]] for category in layout["category"]] == [
+        [title for title, _, _ in reversed(charts)] for _, charts in SECTIONS
+    ]
     margins = [chart["margin"]["series"][0] for c in layout["category"] for chart in c["chart"] if "margin" in chart]
     assert len(margins) == sum(len(charts) for _, charts in SECTIONS)  # every chart a Margin chart: a lone point shows
     assert {
