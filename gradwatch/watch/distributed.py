@@ -66,6 +66,11 @@ def rank0_decides(wait: int) -> int:
     return int(box[0])
 
 
+class RaisedOnAnotherRankError(RuntimeError):
+    """Raised on every process by :func:`agree_across_ranks` when the check raised on another one
+    (``on_fail="raise"``): the same raise, so it passes every guard (:mod:`.guard`) as the original does."""
+
+
 def agree_across_ranks(report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
     """Gather every process's outcome of the check at ``step``, so all of them record, log and act on the same report.
 
@@ -81,7 +86,7 @@ def agree_across_ranks(report: CheckReport | None, error: Exception | None, step
     torch.distributed.all_gather_object(outcomes, local)
     for rank, (_, message) in enumerate(outcomes):
         if message is not None and error is None:
-            raise RuntimeError(
+            raise RaisedOnAnotherRankError(
                 f"gradwatch: the gradient check at step {step} raised on rank {rank} "
                 f"({message}); raising on every process (on_fail='raise')"
             )

@@ -21,7 +21,7 @@ from gradwatch.engine.results.report import UnrestoredStateWarning
 from gradwatch.outputs.records import Overhead, report_records
 from gradwatch.outputs.sinks import Sink, write_to_sinks
 from gradwatch.watch.alerts import AlertPolicy, Backoff, GradientCheckWarning, OnFail, Remarks
-from gradwatch.watch.distributed import rank
+from gradwatch.watch.distributed import RaisedOnAnotherRankError, rank
 from gradwatch.watch.guard import Guard
 from gradwatch.watch.hooks import Agree, NoLossToCheckError
 
@@ -104,7 +104,13 @@ class Outcomes:
             if agree is not None:
                 agree(None, error, step)
             raise
-        return report if agree is None else agree(report, None, step)
+        if agree is None:
+            return report
+        try:
+            return agree(report, None, step)
+        except RaisedOnAnotherRankError as error:  # another process's on_fail="raise": it passes the guards too
+            self.guard.passes(error)
+            raise
 
     def publish(self, report: CheckReport, overhead: Overhead | float) -> None:
         """A report of either kind: kept, counted, remarked on, written to every sink, handed to ``on_report``, then
