@@ -337,7 +337,7 @@ class GradientWatch(AppliedCalls):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
-        lessons, group = self._lessons, collective_loss.default_process_group()
+        lessons, group = self._lessons, collective_loss.counted_group(model)
 
         def check() -> CheckReport:
             counted = collective_loss.CollectiveCounter(loss_fn, group) if group is not None else loss_fn
