@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine.applied import check_applied_gradient
@@ -48,8 +49,13 @@ def _sequence(group: Any) -> int | None:
         return None
 
 
-def default_process_group() -> Any:
-    """The default process group of a run of several processes, else ``None``."""
+def counted_group(model: nn.Module) -> Any:
+    """The process group whose collectives the per-rank check of ``model`` counts: the default one of a run of several
+    processes, for a model wrapped in ``DistributedDataParallel`` (a plain loop's); else ``None``. The adapters pass
+    the bare module (Lightning's), whose per-rank checks keep their behaviour: a rank raising alone there ends the
+    check on that rank only, and a global check would wait for it."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     return dist.distributed_c10d._get_default_group()
