@@ -23,7 +23,7 @@ from typing import Any
 from gradwatch.cli.output import emit
 from gradwatch.engine.results.rendering import searches
 from gradwatch.outputs.reading import read_logdir
-from gradwatch.tensorboard.events import EventFilesError, FailureRecord, RunEvents
+from gradwatch.tensorboard.events import AppliedRecord, EventFilesError, FailureRecord, RunEvents
 from gradwatch.tensorboard.files import shown
 
 EXIT_OK = 0
@@ -107,20 +107,6 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     """The applied checks of a run (the gradient the optimizer applied, checked on the training's path, and the clip
     coefficient's check of the same step): each failing one led by its fault and what named it, then a table of every
     one, each with its own verdict."""
-    applied = run.applied
-    if not applied:
-        return []
-    counts = {verdict: sum(a.verdict == verdict for a in applied) for verdict in ("ok", "inconclusive", "fail")}
-    lines = [
-        f"applied checks (the gradient the optimizer applied): {len(applied)}, "
-        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
-    ]
-    failing = [
-        [f"{a.fault or 'unknown'} fault at step {a.step}: {a.fault_message or '(no message recorded)'}"]
-        for a in applied
-        if a.verdict == "fail"
-    ]
-    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, "failing applied checks")]
     rows = [
         [
             str(a.step),
@@ -131,36 +117,41 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
             _fmt(a.get("noise_floor"), ".2e"),
             _fmt(a.get("descent_ratio"), ".6f"),
         ]
-        for a in applied
+        for a in run.applied
     ]
     header = ["step", "check", "verdict", "fault", "floor excess", "noise floor", "descent ratio"]
-    return [*lines, *_table(header, _elide(rows, max_rows, "applied checks"), "><<<>>>")]
+    return _checks_of_the_step(run.applied, "applied", "the gradient the optimizer applied", header, rows, max_rows)
 
 
 def _update_lines(run: RunEvents, max_rows: int) -> list[str]:
     """The update checks of a run (the update the optimizer made, against a reference): each failing one led by its
     fault and what named it, then a table of every one."""
-    updates = run.updates
-    if not updates:
-        return []
-    counts = {verdict: sum(u.verdict == verdict for u in updates) for verdict in ("ok", "inconclusive", "fail")}
-    lines = [
-        f"update checks (the update the optimizer made): {len(updates)}, "
-        + ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
-    ]
-    failing = [
-        [f"{u.fault or 'unknown'} fault at step {u.step}: {u.fault_message or '(no message recorded)'}"]
-        for u in updates
-        if u.verdict == "fail"
-    ]
-    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, "failing update checks")]
     rows = [
         [str(u.step), u.verdict, u.fault or "-", _fmt(u.get("floor_excess"), ".3g"),
          _fmt(u.get("rel_error_max"), ".2e"), _fmt(u.get("noise_floor"), ".2e")]
-        for u in updates
+        for u in run.updates
     ]  # fmt: skip
     header = ["step", "verdict", "fault", "floor excess", "max rel. error", "floor"]
-    return [*lines, *_table(header, _elide(rows, max_rows, "update checks"), "><<>>>")]
+    return _checks_of_the_step(run.updates, "update", "the update the optimizer made", header, rows, max_rows)
+
+
+def _checks_of_the_step(
+    records: Sequence[AppliedRecord], kind: str, what: str, header: list[str], rows: list[list[str]], max_rows: int
+) -> list[str]:
+    """The lines of one kind of check around the optimizer step: the counts, each failing one led by its fault and
+    what named it, then the table (``rows`` under ``header``, the text columns left-aligned)."""
+    if not records:
+        return []
+    counts = {verdict: sum(r.verdict == verdict for r in records) for verdict in ("ok", "inconclusive", "fail")}
+    lines = [f"{kind} checks ({what}): {len(records)}, " + ", ".join(f"{n} {v}" for v, n in counts.items())]
+    failing = [
+        [f"{r.fault or 'unknown'} fault at step {r.step}: {r.fault_message or '(no message recorded)'}"]
+        for r in records
+        if r.verdict == "fail"
+    ]
+    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, f"failing {kind} checks")]
+    align = ">" + "".join("<" if column in ("check", "verdict", "fault") else ">" for column in header[1:])
+    return [*lines, *_table(header, _elide(rows, max_rows, f"{kind} checks"), align)]
 
 
 def _first_fault(run: RunEvents) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine.applied import check_applied_gradient
 from gradwatch.engine.function.state import capture_rng
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -127,3 +127,21 @@ def global_check(
         "(the whole batch of each rank)"
     )
     return dataclasses.replace(report, scope="recomputed", notes=[Note(NoteCode.LOSS_COLLECTIVES, text), *report.notes])
+
+
+def recomputed_check(
+    model: nn.Module, batch: Any, loss_fn: LossFn, *, step: int, settings: ProbeSettings, rotation: int,
+    focus: Sequence[str], optimizers: Sequence[torch.optim.Optimizer],
+) -> CheckReport:  # fmt: skip
+    """The watch's recomputed check of ``loss_fn``: :func:`~gradwatch.check_gradients`, and under a default process
+    group one whose loss turned out to run collectives is checked again as the global loss (:func:`global_check`),
+    every rank here at once."""
+    group = default_process_group()
+    counted = CollectiveCounter(loss_fn, group) if group is not None else loss_fn
+    try:
+        return check_gradients(model, batch, counted, step=step, settings=settings, rotation=rotation, focus=focus,
+                               optimizers=optimizers)  # fmt: skip
+    except LossCollectivesError:
+        assert isinstance(counted, CollectiveCounter)
+        return global_check(model, batch, loss_fn, group=group, step=step, settings=settings, optimizers=optimizers,
+                            issued=counted.issued)  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from gradwatch.engine import CheckReport, LossFn, check_gradients
+from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.window import split_note
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
@@ -341,20 +341,11 @@ class GradientWatch(AppliedCalls):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
-        lessons, group = self._lessons, collective_loss.default_process_group()
-
-        def check() -> CheckReport:
-            counted = collective_loss.CollectiveCounter(loss_fn, group) if group is not None else loss_fn
-            try:
-                return check_gradients(model, batch, counted, step=step, settings=lessons.active,
-                                       rotation=self._outcomes.counts["checks"], focus=lessons.focus,
-                                       optimizers=optimizers)  # fmt: skip
-            except collective_loss.LossCollectivesError:  # every rank here at once: the global loss, together
-                assert isinstance(counted, collective_loss.CollectiveCounter)
-                return collective_loss.global_check(model, batch, loss_fn, group=group, step=step,
-                                                    settings=lessons.active, optimizers=optimizers,
-                                                    issued=counted.issued)  # fmt: skip
-
+        lessons = self._lessons
+        check = lambda: collective_loss.recomputed_check(  # noqa: E731
+            model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
+            focus=lessons.focus, optimizers=optimizers,
+        )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
             self._schedule.ran(started, time.perf_counter())

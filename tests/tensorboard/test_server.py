@@ -24,6 +24,9 @@ RUN = "seed/version_0"
 FAILURES_TEXT_TAG = "gradwatch/failures/text_summary"
 
 
+pytestmark = pytest.mark.slow  # a Trainer fit, a TensorBoard server and a browser
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[CheckReport]]:
     """A short fit of a model with a wrong weight gradient (so the failure text exists): logdir and reports."""
@@ -47,7 +50,6 @@ def _query(**params: str) -> str:
     return urllib.parse.urlencode(params)
 
 
-@pytest.mark.slow
 def test_server_serves_the_gradwatch_scalars(server: TensorBoardServer, fitted: tuple[Path, list[CheckReport]]) -> None:
     reports = fitted[1]
     tags = server.get_json("/data/plugin/scalars/tags")[RUN]
@@ -71,7 +73,6 @@ def test_server_serves_the_histogram(server: TensorBoardServer) -> None:
     assert all(buckets for _, _, buckets in histograms)
 
 
-@pytest.mark.slow
 def test_server_serves_the_failure_text(server: TensorBoardServer, fitted: tuple[Path, list[CheckReport]]) -> None:
     texts = server.get_json(f"/data/plugin/text/text?{_query(run=RUN, tag=FAILURES_TEXT_TAG)}")
     assert [entry["step"] for entry in texts] == [1, 2, 4]
@@ -88,6 +89,10 @@ def test_server_serves_the_dashboard_layout(server: TensorBoardServer) -> None:
     assert server.get_json("/data/plugins_listing")["custom_scalars"]["enabled"]
     layout = server.get_json("/data/plugin/custom_scalars/layout")
     assert [category["title"] for category in layout["category"]] == [title for title, _ in SECTIONS]
+    # each section's charts stored last first: TensorBoard draws a section's Margin charts in reverse
+    assert [[chart["title"] for chart in category["chart"]] for category in layout["category"]] == [
+        [title for title, _, _ in reversed(charts)] for _, charts in SECTIONS
+    ]
     margins = [chart["margin"]["series"][0] for c in layout["category"] for chart in c["chart"] if "margin" in chart]
     assert len(margins) == sum(len(charts) for _, charts in SECTIONS)  # every chart a Margin chart: a lone point shows
     assert {
