@@ -139,10 +139,10 @@ def recomputed_check(
     model: nn.Module, batch: Any, loss_fn: LossFn, *, step: int, settings: ProbeSettings, rotation: int,
     focus: Sequence[str], optimizers: Sequence[torch.optim.Optimizer],
 ) -> CheckReport:  # fmt: skip
-    """The watch's recomputed check of ``loss_fn``: :func:`~gradwatch.check_gradients`, and under a default process
-    group one whose loss turned out to run collectives is checked again as the global loss (:func:`global_check`),
-    every rank here at once."""
-    group = default_process_group()
+    """The watch's recomputed check of ``loss_fn``: :func:`~gradwatch.check_gradients`; for a model whose group's
+    collectives are counted (:func:`counted_group`), one whose loss turned out to run collectives is checked again as
+    the global loss (:func:`global_check`), every rank here at once."""
+    group = counted_group(model)
     counted = CollectiveCounter(loss_fn, group) if group is not None else loss_fn
     try:
         return check_gradients(model, batch, counted, step=step, settings=settings, rotation=rotation, focus=focus,

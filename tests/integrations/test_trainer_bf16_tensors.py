@@ -87,14 +87,7 @@ def test_a_healthy_bf16_model_makes_no_more_probes(tmp_path: Path) -> None:
     assert len(report.probes) == 8, str(report)
 
 
-TIE_READ = pytest.mark.xfail(
-    strict=True,
-    reason="after merging main (issue 44's tie rule, engine/numerics/kinks.at_a_tie), the gate's failing probe reads "
-    "'inconclusive (tie)' at accumulation 1 on this smooth model (SiLU Llama): to be looked at by the tie rule's owner",
-)
-
-
-@pytest.mark.parametrize("accumulation", [pytest.param(1, id="acc1", marks=TIE_READ), pytest.param(2, id="acc2")])
+@pytest.mark.parametrize("accumulation", [pytest.param(1, id="acc1"), pytest.param(2, id="acc2")])
 def test_a_hook_that_rescales_the_accumulated_gradient_at_the_step_is_named(tmp_path: Path, accumulation: int) -> None:
     model = tiny_llama()
     seen = [0]

@@ -172,3 +172,32 @@ def test_under_the_default_budget_the_first_applied_check_runs_at_step_1_and_the
     unbudgeted = GradWatch(applied_every_n_steps=1, max_overhead=None)
     trainer(tmp_path, [unbudgeted], max_steps=2).fit(_Lit(MLP()), _loader(MLP()))
     assert [r.step for r in unbudgeted.applied_reports] == [1, 2]
+
+
+class _UserStepHook(_Lit):
+    """Registers its own optimizer step post hook at the first step, after the callback's clipping hook."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__(net)
+        self.hook_calls, self.hooked = 0, False
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:  # after the callbacks' hook
+        if not self.hooked:
+            self.hooked = True
+            optimizer.register_step_post_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.hook_calls += 1
+
+
+@pytest.mark.slow
+def test_a_users_step_post_hook_after_the_clipping_check_runs_at_every_step(tmp_path: Path) -> None:
+    """The clipping check's own hook is not removed while torch runs the optimizer's hooks (that breaks torch's loop
+    over them when a hook follows), yet runs once per step and is gone after the fit."""
+    watch = GradWatch(applied_every_n_steps=1, every_n_steps=100, max_overhead=None, first_check_step=None)
+    lit = _fit(MLP(), [watch], tmp_path, module=_UserStepHook, gradient_clip_val=1e-3)
+    assert lit.hook_calls == 3
+    clipping = [r for r in watch.applied_reports if not r.probes]
+    assert [(r.step, r.verdict) for r in clipping] == [(1, "ok"), (2, "ok"), (3, "ok")]
+    optimizer = lit.trainer.optimizers[0]
+    assert list(optimizer._optimizer_step_post_hooks.values()) == [lit._count]  # the callback's hooks removed

@@ -273,7 +273,7 @@ class AppliedProbes:
             reason = "agrees" if second_judgement.verdict == "ok" else "unstable"
             verdict = "ok" if second_judgement.verdict == "ok" else "inconclusive"
             second_judgement = Judgement(verdict, reason, second_judgement.tolerance, second_judgement.excess)
-        elif at_a_tie(stencil) or at_a_tie(second):
+        elif at_a_tie(stencil, self.measurements.value_epsilon) or at_a_tie(second, self.measurements.value_epsilon):
             # a kink at the point (a ReLU input or a max-pool window exactly tied): the loss has no derivative
             # along the probe, the central difference is the mean of its one-sided slopes at any step (so the
             # discrepancy reproduces) and autograd's choice of one side is no wrong formula

@@ -15,6 +15,8 @@ below a max-pool's first index), so only the shape of the jump is used.
 
 from __future__ import annotations
 
+import sys
+
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE
 from gradwatch.engine.numerics.stencil import Stencil
 
@@ -57,15 +59,30 @@ TIE_RATIO = (0.6, 1.6)
 slope that does not shrink with the step, ratio 1), where :func:`at_a_tie` says so."""
 
 
-def at_a_tie(stencil: Stencil | None) -> bool:
+def at_a_tie(stencil: Stencil | None, value_epsilon: float = sys.float_info.epsilon) -> bool:
     """Whether the stencil shows a kink at the point itself: a full stencil whose one-sided difference quotients differ
     by about the same significant amount at ``h`` and at ``h/2`` (:data:`TIE_RATIO`). Unlike
-    :func:`smooth_at_the_point`, a stencil that cannot tell is no tie: only a measured kink is."""
+    :func:`smooth_at_the_point`, a stencil that cannot tell is no tie: only a measured kink is.
+
+    Significant means beyond the stencil's odd residual and beyond what rounding the loss values to ``value_epsilon``
+    alone makes of each jump (:func:`jump_rounding`): on a loss that is nearly linear along the probe, the jumps are a
+    few ulps of the loss over the step, the same at both steps by chance, and a wrong gradient there (say one scaled
+    by 1.5) would otherwise read as a tie."""
     if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
         return False
     at_h, at_half = one_sided_jumps(stencil)
     noise = abs(stencil.odd_residual)
-    if at_half == 0.0 or abs(at_half) <= 2 * SIGNIFICANCE * noise or abs(at_h) <= 2 * SIGNIFICANCE * noise:
-        return False
+    for pair, jump in enumerate((at_h, at_half)):
+        if jump == 0.0 or abs(jump) <= 2 * SIGNIFICANCE * (noise + jump_rounding(stencil, pair, value_epsilon)):
+            return False
     low, high = TIE_RATIO
     return low <= at_h / at_half <= high
+
+
+def jump_rounding(stencil: Stencil, pair: int, value_epsilon: float) -> float:
+    """The error that rounding each loss value to ``value_epsilon`` puts into the one-sided jump of ``pair``
+    (``±h`` or ``±h/2``): the jump is ``(φ(s) + φ(−s) − 2·φ(0)) / s`` less autograd's share, so half an ulp of each
+    of the four values it adds, over the step."""
+    plus, minus = stencil.points[2 * pair], stencil.points[2 * pair + 1]
+    values = abs(plus.value) + abs(minus.value) + 2 * abs(stencil.center)
+    return 0.5 * value_epsilon * values / min(abs(plus.along), abs(minus.along))

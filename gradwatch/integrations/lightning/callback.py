@@ -24,6 +24,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
 from gradwatch.engine import CheckReport, LossFn
@@ -124,6 +125,7 @@ class GradWatch(Callback):
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
+        self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
         self._watch = GradientWatch(
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
@@ -206,6 +208,10 @@ class GradWatch(Callback):
             self._watch.setup(pl_module)  # ignore= patterns that match nothing warn here, once (guarded there)
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_clip_hooks()  # a fit ended between a step's hook and the callback's next call leaves none behind
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the dashboard's layout goes into each TensorBoard run once, before any check, so it is there from the start
         with self._watch.guarded("GradWatch.on_fit_start (the dashboard)"):
@@ -254,6 +260,7 @@ class GradWatch(Callback):
     ) -> None:
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
+        self._remove_clip_hooks()
         with self._handling(trainer), self._watch.guarded("GradWatch.on_train_batch_end"):
             scaler = _grad_scaler(trainer)
 
@@ -307,13 +314,26 @@ class GradWatch(Callback):
         if not max_norm or (algorithm is not None and not str(algorithm).lower().endswith("norm")):
             return
         step = trainer.global_step + 1
+        self._remove_clip_hooks()
+        done = [False]
 
         def after_step(*_: Any) -> None:
+            # removed at the callback's next call, not here: removing a hook while torch runs the optimizer's hooks
+            # breaks its loop over them ("OrderedDict mutated during iteration") when the user registered one after
+            if done[0]:
+                return
+            done[0] = True
             with self._handling(trainer), self._watch.guarded("GradWatch's hook after the optimizer step"):
-                handle.remove()
                 self._watch.after_clipping(module, float(max_norm), step=step)
 
-        handle = optimizer.register_step_post_hook(after_step)
+        self._clip_hooks.append(optimizer.register_step_post_hook(after_step))
+
+    def _remove_clip_hooks(self) -> None:
+        """Remove the hooks after the step that :meth:`_check_clipping_after_step` registered (they ran or their
+        step was skipped), outside the optimizer's loop over its hooks."""
+        for handle in self._clip_hooks:
+            handle.remove()
+        self._clip_hooks = []
 
     @contextlib.contextmanager
     def _handling(self, trainer: pl.Trainer) -> Iterator[None]:
