@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 USER_TEST = """
@@ -14,8 +16,6 @@ import torch
 from torch import nn
 
 from gradwatch.testing import assert_gradients_ok
-
-pytestmark = pytest.mark.slow
 
 
 class WrongSquare(torch.autograd.Function):
@@ -48,6 +48,7 @@ def test_my_backward():
 """
 
 
+@pytest.mark.slow  # a pytest run in a subprocess
 def test_a_failing_assertion_shows_the_failure_not_the_helper(tmp_path: Path) -> None:
     (tmp_path / "test_user.py").write_text(USER_TEST)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_user.py"]
