@@ -185,7 +185,12 @@ class UpdateCalls:
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, *, step: int) -> CheckReport | None:
         """Call after ``optimizer.step()`` where the optimizer's step runs no step hooks (the watch's own post hook runs
         the check otherwise, and this call only returns its report): the update check of step ``step`` when one is
-        pending, else ``None``. ``optimizer``: the one that stepped (by default the one the check kept)."""
+        pending, else ``None``.
+
+        Args:
+            optimizer: The optimizer that stepped; by default the one the check kept.
+            step: The optimizer step just taken (the step of the applied check that verified its gradient).
+        """
         pending = self._update_pending
         if pending is None or pending.step != step:
             return None
