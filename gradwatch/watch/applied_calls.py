@@ -169,6 +169,7 @@ class AppliedCalls(UpdateCalls):
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
+        _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
         with self.guarded("watch.before_optimizer_step"):
             return self._before_optimizer_step(
                 model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,

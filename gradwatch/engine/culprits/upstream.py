@@ -29,6 +29,7 @@ from gradwatch.engine.culprits.boundaries import described, turning_point
 from gradwatch.engine.culprits.sites import Site, record_sites
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.held import HeldValuesError
 from gradwatch.engine.function.values import as_scalar_loss
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -94,6 +95,8 @@ def latent_upstream_bug(
     try:
         evaluator.loss_fn = _scaled(original)
         _, scaled = evaluator.gradients_wrt(lambda: wrt)
+    except HeldValuesError:  # values the loss detaches that cannot be held again: the scaled copy proves nothing
+        return None
     finally:
         evaluator.loss_fn = original
     off = _relative_offs(scaled, [None if g is None else g * SCALE for g in reference_grads])
