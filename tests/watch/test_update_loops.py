@@ -91,6 +91,33 @@ def test_healthy_adamw_with_a_clip_whichever_way_the_watch_finds_the_optimizer(t
     assert all(r.verdict == "ok" for r in watch.update_reports), [str(r) for r in watch.update_reports][:1]
 
 
+@pytest.mark.parametrize("tell", ["optimizers", "nothing"])
+def test_a_clip_the_loop_does_not_declare_is_no_failure_and_is_said(tell: str) -> None:
+    # clip_grad_norm_ called and not told to the watch: the optimizer steps with the verified gradient times one
+    # factor below 1, which is what a norm clip does; the update is checked from it and a note says how to declare it
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731 (not scale-invariant)
+    reports = _undeclared_clip_loop(_watch(), sgd, tell)
+    assert [r.verdict for r in reports] == ["ok"] * 3, [str(r) for r in reports][:1]
+    assert all(any(n.code == "update-undeclared-clip" for n in r.notes) for r in reports)
+
+
+def _undeclared_clip_loop(watch: GradientWatch, make: Make, tell: str) -> list[Any]:
+    model = models.mlp(seed=0)
+    optimizer = make(model)
+    torch.manual_seed(1)
+    for step in range(1, 13):
+        item = models.batch()
+        watch.record(item)
+        model.zero_grad()
+        models.loss_fn(model, item).backward()
+        told = {"optimizers": [optimizer]} if tell == "optimizers" else {}
+        watch.before_optimizer_step(model, models.loss_fn, step=step, **told)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # clips at every step, not declared
+        optimizer.step()
+        watch.maybe_check(model, item, models.loss_fn, step=step)
+    return watch.update_reports
+
+
 def test_check_update_false_makes_none() -> None:
     watch = _watch(check_update=False)
     loop(watch, ADAMW, steps=6)

@@ -154,7 +154,9 @@ def _matches(compared: _Compared, grad: Tensor) -> bool:
     except ReplayError:
         return False
     scale = float(update.norm())
-    return math.isfinite(scale) and float((compared.applied - update).norm()) <= compared.tolerance * max(scale, 1e-300)
+    # the floor is mostly the rounding of the parameters' new values, which does not shrink with a smaller update
+    bound = compared.tolerance * max(scale, float(compared.reference.norm()), 1e-300)
+    return math.isfinite(scale) and float((compared.applied - update).norm()) <= bound
 
 
 def _fault(
@@ -195,6 +197,35 @@ def _fault(
     )
 
 
+UNDECLARED_CLIP_AGREEMENT = 1e-5
+"""How closely the factors of an undeclared clip must agree across the kept tensors (and each ``.grad`` be that factor
+times its verified gradient, relative to its norm): a norm clip multiplies every gradient by one float32 scalar."""
+
+
+def _undeclared_clip(snapshot: UpdateSnapshot, given: Mapping[str, Tensor | None] | None) -> float | None:
+    """The one factor below 1 by which the loop scaled every kept tensor's verified gradient before the step without
+    declaring a clip (``clip_grad_norm_`` called and not told), else ``None``."""
+    if snapshot.max_norm is not None or not given or not snapshot.kept:
+        return None
+    factors = []
+    for kept in snapshot.kept:
+        grad = given.get(kept.name)
+        if grad is None:
+            return None
+        verified, held = kept.grad.detach().to("cpu", torch.float64), grad.detach().to("cpu", torch.float64)
+        square = float((verified * verified).sum())
+        if not square > 0:
+            return None
+        factor = float((held * verified).sum()) / square
+        if float((held - factor * verified).norm()) > UNDECLARED_CLIP_AGREEMENT * float(held.norm()):
+            return None
+        factors.append(factor)
+    low, high = min(factors), max(factors)
+    if not 0 < low <= high < 1 or high - low > UNDECLARED_CLIP_AGREEMENT * high:
+        return None
+    return sum(factors) / len(factors)
+
+
 def check_update(
     snapshot: UpdateSnapshot, *, step: int = 0, given: Mapping[str, Tensor | None] | None = None
 ) -> CheckReport:
@@ -217,6 +248,14 @@ def check_update(
     validate.check_int("step", step, minimum=0)
     probes, notes, failure = [], [], None
     sources: dict[str, list[str]] = {}
+    clip = _undeclared_clip(snapshot, given)
+    if clip is not None:  # the coefficient a declared clip's max_norm would give: the reference steps with it too
+        snapshot = snapshot.with_clip(clip * (snapshot.norm + 1e-6)) if snapshot.norm > 0 else snapshot
+        notes.append(Note(NoteCode.UPDATE_UNDECLARED_CLIP, (
+            f"the loop scaled the verified gradient by {clip:.6g} before the step, as clip_grad_norm_ does, without "
+            "declaring it: the update is checked from the scaled gradient; pass max_norm= to before_optimizer_step "
+            "(or call after_clipping) to have the clip coefficient checked too"
+        )))  # fmt: skip
     for kept in snapshot.kept:
         lr = float(kept.hyper["lr"]) if isinstance(kept.hyper.get("lr"), (int, float, Tensor)) else math.nan
         try:
