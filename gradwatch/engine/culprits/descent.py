@@ -284,6 +284,10 @@ class Descent:
         owns = not site.children and self._holds_failing_parameters(site)
         return owns and self._parameters_wrong(site)
 
+    def _leaf_own_parameters(self, site: Site) -> bool:
+        """:meth:`_leaf_parameters_wrong`, its own backward proved the cause (:mod:`.consistency`)."""
+        return self._leaf_parameters_wrong(site) and self.probes.split(site, "module_params") == OWN
+
     def _parameters_wrong(self, owner: Site) -> bool:
         """Whether the probe of ``owner``'s own parameters, displaced during its forward only, fails, and not merely
         because the gradient reaching its output is wrong (:mod:`.consistency`; that gradient is then recorded
@@ -295,11 +299,9 @@ class Descent:
     def _parameters_culprit(self, owner: Site) -> None:
         read = [name for name in owner.parameters if "." in name]  # a module's own parameters have plain names
         whose = "its parameters" if not read else "the parameters it reads (" + ", ".join(f"`{n}`" for n in read) + ")"
-        self._culprit(
-            owner,
-            f"the backward of {named(owner)} is wrong: the gradient of {whose} is "
-            f"{self._off(owner, 'module_params')} off while its output gradient is right",
-        )
+        off, right = self._off(owner, "module_params"), self._verdict(owner, "activation") in ("ok", None)
+        why = "while its output gradient is right" if right else "and disagrees with its forward"  # split: own
+        self._culprit(owner, f"the backward of {named(owner)} is wrong: the gradient of {whose} is {off} off {why}")
 
     def _own_words(self, node: Site, where: str) -> str:
         evidence = (
@@ -346,7 +348,7 @@ class Descent:
                 site = self.sites[name]
                 # a module whose output gradient is wrong is a victim, whatever its input gradient; and every module
                 # inside it too where none runs again after it returns (a wrong gradient there arises downstream)
-                if not self._victim(site) and self._proved_inside(site):
+                if not self._victim(site) and (self._proved_inside(site) or self._leaf_own_parameters(site)):
                     return site
                 if self._victim(site):
                     victims.add(name)
@@ -377,17 +379,14 @@ class Descent:
         output gradient is right, the child before it wrong, its own input probe undecided: the boundary) is swept
         before the rest, a module inside it proving the bug inside itself proving it inside ``first`` too; swept with
         the rest, the budget went to the victims upstream (a UNet above the float64 limit: the model named)."""
-        if first is not None:
-            inside = self._sweep(first)
+        for start, entered in ([(first, [first])] if first is not None else []) + [(node, [])]:
+            inside = self._sweep(start)
             if inside is not None:
-                self.path += [first, inside]
-                self._descend(inside)
+                self.path += [*entered, inside]
+                # a leaf whose own backward gives its parameters a wrong gradient, its output probes undecided (a
+                # float32-only kernel probed natively) is the culprit
+                (self._parameters_culprit if self._leaf_own_parameters(inside) else self._descend)(inside)
                 return
-        inside = self._sweep(node)
-        if inside is not None:
-            self.path.append(inside)
-            self._descend(inside)
-            return
         if node is not None:
             self._culprit(node, self._own_words(node, ""))
             self.found.notes.append(
