@@ -130,11 +130,7 @@ class NoteCode(StrEnum):
     UPDATE_REFERENCE = "update-reference", "the reference an update check compared the optimizer's update with"
     UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
     UPDATE_UNCHECKED = "update-unchecked", "a tensor an update check could not compare, and why"
-    UPDATE_UNDECLARED_CLIP = (
-        "update-undeclared-clip",
-        "the loop scaled the verified gradient by one factor below 1 before the step, as a norm clip does, without "
-        "declaring the clip: the update is checked from the scaled gradient, the coefficient not",
-    )
+    UPDATE_UNDECLARED_CLIP = "update-undeclared-clip", "a clip the loop applied but did not declare"
     ACCUMULATION_EQUIVALENCE = (
         "accumulation-equivalence",
         "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",
