@@ -127,9 +127,12 @@ def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) 
     assert applied == [1]  # the applied check at the first check step (its cadence is far longer)
     for directory in directories:
         lines = _lines(directory / JSONL_NAME)
-        assert [line["step"] for line in lines if line.get("scope") != "applied"] == steps == [1, 2, 4], directory
-        assert [line["step"] for line in lines if line.get("scope") == "applied"] == applied, directory
-    lines = _lines(directories[0] / JSONL_NAME)
+        by_scope = lambda scope: [ln for ln in lines if ln.get("scope", "recomputed") == scope]  # noqa: E731
+        assert [line["step"] for line in by_scope("recomputed")] == steps == [1, 2, 4], directory
+        assert [line["step"] for line in by_scope("applied")] == applied, directory
+        # the update the optimizer made from the verified (wrong) gradient is the right update of that gradient
+        assert [(line["step"], line["verdict"]) for line in by_scope("update")] == [(1, "ok")], directory
+    lines = [line for line in _lines(directories[0] / JSONL_NAME) if line.get("scope") != "update"]
     assert all(line["verdict"] == "fail" and line["failures"] for line in lines)
     # the wrong weight is wrong on every path: the applied check names a formula fault
     assert [(line["fault"], bool(line["fault_message"])) for line in lines if line["scope"] == "applied"] == [
@@ -158,7 +161,8 @@ def test_loggers_with_text_support_get_the_failure_text(run: dict[str, Any]) -> 
     assert applied["data"][0][1].startswith("formula fault: applied gradient check failed at step 1: ")
     mlflow = run["loggers"]["mlflow"].client.texts
     assert sorted(artifact for run_id, _, artifact in mlflow if run_id == "run-7") == sorted(
-        [f"{FAILURES_TAG}/step_{s}.md" for s in (1, 2, 4)] + [f"{APPLIED_FAILURE_TAG}/step_1.md"]
+        [f"{FAILURES_TAG}/step_{s}.md" for s in (1, 2, 4)]
+        + [f"{APPLIED_FAILURE_TAG}/step_1.md", "gradwatch/applied/fault_name/step_1.md"]  # the fault in words too
     )
 
 
