@@ -114,6 +114,10 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _of(lines: list[dict[str, Any]], scope: str) -> list[dict[str, Any]]:
+    return [line for line in lines if line.get("scope", "recomputed") == scope]
+
+
 def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) -> None:
     loggers, steps = run["loggers"], [r.step for r in run["watch"].recomputed_reports]
     directories = [
@@ -127,11 +131,10 @@ def test_every_logger_directory_gets_the_json_lines_record(run: dict[str, Any]) 
     assert applied == [1]  # the applied check at the first check step (its cadence is far longer)
     for directory in directories:
         lines = _lines(directory / JSONL_NAME)
-        by_scope = lambda scope: [ln for ln in lines if ln.get("scope", "recomputed") == scope]  # noqa: E731
-        assert [line["step"] for line in by_scope("recomputed")] == steps == [1, 2, 4], directory
-        assert [line["step"] for line in by_scope("applied")] == applied, directory
+        assert [line["step"] for line in _of(lines, "recomputed")] == steps == [1, 2, 4], directory
+        assert [line["step"] for line in _of(lines, "applied")] == applied, directory
         # the update the optimizer made from the verified (wrong) gradient is the right update of that gradient
-        assert [(line["step"], line["verdict"]) for line in by_scope("update")] == [(1, "ok")], directory
+        assert [(line["step"], line["verdict"]) for line in _of(lines, "update")] == [(1, "ok")], directory
     lines = [line for line in _lines(directories[0] / JSONL_NAME) if line.get("scope") != "update"]
     assert all(line["verdict"] == "fail" and line["failures"] for line in lines)
     # the wrong weight is wrong on every path: the applied check names a formula fault
