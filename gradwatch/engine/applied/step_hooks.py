@@ -26,10 +26,16 @@ def _global_pre_hooks() -> list[Any]:
     return _theirs(getattr(importlib.import_module("torch.optim.optimizer"), "_global_optimizer_pre_hooks", None))
 
 
+NOT_THE_USERS = ("gradwatch.", "deepspeed.", "torch.")
+"""Where the hooks that are nobody's edit come from: gradwatch's own (a check guards the optimizers with a global
+pre-hook while it runs), and a parallelising library's, which *are* its reduction (DeepSpeed's ZeRO reduces each
+accumulated gradient from a post-accumulate-grad hook): a wrong gradient there is a ``"reduction"`` fault."""
+
+
 def _theirs(hooks: Any) -> list[Any]:
-    """The hooks that are not gradwatch's own (a check guards the optimizers with a global pre-hook while it runs)."""
+    """The hooks someone added to the path: not gradwatch's, not a parallelising library's (:data:`NOT_THE_USERS`)."""
     values = list(hooks.values()) if hasattr(hooks, "values") else []
-    return [hook for hook in values if not str(getattr(hook, "__module__", "")).startswith("gradwatch.")]
+    return [hook for hook in values if not str(getattr(hook, "__module__", "")).startswith(NOT_THE_USERS)]
 
 
 def _name(hook: Any) -> str:
