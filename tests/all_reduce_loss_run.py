@@ -10,9 +10,6 @@ which has no autograd kernel, so the gradient is this rank's alone, half the der
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +18,7 @@ import torch.distributed.nn as dist_nn
 import torch.nn.functional as F
 from public_bug_models import regression_batch, regression_mlp
 from torch import Tensor, nn
+from two_processes import serve_scenarios
 
 from gradwatch import check_gradients
 from gradwatch.engine.results.notes import NoteCode
@@ -51,16 +49,6 @@ def run(scenario: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    for scenario in sys.argv[2:]:
-        result = run(scenario)
-        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main()
+    serve_scenarios(run)

@@ -21,11 +21,8 @@ applied check have something to hold), as CLIP-style losses have.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from two_processes import serve_scenarios
 
 from gradwatch import GradientWatch
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
@@ -141,15 +139,5 @@ def _said(report: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    for scenario in sys.argv[2:]:
-        result = run(scenario)
-        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve_scenarios(run)

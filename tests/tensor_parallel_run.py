@@ -27,9 +27,6 @@ steps, Adam, the applied check before every step and a recomputed check after th
 from __future__ import annotations
 
 import hashlib
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from two_processes import serve_scenarios
 
 from gradwatch import AppliedWindow, check_gradients
 from gradwatch.engine.results.notes import codes
@@ -215,15 +213,5 @@ def run(kind: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    for scenario in sys.argv[2:]:
-        result = run(scenario)
-        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    serve_scenarios(run)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,18 @@ TESTS = Path(__file__).resolve().parent
 needs_gloo = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
 )
+
+
+def serve_scenarios(run: Callable[[str], dict[str, Any]]) -> None:
+    """A launched rank's main: join the gloo group, run each scenario named on the command line (after ``OUT``) and
+    write what ``run`` returns (with its ``"rank"``) to ``OUT/<scenario>_rank<r>.json``."""
+    out = Path(sys.argv[1])
+    torch.distributed.init_process_group("gloo")
+    for scenario in sys.argv[2:]:
+        result = run(scenario)
+        (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def run_ranks(script: str, out: Path, *options: str, timeout_s: int) -> tuple[dict[str, Any], str]:
