@@ -12,12 +12,7 @@ from typing import Any
 from torch import nn
 
 from gradwatch.engine import CheckReport
-
-
-class NoLossToCheckError(Exception):
-    """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
-    is skipped, silently."""
-
+from gradwatch.errors import NoLossToCheckError as NoLossToCheckError
 
 Decide = Callable[[int], int]
 Agree = Callable[[CheckReport | None, Exception | None, int], CheckReport | None]
