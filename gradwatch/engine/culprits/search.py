@@ -54,6 +54,7 @@ from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -83,7 +84,9 @@ def localize(
         written = writes_behind_autograds_back(model, evaluator)  # the writer, not the first victim, is at fault
     except CheckAbandonedError:
         raise
-    except Exception:  # the loss refuses saved-tensor hooks: the search goes on without them
+    except Exception as error:  # the loss refuses saved-tensor hooks: the search goes on without them
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         written = None
     if written is not None:
         found.culprits, found.message = written.culprits, written.message
@@ -93,6 +96,8 @@ def localize(
     except CheckAbandonedError:
         raise
     except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         refused = f"no culprit search: the loss cannot run with hooks on its modules ({error})"
         found.notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, refused))
         return found
@@ -122,6 +127,8 @@ def localize(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the search must never cost the check its verdict
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         found.culprits, found.message = [], ""
         found.tasks = [task for task in found.tasks if task.result is not None]  # the probe it raised in is not one
         found.notes.append(

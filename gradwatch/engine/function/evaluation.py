@@ -33,6 +33,7 @@ from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
@@ -161,6 +162,8 @@ class LossEvaluator:
             except CheckAbandonedError:
                 raise
             except Exception as error:
+                if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                    raise
                 # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
                     Note(
@@ -304,6 +307,8 @@ class LossEvaluator:
         except CheckAbandonedError:
             raise
         except Exception as error:
+            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                raise
             if not verify:
                 raise
             # the model may not cope with a float64 scalar where it expects float32; the native run decides

@@ -60,6 +60,7 @@ from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Pr
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.errors import own_error
 
 __all__ = ["check_gradients"]
 
@@ -119,8 +120,7 @@ def check_gradients(
             straight-through estimator whose gradient is deliberately not the derivative.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
             a series of checks, the previous report's :attr:`~gradwatch.engine.results.report.CheckReport.undecided`,
-            so that a
-            tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
+            so that a tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
         rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
         seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
@@ -278,6 +278,8 @@ def _culprits_of_twin(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the verdict stands; the model's own search with it
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         session.trailing.append(
             Note(
                 NoteCode.CULPRIT_ABANDONED, f"no float32 twin search: its check raised {type(error).__name__} ({error})"

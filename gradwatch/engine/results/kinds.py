@@ -14,8 +14,7 @@ Adding a probe kind touches this module, the module that measures it, and their 
    the culprit search, ``focus``, the signatures of surrogate gradients);
 2. the module that makes and measures the probes (the portfolio for probes of parameters and inputs,
    :mod:`gradwatch.engine.culprits` for probes of one module, :mod:`gradwatch.engine.recomputed.compiled` for
-   comparisons of
-   gradients), which creates ``ProbeTask(ProbeKind.NEW, ...)`` or ``Probe(ProbeKind.NEW, ...)``;
+   comparisons of gradients), which creates ``ProbeTask(ProbeKind.NEW, ...)`` or ``Probe(ProbeKind.NEW, ...)``;
 3. tests of that module; ``tests/engine/test_kinds.py`` already checks that every kind has a row, that no other module
    spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
 """
@@ -105,8 +104,7 @@ class KindTraits:
             probes' culprit and is no victim itself (listings of what failed leave it out).
         refocused: An undecided probe of it (see :attr:`Reason.retried`) names its tensor in
             :attr:`CheckReport.undecided <gradwatch.engine.results.report.CheckReport.undecided>`, which the next check
-            of a
-            series probes again.
+            of a series probes again.
     """
 
     meaning: str
