@@ -48,7 +48,6 @@ from gradwatch.integrations.deepspeed import (
     clip_norm,
     full_gradients,
 )
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 # deepspeed.initialize compiles a shared-memory op (g++, minutes) used only by tensor-parallel inference; the attribute
 # deepspeed.comm.torch resolves to the torch package, so the module is patched through sys.modules
@@ -193,9 +192,8 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     data = _data(rank, dtype)
     watch = None
-    if kind != "baseline":  # every rank takes rank 0's decisions: a ZeRO-3 check gathers on all together
-        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
-                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+    if kind != "baseline":  # every rank takes rank 0's decisions (the default): a ZeRO-3 check gathers on all together
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False)
     hook = None
     if watch is not None and kind == "clipnormhooked":
         hook = applied_checks_inside_steps(engine, watch, loss_fn)

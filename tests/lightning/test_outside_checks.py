@@ -88,7 +88,7 @@ SITES: list[tuple[Any, str]] = [
     (applied.AppliedSchedule, "record"),
     (schedule.Schedule, "step_ended"),
     (callback, "publish_dashboard"),
-    (callback, "sinks"),
+    (callback, "lightning_runs"),
     (callback, "show_in_progress_bar"),
     (callback, "training_step_loss"),
     (callback, "_grad_scaler"),

@@ -30,8 +30,9 @@ from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.engine.validation import keyword_names, reject_unknown_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
-from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
+from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
+from gradwatch.integrations.loggers import lightning_runs, logger_sinks
 from gradwatch.watch.alerts import OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 from gradwatch.watch.watch import GradientWatch
@@ -213,7 +214,9 @@ class GradWatch(Callback):
         with self._watch.guarded("GradWatch.on_fit_start (the dashboard)"):
             publish_dashboard(trainer)
         with self._watch.guarded("GradWatch.on_fit_start (the sinks)"):
-            self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
+            # built once per run; what each logger shows besides scalars, on rank 0 (it writes files and texts)
+            shown = logger_sinks(lightning_runs(trainer), note=True) if trainer.is_global_zero else []
+            self._watch.sinks = (TrainerSink(trainer), *shown)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
