@@ -40,8 +40,8 @@ from gradwatch.watch.defaults import (
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
-from gradwatch.watch.distributed import default_group, split_ranks
-from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, local_batch_norm, no_context
+from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
+from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
@@ -103,10 +103,10 @@ class GradientWatch:
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
             a series of checks probes 2 samples unless told (``DEFAULT_PROBE_BATCH_SIZE``).
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
-        decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
-            the steps to wait), returns the decision (under DDP, rank 0's). :mod:`gradwatch.watch.distributed` has it.
-        agree: ``agree(report, error, step)``: under DDP, turns this process's recomputed report (or the error that
-            ended its check) into the report every process acts on (a gather).
+        decide: The budget decision every process takes, from this process's proposal (0 to check now, else the
+            steps to wait); by default rank 0's (:mod:`gradwatch.watch.distributed`; in one process, the proposal).
+        agree: ``agree(report, error, step)``: the report every process acts on, from this process's recomputed
+            report or error; by default the most severe process's (:mod:`gradwatch.watch.distributed`).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         check_update: At each step whose gradient an applied check verified, also check the update the optimizer
@@ -177,10 +177,10 @@ class GradientWatch:
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)
-        self._decide = decide or as_decided
-        self._agree = agree
+        self._decide = decide or rank0_decides
+        self._agree = agree or agree_across_ranks
         self._context = context or no_context
-        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report, agree is not None)
+        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report)
         self._lessons = Lessons(self.settings)  # what the checks taught the next ones
         self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
         self._clock = OverheadClock()  # the one clock of both kinds' budget
@@ -391,6 +391,7 @@ class GradientWatch:
         optimizer: torch.optim.Optimizer | None = None,
         window_normalised: bool | Callable[[], bool] = False,
         max_norm: float | None = None,
+        training: TrainingPath | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
         ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
@@ -429,6 +430,8 @@ class GradientWatch:
             max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
                 the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
                 declares it too).
+            training: ``combine``, ``path``, ``join`` and ``window_normalised`` as one
+                :class:`~gradwatch.watch.hooks.TrainingPath` (an adapter's), instead of one by one.
 
         A check that finds no gradient to read (no ``.grad`` on any checked parameter, none given) says so once, as a
         :class:`~gradwatch.GradientCheckWarning` naming the remedy; its report is inconclusive.
@@ -441,14 +444,17 @@ class GradientWatch:
         if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
             model, gradients = unwrapped(model), FullGradients(model) if gradients is None else gradients
         _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
+        if training is None:
+            training = TrainingPath(combine, path, join, window_normalised)
+        elif (combine, path, join, window_normalised) != ("mean", None, None, False):
+            raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
         with self.guarded("watch.before_optimizer_step"):
             window = self._window(model, step, optimizer, optimizers, skipped)
             if window is None:
                 return None
             return self._applied_check(
-                window, model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,
-                gradients=gradients, optimizers=optimizers, join=join, optimizer=optimizer,
-                window_normalised=window_normalised, max_norm=max_norm,
+                window, model, loss_fn, step=step, training=training, group=group, loss_scale=loss_scale,
+                gradients=gradients, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm,
             )  # fmt: skip
         return None
 
@@ -669,12 +675,12 @@ class GradientWatch:
         return window
 
     def _applied_check(
-        self, window: AppliedWindow, model: nn.Module, loss_fn: LossFn | None, *, step: int, group: Any,
-        loss_scale: float, gradients: Mapping[str, torch.Tensor] | None, optimizers: Sequence[torch.optim.Optimizer],
-        optimizer: Any, max_norm: float | None, **options: Any,
+        self, window: AppliedWindow, model: nn.Module, loss_fn: LossFn | None, *, step: int, training: TrainingPath,
+        group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
+        optimizers: Sequence[torch.optim.Optimizer], optimizer: Any, max_norm: float | None,
     ) -> CheckReport | None:  # fmt: skip
-        """The applied check of ``window`` (``options``: ``check_applied_gradient``'s), and what it leaves for the clip
-        and update checks."""
+        """The applied check of ``window`` along the loop's ``training`` path, and what it leaves for the clip and
+        update checks."""
         guard = self._outcomes.guard
         loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
         updated, own = guard.callers(_updated, model, optimizer), gradients is None
@@ -692,7 +698,8 @@ class GradientWatch:
         window.last_fault = self._findings.previous_fault(optimizer)  # a fault found again is no one-off
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
-            optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active, **options,
+            optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
+            **training.arguments(),
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))

@@ -10,15 +10,14 @@ alerts, outputs). It turns Lightning's hooks into the watch's three calls and le
   context as the path, the grad scaler's scale and its skipped steps;
 * ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
 
-Around every check the trainer's loggers are silenced (:mod:`.training_step`); the records go to every logger, to
-``trainer.callback_metrics`` and, on rank 0, to what each logger can show (:mod:`.publishing`), through sinks built
-once per run.
+Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`, the watch's
+``context``); the records go to every logger, to ``trainer.callback_metrics`` and, on rank 0, to what each logger can
+show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks built once per run; the report
+``maybe_check`` returns goes to the progress bar.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -35,7 +34,6 @@ from gradwatch.integrations.lightning.publishing import TrainerSink, publish_das
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.watch.alerts import OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -120,7 +118,6 @@ class GradWatch(Callback):
         super().__init__()
         own = keyword_names(GradWatch.__init__)
         reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatch()")
-        self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
@@ -129,9 +126,8 @@ class GradWatch(Callback):
         self._watch = GradientWatch(
             every_n_steps=every_n_steps, first_check_step=first_check_step,
             applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
-            max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
-            agree=agree_across_ranks, context=self._context, on_report=self._on_report, check_update=check_update,
-            **options,
+            max_reports=max_reports, verbose=verbose, settings=settings, context=loggers_silenced,
+            check_update=check_update, **options,
         )  # fmt: skip
         watch = self._watch
         self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
@@ -261,7 +257,7 @@ class GradWatch(Callback):
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         self._remove_clip_hooks()
-        with self._handling(trainer), self._watch.guarded("GradWatch.on_train_batch_end"):
+        with self._watch.guarded("GradWatch.on_train_batch_end"):
             scaler = _grad_scaler(trainer)
 
             def skipped() -> bool:  # asked only at a due step
@@ -269,9 +265,13 @@ class GradWatch(Callback):
 
             # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
             loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
-            self._watch.maybe_check(
+            report = self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
+            if report is not None:
+                with self._watch.guarded("GradWatch's progress bar"):
+                    show_in_progress_bar(trainer, report, self.counts["failed"])
+        self._stop_if_asked(trainer)
 
     def _check_applied(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
@@ -296,14 +296,14 @@ class GradWatch(Callback):
             # FSDP2: each rank sees its own rows; decide together
             return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
 
-        with self._handling(trainer):
-            self._watch.before_optimizer_step(
-                module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
-                combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
-                path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
-            )  # fmt: skip
+        self._watch.before_optimizer_step(
+            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
+            combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
+            path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
+            skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
+            optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
+        )  # fmt: skip
+        self._stop_if_asked(trainer)
 
     def _check_clipping_after_step(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -323,8 +323,9 @@ class GradWatch(Callback):
             if done[0]:
                 return
             done[0] = True
-            with self._handling(trainer), self._watch.guarded("GradWatch's hook after the optimizer step"):
+            with self._watch.guarded("GradWatch's hook after the optimizer step"):
                 self._watch.after_clipping(module, float(max_norm), step=step)
+            self._stop_if_asked(trainer)
 
         self._clip_hooks.append(optimizer.register_step_post_hook(after_step))
 
@@ -335,27 +336,10 @@ class GradWatch(Callback):
             handle.remove()
         self._clip_hooks = []
 
-    @contextlib.contextmanager
-    def _handling(self, trainer: pl.Trainer) -> Iterator[None]:
-        """The trainer of the hook being handled, for the watch's context; a stop the watch asks for, passed on."""
-        self._trainer = trainer
-        try:
-            yield
-        finally:
-            self._trainer = None
-        if self._watch.should_stop:  # on_fail="stop" and the check failed
+    def _stop_if_asked(self, trainer: pl.Trainer) -> None:
+        """A stop the watch asks for (``on_fail="stop"`` and a check failed), passed on to the trainer."""
+        if self._watch.should_stop:
             trainer.should_stop, self._watch.should_stop = True, False
-
-    @contextlib.contextmanager
-    def _context(self, module: torch.nn.Module) -> Iterator[None]:
-        assert self._trainer is not None
-        with loggers_silenced(self._trainer):
-            yield
-
-    def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope == "recomputed":
-            with self._watch.guarded("GradWatch's progress bar"):
-                show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
     def state_dict(self) -> dict[str, Any]:
