@@ -110,6 +110,7 @@ class GradientWatch(AppliedCalls):
         applied 1, recomputed 1, applied 2, recomputed 2, recomputed 4
     """
 
+    @validate.suggests_options(ProbeOptions)
     def __init__(
         self,
         *,
@@ -142,13 +143,7 @@ class GradientWatch(AppliedCalls):
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = settings_of(
-            settings,
-            options,
-            {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE},
-            where="GradientWatch()",
-            own=validate.keyword_names(GradientWatch.__init__),
-        )
+        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)
