@@ -47,7 +47,6 @@ from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning
-from gradwatch.watch.defaults import DEFAULT_MAX_OVERHEAD
 from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
@@ -136,7 +135,7 @@ class GradWatchCallback(TrainerCallback):
             settings=settings, sinks=sinks, on_report=on_report,
             # several processes (DDP): rank 0 decides the budget and every process acts on the same report
             decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
-            **trainer_options(trainer, settings, {"max_overhead": DEFAULT_MAX_OVERHEAD, **options}),
+            **trainer_options(trainer, settings, options),
         )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context

@@ -71,8 +71,9 @@ class GradientWatch(AppliedCalls):
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
         max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
             would exceed this fraction of the training time (measured between calls); the first recomputed check is
-            always made, and measures the cost. ``"auto"`` (the default): 1% (``DEFAULT_MAX_OVERHEAD``) when
-            ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: none.
+            always made, and measures the cost. 1% by default (``DEFAULT_MAX_OVERHEAD``) whatever the cadence, one
+            chosen by hand included; ``None``: none (``every_n_steps=1, max_overhead=None`` checks every step).
+            ``"auto"``, the rule of earlier versions: 1% at the default cadence, none for a cadence chosen by hand.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
@@ -119,7 +120,7 @@ class GradientWatch(AppliedCalls):
         applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        max_overhead: float | Literal["auto"] | None = "auto",
+        max_overhead: float | Literal["auto"] | None = DEFAULT_MAX_OVERHEAD,
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
