@@ -96,8 +96,9 @@ class GradientWatch:
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
         max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
             would exceed this fraction of the training time (measured between calls); the first recomputed check is
-            always made, and measures the cost. ``"auto"`` (the default): 1% (``DEFAULT_MAX_OVERHEAD``) when
-            ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: none.
+            always made, and measures the cost. 1% by default (``DEFAULT_MAX_OVERHEAD``) whatever the cadence, one
+            chosen by hand included; ``None``: none (``every_n_steps=1, max_overhead=None`` checks every step).
+            ``"auto"``, the rule of earlier versions: 1% at the default cadence, none for a cadence chosen by hand.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
@@ -135,6 +136,7 @@ class GradientWatch:
         applied 1, recomputed 1, applied 2, recomputed 2, recomputed 4
     """
 
+    @validate.suggests_options(ProbeOptions)
     def __init__(
         self,
         *,
@@ -143,7 +145,7 @@ class GradientWatch:
         applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        max_overhead: float | Literal["auto"] | None = "auto",
+        max_overhead: float | Literal["auto"] | None = DEFAULT_MAX_OVERHEAD,
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
@@ -167,13 +169,7 @@ class GradientWatch:
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = settings_of(
-            settings,
-            options,
-            {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE},
-            where="GradientWatch()",
-            own=validate.keyword_names(GradientWatch.__init__),
-        )
+        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)

@@ -118,7 +118,7 @@ def test_an_error_at_a_call_site_of_the_callback_is_reported_once_and_the_fit_go
         raise InjectedError(marker)
 
     monkeypatch.setattr(owner, name, raising)
-    watch = GradWatch(every_n_steps=1, applied_every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, applied_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         watched = _fit(watch)

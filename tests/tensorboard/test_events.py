@@ -25,7 +25,7 @@ from gradwatch.tensorboard.events import (
 @pytest.fixture(scope="module")
 def failing_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GradWatch]:
     logdir = tmp_path_factory.mktemp("events")
-    watch = GradWatch(every_n_steps=2, on_fail=lambda report: None)
+    watch = GradWatch(every_n_steps=2, max_overhead=None, on_fail=lambda report: None)
     logger = TensorBoardLogger(str(logdir), name="seed", default_hp_metric=False)
     trainer(logdir, [watch], logger=logger, max_steps=4).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     return logdir, watch

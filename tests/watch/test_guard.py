@@ -113,7 +113,9 @@ def _train(watch: GradientWatch | None, steps: int = 4, bug: bool = False, loss:
 
 def _watch(tmp_path: Path, **options: Any) -> GradientWatch:
     sink = sinks.JsonLinesSink(tmp_path / "gradwatch.jsonl")
-    return GradientWatch(every_n_steps=2, applied_every_n_steps=2, sinks=[sink], **options)
+    return GradientWatch(
+        sinks=[sink], **{"every_n_steps": 2, "applied_every_n_steps": 2, "max_overhead": None, **options}
+    )
 
 
 @pytest.mark.parametrize("site", SITES, ids=_site_id)
