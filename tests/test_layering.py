@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.results", "engine.validation"),
+    ("errors", "engine.results", "engine.validation"),
     ("engine.distributed",),
     ("engine.numerics",),
     ("engine.function",),
@@ -29,9 +29,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "testing", "__main__", "gradwatch"),
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
-those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
-the adapters over the watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last
-layer holds the faces (command line, test helpers) and the package itself."""
+those before it. The exceptions and warnings (``errors``) sit lowest, so that any module may raise them. Above the
+engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then the adapters over the
+watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last layer holds the faces
+(command line, test helpers) and the package itself."""
 
 FRAMEWORKS = {
     "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"
