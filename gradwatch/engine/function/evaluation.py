@@ -159,10 +159,8 @@ class LossEvaluator:
         if with_inputs and self.inputs:
             try:
                 reference = self._reference(with_inputs=True)
-            except CheckAbandonedError:
-                raise
             except Exception as error:
-                if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                if isinstance(error, CheckAbandonedError) or own_error(error):  # not the loss refusing
                     raise
                 # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
@@ -304,12 +302,8 @@ class LossEvaluator:
         mode = Float64Reductions(verify=verify)
         try:
             value = self._forward(mode)
-        except CheckAbandonedError:
-            raise
         except Exception as error:
-            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
-                raise
-            if not verify:
+            if isinstance(error, CheckAbandonedError) or own_error(error) or not verify:
                 raise
             # the model may not cope with a float64 scalar where it expects float32; the native run decides
             mode.mismatch = f"the loss raised {type(error).__name__}: {error}"
