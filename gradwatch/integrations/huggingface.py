@@ -19,7 +19,6 @@ metrics) is put back after it (:mod:`.trainer_records`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,20 +33,11 @@ from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
-from gradwatch.integrations.trainer_path import (
-    TrainerPath,
-    divides_by_count,
-    engine_checks,
-    scaled_for_window,
-    trainer_combine,
-    trainer_join,
-    window_share,
-)
+from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
 from gradwatch.watch.options import WatchOptions
@@ -132,10 +122,8 @@ class GradWatchCallback(TrainerCallback):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.watch = GradientWatch(
-            settings=settings, sinks=sinks, on_report=on_report,
-            # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-            decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
-            **trainer_options(trainer, settings, options),
+            settings=settings, sinks=sinks, decide=decide, agree=agree, context=self._records_kept,
+            on_report=on_report, **trainer_options(trainer, settings, options),
         )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
@@ -301,40 +289,20 @@ class GradWatchCallback(TrainerCallback):
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
         scaler = getattr(self.trainer.accelerator, "scaler", None)
-        path = TrainerPath(self.trainer, self._model)
+        path = TrainerPath(
+            self.trainer, self._model, self._trainer_loss, self.loss_fn, count=self._window_count,
+            first=self._window_first,
+        )  # fmt: skip
         with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
             self.watch.before_optimizer_step(
                 self._model,
-                functools.partial(self._applied_loss, path),
+                path.loss,
                 step=self.trainer.state.global_step + 1,
-                combine=trainer_combine(self.trainer, self._window_count),
-                path=path.path,
+                training=path.training(),
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                join=trainer_join(self.trainer),  # the window's inputs as one batch, with the window's count
-                window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
-
-    def _normalised_over_window(self, path: TrainerPath) -> bool:
-        """Whether ``compute_loss`` divides by the window's count (:func:`~.trainer_path.divides_by_count`), asked by
-        the applied check only when the window's gradient is the one-batch one divided by the micro-batch count."""
-        inputs = self._window_first
-        return inputs is not None and divides_by_count(
-            self._trainer_loss, self._model, inputs, self._window_count, path.loss_context
-        )
-
-    def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
-        """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
-        inputs, num_items_in_batch = batch
-        with path.loss_context():
-            if self.loss_fn is None:
-                return self._trainer_loss(num_items_in_batch)(model, inputs)
-            loss = self.loss_fn(model, inputs)
-        # the user's loss, a mean over its own micro-batch, weighted as the Trainer's window-normalised loss weights it
-        if not scaled_for_window(self.trainer, num_items_in_batch):
-            return loss
-        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""

@@ -28,7 +28,7 @@ from gradwatch.engine.selection import checked_parameters
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.applied import AppliedSchedule
 from gradwatch.watch.distributed import default_group
-from gradwatch.watch.hooks import Context, local_batch_norm
+from gradwatch.watch.hooks import Context, TrainingPath, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
@@ -128,6 +128,7 @@ class AppliedCalls(UpdateCalls):
         optimizer: torch.optim.Optimizer | None = None,
         window_normalised: bool | Callable[[], bool] = False,
         max_norm: float | None = None,
+        training: TrainingPath | None = None,
     ) -> CheckReport | None:
         """Call after the window's backward passes (and any reduction or unscaling), before clipping and
         ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
@@ -163,6 +164,8 @@ class AppliedCalls(UpdateCalls):
             max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
                 the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
                 declares it too).
+            training: ``combine``, ``path``, ``join`` and ``window_normalised`` as one
+                :class:`~gradwatch.watch.hooks.TrainingPath` (an adapter's), instead of one by one.
         """
         validate.check_int("step", step, minimum=1)
         optimizer = _optimizer("optimizer", optimizer)
@@ -170,19 +173,21 @@ class AppliedCalls(UpdateCalls):
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
         _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
+        if training is None:
+            training = TrainingPath(combine, path, join, window_normalised)
+        elif (combine, path, join, window_normalised) != ("mean", None, None, False):
+            raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
         with self.guarded("watch.before_optimizer_step"):
             return self._before_optimizer_step(
-                model, loss_fn, step=step, combine=combine, path=path, group=group, loss_scale=loss_scale,
-                gradients=gradients, skipped=skipped, optimizers=optimizers, join=join, optimizer=optimizer,
-                window_normalised=window_normalised, max_norm=max_norm,
+                model, loss_fn, step=step, training=training, group=group, loss_scale=loss_scale, gradients=gradients,
+                skipped=skipped, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm,
             )  # fmt: skip
         return None
 
     def _before_optimizer_step(
-        self, model: nn.Module, loss_fn: LossFn | None, *, step: int, combine: Combine, path: PathContext | None,
-        group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
-        skipped: bool | Callable[[], bool], optimizers: Sequence[torch.optim.Optimizer], join: Join | None,
-        optimizer: Any, window_normalised: bool | Callable[[], bool], max_norm: float | None,
+        self, model: nn.Module, loss_fn: LossFn | None, *, step: int, training: TrainingPath, group: Any,
+        loss_scale: float, gradients: Mapping[str, torch.Tensor] | None, skipped: bool | Callable[[], bool],
+        optimizers: Sequence[torch.optim.Optimizer], optimizer: Any, max_norm: float | None,
     ) -> CheckReport | None:  # fmt: skip
         self._update_release(step)
         if self.check_update and self._applied.enabled and self._applied.due(step + 1, step):
@@ -221,9 +226,8 @@ class AppliedCalls(UpdateCalls):
         started = time.perf_counter()
         active = self._lessons.active
         check = lambda: window.check(  # noqa: E731
-            loss_fn, model, combine=combine, path=path, step=step, group=group, loss_scale=loss_scale,
-            gradients=gradients, optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active,
-            join=join, window_normalised=window_normalised,
+            loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
+            optimizers=tuple(optimizers), rotation=self._applied.checks, settings=active, **training.arguments(),
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))

@@ -30,8 +30,8 @@ from gradwatch.watch.defaults import (
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
-from gradwatch.watch.distributed import split_ranks
-from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, no_context
+from gradwatch.watch.distributed import agree_across_ranks, rank0_decides, split_ranks
+from gradwatch.watch.hooks import Agree, Context, Decide, no_context
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.schedule import Schedule
@@ -79,10 +79,10 @@ class GradientWatch(AppliedCalls):
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
             a series of checks probes 2 samples unless told (``DEFAULT_PROBE_BATCH_SIZE``).
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
-        decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
-            the steps to wait), returns the decision (under DDP, rank 0's). :mod:`gradwatch.watch.distributed` has it.
-        agree: ``agree(report, error, step)``: under DDP, turns this process's recomputed report (or the error that
-            ended its check) into the report every process acts on (a gather).
+        decide: The budget decision every process takes, from this process's proposal (0 to check now, else the
+            steps to wait); by default rank 0's (:mod:`gradwatch.watch.distributed`; in one process, the proposal).
+        agree: ``agree(report, error, step)``: the report every process acts on, from this process's recomputed
+            report or error; by default the most severe process's (:mod:`gradwatch.watch.distributed`).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         check_update: At each step whose gradient an applied check verified, also check the update the optimizer
@@ -149,10 +149,10 @@ class GradientWatch(AppliedCalls):
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)
         self._update_reset()
-        self._decide = decide or as_decided
-        self._agree = agree
+        self._decide = decide or rank0_decides
+        self._agree = agree or agree_across_ranks
         self._context = context or no_context
-        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report, agree is not None)
+        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report)
         self._lessons = Lessons(self.settings)  # what the checks taught the next ones
         self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
         self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead, verbose=self.verbose)

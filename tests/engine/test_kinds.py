@@ -14,8 +14,8 @@ import pytest
 
 from gradwatch.cli.demo import describe
 from gradwatch.engine.culprits.sites import PLACES
+from gradwatch.engine.probing.outcome import overall_verdict
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.recomputed.probes import overall_verdict
 from gradwatch.engine.results import kinds
 from gradwatch.engine.results.kinds import PROBE_KINDS, KindTraits, ProbeKind, Reason, Verdict, kinds_where
 from gradwatch.engine.results.notes import Note, NoteCode

@@ -97,7 +97,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    publishing_log = logging.getLogger("gradwatch.integrations.lightning.publishing")
+    publishing_log = logging.getLogger("gradwatch.integrations.loggers")
     publishing_log.addHandler(handler)
     publishing_log.setLevel(logging.INFO)
     try:

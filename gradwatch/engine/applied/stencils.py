@@ -26,6 +26,7 @@ from torch import Tensor
 
 from gradwatch.engine.applied.combined import balanced_components, balanced_weights, floor_along
 from gradwatch.engine.applied.measured import Measured, explained
+from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.verdict import Judgement, confirmed, float64_step, judge, storage_rounding
 from gradwatch.engine.distributed.collective import global_numel
 from gradwatch.engine.measuring.directions import VectorDirection
@@ -73,12 +74,10 @@ class AppliedProbes:
     def __init__(
         self,
         measurements: Measurements,
-        names: Sequence[str],
+        plan: AppliedPlan,
         moved: Sequence[Tensor],
-        grads: Sequence[Tensor],
         floors: Sequence[float],
-        multiple: float,
-        native_dtype: torch.dtype,
+        *,
         provisional: bool = False,
         screens: dict[Any, Any] | None = None,
         rounding: Sequence[float] | None = None,
@@ -88,15 +87,15 @@ class AppliedProbes:
         self.measurements = measurements
         self.reference = measurements.center if reference is None else reference
         self.pending = pending
-        self.native_dtype = native_dtype
+        native_dtype = self.native_dtype = plan.native
         self.rounding = rounding
         self.provisional = provisional
         self.screens = screens if screens is not None else {}
-        self.names = list(names)
+        self.names = list(plan.names)
         self.moved = list(moved)
-        self.grads = list(grads)
+        self.grads = list(plan.applied)
         self.floors = list(floors)
-        self.multiple = multiple
+        self.multiple = plan.multiple
         self.grad_norms = norms(self.grads, exact=True)
         self.grad_norm = math.hypot(*self.grad_norms)
         numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard

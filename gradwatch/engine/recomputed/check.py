@@ -37,7 +37,7 @@ from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
-from gradwatch.engine.function.evaluation import LossEvaluator, LossFn
+from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.function.precision import resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
@@ -45,19 +45,21 @@ from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
     UNCHECKABLE_TOLERANCE,
     gradient_tolerance,
+    least_precise,
     relative_tolerance,
 )
+from gradwatch.engine.probing.outcome import Outcome, overall_verdict
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
-from gradwatch.engine.recomputed.probes import least_precise, measured_probes, overall_verdict
+from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, CheckReport, Probe
+from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
@@ -190,25 +192,17 @@ def _check(
         outcome = _run(session, batch, loss_fn, plan)
     if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
-    evaluator = outcome.evaluator
-    culprits, culprit_message = outcome.culprits, outcome.culprit_message
     if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
-        culprits, culprit_message = _culprits_of_twin(session, batch, loss_fn, (culprits, culprit_message))
+        culprits, message = _culprits_of_twin(session, batch, loss_fn, (outcome.culprits, outcome.culprit_message))
+        outcome = dataclasses.replace(outcome, culprits=culprits, culprit_message=message)
     report = session.report(
-        verdict=overall_verdict(outcome.probes),
-        probes=outcome.probes,
-        loss=outcome.loss,
-        notes=evaluator.notes,
-        n_forward=evaluator.n_forward,
-        n_backward=evaluator.n_backward,
-        n_passes=evaluator.n_passes,
+        **outcome.report_fields(),
+        n_backward=outcome.evaluator.n_backward,
+        n_passes=outcome.evaluator.n_passes,
         samples=batch_size(outcome.probe_batch),
         precision=outcome.precision,
         vectorized=outcome.vectorized,
         rtol=outcome.rtol,
-        surrogates=outcome.surrogates,
-        culprits=culprits,
-        culprit_message=culprit_message,
         probed_inputs=outcome.probed_inputs,
     )
     for latent in report.noted(NoteCode.UPSTREAM_IGNORED):  # right as training weights it: a warning, no verdict
@@ -241,20 +235,14 @@ def _culprits_of_twin(
     return found.culprits, found.culprit_message
 
 
-@dataclasses.dataclass(frozen=True)
-class _Outcome:
-    """What the measuring part of a check produced."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Outcome(Outcome):
+    """What the measuring part of a recomputed check produced, besides what every check's does."""
 
-    evaluator: LossEvaluator
-    loss: float
     probe_batch: Any
-    probes: list[Probe]
     precision: str
     vectorized: bool | None
     rtol: float
-    surrogates: tuple[str, ...]
-    culprits: list[str]
-    culprit_message: str
     probed_inputs: tuple[str, ...]
 
 
@@ -322,15 +310,15 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         if not culprits:
             culprits, culprit_message = compiled_culprit(model, probes)
     return _Outcome(
-        evaluator,
-        reference.loss,
-        probe_batch,
-        probes,
-        used_precision,
-        vectorized,
-        plan.rtol,
-        surrogates,
-        culprits,
-        culprit_message,
-        tuple(reference.input_grads),
+        evaluator=evaluator,
+        loss=reference.loss,
+        probe_batch=probe_batch,
+        probes=probes,
+        precision=used_precision,
+        vectorized=vectorized,
+        rtol=plan.rtol,
+        surrogates=surrogates,
+        culprits=culprits,
+        culprit_message=culprit_message,
+        probed_inputs=tuple(reference.input_grads),
     )

@@ -10,15 +10,14 @@ alerts, outputs). It turns Lightning's hooks into the watch's three calls and le
   context as the path, the grad scaler's scale and its skipped steps;
 * ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
 
-Around every check the trainer's loggers are silenced (:mod:`.training_step`); the records go to every logger, to
-``trainer.callback_metrics`` and, on rank 0, to what each logger can show (:mod:`.publishing`), through sinks built
-once per run.
+Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`, the watch's
+``context``); the records go to every logger, to ``trainer.callback_metrics`` and, on rank 0, to what each logger can
+show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks built once per run; the report
+``maybe_check`` returns goes to the progress bar.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +32,6 @@ from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
@@ -91,16 +89,12 @@ class GradWatch(Callback):
     @suggests_options(WatchOptions)
     def __init__(self, *, settings: ProbeSettings | None = None, **options: Unpack[WatchOptions]) -> None:
         super().__init__()
-        self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
-        self._watch = GradientWatch(
-            settings=settings, decide=rank0_decides, agree=agree_across_ranks, context=self._context,
-            on_report=self._on_report, **options,
-        )  # fmt: skip
+        self._watch = GradientWatch(settings=settings, context=loggers_silenced, **options)
 
     def __getattr__(self, name: str) -> Any:
         # the options, read as attributes as they always were: the watch's own, a probe option from its settings
@@ -231,7 +225,7 @@ class GradWatch(Callback):
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         self._remove_clip_hooks()
-        with self._handling(trainer), self._watch.guarded("GradWatch.on_train_batch_end"):
+        with self._watch.guarded("GradWatch.on_train_batch_end"):
             scaler = _grad_scaler(trainer)
 
             def skipped() -> bool:  # asked only at a due step
@@ -239,9 +233,13 @@ class GradWatch(Callback):
 
             # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
             loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
-            self._watch.maybe_check(
+            report = self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
+            if report is not None:
+                with self._watch.guarded("GradWatch's progress bar"):
+                    show_in_progress_bar(trainer, report, self.counts["failed"])
+        self._stop_if_asked(trainer)
 
     def _check_applied(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
@@ -266,14 +264,14 @@ class GradWatch(Callback):
             # FSDP2: each rank sees its own rows; decide together
             return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
 
-        with self._handling(trainer):
-            self._watch.before_optimizer_step(
-                module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
-                combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
-                path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
-            )  # fmt: skip
+        self._watch.before_optimizer_step(
+            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
+            combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
+            path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
+            skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
+            optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
+        )  # fmt: skip
+        self._stop_if_asked(trainer)
 
     def _check_clipping_after_step(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -293,8 +291,9 @@ class GradWatch(Callback):
             if done[0]:
                 return
             done[0] = True
-            with self._handling(trainer), self._watch.guarded("GradWatch's hook after the optimizer step"):
+            with self._watch.guarded("GradWatch's hook after the optimizer step"):
                 self._watch.after_clipping(module, float(max_norm), step=step)
+            self._stop_if_asked(trainer)
 
         self._clip_hooks.append(optimizer.register_step_post_hook(after_step))
 
@@ -305,27 +304,10 @@ class GradWatch(Callback):
             handle.remove()
         self._clip_hooks = []
 
-    @contextlib.contextmanager
-    def _handling(self, trainer: pl.Trainer) -> Iterator[None]:
-        """The trainer of the hook being handled, for the watch's context; a stop the watch asks for, passed on."""
-        self._trainer = trainer
-        try:
-            yield
-        finally:
-            self._trainer = None
-        if self._watch.should_stop:  # on_fail="stop" and the check failed
+    def _stop_if_asked(self, trainer: pl.Trainer) -> None:
+        """A stop the watch asks for (``on_fail="stop"`` and a check failed), passed on to the trainer."""
+        if self._watch.should_stop:
             trainer.should_stop, self._watch.should_stop = True, False
-
-    @contextlib.contextmanager
-    def _context(self, module: torch.nn.Module) -> Iterator[None]:
-        assert self._trainer is not None
-        with loggers_silenced(self._trainer):
-            yield
-
-    def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope == "recomputed":
-            with self._watch.guarded("GradWatch's progress bar"):
-                show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
     def state_dict(self) -> dict[str, Any]:
