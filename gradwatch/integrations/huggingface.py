@@ -122,8 +122,8 @@ class GradWatchCallback(TrainerCallback):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
         self.watch = GradientWatch(
-            settings=settings, sinks=sinks, decide=decide, agree=agree, context=self._records_kept,
-            on_report=on_report, **trainer_options(trainer, settings, options),
+            settings=settings, sinks=sinks, on_report=on_report, decide=decide, agree=agree,
+            context=self._records_kept, **trainer_options(trainer, settings, options),
         )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context

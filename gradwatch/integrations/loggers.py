@@ -1,18 +1,13 @@
-"""The loggers of a run, for both adapters: what each can show of a check, where its run keeps files, and the sinks
-they get (on the main process; the scalars reach every logger through the loop's own log call, elsewhere).
+"""The loggers of a run, for both adapters: what each shows of a check besides scalars (which reach every logger
+through the loop's own log call), where its run keeps ``gradwatch.jsonl``, and the sinks they get on the main process.
 
-A logger is found by what it offers, without importing wandb, mlflow or transformers:
-
-* TensorBoard (Lightning's ``TensorBoardLogger``, the Trainer's ``TensorBoardCallback``): its ``SummaryWriter`` gets
-  the histogram of log10 relative errors and the failure text (:class:`~gradwatch.outputs.sinks.SummaryWriterSink`);
-* Weights & Biases and MLflow under Lightning (``log_text``; ``run_id`` and ``experiment.log_text``): the failure text
-  with the culprit, through their own call (:class:`~gradwatch.outputs.sinks.TextSink`);
-* every logger's run directory gets the JSON lines record, ``gradwatch.jsonl``, which ``gradwatch report`` reads: its
-  ``log_dir`` (TensorBoard, CSV); for W&B and MLflow, which keep their run in a folder gradwatch does not write into,
-  ``<root>/gradwatch_records/<logger>-<run>`` (:func:`~gradwatch.outputs.beside.record_directory`, where
-  ``gradwatch report`` pointed at their run folder looks); a Trainer run with none of these: its ``output_dir``.
-
-A new logger is a branch of :func:`lightning_runs` or :func:`trainer_runs` that says what it offers; the sinks follow.
+Found by what they offer, without importing wandb, mlflow or transformers: a TensorBoard run (Lightning's
+``TensorBoardLogger``, the Trainer's ``TensorBoardCallback``) gets the histogram and the failure text through its
+``SummaryWriter`` and the record in its directory; Lightning's CSV logger (any logger with a ``log_dir``) the record
+there; W&B and MLflow, whose run folders gradwatch does not write into, the failure text through their own call (under
+Lightning) and the record in ``<root>/gradwatch_records/<logger>-<run>`` (:mod:`gradwatch.outputs.beside`, where
+``gradwatch report`` pointed at their run folder looks). A new logger is a branch of :func:`lightning_runs` or
+:func:`trainer_runs`.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ __all__ = ["LoggerRun", "lightning_runs", "logger_sinks", "tracking_run_id", "tr
 
 log = logging.getLogger(__name__)
 
-TextCall = Callable[[str, str, int], object]
-"""``text(tag, text, step)``: a logger's own way to show a text."""
+TextCall = Callable[[str, str, int], object]  # text(tag, text, step): a logger's own way to show a text
 
 _noted: weakref.WeakSet[Any] = weakref.WeakSet()
 """Loggers already told what they cannot show (once per logger object, so once per run)."""

@@ -19,7 +19,7 @@ import gradwatch.engine.applied.window as window
 import gradwatch.integrations.lightning.callback as callback
 import gradwatch.integrations.lightning.publishing as publishing
 import gradwatch.watch.applied as applied
-import gradwatch.watch.schedule as schedule
+import gradwatch.watch.cadence as cadence
 from gradwatch import GradientCheckWarning, GradWatch
 
 pytestmark = pytest.mark.slow
@@ -85,10 +85,10 @@ def test_an_fno_under_gradwatch_at_its_defaults_trains_as_without_it() -> None:
 SITES: list[tuple[Any, str]] = [
     (window.Checksums, "of"),
     (clipping.GradientNorms, "of"),
-    (applied.AppliedSchedule, "record"),
-    (schedule.Schedule, "step_ended"),
+    (applied.Windows, "record"),
+    (cadence.Cadence, "reached"),
     (callback, "publish_dashboard"),
-    (callback, "sinks"),
+    (callback, "lightning_runs"),
     (callback, "show_in_progress_bar"),
     (callback, "training_step_loss"),
     (callback, "_grad_scaler"),

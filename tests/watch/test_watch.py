@@ -259,6 +259,6 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         "applied_checks", "applied_pending", "applied_resume_at", "applied_last_seconds", "applied_steps_seen",
         "applied_failed",
         "first_seconds",  # the first checks' time, apart from the steady share (read with a default: older states load)
-        # the update checks' counts (gradwatch.watch.update_calls)
+        # the update checks' counts (gradwatch.watch.updates)
         "update_checks", "update_failed",
     }  # fmt: skip

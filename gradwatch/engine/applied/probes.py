@@ -13,7 +13,9 @@ Tensors they leave unvouched are probed in groups (:func:`~.combined.vouching_gr
 their own ``ĝ_T``, in turn; so is every tensor when a combined probe does not agree well within its tolerance
 (:data:`~.combined.CLOSER_LOOK`), and every one at once when one fails, so that the report names the tensors at fault.
 
-Each probe's stencils, from a screen on, and the loss at the centre they share: :mod:`.stencils`.
+Each probe's directions and steps: :mod:`.directions`; its stencils, from a screen on, are the ladder's
+(:mod:`gradwatch.engine.probing.ladder`), judged against the path's floor (:class:`~.verdict.FloorJudge`), on the
+window's measuring service (:mod:`.window_points`).
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 import torch
 
 from gradwatch.engine.applied.combined import tensors_to_probe, unvouched, vouching_groups
+from gradwatch.engine.applied.directions import AppliedProbes
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
 from gradwatch.engine.applied.plan import AppliedPlan
-from gradwatch.engine.applied.stencils import AppliedProbes, NotReproducibleError
+from gradwatch.engine.applied.window_points import NotReproducibleError, WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
-from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -107,15 +109,15 @@ def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -
     center = screens.get(compute, screens.get("pair", loss))
     if not pending and abs(center - loss) > center_tolerance(loss, plan.native, compute):
         return _not_reproducible(evaluator, center, loss)
-    measurements = Measurements(evaluator, center)
+    measurements = WindowMeasurements(evaluator, center, reference=loss, native_dtype=plan.native, pending=pending,
+                                      screens=screens)  # fmt: skip
     sizes = norms(plan.applied, exact=True)
     beyond = rounding.beyond(sizes, floors, plan.multiple) if rounding else []
     if plan.eager is not None:  # a 16-bit path: each tensor's applied gradient against eager's, at its own floor
         beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))
     discount = rounding.explained(beyond) if rounding else None  # (.measured)
     probes = AppliedProbes(measurements, plan, [p for _, p in evaluator.params], floors,
-                           provisional=probing.provisional, screens=screens, rounding=discount, reference=loss,
-                           pending=pending)  # fmt: skip
+                           provisional=probing.provisional, rounding=discount)  # fmt: skip
     try:
         return _probed(probes, probing, beyond)
     except NotReproducibleError as error:

@@ -30,8 +30,9 @@ from gradwatch.engine import CheckReport
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
-from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
+from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
+from gradwatch.integrations.loggers import lightning_runs, logger_sinks
 from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
@@ -94,7 +95,9 @@ class GradWatch(Callback):
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
-        self._watch = GradientWatch(settings=settings, context=loggers_silenced, **options)
+        self._watch = GradientWatch(
+            settings=settings, context=loggers_silenced, **options,
+        )  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         # the options, read as attributes as they always were: the watch's own, a probe option from its settings
@@ -181,7 +184,9 @@ class GradWatch(Callback):
         with self._watch.guarded("GradWatch.on_fit_start (the dashboard)"):
             publish_dashboard(trainer)
         with self._watch.guarded("GradWatch.on_fit_start (the sinks)"):
-            self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
+            # built once per run; what each logger shows besides scalars, on rank 0 (it writes files and texts)
+            shown = logger_sinks(lightning_runs(trainer), note=True) if trainer.is_global_zero else []
+            self._watch.sinks = (TrainerSink(trainer), *shown)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

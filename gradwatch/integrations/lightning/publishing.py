@@ -26,9 +26,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from gradwatch.engine.results.report import CheckReport
-from gradwatch.integrations.loggers import lightning_runs, logger_sinks
 from gradwatch.outputs.records import CheckRecords
-from gradwatch.outputs.sinks import Sink
 from gradwatch.tensorboard.dashboard import write_dashboard
 
 PROGRESS_BAR_KEY = "gradwatch"
@@ -55,12 +53,6 @@ def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
     monitor), as ``LearningRateMonitor`` does."""
     device = trainer.strategy.root_device
     trainer.callback_metrics.update({tag: torch.tensor(value, device=device) for tag, value in records.scalars.items()})
-
-
-def sinks(trainer: pl.Trainer) -> list[Sink]:
-    """The sinks of the trainer's loggers on rank 0 (none elsewhere), each logger told once what it cannot show
-    (:func:`gradwatch.integrations.loggers.logger_sinks`)."""
-    return logger_sinks(lightning_runs(trainer), note=True) if trainer.is_global_zero else []
 
 
 def publish_dashboard(trainer: pl.Trainer) -> None:
