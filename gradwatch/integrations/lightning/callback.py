@@ -35,6 +35,7 @@ from gradwatch.integrations.lightning.training_step import joined_window, logger
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
 from gradwatch.watch.alerts import OnFail
 from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
+from gradwatch.watch.hooks import TrainingPath
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -299,12 +300,15 @@ class GradWatch(Callback):
             # FSDP2: each rank sees its own rows; decide together
             return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
 
-        self._watch.before_optimizer_step(
-            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
+        training = TrainingPath(
             combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
-            path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-            skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-            optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
+            path=trainer.precision_plugin.forward_context, join=joined_window,
+        )  # fmt: skip
+        self._watch.before_optimizer_step(
+            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1, training=training,
+            loss_scale=scaler.get_scale() if scaler else 1.0, skipped=skipped if scaler is not None else False,
+            optimizers=trainer.optimizers, optimizer=optimizer if several else None,
+            max_norm=float(clip) if by_norm and clip else None,
         )  # fmt: skip
         self._stop_if_asked(trainer)
 
