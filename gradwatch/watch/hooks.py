@@ -15,12 +15,7 @@ from torch import nn
 from gradwatch.engine import CheckReport
 from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import Combine, PathContext
-
-
-class NoLossToCheckError(Exception):
-    """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
-    is skipped, silently."""
-
+from gradwatch.errors import NoLossToCheckError as NoLossToCheckError
 
 Decide = Callable[[int], int]
 Agree = Callable[[CheckReport | None, Exception | None, int], CheckReport | None]

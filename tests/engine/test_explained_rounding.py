@@ -15,9 +15,11 @@ from torch.nn import functional as F
 
 from gradwatch.engine.applied import AppliedWindow, lazy_floor
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
+from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.kinds import ProbeKind, Reason
 from gradwatch.engine.results.report import Probe
+from gradwatch.engine.session import CheckSession
 
 
 def _measured(analytic: float, numeric: float, tolerance: float, predicted: float) -> Measured:
@@ -64,18 +66,22 @@ def test_float64_rounding_gives_each_tensors_distance_from_float64_along_the_app
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     batch = torch.randn(16, 6)
 
-    def window(module: nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
-        return sum((module(b) ** 2).sum() for b in batches)  # type: ignore[return-value]
+    def loss_fn(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (module(batch) ** 2).sum()
 
     params = list(model.parameters())
-    eager = list(torch.autograd.grad(window(model, [batch]), params))
-    exact = list(torch.autograd.grad(window(model.double(), [batch.double()]), list(model.parameters())))
+    eager = list(torch.autograd.grad(loss_fn(model, batch), params))
+    exact = list(torch.autograd.grad(loss_fn(model.double(), batch.double()), list(model.parameters())))
     model.float()
     applied = [g * 1.5 for g in eager]
-    state = TrainingState.capture(model)
+    session = CheckSession.open(model, loss_fn, step=0, settings=None, options={}, optimizers=())
+    session.select()
+    session.state = TrainingState.capture(model)
+    setting = PathSetting(
+        session=session, batches=[batch], loss_fn=loss_fn, rng_states=[None], combine="sum", path=None
+    )
     notes: list = []
-    distances, rounding = lazy_floor.float64_rounding(model, [batch], window, params, state, None, eager, applied,
-                                                      notes)  # fmt: skip
+    distances, rounding = lazy_floor.float64_rounding(setting, eager, applied, notes)
     assert rounding is not None
     assert not notes
     for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gradwatch.engine.numerics.stencil import Point, Stencil
+from gradwatch.engine.numerics.stencil import PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, FINER_STEP
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -46,6 +46,12 @@ class ExactMeasurements:
 
     def stencil(self, direction: Line, step: float, offsets: Sequence[float]) -> Stencil:
         return Stencil(step, self.center, direction.analytic, self.points(direction, step, offsets))
+
+    def screen(self, direction: Line, step: float, key: object = None) -> Stencil:
+        return self.stencil(direction, step, PAIR_OFFSETS)
+
+    def centred(self, stencil: Stencil) -> Stencil:
+        return stencil
 
 
 def _smooth(slope: float) -> Callable[[float], float]:

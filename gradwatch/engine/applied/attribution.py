@@ -23,25 +23,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradwatch.engine.applied import gradients
-from gradwatch.engine.applied.gradients import Gradient
-from gradwatch.engine.applied.probes import AppliedPlan, Measured
+from gradwatch.engine.applied.measured import Measured
+from gradwatch.engine.applied.path import PathSetting
+from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.sharded import ranks_at_fault
 from gradwatch.engine.applied.step_hooks import accumulate_hooks, accumulate_message, modified_message, step_pre_hooks
-from gradwatch.engine.applied.window import Checksums, Combine, PathContext, single_loss, window_loss
+from gradwatch.engine.applied.window import Checksums, single_loss
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import every_rank
 from gradwatch.engine.distributed.zero import ranks_owning_wrong_rows
-from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.results.report import Fault
-from gradwatch.engine.session import CheckSession
 
 
 @dataclass(frozen=True)
@@ -51,53 +48,6 @@ class Attribution:
     fault: Fault
     message: str
     search_culprit: bool = False
-
-
-@dataclass
-class PathSetting:
-    """The training's path, as the check can run it again (see :func:`attribute`): in the check's ``session`` (its
-    model, checked parameters and training state), the window's micro-batches with their random states and how the
-    loop combines their losses, the context the forward ran in (``autocast``: its dtype; ``compiled``: whether the
-    model holds compiled code), the DDP ``group``, the fingerprint of the gradients present when the window began, and
-    the loop's loss scale."""
-
-    session: CheckSession
-    batches: list[Any]
-    loss_fn: LossFn
-    rng_states: Sequence[dict[str, Any] | None]
-    combine: Combine
-    path: PathContext | None
-    autocast: torch.dtype | None = None
-    compiled: bool = False
-    group: Any = None
-    start: Checksums | None = None
-    loss_scale: float = 1.0
-
-    @property
-    def model(self) -> nn.Module:
-        return self.session.model
-
-    @property
-    def params(self) -> list[Tensor]:
-        """The tensors the check moves: the checked parameters (their local shards when sharded)."""
-        return [p for _, p in self.session.params]
-
-    @property
-    def state(self) -> TrainingState:
-        assert self.session.state is not None, "the path is run again inside session.measuring()"
-        return self.session.state
-
-    def window(self, with_path: bool = True) -> LossFn:
-        return window_loss(self.loss_fn, self.rng_states, self.combine, self.path if with_path else None)
-
-    def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
-        """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
-        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
-        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
-        scale."""
-        return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
-                                       compiled=compiled, autocast=with_path, group=self.group,
-                                       scale=scale * self.loss_scale)  # fmt: skip
 
 
 def attribute(

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied.attribution import PathSetting
 from gradwatch.engine.applied.gradients import Gradient
-from gradwatch.engine.applied.probes import AppliedPlan
+from gradwatch.engine.applied.path import PathSetting
+from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple
 from gradwatch.engine.applied.window import PathContext
 from gradwatch.engine.numerics.norms import norms
@@ -101,9 +100,7 @@ def autocast_floors(setting: PathSetting, eager: Gradient, again: Gradient) -> l
     the path's gradient of :data:`~gradwatch.engine.applied.verdict.SPREAD_SCALE` times the loss (two backward
     passes)."""
     assert setting.autocast is not None
-    window = setting.window(with_path=False)
-    emulated = recompute.emulated_gradient(setting.model, setting.batches, window, setting.params, setting.state,
-                                           setting.autocast, setting.group)  # fmt: skip
+    emulated = setting.emulated(setting.autocast)
     scaled = setting.gradient(scale=SPREAD_SCALE)[1]
     return [distances(emulated, eager), distances(again, scaled)]
 

@@ -136,6 +136,7 @@ def tensors_to_probe(
     grad_norms: Sequence[float],
     floors: Sequence[float],
     multiple: float,
+    *,
     tensor_probes: int | None,
     rotation: int,
     also: Sequence[int] = (),

@@ -11,31 +11,30 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor
 
+from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.window import single_loss
-from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.recomputed.check import check_gradients
 from gradwatch.engine.recomputed.nonfinite import nonfinite_entries
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
-from gradwatch.engine.session import CheckSession
 
 
-def recomputed_search(
-    session: CheckSession, model: nn.Module, batch: Any, loss_fn: LossFn, state: Any, step: int, notes: list[Note]
-) -> CheckReport:
-    """The recomputed check of ``batch`` (the window's first micro-batch, ``state`` its random state), for its
-    culprits and surrogates. Whatever it raises leaves an empty ``ok`` report and a note: the applied verdict stands
-    without it (an abandoned check is raised on)."""
+def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
+    """The recomputed check of the window's first micro-batch (with its random state), for its culprits and
+    surrogates. Whatever it raises leaves an empty ``ok`` report and a note: the applied verdict stands without it (an
+    abandoned check is raised on)."""
+    session, step = setting.session, setting.session.step
+    model, batch = setting.model, setting.batches[0]
     searched = model
     if is_sixteen_bit(model):
         searched, batch = float32_twin(model), promoted_batch(batch)
         notes.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
     try:
-        return check_gradients(searched, batch, single_loss(loss_fn, state, None), step=step,
+        return check_gradients(searched, batch, single_loss(setting.loss_fn, setting.rng_states[0], None), step=step,
                                seed=session.settings.seed, optimizers=session.optimizers,
                                hold_detached=session.settings.hold_detached)  # fmt: skip
     except CheckAbandonedError:
@@ -47,20 +46,11 @@ def recomputed_search(
                            duration_s=0.0)  # fmt: skip
 
 
-def nonfinite_fault(
-    session: CheckSession,
-    model: nn.Module,
-    applied: list[tuple[str, Tensor]],
-    batch: Any,
-    loss_fn: LossFn,
-    state: Any,
-    step: int,
-    search: bool,
-) -> dict[str, Any]:
+def nonfinite_fault(setting: PathSetting, applied: list[tuple[str, Tensor]], *, search: bool) -> dict[str, Any]:
     """The fault of an applied gradient that holds non-finite values, as report fields: where (by tensor and index),
     and, with ``search``, the module at which the gradient turns non-finite and the loss's central differences there,
     from the recomputed check of the window's first micro-batch (:mod:`..recomputed.nonfinite`)."""
-    found = recomputed_search(session, model, batch, loss_fn, state, step, []) if search else None
+    found = recomputed_search(setting, []) if search else None
     return {
         "fault": "unknown",
         "fault_message": f"the applied gradient holds non-finite values: {nonfinite_entries(applied)}",

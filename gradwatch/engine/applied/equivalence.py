@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple
-from gradwatch.engine.applied.window import Combine, single_loss, window_loss
+from gradwatch.engine.applied.window import single_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
@@ -248,15 +249,9 @@ def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtyp
 
 
 def compare_accumulation(
-    model: nn.Module,
-    batches: Sequence[Any],
-    loss_fn: LossFn,
-    rng_states: Sequence[dict[str, Any] | None],
-    combine: Combine,
-    params: Sequence[Tensor],
+    setting: PathSetting,
     names: Sequence[str],
-    state: TrainingState,
-    group: Any = None,
+    *,
     join: Join | None = None,
     window_normalised: bool | Callable[[], bool] = False,
 ) -> tuple[Equivalence | None, list[Note]]:
@@ -271,6 +266,8 @@ def compare_accumulation(
 
     Returns the comparison (``None`` when the batches cannot be joined or the loss refuses the result) and its notes:
     the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
+    model, batches, params, state = setting.model, setting.batches, setting.params, setting.state
+    loss_fn = setting.loss_fn
     try:
         joined = (join or concatenate)(list(batches))
     except ValueError as error:
@@ -279,16 +276,16 @@ def compare_accumulation(
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off, batch statistics fixed: both gradients under the same conditions
     try:
-        one_loss = single_loss(loss_fn, rng_states[0], None)
+        one_loss = single_loss(loss_fn, setting.rng_states[0], None)
         if _draws_randomness(model, joined, loss_fn, state):
             text = "accumulation not compared with one batch: the loss draws random numbers even in eval mode"
             return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
-        acc = recompute.eager_gradient(model, batches, window_loss(loss_fn, rng_states, combine, None), params,
-                                       state, group)  # fmt: skip
-        one = recompute.eager_gradient(model, joined, one_loss, params, state, group)
+        acc = setting.eager()
+        one = recompute.eager_gradient(model, joined, one_loss, params, state, group=setting.group)
         found = _compared(acc, one, [0.0] * len(one), dtype, len(batches), 2)
         if found.differs:  # beyond the least tolerance: measure the rounding (monotone: a larger one only agrees more)
-            again = recompute.eager_gradient(model, joined, one_loss, params, state, group, SPREAD_SCALE)
+            again = recompute.eager_gradient(model, joined, one_loss, params, state, group=setting.group,
+                                             scale=SPREAD_SCALE)  # fmt: skip
             found = _compared(acc, one, distances(one, again), dtype, len(batches), 3)
     except Exception as error:  # the loss refuses the joined batch: no comparison, the check stands
         text = f"accumulation not compared with one batch: the loss raised {type(error).__name__} ({error})"

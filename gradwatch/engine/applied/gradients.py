@@ -56,6 +56,7 @@ def _gradient(
     loss_fn: LossFn,
     wrt: Sequence[Tensor],
     state: TrainingState,
+    *,
     group: Any,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
@@ -120,6 +121,7 @@ def eager_gradient(
     loss_fn: LossFn,
     params: Sequence[Tensor],
     state: TrainingState,
+    *,
     group: Any = None,
     scale: float = 1.0,
     ieee: bool = True,
@@ -128,7 +130,7 @@ def eager_gradient(
     a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise); not ``ieee``, with the
     float32 kernels training's settings choose (TF32)."""
     with exact_conditions(ieee):
-        return _gradient(model, batches, loss_fn, params, state, group, scale)[1]
+        return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)[1]
 
 
 def emulated_gradient(
@@ -137,16 +139,23 @@ def emulated_gradient(
     loss_fn: LossFn,
     params: Sequence[Tensor],
     state: TrainingState,
+    *,
     dtype: torch.dtype,
     group: Any = None,
 ) -> Gradient:
     """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
     with exact_conditions(), AutocastRounding(dtype):
-        return _gradient(model, batches, loss_fn, params, state, group)[1]
+        return _gradient(model, batches, loss_fn, params, state, group=group)[1]
 
 
 def float64_gradient(
-    model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, group: Any = None
+    model: nn.Module,
+    batches: Any,
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    state: TrainingState,
+    *,
+    group: Any = None,
 ) -> Gradient:
     """Eager autograd on float64 storage. The parameters' own gradient hooks (``param.register_hook``) are applied to
     the result, as autograd applies them to the parameters' gradient: a hook is part of the gradient being checked."""
@@ -155,7 +164,7 @@ def float64_gradient(
         wrt = [substitute_of(p, substitutes) for p in params]
         for tensor in wrt:
             autograd_tensor(tensor).requires_grad_(True)
-        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, None)[1]
+        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, group=None)[1]
     hooked = [with_parameter_hooks(param, grad) for param, grad in zip(params, grads, strict=True)]
     return rank_mean(hooked, group)
 
@@ -182,4 +191,4 @@ def path_gradient(
             stack.enter_context(compiler_disabled())
         if not autocast:
             stack.enter_context(autocast_held_off())
-        return _gradient(model, batches, loss_fn, params, state, group, scale)
+        return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)

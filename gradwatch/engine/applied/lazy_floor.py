@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.measured import Measured, Rounding, calm
+from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
-from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.results.notes import Note, NoteCode
 
@@ -36,28 +33,20 @@ def needed(measured: Sequence[Measured]) -> bool:
 
 
 def float64_rounding(
-    model: torch.nn.Module,
-    batches: Any,
-    window: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    group: Any,
-    eager: Sequence[Tensor],
-    applied: Sequence[Tensor],
-    notes: list[Note],
+    setting: PathSetting, eager: Sequence[Tensor], applied: Sequence[Tensor], notes: list[Note]
 ) -> tuple[list[list[float]], Rounding | None]:
-    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward), as the list of
-    measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes; and, with the ``applied`` gradient, the
-    parts of a probe's discrepancy known without a probe (:class:`~.measured.Rounding`). For a model without float64
-    kernels (Triton, fused CUDA kernels), with a note, the float32 backward's own rounding instead: its distance from
-    the gradient of 3x the loss divided by 3, which its kernels round otherwise (a fault that scales the gradient
-    cancels out of it), and no known parts."""
+    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward of the window
+    ``setting`` runs again), as the list of measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes;
+    and, with the ``applied`` gradient, the parts of a probe's discrepancy known without a probe
+    (:class:`~.measured.Rounding`). For a model without float64 kernels (Triton, fused CUDA kernels), with a note, the
+    float32 backward's own rounding instead: its distance from the gradient of 3x the loss divided by 3, which its
+    kernels round otherwise (a fault that scales the gradient cancels out of it), and no known parts."""
     try:
-        exact = recompute.float64_gradient(model, batches, window, params, state, group)
+        exact = setting.float64()
     except Exception as error:
         text = f"no float64 gradient ({type(error).__name__}: {error}): the float32 noise floor is its backward's own"
         notes.append(Note(NoteCode.APPLIED_FLOOR, f"{text} rounding (the spread at {SPREAD_SCALE:g}x the loss)"))
-        scaled = recompute.eager_gradient(model, batches, window, params, state, group, SPREAD_SCALE)
+        scaled = setting.eager(scale=SPREAD_SCALE)
         return [distances(list(eager), list(scaled))], None
     rounding = None
     if applied:

@@ -13,7 +13,9 @@ Tensors they leave unvouched are probed in groups (:func:`~.combined.vouching_gr
 their own ``ĝ_T``, in turn; so is every tensor when a combined probe does not agree well within its tolerance
 (:data:`~.combined.CLOSER_LOOK`), and every one at once when one fails, so that the report names the tensors at fault.
 
-Each probe's stencils, from a screen on, and the loss at the centre they share: :mod:`.stencils`.
+Each probe's directions and steps: :mod:`.directions`; its stencils, from a screen on, are the ladder's
+(:mod:`gradwatch.engine.probing.ladder`), judged against the path's floor (:class:`~.verdict.FloorJudge`), on the
+window's measuring service (:mod:`.window_points`).
 """
 
 from __future__ import annotations
@@ -22,50 +24,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from gradwatch.engine.applied.combined import tensors_to_probe, unvouched, vouching_groups
+from gradwatch.engine.applied.directions import AppliedProbes
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
-from gradwatch.engine.applied.stencils import AppliedProbes, NotReproducibleError
+from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.window_points import NotReproducibleError, WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
-from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
 
-__all__ = ["AppliedPlan", "AppliedProbes", "Measured", "measure", "unresolved_note"]
+__all__ = ["AppliedProbes", "Measured", "measure", "unresolved_note"]
 
 
 @dataclass(frozen=True)
-class AppliedPlan:
-    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+class _Pass:
+    """One pass of the probes: the floors they are judged against, around the window's ``loss``, with the screens of
+    an earlier pass over the same point, whether the floors are provisional, and the measured rounding (see
+    :func:`measure`)."""
 
-    Attributes:
-        names: The checked parameters' names.
-        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
-        native: The parameters' dtype (the most precise of them).
-        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
-        multiple: How many noise floors of the path a gradient may be off.
-        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
-            call for them (see :mod:`.combined`; every tensor once a probe fails).
-        rotation: Which turn of tensors this check probes.
-        eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
-            applied gradient is further from it than its floor allows is probed on its own
-            (:func:`~.measured.off_eager`).
-    """
-
-    names: list[str]
-    applied: list[Tensor]
-    native: torch.dtype
-    path_dtype: torch.dtype
-    multiple: float
-    tensor_probes: int
-    rotation: int
-    eager: list[Tensor] | None = None
+    plan: AppliedPlan
+    floors: list[float]
+    loss: float
+    screens: dict[Any, Any]
+    provisional: bool
+    rounding: Rounding | None
 
 
 def measure(
@@ -73,6 +61,7 @@ def measure(
     plan: AppliedPlan,
     floors: list[float],
     loss: float,
+    *,
     screens: dict[Any, Any] | None = None,
     provisional: bool = False,
     rounding: Rounding | None = None,
@@ -88,7 +77,7 @@ def measure(
     a closer look discounts (:mod:`.measured`)."""
     named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    args = (plan, floors, loss, screens, provisional, rounding)
+    probing = _Pass(plan, floors, loss, screens if screens is not None else {}, provisional, rounding)
     with exact_conditions():
         float64 = resolve_precision("auto", plan.native, elements) == "float64"
         if float64 and sharding_active() is not None:
@@ -99,7 +88,7 @@ def measure(
                 with float64_storage(evaluator.model) as substitutes:
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, *args, torch.float64)
+                    return _probes_at(evaluator, probing, torch.float64)
             except CheckAbandonedError:
                 raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
@@ -108,36 +97,29 @@ def measure(
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
-        return _probes_at(evaluator, *args, plan.native)
+        return _probes_at(evaluator, probing, plan.native)
 
 
-def _probes_at(
-    evaluator: LossEvaluator,
-    plan: AppliedPlan,
-    floors: list[float],
-    loss: float,
-    screens: dict[Any, Any] | None,
-    provisional: bool,
-    rounding: Rounding | None,
-    compute: torch.dtype,
-) -> list[Measured]:
-    screens = screens if screens is not None else {}
+def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -> list[Measured]:
+    plan, floors, loss, screens = probing.plan, probing.floors, probing.loss, probing.screens
+    rounding = probing.rounding
     pending = compute == torch.float64 and compute not in screens  # (see the module doc)
     if compute not in screens and not pending:
         screens[compute] = evaluator.loss()
     center = screens.get(compute, screens.get("pair", loss))
     if not pending and abs(center - loss) > center_tolerance(loss, plan.native, compute):
         return _not_reproducible(evaluator, center, loss)
-    measurements = Measurements(evaluator, center)
+    measurements = WindowMeasurements(evaluator, center, reference=loss, native_dtype=plan.native, pending=pending,
+                                      screens=screens)  # fmt: skip
     sizes = norms(plan.applied, exact=True)
     beyond = rounding.beyond(sizes, floors, plan.multiple) if rounding else []
     if plan.eager is not None:  # a 16-bit path: each tensor's applied gradient against eager's, at its own floor
         beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))
     discount = rounding.explained(beyond) if rounding else None  # (.measured)
-    probes = AppliedProbes(measurements, plan.names, [p for _, p in evaluator.params], plan.applied, floors,
-                           plan.multiple, plan.native, provisional, screens, discount, loss, pending)  # fmt: skip
+    probes = AppliedProbes(measurements, plan, [p for _, p in evaluator.params], floors,
+                           provisional=probing.provisional, rounding=discount)  # fmt: skip
     try:
-        return _probed(probes, plan, floors, provisional, rounding, beyond)
+        return _probed(probes, probing, beyond)
     except NotReproducibleError as error:
         return _not_reproducible(evaluator, error.center, loss)
 
@@ -154,14 +136,8 @@ def _not_reproducible(evaluator: LossEvaluator, center: float, loss: float) -> l
     return []
 
 
-def _probed(
-    probes: AppliedProbes,
-    plan: AppliedPlan,
-    floors: list[float],
-    provisional: bool,
-    rounding: Rounding | None,
-    beyond: list[int],
-) -> list[Measured]:
+def _probed(probes: AppliedProbes, probing: _Pass, beyond: list[int]) -> list[Measured]:
+    plan, floors, provisional = probing.plan, probing.floors, probing.provisional
     measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
     if provisional and not calm(measured):
         return measured
@@ -171,8 +147,8 @@ def _probed(
         measured += [m for m in groups if m is not None]
         if provisional and not calm(measured):
             return measured
-    order = tensors_to_probe(vouchers(measured), probes.grad_norms, floors, plan.multiple, plan.tensor_probes,
-                             plan.rotation, beyond)  # fmt: skip
+    order = tensors_to_probe(vouchers(measured), probes.grad_norms, floors, plan.multiple,
+                             tensor_probes=plan.tensor_probes, rotation=plan.rotation, also=beyond)  # fmt: skip
     for i in order:
         found = probes.tensor(i)
         if found is not None:

@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied.attribution import PathSetting
 from gradwatch.engine.applied.autocast_path import device_type
+from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.verdict import distances
 from gradwatch.engine.results.notes import Note, NoteCode
 
@@ -33,10 +32,7 @@ def tf32_floors(setting: PathSetting, eager: Sequence[Tensor], notes: list[Note]
     paths = setting.session.numerics.reduced_on(device_type(setting.params))
     if not paths:
         return None
-    window = setting.window(with_path=False)
-    again = recompute.eager_gradient(
-        setting.model, setting.batches, window, setting.params, setting.state, setting.group, ieee=False
-    )
+    again = setting.eager(ieee=False)
     notes.append(
         Note(
             NoteCode.APPLIED_FLOOR,

@@ -26,18 +26,27 @@ from float64 as eager's), the same spirit as flash-attention's "at most 2x the e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment
+from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment, assess, screen
+from gradwatch.engine.numerics.kinks import at_a_tie
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.results.kinds import ProbeKind
 from gradwatch.engine.results.report import Probe
+
+if TYPE_CHECKING:
+    from gradwatch.engine.applied.window_points import WindowMeasurements
 
 FLOOR_MULTIPLE = {torch.float32: 2.0, torch.float64: 2.0, torch.float16: 3.0, torch.bfloat16: 3.0}
 """How many times its noise floor an applied gradient may be off (``torch._dynamo.utils.same``'s multiple: 2 in
@@ -147,3 +156,74 @@ def relative_floor(descent: Probe | None) -> float:
     if descent is None or descent.floor is None or not descent.analytic:
         return math.nan
     return descent.floor / descent.analytic
+
+
+@dataclass(frozen=True, kw_only=True)
+class Judged(Assessment):
+    """A stencil's measurement (:class:`~gradwatch.engine.numerics.assessment.Assessment`, its verdict and reason
+    the applied check's :func:`judge`), with the tolerance it was held against and its ``excess`` over it."""
+
+    tolerance: float = math.nan
+    excess: float = math.nan
+
+
+class FloorJudge:
+    """The applied check's judge for the ladder (:class:`~gradwatch.engine.probing.judges.Judge`): each probe against
+    the path's floor along its direction (``task.floor``), ``multiple`` times, plus its own noise (:func:`judge`).
+
+    A screen borrows the round-off of one loss evaluation the window's measurements assume (float64) or the descent
+    probe's first full stencil measured (natively): ``measurements.loss_noise``. ``provisional``: the floors are a
+    lower bound (:mod:`.lazy_floor`), and a screen that does not agree is not completed (the check measures the floor
+    and probes again). A failure stands only where it reproduces at the second step (:func:`confirmed`) and the point
+    is no tie of the loss; no undecided probe is measured again (the probes already run on float64 storage where the
+    model allows it)."""
+
+    def __init__(self, measurements: WindowMeasurements, multiple: float, *, provisional: bool) -> None:
+        self.measurements = measurements
+        self.multiple = multiple
+        self.provisional = provisional
+
+    def _judged(self, task: ProbeTask, assessment: Assessment, stencil: Stencil) -> Judged:
+        found = judge(assessment, stencil, task.floor, self.multiple)
+        fields = (assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale)
+        return Judged(*fields, found.verdict, found.reason, assessment.loss_noise, tolerance=found.tolerance,
+                      excess=found.excess)  # fmt: skip
+
+    def screen(self, task: ProbeTask, stencil: Stencil, measurements: Measurements, loss_noise: float) -> Assessment:
+        assessment = screen(stencil, rtol=0.0, scale_floor=task.scale_floor, value_epsilon=measurements.value_epsilon,
+                            loss_noise=self.measurements.loss_noise)  # fmt: skip
+        found = self._judged(task, assessment, stencil)
+        if found.verdict == "ok" or self.provisional:
+            return found
+        return dataclasses.replace(found, verdict="suspect")
+
+    def assess(self, task: ProbeTask, stencil: Stencil, measurements: Measurements) -> Assessment:
+        assessment = assess(stencil, rtol=0.0, scale_floor=task.scale_floor, value_epsilon=measurements.value_epsilon)
+        if task.kind == ProbeKind.DESCENT and stencil.finite and not math.isfinite(self.measurements.loss_noise):
+            self.measurements.loss_noise = assessment.loss_noise  # the noise the other probes' screens borrow
+        return self._judged(task, assessment, stencil)
+
+    def confirm(self, task: ProbeTask, first: Assessment, second: Stencil, measurements: Measurements) -> Assessment:
+        assert isinstance(first, Judged)
+        assert task.stencil is not None
+        again = self.assess(task, second, measurements)
+        assert isinstance(again, Judged)
+        epsilon = measurements.value_epsilon
+        if not confirmed(first, _judgement(first), again, _judgement(again)):
+            ok = again.verdict == "ok"
+            return dataclasses.replace(
+                again, verdict="ok" if ok else "inconclusive", reason="agrees" if ok else "unstable"
+            )
+        if at_a_tie(task.stencil, epsilon) or at_a_tie(second, epsilon):
+            # a kink at the point (a ReLU input or a max-pool window exactly tied): the loss has no derivative along
+            # the probe, the central difference is the mean of its one-sided slopes at any step (so the discrepancy
+            # reproduces) and autograd's choice of one side is no wrong formula
+            return dataclasses.replace(again, verdict="inconclusive", reason="tie")
+        return again
+
+    def undecided(self, task: ProbeTask, result: Assessment) -> bool:
+        return False
+
+
+def _judgement(judged: Judged) -> Judgement:
+    return Judgement(judged.verdict, judged.reason, judged.tolerance, judged.excess)

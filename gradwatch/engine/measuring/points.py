@@ -10,7 +10,7 @@ a while (:meth:`Measurements.in_float64`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import AUTO_FLOAT64_ELEMENTS, float64_storage
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, Displacement, VectorDirection
 from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget, obstacle
-from gradwatch.engine.numerics.stencil import Point, Stencil
+from gradwatch.engine.numerics.stencil import PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
@@ -133,6 +133,16 @@ class Measurements:
     def stencil(self, direction: Direction, step: float, offsets: Sequence[float]) -> Stencil:
         """The stencil of the points ``offset × step`` along ``direction``, around the centre."""
         return Stencil(step, self.center, direction.analytic, self.points(direction, step, offsets))
+
+    def screen(self, direction: Direction, step: float, key: Hashable = None) -> Stencil:
+        """A two-point screen along ``direction`` (``±step``), around the centre; ``key`` names the probe, for a
+        service that keeps screens for another pass over the same point (an applied check's)."""
+        return self.stencil(direction, step, PAIR_OFFSETS)
+
+    def centred(self, stencil: Stencil) -> Stencil:
+        """``stencil`` around the loss at the centre, before the ladder completes it into a full stencil (whose fourth
+        difference uses the centre): the centre is known here, so ``stencil`` itself."""
+        return stencil
 
     @contextlib.contextmanager
     def in_float64(

@@ -9,6 +9,7 @@ tolerance above autograd's rounding, and how far the loss at the unperturbed poi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -16,6 +17,17 @@ import torch
 def machine_epsilon(dtype: torch.dtype) -> float:
     """The machine epsilon of a floating dtype."""
     return float(torch.finfo(dtype).eps)
+
+
+def least_precise(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype of largest machine epsilon among ``dtypes`` (float32 if there is none): the precision a check's
+    tolerance and steps must allow for."""
+    return max(dtypes, key=machine_epsilon, default=torch.float32)
+
+
+def most_precise(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype of smallest machine epsilon among ``dtypes`` (float32 if there is none)."""
+    return min(dtypes, key=machine_epsilon, default=torch.float32)
 
 
 CONFIRMATION_STEP = 0.3

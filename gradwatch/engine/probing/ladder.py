@@ -11,6 +11,9 @@ Every rung measures more, and only probes that the rung below could not settle c
 5. a probe along a whole direction that stays undecided (kinks, round-off) is measured again at a **finer step**;
 6. a native probe of a model too large for float64 probes that stays undecided is **measured again in float64**.
 
+What each stencil means is the judge's (:mod:`.judges`): a relative tolerance for the recomputed check, the path's
+measured noise floor for the applied one, which also says which undecided probes the last two rungs take.
+
 Where the check evaluates points in vectorised passes, each rung asks for all its points at once
 (:meth:`~gradwatch.engine.measuring.points.Measurements.prefetch`) before judging them one by one.
 """
@@ -24,9 +27,10 @@ import torch
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
+from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
+from gradwatch.engine.probing.judges import Judge, Tolerance
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -47,6 +51,8 @@ class Ladder:
 
     Args:
         measurements: The check's measuring service.
+        judge: What each stencil means (:mod:`.judges`); by default the relative tolerance ``rtol`` (or each probe's
+            own, from ``tolerances``).
         rtol: The relative tolerance of the check.
         native_dtype: The dtype of the gradient being checked.
         reference_loss: The loss autograd computed (a float64 re-measurement must reproduce it).
@@ -58,13 +64,15 @@ class Ladder:
         self,
         measurements: Measurements,
         *,
-        rtol: float,
+        judge: Judge | None = None,
+        rtol: float = 0.0,
         native_dtype: torch.dtype,
         reference_loss: float,
-        float64_refinement: bool,
+        float64_refinement: bool = False,
         tolerances: TensorTolerances | None = None,
     ) -> None:
         self.measurements = measurements
+        self.judge: Judge = judge if judge is not None else Tolerance(rtol, tolerances)
         self.rtol = rtol
         self.tolerances = tolerances
         self.native_dtype = native_dtype
@@ -110,9 +118,7 @@ class Ladder:
         pending = [
             task
             for task in tasks
-            if task.kind.traits.moves_parameters
-            and task.result is not None
-            and undecided(task.result, self.rtol_of(task))
+            if task.kind.traits.moves_parameters and task.result is not None and self.judge.undecided(task, task.result)
         ]
         if not pending or not self.float64_refinement:
             return
@@ -149,14 +155,9 @@ class Ladder:
     # ---- the rungs ------------------------------------------------------------------------------------------------
 
     def _screen(self, task: ProbeTask) -> None:
-        task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
-        task.result = screen(
-            task.stencil,
-            rtol=self.rtol_of(task),
-            scale_floor=task.scale_floor,
-            value_epsilon=self.measurements.value_epsilon,
-            loss_noise=self.loss_noise + self.measurements.jitter,
-        )
+        task.evaluations += len(PAIR_OFFSETS)
+        task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
+        task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
 
     def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
         """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead and together
@@ -174,7 +175,7 @@ class Ladder:
         self._full_at_step(task)
         result = task.result
         assert result is not None
-        if task.index is not None or not undecided(result, self.rtol_of(task)):
+        if task.index is not None or not self.judge.undecided(task, result):
             return
         finer = finer_step(
             task.step,
@@ -192,27 +193,18 @@ class Ladder:
     def _full_at_step(self, task: ProbeTask) -> None:
         if task.stencil is None or task.stencil.step != task.step:
             task.stencil = self._stencil(task, task.step, PAIR_OFFSETS)
-        task.stencil = task.stencil.extended(self._points(task, task.step, HALF_OFFSETS))
-        first = self._assess(task, task.stencil)
+        task.stencil = self.measurements.centred(task.stencil).extended(self._points(task, task.step, HALF_OFFSETS))
+        first = self.judge.assess(task, task.stencil, self.measurements)
         if first.verdict != "fail":
             task.result = first
             return
         confirming = task.step * CONFIRMATION_STEP
         self._prefetch([(task, FULL_OFFSETS)], step=confirming)
         second = self._stencil(task, confirming, FULL_OFFSETS)
-        task.result = confirm(first, self._assess(task, second))
+        task.result = self.judge.confirm(task, first, second, self.measurements)
         task.step = confirming
 
     # ---- measuring ------------------------------------------------------------------------------------------------
-
-    def _assess(self, task: ProbeTask, stencil: Stencil) -> Assessment:
-        return assess(
-            stencil,
-            rtol=self.rtol_of(task),
-            scale_floor=task.scale_floor,
-            value_epsilon=self.measurements.value_epsilon,
-            jitter=self.measurements.jitter,
-        )
 
     def _points(self, task: ProbeTask, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
         task.evaluations += len(offsets)

@@ -6,6 +6,7 @@ escalates them, and the check turns each into the :class:`~gradwatch.engine.resu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gradwatch.engine.measuring.directions import Direction
@@ -38,6 +39,8 @@ class ProbeTask:
             <gradwatch.engine.probing.portfolio.Portfolio.replica>`).
         rtol: The probe's own tolerance where the check has one per tensor (:mod:`.tolerances`), once resolved;
             ``None``: the check's.
+        floor: An applied check's: the training path's noise floor along the direction, which its judge holds the
+            discrepancy against (:class:`~gradwatch.engine.applied.verdict.FloorJudge`).
     """
 
     kind: ProbeKind
@@ -54,6 +57,7 @@ class ProbeTask:
     evaluations: int = 0
     moves: tuple[int | str, ...] = ()
     rtol: float | None = None
+    floor: float = math.nan
 
     def __post_init__(self) -> None:
         self.kind = ProbeKind(self.kind)  # from a plain string too: its properties are `task.kind.traits`

@@ -12,14 +12,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import torch
-
 from gradwatch.engine.culprits.search import localize
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
-from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.numerics.steps import least_precise
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -30,9 +28,8 @@ from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
 from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
-from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+from gradwatch.engine.results.report import Probe
 from gradwatch.engine.unreached import unreached_note
 
 LOCALIZED_AT_MOST = 8
@@ -218,11 +215,6 @@ def _confirm_failures(
     confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, mode)
 
 
-def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The dtype of largest machine epsilon among ``dtypes`` (float32 if there is none)."""
-    return max(dtypes, key=machine_epsilon, default=torch.float32)
-
-
 def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:
     """The precision of a failing check's culprit search: float64 where the check's probes ran natively only because
     the model is above the float64 limit (``precision="auto"``, undecided probes measured again in float64) and the
@@ -233,14 +225,3 @@ def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str)
     if precision == "native" and plan.precision == "native" and plan.float64_refinement and not refused:
         return "float64"
     return precision
-
-
-def overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
-    if any(p.verdict == Verdict.FAIL for p in probes):
-        return Verdict.FAIL
-    whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
-    if any(p.verdict == Verdict.OK for p in whole):
-        return Verdict.OK
-    return Verdict.INCONCLUSIVE

@@ -18,7 +18,7 @@ show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,16 +26,15 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
-from gradwatch.engine import CheckReport, LossFn
-from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.engine.validation import keyword_names, reject_unknown_options
+from gradwatch.engine import CheckReport
+from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
-from gradwatch.watch.alerts import OnFail
-from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
 from gradwatch.watch.hooks import TrainingPath
+from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -62,37 +61,24 @@ class GradWatch(Callback):
     happened. Results go to the trainer's loggers (see the README for the tags) and to :attr:`reports`; failures raise
     an alert. Under DDP every process checks its own shard of the batch and rank 0 decides the budget for all.
 
-    Every option is that of :class:`~gradwatch.GradientWatch` (``on_fail="stop"`` stops the trainer cleanly), keyword
-    only; the probe options (``precision``, ``vectorize``, ``ignore``, ``tensor_probes``, ...) are documented once, in
-    :class:`~gradwatch.engine.settings.ProbeSettings`, and may be given as ``settings=`` instead (``ignore`` patterns
-    are matched to the module's parameter names at ``setup``).
+    Every option is that of :class:`~gradwatch.GradientWatch`, keyword only, with its default: the watch's options and
+    the probe options (``precision``, ``vectorize``, ``ignore``, ``tensor_probes``, ...), the fields of
+    :class:`~gradwatch.engine.settings.ProbeSettings`, which may be given as ``settings=`` instead; ``ignore`` patterns
+    are matched to the module's parameter names at ``setup``. Each is read back as an attribute of the callback
+    (``GradWatch().every_n_steps``, ``GradWatch().probe_batch_size``: the watch's value, a probe option's from its
+    :attr:`~gradwatch.GradientWatch.settings`).
 
     Args:
-        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500, within
-            the 1% budget of ``max_overhead``.
-        first_check_step: Also check (both kinds) at this optimizer step, so a wrong gradient surfaces in the first
-            minutes of a run; ``None`` to rely on the cadences alone.
-        applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
-            optimizer steps (``None``: off), within the same ``max_overhead``.
-        on_fail: ``"warn"`` (a :class:`~gradwatch.GradientCheckWarning`, rate-limited), ``"raise"``
-            (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and stop the trainer cleanly) or a callable
-            receiving the failing :class:`~gradwatch.CheckReport`.
-        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
-            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
-        max_overhead: The fraction of the training time both kinds of check may take; a due check waits until the
-            run affords it. ``"auto"`` (the default): 1% when ``every_n_steps`` is left at its default, no budget
-            when you choose a cadence yourself; ``None``: no budget.
-        max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
-        verbose: Log (INFO) what is no failure: notes once each, postponed checks; ``False``: warnings for failures
-            and problems only.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
-        **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
-            fields of :class:`~gradwatch.engine.settings.ProbeSettings`; 2 samples are probed unless told.
-        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
-            makes of it (after ``gradient_clip_val``'s clip) against a reference update (``scope == "update"``);
-            ``False``: no update check.
+        **options: The options of :class:`~gradwatch.GradientWatch` by name (``every_n_steps``, ``first_check_step``,
+            ``applied_every_n_steps``, ``on_fail``, ``loss_fn``, ``max_overhead``, ``max_reports``, ``verbose``,
+            ``check_update``) and the probe options (2 samples probed unless told). Under Lightning ``on_fail="stop"``
+            stops the trainer cleanly; ``loss_fn(module, batch)`` is checked instead of the module's
+            ``training_step``, and is required for a module with manual optimization, whose ``training_step`` steps
+            the optimizers; ``check_update`` checks the update after ``gradient_clip_val``'s clip.
 
     Raises:
+        TypeError: An unknown option (named, with the nearest valid name).
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
             optimization and no ``loss_fn`` was given (at ``setup``).
 
@@ -102,42 +88,26 @@ class GradWatch(Callback):
         trainer.fit(model, datamodule)
     """
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int | None = None,
-        first_check_step: int | None = 1,
-        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
-        on_fail: OnFail = "warn",
-        loss_fn: LossFn | None = None,
-        max_overhead: float | Literal["auto"] | None = "auto",
-        max_reports: int = 1000,
-        verbose: bool = True,
-        settings: ProbeSettings | None = None,
-        check_update: bool = True,
-        **options: Unpack[ProbeOptions],
-    ) -> None:
+    @suggests_options(WatchOptions)
+    def __init__(self, *, settings: ProbeSettings | None = None, **options: Unpack[WatchOptions]) -> None:
         super().__init__()
-        own = keyword_names(GradWatch.__init__)
-        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatch()")
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
         self._watch = GradientWatch(
-            every_n_steps=every_n_steps, first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
-            max_reports=max_reports, verbose=verbose, settings=settings, context=loggers_silenced,
-            check_update=check_update, **options,
+            settings=settings, context=loggers_silenced, **options,
         )  # fmt: skip
-        watch = self._watch
-        self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
-        self.applied_every_n_steps, self.check_update = watch.applied_every_n_steps, watch.check_update
-        self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
-        self.verbose = verbose
-        for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
-            setattr(self, name, getattr(watch.settings, name))
+
+    def __getattr__(self, name: str) -> Any:
+        # the options, read as attributes as they always were: the watch's own, a probe option from its settings
+        watch = vars(self).get("_watch")
+        if watch is not None and name in WATCH_OPTIONS:
+            return getattr(watch, name)
+        if watch is not None and name in ProbeSettings.option_names():
+            return getattr(watch.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def watch(self) -> GradientWatch:

@@ -1,0 +1,230 @@
+"""The directions of an applied check's probes, measured by the ladder: :class:`AppliedProbes`.
+
+The probes move the parameters along the applied gradient itself (the descent probe, over every tensor), along every
+tensor's own normalised gradient at once or over a group of tensors (the balanced probes, :mod:`.combined`), and
+along one tensor's part of it (which of them are made: :mod:`.probes`). Each is a
+:class:`~gradwatch.engine.probing.tasks.ProbeTask` that the ladder (:mod:`gradwatch.engine.probing.ladder`) measures
+and escalates like a recomputed check's probe, from a two-point screen (with float64 evaluations, whose round-off is
+known; natively the descent's full stencil measures it first) to a full stencil and a confirming stencil at
+``0.3 h``, judged against the path's floor along the direction (:class:`~.verdict.FloorJudge`) on the window's
+measuring service (:mod:`.window_points`). Steps follow :func:`~gradwatch.engine.numerics.steps.relative_step`, made
+finer on float64 evaluations of a lower-precision gradient (:func:`~.verdict.float64_step`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gradwatch.engine.applied.combined import balanced_components, balanced_weights, floor_along
+from gradwatch.engine.applied.measured import Measured, explained
+from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.verdict import FloorJudge, Judged, float64_step, storage_rounding
+from gradwatch.engine.applied.window_points import WindowMeasurements
+from gradwatch.engine.distributed.collective import global_numel
+from gradwatch.engine.measuring.directions import VectorDirection
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
+from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.engine.results.kinds import ProbeKind, Reason
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+
+
+class AppliedProbes:
+    """Measures the applied gradient along its own directions (see the module doc).
+
+    Args:
+        measurements: The window's measuring service.
+        plan: The applied gradient and how it is judged.
+        moved: The tensors the probes move (the parameters, or their float64 substitutes).
+        floors: The path's noise floor per tensor (see :func:`~gradwatch.engine.applied.verdict.floors`).
+        provisional: The floors are a lower bound (:mod:`.lazy_floor`): a screen that does not agree stops there, for
+            the check to measure the floor and probe again.
+        rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
+            float64, :mod:`.lazy_floor`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
+    """
+
+    def __init__(
+        self,
+        measurements: WindowMeasurements,
+        plan: AppliedPlan,
+        moved: Sequence[Tensor],
+        floors: Sequence[float],
+        *,
+        provisional: bool = False,
+        rounding: Sequence[float] | None = None,
+    ) -> None:
+        self.measurements = measurements
+        native_dtype = plan.native
+        self.rounding = rounding
+        self.provisional = provisional
+        self.names = list(plan.names)
+        self.moved = list(moved)
+        self.grads = list(plan.applied)
+        self.floors = list(floors)
+        self.multiple = plan.multiple
+        judge = FloorJudge(measurements, plan.multiple, provisional=provisional)
+        self.ladder = Ladder(
+            measurements, judge=judge, native_dtype=native_dtype, reference_loss=measurements.reference
+        )
+        self.grad_norms = norms(self.grads, exact=True)
+        self.grad_norm = math.hypot(*self.grad_norms)
+        numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
+        param_norms = _agreed(norms(self.moved), getattr(measurements.evaluator, "group", None))
+        self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
+        self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
+        self.relative = relative_step(measurements.compute_dtype, native_dtype)
+        self.storage = storage_rounding(native_dtype)
+        self.scale_floor = machine_epsilon(native_dtype) ** (1 / 3) * self.grad_norm
+        compute_epsilon = machine_epsilon(measurements.compute_dtype)
+        self.finer = math.isfinite(measurements.loss_noise) and compute_epsilon < machine_epsilon(native_dtype)
+
+    def _scale(self, i: int) -> float:
+        return max(self.param_rms[i], self.param_scale) or 1.0
+
+    def step_along(self, step: float, tensors: Sequence[int], weights: Sequence[float]) -> float:
+        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`; ``step`` natively), of the
+        storage rounding alone: a second pass against the measured floor reuses the screens."""
+        if not self.finer:
+            return step
+        least = self._least(tensors, weights)
+        measurements = self.measurements
+        rounding = measurements.loss_noise + measurements.assumed_epsilon * abs(measurements.reference)
+        return float64_step(step, self.multiple * least, rounding)
+
+    def _least(self, tensors: Sequence[int], weights: Sequence[float]) -> float:  # the storage rounding's floor
+        return self.storage * math.fsum(w * self.grad_norms[i] ** 2 for i, w in zip(tensors, weights, strict=True))
+
+    def descent(self) -> Measured | None:
+        """The probe along ``ĝ`` (natively a full stencil, whose noise the screens borrow); ``None`` for a zero
+        gradient."""
+        if not self.grad_norm > 0 or not math.isfinite(self.grad_norm):
+            return None
+        every = tuple(range(len(self.moved)))
+        weighted = sum(self._scale(i) ** 2 * (n / self.grad_norm) ** 2 for i, n in enumerate(self.grad_norms))
+        direction = VectorDirection(self.moved, self.grads, self.grads, 1.0 / self.grad_norm,
+                                    components_norm=self.grad_norm)  # fmt: skip
+        weights = (1.0 / self.grad_norm,) * len(every)
+        return self._measure(ProbeKind.DESCENT, DESCENT_TARGET, every, weights, direction,
+                             floor=math.hypot(*self.floors), step=self.relative * math.sqrt(weighted))  # fmt: skip
+
+    def balanced(self, group: Sequence[int] | None = None) -> Measured | None:
+        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`), or those of ``group``
+        alone (its target then names them); ``None`` with fewer than two tensors with a gradient (the descent probe is
+        that direction then)."""
+        chosen = set(range(len(self.grad_norms)) if group is None else group)
+        weights = balanced_weights([n if i in chosen else 0.0 for i, n in enumerate(self.grad_norms)])
+        tensors = tuple(i for i, w in enumerate(weights) if w > 0)
+        if len(tensors) < 2:
+            return None
+        target = DESCENT_TARGET if group is None else f"{self.names[tensors[0]]} and {len(tensors) - 1} more"
+        components = balanced_components([self.grads[i] for i in tensors], [weights[i] for i in tensors])
+        direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
+        part = 1.0 / math.sqrt(len(tensors))
+        floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
+        step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))
+        return self._measure(ProbeKind.TENSORS, target, tensors, tuple(weights[i] for i in tensors), direction,
+                             floor=floor, step=step)  # fmt: skip
+
+    def tensor(self, i: int) -> Measured | None:
+        """The probe along tensor ``i``'s applied gradient; ``None`` when that is zero."""
+        size = self.grad_norms[i]
+        if not size > 0 or not math.isfinite(size):
+            return None
+        direction = VectorDirection([self.moved[i]], [self.grads[i]], [self.grads[i]], 1.0 / size,
+                                    components_norm=size)  # fmt: skip
+        return self._measure(ProbeKind.TENSOR, self.names[i], (i,), (1.0 / size,), direction,
+                             floor=self.floors[i], step=self.relative * self._scale(i))  # fmt: skip
+
+    def _measure(
+        self,
+        kind: ProbeKind,
+        target: str,
+        tensors: tuple[int, ...],
+        weights: tuple[float, ...],
+        direction: VectorDirection,
+        *,
+        floor: float,
+        step: float,
+    ) -> Measured:
+        """One probe up the ladder: a screen where the round-off of a loss evaluation is known (else a full stencil),
+        then, for a loss whose values are rounded coarser than the probes compute, a full stencil at the step of the
+        values' dtype where the first could not resolve the slope."""
+        task = ProbeTask(kind, target, None, direction, self.step_along(step, tensors, weights),
+                         scale_floor=self.scale_floor, moves=tensors, floor=floor)  # fmt: skip
+        if math.isfinite(self.measurements.loss_noise):
+            self.ladder.screen_and_escalate([task])
+        else:
+            self.ladder.measure_fully([task])
+        assert task.result is not None
+        if task.result.reason in (Reason.UNRESOLVED, Reason.FLAT) and self._coarse_values and not self.provisional:
+            # the loss's values are rounded coarser than the probes compute (a float32 copy of a float64 loss): a step
+            # made for the computing dtype leaves a difference of rounding noise; the step of the values' dtype
+            # resolves the slope
+            self._say_coarse()
+            first = (task.stencil, task.result, task.step)
+            task.step, task.stencil = step * self.measurements.value_epsilon**0.2 / self.relative, None
+            self.ladder.measure_fully([task])
+            assert task.result is not None
+            if task.result.reason in (Reason.UNRESOLVED, Reason.FLAT) and math.isfinite(task.result.noise):
+                task.stencil, task.result, task.step = first
+        return self._finish(task, weights)
+
+    def _say_coarse(self) -> None:
+        evaluator = self.measurements.evaluator
+        if any(getattr(n, "code", None) == NoteCode.APPLIED_COARSE_LOSS for n in evaluator.notes):
+            return
+        dtype = str(evaluator.value_dtype).removeprefix("torch.")
+        computed = str(self.measurements.compute_dtype).removeprefix("torch.")
+        text = (
+            f"the loss's value is delivered in {dtype} while the probes compute in {computed} (a {dtype} copy of the "
+            f"loss on the way, such as torch.FloatTensor([cost])): probes the {computed} step could not resolve were "
+            f"measured again at a step made for {dtype} values"
+        )
+        evaluator.notes.append(Note(NoteCode.APPLIED_COARSE_LOSS, text))
+
+    @property
+    def _coarse_values(self) -> bool:
+        """Whether the loss delivers its values in a coarser dtype than the probes compute in."""
+        return self.measurements.value_epsilon > machine_epsilon(self.measurements.compute_dtype)
+
+    def _finish(self, task: ProbeTask, weights: tuple[float, ...]) -> Measured:
+        result = task.result
+        assert isinstance(result, Judged)
+        analytic, numeric = task.direction.analytic, result.numeric
+        probe = Probe(
+            kind=task.kind,
+            target=task.target,
+            index=None,
+            analytic=analytic,
+            numeric=numeric,
+            rel_error=abs(numeric - analytic) / max(abs(numeric), abs(analytic), self.scale_floor),
+            verdict=result.verdict,  # type: ignore[arg-type]
+            noise=result.noise,
+            step=task.step,
+            reason=Reason(result.reason),
+            evaluations=task.evaluations,
+            floor=task.floor,
+        )
+        tensors = tuple(i for i in task.moves if isinstance(i, int))
+        least = self._least(tensors, weights)
+        exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
+        return Measured(probe, tensors, weights, result.tolerance, result.excess,
+                        explained(self.rounding, tensors, weights), exact)  # fmt: skip
+
+
+def _agreed(values: list[float], group: Any) -> list[float]:
+    """``values`` averaged over the ranks of ``group`` (as they are without one): the probes' steps come from the
+    parameters' sizes, and every rank must take the same step, or the ranks' losses, averaged at each point, would be
+    differences over different steps (ranks whose parameters diverged after a step that applied different gradients)."""
+    if group is None or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, group=group)
+    return (tensor / torch.distributed.get_world_size(group)).tolist()

@@ -1,0 +1,207 @@
+"""The applied check's measurement plan, inside its session: :func:`measure_window`.
+
+1. the window's loss and eager gradient (:class:`WindowEvaluator`, averaged over the ranks under DDP), and whether
+   the loss evaluated again is the function training differentiated (no parameter edited by the loss, no randomness
+   left unrecorded);
+2. the training's path run again where it differs from eager float32 (autocast, compiled code) or where a 16-bit path
+   no one named must be inferred (:mod:`.autocast_path`);
+3. the path's noise floor (:mod:`.verdict`): measured up front on a 16-bit, sharded or TF32 path, else only when a
+   probe needs it (:mod:`.lazy_floor`);
+4. the probes (:mod:`.probes`), and for a failure the attribution to a part of the path (:mod:`.attribution`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradwatch.engine.applied import autocast_path, lazy_floor
+from gradwatch.engine.applied import gradients as recompute
+from gradwatch.engine.applied.attribution import Attribution, attribute
+from gradwatch.engine.applied.path import PathSetting
+from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.probes import Measured, measure, unresolved_note
+from gradwatch.engine.applied.reduced_float32 import tf32_floors
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors
+from gradwatch.engine.applied.window import unrecorded_randomness
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.steps import center_tolerance
+from gradwatch.engine.probing.outcome import Outcome
+from gradwatch.engine.results.notes import Note, NoteCode
+
+
+def rank_mean(value: float, group: Any) -> float:
+    """The mean of ``value`` over the ranks of ``group`` (``value`` without one)."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return float(tensor.item()) / dist.get_world_size(group)
+
+
+class WindowEvaluator(LossEvaluator):
+    """The evaluator of the window loss, averaged over the ranks of ``group`` (the loss DDP's mean differentiates)."""
+
+    group: Any = None
+
+    def loss(self) -> float:
+        return rank_mean(super().loss(), self.group)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AppliedOutcome(Outcome):
+    """What the measuring part of an applied check produced, besides what every check's does: the finished probes
+    with what an attribution needs of them, the attribution of a failure, the backward passes spent and the floors."""
+
+    measured: list[Measured]
+    attribution: Attribution | None
+    backward: int
+    floors: list[float]
+
+
+@dataclasses.dataclass
+class _Path:
+    """The training's path as the measurements found it: its setting and plan (an autocast path inferred replaces
+    both), the path's own gradient where it was computed, and the backward passes spent."""
+
+    setting: PathSetting
+    plan: AppliedPlan
+    again: list[Tensor] | None = None
+    backward: int = 1
+
+
+def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
+    """The applied check's measurement plan (see the module doc), inside its session."""
+    session = setting.session
+    evaluator = WindowEvaluator(setting.model, setting.batches, setting.window(with_path=False), session.params,
+                                setting.state, held=session.held_detaches())  # fmt: skip
+    evaluator.group = setting.group
+    path = _Path(setting, plan)
+    reference = _reference(path, evaluator)
+    if _not_the_trained_function(setting, evaluator.notes):
+        return _nothing(path, evaluator, reference.loss)
+    params = setting.params
+    eager = recompute.rank_mean(
+        [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
+        setting.group,
+    )
+    if not _path_reproduces(path, reference.loss, evaluator.notes):
+        return _nothing(path, evaluator, reference.loss)
+    _infer_autocast(path, eager, evaluator.notes)
+    measured_floors = _measured_floors(path, eager, evaluator.notes)
+    setting, plan = path.setting, path.plan
+    applied_norms = norms(plan.applied, exact=True)
+    floor_values = floors(measured_floors or [], applied_norms, plan.path_dtype)
+    screens, lazy = dict[Any, Any](), measured_floors is None
+    measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, provisional=lazy)
+    if measured_floors is None and lazy_floor.needed(measured):
+        measured_floors, rounding = lazy_floor.float64_rounding(setting, eager, plan.applied, evaluator.notes)
+        path.backward += 1 if measured_floors else 0
+        floor_values = floors(measured_floors, applied_norms, plan.path_dtype)
+        measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, rounding=rounding)
+    failing = [m for m in measured if m.probe.verdict == "fail"]
+    floor_note = lazy_floor.floor_note(
+        plan.path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
+    )
+    evaluator.notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
+    attribution = attribute(setting, plan, eager, failing, floor_values, path.again) if failing else None
+    return AppliedOutcome(evaluator=evaluator, loss=reference.loss, probes=[m.probe for m in measured],
+                          measured=measured, attribution=attribution, backward=path.backward,
+                          floors=floor_values)  # fmt: skip
+
+
+def _nothing(path: _Path, evaluator: LossEvaluator, loss: float) -> AppliedOutcome:
+    """The outcome of a window whose loss the check cannot probe (the notes say why)."""
+    return AppliedOutcome(evaluator=evaluator, loss=loss, probes=[], measured=[], attribution=None,
+                          backward=path.backward, floors=[0.0] * len(path.setting.params))  # fmt: skip
+
+
+def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
+    """The window's loss (the ranks' mean) and eager gradient, in the check's exact conditions; a model that enters
+    autocast itself gives the path its precision."""
+    setting = path.setting
+    with recompute.exact_conditions() as entered:
+        reference = evaluator.reference(with_inputs=False, vectorising=False)
+    device = autocast_path.device_type(setting.params)
+    own = autocast_path.own_autocast(entered, device)
+    if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
+        setting.autocast, path.plan = own, autocast_path.replanned(path.plan, own)
+        evaluator.notes.append(autocast_path.own_note(own, device))
+    return dataclasses.replace(reference, loss=rank_mean(reference.loss, setting.group))
+
+
+def _not_the_trained_function(setting: PathSetting, notes: list[Note]) -> bool:
+    """Whether the window's loss evaluated again is not the function training differentiated (with a note): the loss
+    edits parameters itself, or draws randomness that was not recorded."""
+    edited = [parameter.path for parameter in setting.state.guard.edited]
+    if edited:  # every evaluation starts where training left the parameters, and the loss moves them from there
+        shown = ", ".join(edited[:6]) + (f" and {len(edited) - 6} more" if len(edited) > 6 else "")
+        text = (
+            f"no probe made: the loss changes {shown} itself (in place, rebound or requires_grad toggled), so the "
+            "window's loss evaluated again is not the function training differentiated at this point"
+        )
+        notes.append(Note(NoteCode.APPLIED_EDITED, text))
+        return True
+    return unrecorded_randomness(setting.state, setting.rng_states, notes)
+
+
+def _path_reproduces(path: _Path, loss: float, notes: list[Note]) -> bool:
+    """On a path that differs from eager float32 (autocast, compiled code): its gradient (kept as ``path.again``), and
+    whether it computes the same loss (else a note, and no probe)."""
+    setting, dtype = path.setting, path.plan.path_dtype
+    if setting.autocast is None and not setting.compiled:
+        return True
+    path_loss, path.again = setting.gradient()
+    path_loss = rank_mean(path_loss, setting.group)
+    path.backward += 1
+    if abs(path_loss - loss) <= center_tolerance(loss, dtype, dtype):
+        return True
+    notes.append(
+        Note(
+            NoteCode.APPLIED_PATH_DIFFERS,
+            f"no probe made: the training's path computes another loss ({path_loss:.9g}) than its eager "
+            f"evaluation ({loss:.9g}); compiled code draws its own random numbers (dropout), "
+            "which an eager evaluation cannot replay (torch._inductor.config.fallback_random = True makes "
+            "them eager's)",
+        )
+    )
+    return False
+
+
+def _infer_autocast(path: _Path, eager: list[Tensor], notes: list[Note]) -> None:
+    """A 16-bit path no one named (:func:`~.autocast_path.reproducing_autocast`): adopted, with a note."""
+    setting = path.setting
+    if setting.path is not None or setting.autocast is not None:
+        return
+    inferred = autocast_path.reproducing_autocast(setting, path.plan.applied,
+                                                  path.again if path.again is not None else eager)  # fmt: skip
+    path.backward += inferred.backward
+    if inferred.setting is not None and inferred.gradient is not None and inferred.note is not None:
+        assert inferred.setting.autocast is not None
+        path.setting, path.again = inferred.setting, inferred.gradient
+        path.plan = autocast_path.replanned(path.plan, inferred.setting.autocast)
+        notes.append(inferred.note)
+
+
+def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> list[list[float]] | None:
+    """The distances the path's floor is measured from up front (:func:`~.verdict.floors`): a 16-bit autocast path's,
+    a sharded float32 path's backward spread, a TF32 path's; ``None`` where the floor waits for a probe that needs it
+    (:mod:`.lazy_floor`)."""
+    setting = path.setting
+    if setting.autocast is not None:
+        assert path.again is not None
+        path.plan = dataclasses.replace(path.plan, eager=eager)  # each tensor against eager's (.measured.off_eager)
+        path.backward += 2
+        return autocast_path.autocast_floors(setting, eager, path.again)
+    if sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
+        path.backward += 1
+        return [distances(eager, setting.eager(scale=SPREAD_SCALE))]
+    found = tf32_floors(setting, eager, notes)  # a TF32 path's floor now (.reduced_float32)
+    path.backward += found is not None
+    return found

@@ -1,0 +1,87 @@
+"""The facts of one accumulation window, as the applied check runs its path again: :class:`PathSetting`.
+
+Every step of an applied check (its floor, the probes' window loss, the one-batch comparison, the attribution) needs
+the same facts about the window: its micro-batches with their random states, how the loop combines their losses, the
+context the forward ran in, the DDP group, the loop's loss scale. They travel as this one object, which also runs the
+window's gradient again along the paths those steps compare (:mod:`.gradients`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradwatch.engine.applied import gradients
+from gradwatch.engine.applied.gradients import Gradient
+from gradwatch.engine.applied.window import Checksums, Combine, PathContext, window_loss
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.session import CheckSession
+
+
+@dataclass(kw_only=True)
+class PathSetting:
+    """The training's path, as the check can run it again (see :func:`~.attribution.attribute`): in the check's
+    ``session`` (its model, checked parameters and training state), the window's micro-batches with their random
+    states and how the loop combines their losses, the context the forward ran in (``autocast``: its dtype;
+    ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients present
+    when the window began, and the loop's loss scale."""
+
+    session: CheckSession
+    batches: list[Any]
+    loss_fn: LossFn
+    rng_states: Sequence[dict[str, Any] | None]
+    combine: Combine
+    path: PathContext | None
+    autocast: torch.dtype | None = None
+    compiled: bool = False
+    group: Any = None
+    start: Checksums | None = None
+    loss_scale: float = 1.0
+
+    @property
+    def model(self) -> nn.Module:
+        return self.session.model
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The tensors the check moves: the checked parameters (their local shards when sharded)."""
+        return [p for _, p in self.session.params]
+
+    @property
+    def state(self) -> TrainingState:
+        assert self.session.state is not None, "the path is run again inside session.measuring()"
+        return self.session.state
+
+    def window(self, with_path: bool = True) -> LossFn:
+        return window_loss(self.loss_fn, self.rng_states, self.combine, self.path if with_path else None)
+
+    def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
+        """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
+        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
+        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
+        scale."""
+        return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
+                                       compiled=compiled, autocast=with_path, group=self.group,
+                                       scale=scale * self.loss_scale)  # fmt: skip
+
+    def eager(self, *, scale: float = 1.0, ieee: bool = True) -> Gradient:
+        """Eager float32 autograd of the window's loss outside the path's context
+        (:func:`~.gradients.eager_gradient`)."""
+        return gradients.eager_gradient(self.model, self.batches, self.window(with_path=False), self.params,
+                                        self.state, group=self.group, scale=scale, ieee=ieee)  # fmt: skip
+
+    def emulated(self, dtype: torch.dtype) -> Gradient:
+        """Eager float32 autograd with autocast's rounding to ``dtype`` emulated
+        (:func:`~.gradients.emulated_gradient`)."""
+        return gradients.emulated_gradient(self.model, self.batches, self.window(with_path=False), self.params,
+                                           self.state, dtype=dtype, group=self.group)  # fmt: skip
+
+    def float64(self) -> Gradient:
+        """Eager autograd of the window's loss on float64 storage (:func:`~.gradients.float64_gradient`)."""
+        return gradients.float64_gradient(self.model, self.batches, self.window(with_path=False), self.params,
+                                          self.state, group=self.group)  # fmt: skip

@@ -1,0 +1,36 @@
+"""What the probes of an applied check are asked to do, as one object: :class:`AppliedPlan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedPlan:
+    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+
+    Attributes:
+        names: The checked parameters' names.
+        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
+        native: The parameters' dtype (the most precise of them).
+        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
+        multiple: How many noise floors of the path a gradient may be off.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
+            call for them (see :mod:`.combined`; every tensor once a probe fails).
+        rotation: Which turn of tensors this check probes.
+        eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
+            applied gradient is further from it than its floor allows is probed on its own
+            (:func:`~.measured.off_eager`).
+    """
+
+    names: list[str]
+    applied: list[Tensor]
+    native: torch.dtype
+    path_dtype: torch.dtype
+    multiple: float
+    tensor_probes: int
+    rotation: int
+    eager: list[Tensor] | None = None
