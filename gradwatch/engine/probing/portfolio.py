@@ -43,7 +43,7 @@ from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, rela
 from gradwatch.engine.probing.cover import CoverGroup, cover_groups
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.results.kinds import ProbeKind
+from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind
 from gradwatch.engine.results.report import DESCENT_TARGET
 
 
@@ -190,7 +190,13 @@ class Portfolio:
         if input_direction:
             pending.append(self._input_direction())
         pending += self._input_coordinates()
-        return [p for p in pending if p is not None]
+        return [p for p in pending + self.every_check() if p is not None]
+
+    def every_check(self) -> list[ProbeTask | None]:
+        """The probes of the kinds every check makes, recomputed and applied: one from the method each row of the kinds
+        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make.
+        An applied check takes the probe of a direction along the gradient in each tensor it moves."""
+        return [getattr(self, row.made_by)() for row in PROBE_KINDS.values() if row.made_by]
 
     def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
         """After a failure: a tensor probe for every tensor not probed along its gradient yet."""
