@@ -3,8 +3,10 @@ its loss.
 
 The package is layered; each layer imports only from those before it:
 
+* :mod:`gradwatch.errors`: every exception and warning gradwatch defines;
 * :mod:`gradwatch.engine`: pure PyTorch, the whole of :func:`check_gradients` and :func:`check_applied_gradient`;
-* :mod:`gradwatch.tensorboard`: check reports to TensorBoard and back;
+* :mod:`gradwatch.tensorboard` and :mod:`gradwatch.outputs`: a check's records, to every logger and to the JSON lines
+  record ``gradwatch report`` reads;
 * :mod:`gradwatch.watch`: :class:`GradientWatch`, a series of checks over a run in any training loop;
 * the adapters over the watch: :mod:`gradwatch.integrations.lightning` (the :class:`GradWatch` callback) and
   :mod:`gradwatch.integrations` (Hugging Face's ``Trainer``);
@@ -18,10 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gradwatch.engine import CheckReport, GradientCheckError, Probe, check_gradients
+from gradwatch.engine import CheckReport, Probe, check_gradients
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.engine.settings import ProbeSettings
-from gradwatch.watch import GradientCheckWarning, GradientWatch
+from gradwatch.errors import GradientCheckError, GradientCheckWarning
+from gradwatch.watch import GradientWatch
 
 if TYPE_CHECKING:
     from gradwatch.integrations.lightning import GradWatch

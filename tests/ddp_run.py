@@ -115,7 +115,7 @@ def _result(trainer: pl.Trainer, model: pl.LightningModule, watch: GradWatch | N
 def healthy(out: Path, with_watch: bool) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = LitClassifier()  # Linear, BatchNorm1d, ReLU, Dropout, Linear
-    watch = GradWatch(every_n_steps=2) if with_watch else None
+    watch = GradWatch(every_n_steps=2, max_overhead=None) if with_watch else None
     grads = GradsUntouched()
     callbacks: list[pl.Callback] = [grads, watch, CompareGrads(grads)] if watch is not None else []
     logger = TensorBoardLogger(str(out / "tb"), name="healthy", version=0, default_hp_metric=False)
@@ -129,7 +129,7 @@ def healthy(out: Path, with_watch: bool) -> dict[str, Any]:
 def bug_on_rank1(out: Path) -> dict[str, Any]:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     model = LitSeedModel(weight_scale=1.1 if rank == 1 else 1.0)  # the backward is wrong on rank 1 only
-    watch = GradWatch(every_n_steps=1, on_fail="stop")
+    watch = GradWatch(every_n_steps=1, max_overhead=None, on_fail="stop")
     trainer = _trainer(out, [watch])
     trainer.fit(model, loader(seed_batch(), 8))
     return _result(trainer, model, watch)
@@ -137,7 +137,7 @@ def bug_on_rank1(out: Path) -> dict[str, Any]:
 
 def raise_on_rank1(out: Path) -> dict[str, Any]:
     model = LitClassifier()
-    watch = GradWatch(every_n_steps=1, on_fail="raise")
+    watch = GradWatch(every_n_steps=1, max_overhead=None, on_fail="raise")
     trainer = _trainer(out, [RaiseInCheck(), watch])
     error = None
     try:
@@ -150,7 +150,7 @@ def raise_on_rank1(out: Path) -> dict[str, Any]:
 def syncbn(out: Path) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = LitClassifier(torch.nn.SyncBatchNorm.convert_sync_batchnorm(DropoutBatchNormNet()))
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     trainer = _trainer(out, [watch], accelerator="gpu")
     trainer.fit(model, loader(classification_batch(), 8))
     patched = any("forward" in m.__dict__ for m in model.modules())

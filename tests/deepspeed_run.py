@@ -19,7 +19,12 @@ before ``engine.step()``, the recomputed check (``watch.maybe_check``) after ste
 - ``clipped``: as ``healthy``, and after each ``engine.step()`` the norm the engine clipped with checked against the
   verified gradient's (``watch.after_clipping(..., clipped_with=...)``, :func:`clip_norm`);
 - ``clipnorm``: as ``clipped``, the engine's clip norm doubled in the first step (a norm counted twice);
-- ``clipnormhooked``: as ``clipnorm``, both checks run inside ``engine.step()`` by ``applied_checks_inside_steps``.
+- ``clipnormhooked``: as ``clipnorm``, both checks run inside ``engine.step()`` by ``applied_checks_inside_steps``;
+- ``engine``: as ``healthy``, with the calls a new user makes, the engine handed to every one (``watch.record(batch)``,
+  ``watch.before_optimizer_step(engine, loss_fn, step=step)``, ``watch.after_clipping(engine, 0.5, step=step)``,
+  ``watch.maybe_check(engine, ...)``); ``enginescaled``: so, with ``scaled``'s fault;
+- ``module``: the wrapped module handed to ``before_optimizer_step`` without its gradients (under ZeRO-2/3 no
+  ``.grad``): the warnings the run gave are written too.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from real_models import ScaledWeightGradient
 from torch import Tensor, nn
 
-from gradwatch import GradientWatch
+from gradwatch import GradientCheckWarning, GradientWatch
 from gradwatch.engine.distributed.zero import gathered
 from gradwatch.engine.results.notes import codes
 from gradwatch.integrations.deepspeed import (
@@ -48,7 +54,6 @@ from gradwatch.integrations.deepspeed import (
     clip_norm,
     full_gradients,
 )
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 # deepspeed.initialize compiles a shared-memory op (g++, minutes) used only by tensor-parallel inference; the attribute
 # deepspeed.comm.torch resolves to the torch package, so the module is patched through sys.modules
@@ -177,6 +182,14 @@ def _report(report: Any) -> dict[str, Any]:
 
 
 def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _train(kind, stage, dtype_name)
+    said = [str(w.message) for w in caught if issubclass(w.category, GradientCheckWarning)]
+    return {**result, "warnings": said}
+
+
+def _train(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     torch.manual_seed(0)
     model = Net(1.03 if kind == "formula" else 1.0)
@@ -193,9 +206,8 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     data = _data(rank, dtype)
     watch = None
-    if kind != "baseline":  # every rank takes rank 0's decisions: a ZeRO-3 check gathers on all together
-        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
-                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+    if kind != "baseline":  # every rank takes rank 0's decisions (the default): a ZeRO-3 check gathers on all together
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False)
     hook = None
     if watch is not None and kind == "clipnormhooked":
         hook = applied_checks_inside_steps(engine, watch, loss_fn)
@@ -206,31 +218,39 @@ def run(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
                 engine.module, loss_fn, step=engine.global_steps + 1, gradients=FullGradients(engine)
             ),
         )
-    norms = []
+    norms, new_user = [], kind.startswith("engine")
     for step in range(1, STEPS + 1):
         for micro in range(ACCUMULATE):
             batch = data[(step - 1) * ACCUMULATE + micro]
-            if watch is not None:
+            if watch is not None and new_user:
+                watch.record(batch)
+            elif watch is not None:
                 watch.record(batch, model=engine.module, step=step)
             engine.backward(loss_fn(engine, batch))
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary:
                 if step == 1 and kind == "leftout":
                     _leave_last_micro_batch_out(engine, batch)
-                if step == 1 and kind == "scaled":
+                if step == 1 and kind.endswith("scaled"):
                     _scale_rank1_partition(engine)
-                if watch is not None and hook is None:
+                if watch is not None and new_user:
+                    watch.before_optimizer_step(engine, loss_fn, step=step)
+                elif watch is not None and kind == "module":
+                    watch.before_optimizer_step(engine.module, loss_fn, step=step)
+                elif watch is not None and hook is None:
                     watch.before_optimizer_step(engine.module, loss_fn, step=step, gradients=FullGradients(engine))
                 if step == 1 and kind.startswith("clipnorm"):
                     _double_the_clip_norm_once(engine)
             engine.step()
+            if watch is not None and new_user and boundary:
+                watch.after_clipping(engine, 0.5, step=step)  # the norm the engine clipped with is read from it
             if watch is not None and hook is None and kind.startswith("clip") and boundary:
                 found = clip_norm(engine)
                 assert found is not None
                 watch.after_clipping(engine.module, found[0], step=step, clipped_with=found[1])
         norms.append(float(engine.get_global_grad_norm()))
         if watch is not None:
-            watch.maybe_check(engine.module, data[(step - 1) * ACCUMULATE], loss_fn, step=step)
+            watch.maybe_check(engine if new_user else engine.module, data[(step - 1) * ACCUMULATE], loss_fn, step=step)
     if hook is not None:
         hook.remove()
         assert "step" not in engine.optimizer.__dict__

@@ -33,7 +33,6 @@ from gradwatch import GradientWatch
 from gradwatch.engine.results.notes import codes
 from gradwatch.integrations.deepspeed import applied_checks_inside_steps, before_engine_steps
 from gradwatch.integrations.huggingface import GradWatchCallback
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]  # see deepspeed_run
 
@@ -64,8 +63,8 @@ class AppliedChecks(transformers.TrainerCallback):
 
     def __init__(self, trainer: transformers.Trainer, plant: Any = None) -> None:
         self.trainer, self.plant = trainer, plant
-        self.watch = GradientWatch(every_n_steps=10**6, applied_every_n_steps=1, max_overhead=None, verbose=False,
-                                   decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+        # every rank takes rank 0's decisions and acts on one report: the watch's defaults
+        self.watch = GradientWatch(every_n_steps=10**6, applied_every_n_steps=1, max_overhead=None, verbose=False)
         self.hooks: list[Any] = []
         self.last: dict[str, Tensor] = {}  # the last micro-batch the Trainer trained on
 
@@ -204,8 +203,7 @@ def _accelerate(kind: str, stage: int, bf16: bool) -> dict[str, Any]:
     data = [(points.x[i : i + 4].to(dtype), points.y[i : i + 4]) for i in range(0, 24, 4)]
     watch, hook = None, None
     if kind != "accelerate_baseline":
-        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False,
-                              decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+        watch = GradientWatch(every_n_steps=2, applied_every_n_steps=1, max_overhead=None, verbose=False)
         hook = applied_checks_inside_steps(engine, watch, loss_fn)  # the engine steps inside accelerator.backward
     for batch in data:
         with accelerator.accumulate(engine):

@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 from two_processes import serve_scenarios
 
 from gradwatch import GradientWatch
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
 
 
 class _Gather(torch.autograd.Function):
@@ -98,7 +97,7 @@ def _train(scenario: str, watched: bool) -> tuple[dict[str, Any], list[float]]:
     model = DistributedDataParallel(Contrastive(dropout=0.2 if scenario.endswith("_dropout") else 0.0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = GradientWatch(every_n_steps=1000, applied_every_n_steps=1000, first_check_step=1, max_overhead=None,
-                          verbose=False, decide=rank0_decides, agree=agree_across_ranks)  # fmt: skip
+                          verbose=False)  # fmt: skip
     generator = torch.Generator().manual_seed(100 + dist.get_rank())  # each rank its own data
     said: dict[str, Any] = {"applied": None, "recomputed": None}
     for step in (1, 2):

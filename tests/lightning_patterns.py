@@ -429,7 +429,7 @@ def fit(pattern: Pattern, with_watch: bool, **watch_options: Any) -> Observed:
     pl.seed_everything(0, verbose=False)
     module = pattern.module()
     logger = RecordingLogger()
-    watch = GradWatch(every_n_steps=2, **watch_options) if with_watch else None
+    watch = GradWatch(**{"every_n_steps": 2, "max_overhead": None, **watch_options}) if with_watch else None
     trainer = pl.Trainer(
         default_root_dir=tempfile.mkdtemp(prefix="gradwatch-pattern-"),  # what loggers write, outside the tree
         accelerator="cpu",

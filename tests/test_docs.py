@@ -18,7 +18,7 @@ import pytest
 import gradwatch
 import gradwatch.cli.demo
 import gradwatch.cli.reporting
-from gradwatch import GradWatch
+from gradwatch import GradientWatch, GradWatch
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch.alerts import failure_message
 
@@ -54,7 +54,7 @@ def _options_table() -> list[tuple[str, str, str]]:
 
 
 OPTIONS = _options_table()
-SIGNATURE = inspect.signature(GradWatch.__init__).parameters
+SIGNATURE = inspect.signature(GradientWatch.__init__).parameters  # GradWatch passes its options on to the watch
 
 
 def _shown(value: object) -> str:
@@ -72,7 +72,7 @@ def test_the_options_table_is_found() -> None:
 def test_each_option_at_a_glance_is_an_argument_of_gradwatch_with_that_default(
     name: str, default: str, what: str
 ) -> None:
-    # an argument of its own, or a probe option (``**options``, the fields of ProbeSettings)
+    # an argument of the watch's own, or a probe option (``**options``, the fields of ProbeSettings)
     assert name in SIGNATURE or name in ProbeSettings.option_names()
     quoted = ast.literal_eval(default)
     resolved = getattr(GradWatch(), name)

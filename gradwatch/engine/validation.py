@@ -104,14 +104,25 @@ def keyword_names(function: Callable[..., object]) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in kinds and p.name != "self")
 
 
-def suggests_options(function: Callable[Arguments, Result]) -> Callable[Arguments, Result]:
-    """Make a function with a fixed signature answer an unknown keyword with the nearest valid name (see
-    :func:`reject_unknown_options`) instead of Python's bare "unexpected keyword argument"."""
-    names = keyword_names(function)
+def suggests_options(
+    options: type | None = None,
+) -> Callable[[Callable[Arguments, Result]], Callable[Arguments, Result]]:
+    """Make a function (a class's ``__init__``) answer an unknown keyword with the nearest valid name (see
+    :func:`reject_unknown_options`) instead of Python's bare "unexpected keyword argument": its own keyword names and
+    the keys of ``options``, the ``TypedDict`` its ``**options`` are typed by."""
+    keys: Collection[str] = getattr(options, "__optional_keys__", frozenset()) | getattr(
+        options, "__required_keys__", frozenset()
+    )
 
-    @functools.wraps(function)
-    def checked(*args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
-        reject_unknown_options(kwargs, names, f"{function.__name__}()")
-        return function(*args, **kwargs)
+    def decorate(function: Callable[Arguments, Result]) -> Callable[Arguments, Result]:
+        names = (*keyword_names(function), *keys)
+        where = f"{function.__qualname__.removesuffix('.__init__')}()"
 
-    return checked
+        @functools.wraps(function)
+        def checked(*args: Arguments.args, **kwargs: Arguments.kwargs) -> Result:
+            reject_unknown_options(kwargs, names, where)
+            return function(*args, **kwargs)
+
+        return checked
+
+    return decorate

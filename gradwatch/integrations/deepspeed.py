@@ -19,13 +19,10 @@ gradient's true norm (a norm over one rank's partition, or counted twice, gives 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from deepspeed.utils import safe_get_full_grad
-from torch import Tensor, nn
-
-from gradwatch.engine.distributed.zero import is_engine
+from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, engine_module, full_gradients
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.watch.watch import GradientWatch
 
@@ -38,60 +35,6 @@ __all__ = [
     "clipped_norm",
     "full_gradients",
 ]
-
-
-def _module(engine: Any) -> nn.Module:
-    if not is_engine(engine):
-        raise TypeError(f"`engine` must be a DeepSpeed engine (deepspeed.initialize's first result); got "
-                        f"{type(engine).__name__}")  # fmt: skip
-    return engine.module  # type: ignore[no-any-return]
-
-
-def full_gradients(engine: Any) -> dict[str, Tensor]:
-    """The gradient the engine is about to apply, by name of the wrapped module's parameters: each trainable
-    parameter's full, reduced, accumulated gradient before clipping (``safe_get_full_grad``), in float32. Call it at
-    the accumulation boundary (``engine.is_gradient_accumulation_boundary()``, after the last micro-batch's
-    ``engine.backward``, before ``engine.step()``), on every rank together: it gathers the gradient's partitions.
-
-    Args:
-        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
-    """
-    found = {}
-    for name, param in _module(engine).named_parameters():
-        if param.requires_grad:
-            gradient = safe_get_full_grad(param)
-            if gradient is not None:
-                found[name] = gradient
-    return found
-
-
-class FullGradients(Mapping[str, Tensor]):
-    """:func:`full_gradients` of ``engine``, gathered when first read: what a loop passes as ``gradients=`` at every
-    accumulation boundary, paying the gathering only when a check is due and reads it (every rank reads it then, as
-    every rank runs the check).
-
-    Args:
-        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
-    """
-
-    def __init__(self, engine: Any) -> None:
-        _module(engine)
-        self.engine = engine
-        self._found: dict[str, Tensor] | None = None
-
-    def _gradients(self) -> dict[str, Tensor]:
-        if self._found is None:
-            self._found = full_gradients(self.engine)
-        return self._found
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._gradients()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._gradients())
-
-    def __len__(self) -> int:
-        return len(self._gradients())
 
 
 class EngineStepHook:
@@ -112,24 +55,6 @@ class EngineStepHook:
             self.optimizer.__dict__.pop("step", None)  # the class's own step again
 
 
-def clipped_norm(engine: Any) -> float | None:
-    """The norm the engine's optimizer clipped its last step's gradient with (unscaled; DeepSpeed's ZeRO and bf16
-    optimizers keep it as ``_global_grad_norm``, which the engine returns as ``get_global_grad_norm()`` once its step
-    is over); ``None`` when it keeps no such norm or skipped the step (a non-finite norm). Reading it may wait for the
-    device.
-
-    Args:
-        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
-    """
-    norm = getattr(engine.optimizer, "_global_grad_norm", None)
-    if norm is None:
-        norm = engine.get_global_grad_norm()
-    if norm is None:
-        return None
-    norm = float(norm)
-    return norm if 0 <= norm < float("inf") else None  # NaN and inf: a skipped step
-
-
 def clip_norm(engine: Any) -> tuple[float, float] | None:
     """``(max_norm, norm)``: the engine's ``gradient_clipping`` and the norm it clipped the last step's gradient with
     (:func:`clipped_norm`); ``None`` when the engine does not clip, keeps no such norm, or skipped the step.
@@ -137,7 +62,7 @@ def clip_norm(engine: Any) -> tuple[float, float] | None:
     Args:
         engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
     """
-    _module(engine)
+    engine_module(engine)
     max_norm = float(engine.gradient_clipping() or 0.0)
     norm = clipped_norm(engine) if max_norm > 0 else None
     return None if norm is None else (max_norm, norm)
@@ -157,7 +82,7 @@ def before_engine_steps(
         check: Called with no argument just before each optimizer step.
         after: Called with no argument once each optimizer step is over.
     """
-    _module(engine)
+    engine_module(engine)
     optimizer = engine.optimizer
     if optimizer is None:
         raise ValueError("`engine` has no optimizer: pass one to deepspeed.initialize (or in its config)")
@@ -195,7 +120,7 @@ def applied_checks_inside_steps(
     """
     if not isinstance(watch, GradientWatch):
         raise TypeError(f"`watch` must be a gradwatch.GradientWatch; got {type(watch).__name__}")
-    module = _module(engine)
+    module = engine_module(engine)
 
     def check() -> None:
         with watch.guarded("the DeepSpeed engine's applied check"):

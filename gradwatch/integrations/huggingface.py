@@ -19,7 +19,6 @@ metrics) is put back after it (:mod:`.trainer_records`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -30,27 +29,18 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
-from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.engine.validation import keyword_names, reject_unknown_options
+from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
-from gradwatch.integrations.trainer_path import (
-    TrainerPath,
-    divides_by_count,
-    engine_checks,
-    scaled_for_window,
-    trainer_combine,
-    trainer_join,
-    window_share,
-)
+from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
 from gradwatch.outputs.sinks import Sink
-from gradwatch.watch.alerts import GradientCheckWarning, OnFail
-from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS, DEFAULT_MAX_OVERHEAD
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
+from gradwatch.watch.options import WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["STATE_KEY", "GradWatchCallback"]
@@ -87,30 +77,26 @@ class GradWatchCallback(TrainerCallback):
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
 
     Keyword Args:
-        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500 (see
-            :class:`~gradwatch.GradientWatch`).
-        first_check_step: Both kinds of check also at this optimizer step; ``None`` for none.
-        applied_every_n_steps: An applied check every this many optimizer steps (and at ``first_check_step``), within
-            the same budget (the watch's default, as under Lightning); ``None``: none. Not under FSDP (said once).
-        on_fail: ``"warn"``, ``"raise"``, ``"stop"`` or a callable (see :class:`~gradwatch.GradientWatch`).
-        loss_fn: ``loss_fn(model, inputs) -> scalar Tensor`` to check instead of ``trainer.compute_loss``. A GRPO-style
-            trainer's own loss is checked with ``hold_detached`` (:mod:`gradwatch.integrations.trainer_losses`).
-        max_overhead: The budget, a fraction of the training time the checks may take: 1% by default **whatever the
-            cadence**, one given by hand included (a due check that does not fit is postponed and counted in
-            ``counts["postponed"]``); ``None`` checks on schedule, at any cost.
-        max_reports: How many reports :attr:`reports` keeps.
-        verbose: Log what is worth knowing but is no failure (see :class:`~gradwatch.GradientWatch`).
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
         sinks: More outputs for every check's records, besides the run's own.
-        on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
-        check_update: Also check the update the optimizer makes of each gradient an applied check verified (after
-            ``max_grad_norm``'s clip), from a step hook on the Trainer's optimizer (``False``: not).
-        context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
         decide: The budget decision every process takes; by default rank 0's (:mod:`gradwatch.watch.distributed`).
         agree: The report every process acts on; by default the same on every process
             (:mod:`gradwatch.watch.distributed`).
-        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
-        **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ...): the fields of
-            :class:`~gradwatch.engine.settings.ProbeSettings`, documented there.
+        context: A context manager around each check (see :class:`~gradwatch.GradientWatch`).
+        on_report: Called with each report (see :class:`~gradwatch.GradientWatch`).
+        **options: The options of :class:`~gradwatch.GradientWatch` by name, with its defaults (``every_n_steps``,
+            ``first_check_step``, ``applied_every_n_steps``, ``on_fail``, ``loss_fn``, ``max_overhead``,
+            ``max_reports``, ``verbose``, ``check_update``), and the probe options (``tensor_probes``, ``precision``,
+            ``ignore``, ...), the fields of :class:`~gradwatch.engine.settings.ProbeSettings`. Here
+            ``loss_fn(model, inputs)`` is checked instead of ``trainer.compute_loss`` (a GRPO-style trainer's own loss
+            is checked with ``hold_detached``: :mod:`gradwatch.integrations.trainer_losses`), ``on_fail="stop"`` stops
+            training at the end of the step, applied checks are not made under FSDP (said once), and
+            ``check_update`` checks the update after ``max_grad_norm``'s clip, from a step hook on the Trainer's
+            optimizer.
+
+    Raises:
+        TypeError: An unknown option (named, with the nearest valid name).
+        ValueError: ``trainer`` is no ``transformers.Trainer``, or an option is out of range or of the wrong type.
 
     Example::
 
@@ -119,41 +105,25 @@ class GradWatchCallback(TrainerCallback):
         trainer.train()
     """
 
+    @suggests_options(WatchOptions)
     def __init__(
         self,
         trainer: Trainer,
         *,
-        every_n_steps: int | None = None,
-        first_check_step: int | None = 1,
-        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
-        on_fail: OnFail = "warn",
-        loss_fn: LossFn | None = None,
-        max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
-        max_reports: int = 1000,
-        verbose: bool = True,
         settings: ProbeSettings | None = None,
         sinks: Sequence[Sink] = (),
         decide: Decide | None = None,
         agree: Agree | None = None,
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
-        check_update: bool = True,
-        **options: Unpack[ProbeOptions],
+        **options: Unpack[WatchOptions],
     ):
-        known = (*ProbeSettings.option_names(), *keyword_names(GradWatchCallback.__init__))
-        reject_unknown_options(options, known, "GradWatchCallback()")
         if not isinstance(trainer, Trainer):
             raise ValueError(f"`trainer` must be a transformers.Trainer; got {type(trainer).__name__}")
         self.trainer = trainer
-        self.loss_fn = loss_fn
         self.watch = GradientWatch(
-            every_n_steps=every_n_steps, first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
-            max_reports=max_reports, verbose=verbose, settings=settings, sinks=sinks,
-            # several processes (DDP): rank 0 decides the budget and every process acts on the same report
-            decide=decide or rank0_decides, agree=agree or agree_across_ranks, context=self._records_kept,
-            on_report=on_report, check_update=check_update,
-            **trainer_options(trainer, loss_fn, settings, dict(options)),
+            settings=settings, sinks=sinks, on_report=on_report, decide=decide, agree=agree,
+            context=self._records_kept, **trainer_options(trainer, settings, options),
         )  # fmt: skip
         self._sinks = tuple(sinks)  # the user's; the run's own are added at each on_train_begin
         self._context = context
@@ -166,6 +136,11 @@ class GradWatchCallback(TrainerCallback):
         self._window_count: Any = None  # num_items_in_batch of the window's micro-batches
         self._window_first: dict[str, Any] | None = None  # the inputs of the window's first micro-batch
         self._applied_off: str | None = None  # why this run's applied gradient cannot be reached
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """The loss checked instead of ``trainer.compute_loss`` (``None``: the Trainer's own)."""
+        return self.watch.loss_fn
 
     @property
     def reports(self) -> list[CheckReport]:
@@ -314,40 +289,20 @@ class GradWatchCallback(TrainerCallback):
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
         scaler = getattr(self.trainer.accelerator, "scaler", None)
-        path = TrainerPath(self.trainer, self._model)
+        path = TrainerPath(
+            self.trainer, self._model, self._trainer_loss, self.loss_fn, count=self._window_count,
+            first=self._window_first,
+        )  # fmt: skip
         with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
             self.watch.before_optimizer_step(
                 self._model,
-                functools.partial(self._applied_loss, path),
+                path.loss,
                 step=self.trainer.state.global_step + 1,
-                combine=trainer_combine(self.trainer, self._window_count),
-                path=path.path,
+                training=path.training(),
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                join=trainer_join(self.trainer),  # the window's inputs as one batch, with the window's count
-                window_normalised=functools.partial(self._normalised_over_window, path),
                 optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
             )
-
-    def _normalised_over_window(self, path: TrainerPath) -> bool:
-        """Whether ``compute_loss`` divides by the window's count (:func:`~.trainer_path.divides_by_count`), asked by
-        the applied check only when the window's gradient is the one-batch one divided by the micro-batch count."""
-        inputs = self._window_first
-        return inputs is not None and divides_by_count(
-            self._trainer_loss, self._model, inputs, self._window_count, path.loss_context
-        )
-
-    def _applied_loss(self, path: TrainerPath, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
-        """One recorded micro-batch's loss, as the Trainer's training_step computes it (before its division)."""
-        inputs, num_items_in_batch = batch
-        with path.loss_context():
-            if self.loss_fn is None:
-                return self._trainer_loss(num_items_in_batch)(model, inputs)
-            loss = self.loss_fn(model, inputs)
-        # the user's loss, a mean over its own micro-batch, weighted as the Trainer's window-normalised loss weights it
-        if not scaled_for_window(self.trainer, num_items_in_batch):
-            return loss
-        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:
         """Why this run's applied gradient cannot be reached (said once), else ``None``."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.settings import ProbeSettings
+from gradwatch.watch.options import WatchOptions
 
 SURROGATE_TRAINERS = frozenset({"GRPOTrainer", "SDPOTrainer"})
 """Trainers whose ``compute_loss`` detaches the policy's own log-probabilities to build its ratio (TRL's
@@ -32,13 +33,12 @@ def surrogate_objective(trainer: Any) -> bool:
     return any(cls.__name__ in SURROGATE_TRAINERS for cls in type(trainer).__mro__)
 
 
-def trainer_options(
-    trainer: Any, loss_fn: Any, settings: ProbeSettings | None, options: dict[str, Any]
-) -> dict[str, Any]:
-    """The probe options the callback passes on: ``options``, with ``hold_detached=True`` added when the check's loss
-    is the trainer's own surrogate objective and neither ``hold_detached`` nor ``settings`` was given (settings given
-    whole are taken as they are)."""
-    if loss_fn is None and settings is None and "hold_detached" not in options and surrogate_objective(trainer):
+def trainer_options(trainer: Any, settings: ProbeSettings | None, options: WatchOptions) -> WatchOptions:
+    """The options the callback passes on to its watch: ``options``, with ``hold_detached=True`` added when the check's
+    loss is the trainer's own surrogate objective (no ``loss_fn`` given) and neither ``hold_detached`` nor ``settings``
+    was given (settings given whole are taken as they are)."""
+    given = options.get("loss_fn") is not None or settings is not None or "hold_detached" in options
+    if not given and surrogate_objective(trainer):
         return {**options, "hold_detached": True}
     return options
 

@@ -3,28 +3,25 @@ GradWatchCallback` gives the watch once per run, found from the Trainer's own ``
 
 * every process: the scalars through ``trainer.log`` (:class:`~gradwatch.outputs.sinks.LogCallSink`), which reaches
   every integration and keeps each process's log history;
-* the main process: in a TensorBoard run, the histogram and the failure text beside the Trainer's ``train/...`` tags
-  (the scalars reach it through ``trainer.log``), and the JSON lines record beside the logs: in the TensorBoard run's
-  directory, for a Weights & Biases or MLflow run in ``<output_dir>/gradwatch_records/<callback>-<run id>`` (where
-  ``gradwatch report`` pointed at their run folder looks: :mod:`gradwatch.outputs.beside`), otherwise in
+* the main process: what each ``report_to`` integration shows besides scalars and the JSON lines record beside its
+  run (:mod:`gradwatch.integrations.loggers`): in a TensorBoard run, the histogram and the failure text beside the
+  Trainer's ``train/...`` tags (the scalars reach it through ``trainer.log``) and the record in its directory; for a
+  Weights & Biases or MLflow run, the record in ``<output_dir>/gradwatch_records/<callback>-<run id>``; otherwise in
   ``output_dir``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import cast
 
-from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
-from transformers.integrations.integration_utils import MLflowCallback, TensorBoardCallback, WandbCallback
+from transformers import Trainer, TrainerState, TrainingArguments
 
-from gradwatch.outputs.beside import record_directory
-from gradwatch.outputs.jsonl import JSONL_NAME
-from gradwatch.outputs.sinks import JsonLinesSink, LogCallSink, Sink, SummaryWriterSink
+from gradwatch.integrations.loggers import logger_sinks, trainer_runs
+from gradwatch.outputs.sinks import LogCallSink, Sink
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
 
-__all__ = ["TrainerLog", "record_directories", "run_sinks", "tracking_run_id"]
+__all__ = ["TrainerLog", "run_sinks"]
 
 
 def run_sinks(
@@ -32,43 +29,9 @@ def run_sinks(
 ) -> list[Sink]:
     """The sinks of one run (see the module's docstring); ``log(values, step)`` sends values through ``trainer.log``."""
     sinks: list[Sink] = [LogCallSink(log)]
-    if not state.is_world_process_zero:
-        return sinks
-    board = next((c for c in trainer.callback_handler.callbacks if isinstance(c, TensorBoardCallback)), None)
-    writer = getattr(board, "tb_writer", None)
-    if writer is not None:
-        sinks.append(SummaryWriterSink(writer, scalars=False, prefix=TRAINER_PREFIX))
-    board_dir = getattr(writer, "log_dir", None) or getattr(board, "logging_dir", None)
-    sinks += [JsonLinesSink(directory / JSONL_NAME) for directory in record_directories(trainer, args, board_dir)]
+    if state.is_world_process_zero:
+        sinks += logger_sinks(trainer_runs(trainer, args), prefix=TRAINER_PREFIX)
     return sinks
-
-
-def record_directories(trainer: Trainer, args: TrainingArguments, board: str | None) -> list[Path]:
-    """Where the JSON lines record goes: the TensorBoard run's directory (``board``), and a directory beside each
-    Weights & Biases or MLflow run; without any of these, ``output_dir``."""
-    root = Path(args.output_dir or ".")
-    directories = [Path(board)] if board else []
-    for callback in trainer.callback_handler.callbacks:
-        run_id = tracking_run_id(callback)
-        if run_id:
-            directories.append(record_directory(root, type(callback).__name__, run_id))
-    return directories or [Path(getattr(args, "logging_dir", None) or root)]
-
-
-def tracking_run_id(callback: TrainerCallback) -> str | None:
-    """The run id of a Weights & Biases or MLflow integration callback once its run started, else ``None`` (read from
-    the objects they keep, without importing wandb or mlflow)."""
-    try:
-        if isinstance(callback, WandbCallback):
-            run = getattr(getattr(callback, "_wandb", None), "run", None)
-            return None if run is None else str(run.id)
-        if isinstance(callback, MLflowCallback):
-            active = getattr(callback, "_ml_flow", None)
-            run = active.active_run() if active is not None else None
-            return None if run is None else str(run.info.run_id)
-    except Exception:  # a tracking tool's state must not end the run: its record then goes to output_dir
-        return None
-    return None
 
 
 class TrainerLog:

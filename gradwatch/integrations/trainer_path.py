@@ -1,6 +1,8 @@
 """How a Hugging Face ``Trainer`` turns a window of micro-batches into the gradient it applies, for the applied check:
 how its ``training_step`` combines the micro-batch losses (:func:`trainer_combine`), the window's samples as one batch
-(:func:`joined_inputs`) and the path its forward runs on under mixed precision (:class:`TrainerPath`).
+(:func:`joined_inputs`), the path its forward runs on under mixed precision, and one micro-batch's loss as it weighs
+in the window: all of it one :class:`TrainerPath`, which gives the watch a loss and a
+:class:`~gradwatch.watch.hooks.TrainingPath`.
 
 Under mixed precision Accelerate wraps the model's ``forward`` itself in autocast (``model.forward``, with the
 unwrapped one kept as ``model._original_forward``), so every call of the model runs under autocast whatever its
@@ -24,6 +26,8 @@ from transformers import Trainer
 
 from gradwatch.engine.applied.equivalence import concatenate
 from gradwatch.engine.applied.window import Combine, PathContext
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.watch.hooks import TrainingPath
 
 __all__ = [
     "TrainerPath",
@@ -158,21 +162,62 @@ def window_share(trainer: Trainer, inputs: Mapping[str, Any], num_items_in_batch
 
 
 class TrainerPath:
-    """The path a Trainer's forward runs on, for the applied check of ``model`` (see the module's docstring).
+    """How a Trainer trains on the window just run, for the applied check of ``model`` (see the module's docstring).
 
     Args:
         trainer: The Trainer (its ``compute_loss_context_manager`` and its accelerator's ``autocast``).
         model: The model checked (``trainer.model``).
+        loss_with_count: ``loss_with_count(num_items_in_batch) -> loss_fn``: the Trainer's own ``compute_loss``.
+        loss_fn: The user's ``loss_fn(model, inputs)`` instead of ``compute_loss``, or ``None``.
+        count: The ``num_items_in_batch`` the Trainer passed with the window's micro-batches.
+        first: The inputs of the window's first micro-batch (``None`` if it recorded none).
     """
 
-    def __init__(self, trainer: Trainer, model: nn.Module) -> None:
-        self.trainer = trainer
-        self.model = model
+    def __init__(
+        self,
+        trainer: Trainer,
+        model: nn.Module,
+        loss_with_count: Callable[[Any], LossFn],
+        loss_fn: LossFn | None = None,
+        *,
+        count: Any = None,
+        first: dict[str, Any] | None = None,
+    ) -> None:
+        self.trainer, self.model = trainer, model
+        self.loss_with_count, self.loss_fn = loss_with_count, loss_fn
+        self.count, self.first = count, first
         self.mixed = getattr(trainer.accelerator, "mixed_precision", "no") != "no"
         own = vars(model)
         wrapped = own.get("forward") if "_original_forward" in own else None
         self._wrapped: Callable[..., Any] | None = wrapped if callable(wrapped) else None
         self._unwrapped: Callable[..., Any] | None = own.get("_original_forward") if self._wrapped else None
+
+    def training(self) -> TrainingPath:
+        """The window's training path for the watch: combined as ``training_step`` combines it, on the forward's path,
+        joined as one batch with the window's count, and normalised over the window when ``compute_loss`` divides by
+        its count (:func:`divides_by_count`, asked only when the window's gradient looks normalised twice)."""
+
+        def normalised() -> bool:
+            first = self.first
+            return first is not None and divides_by_count(
+                self.loss_with_count, self.model, first, self.count, self.loss_context
+            )
+
+        combine = trainer_combine(self.trainer, self.count)
+        return TrainingPath(combine, self.path, trainer_join(self.trainer), normalised)
+
+    def loss(self, model: nn.Module, batch: tuple[dict[str, Any], Any]) -> torch.Tensor:
+        """One recorded micro-batch's loss, as the Trainer's ``training_step`` computes it (before its division): its
+        ``compute_loss`` with the count it passed, or the user's ``loss_fn`` (a mean over its own micro-batch)
+        weighted as the Trainer's window-normalised loss weighs it (:func:`window_share`)."""
+        inputs, num_items_in_batch = batch
+        with self.loss_context():
+            if self.loss_fn is None:
+                return self.loss_with_count(num_items_in_batch)(model, inputs)
+            loss = self.loss_fn(model, inputs)
+        if not scaled_for_window(self.trainer, num_items_in_batch):
+            return loss
+        return loss * window_share(self.trainer, inputs, num_items_in_batch)
 
     @property
     def path(self) -> PathContext | None:

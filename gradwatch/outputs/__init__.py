@@ -1,6 +1,6 @@
 """Outputs: one place turns a check's report into records (:mod:`.records`), a sink per backend writes them
 (:mod:`.sinks`: TensorBoard, text-capable loggers, a JSON lines record beside the logs), and :mod:`.reading` reads a
-log directory back (event files and JSON lines) for ``gradwatch report``. Above :mod:`gradwatch.tensorboard`, below the
+log directory's JSON lines records back for ``gradwatch report``. Above :mod:`gradwatch.tensorboard`, below the
 adapters of the training loops."""
 
 from gradwatch.outputs.jsonl import JSONL_NAME

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -34,17 +35,17 @@ from gradwatch.engine.results.notes import codes
 from gradwatch.engine.results.numerics import describe_numerics
 from gradwatch.engine.results.rendering import ordered_failures
 from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
+from gradwatch.errors import ReportInputError
 from gradwatch.outputs.records import CheckRecords
-from gradwatch.tensorboard.events import (
+from gradwatch.tensorboard.writer import (
+    APPLIED_PREFIX,
     APPLIED_VERDICT_TAG,
+    CLIPPING_PREFIX,
     CLIPPING_VERDICT_TAG,
+    PREFIX,
+    UPDATE_PREFIX,
     VERDICT_TAG,
-    AppliedRecord,
-    CheckRecord,
-    EventFilesError,
-    FailureRecord,
 )
-from gradwatch.tensorboard.writer import APPLIED_PREFIX, UPDATE_PREFIX
 
 JSONL_NAME = "gradwatch.jsonl"
 """The file name of the record, in the directory of the run's logs."""
@@ -55,6 +56,63 @@ OPTIONAL_FIELDS = ("scope", "fault", "numerics")
 """Attributes of a report recorded when it has them (set by other parts of gradwatch, any JSON-able shape)."""
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+@dataclass(frozen=True)
+class CheckRecord:
+    """One check as recorded: its step and its ``gradwatch/*`` scalars (NaN ones are not logged, so may be absent)."""
+
+    step: int
+    scalars: dict[str, float]
+
+    @property
+    def verdict(self) -> str:
+        """``"ok"``, ``"inconclusive"`` or ``"fail"``, from the ``gradwatch/verdict`` scalar."""
+        return VERDICTS[round(self.scalars[VERDICT_TAG])]
+
+    def get(self, name: str) -> float:
+        """The scalar ``gradwatch/<name>``, NaN when it was not logged for this check."""
+        return self.scalars.get(PREFIX + name, math.nan)
+
+
+@dataclass(frozen=True)
+class AppliedRecord:
+    """One check around the optimizer step as recorded: its step, verdict, fault (``None`` unless it failed), the fault
+    in words (``""`` when not recorded) and its scalars."""
+
+    step: int
+    verdict: str
+    fault: str | None
+    fault_message: str
+    scalars: dict[str, float]
+    check: str = "gradient"
+    """``"gradient"``: the check of the applied gradient; ``"clipping"``: the clip coefficient's, of the same step."""
+    prefix: str = ""
+    """The prefix of its scalars when it is not an applied check's: ``gradwatch/update/`` for an update check's."""
+
+    def get(self, name: str) -> float:
+        """The scalar ``gradwatch/applied/<name>`` (``gradwatch/applied/clipping/<name>`` for the clip coefficient's
+        check, ``<prefix><name>`` for an update check's), NaN when it was not logged for this check."""
+        prefix = self.prefix or (CLIPPING_PREFIX if self.check == "clipping" else APPLIED_PREFIX)
+        return self.scalars.get(prefix + name, math.nan)
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failing probe of a recorded check."""
+
+    step: int
+    kind: str
+    tensor: str
+    index: str
+    analytic: float
+    numeric: float
+    rel_error: float
+
+    @property
+    def location(self) -> str:
+        """``tensor[index]``, or the tensor alone for the descent probe (``*``)."""
+        return f"{self.tensor}[{self.index}]" if self.index else self.tensor
 
 
 def number(value: float) -> float | str:
@@ -183,7 +241,7 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
     """One decoded line: the check, its failing probes and its culprit in words (``None`` when none was named).
 
     Raises:
-        EventFilesError: The object is not a gradwatch check record of a known version, or a field is malformed
+        ReportInputError: The object is not a gradwatch check record of a known version, or a field is malformed
             (a verdict that is not ``ok``, ``inconclusive`` or ``fail``, a step that is not a whole number ≥ 0, a
             verdict scalar that contradicts the verdict, ...). The caller adds the path and line.
     """
@@ -213,7 +271,7 @@ def parse_record(record: Any) -> tuple[CheckRecord, list[FailureRecord], str | N
         if culprit is not None:
             culprit = _field(record, "culprit", str)
     except _BadRecordError as error:
-        raise EventFilesError(str(error)) from error
+        raise ReportInputError(str(error)) from error
     return CheckRecord(step, scalars), failures, culprit or None
 
 
@@ -248,7 +306,7 @@ def parse_applied_record(record: Any) -> AppliedRecord:
     :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.results.report.FAULTS`.
 
     Raises:
-        EventFilesError: A field is malformed. The caller adds the path and line.
+        ReportInputError: A field is malformed. The caller adds the path and line.
     """
     check, _, _ = parse_record(record)
     try:
@@ -263,7 +321,7 @@ def parse_applied_record(record: Any) -> AppliedRecord:
         if check.scalars.get(tag, code) != code:
             raise _BadRecordError(f"the {tag} scalar contradicts the verdict {check.verdict!r}")
     except _BadRecordError as error:
-        raise EventFilesError(str(error)) from error
+        raise ReportInputError(str(error)) from error
     scalars = {tag: value for tag, value in check.scalars.items() if tag.startswith(APPLIED_PREFIX)}
     return AppliedRecord(check.step, check.verdict, fault, message, scalars, kind)
 

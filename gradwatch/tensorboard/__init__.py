@@ -1,22 +1,7 @@
-"""TensorBoard: writing check reports (:mod:`.writer`), the dashboard's custom-scalars layout (:mod:`.dashboard`)
-and reading gradwatch's results back from event files (:mod:`.events`). It imports the engine's report only."""
+"""TensorBoard: the tags gradwatch writes and the writing of its histograms (:mod:`.writer`), and the dashboard's
+custom-scalars layout (:mod:`.dashboard`). It imports no other part of gradwatch; ``gradwatch report`` reads the
+JSON lines record, not the event files."""
 
-from gradwatch.tensorboard.writer import (
-    FAILURES_TAG,
-    HISTOGRAM_TAG,
-    LOG10_FLOOR,
-    SummaryWriterLike,
-    failures_markdown,
-    rel_error_log10,
-    write_report,
-)
+from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG, SummaryWriterLike, write_histogram
 
-__all__ = [
-    "FAILURES_TAG",
-    "HISTOGRAM_TAG",
-    "LOG10_FLOOR",
-    "SummaryWriterLike",
-    "failures_markdown",
-    "rel_error_log10",
-    "write_report",
-]
+__all__ = ["FAILURES_TAG", "HISTOGRAM_TAG", "SummaryWriterLike", "write_histogram"]

@@ -21,15 +21,12 @@ from gradwatch.engine.results.diagnosis import diagnose
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import DEFAULT_LIMIT, nonfinite_loss, nonfinite_loss_words, render_text
 from gradwatch.engine.results.report import CheckReport, GradientCheckError
+from gradwatch.errors import GradientCheckWarning
 
 log = logging.getLogger(__name__)
 
 OnFail = Literal["warn", "raise", "stop"] | Callable[[CheckReport], object]
 ON_FAIL_CHOICES = ("warn", "raise", "stop")
-
-
-class GradientCheckWarning(UserWarning):
-    """Issued when a gradient check fails (``on_fail="warn"`` or ``"stop"``) or cannot run."""
 
 
 class Backoff:

@@ -33,12 +33,8 @@ from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine.applied import check_applied_gradient
 from gradwatch.engine.function.state import capture_rng
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
 from gradwatch.engine.settings import ProbeSettings
-
-
-class LossCollectivesError(CheckAbandonedError):
-    """The loss of a per-rank check called collectives: the check ends on every rank (each at the same evaluation)."""
+from gradwatch.errors import LossCollectivesError
 
 
 def _sequence(group: Any) -> int | None:

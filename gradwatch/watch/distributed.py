@@ -17,6 +17,7 @@ import torch
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import VERDICTS, CheckReport
+from gradwatch.errors import RaisedOnAnotherRankError
 
 
 def world_size() -> int:
@@ -64,11 +65,6 @@ def rank0_decides(wait: int) -> int:
     box: list[Any] = [wait]
     torch.distributed.broadcast_object_list(box, src=0)
     return int(box[0])
-
-
-class RaisedOnAnotherRankError(RuntimeError):
-    """Raised on every process by :func:`agree_across_ranks` when the check raised on another one
-    (``on_fail="raise"``): the same raise, so it passes every guard (:mod:`.guard`) as the original does."""
 
 
 def agree_across_ranks(report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:

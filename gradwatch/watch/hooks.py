@@ -1,10 +1,11 @@
 """What a training loop lends a :class:`~gradwatch.watch.watch.GradientWatch`: where the records go (sinks), the
-collective decisions and agreement of a distributed run, and a context around each check. The defaults suit one
-process of a plain loop."""
+collective decisions and agreement of a distributed run (by default :mod:`.distributed`'s, which are the identity in
+one process), a context around each check, and how it trains on an accumulation window (:class:`TrainingPath`)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,26 +13,44 @@ from typing import Any
 from torch import nn
 
 from gradwatch.engine import CheckReport
-
-
-class NoLossToCheckError(Exception):
-    """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
-    is skipped, silently."""
-
+from gradwatch.engine.applied.equivalence import Join
+from gradwatch.engine.applied.window import Combine, PathContext
+from gradwatch.errors import NoLossToCheckError as NoLossToCheckError
 
 Decide = Callable[[int], int]
 Agree = Callable[[CheckReport | None, Exception | None, int], CheckReport | None]
 Context = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingPath:
+    """How a loop turns the micro-batch losses of an accumulation window into the gradient it applies, for the applied
+    check (:meth:`~gradwatch.GradientWatch.before_optimizer_step`): one object an adapter builds from what its loop
+    knows, instead of four arguments. The fields are :func:`~gradwatch.engine.applied.check_applied_gradient`'s
+    keyword arguments of the same names, with the same defaults (a plain loop that divides each loss by the number of
+    micro-batches, its forward as it is).
+
+    Attributes:
+        combine: How the micro-batch losses combine: ``"mean"``, ``"sum"`` or ``combine(losses)``.
+        path: A factory of the context the training's forward ran in (autocast), or ``None``.
+        join: ``join(items) -> item``: the window's items as one item of all their samples (``None``: concatenated).
+        window_normalised: Whether each micro-batch's loss is already divided by the whole window's count, or a
+            function that says so (asked only when the window's gradient looks normalised twice).
+    """
+
+    combine: Combine = "mean"
+    path: PathContext | None = None
+    join: Join | None = None
+    window_normalised: bool | Callable[[], bool] = False
+
+    def arguments(self) -> dict[str, Any]:
+        """The fields as :func:`~gradwatch.engine.applied.check_applied_gradient`'s keyword arguments."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
 def no_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """The default context around a check: none."""
     return contextlib.nullcontext()
-
-
-def as_decided(wait: int) -> int:
-    """The default budget decision: this process's proposal (one process decides for itself)."""
-    return wait
 
 
 @contextlib.contextmanager

@@ -37,7 +37,6 @@ class Outcomes:
         verbose: Whether what is no failure is logged (INFO).
         sinks: Where the records of every check go.
         on_report: Called with each report after the sinks, before the alerts.
-        agreed_reports: Whether the processes of a distributed run agree on each recomputed report (``agree``).
     """
 
     def __init__(
@@ -47,12 +46,10 @@ class Outcomes:
         verbose: bool,
         sinks: Sequence[Sink],
         on_report: Callable[[CheckReport], object] | None,
-        agreed_reports: bool = False,
     ) -> None:
         self.on_fail, self.verbose = on_fail, verbose
         self.sinks = tuple(sinks)
         self.on_report = on_report
-        self.agreed_reports = agreed_reports
         self.reports: deque[CheckReport] = deque(maxlen=max_reports)
         self.alerts = AlertPolicy(on_fail, verbose=verbose)
         self.should_stop = False
@@ -94,18 +91,15 @@ class Outcomes:
         step: int,
         check: Callable[[], CheckReport],
         contexts: Sequence[contextlib.AbstractContextManager[Any]],
-        agree: Agree | None,
+        agree: Agree,
     ) -> CheckReport | None:
         """:meth:`guarded`, then under DDP the report every process acts on (``agree``); a raise on one process
         (``on_fail="raise"``) is made known to every process before any raises, or the others would wait."""
         try:
             report = self.guarded(step, check, contexts)
         except Exception as error:
-            if agree is not None:
-                agree(None, error, step)
+            agree(None, error, step)
             raise
-        if agree is None:
-            return report
         try:
             return agree(report, None, step)
         except RaisedOnAnotherRankError as error:  # another process's on_fail="raise": it passes the guards too
@@ -135,10 +129,10 @@ class Outcomes:
                 write_to_sinks((sink,), records)
         if self.on_report is not None:
             self.guard.callers(self.on_report, report)
-        # where every process holds the same report (agreed, or an applied check the ranks made together) only rank
-        # 0 shows its warning; the backoff counts alike everywhere
+        # every process holds the same report (agreed, or an applied check the ranks made together): only rank 0
+        # shows its warning; the backoff counts alike everywhere
         with self.guard("the alerts"):
-            self.alerts.shown = not (self.agreed_reports or report.scope != "recomputed") or rank() == 0
+            self.alerts.shown = rank() == 0
             if self.alerts.handle(report, self.guard.callers):
                 self.should_stop = True
 

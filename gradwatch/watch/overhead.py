@@ -1,4 +1,5 @@
-"""gradwatch's own time against the training time, for the ``gradwatch/overhead*`` scalars and the budget mode.
+"""gradwatch's own time against the training time, for the ``gradwatch/overhead*`` scalars and the budget
+(:mod:`.cadence`).
 
 The first recomputed check and the first applied check are made whatever the budget (they measure what a check
 costs): their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share of the training time the
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gradwatch.outputs.records import Overhead
+
 
 class OverheadClock:
     """Accumulates the time spent in checks and the time spent training."""
@@ -21,7 +24,6 @@ class OverheadClock:
     def __init__(self) -> None:
         self.check_seconds = 0.0
         self.train_seconds = 0.0
-        self.last_check_seconds = 0.0
         self.applied_seconds = 0.0
         self.first_seconds = 0.0
         """The time of the first recomputed check and of the first applied check: a one-time cost."""
@@ -39,10 +41,9 @@ class OverheadClock:
 
     def check_ran(self, started: float, ended: float) -> None:
         """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
-        self.last_check_seconds = ended - started
         if self.check_seconds == 0.0:
-            self.first_seconds += self.last_check_seconds
-        self.check_seconds += self.last_check_seconds
+            self.first_seconds += ended - started
+        self.check_seconds += ended - started
         self._mark = ended  # the check's own time is not training time
 
     def add_check(self, seconds: float) -> None:
@@ -67,29 +68,16 @@ class OverheadClock:
         spent = self.check_seconds + self.applied_seconds - self.first_seconds
         return max(spent, 0.0) / self.train_seconds if self.train_seconds > 0 else 0.0
 
-    def affordable(self, budget: float) -> bool:
-        """Whether another check, costing what the last one did, keeps gradwatch's time within ``budget`` (a
-        fraction) of the training time."""
-        if self.check_seconds == 0.0:  # the first check measures what one costs (the applied checks keep their own)
-            return True
-        return self.check_seconds + self.applied_seconds + self.last_check_seconds <= budget * self.train_seconds
-
-    def steps_until_affordable(self, budget: float, steps: int) -> int:
-        """How many more optimizer steps, at the mean training time of the ``steps`` trained so far, until another
-        check is :meth:`affordable` (at least 1)."""
-        needed = (self.check_seconds + self.applied_seconds + self.last_check_seconds) / budget - self.train_seconds
-        per_step = self.train_seconds / steps if steps > 0 and self.train_seconds > 0 else 0.0
-        if needed <= 0:
-            return 1
-        if per_step <= 0:
-            return 1
-        return max(1, math.ceil(needed / per_step))
+    def reading(self, steps: int) -> Overhead:
+        """gradwatch's time so far against the training time, as the outputs show it (``steps``: the optimizer steps
+        the training time covers, for the time of one)."""
+        step = self.train_seconds / steps if steps and self.train_seconds > 0 else math.nan
+        return Overhead(self.fraction, self.steady_fraction, self.first_seconds, step)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "check_seconds": self.check_seconds,
             "train_seconds": self.train_seconds,
-            "last_check_seconds": self.last_check_seconds,
             "applied_seconds": self.applied_seconds,
             "first_seconds": self.first_seconds,
         }
@@ -97,6 +85,5 @@ class OverheadClock:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_seconds = float(state.get("check_seconds", 0.0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.last_check_seconds = float(state.get("last_check_seconds", 0.0))
         self.applied_seconds = float(state.get("applied_seconds", 0.0))
         self.first_seconds = float(state.get("first_seconds", 0.0))

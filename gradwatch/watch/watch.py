@@ -1,14 +1,18 @@
-"""``GradientWatch``: both kinds of gradient check over a training run, in any loop, free of any framework. It
-composes the recomputed checks' schedule and budget (:mod:`.schedule`), the applied checks' windows on the same clock
-(:mod:`.applied`), what checks teach the next ones (:mod:`.lessons`) and what becomes of their reports
-(:mod:`.outcomes`: counters, sinks, alerts); adapters only turn their loop's events into its three calls."""
+"""``GradientWatch``: both kinds of gradient check over a training run, in any loop, free of any framework.
+
+It composes the checks' cadences and their one budget (:mod:`.cadence`, on the clock of :mod:`.overhead`), the
+windows the applied checks record and what those checks found (:mod:`.applied`), the update checks they lead to
+(:mod:`.updates`), what checks teach the next ones (:mod:`.lessons`) and what becomes of their reports
+(:mod:`.outcomes`: counters, sinks, alerts); adapters only turn their loop's events into its calls.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -17,31 +21,52 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
-from gradwatch.engine.applied.window import split_note
+from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
+from gradwatch.engine.applied.equivalence import Join
+from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
+from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped
+from gradwatch.engine.results.notes import Note
+from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch import collective_loss
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
-from gradwatch.watch.applied import AppliedSchedule
-from gradwatch.watch.applied_calls import AppliedCalls
+from gradwatch.watch.applied import Findings, Verified, Windows
+from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
 from gradwatch.watch.defaults import (
     DEFAULT_APPLIED_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
-from gradwatch.watch.distributed import split_ranks
-from gradwatch.watch.hooks import Agree, Context, Decide, as_decided, no_context
+from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
+from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
-from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.overhead import OverheadClock
+from gradwatch.watch.updates import UpdateChecks
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 
+UNREAD_GRADIENT = (
+    "gradwatch: the applied check of step {step} reads no gradient: no checked parameter has a .grad when "
+    "before_optimizer_step is called, so every applied check is inconclusive. An engine that keeps the gradients "
+    "elsewhere (DeepSpeed ZeRO's partitions): hand the engine itself to the watch (watch.before_optimizer_step(engine, "
+    "loss_fn, step=step)) or its gradients as gradients= (gradwatch.integrations.deepspeed.FullGradients(engine)); "
+    "otherwise call it after the window's backward passes and before zero_grad (said once)"
+)
+UNREAD_CLIP = (
+    "gradwatch: the clip check of step {step} cannot read the clipped gradient: the gradient verified was an "
+    "engine's own (gradients=), which it clips out of .grad; pass the norm it clipped with as after_clipping(..., "
+    "clipped_with=...) (DeepSpeed: engine.get_global_grad_norm after engine.step(), or hand the engine itself) "
+    "(said once)"
+)
 
-class GradientWatch(AppliedCalls):
+
+class GradientWatch:
     r"""Check, every so often during training, that the gradients a model trains on are the derivatives of its loss.
 
     Both kinds of check, in any loop, on one schedule and one budget, with three calls each a no-op unless a check is
@@ -71,21 +96,22 @@ class GradientWatch(AppliedCalls):
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
         max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
             would exceed this fraction of the training time (measured between calls); the first recomputed check is
-            always made, and measures the cost. ``"auto"`` (the default): 1% (``DEFAULT_MAX_OVERHEAD``) when
-            ``every_n_steps`` is left at its default, no budget when you choose a cadence yourself. ``None``: none.
+            always made, and measures the cost. 1% by default (``DEFAULT_MAX_OVERHEAD``) whatever the cadence, one
+            chosen by hand included; ``None``: none (``every_n_steps=1, max_overhead=None`` checks every step).
+            ``"auto"``, the rule of earlier versions: 1% at the default cadence, none for a cadence chosen by hand.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
             a series of checks probes 2 samples unless told (``DEFAULT_PROBE_BATCH_SIZE``).
         sinks: Where the records of every check go (``sink.write(records)``; ``sink.flush()`` after a failure).
-        decide: The budget decision every process takes: called with this process's proposal (0 to check now, else
-            the steps to wait), returns the decision (under DDP, rank 0's). :mod:`gradwatch.watch.distributed` has it.
-        agree: ``agree(report, error, step)``: under DDP, turns this process's recomputed report (or the error that
-            ended its check) into the report every process acts on (a gather).
+        decide: The budget decision every process takes, from this process's proposal (0 to check now, else the
+            steps to wait); by default rank 0's (:mod:`gradwatch.watch.distributed`; in one process, the proposal).
+        agree: ``agree(report, error, step)``: the report every process acts on, from this process's recomputed
+            report or error; by default the most severe process's (:mod:`gradwatch.watch.distributed`).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         check_update: At each step whose gradient an applied check verified, also check the update the optimizer
-            makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.update_calls`);
+            makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.updates`);
             ``False``: no update check.
         **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`.
@@ -110,6 +136,7 @@ class GradientWatch(AppliedCalls):
         applied 1, recomputed 1, applied 2, recomputed 2, recomputed 4
     """
 
+    @validate.suggests_options(ProbeOptions)
     def __init__(
         self,
         *,
@@ -118,7 +145,7 @@ class GradientWatch(AppliedCalls):
         applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
         on_fail: OnFail = "warn",
         loss_fn: LossFn | None = None,
-        max_overhead: float | Literal["auto"] | None = "auto",
+        max_overhead: float | Literal["auto"] | None = DEFAULT_MAX_OVERHEAD,
         max_reports: int = 1000,
         verbose: bool = True,
         settings: ProbeSettings | None = None,
@@ -142,52 +169,39 @@ class GradientWatch(AppliedCalls):
             self.max_overhead = DEFAULT_MAX_OVERHEAD if chosen is None else None
         else:
             self.max_overhead = validate.check_fraction("max_overhead", max_overhead, optional=True, auto=True)
-        self.settings = settings_of(
-            settings,
-            options,
-            {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE},
-            where="GradientWatch()",
-            own=validate.keyword_names(GradientWatch.__init__),
-        )
+        self.settings = settings_of(settings, options, {"probe_batch_size": DEFAULT_PROBE_BATCH_SIZE})
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)
-        self._update_reset()
-        self._decide = decide or as_decided
-        self._agree = agree
+        self._decide = decide or rank0_decides
+        self._agree = agree or agree_across_ranks
         self._context = context or no_context
-        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report, agree is not None)
+        self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report)
         self._lessons = Lessons(self.settings)  # what the checks taught the next ones
         self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
-        self._schedule = Schedule(self.every_n_steps, self.first_check_step, self.max_overhead, verbose=self.verbose)
-        self._applied = AppliedSchedule(
-            self.applied_every_n_steps, self.first_check_step, self.max_overhead, self._schedule.clock
-        )
+        self._clock = OverheadClock()  # the one clock of both kinds' budget
+        self._recomputed = Cadence("recomputed", self.every_n_steps, self.first_check_step, self.max_overhead,
+                                   self._clock, keys=RECOMPUTED_KEYS, verbose=self.verbose)  # fmt: skip
+        self._applied = Cadence("applied", self.applied_every_n_steps, self.first_check_step, self.max_overhead,
+                                self._clock, keys=APPLIED_KEYS)  # fmt: skip
+        self._windows = Windows(self._applied)
+        self._findings = Findings()  # what the applied checks found: faults, the verified gradient for clipping
+        self._updates = UpdateChecks(self._outcomes, self._lessons, self._clock, self._applied)
         self._last_step = 0  # the last optimizer step a call named: record() keeps windows for the one after it
         self._split_models: dict[int, bool] = {}  # by model: whether its ranks hold other parameters (a split by hand)
+        self._said: set[str] = set()  # what the watch says once per run (a gradient it cannot read)
 
-    @property
-    def sinks(self) -> tuple[Sink, ...]:
-        """Where the records of every check go (an adapter may set them once its loop's loggers exist)."""
-        return self._outcomes.sinks
-
-    @sinks.setter
-    def sinks(self, sinks: Sequence[Sink]) -> None:
-        self._outcomes.sinks = tuple(sinks)
-
-    @property
-    def should_stop(self) -> bool:
-        """``True`` once a check failed under ``on_fail="stop"``: the loop should stop (set it back to go on)."""
-        return self._outcomes.should_stop
-
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:
-        self._outcomes.should_stop = bool(value)
+    # the reports
 
     @property
     def reports(self) -> list[CheckReport]:
         """This run's reports of both kinds (``report.scope``), oldest first (at most ``max_reports``)."""
         return list(self._outcomes.reports)
+
+    @property
+    def recomputed_reports(self) -> list[CheckReport]:
+        """This run's reports with ``scope == "recomputed"``, oldest first."""
+        return [report for report in self._outcomes.reports if report.scope == "recomputed"]
 
     @property
     def applied_reports(self) -> list[CheckReport]:
@@ -200,20 +214,45 @@ class GradientWatch(AppliedCalls):
         return [report for report in self._outcomes.reports if report.scope == "update"]
 
     @property
-    def recomputed_reports(self) -> list[CheckReport]:
-        """This run's reports with ``scope == "recomputed"``, oldest first."""
-        return [report for report in self._outcomes.reports if report.scope == "recomputed"]
+    def notes(self) -> list[Note]:
+        """What the watch's own calls outside a check could not do (code ``watch-error``), one note per call site."""
+        return list(self._outcomes.guard.notes)
+
+    # the state
 
     @property
     def counts(self) -> dict[str, int]:
         """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (kept on
         resume)."""
-        return {**self._outcomes.counts, "postponed": self._schedule.postponed}
+        return {**self._outcomes.counts, "postponed": self._recomputed.postponed}
 
     @property
     def overhead(self) -> float:
         """gradwatch's time so far as a fraction of the training time (measured between calls)."""
-        return self._schedule.clock.fraction
+        return self._clock.fraction
+
+    @property
+    def should_stop(self) -> bool:
+        """``True`` once a check failed under ``on_fail="stop"``: the loop should stop (set it back to go on)."""
+        return self._outcomes.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._outcomes.should_stop = bool(value)
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        """Where the records of every check go (an adapter may set them once its loop's loggers exist)."""
+        return self._outcomes.sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Sequence[Sink]) -> None:
+        self._outcomes.sinks = tuple(sinks)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the window being run is kept for an applied check at its optimizer step."""
+        return bool(self._windows.windows)
 
     def due(self, previous_step: int, step: int) -> bool:
         """Whether a recomputed check is due after the optimizer steps ``previous_step < s <= step``.
@@ -223,7 +262,7 @@ class GradientWatch(AppliedCalls):
             step: The optimizer step just taken.
         """
         with self.guarded("watch.due"):
-            return self._schedule.due(previous_step, step)
+            return self._recomputed.due(previous_step, step)
         return False
 
     def due_next(self, step: int) -> bool:  # a recomputed check, e.g. to read a grad scaler's scale before it
@@ -233,23 +272,48 @@ class GradientWatch(AppliedCalls):
             step: The optimizer step just taken.
         """
         with self.guarded("watch.due_next"):
-            return self._schedule.due_next(step)
+            return self._recomputed.pending or self._recomputed.due(self._recomputed.last_step, step + 1)
         return False
 
-    @property
-    def recording(self) -> bool:
-        """Whether the window being run is kept for an applied check at its optimizer step."""
-        return bool(self._applied.windows)
+    def state_dict(self) -> dict[str, Any]:
+        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it); only the
+        version when it cannot be read (said once, see :meth:`guarded`)."""
+        with self.guarded("watch.state_dict"):
+            return {
+                "version": _STATE_VERSION,
+                **self._outcomes.state_dict(),
+                "focus": list(self._lessons.focus),
+                **self._recomputed.state_dict(),
+                **self._clock.state_dict(),
+                **self._applied.state_dict(),
+            }
+        return {"version": _STATE_VERSION}
 
-    def start(self, step: int = 0) -> None:
-        """Training (re)starts: the time until the next call is not training time.
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (keys missing from an older version take their defaults).
 
         Args:
-            step: The optimizer steps already taken (0 for a new run; a resumed run's step).
+            state_dict: What :meth:`state_dict` returned.
         """
-        with self.guarded("watch.start"):
-            self._schedule.start(step)
-            self._last_step = step
+        with self.guarded("watch.load_state_dict"):
+            self._outcomes.load_state_dict(state_dict)
+            self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
+            self._recomputed.load_state_dict(state_dict)
+            self._clock.load_state_dict(state_dict)
+            self._applied.load_state_dict(state_dict)
+            self._last_step = int(state_dict.get("last_step", 0))
+
+    # the calls
+
+    def guarded(self, site: str) -> contextlib.AbstractContextManager[None]:
+        """A context for what a watch or its adapter runs outside a check (``site`` names it): an error there is one
+        note (:attr:`notes`) and one warning, once per site, and the block is left; training goes on (see
+        :mod:`gradwatch.watch.guard`).
+
+        Args:
+            site: The call site, as the note and the warning name it (``"watch.record"``, ...).
+        """
+        return self._outcomes.guard(site)
 
     def setup(self, model: nn.Module) -> None:
         """Match the ``ignore`` patterns to the model's parameter names (each that matches none warns once); the first
@@ -258,9 +322,187 @@ class GradientWatch(AppliedCalls):
         Args:
             model: The model the checks will see.
         """
-        self._model = model
+        self._model = model = unwrapped(model)
         with self.guarded("watch.setup"):
             self._lessons.set_up(model)
+
+    def start(self, step: int = 0) -> None:
+        """Training (re)starts: the time until the next call is not training time.
+
+        Args:
+            step: The optimizer steps already taken (0 for a new run; a resumed run's step).
+        """
+        with self.guarded("watch.start"):
+            self._clock.restart()  # time before the first batch (set-up, a resumed run's restart) is not training time
+            self._recomputed.start(step)
+            self._last_step = step
+
+    def record(
+        self,
+        batch: Any,
+        *,
+        model: nn.Module | None = None,
+        step: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Call before each micro-batch's forward: when the window is due for an applied check, keep a reference to
+        ``batch`` (as the ``loss_fn`` of :meth:`before_optimizer_step` takes it) and the random state its forward is
+        about to draw from; else nothing.
+
+        Args:
+            batch: The micro-batch, never copied: a loop must not change it in place before the optimizer step.
+            model: The model (by default the one of the last call): at a window's first micro-batch its ``.grad``
+                is fingerprinted, so that gradients left over from the last window are recognised.
+            step: The optimizer step this window leads to (by default the one after the last step a call named; with
+                several optimizers, the same for each of the step).
+            optimizer: With several optimizers, each of its own loss (a GAN), the optimizer whose loss's forward is
+                about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
+                states). Without it, the window is shared by every optimizer of the step.
+        """
+        self._updates.release()
+        if not self._applied.enabled:
+            return
+        step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
+        key = _optimizer("optimizer", optimizer)
+        model = unwrapped(model) if model is not None else self._model
+        with self.guarded("watch.record"):  # its float64 checksums of the gradients may run out of memory
+            self._windows.record(batch, model, step, self._decide, key)
+            return
+        self._windows.abandon()
+
+    def before_optimizer_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn | None = None,
+        *,
+        step: int,
+        combine: Combine = "mean",
+        path: PathContext | None = None,
+        group: Any = "auto",
+        loss_scale: float = 1.0,
+        gradients: Mapping[str, torch.Tensor] | None = None,
+        skipped: bool | Callable[[], bool] = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        join: Join | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        window_normalised: bool | Callable[[], bool] = False,
+        max_norm: float | None = None,
+        training: TrainingPath | None = None,
+    ) -> CheckReport | None:
+        """Call after the window's backward passes (and any reduction or unscaling), before clipping and
+        ``optimizer.step()``: the applied check of the recorded window when one is due, else ``None``. When it
+        verified the gradient, the update the optimizer then makes of it is checked too, from a step post hook
+        (``check_update=True``, the default; :mod:`gradwatch.watch.updates`): its report joins :attr:`reports`.
+
+        Args:
+            model: The module whose ``.grad`` the optimizer applies, or a DeepSpeed engine (``deepspeed.initialize``'s
+                first result, ZeRO stages 1-3, called at its accumulation boundary before ``engine.step()``): the
+                module it wraps is checked against the engine's full gradients (``FullGradients(engine)``, read only
+                when a check is due).
+            loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, one micro-batch's loss as the loop computes it (the
+                constructor's when ``None``).
+            step: The optimizer step about to be taken (1 for the first).
+            combine: How the loop combines micro-batch losses: ``"mean"``, ``"sum"`` or ``combine(losses)``.
+            path: A factory of the context the training's forward ran in (autocast).
+            group: The process group whose ranks check together (DDP); ``"auto"``: the default group when one is
+                initialised and the parameters are not sharded, else none.
+            loss_scale: A float16 loop's loss scale (``GradScaler.get_scale()``).
+            gradients: By parameter name, the gradients to check instead of each ``.grad`` (an engine that keeps
+                them elsewhere).
+            skipped: Whether the optimizer skips this step (a grad scaler that found non-finite gradients), or a
+                function that says so: the due check moves to the next window.
+            optimizers: The loop's optimizers, whose state the check puts back if the loss changes it.
+            join: ``join(items) -> item``: the recorded micro-batch items as one item of all their samples, for the
+                comparison of the accumulated gradient with the window's samples taken as one batch (by default
+                :func:`~gradwatch.engine.applied.equivalence.concatenate`).
+            optimizer: With several optimizers (a GAN), the one about to step: only the parameters it updates are
+                checked, against ``loss_fn``, which must be the loss whose backward made that optimizer's gradient
+                (the discriminator's loss for the discriminator's optimizer); the window is the one :meth:`record`
+                kept for this optimizer, else the one the step's optimizers share. Call once per optimizer step.
+            window_normalised: Each micro-batch's loss is already divided by the whole window's count of samples or
+                tokens (or a function that says so): a window gradient that is the one-batch gradient divided by the
+                number of micro-batches is then warned of as a second normalisation (see
+                :func:`~gradwatch.engine.applied.check_applied_gradient`).
+            max_norm: The norm the loop clips the gradient to before the step (``clip_grad_norm_``'s), if it clips:
+                the update check's gradient is the verified one clipped so (an ``after_clipping`` call of the step
+                declares it too).
+            training: ``combine``, ``path``, ``join`` and ``window_normalised`` as one
+                :class:`~gradwatch.watch.hooks.TrainingPath` (an adapter's), instead of one by one.
+
+        A check that finds no gradient to read (no ``.grad`` on any checked parameter, none given) says so once, as a
+        :class:`~gradwatch.GradientCheckWarning` naming the remedy; its report is inconclusive.
+        """
+        validate.check_int("step", step, minimum=1)
+        optimizer = _optimizer("optimizer", optimizer)
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                     or not max_norm > 0):  # fmt: skip
+            raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
+        if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
+            model, gradients = unwrapped(model), FullGradients(model) if gradients is None else gradients
+        _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
+        if training is None:
+            training = TrainingPath(combine, path, join, window_normalised)
+        elif (combine, path, join, window_normalised) != ("mean", None, None, False):
+            raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
+        with self.guarded("watch.before_optimizer_step"):
+            window = self._window(model, step, optimizer, optimizers, skipped)
+            if window is None:
+                return None
+            return self._applied_check(
+                window, model, loss_fn, step=step, training=training, group=group, loss_scale=loss_scale,
+                gradients=gradients, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm,
+            )  # fmt: skip
+        return None
+
+    def after_clipping(
+        self,
+        model: nn.Module,
+        max_norm: float,
+        *,
+        step: int,
+        clipped_with: float | Callable[[], float | None] | None = None,
+    ) -> CheckReport | None:
+        """Call after the loop clipped the gradient by its norm (``clip_grad_norm_``, ``gradient_clip_val``,
+        ``max_grad_norm``), before ``zero_grad``: when an applied check verified this step's gradient, check that the
+        gradient the optimizer steps with is the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true
+        global norm (over ranks and shards); a wrong coefficient fails with ``fault == "clipping"`` and both norms in
+        the message (:func:`gradwatch.engine.applied.clipping.check_clipping`). Else ``None``.
+
+        Args:
+            model: The model whose gradient was clipped, or the DeepSpeed engine that clipped it (after
+                ``engine.step()``: the norm it clipped with is read from it unless ``clipped_with`` is given).
+            max_norm: The clipping threshold (``clip_grad_norm_``'s ``max_norm``).
+            step: The optimizer step, the one :meth:`before_optimizer_step` was given.
+            clipped_with: For an engine that clips the gradient in its own partitions, out of ``.grad`` (DeepSpeed,
+                after ``engine.step()``: ``engine.get_global_grad_norm()``), the norm it clipped with, checked against
+                the verified gradient's (:func:`~gradwatch.engine.applied.clipping.check_clip_norm`), or a function
+                that reads it, called only when a check verified this step's gradient (reading it may wait for the
+                device; ``None`` from it: nothing to check); without it such a gradient (checked with ``gradients=``)
+                is not checked here, which is said once.
+        """
+        if is_engine(model) and clipped_with is None:
+            engine = model
+            model, clipped_with = unwrapped(engine), lambda: clipped_norm(engine)
+        with self.guarded("watch.after_clipping"):
+            self._updates.declare(step, max_norm)
+            verified = self._findings.take_verified(step)
+            check = None if verified is None else self._clip_check(verified, model, max_norm, step, clipped_with)
+            report = None if check is None else self._outcomes.guarded(step, check, [])
+            if report is not None:
+                self._outcomes.publish(report, self._overhead())
+            return report
+        return None
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, *, step: int) -> CheckReport | None:
+        """Call after ``optimizer.step()`` where the optimizer's step runs no step hooks (the watch's own post hook runs
+        the check otherwise, and this call only returns its report): the update check of step ``step`` when one is
+        pending, else ``None``.
+
+        Args:
+            optimizer: The optimizer that stepped; by default the one the check kept.
+            step: The optimizer step just taken (the step of the applied check that verified its gradient).
+        """
+        return self._updates.stepped(optimizer, step)
 
     def maybe_check(
         self,
@@ -275,7 +517,8 @@ class GradientWatch(AppliedCalls):
         """Check ``loss_fn(model, batch)`` if a check is due at optimizer step ``step`` and fits the budget.
 
         Args:
-            model: The module whose trainable floating parameters are checked.
+            model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it
+                wraps).
             batch: The step's batch (or one micro-batch of it), as ``loss_fn`` takes it.
             loss_fn: ``loss_fn(model, batch) -> scalar Tensor``; the constructor's when ``None``.
             step: The number of optimizer steps taken so far (1 after the first).
@@ -288,11 +531,13 @@ class GradientWatch(AppliedCalls):
             The check's report, or ``None`` when no check ran (not due, postponed, skipped).
         """
         now = time.perf_counter()
-        self._update_release()  # the update check's one-shot hooks, once they have run
+        self._updates.release()  # the update check's one-shot hooks, once they have run
         loss_fn = self._loss_fn(loss_fn, step)
+        model = unwrapped(model)
         self._model, self._last_step = model, max(self._last_step, step)
         with self.guarded("watch.maybe_check"):
-            if not self._schedule.step_ended(step, now):
+            self._clock.batch_ended(now)
+            if not self._recomputed.reached(step):
                 return None
             if skipped() if callable(skipped) else skipped:
                 # the check stays pending and runs at the next optimizer step
@@ -300,7 +545,7 @@ class GradientWatch(AppliedCalls):
                 if self.verbose:
                     log.info("gradwatch: the grad scaler skipped step %d; the check moves to the next step", step)
                 return None
-            if not self._schedule.runs_now(step, self._decide):
+            if not self._recomputed.runs_now(step, self._decide):
                 return None
             return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
         return None
@@ -309,7 +554,7 @@ class GradientWatch(AppliedCalls):
         self, model: nn.Module, batch: Any, loss_fn: LossFn | None = None, *, step: int,
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> CheckReport | None:  # fmt: skip
-        """Check now, whatever the schedule; recorded, counted and alerted like a scheduled check.
+        """Check now, whatever the cadence; recorded, counted and alerted like a scheduled check.
 
         Args:
             model: The model to check.
@@ -324,7 +569,7 @@ class GradientWatch(AppliedCalls):
         """
         loss_fn = self._loss_fn(loss_fn, step)
         with self.guarded("watch.check"):
-            return self._run(model, batch, loss_fn, step, time.perf_counter(), tuple(optimizers))
+            return self._run(unwrapped(model), batch, loss_fn, step, time.perf_counter(), tuple(optimizers))
         return None
 
     def flush(self) -> None:
@@ -332,6 +577,29 @@ class GradientWatch(AppliedCalls):
         for sink in self._outcomes.sinks:
             with self.guarded(f"the sink {type(sink).__name__}"):
                 sink.flush()
+
+    # what the calls share
+
+    def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
+        validate.check_int("step", step, minimum=0)
+        chosen = validate.check_optional_callable("loss_fn", loss_fn if loss_fn is not None else self.loss_fn)
+        if chosen is None:
+            raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
+        return chosen
+
+    def _contexts(self, model: nn.Module, *, local: bool) -> list[contextlib.AbstractContextManager[Any]]:
+        """The loop's context around a check, and for a check each process makes alone, SyncBatchNorm local."""
+        return [self._context(model), local_batch_norm(model) if local else contextlib.nullcontext()]
+
+    def _overhead(self) -> Any:
+        return self._clock.reading(self._recomputed.steps)
+
+    def _say_once(self, what: str, text: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(text, GradientCheckWarning, stacklevel=4)
+
+    # the recomputed check
 
     def _run(
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
@@ -348,11 +616,13 @@ class GradientWatch(AppliedCalls):
         )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
-            self._schedule.ran(started, time.perf_counter())
+            ended = time.perf_counter()
+            self._clock.check_ran(started, ended)
+            self._recomputed.ran(ended - started)
         if report is not None:
             with self.guarded("the lessons of a check"):
                 self._lessons.learn(report)
-            self._outcomes.publish(report, self._schedule.overhead())
+            self._outcomes.publish(report, self._overhead())
         return report
 
     def _split(self, model: nn.Module) -> bool:
@@ -368,31 +638,135 @@ class GradientWatch(AppliedCalls):
                 )
         return self._split_models[id(model)]
 
-    def state_dict(self) -> dict[str, Any]:
-        """The state a checkpoint carries over (plain values: ``torch.load(weights_only=True)`` reads it); only the
-        version when it cannot be read (said once, see :meth:`guarded`)."""
-        with self.guarded("watch.state_dict"):
-            return self._state_dict()
-        return {"version": _STATE_VERSION}
+    # the applied check
 
-    def _state_dict(self) -> dict[str, Any]:
-        return {
-            "version": _STATE_VERSION,
-            **self._outcomes.state_dict(),
-            "focus": list(self._lessons.focus),
-            **self._schedule.state_dict(),
-            **self._applied.state_dict(),
-        }
+    def _window(
+        self, model: nn.Module, step: int, optimizer: Any, optimizers: Sequence[torch.optim.Optimizer],
+        skipped: bool | Callable[[], bool],
+    ) -> AppliedWindow | None:  # fmt: skip
+        """The window recorded for the applied check due at ``step`` (once the step's bookkeeping is done), else
+        ``None``: none due, none recorded (said once), or the optimizer skips the step."""
+        self._updates.release(step)
+        if self.check_update and self._windows.due(step + 1, step):
+            self._updates.keep_previous(model, step, optimizer, optimizers, _updated(model, optimizer))
+        self._model, self._last_step = model, max(self._last_step, step)
+        if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
+            self._clock.batch_ended(time.perf_counter())
+        window = self._windows.take(step, optimizer)
+        if window is None and self._windows.unrecorded(step):
+            warnings.warn(
+                f"gradwatch: the applied check due at optimizer step {step} has no recorded window: no applied check "
+                "runs until watch.record(batch) is called before each micro-batch's forward, with the step "
+                "before_optimizer_step is then given (said once)",
+                GradientCheckWarning,
+                stacklevel=4,
+            )
+        if window is None or not self._lessons.checkable(model):
+            return None
+        if skipped() if callable(skipped) else skipped:
+            self._applied.skipped()
+            if self.verbose:
+                log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
+            return None
+        return window
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (keys missing from an older version take their defaults).
+    def _applied_check(
+        self, window: AppliedWindow, model: nn.Module, loss_fn: LossFn | None, *, step: int, training: TrainingPath,
+        group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
+        optimizers: Sequence[torch.optim.Optimizer], optimizer: Any, max_norm: float | None,
+    ) -> CheckReport | None:  # fmt: skip
+        """The applied check of ``window`` along the loop's ``training`` path, and what it leaves for the clip and
+        update checks."""
+        guard = self._outcomes.guard
+        loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
+        updated, own = guard.callers(_updated, model, optimizer), gradients is None
+        if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
+            given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
+            only = {name for name, _ in updated}
+            gradients = {name: g for name, g in given.items() if name in only}
+            if not {name for name, _ in checked_parameters(model, self._lessons.active.ignore)} & set(gradients):
+                return None  # nothing this optimizer applies is checked here (ignore=: another watch's optimizer)
+            optimizers = (*optimizers, optimizer) if all(o is not optimizer for o in optimizers) else optimizers
+        if not self._readable(model, gradients):
+            self._say_once("gradient", UNREAD_GRADIENT.format(step=step))
+        group = default_group(model) if group == "auto" else group
+        started = time.perf_counter()
+        window.last_fault = self._findings.previous_fault(optimizer)  # a fault found again is no one-off
+        check = lambda: window.check(  # noqa: E731
+            loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
+            optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
+            **training.arguments(),
+        )  # fmt: skip
+        # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
+        local = group is None and not is_sharded(list(model.named_parameters()))
+        try:
+            report = self._outcomes.guarded(step, check, self._contexts(model, local=local))
+        finally:
+            seconds = time.perf_counter() - started
+            self._clock.add_check(seconds)
+            self._applied.ran(seconds)
+        if report is None:
+            return None
+        self._findings.found(optimizer, step, report.fault)
+        self._outcomes.publish(report, self._overhead())
+        # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
+        # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
+        with self.guarded("the clip check's norms of the verified gradient"):
+            held = _gradients(model, updated) if own else list((gradients or {}).values())
+            self._findings.verified = Verified(step, GradientNorms.of(held), own)
+        # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
+        # unscales it after this call) are not what the optimizer steps with: their update is not checked here
+        if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
+            with self.guarded("the update check's copies before the step"):
+                norm = self._findings.verified.norms.total
+                self._updates.prepare(model, step, optimizer, optimizers, updated, norm, max_norm)
+        return report
 
-        Args:
-            state_dict: What :meth:`state_dict` returned.
-        """
-        with self.guarded("watch.load_state_dict"):
-            self._outcomes.load_state_dict(state_dict)
-            self._lessons.focus = tuple(str(name) for name in state_dict.get("focus", ()))
-            self._schedule.load_state_dict(state_dict)
-            self._applied.load_state_dict(state_dict)
-            self._last_step = int(state_dict.get("last_step", 0))
+    def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:
+        """Whether any checked parameter has a gradient to check: its ``.grad``, or one of ``gradients``."""
+        checked = checked_parameters(model, self._lessons.active.ignore)
+        if gradients is None:
+            return any(p.grad is not None for _, p in checked)
+        return any(gradients.get(name) is not None for name, _ in checked)
+
+    def _clip_check(
+        self, verified: Verified, model: nn.Module, max_norm: float, step: int,
+        clipped_with: float | Callable[[], float | None] | None,
+    ) -> Callable[[], CheckReport] | None:  # fmt: skip
+        """The check of the clip coefficient of the gradient verified at ``step``, else ``None`` (nothing to read)."""
+        norms = verified.norms
+        if clipped_with is not None:
+            used = clipped_with() if callable(clipped_with) else clipped_with
+            if used is None:
+                return None
+            return lambda: check_clip_norm(norms, float(used), max_norm, step=step)
+        if verified.own:
+            return lambda: check_clipping(norms, _gradients(model), max_norm, step=step)
+        self._say_once("clip", UNREAD_CLIP.format(step=step))
+        return None
+
+
+def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None = None) -> list[torch.Tensor | None]:
+    """Each trainable parameter's ``.grad`` (of those an optimizer updates, when given), in order."""
+    if updated is not None:
+        return [p.grad for _, p in updated]
+    return [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def _optimizer(name: str, optimizer: Any) -> Any:
+    """``optimizer``: ``None`` or an object with ``param_groups`` (a ``torch.optim.Optimizer``), else a clear error."""
+    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
+        kind = type(optimizer).__name__
+        raise ValueError(f"`{name}` must be a torch.optim.Optimizer (with param_groups); got {kind}")
+    return optimizer
+
+
+def _updated(model: nn.Module, optimizer: Any) -> list[tuple[str, nn.Parameter]] | None:
+    """The trainable parameters of ``model`` that ``optimizer`` updates, by name (``None`` without an optimizer)."""
+    if optimizer is None:
+        return None
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    updated = [(name, p) for name, p in model.named_parameters() if id(p) in ids and p.requires_grad]
+    if not updated:
+        raise ValueError("`optimizer` updates none of the model's trainable parameters")
+    return updated

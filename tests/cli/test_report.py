@@ -1,10 +1,11 @@
-"""The gradwatch command: ``demo`` trains and prints verdicts, ``report`` summarises real event files."""
+"""The gradwatch command: ``demo`` trains and prints verdicts, ``report`` summarises the records of its runs."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import runpy
 import subprocess
@@ -15,7 +16,8 @@ import pytest
 
 from gradwatch.cli import main
 from gradwatch.cli import reporting as report_command
-from gradwatch.tensorboard.events import read_logdir
+from gradwatch.outputs.jsonl import JSONL_NAME
+from gradwatch.outputs.reading import read_logdir
 
 
 def _run(argv: list[str]) -> tuple[int, str, str]:
@@ -92,8 +94,8 @@ def test_report_over_several_runs_fails_if_any_failed(demo_logdir: tuple[Path, s
     ("setup", "message"),
     [
         ("missing", r"log directory .* does not exist"),
-        ("empty", r"no gradwatch records under .*: neither a gradwatch\.jsonl nor TensorBoard event files"),
-        ("corrupt", "corrupt event file"),
+        ("empty", r"no gradwatch records under .*: no gradwatch\.jsonl, nor a Weights & Biases or MLflow run folder$"),
+        ("corrupt", r"gradwatch\.jsonl: line \d+ is cut short \(no newline\): a truncated record"),
     ],
     ids=["missing", "empty", "corrupt"],
 )
@@ -105,14 +107,14 @@ def test_report_on_bad_input_exits_2_with_a_clear_error(
     if setup == "empty":
         target.mkdir()
     elif setup == "corrupt":
-        (source,) = (demo_logdir[0] / "healthy" / "version_0").glob("events.out.tfevents.*")
+        source = demo_logdir[0] / "healthy" / "version_0" / JSONL_NAME
         target.mkdir()
         (target / source.name).write_bytes(source.read_bytes()[:-5])
     code, out, err = _run(["report", str(target)])
     assert code == report_command.EXIT_BAD_INPUT
     assert out == ""
     assert err.startswith("gradwatch report: error: ")
-    assert re.search(message, err)
+    assert re.search(message, err.strip())
 
 
 @pytest.mark.slow
@@ -167,12 +169,10 @@ def test_command_line_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 def test_a_run_whose_every_check_was_inconclusive_exits_3(tmp_path: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(tmp_path / "blind"))
-    for step in (1, 500, 1000):
-        writer.add_scalar("gradwatch/verdict", 1.0, step)  # inconclusive
-    writer.close()
+    (tmp_path / "blind").mkdir()
+    record = {"format": "gradwatch-check", "version": 1, "verdict": "inconclusive", "scalars": {}, "failures": []}
+    lines = [json.dumps({**record, "step": step}) + "\n" for step in (1, 500, 1000)]
+    (tmp_path / "blind" / JSONL_NAME).write_text("".join(lines))
     code, out, _ = _run(["report", str(tmp_path)])
     assert code == report_command.EXIT_NOTHING_CHECKED == 3
     assert "result: NOTHING CHECKED, every check of blind was inconclusive (exit status 3)" in out

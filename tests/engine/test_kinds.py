@@ -24,9 +24,9 @@ from gradwatch.engine.results.report import UNDECIDED_REASONS, VERDICTS, CheckRe
 
 PACKAGE = Path(kinds.__file__).resolve().parents[2]
 KIND_NAMES = {kind.value for kind in ProbeKind}
-OWN_KINDS = {"engine/results/kinds.py", "engine/function/sandbox.py", "tensorboard/events.py"}
-"""Modules allowed to spell kind names: the table itself, the sandbox, whose saved objects have kinds of their own
-("tensor", "module", "dict"), and the reader of event files, whose protobuf values have kinds ("tensor", "histo")."""
+OWN_KINDS = {"engine/results/kinds.py", "engine/function/sandbox.py"}
+"""Modules allowed to spell kind names: the table itself and the sandbox, whose saved objects have kinds of their own
+("tensor", "module", "dict")."""
 
 
 def _probe(kind: str, verdict: str = "ok", reason: str = "agrees", index: tuple[int, ...] | None = None) -> Probe:

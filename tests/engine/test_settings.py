@@ -1,16 +1,16 @@
 """ProbeSettings: the probe options of a check as one object, validated once; check_gradients and
-check_applied_gradient take them one by one (keyword-only) or whole (settings=), not both, with the same defaults."""
+check_applied_gradient take them one by one (``**options``) or whole (settings=), not both."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import pytest
 import torch
 
 from gradwatch import ProbeSettings, check_applied_gradient, check_gradients
+from gradwatch.engine.settings import ProbeOptions
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -22,11 +22,9 @@ def _model_and_batch() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tenso
     return torch.nn.Linear(4, 2), (torch.randn(6, 4), torch.randn(6, 2))
 
 
-def test_the_fields_are_the_keyword_options_of_check_gradients() -> None:
-    keywords = inspect.signature(check_gradients).parameters
-    assert set(ProbeSettings.option_names()) <= set(keywords)
-    for name in ProbeSettings.option_names():
-        assert getattr(ProbeSettings(), name) == (() if name == "ignore" else keywords[name].default), name
+def test_the_typed_options_are_the_fields_of_the_settings() -> None:
+    # ``**options: Unpack[ProbeOptions]`` types what the dataclass defaults and documents: the same names
+    assert ProbeOptions.__optional_keys__ == set(ProbeSettings.option_names())
 
 
 def test_settings_whole_check_as_the_same_options_one_by_one() -> None:
@@ -48,20 +46,6 @@ def test_settings_and_options_one_by_one_are_refused_together() -> None:
         check_gradients(model, batch, _loss, seed=3, settings=ProbeSettings())
     with pytest.raises(TypeError, match="`settings` must be None or a ProbeSettings; got dict"):
         check_gradients(model, batch, _loss, settings={"seed": 3})  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("check", [check_gradients, check_applied_gradient], ids=["recomputed", "applied"])
-def test_the_checks_take_their_options_keyword_only_with_the_defaults_of_the_settings(check: Any) -> None:
-    parameters = inspect.signature(check).parameters
-    positional = [name for name, p in parameters.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    # what is checked: the model, its batch or window, its loss (and the applied gradient, by default each .grad)
-    assert positional == (["model", "batch", "loss_fn"] if check is check_gradients else
-                          ["model", "batches", "loss_fn", "gradients"])  # fmt: skip
-    assert parameters["settings"].default is None
-    shared = [name for name in ProbeSettings.option_names() if name in parameters]
-    assert {"tensor_probes", "ignore", "seed"} <= set(shared)
-    for name in shared:  # one default per option, whichever check takes it
-        assert parameters[name].default == getattr(ProbeSettings(), name), name
 
 
 def _applied_window() -> tuple[torch.nn.Module, list[Any]]:

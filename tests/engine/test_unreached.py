@@ -81,7 +81,7 @@ def test_a_watch_warns_of_a_dropped_bias_once_per_run() -> None:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = GradientWatch(every_n_steps=1, applied_every_n_steps=1)
+    watch = GradientWatch(every_n_steps=1, max_overhead=None, applied_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, 4):

@@ -75,7 +75,7 @@ def _train(watch: GradientWatch | None, tracker: Any = None, project_dir: Path |
 
 
 def test_the_accelerate_recipe_checks_both_kinds_logs_both_and_trains_as_without() -> None:
-    watch, tracker = GradientWatch(every_n_steps=2, applied_every_n_steps=4), _Tracker()
+    watch, tracker = GradientWatch(every_n_steps=2, max_overhead=None, applied_every_n_steps=4), _Tracker()
     watched = _train(watch, tracker)
     assert [(r.step, r.verdict) for r in watch.recomputed_reports] == [(1, "ok"), (2, "ok"), (4, "ok"), (6, "ok")]
     assert [(r.step, r.verdict) for r in watch.applied_reports] == [(1, "ok"), (4, "ok")]
@@ -88,7 +88,7 @@ def test_the_accelerate_recipe_checks_both_kinds_logs_both_and_trains_as_without
 @pytest.mark.slow
 def test_gradwatch_report_reads_both_kinds_of_check_of_the_recipes_tensorboard_run(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    watch = GradientWatch(every_n_steps=2, applied_every_n_steps=4)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None, applied_every_n_steps=4)
     _train(watch, "tensorboard", tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

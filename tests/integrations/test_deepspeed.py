@@ -170,3 +170,50 @@ def test_a_clip_norm_counted_twice_by_the_engine_fails_with_fault_clipping(
         assert "the engine clipped with the norm" in clips[0]["message"]
         applied = [r for r in rank["reports"] if r["scope"] == "applied" and r not in clips]
         assert [r["verdict"] for r in applied] == ["ok"] * 3  # the gradient before clipping was right
+
+
+@pytest.fixture(scope="module")
+def new_user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    kinds = ("healthy", "baseline", "engine", "enginescaled")
+    scenarios = [f"{kind}-z{stage}-fp32" for stage in STAGES for kind in kinds]
+    return _run(tmp_path_factory, "new_user", [*scenarios, "module-z2-fp32", "module-z3-fp32"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_engine_handed_to_the_watch_is_checked_as_the_documented_recipe_checks_it(
+    new_user: dict[str, Any], stage: int
+) -> None:
+    """``watch.before_optimizer_step(engine, loss_fn, step=step)``, as a new user calls it: the watch reads the engine's
+    full gradients itself (the same verdicts and floors as ``gradients=FullGradients(engine)``), the clip check reads
+    the norm the engine clipped with, and training is bit for bit as without gradwatch."""
+    engine, documented = _ranks(new_user, f"engine-z{stage}-fp32"), _ranks(new_user, f"healthy-z{stage}-fp32")
+    for watched, recipe, plain in zip(engine, documented, _ranks(new_user, f"baseline-z{stage}-fp32"), strict=True):
+        clips = _clip_reports(watched)
+        checks = [r for r in watched["reports"] if r not in clips]
+        assert _kinds({"reports": checks}) == HEALTHY
+        assert [r["floor_excess"] for r in checks] == [r["floor_excess"] for r in recipe["reports"]]
+        assert [(r["step"], r["verdict"]) for r in clips] == [(1, "ok"), (2, "ok"), (3, "ok")]
+        assert not watched["warnings"]
+        for key in ("params", "master", "optimizer"):
+            assert watched[key] == plain[key], key
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_fault_in_the_engine_handed_to_the_watch_is_caught(new_user: dict[str, Any], stage: int) -> None:
+    for rank in _ranks(new_user, f"enginescaled-z{stage}-fp32"):
+        first = rank["reports"][0]
+        assert (first["step"], first["verdict"], first["fault"]) == (1, "fail", "reduction")
+        assert first["message"].startswith("rank(s) [1] own the partitions")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_the_watch_cannot_read_is_said_once_with_the_remedy(new_user: dict[str, Any], stage: int) -> None:
+    """The wrapped module handed over without its gradients: under ZeRO-2/3 it has no ``.grad``; every applied check
+    is inconclusive, and the watch says why once, naming the engine and ``FullGradients``."""
+    for rank in _ranks(new_user, f"module-z{stage}-fp32"):
+        applied = [r for r in rank["reports"] if r["scope"] == "applied"]
+        assert [r["verdict"] for r in applied] == ["inconclusive"] * 3
+        said = [text for text in rank["warnings"] if "reads no gradient" in text]
+        assert len(said) == 1, rank["warnings"]
+        assert "before_optimizer_step(engine" in said[0]
+        assert "FullGradients(engine)" in said[0]

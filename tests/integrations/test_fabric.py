@@ -39,7 +39,7 @@ def _train(watch: GradientWatch | None, steps: int = 6, bug: bool = False, check
 
 @pytest.mark.parametrize("check", ["module", "wrapper"])
 def test_a_fabric_loop_checks_on_schedule_and_trains_as_without_the_watch(check: str) -> None:
-    watch = GradientWatch(every_n_steps=2)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientCheckWarning)
         watched = _train(watch, check=check)
@@ -48,7 +48,7 @@ def test_a_fabric_loop_checks_on_schedule_and_trains_as_without_the_watch(check:
 
 
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module() -> None:
-    watch = GradientWatch(every_n_steps=2, on_fail=lambda report: None)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None, on_fail=lambda report: None)
     _train(watch, bug=True)
     first = watch.reports[0]
     assert (first.step, first.verdict) == (1, "fail")
@@ -62,7 +62,9 @@ def test_the_recipes_sink_logs_both_kinds_of_check_through_fabric_log_dict(tmp_p
     fabric.seed_everything(0, verbose=False)
     model = MLP()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    watch = GradientWatch(every_n_steps=2, applied_every_n_steps=2, sinks=[LogCallSink(fabric.log_dict)])
+    watch = GradientWatch(
+        every_n_steps=2, max_overhead=None, applied_every_n_steps=2, sinks=[LogCallSink(fabric.log_dict)]
+    )
     for step, batch in enumerate(classification_batches(4), start=1):
         watch.record(batch)
         fabric.backward(cross_entropy(model, batch))

@@ -162,7 +162,7 @@ def test_a_clip_coefficient_computed_on_a_wrong_norm_fails_as_clipping(tmp_path:
 def test_under_the_default_budget_the_first_applied_check_runs_at_step_1_and_the_next_waits_for_the_budget(
     tmp_path: Path,
 ) -> None:
-    budgeted = GradWatch(applied_every_n_steps=1)  # max_overhead="auto": 1%, the default cadence of recomputed checks
+    budgeted = GradWatch(applied_every_n_steps=1)  # the default budget: 1%
     trainer(tmp_path, [budgeted], max_steps=6).fit(_Lit(MLP()), _loader(MLP()))
     assert [r.step for r in budgeted.applied_reports] == [1]  # the first is made (a bug from step 1 is found at once)
     assert [r.step for r in budgeted.recomputed_reports] == [1]  # the recomputed first check too, as always

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradWatch
+from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, GradientWatch, GradWatch
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.integrations.lightning.publishing import progress_status
 from gradwatch.outputs.records import applied_scalars, update_scalars
@@ -64,7 +64,7 @@ def _events(log_dir: str) -> EventAccumulator:
 
 @pytest.mark.slow
 def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     with pytest.warns(GradientCheckWarning, match=r"fc\.weight"):
         trainer(tmp_path, [watch], logger=logger, max_steps=4).fit(
@@ -101,7 +101,7 @@ def test_fit_writes_scalars_histograms_and_failure_text_readable_by_tensorboard(
 
 @pytest.mark.slow
 def test_healthy_run_logs_no_failure_text(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=3)
+    watch = GradWatch(every_n_steps=3, max_overhead=None)
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     trainer(tmp_path, [watch], logger=logger, max_steps=6).fit(LitClassifier(), loader(classification_batch()))
     events = _events(logger.log_dir)
@@ -114,7 +114,7 @@ def test_healthy_run_logs_no_failure_text(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_checks_run_on_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=3, first_check_step=1, param_probes=2, input_probes=0)
+    watch = GradWatch(every_n_steps=3, max_overhead=None, first_check_step=1, param_probes=2, input_probes=0)
     model = LitClassifier()
     trainer(tmp_path, [watch], max_steps=10, accumulate_grad_batches=2).fit(model, loader(classification_batch(), 20))
     assert [r.step for r in watch.recomputed_reports] == [1, 3, 6, 9]
@@ -127,11 +127,11 @@ def test_checks_run_on_optimizer_steps_under_gradient_accumulation(tmp_path: Pat
     [(0, 1, True), (1, 2, False), (4, 5, True), (5, 6, False), (8, 10, True), (10, 11, False)],
 )
 def test_schedule(previous: int, step: int, due: bool) -> None:
-    assert GradWatch(every_n_steps=5, first_check_step=1).due(previous, step) is due
+    assert GradWatch(every_n_steps=5, max_overhead=None, first_check_step=1).due(previous, step) is due
 
 
 def test_without_first_check_only_the_interval_counts() -> None:
-    watch = GradWatch(every_n_steps=5, first_check_step=None)
+    watch = GradWatch(every_n_steps=5, max_overhead=None, first_check_step=None)
     assert not watch.due(0, 1)
     assert watch.due(4, 5)
 
@@ -142,7 +142,9 @@ def test_probes_do_not_overwrite_the_runs_logged_metrics(tmp_path: Path) -> None
     model = LitClassifier()
     model.output = "dict"
     logger = CSVLogger(str(tmp_path), name="csv")
-    run = trainer(tmp_path, [GradWatch(every_n_steps=1)], logger=logger, max_steps=5, log_every_n_steps=1)
+    run = trainer(
+        tmp_path, [GradWatch(every_n_steps=1, max_overhead=None)], logger=logger, max_steps=5, log_every_n_steps=1
+    )
     run.fit(model, loader(classification_batch()))
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
@@ -154,7 +156,7 @@ def test_probes_do_not_overwrite_the_runs_logged_metrics(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_other_loggers_get_the_scalars(tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path), name="csv")
-    trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(
+    trainer(tmp_path, [GradWatch(every_n_steps=2, max_overhead=None)], logger=logger, max_steps=4).fit(
         LitClassifier(), loader(classification_batch())
     )
     with open(Path(logger.log_dir) / "metrics.csv") as f:
@@ -165,7 +167,7 @@ def test_other_loggers_get_the_scalars(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_no_logger_is_fine(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     trainer(tmp_path, [watch], logger=False, max_steps=4).fit(LitClassifier(), loader(classification_batch()))
     assert len(watch.recomputed_reports) == 3
 
@@ -180,7 +182,7 @@ def test_on_fail_raise(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_on_fail_stop_stops_the_trainer_cleanly(tmp_path: Path) -> None:
-    run = trainer(tmp_path, [GradWatch(every_n_steps=1, on_fail="stop")], max_steps=8)
+    run = trainer(tmp_path, [GradWatch(every_n_steps=1, max_overhead=None, on_fail="stop")], max_steps=8)
     with pytest.warns(GradientCheckWarning, match="stopping training"):
         run.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 8))
     assert run.global_step == 1
@@ -190,7 +192,7 @@ def test_on_fail_stop_stops_the_trainer_cleanly(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_on_fail_callable_receives_the_report(tmp_path: Path) -> None:
     received: list[CheckReport] = []
-    watch = GradWatch(every_n_steps=2, on_fail=received.append, applied_every_n_steps=None)
+    watch = GradWatch(every_n_steps=2, max_overhead=None, on_fail=received.append, applied_every_n_steps=None)
     trainer(tmp_path, [watch], max_steps=4).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert [r.step for r in received] == [1, 2, 4]
     assert all(r.verdict == "fail" and r in watch.recomputed_reports for r in received)
@@ -207,7 +209,7 @@ def _headline(message: str) -> str:
 def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, applied_every_n_steps=None)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, param_probes=2, input_probes=0, applied_every_n_steps=None)
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
         trainer(tmp_path, [watch], max_steps=9).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 9))
     assert watch.counts["failed"] == 9
@@ -226,7 +228,9 @@ def test_warnings_are_rate_limited_and_each_failure_is_shown_once(
 
 @pytest.mark.slow
 def test_not_verbose_logs_no_info_and_warns_only_for_failures(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=2, input_probes=0, verbose=False, applied_every_n_steps=None)
+    watch = GradWatch(
+        every_n_steps=1, max_overhead=None, param_probes=2, input_probes=0, verbose=False, applied_every_n_steps=None
+    )
     with caplog.at_level(logging.INFO, logger="gradwatch"), pytest.warns(GradientCheckWarning) as warned:
         trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 3))
     assert [r for r in caplog.records if r.name.startswith("gradwatch") and r.levelno >= logging.INFO] == []
@@ -269,7 +273,7 @@ class _Undo(pl.Callback):
 @pytest.mark.slow
 def test_probe_that_raises_never_stops_training_or_changes_state(tmp_path: Path) -> None:
     flag = _Flag(raise_in_step=True)
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     run = trainer(tmp_path, [flag, watch, _Undo(flag)], max_steps=4)
     with pytest.warns(GradientCheckWarning, match="could not run and was skipped.*training_step failed on purpose"):
         run.fit(LitClassifier(), loader(classification_batch()))
@@ -291,7 +295,7 @@ def test_probe_that_raises_with_on_fail_raise_propagates(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_training_step_returning_none_skips_the_check(tmp_path: Path) -> None:
     flag = _Flag(output="none")
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     trainer(tmp_path, [flag, watch, _Undo(flag)], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
     assert watch.recomputed_reports == []
     assert watch.counts["skipped"] == 3
@@ -301,7 +305,7 @@ def test_training_step_returning_none_skips_the_check(tmp_path: Path) -> None:
 def test_training_step_returning_a_dict(tmp_path: Path) -> None:
     model = LitClassifier()
     model.output = "dict"
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     trainer(tmp_path, [watch], max_steps=2).fit(model, loader(classification_batch()))
     assert [r.verdict for r in watch.recomputed_reports] == ["ok", "ok"]
 
@@ -328,14 +332,16 @@ def test_manual_optimization_needs_a_loss_fn(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_manual_optimization_with_a_loss_fn(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=2, loss_fn=lambda module, batch: cross_entropy_loss(module.net, batch))
+    watch = GradWatch(
+        every_n_steps=2, max_overhead=None, loss_fn=lambda module, batch: cross_entropy_loss(module.net, batch)
+    )
     trainer(tmp_path, [watch], max_steps=4).fit(_ManualModule(), loader(classification_batch()))
     assert [(r.step, r.verdict) for r in watch.recomputed_reports] == [(1, "ok"), (2, "ok"), (4, "ok")]
 
 
 @pytest.mark.slow
 def test_reports_are_bounded_oldest_first(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1, max_reports=2, param_probes=1, input_probes=0)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, max_reports=2, param_probes=1, input_probes=0)
     trainer(tmp_path, [watch], max_steps=5).fit(LitClassifier(), loader(classification_batch()))
     assert [r.step for r in watch.recomputed_reports] == [4, 5]
     assert watch.counts["checks"] == 5
@@ -357,7 +363,7 @@ def test_tensors_a_check_could_not_decide_are_probed_again_at_the_next(
         return report
 
     monkeypatch.setattr(watch_module, "check_gradients", check_marking_a_kink)
-    watch = GradWatch(every_n_steps=1, tensor_probes=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, tensor_probes=1)
     trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
     undecided = [r.undecided for r in watch.recomputed_reports]
     assert all(len(names) == 1 for names in undecided)
@@ -367,14 +373,14 @@ def test_tensors_a_check_could_not_decide_are_probed_again_at_the_next(
 
 @pytest.mark.slow
 def test_state_dict_is_plain_and_survives_a_weights_only_round_trip(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1, param_probes=1, input_probes=0)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, param_probes=1, input_probes=0)
     with pytest.warns(GradientCheckWarning):
         trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 3))
     state = watch.state_dict()
     torch.save(state, tmp_path / "state.pt")
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert loaded == state
-    resumed = GradWatch(every_n_steps=1)
+    resumed = GradWatch(every_n_steps=1, max_overhead=None)
     resumed.load_state_dict(loaded)
     assert recomputed_counts(resumed.counts) == recomputed_counts(watch.counts)
     assert recomputed_counts(watch.counts) == {"checks": 3, "failed": 3, "skipped": 0, "postponed": 0}
@@ -428,7 +434,7 @@ def test_zero_interference_with_training(tmp_path: Path) -> None:
         return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
     without = run([])
-    with_checks = run([GradWatch(every_n_steps=2)])
+    with_checks = run([GradWatch(every_n_steps=2, max_overhead=None)])
     assert without.keys() == with_checks.keys()
     for name, value in without.items():
         assert torch.equal(value, with_checks[name]), name
@@ -439,7 +445,10 @@ def test_progress_bar_shows_the_last_verdict(tmp_path: Path, capsys: pytest.Capt
     # the TQDM bar explicitly: Lightning picks the Rich bar when `rich` is installed, which draws differently
     bar = TQDMProgressBar()
     run = trainer(
-        tmp_path, [GradWatch(every_n_steps=2, on_fail=lambda report: None), bar], max_steps=4, enable_progress_bar=True
+        tmp_path,
+        [GradWatch(every_n_steps=2, max_overhead=None, on_fail=lambda report: None), bar],
+        max_steps=4,
+        enable_progress_bar=True,
     )
     run.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert run.progress_bar_callback is not None
@@ -459,7 +468,9 @@ def test_progress_status_keeps_earlier_failures_in_sight() -> None:
 
 @pytest.mark.slow
 def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1, probe_batch_size=1)  # one sample, which the BatchNorm of LitClassifier refuses
+    watch = GradWatch(
+        every_n_steps=1, max_overhead=None, probe_batch_size=1
+    )  # one sample, which the BatchNorm of LitClassifier refuses
     trainer(tmp_path, [watch], max_steps=3).fit(LitClassifier(), loader(classification_batch()))
     assert [r.samples for r in watch.recomputed_reports] == [4, 4, 4]
     assert [bool(r.noted(NoteCode.SLICE_REFUSED)) for r in watch.recomputed_reports] == [True, False, False]
@@ -468,7 +479,7 @@ def test_a_probe_slice_the_loss_refused_is_not_tried_again(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_loss_that_cannot_be_vectorised_is_not_tried_again(tmp_path: Path) -> None:
     # LitSeedModel's custom autograd.Function has no vmap rule
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     trainer(tmp_path, [watch], max_steps=3).fit(LitSeedModel(), loader(seed_batch()))
     assert [r.vectorized for r in watch.recomputed_reports] == [False, None, None]
     assert [r.verdict for r in watch.recomputed_reports] == ["ok", "ok", "ok"]
@@ -476,15 +487,21 @@ def test_loss_that_cannot_be_vectorised_is_not_tried_again(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_training_step_is_vectorised(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     trainer(tmp_path, [watch], max_steps=2).fit(LitClassifier(), loader(classification_batch()))
     assert [r.vectorized for r in watch.recomputed_reports] == [True, True]
     assert all(r.n_passes < r.n_forward for r in watch.recomputed_reports)
 
 
-def test_the_default_cadence_has_a_budget_and_a_chosen_one_has_none() -> None:
+def test_the_budget_is_one_percent_whatever_the_cadence() -> None:
     assert (GradWatch().every_n_steps, GradWatch().max_overhead) == (500, 0.01)
-    assert (GradWatch(every_n_steps=2).every_n_steps, GradWatch(every_n_steps=2).max_overhead) == (2, None)
+    assert (GradWatch(every_n_steps=2).every_n_steps, GradWatch(every_n_steps=2).max_overhead) == (2, 0.01)
+    assert GradientWatch(every_n_steps=2).max_overhead == 0.01  # the one default, the watch's
     assert GradWatch(every_n_steps=2, max_overhead=0.05).max_overhead == 0.05
     assert GradWatch(max_overhead=None).max_overhead is None
+    # the rule of earlier versions, kept for those who ask for it: no budget for a cadence chosen by hand
+    assert (
+        GradWatch(max_overhead="auto").max_overhead,
+        GradWatch(every_n_steps=2, max_overhead="auto").max_overhead,
+    ) == (0.01, None)
     assert GradWatch().state_key == GradWatch(every_n_steps=500).state_key  # checkpoints of earlier versions load

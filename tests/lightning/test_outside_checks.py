@@ -19,7 +19,7 @@ import gradwatch.engine.applied.window as window
 import gradwatch.integrations.lightning.callback as callback
 import gradwatch.integrations.lightning.publishing as publishing
 import gradwatch.watch.applied as applied
-import gradwatch.watch.schedule as schedule
+import gradwatch.watch.cadence as cadence
 from gradwatch import GradientCheckWarning, GradWatch
 
 pytestmark = pytest.mark.slow
@@ -85,10 +85,10 @@ def test_an_fno_under_gradwatch_at_its_defaults_trains_as_without_it() -> None:
 SITES: list[tuple[Any, str]] = [
     (window.Checksums, "of"),
     (clipping.GradientNorms, "of"),
-    (applied.AppliedSchedule, "record"),
-    (schedule.Schedule, "step_ended"),
+    (applied.Windows, "record"),
+    (cadence.Cadence, "reached"),
     (callback, "publish_dashboard"),
-    (callback, "sinks"),
+    (callback, "lightning_runs"),
     (callback, "show_in_progress_bar"),
     (callback, "training_step_loss"),
     (callback, "_grad_scaler"),
@@ -118,7 +118,7 @@ def test_an_error_at_a_call_site_of_the_callback_is_reported_once_and_the_fit_go
         raise InjectedError(marker)
 
     monkeypatch.setattr(owner, name, raising)
-    watch = GradWatch(every_n_steps=1, applied_every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, applied_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         watched = _fit(watch)

@@ -93,11 +93,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "wandb": WandbLike(),
         "mlflow": MlflowLike(tmp / "mlruns"),
     }
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    publishing_log = logging.getLogger("gradwatch.integrations.lightning.publishing")
+    publishing_log = logging.getLogger("gradwatch.integrations.loggers")
     publishing_log.addHandler(handler)
     publishing_log.setLevel(logging.INFO)
     try:
@@ -187,7 +187,7 @@ def test_early_stopping_can_monitor_the_verdict(tmp_path: Path) -> None:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradientCheckWarning)
-        fit = trainer(tmp_path, [GradWatch(every_n_steps=2), stop], max_steps=-1, max_epochs=3)
+        fit = trainer(tmp_path, [GradWatch(every_n_steps=2, max_overhead=None), stop], max_steps=-1, max_epochs=3)
         fit.fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     assert fit.global_step == 4  # one epoch of four batches, not three
     assert stop.stopped_epoch == 0
@@ -204,4 +204,4 @@ def test_gradwatch_report_reads_every_loggers_record(run: dict[str, Any]) -> Non
         "tb/version_0",
     ]
     assert all([c.step for c in found.checks] == [1, 2, 4] and found.failed for found in runs.values())
-    assert runs["tb/version_0"].has_histogram  # the TensorBoard run: its event files and its JSON record, merged
+    assert all(found.failures == runs["tb/version_0"].failures != [] for found in runs.values())  # one record each

@@ -136,7 +136,14 @@ def _clean(report: CheckReport) -> bool:
 
 def test_accumulation_checks_the_last_micro_batch_of_optimizer_steps_only(tmp_path: Path) -> None:
     model = _Recording()
-    watch = GradWatch(every_n_steps=2, first_check_step=1, param_probes=2, input_probes=0, applied_every_n_steps=None)
+    watch = GradWatch(
+        every_n_steps=2,
+        max_overhead=None,
+        first_check_step=1,
+        param_probes=2,
+        input_probes=0,
+        applied_every_n_steps=None,
+    )
     trainer(tmp_path, [watch], max_steps=5, accumulate_grad_batches=4).fit(model, loader(classification_batch(), 20))
     assert [r.step for r in watch.recomputed_reports] == [1, 2, 4]  # optimizer steps, not the 20 micro-batches
     # the check runs after the optimizer step, on the window's last micro-batch: batches 3, 7 and 15
@@ -152,7 +159,7 @@ def test_bf16_mixed_native_probes_run_outside_autocast_in_float32_and_are_as_cle
     for precision in ("32-true", "bf16-mixed"):
         pl.seed_everything(0, verbose=False)  # the same model and dropout masks in both runs
         model = _Recording()
-        watch = GradWatch(every_n_steps=2, precision="native")  # no float64 re-measurement
+        watch = GradWatch(every_n_steps=2, max_overhead=None, precision="native")  # no float64 re-measurement
         trainer(tmp_path, [watch], max_steps=4, precision=precision).fit(model, loader(classification_batch()))
         verdicts[precision] = _reports(watch)
         assert all(_clean(r) for r in watch.recomputed_reports), "\n".join(str(r) for r in watch.recomputed_reports)
@@ -208,7 +215,7 @@ def test_16_mixed_step_skipped_by_the_grad_scaler_is_a_skipped_check_and_the_che
     # float16 autocast with a GradScaler, on CPU through the precision plugin (Trainer(precision="16-mixed") turns
     # into bf16-mixed on CPU); the optimizer steps 1 and 3 are skipped by the scaler
     scales = _Scales()
-    watch = GradWatch(every_n_steps=3, first_check_step=1)
+    watch = GradWatch(every_n_steps=3, max_overhead=None, first_check_step=1)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     model = _Overflow(overflow_batches={0, 2})
     trainer(tmp_path, [watch, scales], max_steps=6, plugins=[plugin]).fit(model, loader(classification_batch()))
@@ -222,7 +229,7 @@ def test_16_mixed_step_skipped_by_the_grad_scaler_is_a_skipped_check_and_the_che
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_16_mixed_on_cuda(tmp_path: Path) -> None:
     model = _Overflow(overflow_batches={2})  # the scaler skips optimizer step 3
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     run = trainer(tmp_path, [watch], max_steps=5, accelerator="gpu", precision="16-mixed")
     run.fit(model, loader(classification_batch()))
     assert 3 not in [r.step for r in watch.recomputed_reports]  # skipped by the scaler
@@ -259,7 +266,7 @@ def test_gradient_clipping_the_check_is_about_the_unclipped_gradient(tmp_path: P
     # lr=0 keeps the parameters where the training gradient was taken, so the check's gradient can be compared with it
     model = LitClassifier(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)), lr=0.0)
     norms = _GradNorms()
-    watch = GradWatch(every_n_steps=1, probe_batch_size=None)  # the whole batch, as training
+    watch = GradWatch(every_n_steps=1, max_overhead=None, probe_batch_size=None)  # the whole batch, as training
     trainer(tmp_path, [norms, watch], max_steps=3, gradient_clip_val=1e-4).fit(model, loader(classification_batch()))
     assert all(after <= 1.0001e-4 for after in norms.after)  # the training did clip
     assert all(_clean(r) for r in watch.recomputed_reports)
@@ -285,7 +292,7 @@ def test_manual_optimization_with_two_optimizers_and_a_loss_fn(tmp_path: Path) -
         trainer(tmp_path, callbacks, max_steps=6).fit(model, loader(classification_batch()))
         return model
 
-    watch = GradWatch(every_n_steps=2, loss_fn=_sum_of_losses)
+    watch = GradWatch(every_n_steps=2, max_overhead=None, loss_fn=_sum_of_losses)
     checked = run([watch])
     # each batch steps both optimizers, so global_step moves by 2 per batch
     assert _reports(watch) == [(2, "ok"), (4, "ok"), (6, "ok")]
@@ -297,7 +304,9 @@ def test_manual_optimization_with_two_optimizers_and_a_loss_fn(tmp_path: Path) -
 def test_non_scalar_loss_is_skipped_with_a_warning_naming_its_shape(tmp_path: Path) -> None:
     # in automatic optimization Lightning's own backward refuses a non-scalar loss before gradwatch sees it; a loss_fn
     # (manual optimization) can still return one
-    watch = GradWatch(every_n_steps=1, loss_fn=lambda m, b: F.cross_entropy(m.net(b[0]), b[1], reduction="none"))
+    watch = GradWatch(
+        every_n_steps=1, max_overhead=None, loss_fn=lambda m, b: F.cross_entropy(m.net(b[0]), b[1], reduction="none")
+    )
     run = trainer(tmp_path, [watch], max_steps=3)
     with pytest.warns(
         GradientCheckWarning, match=r"skipped \(ValueError: .*scalar tensor; got a tensor of shape \(32,\)"
@@ -317,7 +326,7 @@ def test_loss_of_shape_one_is_checked(tmp_path: Path) -> None:
         def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
             return cross_entropy_loss(self.net, batch).reshape(1)
 
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     trainer(tmp_path, [watch], max_steps=2).fit(ShapeOne(), loader(classification_batch()))
     assert _reports(watch) == [(1, "ok"), (2, "ok")]
 
@@ -340,7 +349,7 @@ class _SyncBatchNormSpy(_Recording):
 
 def test_sync_batch_norm_uses_local_statistics_during_checks_only(tmp_path: Path) -> None:
     model = _SyncBatchNormSpy()
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     trainer(tmp_path, [watch], max_steps=2).fit(model, loader(classification_batch()))
     assert _reports(watch) == [(1, "ok"), (2, "ok")]
     calls_per_batch = [c["batch_idx"] for c in model.calls]
@@ -359,11 +368,11 @@ def test_resume_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
         return {r.step: [(p.kind, p.target, p.index) for p in r.probes] for r in watch.recomputed_reports}
 
     data = loader(classification_batch(), 4)
-    uninterrupted = GradWatch(every_n_steps=2, param_probes=3)
+    uninterrupted = GradWatch(every_n_steps=2, max_overhead=None, param_probes=3)
     pl.seed_everything(0, verbose=False)
     trainer(tmp_path / "full", [uninterrupted], max_steps=8).fit(LitClassifier(), data)
 
-    first = GradWatch(every_n_steps=2, param_probes=3)
+    first = GradWatch(every_n_steps=2, max_overhead=None, param_probes=3)
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     pl.seed_everything(0, verbose=False)
     trainer(tmp_path, [first, checkpoints], max_steps=4, enable_checkpointing=True).fit(LitClassifier(), data)
@@ -371,7 +380,7 @@ def test_resume_continues_the_schedule_and_the_counters(tmp_path: Path) -> None:
     saved = torch.load(path, weights_only=True)  # the whole checkpoint, gradwatch's state included
     assert saved["callbacks"][first.state_key] == first.state_dict()
 
-    resumed = GradWatch(every_n_steps=2, param_probes=3)
+    resumed = GradWatch(every_n_steps=2, max_overhead=None, param_probes=3)
     trainer(tmp_path, [resumed], max_steps=8).fit(LitClassifier(), data, ckpt_path=str(path))
     assert [r.step for r in resumed.recomputed_reports] == [6, 8]  # no second "first check" at step 1 or 2
     assert recomputed_counts(resumed.counts) == recomputed_counts(uninterrupted.counts)
@@ -391,7 +400,7 @@ def test_fast_dev_run(tmp_path: Path) -> None:
 
 
 def test_max_steps_shorter_than_the_first_check(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=10, first_check_step=5)
+    watch = GradWatch(every_n_steps=10, max_overhead=None, first_check_step=5)
     run = trainer(tmp_path, [watch], max_steps=3)
     run.fit(LitClassifier(), loader(classification_batch()))
     assert run.global_step == 3
@@ -406,7 +415,7 @@ class _WithValidation(_Recording):
 
 def test_validation_loops_and_epochs_of_limited_batches(tmp_path: Path) -> None:
     model = _WithValidation()
-    watch = GradWatch(every_n_steps=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None)
     run = trainer(
         tmp_path,
         [watch],
@@ -442,7 +451,7 @@ class _Unregistered(LitClassifier):
 
 
 def test_module_without_trainable_parameters_skips_its_checks_with_one_warning(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     run = trainer(tmp_path, [watch], max_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -463,7 +472,7 @@ def test_batch_without_floating_tensors_has_parameter_probes_only(tmp_path: Path
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 50, (64, 6), generator=generator)
     labels = torch.randint(0, 4, (64,), generator=generator)
-    watch = GradWatch(every_n_steps=2, input_probes=2)
+    watch = GradWatch(every_n_steps=2, max_overhead=None, input_probes=2)
     data = DataLoader(TensorDataset(tokens, labels), batch_size=16)
     trainer(tmp_path, [watch], max_steps=4).fit(_TokenClassifier(), data)
     assert _reports(watch) == [(1, "ok"), (2, "ok"), (4, "ok")]
@@ -496,7 +505,7 @@ def test_zero_interference_bit_identical_parameters_optimizer_state_and_logged_l
     tmp_path: Path, kwargs: dict[str, Any]
 ) -> None:
     plain = _seeded_run(tmp_path, "plain", [], **kwargs)
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     checked = _seeded_run(tmp_path, "checked", [watch], **kwargs)
     assert len(watch.recomputed_reports) >= 4
     assert plain["losses"] == checked["losses"]
@@ -584,7 +593,7 @@ def _bits(state: dict[str, Any]) -> dict[str, Any]:
 
 def test_exception_inside_a_probe_restores_everything_and_training_goes_on(tmp_path: Path) -> None:
     around = _AroundCheck(step=2, fault=RuntimeError)
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     logger = TensorBoardLogger(str(tmp_path), name="tb", default_hp_metric=False)
     run = trainer(tmp_path, [around, watch, _Undo(around)], max_steps=4, logger=logger)
     with pytest.warns(GradientCheckWarning, match="at step 2 could not run and was skipped.*failed on purpose"):
@@ -598,7 +607,7 @@ def test_exception_inside_a_probe_restores_everything_and_training_goes_on(tmp_p
 
 def test_keyboard_interrupt_during_a_probe_restores_everything_and_flushes_the_logs(tmp_path: Path) -> None:
     around = _AroundCheck(step=2, fault=KeyboardInterrupt)
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     logger = TensorBoardLogger(str(tmp_path), name="tb", default_hp_metric=False)
     model = _Faulty()
     run = trainer(tmp_path, [around, watch, _Undo(around)], max_steps=4, logger=logger)
@@ -625,7 +634,7 @@ def test_nan_loss_at_a_checked_step_fails_the_check_restores_everything_and_logs
         on_disk.append(_verdict_steps(logger.log_dir))
 
     around = _AroundCheck(step=2)
-    watch = GradWatch(every_n_steps=1, on_fail=alert)
+    watch = GradWatch(every_n_steps=1, max_overhead=None, on_fail=alert)
     run = trainer(tmp_path, [around, watch, _Undo(around)], max_steps=4, logger=logger)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about the NaN
@@ -640,7 +649,7 @@ def test_nan_loss_at_a_checked_step_fails_the_check_restores_everything_and_logs
 
 
 def test_nan_loss_with_on_fail_stop_stops_cleanly(tmp_path: Path) -> None:
-    watch = GradWatch(every_n_steps=1, on_fail="stop")
+    watch = GradWatch(every_n_steps=1, max_overhead=None, on_fail="stop")
     run = trainer(tmp_path, [watch], max_steps=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

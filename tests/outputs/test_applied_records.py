@@ -1,6 +1,6 @@
 """Applied checks (``scope == "applied"``) through the outputs and back: their records (scalars under
-``gradwatch/applied/``, the text led by the fault), the JSON lines record and event files read back by
-``gradwatch report``, failures led by the fault, and the exit status they give."""
+``gradwatch/applied/``, the text led by the fault), the JSON lines record read back by ``gradwatch report``, failures
+led by the fault, and the exit status they give."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 from helpers import SeedModel, seed_batch, seed_loss
-from torch.utils.tensorboard import SummaryWriter
 
 from gradwatch import check_gradients
 from gradwatch.cli import main
 from gradwatch.engine.results.report import CheckReport
-from gradwatch.outputs import JsonLinesSink, SummaryWriterSink, applied_records_of, records_of
-from gradwatch.outputs.reading import read_jsonl, read_logdir
-from gradwatch.tensorboard.events import EventFilesError
+from gradwatch.errors import ReportInputError
+from gradwatch.outputs import JsonLinesSink, applied_records_of, records_of
+from gradwatch.outputs.reading import read_jsonl
 from gradwatch.tensorboard.writer import APPLIED_FAILURE_TAG, FAILURES_TAG
 
 MESSAGE = "the applied gradient is 50% off under autocast and right without it"
@@ -96,30 +95,11 @@ def test_a_malformed_applied_record_is_an_input_error(tmp_path: Path, applied_fa
     JsonLinesSink(path).write(applied_records_of(applied_fail))
     record = json.loads(path.read_text())
     path.write_text(json.dumps({**record, "fault": "cosmic rays"}) + "\n")
-    with pytest.raises(EventFilesError, match="line 1: 'fault' is 'cosmic rays'"):
+    with pytest.raises(ReportInputError, match="line 1: 'fault' is 'cosmic rays'"):
         read_jsonl(path)
     code, out = _report(tmp_path)
     assert code == 2
     assert "'fault' is 'cosmic rays'" in out
-
-
-@pytest.mark.slow
-def test_event_files_read_back_the_applied_check_and_its_fault(tmp_path: Path, applied_fail: CheckReport) -> None:
-    writer = SummaryWriter(str(tmp_path))
-    sink = SummaryWriterSink(writer)
-    sink.write(applied_records_of(_applied(applied_fail, 1)))
-    sink.write(applied_records_of(applied_fail))
-    writer.close()
-    (run,) = read_logdir(tmp_path)
-    assert run.checks == []
-    assert run.failures == []  # the applied text is not read as a recomputed failure table
-    assert [(a.step, a.verdict, a.fault) for a in run.applied] == [(1, "ok", None), (3, "fail", "precision")]
-    assert run.applied[1].fault_message == MESSAGE
-    assert run.failed
-
-    code, out = _report(tmp_path)
-    assert code == 1
-    assert f"precision fault at step 3: {MESSAGE}" in out
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """``gradwatch report`` on every run a user points it at: a Weights & Biases or MLflow run folder (the record sits
-beside it, in ``gradwatch_records``), a Hugging Face Trainer's TensorBoard run (``train/gradwatch/*`` tags), and errors
-that say what was found instead of gradwatch data. The tools' folder layouts are reproduced as they lay them out."""
+beside it, in ``gradwatch_records``), a Hugging Face Trainer's TensorBoard run (the record beside its ``train/...``
+tags), and errors that say what was found instead of gradwatch data. The tools' folder layouts are reproduced as
+they lay them out."""
 
 from __future__ import annotations
 
@@ -103,21 +104,32 @@ def test_a_run_folder_without_its_record_says_where_it_was_looked_for(tmp_path: 
     assert "callbacks" not in err
 
 
-def test_event_files_without_a_check_say_so(tmp_path: Path) -> None:
+def test_event_files_without_a_record_say_so(tmp_path: Path) -> None:
     writer = SummaryWriter(str(tmp_path / "runs" / "a"))
-    writer.add_scalar("train/loss", 1.0, 1)
+    writer.add_scalar("train/gradwatch/verdict", 2.0, 1)
     writer.close()
     code, _, err = _report(tmp_path)
     assert code == 2
-    assert "no check was recorded under" in err
-    assert "1 TensorBoard event file(s) without a 'gradwatch/verdict'" in err
-    assert "'train/gradwatch/verdict', as a Hugging Face Trainer's run holds them" in err
+    assert f"no gradwatch records under {tmp_path}: no gradwatch.jsonl" in err
+    assert "(it holds 1 TensorBoard event file(s), which gradwatch report does not read)" in err
 
 
-def test_a_trainers_tensorboard_run_is_read_under_its_train_prefix(tmp_path: Path, failing: CheckReport) -> None:
+def test_a_record_without_a_check_says_so(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "gradwatch.jsonl").write_text("\n")
+    code, _, err = _report(tmp_path)
+    assert code == 2
+    assert f"no check was recorded under {tmp_path}: its 1 gradwatch.jsonl file(s) hold no check" in err
+
+
+def test_a_trainers_tensorboard_run_is_read_from_the_record_beside_its_event_files(
+    tmp_path: Path, failing: CheckReport
+) -> None:
     """The tags as a Hugging Face Trainer's TensorBoardCallback writes them (``rewrite_logs``), the text and the
-    histogram as the callback writes them beside, all under ``train/``: the report sees the check and its culprit."""
+    histogram as the callback writes them beside, all under ``train/``, and the record in the run's directory
+    (:func:`gradwatch.integrations.trainer_outputs.record_directories`): the report sees the check and its culprit."""
     writer = SummaryWriter(str(tmp_path / "runs" / "Nov26"))
+    JsonLinesSink(tmp_path / "runs" / "Nov26" / "gradwatch.jsonl").write(records_of(failing))
     records = records_of(failing)
     for tag, value in records.scalars.items():
         writer.add_scalar(TRAINER_PREFIX + tag, value, records.step)

@@ -1,12 +1,11 @@
-"""Reading a log directory back: JSON lines records (any logger) and event files, merged per run; malformed records
-are refused with the path, the line and the reason."""
+"""Reading a log directory back: the JSON lines record of any logger's run; malformed records are refused with the
+path, the line and the reason."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import warnings
@@ -20,9 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from gradwatch import GradWatch
 from gradwatch.cli.demo_models import CustomNormClassifier, synthetic_loader
 from gradwatch.engine.results.rendering import ordered_failures
+from gradwatch.errors import ReportInputError
 from gradwatch.outputs.jsonl import JSONL_NAME
 from gradwatch.outputs.reading import read_jsonl, read_logdir
-from gradwatch.tensorboard.events import EventFilesError
 
 CULPRIT = "the backward of `net[1]` (`RMSNorm`) is wrong"
 
@@ -32,7 +31,7 @@ def csv_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GradWatch]:
     """A Lightning run with a CSVLogger only and a planted backward bug (the demo's RMSNorm), checked every step."""
     logdir = tmp_path_factory.mktemp("csv")
     pl.seed_everything(0, verbose=False)
-    watch = GradWatch(every_n_steps=1)
+    watch = GradWatch(every_n_steps=1, max_overhead=None)
     trainer = pl.Trainer(
         logger=CSVLogger(str(logdir)), callbacks=[watch], max_steps=2, accelerator="cpu", devices=1,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -114,7 +113,7 @@ def test_a_malformed_record_is_refused_with_path_line_and_reason(
     path = tmp_path / JSONL_NAME
     good = (_line(step=1) + "\n").encode()
     path.write_bytes(good + (content.encode("utf-8", "surrogatepass") if isinstance(content, str) else content))
-    with pytest.raises(EventFilesError, match=rf"^{re.escape(str(path))}: {message}") as raised:
+    with pytest.raises(ReportInputError, match=rf"^{re.escape(str(path))}: {message}") as raised:
         read_jsonl(path)
     assert "\n" not in str(raised.value)
 
@@ -127,22 +126,5 @@ def test_a_line_longer_than_the_bound_is_refused_without_reading_it_whole(
     monkeypatch.setattr(reading, "MAX_LINE_BYTES", 1000)
     path = tmp_path / JSONL_NAME
     path.write_text(_line(notes=["x" * 5000]) + "\n")
-    with pytest.raises(EventFilesError, match=r"line 1 is longer than 1000 bytes"):
+    with pytest.raises(ReportInputError, match=r"line 1 is longer than 1000 bytes"):
         read_jsonl(path)
-
-
-@pytest.mark.slow
-def test_event_files_and_json_lines_of_one_run_are_merged(csv_run: tuple[Path, GradWatch], tmp_path: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
-    (record,) = csv_run[0].rglob(JSONL_NAME)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    shutil.copy(record, run_dir / JSONL_NAME)  # steps 1 and 2, both failing
-    writer = SummaryWriter(str(run_dir))
-    for step, verdict in ((2, 0.0), (3, 0.0)):  # step 2 is in both (the JSON record wins), step 3 only here
-        writer.add_scalar("gradwatch/verdict", verdict, step)
-    writer.close()
-    (run,) = read_logdir(tmp_path)
-    assert [(c.step, c.verdict) for c in run.checks] == [(1, "fail"), (2, "fail"), (3, "ok")]
-    assert run.failed

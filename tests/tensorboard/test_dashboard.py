@@ -87,7 +87,7 @@ def test_write_dashboard_writes_the_layout() -> None:
 @pytest.mark.slow
 def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
-    trainer(tmp_path, [GradWatch(every_n_steps=2)], logger=logger, max_steps=4).fit(
+    trainer(tmp_path, [GradWatch(every_n_steps=2, max_overhead=None)], logger=logger, max_steps=4).fit(
         LitSeedModel(), loader(seed_batch(), 4)
     )
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # a Trainer fit, a TensorBoard server and a brows
 def fitted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[CheckReport]]:
     """A short fit of a model with a wrong weight gradient (so the failure text exists): logdir and reports."""
     logdir = tmp_path_factory.mktemp("tensorboard_server")
-    watch = GradWatch(every_n_steps=2, on_fail=lambda report: None)
+    watch = GradWatch(every_n_steps=2, max_overhead=None, on_fail=lambda report: None)
     logger = TensorBoardLogger(str(logdir), name="seed", default_hp_metric=False)
     trainer(logdir, [watch], logger=logger, max_steps=4).fit(LitSeedModel(weight_scale=1.1), loader(seed_batch(), 4))
     return logdir, watch.recomputed_reports

@@ -1,4 +1,5 @@
-"""The TensorBoard writer: histogram values, failure table, fixed tags."""
+"""What a check writes to TensorBoard (:class:`~gradwatch.outputs.sinks.SummaryWriterSink` over the writer's tags):
+histogram values, failure table, fixed tags."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import pytest
 import torch
 
+from gradwatch.engine.results.rendering import rel_error_log10, render_markdown
 from gradwatch.engine.results.report import CheckReport, Probe
-from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG, failures_markdown, rel_error_log10, write_report
+from gradwatch.outputs import SummaryWriterSink, records_of
+from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 
 
 def _probe(
@@ -36,27 +39,31 @@ class FakeWriter:
         self.texts.append((tag, text_string, global_step))
 
 
+def _write(writer: FakeWriter, report: CheckReport) -> None:
+    SummaryWriterSink(writer, scalars=False).write(records_of(report))
+
+
 def test_histogram_holds_log10_of_conclusive_probes_only() -> None:
     report = _report(_probe("ok", 1e-5), _probe("ok", 0.0), _probe("inconclusive", 0.3), _probe("ok", 1e-2))
     assert rel_error_log10(report) == pytest.approx([-5.0, -12.0, -2.0])
     writer = FakeWriter()
-    write_report(writer, report, step=7)
+    _write(writer, report)
     assert [(tag, step) for tag, _, step in writer.histograms] == [(HISTOGRAM_TAG, 7)]
     assert writer.texts == []
 
 
 def test_failures_table_names_tensor_index_and_both_derivatives() -> None:
     report = _report(_probe("ok", 1e-6), _probe("fail", 0.05, "encoder.attn.weight", (4, 1)))
-    table = failures_markdown(report)
+    table = render_markdown(report)
     assert "failed** at step 7: 1 of 2 probes" in table
     assert "| param | `encoder.attn.weight` | 4, 1 | 1 | 1.05 | 0.05 |" in table
     writer = FakeWriter()
-    write_report(writer, report, step=7)
+    _write(writer, report)
     assert writer.texts == [(FAILURES_TAG, table, 7)]
 
 
 def test_nothing_to_histogram_writes_nothing() -> None:
     writer = FakeWriter()
-    write_report(writer, _report(_probe("inconclusive", math.inf)), step=1)
+    _write(writer, _report(_probe("inconclusive", math.inf)))
     assert writer.histograms == []
-    assert failures_markdown(_report()) == ""
+    assert render_markdown(_report()) == ""

@@ -20,6 +20,7 @@ from loop_models import assert_same_state, classification_batches, cross_entropy
 
 from gradwatch import GradientCheckWarning, GradientWatch
 from gradwatch.engine.results.notes import NoteCode
+from gradwatch.watch.hooks import TrainingPath
 
 STEPS, ACCUMULATE = 3, 2
 
@@ -243,3 +244,25 @@ def test_correct_clipping_is_checked_clean_and_a_wrong_clip_coefficient_fails_as
     assert [r.step for r in failed] == [1, 2]
     assert "clipped by" in failed[0].fault_message  # the coefficient applied ...
     assert "give" in failed[0].fault_message  # ... and the one the true norm gives
+
+
+def _summed_window(watch: GradientWatch, **how: Any) -> None:
+    """One step of a window of two micro-batches whose losses are summed (not divided by their count)."""
+    model = _model()
+    for batch in classification_batches(2):
+        watch.record(batch, model=model, step=1)
+        cross_entropy(model, batch).backward()
+    watch.before_optimizer_step(model, cross_entropy, step=1, **how)
+
+
+def test_the_training_path_object_is_the_combine_path_join_and_normalisation_given_one_by_one() -> None:
+    """``training=TrainingPath(combine="sum")`` is ``combine="sum"``: a summed window is right so and wrong as a mean;
+    giving both ways at once is refused."""
+    verdicts = []
+    for how in ({"training": TrainingPath(combine="sum")}, {"combine": "sum"}, {"training": TrainingPath()}):
+        watch = _watch(on_fail=lambda report: None)
+        _summed_window(watch, **how)
+        verdicts.append(watch.applied_reports[0].verdict)
+    assert verdicts == ["ok", "ok", "fail"]
+    with pytest.raises(ValueError, match="give `training` or `combine`"):
+        _summed_window(_watch(), training=TrainingPath(combine="sum"), combine="sum")

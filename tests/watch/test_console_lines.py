@@ -77,7 +77,7 @@ def test_a_nan_loss_is_said_to_be_the_loss_not_a_wrong_gradient() -> None:
 
 
 def test_a_nan_loss_in_a_series_of_checks_gives_one_console_line() -> None:
-    watch = GradientWatch(every_n_steps=1, applied_every_n_steps=None)
+    watch = GradientWatch(every_n_steps=1, max_overhead=None, applied_every_n_steps=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loop(watch, _mlp(), _nan_loss, steps=4)
@@ -101,7 +101,7 @@ def test_a_model_without_trainable_parameters_is_said_so_by_check_gradients() ->
 
 
 def test_a_model_without_trainable_parameters_gives_one_console_line_in_a_series() -> None:
-    watch = GradientWatch(every_n_steps=1)
+    watch = GradientWatch(every_n_steps=1, max_overhead=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loop(watch, _mlp().requires_grad_(False), cross_entropy, steps=3)

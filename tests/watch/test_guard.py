@@ -19,33 +19,31 @@ import gradwatch.engine.applied.window as window
 import gradwatch.outputs.sinks as sinks
 import gradwatch.watch.alerts as alerts
 import gradwatch.watch.applied as applied
-import gradwatch.watch.applied_calls as applied_calls
+import gradwatch.watch.cadence as cadence
 import gradwatch.watch.lessons as lessons
 import gradwatch.watch.outcomes as outcomes
 import gradwatch.watch.overhead as overhead
-import gradwatch.watch.schedule as schedule
+import gradwatch.watch.watch as watch_module
 from gradwatch import GradientCheckError, GradientWatch
 from gradwatch.engine.results.notes import NoteCode
 
 MAX_NORM = 0.5
 
 SITES: list[tuple[Any, str]] = [
-    (applied.AppliedSchedule, "record"),
-    (applied.AppliedSchedule, "take"),
-    (applied.AppliedSchedule, "ran"),
-    (applied.AppliedSchedule, "state_dict"),
-    (applied.AppliedSchedule, "load_state_dict"),
+    (applied.Windows, "record"),
+    (applied.Windows, "take"),
     (window.Checksums, "of"),  # watch.record's float64 checksums
     (window, "capture_rng"),
     (clipping.GradientNorms, "of"),  # the clip coefficient's bookkeeping
-    (schedule.Schedule, "step_ended"),
-    (schedule.Schedule, "runs_now"),
-    (schedule.Schedule, "ran"),
-    (schedule.Schedule, "due_next"),
-    (schedule.Schedule, "start"),
-    (schedule.Schedule, "state_dict"),
-    (schedule.Schedule, "load_state_dict"),
+    (cadence.Cadence, "reached"),
+    (cadence.Cadence, "runs_now"),
+    (cadence.Cadence, "ran"),
+    (cadence.Cadence, "due"),
+    (cadence.Cadence, "start"),
+    (cadence.Cadence, "state_dict"),
+    (cadence.Cadence, "load_state_dict"),
     (overhead.OverheadClock, "batch_ended"),
+    (overhead.OverheadClock, "state_dict"),
     (lessons.Lessons, "checkable"),
     (lessons.Lessons, "set_up"),
     (lessons.Lessons, "learn"),
@@ -56,9 +54,8 @@ SITES: list[tuple[Any, str]] = [
     (sinks.JsonLinesSink, "flush"),
     (outcomes.Outcomes, "state_dict"),
     (outcomes.Outcomes, "load_state_dict"),
-    (applied_calls, "recurring"),
-    (applied_calls, "default_group"),
-    (applied_calls, "is_sharded"),
+    (watch_module, "default_group"),
+    (watch_module, "is_sharded"),
 ]
 
 
@@ -116,7 +113,9 @@ def _train(watch: GradientWatch | None, steps: int = 4, bug: bool = False, loss:
 
 def _watch(tmp_path: Path, **options: Any) -> GradientWatch:
     sink = sinks.JsonLinesSink(tmp_path / "gradwatch.jsonl")
-    return GradientWatch(every_n_steps=2, applied_every_n_steps=2, sinks=[sink], **options)
+    return GradientWatch(
+        sinks=[sink], **{"every_n_steps": 2, "applied_every_n_steps": 2, "max_overhead": None, **options}
+    )
 
 
 @pytest.mark.parametrize("site", SITES, ids=_site_id)
@@ -176,6 +175,6 @@ def test_what_must_propagate_still_does(tmp_path: Path, monkeypatch: pytest.Monk
     assert watch.counts["skipped"] >= 2
     assert not watch.notes
     assert any("could not run" in str(w.message) for w in caught)
-    _inject(monkeypatch, schedule.Schedule, "step_ended", KeyboardInterrupt())
+    _inject(monkeypatch, cadence.Cadence, "reached", KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         _train(_watch(tmp_path))

@@ -21,16 +21,6 @@ def test_training_time_is_measured_between_batches_and_checks_are_apart() -> Non
     assert clock.train_seconds == pytest.approx(2.0)
 
 
-def test_a_check_is_affordable_while_its_cost_fits_the_budget() -> None:
-    clock = OverheadClock()
-    clock.batch_ended(0.0)
-    clock.batch_ended(100.0)
-    clock.check_ran(100.0, 100.4)
-    assert clock.affordable(0.01)  # 0.4 + 0.4 <= 1.0
-    clock.check_ran(100.4, 100.8)
-    assert not clock.affordable(0.01)  # 0.8 + 0.4 > 1.0
-
-
 def test_state_round_trips() -> None:
     clock = OverheadClock()
     clock.batch_ended(0.0)

@@ -46,7 +46,9 @@ def plain_gan_loop(watch: GradientWatch | None, *, fault: float | None = None) -
 
 
 def _watch() -> GradientWatch:
-    return GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail="raise")
+    return GradientWatch(
+        applied_every_n_steps=1, every_n_steps=10**6, max_overhead=None, first_check_step=None, on_fail="raise"
+    )
 
 
 def test_a_healthy_gan_is_clean_per_optimizer_and_trains_as_without_the_watch() -> None:
@@ -65,7 +67,9 @@ def test_a_healthy_gan_is_clean_per_optimizer_and_trains_as_without_the_watch() 
 
 
 def test_a_step_pre_hook_scaling_the_discriminators_gradient_fails_its_check_alone() -> None:
-    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail=lambda r: None)
+    watch = GradientWatch(
+        applied_every_n_steps=1, every_n_steps=10**6, max_overhead=None, first_check_step=None, on_fail=lambda r: None
+    )
     plain_gan_loop(watch, fault=1.5)
     reports = watch.applied_reports
     discriminator, generator = reports[0::2], reports[1::2]
@@ -96,7 +100,9 @@ def test_a_gradient_edited_by_the_loop_at_every_step_is_modified_from_the_second
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail=lambda r: None)
+    watch = GradientWatch(
+        applied_every_n_steps=1, every_n_steps=10**6, max_overhead=None, first_check_step=None, on_fail=lambda r: None
+    )
     loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
     for step in range(1, 4):
         batch = (torch.randn(8, 4), torch.randn(8, 1))
@@ -113,7 +119,7 @@ def test_a_gradient_edited_by_the_loop_at_every_step_is_modified_from_the_second
 
 def test_a_loop_that_records_no_window_is_told_once_that_no_applied_check_runs() -> None:
     model = torch.nn.Linear(4, 1)
-    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None)
+    watch = GradientWatch(applied_every_n_steps=1, every_n_steps=10**6, max_overhead=None, first_check_step=None)
     loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
 
     def steps() -> list[object]:
@@ -126,7 +132,9 @@ def test_a_loop_that_records_no_window_is_told_once_that_no_applied_check_runs()
     with pytest.warns(GradientCheckWarning, match="due at optimizer step 1 has no recorded window") as said:
         assert steps() == [None, None, None]
     assert len([w for w in said if issubclass(w.category, GradientCheckWarning)]) == 1
-    quiet = GradientWatch(applied_every_n_steps=None, every_n_steps=10**6)  # switched off by choice: nothing said
+    quiet = GradientWatch(
+        applied_every_n_steps=None, every_n_steps=10**6, max_overhead=None
+    )  # switched off by choice: nothing said
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet.before_optimizer_step(model, loss_fn, step=1)
@@ -136,7 +144,12 @@ def test_an_optimizer_whose_parameters_a_watch_ignores_is_passed_over() -> None:
     """A watch for the discriminator's loss (``ignore=["generator.*"]``) checks no step of the generator's optimizer;
     the engine, asked to check nothing, says so (it divided by zero before)."""
     watch = GradientWatch(
-        applied_every_n_steps=1, every_n_steps=10**6, first_check_step=None, on_fail="raise", ignore=["generator.*"]
+        applied_every_n_steps=1,
+        every_n_steps=10**6,
+        max_overhead=None,
+        first_check_step=None,
+        on_fail="raise",
+        ignore=["generator.*"],
     )
     torch.manual_seed(0)
     model, batch = GAN(), real_batches(1)[0]

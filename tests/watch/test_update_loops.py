@@ -23,7 +23,13 @@ Make = Callable[[torch.nn.Module], Any]
 
 
 def _watch(**options: Any) -> GradientWatch:
-    options = {"every_n_steps": 1000, "first_check_step": 1, "applied_every_n_steps": 5, **options}
+    options = {
+        "every_n_steps": 1000,
+        "first_check_step": 1,
+        "applied_every_n_steps": 5,
+        "max_overhead": None,
+        **options,
+    }
     return GradientWatch(verbose=False, **options)
 
 

@@ -40,7 +40,7 @@ def _train(watch: GradientWatch | None, steps: int = 6, bug: bool = False, accum
 
 
 def test_a_plain_loop_checks_on_schedule_and_trains_as_without_the_watch() -> None:
-    watch = GradientWatch(every_n_steps=2)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradientCheckWarning)
         watched = _train(watch)
@@ -59,7 +59,7 @@ def test_a_plain_loop_checks_on_schedule_and_trains_as_without_the_watch() -> No
 
 
 def test_a_planted_bug_is_caught_at_the_first_check_with_its_module() -> None:
-    watch = GradientWatch(every_n_steps=2, on_fail=lambda report: None)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None, on_fail=lambda report: None)
     _train(watch, bug=True)
     first = watch.reports[0]
     assert (first.step, first.verdict) == (1, "fail")
@@ -69,7 +69,9 @@ def test_a_planted_bug_is_caught_at_the_first_check_with_its_module() -> None:
 
 def test_a_tensor_seen_failing_is_probed_again_at_the_next_check() -> None:
     """A wrong gradient found once is confirmed at every check, not only when the rotation comes round to it."""
-    watch = GradientWatch(every_n_steps=1, tensor_probes=1, random_probes=0, param_probes=0, input_probes=0)
+    watch = GradientWatch(
+        every_n_steps=1, max_overhead=None, tensor_probes=1, random_probes=0, param_probes=0, input_probes=0
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradientCheckWarning)
         _train(watch, steps=1, bug=True)
@@ -78,21 +80,21 @@ def test_a_tensor_seen_failing_is_probed_again_at_the_next_check() -> None:
     assert "layers.3.weight" in first.failed_tensors
     assert watch.state_dict()["focus"][: len(first.undecided) + 1] == [*first.undecided, first.failed_tensors[0]]
     assert len(watch.state_dict()["focus"]) <= len(first.undecided) + 1  # at most tensor_probes of them
-    healthy = GradientWatch(every_n_steps=1)
+    healthy = GradientWatch(every_n_steps=1, max_overhead=None)
     _train(healthy, steps=2)
     assert all(not r.failed_tensors for r in healthy.reports)
     assert healthy.state_dict()["focus"] == list(healthy.reports[-1].undecided)
 
 
 def test_under_gradient_accumulation_the_steps_are_optimizer_steps() -> None:
-    watch = GradientWatch(every_n_steps=3)
+    watch = GradientWatch(every_n_steps=3, max_overhead=None)
     _train(watch, steps=6, accumulation=2)
     assert [(r.step, r.verdict, r.samples) for r in watch.reports] == [(1, "ok", 2), (3, "ok", 2), (6, "ok", 2)]
 
 
 def test_a_second_call_at_the_same_step_is_ignored() -> None:
     model, batch = MLP(), classification_batches(1)[0]
-    watch = GradientWatch(every_n_steps=1, loss_fn=cross_entropy)
+    watch = GradientWatch(every_n_steps=1, max_overhead=None, loss_fn=cross_entropy)
     assert watch.maybe_check(model, batch, step=1) is not None
     assert watch.maybe_check(model, batch, step=1) is None
     assert watch.check(model, batch, step=1) is not None  # unconditional
@@ -146,7 +148,7 @@ def test_what_a_loop_lends_the_watch() -> None:
 
 def test_a_step_the_grad_scaler_skipped_moves_the_check_to_the_next() -> None:
     model, batch = MLP(), classification_batches(1)[0]
-    watch = GradientWatch(every_n_steps=2, first_check_step=None, loss_fn=cross_entropy)
+    watch = GradientWatch(every_n_steps=2, max_overhead=None, first_check_step=None, loss_fn=cross_entropy)
     assert watch.maybe_check(model, batch, step=1, skipped=lambda: pytest.fail("asked at a step not due")) is None
     assert watch.maybe_check(model, batch, step=2, skipped=True) is None
     report = watch.maybe_check(model, batch, step=3)
@@ -185,7 +187,7 @@ def test_on_fail_raise_stop_and_a_check_that_cannot_run() -> None:
 
 def test_ignore_patterns_that_match_nothing_warn_once_at_the_first_check() -> None:
     model, batch = MLP(), classification_batches(1)[0]
-    watch = GradientWatch(every_n_steps=1, ignore=["layers.0.*", "encoder.*"])
+    watch = GradientWatch(every_n_steps=1, max_overhead=None, ignore=["layers.0.*", "encoder.*"])
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         watch.maybe_check(model, batch, cross_entropy, step=1)
@@ -195,9 +197,9 @@ def test_ignore_patterns_that_match_nothing_warn_once_at_the_first_check() -> No
 
 
 def test_state_round_trips_and_older_states_load() -> None:
-    watch = GradientWatch(every_n_steps=1)
+    watch = GradientWatch(every_n_steps=1, max_overhead=None)
     _train(watch, steps=3)
-    resumed = GradientWatch(every_n_steps=1)
+    resumed = GradientWatch(every_n_steps=1, max_overhead=None)
     resumed.load_state_dict(watch.state_dict())
     assert resumed.state_dict() == watch.state_dict()
     assert resumed.counts == watch.counts
@@ -257,6 +259,6 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         "applied_checks", "applied_pending", "applied_resume_at", "applied_last_seconds", "applied_steps_seen",
         "applied_failed",
         "first_seconds",  # the first checks' time, apart from the steady share (read with a default: older states load)
-        # the update checks' counts (gradwatch.watch.update_calls)
+        # the update checks' counts (gradwatch.watch.updates)
         "update_checks", "update_failed",
     }  # fmt: skip

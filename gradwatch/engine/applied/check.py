@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.autocast_path import path_autocast
@@ -50,13 +51,13 @@ from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe
 from gradwatch.engine.session import CheckSession
-from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 from gradwatch.engine.unreached import unreached_note
 
 __all__ = ["check_applied_gradient", "path_autocast"]
 
 
-@validate.suggests_options
+@validate.suggests_options(ProbeOptions)
 @on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
@@ -70,28 +71,25 @@ def check_applied_gradient(
     step: int = 0,
     group: Any = None,
     start: Checksums | None = None,
-    tensor_probes: int = 6,
     rotation: int = 0,
     culprit_search: bool = True,
     loss_scale: float = 1.0,
-    ignore: Sequence[str] = (),
-    seed: int = 0,
-    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
     compare_one_batch: bool = True,
     join: Join | None = None,
     window_normalised: bool | Callable[[], bool] = False,
+    **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``) are documented
-    in full as the fields of :class:`~gradwatch.engine.settings.ProbeSettings`, with the defaults of
-    :func:`~gradwatch.check_gradients`. Stock surrogates (spectral norm's power iteration,
-    padding rows, embeddings with ``scale_grad_by_freq``) are handled as :func:`~gradwatch.check_gradients` handles
-    them, besides the tensors ``ignore`` leaves out. What the check does around its measurements (the parameters it
-    selects, the state it puts back and names when it cannot) is the check session's
-    (:class:`~gradwatch.engine.session.CheckSession`), the same as the recomputed check's.
+    The probe options an applied check uses are ``tensor_probes`` (tensors probed along their part of the gradient; all
+    if descent fails), ``ignore``, ``seed`` (of its culprit search) and ``hold_detached``: the fields of
+    :class:`~gradwatch.engine.settings.ProbeSettings`, where they are documented with their defaults. Stock
+    surrogates (spectral norm's power iteration, padding rows, embeddings with ``scale_grad_by_freq``) are handled as
+    :func:`~gradwatch.check_gradients` handles them, besides the tensors ``ignore`` leaves out. What the check does
+    around its measurements (the parameters it selects, the state it puts back and names when it cannot) is the check
+    session's (:class:`~gradwatch.engine.session.CheckSession`), the same as the recomputed check's.
 
     Args:
         model: The module whose trainable floating parameters the optimizer updates. A DeepSpeed engine: the module
@@ -113,7 +111,6 @@ def check_applied_gradient(
             window losses, and the ranks' gradients are compared.
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
-        tensor_probes: Tensors probed per check along their part of the gradient (in turn; all if descent fails).
         rotation: Which window of tensors the probes cover (the check's position in a series).
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -121,10 +118,6 @@ def check_applied_gradient(
             the loss, say), as :func:`~gradwatch.check_gradients` does.
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
-        ignore: ``fnmatch`` patterns of parameter names not to check (a gradient deliberately not the derivative).
-        seed: Seed of the culprit search's sampling.
-        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
-            objective; :class:`~gradwatch.engine.settings.ProbeSettings`).
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
             passes, built once for a run); those options must then be left at their defaults. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
@@ -139,12 +132,14 @@ def check_applied_gradient(
             accumulated gradient that is the one-batch one divided by the window's size is then warned of as a second
             normalisation, not taken for a summed loss averaged over the window. A function that says so is asked
             only when that comparison finds such a division.
+        **options: The probe options one by one (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``): the
+            fields of :class:`~gradwatch.engine.settings.ProbeSettings`; the others concern the recomputed check alone
+            and are not used.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
-    options = {"tensor_probes": tensor_probes, "ignore": ignore, "seed": seed, "hold_detached": hold_detached}
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     setting = _window(session, batches, loss_fn, combine=combine, rng_states=rng_states, path=path, group=group,
                       start=start, loss_scale=loss_scale)  # fmt: skip

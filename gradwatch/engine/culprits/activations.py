@@ -22,6 +22,7 @@ from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import ProbeKind
+from gradwatch.errors import ExhaustedError
 
 MAX_PROBES = 64
 """The most activation probes one search makes (two per place probed); a search that needs more names the deepest
@@ -38,10 +39,6 @@ BORDERLINE = (0.25, 1.25)
 this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
 upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
 historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
-
-
-class ExhaustedError(Exception):
-    """The search made :data:`MAX_PROBES` probes."""
 
 
 class ActivationProbes:

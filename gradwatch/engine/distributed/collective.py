@@ -27,14 +27,11 @@ import torch
 import torch.distributed as dist
 
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import PeerFailureError
 
 REDUCTION_TIMEOUT_S = 300.0
 """How long a rank waits at one of the check's reductions before it ends the check (every rank runs the same
 evaluations, so a wait longer than one evaluation means a rank is stuck or gone)."""
-
-
-class PeerFailureError(CheckAbandonedError):
-    """A rank's evaluation raised, or a reduction across the ranks failed: the check ends on every rank."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.distributed.collective import Collective, Layout, global_loss, peers_ok
-
-
-class UnsupportedShardingError(ValueError):
-    """The model's parameters are distributed in a way gradwatch does not check."""
+from gradwatch.errors import UnsupportedShardingError
 
 
 def _is_dtensor(tensor: Tensor) -> bool:

@@ -55,6 +55,94 @@ def unprefixed(gradients: Any, model: nn.Module) -> Any:
     return gradients
 
 
+def full_gradient(param: Tensor) -> Tensor | None:
+    """The full gradient DeepSpeed is about to apply to ``param``, as ``deepspeed.utils.safe_get_full_grad`` reads it
+    (by the attributes DeepSpeed gives its parameters): the bf16 optimizer's accumulation buffer, else ``.grad``, else
+    the ZeRO-3 partitions gathered, else the ZeRO-1/2 partitions gathered; ``None`` without one. At the accumulation
+    boundary, before the engine steps, it is the reduced, accumulated gradient before clipping. A collective."""
+    if getattr(param, "_hp_grad", None) is not None:
+        return param.get_full_hp_grad()  # type: ignore[attr-defined,no-any-return]
+    if param.grad is not None:
+        return param.grad
+    if hasattr(param, "ds_id"):
+        return param._z3_optimizer.get_fp32_grad_for_param(param)  # type: ignore[attr-defined,no-any-return]
+    if hasattr(param, "_hp_mapping"):
+        return param.get_full_hp_grad()  # type: ignore[attr-defined,no-any-return]
+    return None
+
+
+def engine_module(engine: Any) -> nn.Module:
+    if not is_engine(engine):
+        raise TypeError(f"`engine` must be a DeepSpeed engine (deepspeed.initialize's first result); got "
+                        f"{type(engine).__name__}")  # fmt: skip
+    return engine.module  # type: ignore[no-any-return]
+
+
+def full_gradients(engine: Any) -> dict[str, Tensor]:
+    """The gradient the engine is about to apply, by name of the wrapped module's parameters: each trainable
+    parameter's full, reduced, accumulated gradient before clipping (:func:`full_gradient`), in float32. Call it at
+    the accumulation boundary (``engine.is_gradient_accumulation_boundary()``, after the last micro-batch's
+    ``engine.backward``, before ``engine.step()``), on every rank together: it gathers the gradient's partitions.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
+    found = {}
+    for name, param in engine_module(engine).named_parameters():
+        if param.requires_grad:
+            gradient = full_gradient(param)
+            if gradient is not None:
+                found[name] = gradient
+    return found
+
+
+class FullGradients(Mapping[str, Tensor]):
+    """:func:`full_gradients` of ``engine``, gathered when first read: what a loop passes as ``gradients=`` at every
+    accumulation boundary (and what a watch handed the engine itself reads), paying the gathering only when a check is
+    due and reads it (every rank reads it then, as every rank runs the check).
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        engine_module(engine)
+        self.engine = engine
+        self._found: dict[str, Tensor] | None = None
+
+    def _gradients(self) -> dict[str, Tensor]:
+        if self._found is None:
+            self._found = full_gradients(self.engine)
+        return self._found
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._gradients()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gradients())
+
+    def __len__(self) -> int:
+        return len(self._gradients())
+
+
+def clipped_norm(engine: Any) -> float | None:
+    """The norm the engine's optimizer clipped its last step's gradient with (unscaled; DeepSpeed's ZeRO and bf16
+    optimizers keep it as ``_global_grad_norm``, which the engine returns as ``get_global_grad_norm()`` once its step
+    is over); ``None`` when it keeps no such norm or skipped the step (a non-finite norm). Reading it may wait for the
+    device.
+
+    Args:
+        engine: A DeepSpeed engine (``deepspeed.initialize``'s first result).
+    """
+    norm = getattr(engine.optimizer, "_global_grad_norm", None)
+    if norm is None:
+        norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    norm = float(norm)
+    return norm if 0 <= norm < float("inf") else None  # NaN and inf: a skipped step
+
+
 def partitioned(model: nn.Module) -> list[nn.Parameter]:
     """The ZeRO-3 partitioned parameters of ``model``, in DeepSpeed's order (by ``ds_id``, the same on every rank)."""
     found = [p for p in model.parameters() if hasattr(p, "ds_id") and hasattr(p, "ds_tensor")]

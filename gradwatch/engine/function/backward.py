@@ -19,11 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import _engine_run_backward
 
-from gradwatch.engine.results.report import CheckAbandonedError
-
-
-class LossCallsBackwardError(CheckAbandonedError, ValueError):
-    """``loss_fn`` called ``backward()`` itself (a parameter's ``.grad`` changed while gradwatch evaluated it)."""
+from gradwatch.errors import LossCallsBackwardError
 
 
 def loss_calls_backward(evidence: str) -> str:

@@ -50,12 +50,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.errors import HeldValuesError
 
 _DETACHES = {Tensor.detach, torch.detach}
-
-
-class HeldValuesError(RuntimeError):
-    """A differentiated evaluation of the loss (a second reference) detached other tensors than the reference pass."""
 
 
 @dataclass(frozen=True)

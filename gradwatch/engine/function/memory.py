@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import CheckOutOfMemoryError
 
 __all__ = [
     "CheckOutOfMemoryError",
@@ -49,12 +49,6 @@ FreeMemoryProbe = Callable[[torch.device], "int | None"]
 """A function giving the bytes free on a device (``None``: unknown)."""
 
 _probe: FreeMemoryProbe | None = None
-
-
-class CheckOutOfMemoryError(CheckAbandonedError):
-    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on.
-    A :class:`~gradwatch.engine.results.report.CheckAbandonedError`, so that no fallback of the check (a smaller
-    slice, no vectorised pass, no input probes) tries something else with the memory that is not there."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine.function.guard import MODULE_DICTS
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import RestoreError
 
 MODULE_BOOKKEEPING = frozenset({"training", "_is_full_backward_hook", *MODULE_DICTS})
 """``nn.Module`` attributes that are not user state: structure and hooks (parameters, buffers and modes are restored by
@@ -47,11 +47,6 @@ MAX_DEPTH = 8
 """How deep the sandbox follows containers inside containers."""
 
 _CONTAINERS = (Tensor, nn.Module, list, collections.deque, dict, set, tuple)
-
-
-class RestoreError(CheckAbandonedError):
-    """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
-    the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
 
 
 @dataclass(eq=False)

@@ -22,6 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from gradwatch.errors import OutsideTreeError
+
 _Slot = tuple[dict[str, Any], str, Tensor]
 """A module's ``_parameters`` or ``_buffers`` table, a name in it and the tensor it holds."""
 
@@ -68,10 +70,6 @@ def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
                 if tensor is not None:
                     slots[(id(module), kind, name)] = tensor
     return slots
-
-
-class OutsideTreeError(Exception):
-    """The loss used a parameter that a substitution could not reach: it holds it outside the module tree."""
 
 
 class OriginalsWatch(TorchFunctionMode):

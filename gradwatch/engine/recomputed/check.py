@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
@@ -38,7 +39,7 @@ from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import surviving_out_of_memory
-from gradwatch.engine.function.precision import Precision, resolve_precision
+from gradwatch.engine.function.precision import resolve_precision
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
@@ -61,12 +62,12 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
-from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.settings import ProbeOptions, ProbeSettings
 
 __all__ = ["check_gradients"]
 
 
-@validate.suggests_options
+@validate.suggests_options(ProbeOptions)
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,
@@ -74,30 +75,13 @@ def check_gradients(
     loss_fn: LossFn,
     *,
     step: int = 0,
-    tensor_probes: int = 6,
-    random_probes: int = 1,
-    param_probes: int = 1,
-    input_probes: int = 1,
-    probe_batch_size: int | None = None,
-    precision: Precision = "auto",
-    ignore: Sequence[str] = (),
     focus: Sequence[str] = (),
-    rtol: float | None = None,
-    seed: int = 0,
     rotation: int | None = None,
-    float64_reductions: bool = True,
-    vectorize: bool = True,
-    fail_on_imprecise: bool = False,
-    hold_detached: bool = False,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
+    **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
-
-    The probe options, what a check probes and how (``tensor_probes``, ``random_probes``, ``param_probes``,
-    ``input_probes``, ``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ``seed``, ``float64_reductions``,
-    ``vectorize``, ``fail_on_imprecise``, ``hold_detached``), are summed up below and documented in full as the fields
-    of the same names of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
     Args:
         model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps,
@@ -109,36 +93,18 @@ def check_gradients(
             screens that need a full stencil, with the random state replayed each time so dropout draws the same masks.
             In vectorised passes one call, under ``torch.func.vmap``, evaluates many points.
         step: The training step, recorded on the report and used to draw the probed coordinates and directions.
-        tensor_probes: Tensors probed along their own gradient per check (in turn; every tensor after a failure).
-        random_probes: Tensors probed along a random direction per check (in turn), besides every tensor that
-            received no gradient at all.
-        param_probes: Coordinate probes on parameters (stratified by tensor; 0 to skip).
-        input_probes: Probes on the floating inputs of the batch (0 to skip input probes altogether).
-        probe_batch_size: Check the loss of the first this many samples of the batch; ``None`` for the whole batch.
-        precision: ``"native"`` (the parameters' dtype), ``"float64"`` or ``"auto"`` (float64 up to 2**25 parameter
-            elements) for the finite differences.
-        ignore: ``fnmatch`` patterns of parameter names not to check, e.g. ``["quantizer.*"]`` for a
-            straight-through estimator whose gradient is deliberately not the derivative.
         focus: Names of parameters to probe along their gradient in this check besides the tensors whose turn it is: in
             a series of checks, the previous report's :attr:`~gradwatch.engine.results.report.CheckReport.undecided`,
-            so that a
-            tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
-        rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64).
-        seed: Seed of the sampling; the same ``seed`` and ``step`` probe the same coordinates and directions.
+            so that a tensor whose probe could not decide (it crossed a kink) is looked at again at the next point.
         rotation: Which window of tensors the probes cover (see :mod:`gradwatch.engine.probing.sampling`); defaults to
             ``step``. A caller running a series of checks passes the check's position in the series.
-        float64_reductions: Accumulate the loss's final sums and means in float64 during finite differences.
-        vectorize: Evaluate the points of float64 probes together, in few forward passes with ``torch.func.vmap``.
-        fail_on_imprecise: Fail a float32 (or 16-bit) gradient whose formula is right but whose rounding exceeds
-            ``rtol`` (by default a probe ``"ok"`` with reason ``"imprecise"``).
-        hold_detached: Check the function autograd differentiates where the loss's own code detaches (a surrogate
-            objective such as GRPO's ``exp(logp - logp.detach())``).
         optimizers: Optimizers whose state the check puts back if the loss changes it (steps them, changes a learning
             rate): an optimizer or a list of them. Any optimizer the loss steps is put back in any case; one it changes
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
-        settings: All the options above but ``step``, ``focus`` and ``rotation`` at once, as one
-            :class:`~gradwatch.engine.settings.ProbeSettings` (what :class:`~gradwatch.GradientWatch` passes, built
-            once for a whole run); those options must then be left at their defaults.
+        settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what
+            :class:`~gradwatch.GradientWatch` passes, built once for a whole run); then none one by one.
+        **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ``rtol``, ...): the
+            fields of :class:`~gradwatch.engine.settings.ProbeSettings`, where each is documented with its default.
 
     Whatever the loss does to the model during the check is undone before it returns or raises: parameters changed in
     place, hooks registered, submodules added or replaced, parameters rebound, ``requires_grad`` toggled (see
@@ -164,21 +130,6 @@ def check_gradients(
         >>> report.verdict
         'ok'
     """
-    options = {
-        "tensor_probes": tensor_probes,
-        "random_probes": random_probes,
-        "param_probes": param_probes,
-        "input_probes": input_probes,
-        "probe_batch_size": probe_batch_size,
-        "precision": precision,
-        "ignore": ignore,
-        "rtol": rtol,
-        "seed": seed,
-        "float64_reductions": float64_reductions,
-        "vectorize": vectorize,
-        "fail_on_imprecise": fail_on_imprecise,
-        "hold_detached": hold_detached,
-    }
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     focus = validate.check_patterns("focus", focus)
     validate.check_optional_int("rotation", rotation, minimum=0)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS
 from gradwatch.engine.probing.tasks import ProbeTask
+from gradwatch.errors import UnfaithfulFloat64Error as UnfaithfulFloat64Error
 
 FINE_CHANGE = 1e-9
 """The loss change, relative to the loss, of the steps :func:`quantised` takes: 10⁷ float64 ulps, 1/60 of a float32
@@ -38,10 +39,6 @@ loss counts as quantised: a float64 function's round-off there is ~1e-7 of the s
 
 UNDECIDED = ("flat", "unresolved", "kink")
 """The reasons of undecided float64 probes that make a check test whether the float64 loss is quantised."""
-
-
-class UnfaithfulFloat64Error(Exception):
-    """The loss on float64 storage is not the model's loss; the message says how it differs."""
 
 
 def quantised(tasks: Sequence[ProbeTask], measurements: Measurements, loss: float) -> str | None:

@@ -16,7 +16,9 @@ from typing import Literal, TypeVar
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics
-from gradwatch.engine.results.rendering import render_text
+from gradwatch.errors import CheckAbandonedError as CheckAbandonedError
+from gradwatch.errors import GradientCheckError as GradientCheckError
+from gradwatch.errors import UnrestoredStateWarning as UnrestoredStateWarning
 
 VERDICTS: tuple[Verdict, ...] = tuple(Verdict)
 """All verdicts, in order of severity (the logged ``gradwatch/verdict`` scalar is the position in this tuple)."""
@@ -349,28 +351,6 @@ class CheckReport:
         return "\n".join(lines)
 
 
-ERROR_LIMIT = 20
-"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
-
-
-class GradientCheckError(RuntimeError):
-    """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
-
-    Attributes:
-        report: The failing :class:`CheckReport`.
-    """
-
-    def __init__(self, report: CheckReport) -> None:
-        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
-        self.report = report
-
-
-class CheckAbandonedError(RuntimeError):
-    """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
-    sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
-    slice, no vectorised pass, no input probes) let it through."""
-
-
 def _member(enum: type[_E], value: str, argument: str) -> _E:
     """``value`` as a member of ``enum``, naming the argument and the choices when it is none."""
     try:
@@ -378,8 +358,3 @@ def _member(enum: type[_E], value: str, argument: str) -> _E:
     except ValueError:
         choices = ", ".join(repr(member.value) for member in enum)
         raise ValueError(f"`{argument}` must be one of {choices}; got {value!r}") from None
-
-
-class UnrestoredStateWarning(UserWarning):
-    """A check could not put back something the loss changed (named in the message and in
-    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""

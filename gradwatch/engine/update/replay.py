@@ -20,11 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradwatch.errors import ReplayError
+
 __all__ = ["ReplayError", "replayed"]
-
-
-class ReplayError(RuntimeError):
-    """The optimizer's class could not be built again over a copy of the parameter, or its step raised."""
 
 
 def _built(cls: type, param: Tensor, hyper: Mapping[str, Any], defaults: Mapping[str, Any]) -> Any:

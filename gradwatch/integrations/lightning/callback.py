@@ -10,16 +10,15 @@ alerts, outputs). It turns Lightning's hooks into the watch's three calls and le
   context as the path, the grad scaler's scale and its skipped steps;
 * ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
 
-Around every check the trainer's loggers are silenced (:mod:`.training_step`); the records go to every logger, to
-``trainer.callback_metrics`` and, on rank 0, to what each logger can show (:mod:`.publishing`), through sinks built
-once per run.
+Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`, the watch's
+``context``); the records go to every logger, to ``trainer.callback_metrics`` and, on rank 0, to what each logger can
+show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks built once per run; the report
+``maybe_check`` returns goes to the progress bar.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -27,15 +26,14 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
-from gradwatch.engine import CheckReport, LossFn
-from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.engine.validation import keyword_names, reject_unknown_options
+from gradwatch.engine import CheckReport
+from gradwatch.engine.settings import ProbeSettings
+from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
-from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar, sinks
+from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
-from gradwatch.watch.alerts import OnFail
-from gradwatch.watch.defaults import DEFAULT_APPLIED_EVERY_N_STEPS
-from gradwatch.watch.distributed import agree_across_ranks, rank0_decides
+from gradwatch.integrations.loggers import lightning_runs, logger_sinks
+from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -62,37 +60,24 @@ class GradWatch(Callback):
     happened. Results go to the trainer's loggers (see the README for the tags) and to :attr:`reports`; failures raise
     an alert. Under DDP every process checks its own shard of the batch and rank 0 decides the budget for all.
 
-    Every option is that of :class:`~gradwatch.GradientWatch` (``on_fail="stop"`` stops the trainer cleanly), keyword
-    only; the probe options (``precision``, ``vectorize``, ``ignore``, ``tensor_probes``, ...) are documented once, in
-    :class:`~gradwatch.engine.settings.ProbeSettings`, and may be given as ``settings=`` instead (``ignore`` patterns
-    are matched to the module's parameter names at ``setup``).
+    Every option is that of :class:`~gradwatch.GradientWatch`, keyword only, with its default: the watch's options and
+    the probe options (``precision``, ``vectorize``, ``ignore``, ``tensor_probes``, ...), the fields of
+    :class:`~gradwatch.engine.settings.ProbeSettings`, which may be given as ``settings=`` instead; ``ignore`` patterns
+    are matched to the module's parameter names at ``setup``. Each is read back as an attribute of the callback
+    (``GradWatch().every_n_steps``, ``GradWatch().probe_batch_size``: the watch's value, a probe option's from its
+    :attr:`~gradwatch.GradientWatch.settings`).
 
     Args:
-        every_n_steps: A recomputed check every this many optimizer steps; ``None`` (the default): every 500, within
-            the 1% budget of ``max_overhead``.
-        first_check_step: Also check (both kinds) at this optimizer step, so a wrong gradient surfaces in the first
-            minutes of a run; ``None`` to rely on the cadences alone.
-        applied_every_n_steps: Check the gradient the optimizer applies, as training computed it, every this many
-            optimizer steps (``None``: off), within the same ``max_overhead``.
-        on_fail: ``"warn"`` (a :class:`~gradwatch.GradientCheckWarning`, rate-limited), ``"raise"``
-            (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and stop the trainer cleanly) or a callable
-            receiving the failing :class:`~gradwatch.CheckReport`.
-        loss_fn: ``loss_fn(module, batch) -> scalar Tensor`` to check instead of the module's ``training_step``.
-            Required for modules with manual optimization, whose ``training_step`` steps the optimizers.
-        max_overhead: The fraction of the training time both kinds of check may take; a due check waits until the
-            run affords it. ``"auto"`` (the default): 1% when ``every_n_steps`` is left at its default, no budget
-            when you choose a cadence yourself; ``None``: no budget.
-        max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
-        verbose: Log (INFO) what is no failure: notes once each, postponed checks; ``False``: warnings for failures
-            and problems only.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one).
-        **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
-            fields of :class:`~gradwatch.engine.settings.ProbeSettings`; 2 samples are probed unless told.
-        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
-            makes of it (after ``gradient_clip_val``'s clip) against a reference update (``scope == "update"``);
-            ``False``: no update check.
+        **options: The options of :class:`~gradwatch.GradientWatch` by name (``every_n_steps``, ``first_check_step``,
+            ``applied_every_n_steps``, ``on_fail``, ``loss_fn``, ``max_overhead``, ``max_reports``, ``verbose``,
+            ``check_update``) and the probe options (2 samples probed unless told). Under Lightning ``on_fail="stop"``
+            stops the trainer cleanly; ``loss_fn(module, batch)`` is checked instead of the module's
+            ``training_step``, and is required for a module with manual optimization, whose ``training_step`` steps
+            the optimizers; ``check_update`` checks the update after ``gradient_clip_val``'s clip.
 
     Raises:
+        TypeError: An unknown option (named, with the nearest valid name).
         ValueError: An argument is out of range or of the wrong type (at construction), or the module uses manual
             optimization and no ``loss_fn`` was given (at ``setup``).
 
@@ -102,44 +87,26 @@ class GradWatch(Callback):
         trainer.fit(model, datamodule)
     """
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int | None = None,
-        first_check_step: int | None = 1,
-        applied_every_n_steps: int | None = DEFAULT_APPLIED_EVERY_N_STEPS,
-        on_fail: OnFail = "warn",
-        loss_fn: LossFn | None = None,
-        max_overhead: float | Literal["auto"] | None = "auto",
-        max_reports: int = 1000,
-        verbose: bool = True,
-        settings: ProbeSettings | None = None,
-        check_update: bool = True,
-        **options: Unpack[ProbeOptions],
-    ) -> None:
+    @suggests_options(WatchOptions)
+    def __init__(self, *, settings: ProbeSettings | None = None, **options: Unpack[WatchOptions]) -> None:
         super().__init__()
-        own = keyword_names(GradWatch.__init__)
-        reject_unknown_options(options, (*ProbeSettings.option_names(), *own), "GradWatch()")
-        self._trainer: pl.Trainer | None = None  # the trainer of the hook being handled (for the watch's hooks)
         self._scale_before: float | None = None  # the GradScaler's scale before a due optimizer step
         self._batch_step = 0  # the optimizer step the batch's window leads to (its first, with several optimizers)
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
         self._watch = GradientWatch(
-            every_n_steps=every_n_steps, first_check_step=first_check_step,
-            applied_every_n_steps=applied_every_n_steps, on_fail=on_fail, loss_fn=loss_fn, max_overhead=max_overhead,
-            max_reports=max_reports, verbose=verbose, settings=settings, decide=rank0_decides,
-            agree=agree_across_ranks, context=self._context, on_report=self._on_report, check_update=check_update,
-            **options,
+            settings=settings, context=loggers_silenced, **options,
         )  # fmt: skip
-        watch = self._watch
-        self.every_n_steps, self.first_check_step, self.on_fail = watch.every_n_steps, watch.first_check_step, on_fail
-        self.applied_every_n_steps, self.check_update = watch.applied_every_n_steps, watch.check_update
-        self.loss_fn, self.max_overhead, self.max_reports = watch.loss_fn, watch.max_overhead, watch.max_reports
-        self.verbose = verbose
-        for name in ProbeSettings.option_names():  # the probe options, read as attributes as they always were
-            setattr(self, name, getattr(watch.settings, name))
+
+    def __getattr__(self, name: str) -> Any:
+        # the options, read as attributes as they always were: the watch's own, a probe option from its settings
+        watch = vars(self).get("_watch")
+        if watch is not None and name in WATCH_OPTIONS:
+            return getattr(watch, name)
+        if watch is not None and name in ProbeSettings.option_names():
+            return getattr(watch.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def watch(self) -> GradientWatch:
@@ -217,7 +184,9 @@ class GradWatch(Callback):
         with self._watch.guarded("GradWatch.on_fit_start (the dashboard)"):
             publish_dashboard(trainer)
         with self._watch.guarded("GradWatch.on_fit_start (the sinks)"):
-            self._watch.sinks = (TrainerSink(trainer), *sinks(trainer))  # built once per run
+            # built once per run; what each logger shows besides scalars, on rank 0 (it writes files and texts)
+            shown = logger_sinks(lightning_runs(trainer), note=True) if trainer.is_global_zero else []
+            self._watch.sinks = (TrainerSink(trainer), *shown)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -261,7 +230,7 @@ class GradWatch(Callback):
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         self._remove_clip_hooks()
-        with self._handling(trainer), self._watch.guarded("GradWatch.on_train_batch_end"):
+        with self._watch.guarded("GradWatch.on_train_batch_end"):
             scaler = _grad_scaler(trainer)
 
             def skipped() -> bool:  # asked only at a due step
@@ -269,9 +238,13 @@ class GradWatch(Callback):
 
             # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
             loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
-            self._watch.maybe_check(
+            report = self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )
+            if report is not None:
+                with self._watch.guarded("GradWatch's progress bar"):
+                    show_in_progress_bar(trainer, report, self.counts["failed"])
+        self._stop_if_asked(trainer)
 
     def _check_applied(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
@@ -296,14 +269,14 @@ class GradWatch(Callback):
             # FSDP2: each rank sees its own rows; decide together
             return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
 
-        with self._handling(trainer):
-            self._watch.before_optimizer_step(
-                module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
-                combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
-                path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-                skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-                optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
-            )  # fmt: skip
+        self._watch.before_optimizer_step(
+            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
+            combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
+            path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
+            skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
+            optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
+        )  # fmt: skip
+        self._stop_if_asked(trainer)
 
     def _check_clipping_after_step(
         self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -323,8 +296,9 @@ class GradWatch(Callback):
             if done[0]:
                 return
             done[0] = True
-            with self._handling(trainer), self._watch.guarded("GradWatch's hook after the optimizer step"):
+            with self._watch.guarded("GradWatch's hook after the optimizer step"):
                 self._watch.after_clipping(module, float(max_norm), step=step)
+            self._stop_if_asked(trainer)
 
         self._clip_hooks.append(optimizer.register_step_post_hook(after_step))
 
@@ -335,27 +309,10 @@ class GradWatch(Callback):
             handle.remove()
         self._clip_hooks = []
 
-    @contextlib.contextmanager
-    def _handling(self, trainer: pl.Trainer) -> Iterator[None]:
-        """The trainer of the hook being handled, for the watch's context; a stop the watch asks for, passed on."""
-        self._trainer = trainer
-        try:
-            yield
-        finally:
-            self._trainer = None
-        if self._watch.should_stop:  # on_fail="stop" and the check failed
+    def _stop_if_asked(self, trainer: pl.Trainer) -> None:
+        """A stop the watch asks for (``on_fail="stop"`` and a check failed), passed on to the trainer."""
+        if self._watch.should_stop:
             trainer.should_stop, self._watch.should_stop = True, False
-
-    @contextlib.contextmanager
-    def _context(self, module: torch.nn.Module) -> Iterator[None]:
-        assert self._trainer is not None
-        with loggers_silenced(self._trainer):
-            yield
-
-    def _on_report(self, report: CheckReport) -> None:
-        if self._trainer is not None and report.scope == "recomputed":
-            with self._watch.guarded("GradWatch's progress bar"):
-                show_in_progress_bar(self._trainer, report, self.counts["failed"])
 
     @override
     def state_dict(self) -> dict[str, Any]:

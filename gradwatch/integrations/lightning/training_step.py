@@ -56,11 +56,13 @@ _EXPERIMENT_PREFIXES = ("add_", "log")
 
 
 @contextlib.contextmanager
-def loggers_silenced(trainer: pl.Trainer) -> Iterator[None]:
-    """During a check, make the trainer's loggers write nothing: ``training_step`` may call
-    ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself, and the probes' calls are not
-    training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a W&B run) lose their ``add_*``
-    and ``log*`` methods for the duration; none is created for it."""
+def loggers_silenced(module: nn.Module) -> Iterator[None]:
+    """During a check of ``module`` (a LightningModule in a fit), make its trainer's loggers write nothing:
+    ``training_step`` may call ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself,
+    and the probes' calls are not training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a
+    W&B run) lose their ``add_*`` and ``log*`` methods for the duration; none is created for it. The watch's
+    ``context``."""
+    trainer: pl.Trainer = module.trainer  # type: ignore[assignment]
     with contextlib.ExitStack() as stack:
         for logger in trainer.loggers:
             stack.enter_context(_silenced(logger, _LOGGER_METHODS))

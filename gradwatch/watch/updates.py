@@ -1,5 +1,5 @@
-"""The update check's part of :class:`~gradwatch.GradientWatch`: the update ``optimizer.step()`` makes of the gradient
-an applied check verified, compared with a reference update (:mod:`gradwatch.engine.update`).
+"""The update checks of a :class:`~gradwatch.GradientWatch`: the update ``optimizer.step()`` makes of the gradient an
+applied check verified, compared with a reference update (:mod:`gradwatch.engine.update`).
 
 It runs wherever the applied check runs, at the same steps and within the same budget (``check_update=False`` turns
 it off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values,
@@ -7,9 +7,9 @@ the verified gradient and the optimizer's state of a few tensors and checks the 
 from a step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
 ``before_optimizer_step`` was given (``optimizer=``, or the one of ``optimizers=``); without one, the watch hooks the
 next step of any optimizer that updates the verified tensors (torch's global step hooks). A loop whose optimizer's
-step runs no hooks calls :meth:`UpdateCalls.after_optimizer_step` itself. The hooks are one-shot: each does nothing
-after its step and is removed at the watch's next call (removing a hook while torch runs the hooks would break a loop
-with hooks of its own after it).
+step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are one-shot: each
+does nothing after its step and is removed at the watch's next call (removing a hook while torch runs the hooks would
+break a loop with hooks of its own after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
 (``max_norm=`` to ``before_optimizer_step``, or the ``after_clipping`` call of the step). Before a step due for a
@@ -34,10 +34,10 @@ from gradwatch.engine import CheckReport
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
 from gradwatch.engine.update.snapshot import innermost
-from gradwatch.watch.applied import AppliedSchedule
+from gradwatch.watch.cadence import Cadence
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
-from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.overhead import OverheadClock
 
 log = logging.getLogger(__name__)
 
@@ -62,50 +62,52 @@ def _stepping(optimizer: Any, optimizers: Sequence[Any]) -> Any:
     return optimizers[0] if optimizer is None and len(optimizers) == 1 else optimizer
 
 
-class UpdateCalls:
-    """The update-check calls of a watch (see the module doc); the watch holds the state they use."""
+class UpdateChecks:
+    """The update checks of a watch (see the module doc): within the applied checks' cadence and budget, since they
+    are made of the gradients those checks verified.
 
-    check_update: bool
-    _applied: AppliedSchedule
-    _schedule: Schedule
-    _lessons: Lessons
-    _outcomes: Outcomes
-    _update_pending: _Pending | None
-    _update_previous: tuple[int, dict[str, Tensor]] | None
-    _update_declared: dict[int, float]
-    _update_checks: int
+    Args:
+        outcomes: Where their reports go.
+        lessons: The watch's settings (which parameters are checked).
+        clock: gradwatch's time against the training's.
+        applied: The applied checks' cadence, whose cost includes the update check each leads to.
+    """
 
-    def _update_reset(self) -> None:
-        self._update_pending, self._update_previous, self._update_declared, self._update_checks = None, None, {}, 0
+    def __init__(self, outcomes: Outcomes, lessons: Lessons, clock: OverheadClock, applied: Cadence) -> None:
+        self._outcomes, self._lessons, self._clock, self._applied = outcomes, lessons, clock, applied
+        self.pending: _Pending | None = None
+        self._previous: tuple[int, dict[str, Tensor]] | None = None
+        self._declared: dict[int, float] = {}
+        self._checks = 0
 
-    def _update_release(self, step: int | None = None) -> None:
+    def release(self, step: int | None = None) -> None:
         """Remove the hooks of a pending check that has run (or, ``step``: that belongs to an earlier step)."""
-        pending = self._update_pending
+        pending = self.pending
         if pending is not None and (pending.done or (step is not None and pending.step < step)):
             for handle in pending.handles:
                 handle.remove()
-            self._update_pending = None
+            self.pending = None
 
-    def _update_candidates(
+    def _candidates(
         self, model: nn.Module, optimizer: Any, updated: Sequence[tuple[str, nn.Parameter]] | None
     ) -> list[tuple[str, Tensor]]:
         named = list(updated) if updated is not None else list(model.named_parameters())
         names = {name for name, _ in checked_parameters(model, self._lessons.active.ignore)}
         named = [(name, p) for name, p in named if name in names]
-        return update_tensors(optimizer, named, rotation=self._update_checks)
+        return update_tensors(optimizer, named, rotation=self._checks)
 
-    def _update_keep_previous(
+    def keep_previous(
         self, model: nn.Module, step: int, optimizer: Any, optimizers: Sequence[Any],
         updated: Sequence[tuple[str, nn.Parameter]] | None,
     ) -> None:  # fmt: skip
         """Before a step due for an applied check, keep this step's gradient of the tensors that check will compare."""
         optimizer = _stepping(optimizer, optimizers)
         with torch.no_grad():
-            candidates = self._update_candidates(model, optimizer, updated)
+            candidates = self._candidates(model, optimizer, updated)
             grads = {n: p.grad.detach().clone() for n, p in candidates if p.grad is not None}
-        self._update_previous = (step, grads)
+        self._previous = (step, grads)
 
-    def _update_prepare(
+    def prepare(
         self,
         model: nn.Module,
         step: int,
@@ -116,23 +118,21 @@ class UpdateCalls:
         max_norm: float | None,
     ) -> None:
         """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step."""
-        self._update_release(step + 1)
-        if not self.check_update:
-            return
+        self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
-        previous = self._update_previous[1] if self._update_previous and self._update_previous[0] == step - 1 else {}
-        named = self._update_candidates(model, optimizer, updated)
+        previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
+        named = self._candidates(model, optimizer, updated)
         if not named:
             return
         with torch.no_grad():  # copied now: the loop clips .grad in place before the step
             grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
-        pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._update_declared.get(step),
+        pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._declared.get(step),
                            previous, grads)  # fmt: skip
-        self._update_pending = pending
+        self.pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
-            pending.snapshot = self._update_snapshot(pending, inner)
-            pending.handles.append(inner.register_step_post_hook(self._update_hook(pending)))
+            pending.snapshot = self._snapshot(pending, inner)
+            pending.handles.append(inner.register_step_post_hook(self._hook(pending)))
             return
 
         def before(stepping: Any, *_: Any) -> None:  # the first optimizer that updates a kept tensor
@@ -145,66 +145,60 @@ class UpdateCalls:
                 mine = [(n, p) for n, p in pending.named if id(p) in ids]
                 if mine:
                     pending.named = mine
-                    pending.snapshot = self._update_snapshot(pending, stepping)
+                    pending.snapshot = self._snapshot(pending, stepping)
 
-        after = self._update_hook(pending)
+        after = self._hook(pending)
         pending.handles += [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
 
-    def _update_snapshot(self, pending: _Pending, optimizer: Any) -> UpdateSnapshot:
+    def _snapshot(self, pending: _Pending, optimizer: Any) -> UpdateSnapshot:
         return UpdateSnapshot.take(optimizer, pending.named, norm=pending.norm, max_norm=pending.max_norm,
                                    previous=pending.previous, grads=pending.grads)  # fmt: skip
 
-    def _update_hook(self, pending: _Pending) -> Callable[..., None]:
+    def _hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:
             snapshot = pending.snapshot
             if not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer:
                 with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
-                    self._update_run(pending)
+                    self._run(pending)
 
         return after
 
-    def _update_run(self, pending: _Pending) -> CheckReport | None:
+    def _run(self, pending: _Pending) -> CheckReport | None:
         pending.done = True
         snapshot = pending.snapshot
         if snapshot is None:
             return None
-        snapshot = snapshot.with_clip(self._update_declared.get(pending.step) if snapshot.max_norm is None else None)
+        snapshot = snapshot.with_clip(self._declared.get(pending.step) if snapshot.max_norm is None else None)
         given = {kept.name: kept.param.grad for kept in snapshot.kept}
         started = time.perf_counter()
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip
         seconds = time.perf_counter() - started
-        self._schedule.clock.add_check(seconds)  # gradwatch's time, within the applied checks' budget
-        self._applied.last_seconds += seconds
-        self._update_checks += 1
+        self._clock.add_check(seconds)  # gradwatch's time, within the applied checks' budget
+        self._applied.cost += seconds
+        self._checks += 1
         pending.snapshot, pending.grads = None, {}  # the copies are needed no more
         if report is not None:
-            self._outcomes.publish(report, self._schedule.clock.fraction)
+            self._outcomes.publish(report, self._clock.fraction)
         return report
 
-    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, *, step: int) -> CheckReport | None:
-        """Call after ``optimizer.step()`` where the optimizer's step runs no step hooks (the watch's own post hook runs
-        the check otherwise, and this call only returns its report): the update check of step ``step`` when one is
-        pending, else ``None``.
-
-        Args:
-            optimizer: The optimizer that stepped; by default the one the check kept.
-            step: The optimizer step just taken (the step of the applied check that verified its gradient).
-        """
-        pending = self._update_pending
+    def stepped(self, optimizer: Any, step: int) -> CheckReport | None:
+        """``optimizer`` (``None``: the one kept) stepped at ``step``: the report of its update check (run now when its
+        step ran no hooks), else ``None`` (see :meth:`~gradwatch.GradientWatch.after_optimizer_step`)."""
+        pending = self.pending
         if pending is None or pending.step != step:
             return None
         if pending.done:
             report = next((r for r in reversed(self._outcomes.reports) if r.scope == "update"), None)
-            self._update_release()
+            self.release()
             return report if report is not None and report.step == step else None
         snapshot = pending.snapshot
         if snapshot is None or (optimizer is not None and innermost(optimizer) is not snapshot.optimizer):
             return None
-        report = self._update_run(pending)
-        self._update_release()
+        report = self._run(pending)
+        self.release()
         return report
 
-    def _update_declare(self, step: int, max_norm: float) -> None:
+    def declare(self, step: int, max_norm: float) -> None:
         """The loop clips step ``step``'s gradient to ``max_norm`` (``after_clipping``): the update check's gradient."""
-        self._update_declared = {step: float(max_norm)}
+        self._declared = {step: float(max_norm)}

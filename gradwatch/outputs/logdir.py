@@ -1,7 +1,7 @@
 """Finding and opening the files of a log directory so that nothing is skipped in silence.
 
-``Path.rglob`` passes over a directory it may not read, and ``open`` on a FIFO named like an event file waits forever.
-:func:`find_files` walks the directory itself and raises :class:`EventFilesError` for every entry it cannot take into
+``Path.rglob`` passes over a directory it may not read, and ``open`` on a FIFO named like a record waits forever.
+:func:`find_files` walks the directory itself and raises :class:`ReportInputError` for every entry it cannot take into
 account (an unreadable directory, a wanted name that is not a regular file, a name that is not valid UTF-8);
 :func:`open_regular` opens without blocking and refuses anything but a regular file. Every message names the path
 (:func:`shown`) and the reason in one line.
@@ -16,9 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-
-class EventFilesError(Exception):
-    """The log directory or its files cannot give a report (missing, unreadable, corrupt, without gradwatch data)."""
+from gradwatch.errors import ReportInputError
 
 
 def shown(path: Path | str) -> str:
@@ -37,7 +35,7 @@ def _reason(error: OSError) -> str:
 
 def _decodable(path: Path) -> None:
     if shown(path) != str(path):
-        raise EventFilesError(f"{shown(path)}: a file name that is not valid UTF-8, which gradwatch cannot decode")
+        raise ReportInputError(f"{shown(path)}: a file name that is not valid UTF-8, which gradwatch cannot decode")
 
 
 def _entries(directory: Path) -> list[os.DirEntry[str]]:
@@ -45,7 +43,7 @@ def _entries(directory: Path) -> list[os.DirEntry[str]]:
         with os.scandir(directory) as entries:
             return sorted(entries, key=lambda entry: entry.name)
     except OSError as error:
-        raise EventFilesError(f"{shown(directory)}: cannot read the directory ({_reason(error)})") from error
+        raise ReportInputError(f"{shown(directory)}: cannot read the directory ({_reason(error)})") from error
 
 
 def _kind(mode: int) -> str:
@@ -59,9 +57,9 @@ def _is_regular(path: Path) -> None:
     try:
         mode = os.stat(path).st_mode  # follows a link: a link to a regular file is read
     except OSError as error:
-        raise EventFilesError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
+        raise ReportInputError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
     if not stat.S_ISREG(mode):
-        raise EventFilesError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused (never opened)")
+        raise ReportInputError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused (never opened)")
 
 
 def find_files(logdir: Path, wanted: Callable[[str], bool]) -> list[Path]:
@@ -69,7 +67,7 @@ def find_files(logdir: Path, wanted: Callable[[str], bool]) -> list[Path]:
     followed (a link cycle would never end).
 
     Raises:
-        EventFilesError: A directory under ``logdir`` cannot be listed, a wanted name is not a regular file (a FIFO,
+        ReportInputError: A directory under ``logdir`` cannot be listed, a wanted name is not a regular file (a FIFO,
             a device, a directory) or cannot be read, or a wanted name or a directory name is not valid UTF-8.
     """
     found: list[Path] = []
@@ -92,20 +90,28 @@ def open_regular(path: Path) -> BinaryIO:
     """``path`` opened for reading in binary, if it is a regular file.
 
     Raises:
-        EventFilesError: It cannot be opened, or it is not a regular file (checked on the open file, which was opened
+        ReportInputError: It cannot be opened, or it is not a regular file (checked on the open file, which was opened
             without blocking, so a FIFO is never waited on).
     """
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
         if error.errno == errno.ENXIO:  # a FIFO or socket without a writer, opened without blocking
-            raise EventFilesError(f"{shown(path)}: not a regular file; refused") from error
-        raise EventFilesError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
+            raise ReportInputError(f"{shown(path)}: not a regular file; refused") from error
+        raise ReportInputError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
     try:
         mode = os.fstat(descriptor).st_mode
         if not stat.S_ISREG(mode):
-            raise EventFilesError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused")
+            raise ReportInputError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused")
         return os.fdopen(descriptor, "rb")
     except BaseException:
         os.close(descriptor)
         raise
+
+
+def check_directory(logdir: Path) -> None:
+    """Raise :class:`ReportInputError` unless ``logdir`` is an existing directory."""
+    if not logdir.exists():
+        raise ReportInputError(f"log directory {shown(logdir)} does not exist")
+    if not logdir.is_dir():
+        raise ReportInputError(f"{shown(logdir)} is not a directory (pass the directory that holds the logs)")

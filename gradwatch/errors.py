@@ -1,0 +1,134 @@
+"""Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
+
+For users: :class:`GradientCheckError` (``on_fail="raise"``), :class:`GradientCheckWarning` (a failing or undecided
+check), :class:`UnrestoredStateWarning`, :class:`NoLossToCheckError` (raised by a ``loss_fn`` that has no loss for a
+batch), :class:`UserCodeError` (the user's loss, model or optimizer raised inside a check) and the reasons a check
+ends (:class:`CheckAbandonedError` and its kinds). The others are signals between gradwatch's own modules, each named
+for what it means. The modules that used to define them import them from here, so their old import paths still work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gradwatch.engine.results.report import CheckReport
+
+ERROR_LIMIT = 20
+"""Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
+
+
+# ---- for users -----------------------------------------------------------------------------------------------------
+
+
+class GradientCheckError(RuntimeError):
+    """Raised when a check finds gradients that disagree with the loss (``GradWatch(on_fail="raise")``).
+
+    Attributes:
+        report: The failing :class:`~gradwatch.CheckReport`.
+    """
+
+    def __init__(self, report: CheckReport) -> None:
+        from gradwatch.engine.results.rendering import render_text  # the renderer reads reports: imported when raised
+
+        super().__init__(render_text(report, limit=ERROR_LIMIT, prefix=""))
+        self.report = report
+
+
+class GradientCheckWarning(UserWarning):
+    """Issued when a gradient check fails (``on_fail="warn"`` or ``"stop"``) or cannot run."""
+
+
+class UnrestoredStateWarning(UserWarning):
+    """A check could not put back something the loss changed (named in the message and in
+    :attr:`CheckReport.unrestored`): the run is not exactly as it would have been without the check."""
+
+
+class NoLossToCheckError(Exception):
+    """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
+    is skipped, silently."""
+
+
+class UserCodeError(Exception):
+    """The user's code (the loss, the model's forward or backward, an optimizer's step) raised while a check ran it.
+
+    Raised from the original exception (``__cause__``) where gradwatch calls the user's code, so that the places that
+    turn a user's failure into a note or an inconclusive check catch it alone: an error of gradwatch's own is not
+    wrapped, and propagates (the watch's guard still keeps it from ending the run)."""
+
+
+class UnsupportedShardingError(ValueError):
+    """The model's parameters are distributed in a way gradwatch does not check."""
+
+
+# ---- a check that must end -----------------------------------------------------------------------------------------
+
+
+class CheckAbandonedError(RuntimeError):
+    """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
+    sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
+    slice, no vectorised pass, no input probes) let it through."""
+
+
+class RestoreError(CheckAbandonedError):
+    """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
+    the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
+
+
+class LossCallsBackwardError(CheckAbandonedError, ValueError):
+    """``loss_fn`` called ``backward()`` itself (a parameter's ``.grad`` changed while gradwatch evaluated it)."""
+
+
+class CheckOutOfMemoryError(CheckAbandonedError):
+    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on.
+    A :class:`CheckAbandonedError`, so that no fallback of the check (a smaller slice, no vectorised pass, no input
+    probes) tries something else with the memory that is not there."""
+
+
+class PeerFailureError(CheckAbandonedError):
+    """A rank's evaluation raised, or a reduction across the ranks failed: the check ends on every rank."""
+
+
+class LossCollectivesError(CheckAbandonedError):
+    """The loss of a per-rank check called collectives: the check ends on every rank (each at the same evaluation)."""
+
+
+class RaisedOnAnotherRankError(RuntimeError):
+    """Raised on every process by :func:`~gradwatch.watch.distributed.agree_across_ranks` when the check raised on
+    another one (``on_fail="raise"``): the same raise, so it passes every guard (:mod:`gradwatch.watch.guard`) as the
+    original does."""
+
+
+# ---- signals between gradwatch's modules ---------------------------------------------------------------------------
+
+
+class UnfaithfulFloat64Error(Exception):
+    """The loss on float64 storage is not the model's loss; the message says how it differs."""
+
+
+class HeldValuesError(RuntimeError):
+    """A differentiated evaluation of the loss (a second reference) detached other tensors than the reference pass."""
+
+
+class OutsideTreeError(Exception):
+    """The loss used a parameter that a substitution could not reach: it holds it outside the module tree."""
+
+
+class ExhaustedError(Exception):
+    """The culprit search made its maximum number of probes."""
+
+
+class ReplayError(RuntimeError):
+    """The optimizer's class could not be built again over a copy of the parameter, or its step raised."""
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+
+
+class ReportInputError(Exception):
+    """The log directory or its records cannot give a report (missing, unreadable, malformed, without gradwatch
+    data); the message names the path and the reason in one line."""
+
+
+class MissingExtraError(Exception):
+    """An optional dependency is needed and not installed."""
