@@ -236,7 +236,7 @@ class AppliedProbes:
         least = self._least(tensors, weights)
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, result.tolerance, result.excess,
-                        explained(self.rounding, tensors, weights), exact)  # fmt: skip
+                        explained=explained(self.rounding, tensors, weights), exact_tolerance=exact)  # fmt: skip
 
 
 def _agreed(values: list[float], group: Any) -> list[float]:

@@ -68,6 +68,7 @@ class PortfolioSettings:
     random_probes: int
     param_probes: int
     input_probes: int
+    _: dataclasses.KW_ONLY
     seed: int
     step: int
     rotation: int
@@ -157,7 +158,8 @@ class Portfolio:
             direction = CoordinateDirection(tensors[0], old.index, value_at(grads[0], old.index), after)
         else:
             assert isinstance(old, VectorDirection), "only coordinate and vector probes are replicated"
-            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after, weights=old.weights)
+            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after_write=after,
+                                        weights=old.weights)  # fmt: skip
         return dataclasses.replace(
             task, direction=direction, step=task.initial_step, stencil=None, result=None, evaluations=0
         )
@@ -287,7 +289,8 @@ class Portfolio:
         tensors = [self.evaluator.inputs[path] for path in paths]
         components = [grads[path] for path in paths]
         size = norm(components)
-        direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
+        direction = VectorDirection(tensors, components, components, 1.0 / size,
+                                    after_write=self.evaluator.mark_inputs_current)  # fmt: skip
         step = self._relative_step(tensors[0].dtype) * (rms(*tensors) or 1.0)
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
         return ProbeTask(ProbeKind.INPUT, target, None, direction, step, scale_floor=0.0, moves=tuple(paths))
