@@ -155,7 +155,7 @@ class AppliedProbes:
         reference = Reference(self.measurements.reference, list(self.grads), {})
         settings = PortfolioSettings(0, 0, 0, 0, seed=0, step=0, rotation=0, focus=())
         portfolio = Portfolio(self.measurements.evaluator, reference, self.grad_norms, settings, self.native_dtype)
-        found = []
+        found: list[Measured | None] = []
         for task in portfolio.every_check():
             direction = task.direction if task is not None else None
             along = isinstance(direction, VectorDirection) and all(
