@@ -2,13 +2,16 @@
 
 For users: :class:`GradientCheckError` (``on_fail="raise"``), :class:`GradientCheckWarning` (a failing or undecided
 check), :class:`UnrestoredStateWarning`, :class:`NoLossToCheckError` (raised by a ``loss_fn`` that has no loss for a
-batch), :class:`UserCodeError` (the user's loss, model or optimizer raised inside a check) and the reasons a check
-ends (:class:`CheckAbandonedError` and its kinds). The others are signals between gradwatch's own modules, each named
-for what it means. The modules that used to define them import them from here, so their old import paths still work.
+batch) and the reasons a check ends (:class:`CheckAbandonedError` and its kinds). The others are signals between
+gradwatch's own modules, each named for what it means. The modules that used to define them import them from here, so
+their old import paths still work. :func:`own_error` tells an error of gradwatch's own from one of the code it runs
+(the user's loss, model or optimizer).
 """
 
 from __future__ import annotations
 
+import os
+import sysconfig
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,14 +50,6 @@ class UnrestoredStateWarning(UserWarning):
 class NoLossToCheckError(Exception):
     """Raised by a ``loss_fn`` that has no loss for this batch (a ``training_step`` that returned ``None``): the check
     is skipped, silently."""
-
-
-class UserCodeError(Exception):
-    """The user's code (the loss, the model's forward or backward, an optimizer's step) raised while a check ran it.
-
-    Raised from the original exception (``__cause__``) where gradwatch calls the user's code, so that the places that
-    turn a user's failure into a note or an inconclusive check catch it alone: an error of gradwatch's own is not
-    wrapped, and propagates (the watch's guard still keeps it from ending the run)."""
 
 
 class UnsupportedShardingError(ValueError):
@@ -132,3 +127,47 @@ class ReportInputError(Exception):
 
 class MissingExtraError(Exception):
     """An optional dependency is needed and not installed."""
+
+
+# ---- whose error -----------------------------------------------------------------------------------------------------
+
+OWN_ERRORS = (AttributeError, NameError, AssertionError)
+"""The programming errors that, raised in gradwatch's own code, are a bug of gradwatch's (a name or attribute that is
+not there, a broken invariant); a ``TypeError`` or ``ValueError`` there may be torch refusing a user's tensor."""
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _torch_directory() -> str:
+    import torch  # imported by every caller already
+
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def own_error(error: BaseException) -> bool:
+    """Whether ``error``, caught in gradwatch, is a bug of gradwatch's own rather than a failure of the code a check
+    runs: one of :data:`OWN_ERRORS`, raised in gradwatch's code (or in torch's, called from there: an ``nn.Module``
+    attribute that is not there), with no frame of any other code (the user's loss or model, a library's) between the
+    place that caught it and the place that raised it; torch's and the standard library's frames are neither. The
+    places that turn the user's failures into notes let such an error through, so that it is seen (in tests, and as
+    the watch's guard reports it) instead of becoming a note."""
+    if not isinstance(error, OWN_ERRORS):
+        return False
+    files = []
+    frame = error.__traceback__
+    while frame is not None:
+        name = frame.tb_frame.f_code.co_filename
+        files.append(name if name.startswith("<") else os.path.abspath(name))
+        frame = frame.tb_next
+    torch_directory = _torch_directory()
+    ours = [file for file in files if file.startswith(_PACKAGE)]
+    innermost = next((file for file in reversed(files) if not file.startswith(torch_directory)), None)
+    return bool(ours) and innermost == ours[-1] and all(_neutral(file, torch_directory) for file in files)
+
+
+def _neutral(file: str, torch_directory: str) -> bool:
+    """Whether a frame of ``file`` is gradwatch's, torch's or the standard library's (not the user's code)."""
+    if file.startswith((_PACKAGE, torch_directory, "<frozen ")):
+        return True
+    return file.startswith(_STDLIB) and not any(part in file for part in ("site-packages", "dist-packages"))

@@ -15,8 +15,7 @@ session owns what the two have in common, so that they cannot drift apart:
 4. what could not be put back: named in ``report.unrestored`` and in an
    :class:`~gradwatch.engine.results.report.UnrestoredStateWarning`, with the notes of the sandbox and the guard;
 5. the one :class:`~gradwatch.engine.results.report.CheckReport` (:meth:`CheckSession.report`): the session's notes
-   around
-   the measurements' own, its step, duration, side effects and what it could not restore.
+   around the measurements' own, its step, duration, side effects and what it could not restore.
 """
 
 from __future__ import annotations

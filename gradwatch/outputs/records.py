@@ -143,9 +143,8 @@ FAULT_NAME_TAG = APPLIED_PREFIX + "fault_name"
 def applied_scalars(report: CheckReport) -> dict[str, float]:
     """The numbers logged for an applied check, under ``gradwatch/applied/``: the verdict (0 ok, 1 inconclusive, 2
     fail), the fault (0 none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the
-    descent
-    ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the seconds
-    and loss evaluations the check took. The clip coefficient's check logs its own under
+    descent ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the
+    seconds and loss evaluations the check took. The clip coefficient's check logs its own under
     :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
     prefix = _applied_prefix(report)
     values = {

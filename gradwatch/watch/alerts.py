@@ -21,12 +21,21 @@ from gradwatch.engine.results.diagnosis import diagnose
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import DEFAULT_LIMIT, nonfinite_loss, nonfinite_loss_words, render_text
 from gradwatch.engine.results.report import CheckReport, GradientCheckError
-from gradwatch.errors import GradientCheckWarning
+from gradwatch.errors import GradientCheckWarning, own_error
 
 log = logging.getLogger(__name__)
 
 OnFail = Literal["warn", "raise", "stop"] | Callable[[CheckReport], object]
 ON_FAIL_CHOICES = ("warn", "raise", "stop")
+
+
+def log_traceback(message: str, error: BaseException) -> None:
+    """The traceback of an error a check or the watch skipped: at DEBUG for whoever debugs gradwatch, at ERROR when it
+    is a bug of gradwatch's own (:func:`~gradwatch.errors.own_error`), so that it is seen and reported."""
+    if own_error(error):
+        log.error("%s; this is a bug of gradwatch's own: please report it with this traceback", message, exc_info=error)
+    else:
+        log.debug(message, exc_info=error)
 
 
 class Backoff:
@@ -139,7 +148,7 @@ class AlertPolicy:
             f"gradwatch: the gradient check at step {step} could not run and was skipped "
             f"({type(error).__name__}: {error}); training is unaffected"
         )
-        log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
+        log_traceback(message, error)
         if self.errors.admit():
             warnings.warn(message, GradientCheckWarning, stacklevel=2)
         elif self.verbose:

@@ -25,7 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import GradientCheckError
-from gradwatch.watch.alerts import GradientCheckWarning
+from gradwatch.watch.alerts import GradientCheckWarning, log_traceback
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Guard:
             f"gradwatch: {site} raised {type(error).__name__}: {error}; gradwatch skipped it and training goes on "
             "unaffected (said once for this call)"
         )
-        log.debug(message, exc_info=error)  # the traceback, for whoever debugs gradwatch itself
+        log_traceback(message, error)
         said = f"{type(error).__name__}: {error}"  # the same error from a function that two sites call: said once
         if site in self._sites or said in self._errors:
             return

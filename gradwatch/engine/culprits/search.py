@@ -41,8 +41,8 @@ from torch import nn
 
 from gradwatch.engine.culprits.activations import ActivationProbes
 from gradwatch.engine.culprits.descent import LOSS, Descent, Localization
-from gradwatch.engine.culprits.sites import record_sites
-from gradwatch.engine.culprits.writes import writes_behind_autograds_back
+from gradwatch.engine.culprits.sites import Site, record_sites
+from gradwatch.engine.culprits.writes import Write, writes_behind_autograds_back
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import Measurements
@@ -54,6 +54,7 @@ from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -79,22 +80,12 @@ def localize(
     if not failing:
         return None
     found = Localization()
-    try:
-        written = writes_behind_autograds_back(model, evaluator)  # the writer, not the first victim, is at fault
-    except CheckAbandonedError:
-        raise
-    except Exception:  # the loss refuses saved-tensor hooks: the search goes on without them
-        written = None
+    written = _written(model, evaluator)
     if written is not None:
         found.culprits, found.message = written.culprits, written.message
         return found
-    try:
-        sites = record_sites(model, evaluator)
-    except CheckAbandonedError:
-        raise
-    except Exception as error:
-        refused = f"no culprit search: the loss cannot run with hooks on its modules ({error})"
-        found.notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, refused))
+    sites = _sites(model, evaluator, found)
+    if sites is None:
         return found
     if not sites:
         found.notes.append(Note(NoteCode.CULPRIT_NO_MODULE, "no culprit search: the loss runs no module"))
@@ -122,6 +113,8 @@ def localize(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the search must never cost the check its verdict
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         found.culprits, found.message = [], ""
         found.tasks = [task for task in found.tasks if task.result is not None]  # the probe it raised in is not one
         found.notes.append(
@@ -131,6 +124,34 @@ def localize(
             )
         )
     return found
+
+
+def _written(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
+    """The module that wrote behind autograd's back, if one did (the writer, not the first victim, is at fault);
+    ``None`` also when the loss refuses saved-tensor hooks: the search goes on without them."""
+    try:
+        return writes_behind_autograds_back(model, evaluator)
+    except CheckAbandonedError:
+        raise
+    except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
+        return None
+
+
+def _sites(model: nn.Module, evaluator: LossEvaluator, found: Localization) -> dict[str, Site] | None:
+    """The modules the loss runs, recorded with hooks; ``None``, with a note in ``found``, when the loss cannot run
+    with hooks on its modules."""
+    try:
+        return record_sites(model, evaluator)
+    except CheckAbandonedError:
+        raise
+    except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
+        refused = f"no culprit search: the loss cannot run with hooks on its modules ({error})"
+        found.notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, refused))
+        return None
 
 
 __all__ = ["LOSS", "Localization", "localize"]

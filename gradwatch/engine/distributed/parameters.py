@@ -121,8 +121,7 @@ def _sharded_modules(model: nn.Module) -> list[nn.Module]:
 def lockstep(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """For the duration: before each FSDP unit gathers its parameters, the ranks confirm that no evaluation failed
     (:func:`~gradwatch.engine.distributed.collective.peers_ok`), and after its forward the unit is resharded, so that
-    the
-    next evaluation gathers the shards as the probes moved them; afterwards every unit is resharded, also where a
+    the next evaluation gathers the shards as the probes moved them; afterwards every unit is resharded, also where a
     failed evaluation left one gathered. Nothing if not ``enabled``."""
     modules = _sharded_modules(model) if enabled else []
     handles = [m.register_forward_pre_hook(lambda *_: peers_ok(), prepend=True) for m in modules]

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 PARAMETER_COPY_LIMIT = 2**26
 """The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change of a
 parameter by the loss is seen by its version counter after the first evaluation; the values it had before that one
-change cannot be put back, and the report names them
-(:attr:`~gradwatch.engine.results.report.CheckReport.unrestored`)."""
+change cannot be put back, and the report names them in
+:attr:`~gradwatch.engine.results.report.CheckReport.unrestored`."""
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:

@@ -33,6 +33,7 @@ from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
@@ -158,9 +159,9 @@ class LossEvaluator:
         if with_inputs and self.inputs:
             try:
                 reference = self._reference(with_inputs=True)
-            except CheckAbandonedError:
-                raise
             except Exception as error:
+                if isinstance(error, CheckAbandonedError) or own_error(error):  # not the loss refusing
+                    raise
                 # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
                     Note(
@@ -301,10 +302,8 @@ class LossEvaluator:
         mode = Float64Reductions(verify=verify)
         try:
             value = self._forward(mode)
-        except CheckAbandonedError:
-            raise
         except Exception as error:
-            if not verify:
+            if isinstance(error, CheckAbandonedError) or own_error(error) or not verify:
                 raise
             # the model may not cope with a float64 scalar where it expects float32; the native run decides
             mode.mismatch = f"the loss raised {type(error).__name__}: {error}"

@@ -42,6 +42,7 @@ from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.function.values import first_line
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 Precision = Literal["auto", "native", "float64"]
 """``"native"``: probes evaluate the loss in the parameters' own dtype. ``"float64"``: in float64, on float64 copies
@@ -184,6 +185,8 @@ def probe_precision(
                 if priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds:  # timed again, warmed up
                     seconds = min(seconds, _timed(evaluator.loss)[1])
             except Exception as error:
+                if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                    raise
                 if not is_out_of_memory(error) and isinstance(error, CheckAbandonedError):
                     raise
                 code, problem = (

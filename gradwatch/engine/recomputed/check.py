@@ -63,6 +63,7 @@ from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
+from gradwatch.errors import own_error
 
 __all__ = ["check_gradients"]
 
@@ -223,6 +224,8 @@ def _culprits_of_twin(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the verdict stands; the model's own search with it
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         session.trailing.append(
             Note(
                 NoteCode.CULPRIT_ABANDONED, f"no float32 twin search: its check raised {type(error).__name__} ({error})"

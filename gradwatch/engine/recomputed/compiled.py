@@ -37,6 +37,7 @@ from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.naming import named_module
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, Probe
+from gradwatch.errors import own_error
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
@@ -134,6 +135,8 @@ def compiled_probes(
     except CheckAbandonedError:
         raise
     except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         notes.append(
             Note(

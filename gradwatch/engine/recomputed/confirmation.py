@@ -5,8 +5,7 @@ A discrepancy that the ladder confirmed at a second step along the same line can
 
 * **A kink exactly at the point.** At a tie the loss has a left and a right derivative, and a central difference does
   not measure autograd's choice: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the
-  failure
-  again at a shifted point, where a tie no longer is.
+  failure again at a shifted point, where a tie no longer is.
 * **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
   derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
   such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),

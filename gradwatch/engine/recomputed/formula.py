@@ -47,6 +47,7 @@ from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 LOCALIZED_AT_MOST = 8
 """As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
@@ -79,6 +80,8 @@ def confirm_formula(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the probes' verdicts stand as measured
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         evaluator.notes.append(
             Note(
                 NoteCode.FORMULA_UNCHECKED,

@@ -28,6 +28,7 @@ from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, Probe
+from gradwatch.errors import own_error
 
 MEASURED_ENTRIES = 2
 """Entries of each tensor at which the central difference is measured (two loss evaluations each)."""
@@ -131,6 +132,8 @@ def _culprit(
     except CheckAbandonedError:
         raise
     except Exception as error:  # the verdict stands without a name
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, f"no culprit search: the loss refuses hooks ({error})"))
         return [], f"autograd's gradient is not finite: {where}, {there}"
 

@@ -27,6 +27,7 @@ from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError, Probe
+from gradwatch.errors import own_error
 
 if TYPE_CHECKING:
     from gradwatch.engine.session import CheckSession
@@ -65,6 +66,8 @@ def reference_on_a_slice(
         except CheckAbandonedError:
             raise
         except Exception as error:
+            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                raise
             refused = True
             notes.append(
                 Note(

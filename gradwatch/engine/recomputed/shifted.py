@@ -42,6 +42,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 SHIFT = 1e-2
 """How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a
@@ -132,6 +133,8 @@ def _confirm_batch(
     except CheckAbandonedError:
         raise
     except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            raise
         problem = f"the loss raised {type(error).__name__} there ({error})"
     finally:
         with torch.no_grad():

@@ -49,6 +49,7 @@ from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.tolerances import TensorTolerances
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import own_error
 
 FLOOR_MULTIPLE = 3.0
 """How many times its measured floor a 16-bit gradient may be off (``torch._dynamo.utils.same``'s multiple in 16 bits,
@@ -224,6 +225,8 @@ class SixteenBitFloor:
         except CheckAbandonedError:
             raise
         except Exception as error:  # a loss that refuses the rounding emulation: the fixed tolerance, with a note
+            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+                raise
             self.error = f" ({type(error).__name__}: {error})"
             return None
 

@@ -1,7 +1,6 @@
 """The remarks of a report (:attr:`CheckReport.notes <gradwatch.engine.results.report.CheckReport.notes>`) as data:
-each a
-:class:`Note`, a ``str`` (its text, as users read it) with a stable :class:`NoteCode`, so that code and tests ask
-``note.code`` instead of searching the wording, and the wording can change without breaking them.
+each a :class:`Note`, a ``str`` (its text, as users read it) with a stable :class:`NoteCode`, so that code and tests
+ask ``note.code`` instead of searching the wording, and the wording can change without breaking them.
 
 Every code the engine emits is a member of :class:`NoteCode`, with its one-line meaning (``NoteCode.X.meaning``).
 """
