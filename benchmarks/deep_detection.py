@@ -1,12 +1,13 @@
 """Detection latency in a deep model: checks until the first failure for a 2% backward bug in one deep tensor.
 
 A 12-layer Llama-like decoder (``tests/deep_models.py``: RMSNorm, causal attention, SwiGLU MLP, random init, synthetic
-tokens) trains with AdamW under ``GradientWatch(every_n_steps=2)``: a recomputed check every 2 optimizer steps at the
-watch's defaults. The bug scales one module's weight gradient by 1.02 (attention q and o projections, MLP up and down
-projections, a norm weight, the embedding), or with ``--input`` the gradient its backward passes to its input. For each,
-the table gives the checks until the first failure (at most ``--checks``) and the culprit named then, judged against
-the module at fault: **right** (that module or one inside it), **container** (a module containing it: less specific,
-still true) or **wrong** (any other module). A correct model's checks show the healthy cost and that none fails.
+tokens) trains with AdamW under ``GradientWatch(every_n_steps=2, max_overhead=None)``: a recomputed check every 2
+optimizer steps at the watch's defaults. The bug scales one module's weight gradient by 1.02 (attention q and o
+projections, MLP up and down projections, a norm weight, the embedding), or with ``--input`` the gradient its backward
+passes to its input. For each, the table gives the checks until the first failure (at most ``--checks``) and the culprit
+named then, judged against the module at fault: **right** (that module or one inside it), **container** (a module
+containing it: less specific, still true) or **wrong** (any other module). A correct model's checks show the healthy
+cost and that none fails.
 
 Run: ``python benchmarks/deep_detection.py`` (a few minutes on 2 CPU cores; ``--checks 3`` for a smoke run).
 """
@@ -59,7 +60,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     where = "input gradient" if args.input else "weight gradient"
-    print(f"## A 2% bug in one deep tensor's {where}: 12-layer Llama-like model, GradientWatch(every_n_steps=2)\n")
+    model = "12-layer Llama-like model, GradientWatch(every_n_steps=2, max_overhead=None)"
+    print(f"## A 2% bug in one deep tensor's {where}: {model}\n")
     print("| bug in | checks until the first failure | culprit named | judged | loss evaluations (failing check) | s |")
     print("|---|---|---|---|---|---|")
     for module in DEEP_TENSORS:

@@ -2,12 +2,12 @@
 
 The UNet (``tests/unet_models.py``: three resolutions, attention in the two lower ones and the mid block, random init)
 trains on DDPM batches (noisy images, timesteps, the noise-prediction MSE) with AdamW under
-``GradientWatch(every_n_steps=2)``: a recomputed check every 2 optimizer steps at the watch's defaults. One attention's
-backward is 2% wrong: a projection's weight or input gradient (``to_q``, ``to_k``, ``to_v``, ``to_out.0``), or the
-softmax of its processor (the query's and key's gradients). The culprit is judged against the module holding the bug:
-**right** (that module; for a projection, one inside it), **container** (a module containing it) or **wrong** (any
-other, including a projection of the attention whose processor holds the bug). A correct model's checks show the
-healthy cost and that none fails. ``--above-limit`` makes the model count as above the float64 limit
+``GradientWatch(every_n_steps=2, max_overhead=None)``: a recomputed check every 2 optimizer steps at the watch's
+defaults. One attention's backward is 2% wrong: a projection's weight or input gradient (``to_q``, ``to_k``, ``to_v``,
+``to_out.0``), or the softmax of its processor (the query's and key's gradients). The culprit is judged against the
+module holding the bug: **right** (that module; for a projection, one inside it), **container** (a module containing it)
+or **wrong** (any other, including a projection of the attention whose processor holds the bug). A correct model's
+checks show the healthy cost and that none fails. ``--above-limit`` makes the model count as above the float64 limit
 (``AUTO_FLOAT64_ELEMENTS``): native probes, undecided ones measured again in float64, as for a UNet of 35M parameters.
 
 Run: ``python benchmarks/unet_detection.py`` (mid-size: channels 32, 32, 64 at 16×16, a few minutes on 2 CPU cores);

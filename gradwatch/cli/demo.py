@@ -88,7 +88,8 @@ def train(
 
     pl.seed_everything(0, verbose=False)
     model = run.make_model()
-    watch = GradWatch(every_n_steps=every)
+    # --every checks on that schedule whatever it costs; without it, at the defaults (every 500 steps, within 1%)
+    watch = GradWatch(every_n_steps=every, max_overhead=None) if every is not None else GradWatch()
     logger = TensorBoardLogger(str(logdir), name=run.run_name, default_hp_metric=False)
     trainer = pl.Trainer(
         max_steps=steps,

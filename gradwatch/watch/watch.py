@@ -121,19 +121,20 @@ class GradientWatch:
     Example:
         >>> import torch
         >>> from gradwatch import GradientWatch
-        >>> model, watch = torch.nn.Linear(4, 1), GradientWatch(every_n_steps=2, applied_every_n_steps=2)
+        >>> watch = GradientWatch(every_n_steps=2, applied_every_n_steps=2, max_overhead=None)  # on schedule
+        >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
         >>> for step in range(1, 5):
         ...     batch = (torch.randn(8, 4), torch.randn(8, 1))
         ...     watch.record(batch)
         ...     loss_fn(model, batch).backward()
-        ...     watch.before_optimizer_step(model, loss_fn, step=step)
+        ...     applied = watch.before_optimizer_step(model, loss_fn, step=step)
         ...     optimizer.step()
         ...     optimizer.zero_grad()
         ...     report = watch.maybe_check(model, batch, loss_fn, step=step)
         >>> print(", ".join(f"{report.scope} {report.step}" for report in watch.reports))
-        applied 1, recomputed 1, applied 2, recomputed 2, recomputed 4
+        applied 1, update 1, recomputed 1, applied 2, update 2, recomputed 2, applied 4, update 4, recomputed 4
     """
 
     @validate.suggests_options(ProbeOptions)

@@ -1,4 +1,4 @@
-"""What a healthy applied check costs (engine/applied/stencils.py, engine/applied/check.py): no loss evaluated at the
+"""What a healthy applied check costs (engine/applied/window_points.py, .../check.py): no loss evaluated at the
 unperturbed point when the screens agree (the first screen's mean stands in for it), no dataflow watch in its
 reference pass, the autocast rounding's own walk of each operation's arguments; a loss that is not a function of the
 parameters alone is still not probed, and a planted fault still fails."""

@@ -108,7 +108,7 @@ def test_the_applied_gradients_distance_from_the_eager_one_is_discounted_only_wi
 def _exact(analytic: float, numeric: float, tolerance: float, predicted: float, exact_tolerance: float) -> Measured:
     measured = _measured(analytic, numeric, tolerance, predicted)
     return Measured(measured.probe, measured.tensors, measured.weights, tolerance, measured.excess, predicted,
-                    exact_tolerance)  # fmt: skip
+                    exact_tolerance=exact_tolerance)  # fmt: skip
 
 
 def test_probes_vouch_at_the_storage_rounding_only_while_what_the_rounding_leaves_is_calm_there() -> None:

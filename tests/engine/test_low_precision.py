@@ -119,7 +119,8 @@ def test_each_tensor_of_a_bf16_cnn_is_judged_against_its_own_floor() -> None:
 
 
 def test_a_probe_over_several_tensors_is_judged_against_their_floors_together() -> None:
-    tolerances = TensorTolerances((0.3, 0.001), (1.0, 1.0), 3.0, 5e-4, 0.1, 0.0, torch.bfloat16, 0.2)
+    tolerances = TensorTolerances((0.3, 0.001), (1.0, 1.0), 3.0, lowest=5e-4, highest=0.1, loss=0.0,
+                                  dtype=torch.bfloat16, negligible=0.2)  # fmt: skip
     assert tolerances.per_tensor == pytest.approx([0.1, 0.003])  # the first capped at the fixed tolerance
     a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     grads = [torch.full((4,), 0.5), torch.full((4,), 0.5)]

@@ -1,6 +1,7 @@
 """The Accelerate recipe of docs/loops.md, run: GradientWatch's three calls inside ``accelerator.accumulate`` (one
-optimizer step per two micro-batches), both kinds of check logged through ``accelerator.log`` (a ``LogCallSink``), so
-``gradwatch report`` reads the recomputed and the applied checks of the run; training bit for bit as without."""
+optimizer step per two micro-batches), both kinds of check logged through ``accelerator.log`` (a ``LogCallSink``) and
+kept in the run's ``gradwatch.jsonl`` (a ``JsonLinesSink``), which ``gradwatch report`` reads: the recomputed and the
+applied checks of the run; training bit for bit as without."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from loop_models import MLP, assert_same_state, classification_batches, cross_en
 
 from gradwatch import GradientWatch
 from gradwatch.cli import main
-from gradwatch.outputs import LogCallSink
+from gradwatch.outputs import JsonLinesSink, LogCallSink
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -42,14 +43,16 @@ class _Tracker(accelerate.tracking.GeneralTracker):
 
 
 def _train(watch: GradientWatch | None, tracker: Any = None, project_dir: Path | None = None) -> dict[str, Any]:
-    """The recipe of docs/loops.md, with the watch's sink given here (``sinks=[LogCallSink(accelerator.log)]``)."""
+    """The recipe of docs/loops.md, with the watch's sinks given here (``LogCallSink(accelerator.log)``, and the
+    record in ``project_dir`` on the main process)."""
     accelerator = accelerate.Accelerator(
         cpu=True, gradient_accumulation_steps=2, log_with=tracker, project_dir=project_dir
     )
     if tracker is not None:
         accelerator.init_trackers("run")
     if watch is not None:
-        watch.sinks = [LogCallSink(accelerator.log)]
+        record = [JsonLinesSink(project_dir / "gradwatch.jsonl")] if project_dir and accelerator.is_main_process else []
+        watch.sinks = [LogCallSink(accelerator.log), *record]
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -84,7 +87,6 @@ def test_the_accelerate_recipe_checks_both_kinds_logs_both_and_trains_as_without
     assert_same_state(_train(None), watched)
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_gradwatch_report_reads_both_kinds_of_check_of_the_recipes_tensorboard_run(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import logging
@@ -505,3 +506,14 @@ def test_the_budget_is_one_percent_whatever_the_cadence() -> None:
         GradWatch(every_n_steps=2, max_overhead="auto").max_overhead,
     ) == (0.01, None)
     assert GradWatch().state_key == GradWatch(every_n_steps=500).state_key  # checkpoints of earlier versions load
+
+
+def test_the_options_are_read_back_from_the_watch_as_attributes() -> None:
+    callback = GradWatch(every_n_steps=7, on_fail="raise", tensor_probes=2, precision="native")
+    assert (callback.every_n_steps, callback.on_fail, callback.verbose) == (7, "raise", True)  # the watch's
+    assert (callback.tensor_probes, callback.precision, callback.probe_batch_size) == (2, "native", 2)  # its settings
+    assert callback.tensor_probes == callback.watch.settings.tensor_probes
+    with pytest.raises(AttributeError, match="'GradWatch' object has no attribute 'tensor_probe'"):
+        callback.tensor_probe  # noqa: B018
+    copied = copy.deepcopy(callback)  # Lightning copies callbacks; the delegation must survive it
+    assert (copied.every_n_steps, copied.tensor_probes) == (7, 2)

@@ -119,7 +119,7 @@ def check_applied_gradient(
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
-            passes, built once for a run); those options must then be left at their defaults. Its fields that concern
+            passes, built once for a run); then none one by one. Its fields that concern
             the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
         compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
             of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two or three more backward

@@ -26,12 +26,14 @@ from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.verdict import FloorJudge, Judged, float64_step, storage_rounding
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import global_numel
+from gradwatch.engine.function.evaluation import Reference
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.results.kinds import ProbeKind, Reason
+from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind, Reason
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, Probe
 
@@ -69,6 +71,7 @@ class AppliedProbes:
         self.grads = list(plan.applied)
         self.floors = list(floors)
         self.multiple = plan.multiple
+        self.native_dtype = plan.native
         judge = FloorJudge(measurements, plan.multiple, provisional=provisional)
         self.ladder = Ladder(
             measurements, judge=judge, native_dtype=native_dtype, reference_loss=measurements.reference
@@ -110,9 +113,9 @@ class AppliedProbes:
         weighted = sum(self._scale(i) ** 2 * (n / self.grad_norm) ** 2 for i, n in enumerate(self.grad_norms))
         direction = VectorDirection(self.moved, self.grads, self.grads, 1.0 / self.grad_norm,
                                     components_norm=self.grad_norm)  # fmt: skip
-        weights = (1.0 / self.grad_norm,) * len(every)
-        return self._measure(ProbeKind.DESCENT, DESCENT_TARGET, every, weights, direction,
-                             floor=math.hypot(*self.floors), step=self.relative * math.sqrt(weighted))  # fmt: skip
+        task = ProbeTask(ProbeKind.DESCENT, DESCENT_TARGET, None, direction, self.relative * math.sqrt(weighted),
+                         self.scale_floor, moves=every, floor=math.hypot(*self.floors))  # fmt: skip
+        return self._measure(task, (1.0 / self.grad_norm,) * len(every))
 
     def balanced(self, group: Sequence[int] | None = None) -> Measured | None:
         """The probe along every tensor's own normalised gradient at once (:mod:`.combined`), or those of ``group``
@@ -129,8 +132,8 @@ class AppliedProbes:
         part = 1.0 / math.sqrt(len(tensors))
         floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
         step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))
-        return self._measure(ProbeKind.TENSORS, target, tensors, tuple(weights[i] for i in tensors), direction,
-                             floor=floor, step=step)  # fmt: skip
+        task = ProbeTask(ProbeKind.TENSORS, target, None, direction, step, self.scale_floor, moves=tensors, floor=floor)
+        return self._measure(task, tuple(weights[i] for i in tensors))
 
     def tensor(self, i: int) -> Measured | None:
         """The probe along tensor ``i``'s applied gradient; ``None`` when that is zero."""
@@ -139,25 +142,42 @@ class AppliedProbes:
             return None
         direction = VectorDirection([self.moved[i]], [self.grads[i]], [self.grads[i]], 1.0 / size,
                                     components_norm=size)  # fmt: skip
-        return self._measure(ProbeKind.TENSOR, self.names[i], (i,), (1.0 / size,), direction,
-                             floor=self.floors[i], step=self.relative * self._scale(i))  # fmt: skip
+        task = ProbeTask(ProbeKind.TENSOR, self.names[i], None, direction, self.relative * self._scale(i),
+                         self.scale_floor, moves=(i,), floor=self.floors[i])  # fmt: skip
+        return self._measure(task, (1.0 / size,))
 
-    def _measure(
-        self,
-        kind: ProbeKind,
-        target: str,
-        tensors: tuple[int, ...],
-        weights: tuple[float, ...],
-        direction: VectorDirection,
-        *,
-        floor: float,
-        step: float,
-    ) -> Measured:
-        """One probe up the ladder: a screen where the round-off of a loss evaluation is known (else a full stencil),
-        then, for a loss whose values are rounded coarser than the probes compute, a full stencil at the step of the
-        values' dtype where the first could not resolve the slope."""
-        task = ProbeTask(kind, target, None, direction, self.step_along(step, tensors, weights),
-                         scale_floor=self.scale_floor, moves=tensors, floor=floor)  # fmt: skip
+    def every_check(self) -> list[Measured | None]:
+        """The probes of the kinds every check makes (:meth:`Portfolio.every_check
+        <gradwatch.engine.probing.portfolio.Portfolio.every_check>`), each along the applied gradient in every tensor it
+        moves, judged against those tensors' floors along it."""
+        if not any(row.made_by for row in PROBE_KINDS.values()):
+            return []
+        reference = Reference(self.measurements.reference, list(self.grads), {})
+        settings = PortfolioSettings(0, 0, 0, 0, seed=0, step=0, rotation=0, focus=())
+        portfolio = Portfolio(self.measurements.evaluator, reference, self.grad_norms, settings, self.native_dtype)
+        found: list[Measured | None] = []
+        for task in portfolio.every_check():
+            direction = task.direction if task is not None else None
+            along = isinstance(direction, VectorDirection) and all(
+                c is g for c, g in zip(direction.components, direction.grads, strict=True)
+            )
+            if task is None or not isinstance(direction, VectorDirection) or not along:
+                found.append(None)  # not along the applied gradient: no floor or attribution to judge it by
+                continue
+            tensors = tuple(i for i in task.moves if isinstance(i, int))
+            weights = tuple(direction.coefficient * w for w in direction.weights or [1.0] * len(tensors))
+            parts = [abs(w) * self.grad_norms[i] for i, w in zip(tensors, weights, strict=True)]
+            task.floor, task.scale_floor = floor_along([self.floors[i] for i in tensors], parts), self.scale_floor
+            found.append(self._measure(task, weights))
+        return found
+
+    def _measure(self, task: ProbeTask, weights: tuple[float, ...]) -> Measured:
+        """``task`` up the ladder, its coefficient over the applied gradient ``weights[k]`` in its ``k``-th tensor: a
+        screen where the round-off of a loss evaluation is known (else a full stencil), then, for a loss whose values
+        are rounded coarser than the probes compute, a full stencil at the step of the values' dtype where the first
+        could not resolve the slope."""
+        step = task.step
+        task.step = task.initial_step = self.step_along(step, [i for i in task.moves if isinstance(i, int)], weights)
         if math.isfinite(self.measurements.loss_noise):
             self.ladder.screen_and_escalate([task])
         else:
@@ -216,7 +236,7 @@ class AppliedProbes:
         least = self._least(tensors, weights)
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, result.tolerance, result.excess,
-                        explained(self.rounding, tensors, weights), exact)  # fmt: skip
+                        explained=explained(self.rounding, tensors, weights), exact_tolerance=exact)  # fmt: skip
 
 
 def _agreed(values: list[float], group: Any) -> list[float]:

@@ -135,6 +135,7 @@ class Equivalence:
     tensor_scales: tuple[float, ...]
     tolerance: float
     windows: int
+    _: dataclasses.KW_ONLY
     tensor_tolerances: tuple[float, ...] = ()
     sine: float = math.nan
     backward: int = 3
@@ -215,8 +216,8 @@ def _compared(
         size * math.hypot(*norms(one, exact=True)), 1e-300
     )
     tensor_scales = tuple(_scale([a], [o]) if t < 1 else math.nan for a, o, t in zip(acc, one, per_tensor, strict=True))
-    return Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, windows, tuple(per_tensor), _sine(acc, one),
-                       backward)  # fmt: skip
+    return Equivalence(_scale(acc, one), cosine, tensor_scales, tolerance, windows, tensor_tolerances=tuple(per_tensor),
+                       sine=_sine(acc, one), backward=backward)  # fmt: skip
 
 
 def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: TrainingState) -> bool:

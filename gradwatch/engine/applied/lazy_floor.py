@@ -18,18 +18,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gradwatch.engine.applied.measured import Measured, Rounding, calm
+from gradwatch.engine.applied.measured import Rounding
 from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, storage_rounding
 from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.results.notes import Note, NoteCode
-
-
-def needed(measured: Sequence[Measured]) -> bool:
-    """Whether probes judged against the storage rounding alone leave the floor to be measured: one did not agree
-    within :data:`~gradwatch.engine.applied.combined.CLOSER_LOOK` of its tolerance (which would call for a closer
-    look, tensor by tensor, against the provisional floor: the measured one may not)."""
-    return not calm(measured)
 
 
 def float64_rounding(

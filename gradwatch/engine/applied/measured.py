@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from torch import Tensor
 
@@ -45,6 +45,7 @@ class Measured:
     tolerance: float
     excess: float
     explained: float = 0.0
+    _: KW_ONLY
     exact_tolerance: float = math.nan
 
     @property

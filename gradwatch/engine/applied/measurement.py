@@ -1,14 +1,7 @@
-"""The applied check's measurement plan, inside its session: :func:`measure_window`.
-
-1. the window's loss and eager gradient (:class:`WindowEvaluator`, averaged over the ranks under DDP), and whether
-   the loss evaluated again is the function training differentiated (no parameter edited by the loss, no randomness
-   left unrecorded);
-2. the training's path run again where it differs from eager float32 (autocast, compiled code) or where a 16-bit path
-   no one named must be inferred (:mod:`.autocast_path`);
-3. the path's noise floor (:mod:`.verdict`): measured up front on a 16-bit, sharded or TF32 path, else only when a
-   probe needs it (:mod:`.lazy_floor`);
-4. the probes (:mod:`.probes`), and for a failure the attribution to a part of the path (:mod:`.attribution`).
-"""
+"""The applied check's measurement plan, inside its session (:func:`measure_window`): the window's loss and eager
+gradient (the ranks' mean under DDP), the training's path run again where it differs from eager float32 or must be
+inferred (:mod:`.autocast_path`), the path's noise floor (:mod:`.verdict`, up front or when a probe needs it:
+:mod:`.lazy_floor`), the probes (:mod:`.probes`) and a failure's attribution (:mod:`.attribution`)."""
 
 from __future__ import annotations
 
@@ -22,6 +15,7 @@ from torch import Tensor
 from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
+from gradwatch.engine.applied.measured import calm
 from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.probes import Measured, measure, unresolved_note
@@ -100,7 +94,7 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     floor_values = floors(measured_floors or [], applied_norms, plan.path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
     measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, provisional=lazy)
-    if measured_floors is None and lazy_floor.needed(measured):
+    if measured_floors is None and not calm(measured):  # a probe the storage rounding alone leaves uncalm
         measured_floors, rounding = lazy_floor.float64_rounding(setting, eager, plan.applied, evaluator.notes)
         path.backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, plan.path_dtype)

@@ -138,7 +138,7 @@ def _not_reproducible(evaluator: LossEvaluator, center: float, loss: float) -> l
 
 def _probed(probes: AppliedProbes, probing: _Pass, beyond: list[int]) -> list[Measured]:
     plan, floors, provisional = probing.plan, probing.floors, probing.provisional
-    measured = [m for m in (probes.descent(), probes.balanced()) if m is not None]
+    measured = [m for m in (probes.descent(), probes.balanced(), *probes.every_check()) if m is not None]
     if provisional and not calm(measured):
         return measured
     if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for

@@ -101,36 +101,41 @@ def float64_step(step: float, least: float, rounding: float) -> float:
     return step / min(max(room, 1.0), FINER_STEPS)
 
 
-@dataclass(frozen=True)
-class Judgement:
-    """One probe's verdict: ``excess`` is ``|a − D|`` over the tolerance (above 1 fails)."""
+@dataclass(frozen=True, kw_only=True)
+class Judged(Assessment):
+    """A stencil's measurement (:class:`~gradwatch.engine.numerics.assessment.Assessment`) judged against the path's
+    floor (:func:`judge`: its verdict and reason), with the tolerance it was held against and its ``excess`` over it
+    (above 1 fails)."""
 
-    verdict: str
-    reason: str
-    tolerance: float
-    excess: float
+    tolerance: float = math.nan
+    excess: float = math.nan
 
 
-def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: float) -> Judgement:
+def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: float) -> Judged:
     """Judge one stencil's measurement of the applied gradient against the path's floor along its direction."""
+
+    def judged(verdict: str, reason: str, tolerance: float, excess: float) -> Judged:
+        fields = (assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale)
+        return Judged(*fields, verdict, reason, assessment.loss_noise, tolerance=tolerance, excess=excess)
+
     if not stencil.finite:
-        return Judgement("inconclusive", "nonfinite", math.inf, math.nan)
+        return judged("inconclusive", "nonfinite", math.inf, math.nan)
     if stencil.flat:
         # the loss did not move at all: only a derivative within the path's floor agrees with that (a flat stencil's
         # noise is the derivative itself, "no information": counted, it would let any derivative agree)
         tolerance = multiple * floor
         size = abs(stencil.analytic)
         if size <= tolerance:
-            return Judgement("ok", "agrees", tolerance, size / tolerance if tolerance else 0.0)
-        return Judgement("inconclusive", "flat", tolerance, math.nan)
+            return judged("ok", "agrees", tolerance, size / tolerance if tolerance else 0.0)
+        return judged("inconclusive", "flat", tolerance, math.nan)
     tolerance = multiple * floor + SIGNIFICANCE * assessment.noise
     size = abs(assessment.discrepancy)
     excess = size / tolerance if tolerance > 0 else math.inf
     if size > tolerance:
-        return Judgement("fail", "discrepancy", tolerance, excess)
+        return judged("fail", "discrepancy", tolerance, excess)
     if not resolves(assessment, stencil):
-        return Judgement("inconclusive", "unresolved", tolerance, excess)
-    return Judgement("ok", "agrees", tolerance, excess)
+        return judged("inconclusive", "unresolved", tolerance, excess)
+    return judged("ok", "agrees", tolerance, excess)
 
 
 def resolves(assessment: Assessment, stencil: Stencil) -> bool:
@@ -142,10 +147,10 @@ def resolves(assessment: Assessment, stencil: Stencil) -> bool:
     return SIGNIFICANCE * assessment.noise <= RESOLUTION * scale
 
 
-def confirmed(first: Assessment, first_judgement: Judgement, second: Assessment, second_judgement: Judgement) -> bool:
+def confirmed(first: Judged, second: Judged) -> bool:
     """Whether a failure at one step stands at an independent second step: it fails there too, by the same amount
     (within :data:`~gradwatch.engine.numerics.assessment.AGREEMENT`); kinks and round-off do not reproduce."""
-    if first_judgement.verdict != "fail" or second_judgement.verdict != "fail":
+    if first.verdict != "fail" or second.verdict != "fail":
         return False
     spread = abs(first.discrepancy - second.discrepancy)
     return spread <= AGREEMENT * max(abs(first.discrepancy), abs(second.discrepancy))
@@ -156,15 +161,6 @@ def relative_floor(descent: Probe | None) -> float:
     if descent is None or descent.floor is None or not descent.analytic:
         return math.nan
     return descent.floor / descent.analytic
-
-
-@dataclass(frozen=True, kw_only=True)
-class Judged(Assessment):
-    """A stencil's measurement (:class:`~gradwatch.engine.numerics.assessment.Assessment`, its verdict and reason
-    the applied check's :func:`judge`), with the tolerance it was held against and its ``excess`` over it."""
-
-    tolerance: float = math.nan
-    excess: float = math.nan
 
 
 class FloorJudge:
@@ -183,16 +179,10 @@ class FloorJudge:
         self.multiple = multiple
         self.provisional = provisional
 
-    def _judged(self, task: ProbeTask, assessment: Assessment, stencil: Stencil) -> Judged:
-        found = judge(assessment, stencil, task.floor, self.multiple)
-        fields = (assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale)
-        return Judged(*fields, found.verdict, found.reason, assessment.loss_noise, tolerance=found.tolerance,
-                      excess=found.excess)  # fmt: skip
-
     def screen(self, task: ProbeTask, stencil: Stencil, measurements: Measurements, loss_noise: float) -> Assessment:
         assessment = screen(stencil, rtol=0.0, scale_floor=task.scale_floor, value_epsilon=measurements.value_epsilon,
                             loss_noise=self.measurements.loss_noise)  # fmt: skip
-        found = self._judged(task, assessment, stencil)
+        found = judge(assessment, stencil, task.floor, self.multiple)
         if found.verdict == "ok" or self.provisional:
             return found
         return dataclasses.replace(found, verdict="suspect")
@@ -201,7 +191,7 @@ class FloorJudge:
         assessment = assess(stencil, rtol=0.0, scale_floor=task.scale_floor, value_epsilon=measurements.value_epsilon)
         if task.kind == ProbeKind.DESCENT and stencil.finite and not math.isfinite(self.measurements.loss_noise):
             self.measurements.loss_noise = assessment.loss_noise  # the noise the other probes' screens borrow
-        return self._judged(task, assessment, stencil)
+        return judge(assessment, stencil, task.floor, self.multiple)
 
     def confirm(self, task: ProbeTask, first: Assessment, second: Stencil, measurements: Measurements) -> Assessment:
         assert isinstance(first, Judged)
@@ -209,7 +199,7 @@ class FloorJudge:
         again = self.assess(task, second, measurements)
         assert isinstance(again, Judged)
         epsilon = measurements.value_epsilon
-        if not confirmed(first, _judgement(first), again, _judgement(again)):
+        if not confirmed(first, again):
             ok = again.verdict == "ok"
             return dataclasses.replace(
                 again, verdict="ok" if ok else "inconclusive", reason="agrees" if ok else "unstable"
@@ -223,7 +213,3 @@ class FloorJudge:
 
     def undecided(self, task: ProbeTask, result: Assessment) -> bool:
         return False
-
-
-def _judgement(judged: Judged) -> Judgement:
-    return Judgement(judged.verdict, judged.reason, judged.tolerance, judged.excess)

@@ -159,6 +159,7 @@ class VectorDirection:
         components: Sequence[Tensor],
         grads: Sequence[Tensor],
         coefficient: float = 1.0,
+        *,
         after_write: Callable[[], None] | None = None,
         components_norm: float | None = None,
         weights: Sequence[float] | None = None,

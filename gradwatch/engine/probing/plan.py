@@ -22,7 +22,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbePlan:
     """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in,
     and how they are judged.

@@ -43,7 +43,7 @@ from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, rela
 from gradwatch.engine.probing.cover import CoverGroup, cover_groups
 from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.results.kinds import ProbeKind
+from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind
 from gradwatch.engine.results.report import DESCENT_TARGET
 
 
@@ -68,6 +68,7 @@ class PortfolioSettings:
     random_probes: int
     param_probes: int
     input_probes: int
+    _: dataclasses.KW_ONLY
     seed: int
     step: int
     rotation: int
@@ -157,7 +158,8 @@ class Portfolio:
             direction = CoordinateDirection(tensors[0], old.index, value_at(grads[0], old.index), after)
         else:
             assert isinstance(old, VectorDirection), "only coordinate and vector probes are replicated"
-            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after, weights=old.weights)
+            direction = VectorDirection(tensors, old.components, grads, old.coefficient, after_write=after,
+                                        weights=old.weights)  # fmt: skip
         return dataclasses.replace(
             task, direction=direction, step=task.initial_step, stencil=None, result=None, evaluations=0
         )
@@ -190,7 +192,13 @@ class Portfolio:
         if input_direction:
             pending.append(self._input_direction())
         pending += self._input_coordinates()
-        return [p for p in pending if p is not None]
+        return [p for p in pending + self.every_check() if p is not None]
+
+    def every_check(self) -> list[ProbeTask | None]:
+        """The probes of the kinds every check makes, recomputed and applied: one from the method each row of the kinds
+        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make.
+        An applied check takes the probe of a direction along the gradient in each tensor it moves."""
+        return [getattr(self, row.made_by)() for row in PROBE_KINDS.values() if row.made_by]
 
     def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
         """After a failure: a tensor probe for every tensor not probed along its gradient yet."""
@@ -281,7 +289,8 @@ class Portfolio:
         tensors = [self.evaluator.inputs[path] for path in paths]
         components = [grads[path] for path in paths]
         size = norm(components)
-        direction = VectorDirection(tensors, components, components, 1.0 / size, self.evaluator.mark_inputs_current)
+        direction = VectorDirection(tensors, components, components, 1.0 / size,
+                                    after_write=self.evaluator.mark_inputs_current)  # fmt: skip
         step = self._relative_step(tensors[0].dtype) * (rms(*tensors) or 1.0)
         target = paths[0] if len(paths) == 1 else ROOT  # "batch": all its floating tensors
         return ProbeTask(ProbeKind.INPUT, target, None, direction, step, scale_floor=0.0, moves=tuple(paths))

@@ -7,7 +7,7 @@ escalates them, and the check turns each into the :class:`~gradwatch.engine.resu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
@@ -49,6 +49,7 @@ class ProbeTask:
     direction: Direction
     step: float
     scale_floor: float
+    _: KW_ONLY
     tensor: int = -1
     missing: bool = False
     stencil: Stencil | None = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import cached_property
 
 import torch
@@ -53,6 +53,7 @@ class TensorTolerances:
     floors: tuple[float, ...]
     grad_norms: tuple[float, ...]
     multiple: float
+    _: KW_ONLY
     lowest: float
     highest: float
     loss: float

@@ -161,8 +161,8 @@ class SixteenBitFloor:
         floors = [max(f, s, rounding * n) for f, s, n in zip(forward, self.spread, self.grad_norms, strict=True)]
         fixed = relative_tolerance(dtype)
         tolerances = TensorTolerances(tuple(floors), tuple(self.grad_norms), FLOOR_MULTIPLE,
-                                      relative_tolerance(torch.float32), MOST, self.loss, dtype,
-                                      machine_epsilon(dtype) ** (1 / 3))  # fmt: skip
+                                      lowest=relative_tolerance(torch.float32), highest=MOST, loss=self.loss,
+                                      dtype=dtype, negligible=machine_epsilon(dtype) ** (1 / 3))  # fmt: skip
         per_tensor = tolerances.per_tensor
         # the probes of inputs and activations, whose floor is not measured: the largest, within the fixed tolerance
         least = gradient_tolerance(relative_tolerance(torch.float32), self.loss, dtype)

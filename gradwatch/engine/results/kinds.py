@@ -7,16 +7,15 @@ print and serialise as they did when these were plain strings.
 :data:`PROBE_KINDS` holds each kind's properties (:class:`KindTraits`), read through ``kind.traits``; the engine asks
 them (``task.kind.traits.moves_inputs``) instead of listing kind names, like Lightning's ``EarlyStopping.mode_dict``.
 
-Adding a probe kind touches this module, the module that measures it, and their tests:
-
-1. a member of :class:`ProbeKind` (its value is what reports show) and its row in :data:`PROBE_KINDS`, whose
-   properties say where the rest of the engine takes the new probes in (float64 re-measurement, the check's verdict,
-   the culprit search, ``focus``, the signatures of surrogate gradients);
-2. the module that makes and measures the probes (the portfolio for probes of parameters and inputs,
-   :mod:`gradwatch.engine.culprits` for probes of one module, :mod:`gradwatch.engine.recomputed.compiled` for
-   comparisons of gradients), which creates ``ProbeTask(ProbeKind.NEW, ...)`` or ``Probe(ProbeKind.NEW, ...)``;
-3. tests of that module; ``tests/engine/test_kinds.py`` already checks that every kind has a row, that no other module
-   spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
+Adding a probe kind of the parameters is a member of :class:`ProbeKind` (its value is what reports show), its row in
+:data:`PROBE_KINDS`, whose properties say where the rest of the engine takes the new probes in (float64
+re-measurement, the check's verdict, the culprit search, ``focus``, the signatures of surrogate gradients), and one
+method of the portfolio named by the row's ``made_by`` (:meth:`Portfolio.every_check
+<gradwatch.engine.probing.portfolio.Portfolio.every_check>`): both the recomputed and the applied check then make one
+such probe at every check and measure it up the same ladder (``tests/engine/test_new_kind.py`` adds one). Probes of one
+module belong to :mod:`gradwatch.engine.culprits`, comparisons of gradients to
+:mod:`gradwatch.engine.recomputed.compiled`. ``tests/engine/test_kinds.py`` checks that every kind has a row, that no
+other module spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
 """
 
 from __future__ import annotations
@@ -105,6 +104,9 @@ class KindTraits:
         refocused: An undecided probe of it (see :attr:`Reason.retried`) names its tensor in
             :attr:`CheckReport.undecided <gradwatch.engine.results.report.CheckReport.undecided>`, which the next check
             of a series probes again.
+        made_by: The portfolio method that makes one probe of it at every check, recomputed and applied
+            (:meth:`Portfolio.every_check <gradwatch.engine.probing.portfolio.Portfolio.every_check>`); ``""`` for the
+            kinds each check makes in its own turn.
     """
 
     meaning: str
@@ -115,6 +117,7 @@ class KindTraits:
     starts_culprit_search: bool = False
     culprit_search: bool = False
     refocused: bool = False
+    made_by: str = ""
 
 
 PROBE_KINDS: dict[ProbeKind, KindTraits] = {
@@ -190,7 +193,7 @@ PROBE_KINDS: dict[ProbeKind, KindTraits] = {
 
 def kinds_where(**traits: bool) -> tuple[ProbeKind, ...]:
     """The kinds whose properties have the given values, in table order: ``kinds_where(culprit_search=True)``."""
-    unknown = sorted(set(traits) - set(KindTraits.__dataclass_fields__) - {"meaning"})
+    unknown = sorted(set(traits) - set(KindTraits.__dataclass_fields__) - {"meaning", "made_by"})
     if unknown:
         raise ValueError(f"`traits` must name fields of KindTraits; got {unknown}")
     return tuple(kind for kind, row in PROBE_KINDS.items() if all(getattr(row, k) == v for k, v in traits.items()))

@@ -33,6 +33,7 @@ from gradwatch.integrations.lightning.manual_step import Earlier, before_update,
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
+from gradwatch.watch.hooks import TrainingPath
 from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
@@ -269,12 +270,15 @@ class GradWatch(Callback):
             # FSDP2: each rank sees its own rows; decide together
             return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
 
-        self._watch.before_optimizer_step(
-            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1,
+        training = TrainingPath(
             combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums
-            path=trainer.precision_plugin.forward_context, loss_scale=scaler.get_scale() if scaler else 1.0,
-            skipped=skipped if scaler is not None else False, optimizers=trainer.optimizers, join=joined_window,
-            optimizer=optimizer if several else None, max_norm=float(clip) if by_norm and clip else None,
+            path=trainer.precision_plugin.forward_context, join=joined_window,
+        )  # fmt: skip
+        self._watch.before_optimizer_step(
+            module, loss_fn, step=self._batch_step if several else trainer.global_step + 1, training=training,
+            loss_scale=scaler.get_scale() if scaler else 1.0, skipped=skipped if scaler is not None else False,
+            optimizers=trainer.optimizers, optimizer=optimizer if several else None,
+            max_norm=float(clip) if by_norm and clip else None,
         )  # fmt: skip
         self._stop_if_asked(trainer)
 
