@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gradwatch.engine import CheckReport, Probe, check_gradients
+from gradwatch.engine import AppliedFindings, CheckReport, Probe, check_gradients
 from gradwatch.engine.applied import AppliedWindow, check_applied_gradient
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.errors import GradientCheckError, GradientCheckWarning
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gradwatch.integrations.lightning import GradWatch
 
 __all__ = [
+    "AppliedFindings",
     "AppliedWindow",
     "CheckReport",
     "GradWatch",

@@ -11,6 +11,7 @@ import gradwatch
 
 def test_the_public_names_are_exported_from_the_package() -> None:
     assert set(gradwatch.__all__) == {
+        "AppliedFindings",
         "AppliedWindow",
         "CheckReport",
         "GradWatch",

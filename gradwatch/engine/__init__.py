@@ -21,6 +21,7 @@ from the layers below it; ``docs/architecture.md`` says what each holds):
 
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.report import CheckReport, GradientCheckError, Probe
 
-__all__ = ["CheckReport", "GradientCheckError", "LossFn", "Probe", "check_gradients"]
+__all__ = ["AppliedFindings", "CheckReport", "GradientCheckError", "LossFn", "Probe", "check_gradients"]

@@ -45,6 +45,7 @@ from gradwatch.engine.function.surrogates import (
     quantisers_as_identity,
 )
 from gradwatch.engine.function.torch_warnings import incorrect_gradient_notes
+from gradwatch.engine.results.findings import FINDINGS, AppliedFindings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics, current_numerics
@@ -193,9 +194,14 @@ class CheckSession:
     ) -> CheckReport:
         """The check's report: the measurements' ``verdict``, ``probes``, ``loss``, ``notes`` and other ``fields``
         (see :class:`~gradwatch.engine.results.report.CheckReport`), with the session's step, duration, notes around the
-        measurements' (each once), side effects and what could not be put back."""
+        measurements' (each once), side effects and what could not be put back. The fields of
+        :class:`~gradwatch.engine.results.findings.AppliedFindings` (``fault=``, ``noise_floor=``, ...) are nested in
+        the report's ``applied``, which a check of another scope than ``"recomputed"`` always has."""
         fields.setdefault("n_forward", 0)
         fields.setdefault("n_backward", 0)
+        found = {name: fields.pop(name) for name in FINDINGS if name in fields}
+        if found or fields.get("scope", "recomputed") != "recomputed":
+            fields["applied"] = AppliedFindings(**found)
         state = self.state
         return CheckReport(
             step=self.step,

@@ -33,16 +33,15 @@ def healthy() -> CheckReport:
 def applied_fail() -> CheckReport:
     report = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
     assert report.verdict == "fail"
-    return dataclasses.replace(
-        report, step=3, scope="applied", fault="precision", fault_message=MESSAGE, noise_floor=2e-3, floor_excess=41.5
+    return dataclasses.replace(report, step=3, scope="applied").with_findings(
+        fault="precision", fault_message=MESSAGE, noise_floor=2e-3, floor_excess=41.5
     )
 
 
 def _applied(report: CheckReport, step: int, verdict: str = "ok") -> CheckReport:
-    return dataclasses.replace(
-        report, step=step, scope="applied", verdict=verdict, fault=None, fault_message="", noise_floor=1e-3,
-        floor_excess=0.2,
-    )  # fmt: skip
+    return dataclasses.replace(report, step=step, scope="applied", verdict=verdict).with_findings(
+        fault=None, fault_message="", noise_floor=1e-3, floor_excess=0.2
+    )
 
 
 def _report(logdir: Path) -> tuple[int, str]:

@@ -93,7 +93,9 @@ def test_the_overhead_is_logged_as_a_percentage_with_the_first_checks_apart(heal
 
 
 def test_a_failing_applied_check_names_its_fault_in_words_beside_its_code(healthy: CheckReport) -> None:
-    report = dataclasses.replace(healthy, scope="applied", verdict="fail", fault="precision", fault_message="x")
+    report = dataclasses.replace(healthy, scope="applied", verdict="fail").with_findings(
+        fault="precision", fault_message="x"
+    )
     records = applied_records_of(report)
     assert records.scalars["gradwatch/applied/fault"] == 2.0  # the numeric code stays: FAULTS' position plus one
     assert records.labels == {FAULT_NAME_TAG: "precision"}

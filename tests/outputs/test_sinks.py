@@ -173,7 +173,9 @@ def test_guarded_sink_warns_once_and_never_raises(failing: CheckReport, tmp_path
 
 
 def test_the_fault_of_a_failing_applied_check_reaches_the_text_backends_in_words(failing: CheckReport) -> None:
-    applied = dataclasses.replace(failing, scope="applied", fault="accumulation", fault_message="summed twice")
+    applied = dataclasses.replace(failing, scope="applied").with_findings(
+        fault="accumulation", fault_message="summed twice"
+    )
     records = applied_records_of(applied)
     writer = FakeWriter()
     SummaryWriterSink(writer).write(records)

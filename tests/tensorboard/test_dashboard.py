@@ -31,7 +31,9 @@ def _linear(tag: str) -> str:
 
 def test_every_charted_tag_is_a_scalar_of_the_report_its_log10_the_applied_checks_or_the_overhead() -> None:
     report = check_gradients(SeedModel(), seed_batch(), seed_loss)
-    applied = set(applied_scalars(dataclasses.replace(report, scope="applied", noise_floor=1e-6, floor_excess=0.1)))
+    applied = set(
+        applied_scalars(dataclasses.replace(report, scope="applied").with_findings(noise_floor=1e-6, floor_excess=0.1))
+    )
     overhead = set(Overhead(0.5, 0.01, 2.0, 0.01).scalars())
     assert {_linear(tag) for tag in layout_tags()} <= set(report.scalars()) | applied | overhead
     assert {"gradwatch/descent_ratio", "gradwatch/failing_probes", "gradwatch/inconclusive_probes"} <= layout_tags()

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport
@@ -230,6 +231,5 @@ def _report(step: int, started: float, text: str, fault_message: str) -> CheckRe
         duration_s=time.perf_counter() - started,
         notes=[Note(NoteCode.APPLIED_CLIPPING, text)],
         scope="applied",
-        fault="clipping" if failed else None,
-        fault_message=fault_message,
+        applied=AppliedFindings(fault="clipping" if failed else None, fault_message=fault_message),
     )

@@ -12,7 +12,6 @@ no one-off, and the fault says so from the first check.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -105,4 +104,4 @@ def recurring(report: CheckReport, previous: tuple[int, str | None] | None) -> C
     fault, for the same optimizer or window) found one of the two: a change at two checks in a row is no one-off."""
     if report.fault != "transient" or previous is None or previous[1] not in ("transient", "modified"):
         return report
-    return dataclasses.replace(report, fault="modified", fault_message=recurring_message(previous[0]))
+    return report.with_findings(fault="modified", fault_message=recurring_message(previous[0]))

@@ -7,12 +7,16 @@ nothing here computes a verdict.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
+from gradwatch.engine.results.findings import FAULTS as FAULTS
+from gradwatch.engine.results.findings import AppliedFindings
+from gradwatch.engine.results.findings import Fault as Fault
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics
@@ -32,33 +36,6 @@ verified gradient (:mod:`gradwatch.engine.update`); ``"applied"``, the gradient 
 training's own path computed it (autocast, compiled graph, accumulation, cross-rank reduction, hooks;
 :mod:`gradwatch.engine.applied`); ``"recomputed"``, gradwatch's own eager float32 recomputation on a slice of one batch
 (:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
-
-Fault = Literal[
-    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
-    "update", "gradient",
-]  # fmt: skip
-"""Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
-``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
-(right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
-``"reduction"`` (the local gradients are right, the cross-rank reduced one is not, or ranks disagree),
-``"accumulation"`` (the window's micro-batch gradients are right, their sum in the applied gradient is not: leftovers
-of an earlier window, a micro-batch counted twice or not at all), ``"transient"`` (the same path computed again gives
-the right gradient: a one-off corruption), ``"modified"`` (the same path computed again gives the right gradient, and
-the change recurs: the optimizer runs step pre-hooks, or the applied check before found the same) or ``"unknown"``;
-``"clipping"`` (the gradient the optimizer steps with is not
-the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
-:func:`~gradwatch.engine.applied.clipping.check_clipping`; for an update check, the update matches the reference from
-the unclipped gradient, or from a gradient that is the verified one scaled otherwise). Update checks
-(:mod:`gradwatch.engine.update`) also name ``"update"`` (the optimizer's update is not its algorithm's from the
-verified gradient and state: a Muon orthogonalising shards, a weight decay applied twice) and ``"gradient"`` (the
-update is the algorithm's from another gradient than the verified one: the previous step's, or one changed between
-the check and the step)."""
-
-FAULTS: tuple[Fault, ...] = (
-    "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
-    "update", "gradient",
-)  # fmt: skip
-"""Every fault, in the order their codes are written (``gradwatch/applied/fault``: position plus one): new ones last."""
 
 _E = TypeVar("_E", bound=Enum)
 
@@ -184,18 +161,11 @@ class CheckReport:
         scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
             gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
             :data:`Scope`).
-        fault: For a failing applied check, the part of the training's path at fault (see :data:`Fault`); ``None``
-            when the check passed, and for recomputed checks.
-        fault_message: The fault in words, with the evidence that named it.
-        noise_floor: Applied checks: the path's noise floor along the descent probe, relative to ``‖g‖`` (how far a
-            correct gradient of this precision may be off along it).
-        floor_excess: Applied checks: the largest ``|analytic − numeric|`` of the check's probes in units of that
-            probe's tolerance (its noise floor times the allowed multiple, plus the finite difference's noise); above
-            1 is a failure.
-        accumulation_scale: Applied checks of several micro-batches: the accumulated gradient's derivative along its
-            own direction over that of the gradient of the window's samples taken as one batch (1 when the loss is
-            normalised over the window; :mod:`gradwatch.engine.applied.equivalence`), ``nan`` when not compared.
-        accumulation_cosine: The cosine of those two gradients.
+        applied: What a check of the applied gradient, of the clip coefficient or of the update found besides its
+            probes: the fault and how the verdict was calibrated (an :class:`AppliedFindings`); ``None`` for a
+            recomputed check. Its fields read as the report's own too (``report.fault``, ``report.fault_message``,
+            ``report.noise_floor``, ``report.floor_excess``, ``report.accumulation_scale``,
+            ``report.accumulation_cosine``: their defaults, ``None``, ``""`` or ``nan``, when there are no findings).
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -223,12 +193,7 @@ class CheckReport:
     culprits: list[str] = field(default_factory=list)
     culprit_message: str = ""
     scope: Scope = "recomputed"
-    fault: Fault | None = None
-    fault_message: str = ""
-    noise_floor: float = math.nan
-    floor_excess: float = math.nan
-    accumulation_scale: float = math.nan
-    accumulation_cosine: float = math.nan
+    applied: AppliedFindings | None = None
     probed_inputs: tuple[str, ...] = ()
     numerics: Numerics | None = None
 
@@ -243,6 +208,50 @@ class CheckReport:
             code: A :class:`~gradwatch.engine.results.notes.NoteCode` or its value.
         """
         return [note for note in self.notes if getattr(note, "code", None) == code]
+
+    @property
+    def _findings(self) -> AppliedFindings:
+        """The applied findings, or the empty ones (every field at its default) for a recomputed check."""
+        return self.applied if self.applied is not None else _NO_FINDINGS
+
+    @property
+    def fault(self) -> Fault | None:
+        """The part of the training's path at fault (:attr:`AppliedFindings.fault`); ``None`` without one."""
+        return self._findings.fault
+
+    @property
+    def fault_message(self) -> str:
+        """The fault in words (:attr:`AppliedFindings.fault_message`); ``""`` without one."""
+        return self._findings.fault_message
+
+    @property
+    def noise_floor(self) -> float:
+        """The path's noise floor along the descent probe (:attr:`AppliedFindings.noise_floor`); ``nan`` without one."""
+        return self._findings.noise_floor
+
+    @property
+    def floor_excess(self) -> float:
+        """The largest discrepancy in units of its tolerance (:attr:`AppliedFindings.floor_excess`); ``nan`` without."""
+        return self._findings.floor_excess
+
+    @property
+    def accumulation_scale(self) -> float:
+        """The accumulated over the one-batch gradient (:attr:`AppliedFindings.accumulation_scale`); ``nan`` without."""
+        return self._findings.accumulation_scale
+
+    @property
+    def accumulation_cosine(self) -> float:
+        """The cosine of those two gradients (:attr:`AppliedFindings.accumulation_cosine`); ``nan`` without."""
+        return self._findings.accumulation_cosine
+
+    def with_findings(self, **changes: Any) -> CheckReport:
+        """This report with fields of its applied findings replaced (from the empty findings when it has none):
+        ``report.with_findings(fault="modified", fault_message=...)``.
+
+        Args:
+            changes: New values of :class:`AppliedFindings`' fields, by name.
+        """
+        return dataclasses.replace(self, applied=dataclasses.replace(self._findings, **changes))
 
     @property
     def failures(self) -> list[Probe]:
@@ -349,6 +358,9 @@ class CheckReport:
         lines += [f"  surrogate: {finding}" for finding in self.surrogates]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+_NO_FINDINGS = AppliedFindings()
 
 
 def _member(enum: type[_E], value: str, argument: str) -> _E:

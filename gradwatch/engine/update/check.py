@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Fault, Probe
@@ -295,7 +296,7 @@ def check_update(
     excess = [p.rel_error * p.analytic / p.noise for p in probes if p.noise > 0 and math.isfinite(p.rel_error)]
     return CheckReport(
         step=step, verdict=verdict, probes=probes, loss=math.nan, n_forward=0, n_backward=0,
-        duration_s=time.perf_counter() - started, notes=notes, precision="float64", scope="update", fault=fault,
-        fault_message=message, noise_floor=max(floors) if floors else math.nan,
-        floor_excess=max(excess) if excess else math.nan,
+        duration_s=time.perf_counter() - started, notes=notes, precision="float64", scope="update",
+        applied=AppliedFindings(fault=fault, fault_message=message, noise_floor=max(floors) if floors else math.nan,
+                                floor_excess=max(excess) if excess else math.nan),
     )  # fmt: skip
