@@ -6,7 +6,9 @@ fully read (a missing or empty directory, an unreadable directory or file, somet
 name that is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch
 data) or the command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked
 nothing). Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record)
-count as checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault.
+count as checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault;
+so do update checks (``gradwatch/update/*``, ``"scope": "update"``: the update the optimizer made, against a
+reference).
 Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so
 exit 0 means every record was read.
 """

@@ -56,9 +56,9 @@ class RunRecord:
 
     @property
     def failed(self) -> bool:
-        """Whether a failure was recorded: a failing check, a failing probe or a failing applied check."""
-        failing = any(c.verdict == "fail" for c in self.checks) or any(a.verdict == "fail" for a in self.applied)
-        return bool(self.failures) or failing
+        """Whether a failure was recorded: a failing check, a failing probe, a failing applied check or a failing
+        update check."""
+        return bool(self.failures) or any(r.verdict == "fail" for r in (*self.checks, *self.applied, *self.updates))
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
 
-TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's four sections
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's five sections
 hold one chart per question a reader has about a run:
 
 * **verdict**: 0 ok, 1 inconclusive, 2 fail, of the recomputed and of the applied checks;
@@ -13,20 +13,26 @@ hold one chart per question a reader has about a run:
 * **probes failing**, **inconclusive**: counts per check;
 * **check seconds**: the wall time of each check, of either kind;
 * **overhead**: gradwatch's share of the training time in percent, apart from the one-time first checks
-  (``gradwatch/overhead_percent``), and the first checks' one-time cost (``gradwatch/first_checks_seconds``).
+  (``gradwatch/overhead_percent``), and the first checks' one-time cost (``gradwatch/first_checks_seconds``);
+* **update checks**: of the update the optimizer made against a reference update (``gradwatch/update/*``, those of
+  :func:`gradwatch.outputs.records.update_scalars`): the verdict, the fault, the largest relative error of an update
+  against its reference, the floor of the optimizer's own rounding, the largest discrepancy over its tolerance and the
+  seconds per check.
 
 Every chart is a Margin chart, the charts of one tag with the value as its own band, because TensorBoard draws a
 line chart of a single point per run as nothing visible (its default scaling drops the points as outliers), and a run
 at the defaults has one check of each kind per 500 steps or fewer. The layout names only fixed scalar tags (those of
-:meth:`gradwatch.engine.results.report.CheckReport.scalars`, their log10 forms, the applied checks' and the overhead's,
-which every logger receives), so it does not grow with the model. It is written through ``add_custom_scalars``
-of a ``torch.utils.tensorboard.SummaryWriter``.
+:meth:`gradwatch.engine.results.report.CheckReport.scalars`, their log10 forms, the applied checks', the update
+checks' and the overhead's, which every logger receives), so it does not grow with the model. It is written through
+``add_custom_scalars`` of a ``torch.utils.tensorboard.SummaryWriter``.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Protocol
+
+from gradwatch.tensorboard.writer import UPDATE_PREFIX
 
 LAYOUT_TAG = "custom_scalars__config__"
 """The tag under which TensorBoard stores a custom-scalars layout (fixed by TensorBoard)."""
@@ -89,6 +95,17 @@ SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
             _points("first checks: one-time cost, seconds", "gradwatch/first_checks_seconds"),
             _points("seconds per recomputed check", "gradwatch/check_seconds"),
             _points("seconds per applied check", "gradwatch/applied/check_seconds"),
+        ),
+    ),
+    (
+        "gradwatch: update checks (the optimizer's update against a reference)",
+        (
+            _points("verdict of the update checks (0 ok, 1 inconclusive, 2 fail)", UPDATE_PREFIX + "verdict"),
+            _points("fault of the update checks (0 none, else its code)", UPDATE_PREFIX + "fault"),
+            _points("largest relative error of an update against its reference", UPDATE_PREFIX + "rel_error_max"),
+            _points("floor: the optimizer's own rounding, relative to the reference", UPDATE_PREFIX + "noise_floor"),
+            _points("largest discrepancy over its tolerance (1 = at the tolerance)", UPDATE_PREFIX + "floor_excess"),
+            _points("seconds per update check", UPDATE_PREFIX + "check_seconds"),
         ),
     ),
 )

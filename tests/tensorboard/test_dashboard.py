@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import update_models
 from helpers import LitSeedModel, SeedModel, loader, seed_batch, seed_loss, trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from gradwatch import GradWatch, check_gradients
-from gradwatch.outputs.records import Overhead, applied_scalars
+from gradwatch import CheckReport, GradientWatch, GradWatch, check_gradients
+from gradwatch.outputs.records import Overhead, applied_scalars, update_scalars
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTIONS, layout, layout_tags, write_dashboard
 
 
@@ -29,16 +32,60 @@ def _linear(tag: str) -> str:
     return tag.removesuffix("_log10")
 
 
-def test_every_charted_tag_is_a_scalar_of_the_report_its_log10_the_applied_checks_or_the_overhead() -> None:
+def _update_reports(make: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> list[CheckReport]:
+    """The update checks of a real plain loop: a tiny MLP stepped by ``make(model)`` through ``GradientWatch``, an
+    update check at each of its 3 steps."""
+    watch = GradientWatch(
+        every_n_steps=1000, first_check_step=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
+        on_fail=lambda report: None,
+    )  # fmt: skip
+    model = update_models.mlp()
+    optimizer = make(model)
+    torch.manual_seed(1)
+    for step in range(1, 4):
+        item = update_models.batch()
+        watch.record(item)
+        model.zero_grad()
+        update_models.loss_fn(model, item).backward()
+        watch.before_optimizer_step(model, update_models.loss_fn, step=step, optimizer=optimizer)
+        optimizer.step()
+    return watch.update_reports
+
+
+def test_every_charted_tag_is_a_scalar_of_the_report_its_log10_the_applied_or_update_checks_or_the_overhead() -> None:
     report = check_gradients(SeedModel(), seed_batch(), seed_loss)
     applied = set(
         applied_scalars(dataclasses.replace(report, scope="applied").with_findings(noise_floor=1e-6, floor_excess=0.1))
     )
+    (update, *_) = _update_reports(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    assert update.scope == "update"
+    assert update.verdict == "ok", str(update)
+    updates = set(update_scalars(update))
     overhead = set(Overhead(0.5, 0.01, 2.0, 0.01).scalars())
-    assert {_linear(tag) for tag in layout_tags()} <= set(report.scalars()) | applied | overhead
+    assert {_linear(tag) for tag in layout_tags()} <= set(report.scalars()) | applied | updates | overhead
     assert {"gradwatch/descent_ratio", "gradwatch/failing_probes", "gradwatch/inconclusive_probes"} <= layout_tags()
     charted = {"gradwatch/applied/verdict", "gradwatch/overhead_percent", "gradwatch/first_checks_seconds"}
     assert charted <= layout_tags()
+
+
+def test_every_update_scalar_is_charted_in_the_update_section_healthy_or_failing() -> None:
+    """An AdamW's healthy update checks and a Muon's without its Newton-Schulz iteration (DeepSpeed PR#8442), whose
+    every update check fails with fault ``update``: each logs every scalar the update section charts, and the section
+    charts every one of them."""
+    healthy = _update_reports(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    failing = _update_reports(
+        lambda m: update_models.NoNewtonSchulzMuon([p for p in m.parameters() if p.ndim == 2], lr=0.02)
+    )
+    assert [r.verdict for r in healthy] == ["ok"] * 3, [str(r) for r in healthy]
+    assert [(r.verdict, r.fault) for r in failing] == [("fail", "update")] * 3, [str(r) for r in failing]
+    title, charts = SECTIONS[-1]
+    assert "update" in title
+    charted = {tag for _, _, tags in charts for tag in tags}
+    for report in (*healthy, *failing):
+        assert set(update_scalars(report)) == charted
+    assert update_scalars(failing[0])["gradwatch/update/verdict"] == 2.0
+    assert update_scalars(failing[0])["gradwatch/update/floor_excess"] > 1
+    assert update_scalars(healthy[0])["gradwatch/update/floor_excess"] < 1
 
 
 def test_the_relative_error_is_charted_on_a_log_scale() -> None:
@@ -105,6 +152,6 @@ def test_fit_writes_the_layout_once_and_tensorboard_parses_it(tmp_path: Path) ->
         tags for _, charts in SECTIONS for _, _, tags in reversed(charts)
     ]
     assert REL_ERROR_TAGS in [(m.value, m.lower, m.upper) for m in margins]
-    assert len(charts) == len(margins) == sum(len(charts) for _, charts in SECTIONS) == 12
+    assert len(charts) == len(margins) == sum(len(charts) for _, charts in SECTIONS) == 18
     # every tag the dashboard draws was logged
     assert layout_tags() <= set(events.Tags()["scalars"])
