@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=None, help="a cadence of checks (default: GradWatch's)")
     parser.add_argument("--width", type=int, default=1600)
-    parser.add_argument("--height", type=int, default=2250)
+    parser.add_argument("--height", type=int, default=2950)
     args = parser.parse_args(argv)
     binary = find_chromium()
     if binary is None:

@@ -58,7 +58,8 @@ class RunRecord:
     def failed(self) -> bool:
         """Whether a failure was recorded: a failing check, a failing probe, a failing applied check or a failing
         update check."""
-        return bool(self.failures) or any(r.verdict == "fail" for r in (*self.checks, *self.applied, *self.updates))
+        verdicts = [c.verdict for c in self.checks] + [r.verdict for r in (*self.applied, *self.updates)]
+        return bool(self.failures) or "fail" in verdicts
 
 
 @dataclass
