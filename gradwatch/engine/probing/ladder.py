@@ -34,7 +34,7 @@ from gradwatch.engine.probing.judges import Judge, Tolerance
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import passes_fallbacks
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
@@ -134,9 +134,9 @@ class Ladder:
                     task.step = task.initial_step * scale
                     task.stencil = None
                     self._full(task)
-        except CheckAbandonedError:
-            raise
         except Exception as error:
+            if passes_fallbacks(error):
+                raise
             notes.append(
                 Note(
                     NoteCode.NO_FLOAT64_REMEASUREMENT,
