@@ -3,7 +3,10 @@
 With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to
 ``self.manual_backward`` and steps that optimizer. The loss whose gradient optimizer step *k* of a batch applies is
 the sum of the losses ``training_step`` gave ``manual_backward`` since the step before it (or the batch's start),
-those of the step's own ``closure=`` included. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
+those of the step's own ``closure=`` included; a step with none since the step before applies the gradient of the
+same backward as that step (two optimizers on one loss: Muon for the matrices and AdamW for the rest, stepping in turn
+after one ``manual_backward``), and is checked against those losses, computed before the step before it moved its
+parameters. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
 ``training_step`` again from the batch's start (the window replays the batch's random state, so every draw, the
 noise of a generator included, is the training's), with the module's optimizers unable to step and
 ``manual_backward`` recording its loss instead of differentiating it, and stops at step *k*. Nothing of the training is
@@ -49,6 +52,7 @@ class _Steps:
         self.ordinal, self.optimizer, self.rewind = ordinal, optimizer, rewind
         self.taken = 0
         self.losses: list[Tensor] = []
+        self.shared: list[Tensor] = []  # the losses of the last step that had some: a later step may share them
         self.loss: Tensor | None = None
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -65,17 +69,18 @@ class _Steps:
                     f"training stepped {type(self.optimizer).__name__}: its optimizer steps depend on more than the "
                     "batch and the random state, so gradwatch cannot tell which loss this step applies"
                 )
-            if not self.losses:
+            losses = self.losses or self.shared  # none since the step before: the steps share one backward
+            if not losses:
                 raise ValueError(
                     f"training_step gave manual_backward no loss before its optimizer step {self.ordinal}: gradwatch "
                     "cannot tell which loss this step applies"
                 )
-            self.loss = self.losses[0]
-            for loss in self.losses[1:]:
+            self.loss = losses[0]
+            for loss in losses[1:]:
                 self.loss = self.loss + loss
             raise _Reached
         self.rewind.stepped(self.taken, getattr(optimizer, "optimizer", optimizer))
-        self.losses = []
+        self.shared, self.losses = self.losses or self.shared, []
         return result
 
 
