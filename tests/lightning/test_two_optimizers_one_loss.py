@@ -79,6 +79,9 @@ def test_two_optimizers_on_one_manual_backward_are_clean_for_20_batches(tmp_path
     assert len(reports) == 2 * BATCHES  # both optimizers' steps, the second one's too
     assert all(r.verdict == "ok" for r in reports), "\n".join(str(r) for r in reports if r.verdict != "ok")
     assert not [r for r in watch.reports if r.verdict == "fail"]
+    updates = watch.update_reports  # each optimizer's update of the gradient its check verified
+    assert len(updates) == 2 * BATCHES
+    assert all(r.verdict == "ok" for r in updates), "\n".join(str(r) for r in updates if r.verdict != "ok")
     for (name, a), (_, b) in zip(checked.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     for a, b in zip(checked.trainer.optimizers, plain.trainer.optimizers, strict=True):

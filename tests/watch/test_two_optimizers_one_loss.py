@@ -80,6 +80,9 @@ def test_two_optimizers_on_one_loss_are_clean_for_20_steps_and_train_as_without_
     assert all(report.verdict == "ok" for report in applied), [r.summary() for r in applied if r.verdict != "ok"]
     assert not [r for r in watch.reports if r.verdict == "fail"], [r.summary() for r in watch.reports]
     assert watch.counts["applied_failed"] == 0
+    updates = watch.update_reports  # each optimizer's update of the gradient its check verified
+    assert [r.step for r in updates] == [step for step in range(1, STEPS + 1) for _ in range(2)]
+    assert all(r.verdict == "ok" for r in updates), [r.summary() for r in updates if r.verdict != "ok"]
     for name, tensor in without["params"].items():
         assert torch.equal(tensor, with_watch["params"][name]), name
     assert with_watch["optimizers"] == without["optimizers"]
