@@ -171,3 +171,10 @@ def _neutral(file: str, torch_directory: str) -> bool:
     if file.startswith((_PACKAGE, torch_directory, "<frozen ")):
         return True
     return file.startswith(_STDLIB) and not any(part in file for part in ("site-packages", "dist-packages"))
+
+
+def passes_fallbacks(error: BaseException) -> bool:
+    """Whether ``error`` passes the places that turn the loss or model refusing something into a note (a smaller slice,
+    no input probes, no culprit search, ...): a check that must end (:class:`CheckAbandonedError`), or a bug of
+    gradwatch's own (:func:`own_error`)."""
+    return isinstance(error, CheckAbandonedError) or own_error(error)

@@ -14,10 +14,9 @@ random states replayed and the buffers restored by the check's :class:`TrainingS
 Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
 by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
 ``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.distributed`) each result
-is
-this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate with
-respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not available
-(FSDP gathers parameters in their own dtype).
+is this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate
+with respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not
+available (FSDP gathers parameters in their own dtype).
 """
 
 from __future__ import annotations

@@ -53,8 +53,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 LadderFactory = Callable[[Measurements, float], Ladder]
 
@@ -110,10 +109,8 @@ def localize(
                 NoteCode.CULPRIT_FLOAT64_UNFAITHFUL, f"no culprit search: float64 evaluates another function ({error})"
             )
         )
-    except CheckAbandonedError:
-        raise
     except Exception as error:  # the search must never cost the check its verdict
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         found.culprits, found.message = [], ""
         found.tasks = [task for task in found.tasks if task.result is not None]  # the probe it raised in is not one
@@ -131,10 +128,8 @@ def _written(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
     ``None`` also when the loss refuses saved-tensor hooks: the search goes on without them."""
     try:
         return writes_behind_autograds_back(model, evaluator)
-    except CheckAbandonedError:
-        raise
     except Exception as error:
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         return None
 
@@ -144,10 +139,8 @@ def _sites(model: nn.Module, evaluator: LossEvaluator, found: Localization) -> d
     with hooks on its modules."""
     try:
         return record_sites(model, evaluator)
-    except CheckAbandonedError:
-        raise
     except Exception as error:
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         refused = f"no culprit search: the loss cannot run with hooks on its modules ({error})"
         found.notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, refused))

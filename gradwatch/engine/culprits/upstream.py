@@ -33,8 +33,7 @@ from gradwatch.engine.function.held import HeldValuesError
 from gradwatch.engine.function.values import as_scalar_loss
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 SCALE = 2.0
 """The factor of the scaled copy of the loss: a power of two, so that a linear backward scales exactly."""
@@ -144,10 +143,8 @@ def _culprit(model: nn.Module, evaluator: LossEvaluator, original: Any) -> str:
         plain = record_sites(model, evaluator)
         evaluator.loss_fn = _scaled(original)
         scaled = record_sites(model, evaluator)
-    except CheckAbandonedError:
-        raise
     except Exception as error:  # the loss refuses hooks on its modules: the finding stands without a name
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         return "a module (the loss refuses hooks on its modules, which would name it)"
     finally:

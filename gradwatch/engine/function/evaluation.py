@@ -33,7 +33,7 @@ from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 """``loss_fn(model, batch) -> scalar Tensor``."""
@@ -161,7 +161,7 @@ class LossEvaluator:
             try:
                 reference = self._reference(with_inputs=True)
             except Exception as error:
-                if isinstance(error, CheckAbandonedError) or own_error(error):  # not the loss refusing
+                if passes_fallbacks(error):
                     raise
                 # the loss may refuse inputs that require grad (a metric asserting `not target.requires_grad`)
                 self.notes.append(
@@ -304,7 +304,7 @@ class LossEvaluator:
         try:
             value = self._forward(mode)
         except Exception as error:
-            if isinstance(error, CheckAbandonedError) or own_error(error) or not verify:
+            if passes_fallbacks(error) or not verify:
                 raise
             # the model may not cope with a float64 scalar where it expects float32; the native run decides
             mode.mismatch = f"the loss raised {type(error).__name__}: {error}"

@@ -59,11 +59,11 @@ from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
+from gradwatch.engine.results.report import CheckReport
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 __all__ = ["check_gradients"]
 
@@ -221,10 +221,8 @@ def _culprits_of_twin(
     twin = float32_twin(session.model)
     try:
         found = check_gradients(twin, promoted_batch(batch), loss_fn, step=session.step, settings=session.settings)
-    except CheckAbandonedError:
-        raise
     except Exception as error:  # the verdict stands; the model's own search with it
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         session.trailing.append(
             Note(

@@ -36,8 +36,8 @@ from gradwatch.engine.numerics.steps import REPRODUCIBILITY_TOLERANCE, machine_e
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.naming import named_module
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import DESCENT_TARGET, CheckAbandonedError, Probe
-from gradwatch.errors import own_error
+from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+from gradwatch.errors import passes_fallbacks
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
@@ -133,10 +133,8 @@ def compiled_probes(
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             compiled_loss, compiled = _gradient(model, batch, loss_fn, tensors, state)
-    except CheckAbandonedError:
-        raise
     except Exception as error:
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
         notes.append(

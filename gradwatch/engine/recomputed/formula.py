@@ -46,8 +46,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 LOCALIZED_AT_MOST = 8
 """As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
@@ -77,10 +76,8 @@ def confirm_formula(
         return None
     try:
         return _confirmed(evaluator, portfolio, tasks, suspects, plan)
-    except CheckAbandonedError:
-        raise
     except Exception as error:  # the probes' verdicts stand as measured
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         evaluator.notes.append(
             Note(

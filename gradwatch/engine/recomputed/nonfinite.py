@@ -27,8 +27,8 @@ from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, Probe
-from gradwatch.errors import own_error
+from gradwatch.engine.results.report import Probe
+from gradwatch.errors import passes_fallbacks
 
 MEASURED_ENTRIES = 2
 """Entries of each tensor at which the central difference is measured (two loss evaluations each)."""
@@ -129,10 +129,8 @@ def _culprit(
     there = "where the loss's central differences are finite" if measured else "(the loss is not finite around it)"
     try:
         sites = record_sites(model, evaluator)
-    except CheckAbandonedError:
-        raise
     except Exception as error:  # the verdict stands without a name
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         notes.append(Note(NoteCode.CULPRIT_HOOKS_REFUSED, f"no culprit search: the loss refuses hooks ({error})"))
         return [], f"autograd's gradient is not finite: {where}, {there}"

@@ -26,8 +26,8 @@ from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, Probe
-from gradwatch.errors import own_error
+from gradwatch.engine.results.report import Probe
+from gradwatch.errors import passes_fallbacks
 
 if TYPE_CHECKING:
     from gradwatch.engine.session import CheckSession
@@ -65,10 +65,8 @@ def reference_on_a_slice(
         )
         try:
             return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
-        except CheckAbandonedError:
-            raise
         except Exception as error:
-            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            if passes_fallbacks(error):
                 raise
             refused = True
             notes.append(

@@ -41,8 +41,7 @@ from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 SHIFT = 1e-2
 """How far the second point is from the first: each parameter and input moves by this fraction of its own RMS, in a
@@ -130,10 +129,8 @@ def _confirm_batch(
                 problem = f"the shift moved the loss by {moved:.0%} (a discrete use of a floating input?)"
             elif math.isfinite(reference.loss):
                 replicas = _measured_replicas(evaluator, portfolio, reference, failing, plan, mode)
-    except CheckAbandonedError:
-        raise
     except Exception as error:
-        if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+        if passes_fallbacks(error):
             raise
         problem = f"the loss raised {type(error).__name__} there ({error})"
     finally:

@@ -48,8 +48,7 @@ from gradwatch.engine.numerics.steps import gradient_tolerance, machine_epsilon,
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.tolerances import TensorTolerances
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
-from gradwatch.errors import own_error
+from gradwatch.errors import passes_fallbacks
 
 FLOOR_MULTIPLE = 3.0
 """How many times its measured floor a 16-bit gradient may be off (``torch._dynamo.utils.same``'s multiple in 16 bits,
@@ -223,10 +222,8 @@ class SixteenBitFloor:
     def _guarded(self, measure: Callable[[], list[Tensor] | None]) -> list[Tensor] | None:
         try:
             return measure()
-        except CheckAbandonedError:
-            raise
         except Exception as error:  # a loss that refuses the rounding emulation: the fixed tolerance, with a note
-            if own_error(error):  # a bug of gradwatch's own is not the loss refusing
+            if passes_fallbacks(error):
                 raise
             self.error = f" ({type(error).__name__}: {error})"
             return None
