@@ -725,7 +725,7 @@ class GradientWatch:
         if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
                 norm = self._findings.verified.norms.total
-                self._updates.prepare(model, step, optimizer, optimizers, updated, norm, max_norm)
+                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm)
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:
