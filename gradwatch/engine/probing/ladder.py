@@ -106,7 +106,7 @@ class Ladder:
                 result = task.result
                 assert result is not None
                 fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-                task.result = Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
+                task.result = Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)
         self._prefetch([(task, HALF_OFFSETS) for task in suspects])
         for task in suspects:
             self._full(task)
