@@ -117,6 +117,21 @@ class ReplayError(RuntimeError):
     """The optimizer's class could not be built again over a copy of the parameter, or its step raised."""
 
 
+class InputsRefusedError(Exception):
+    """The loss raised at displaced inputs: an input that is also a target in [0, 1] (an autoencoder's
+    ``binary_cross_entropy(recon, x)``), a probability, a mask or a label stored as floats. The check drops its input
+    probes, never the check (:func:`gradwatch.engine.recomputed.probes.measured_probes`)."""
+
+
+class NotReproducibleError(Exception):
+    """The loss at an applied check's centre, evaluated again, is not the differentiated loss (the probes say so and
+    probe nothing)."""
+
+    def __init__(self, center: float) -> None:
+        super().__init__(center)
+        self.center = center
+
+
 # ---- the command line ----------------------------------------------------------------------------------------------
 
 

@@ -93,6 +93,13 @@ def _is_property(function: ast.FunctionDef) -> bool:
     return any(getattr(d, "id", getattr(d, "attr", None)) in {"property", "setter"} for d in function.decorator_list)
 
 
+def _keyword_only_sentinel(statement: ast.AnnAssign) -> bool:
+    """Whether ``statement`` is a dataclass's ``_: KW_ONLY`` line, which marks the fields after it keyword-only and is
+    no field itself."""
+    annotation = statement.annotation
+    return getattr(annotation, "id", getattr(annotation, "attr", None)) == "KW_ONLY"
+
+
 def _classes(module: str, cls: ast.ClassDef) -> list[ast.ClassDef]:
     """The class and its bases defined in gradwatch (their members are rendered as its own)."""
     found = [cls]
@@ -118,7 +125,11 @@ def _cases() -> list[tuple[str, list[str], set[str]]]:
                 continue
             members = [m for c in _classes(where, node) for m in c.body if isinstance(m, ast.FunctionDef)]
             init = next((m for m in members if m.name == "__init__"), None)
-            fields = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            fields = [
+                s.target.id
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and not _keyword_only_sentinel(s)
+            ]
             cases.append((path, _parameters(init) if init else fields, _documented(ast.get_docstring(node))))
             for method in members:
                 docstring = ast.get_docstring(method)

@@ -80,6 +80,7 @@ class CheckSession:
     optimizers: Sequence[torch.optim.Optimizer]
     surrogates: StockSurrogates
     started: float
+    _: dataclasses.KW_ONLY
     params: list[tuple[str, Tensor]] = dataclasses.field(default_factory=list)
     collective: Collective | None = None
     leading: list[Note] = dataclasses.field(default_factory=list)

@@ -88,6 +88,7 @@ class ProbeSettings:
     input_probes: int = 1
     probe_batch_size: int | None = None
     precision: Precision = "auto"
+    _: dataclasses.KW_ONLY
     ignore: tuple[str, ...] = ()
     rtol: float | None = None
     seed: int = 0

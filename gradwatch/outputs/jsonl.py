@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum
 from typing import Any
 
@@ -87,6 +87,7 @@ class AppliedRecord:
     scalars: dict[str, float]
     check: str = "gradient"
     """``"gradient"``: the check of the applied gradient; ``"clipping"``: the clip coefficient's, of the same step."""
+    _: KW_ONLY
     prefix: str = ""
     """The prefix of its scalars when it is not an applied check's: ``gradwatch/update/`` for an update check's."""
 
@@ -107,6 +108,7 @@ class FailureRecord:
     index: str
     analytic: float
     numeric: float
+    _: KW_ONLY
     rel_error: float
 
     @property

@@ -10,7 +10,7 @@ the reason: nothing is skipped in silence.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from gradwatch.errors import ReportInputError
@@ -49,6 +49,7 @@ class RunRecord:
     """By step, the module whose backward is wrong, in words."""
     applied: list[AppliedRecord] = field(default_factory=list)
     """The checks of the applied gradient and the clip coefficient's checks, by step (the gradient's first)."""
+    _: KW_ONLY
     updates: list[AppliedRecord] = field(default_factory=list)
     """The update checks (``"scope": "update"``), by step."""
     numerics: dict[int, str] = field(default_factory=dict)
@@ -75,6 +76,7 @@ class JsonLines:
     """The clip coefficient's checks, by step (the step of the applied check it follows, listed beside it)."""
     numerics: dict[int, str] = field(default_factory=dict)
     """The numerics settings of the recomputed checks, in words, by step."""
+    _: KW_ONLY
     updates: dict[int, AppliedRecord] = field(default_factory=dict)
     """The update checks (``"scope": "update"``), by step."""
 

@@ -8,7 +8,7 @@ it. The numbers are computed once here, so two backends never disagree about a c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.rendering import headline, log10_rel_error, rel_error_log10, render_markdown
@@ -99,6 +99,7 @@ class CheckRecords:
     histograms: dict[str, list[float]]
     report: CheckReport
     text_tag: str = FAILURES_TAG
+    _: KW_ONLY
     labels: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -12,6 +12,13 @@ the batch's optimizer steps share (Lightning's manual optimization, whose ``trai
 batch's start), checked at each of them. A due step is one whose window crosses a multiple of the cadence: with two
 optimizers, Lightning's windows lead to steps 1, 3, 5, ...
 
+Several optimizers on one loss (Muon for the matrices and AdamW for the rest, stepping in turn after one backward): the
+windows of the later optimizers were recorded before the earlier ones stepped, so their loss ran at the parameters
+before those steps. When an optimizer steps while windows of other optimizers recorded before are still to be checked,
+:meth:`Windows.stepping` keeps the values its parameters hold before the update, and :meth:`Windows.earlier` gives
+those a later window's check evaluates its loss at (:mod:`.rewind`); a window recorded after a step (a GAN's
+generator, whose loss runs after the discriminator's step) is checked at the parameters as they are.
+
 :class:`Findings` is the one record of what the applied checks found that later calls use: each optimizer's last
 fault (a change of the gradient found at two checks in a row is no one-off) and the gradient the last check verified
 (its norms, which the clip check holds the clipped gradient against).
@@ -28,6 +35,7 @@ from torch import nn
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.applied.clipping import GradientNorms
 from gradwatch.watch.cadence import Cadence
+from gradwatch.watch.rewind import Earlier, before_update
 
 
 class Windows:
@@ -40,6 +48,8 @@ class Windows:
     def __init__(self, cadence: Cadence) -> None:
         self.cadence = cadence
         self.windows: dict[Any, AppliedWindow] = {}  # the windows being recorded, by key (None: shared)
+        self.stepped: list[tuple[Any, dict[str, Any]]] = []  # the step's updates so far that windows are before
+        self._since: dict[Any, int] = {}  # by key: how many of ``stepped`` came before its window was recorded
         self.step = -1  # the optimizer step the current window leads to (recorded or not)
         self._open = False  # whether the window's step is due and affordable
         self._said_unrecorded = False
@@ -58,7 +68,7 @@ class Windows:
         step is due and affordable (decided at the step's first micro-batch), in the window of ``key`` (an optimizer;
         ``None``: the window every optimizer of the step shares)."""
         if step != self.step:  # a new window begins
-            self.windows = {}
+            self.windows, self.stepped = {}, []
             self.cadence.steps += self.step >= 0
             previous, self.step = self.step, step
             self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
@@ -66,22 +76,38 @@ class Windows:
             window = self.windows.get(key)
             if window is None:
                 window = self.windows[key] = AppliedWindow(model)
+                self._since[key] = len(self.stepped)
             window.record(batch)
 
     def take(self, step: int, key: Any = None) -> AppliedWindow | None:
         """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an
         optimizer (``key``): its own window (once), or the one its batch's optimizer steps share (at each)."""
         if self.step != step:
-            self.windows = {}
+            self.windows, self.stepped = {}, []
             return None
         if key is None or key in self.windows:
             return self.windows.pop(key, None)
         return self.windows.get(None)  # the shared window, for every optimizer step of its batch
 
+    def earlier(self, step: int, key: Any) -> Earlier:
+        """The updates of optimizer step ``step`` taken since the window of optimizer ``key`` was recorded (its loss
+        ran before them), in order; none for a shared window, whose losses may have run after them (a GAN's)."""
+        if self.step != step or key is None or key not in self.windows:
+            return []
+        return self.stepped[self._since[key] :]
+
+    def stepping(self, step: int, model: nn.Module, optimizer: Any) -> None:
+        """``optimizer`` is about to update its parameters at step ``step``: while windows of other optimizers recorded
+        before are still to be checked, keep their values before the update (see the module doc); else forget them."""
+        if self.step == step and any(key is not None for key in self.windows):
+            self.stepped.append((optimizer, before_update(model, optimizer)))
+        else:
+            self.stepped = []
+
     def abandon(self) -> None:
         """Recording this window failed (an error the watch's guard reported): no check of it, since a window kept
         in part would be checked against the wrong loss; the next window is decided afresh."""
-        self.windows, self._open = {}, False
+        self.windows, self.stepped, self._open = {}, [], False
 
     def unrecorded(self, step: int) -> bool:
         """Whether optimizer step ``step`` is due while no micro-batch was recorded for it (a loop that does not call

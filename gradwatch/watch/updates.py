@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ class _Pending:
     max_norm: float | None
     previous: dict[str, Tensor]
     grads: dict[str, Tensor] = field(default_factory=dict)  # the verified gradients, copied before the loop clips
+    _: KW_ONLY
     snapshot: UpdateSnapshot | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
@@ -114,6 +115,7 @@ class UpdateChecks:
         optimizer: Any,
         optimizers: Sequence[Any],
         updated: Sequence[tuple[str, nn.Parameter]] | None,
+        *,
         norm: float,
         max_norm: float | None,
     ) -> None:

@@ -45,6 +45,7 @@ from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_ba
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
+from gradwatch.watch.rewind import Earlier, rewound
 from gradwatch.watch.updates import UpdateChecks
 
 log = logging.getLogger(__name__)
@@ -446,12 +447,13 @@ class GradientWatch:
         elif (combine, path, join, window_normalised) != ("mean", None, None, False):
             raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
         with self.guarded("watch.before_optimizer_step"):
+            earlier = self._windows.earlier(step, optimizer)  # other optimizers' updates since its loss ran
             window = self._window(model, step, optimizer, optimizers, skipped)
             if window is None:
                 return None
             return self._applied_check(
                 window, model, loss_fn, step=step, training=training, group=group, loss_scale=loss_scale,
-                gradients=gradients, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm,
+                gradients=gradients, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm, earlier=earlier,
             )  # fmt: skip
         return None
 
@@ -654,6 +656,8 @@ class GradientWatch:
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._clock.batch_ended(time.perf_counter())
         window = self._windows.take(step, optimizer)
+        if optimizer is not None:  # its update moves parameters that windows recorded before it are checked before
+            self._windows.stepping(step, model, optimizer)
         if window is None and self._windows.unrecorded(step):
             warnings.warn(
                 f"gradwatch: the applied check due at optimizer step {step} has no recorded window: no applied check "
@@ -674,12 +678,13 @@ class GradientWatch:
     def _applied_check(
         self, window: AppliedWindow, model: nn.Module, loss_fn: LossFn | None, *, step: int, training: TrainingPath,
         group: Any, loss_scale: float, gradients: Mapping[str, torch.Tensor] | None,
-        optimizers: Sequence[torch.optim.Optimizer], optimizer: Any, max_norm: float | None,
+        optimizers: Sequence[torch.optim.Optimizer], optimizer: Any, max_norm: float | None, earlier: Earlier,
     ) -> CheckReport | None:  # fmt: skip
-        """The applied check of ``window`` along the loop's ``training`` path, and what it leaves for the clip and
-        update checks."""
+        """The applied check of ``window`` along the loop's ``training`` path (its loss at the parameters before the
+        ``earlier`` updates), and what it leaves for the clip and update checks."""
         guard = self._outcomes.guard
         loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
+        loss_fn = rewound(loss_fn, model, earlier) if earlier else loss_fn
         updated, own = guard.callers(_updated, model, optimizer), gradients is None
         if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
             given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
@@ -720,7 +725,7 @@ class GradientWatch:
         if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
                 norm = self._findings.verified.norms.total
-                self._updates.prepare(model, step, optimizer, optimizers, updated, norm, max_norm)
+                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm)
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:

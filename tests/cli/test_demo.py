@@ -36,7 +36,7 @@ def test_each_planted_bug_is_caught_at_the_first_check(bug: str, tmp_path: Path)
 
 def test_outcome_says_when_a_run_did_not_end_as_it_should() -> None:
     def reports(*verdicts: str) -> list[CheckReport]:
-        return [CheckReport(i + 1, v, [], 0.0, 1, 1, 0.0) for i, v in enumerate(verdicts)]  # type: ignore[arg-type]
+        return [CheckReport(i + 1, v, [], 0.0, 1, 1, duration_s=0.0) for i, v in enumerate(verdicts)]  # type: ignore[arg-type]
 
     healthy, bug = gradwatch.cli.demo.RUNS["none"], gradwatch.cli.demo.RUNS["rmsnorm"]
     assert gradwatch.cli.demo.outcome(healthy, reports("ok", "fail")) == (

@@ -365,7 +365,7 @@ def test_focus_adds_a_probe_along_each_named_tensor() -> None:
 
 def test_undecided_names_the_tensors_whose_own_probe_could_not_decide() -> None:
     def probe(kind: str, target: str, verdict: str, reason: str) -> Probe:
-        return Probe(kind, target, None, 1.0, 1.0, 0.0, verdict, 0.0, 0.0, reason)  # type: ignore[arg-type]
+        return Probe(kind, target, None, 1.0, 1.0, 0.0, verdict=verdict, noise=0.0, step=0.0, reason=reason)  # type: ignore[arg-type]
 
     report = CheckReport(
         step=0,

@@ -11,7 +11,8 @@ from gradwatch.engine.results.report import CheckReport, Probe
 
 def _report(verdict: str, reasons: list[str], notes: list[Note] | None = None) -> CheckReport:
     probes = [
-        Probe("tensor", f"t{i}", None, 1.0, 1.0, 0.0, "inconclusive", 0.0, 1e-3, r) for i, r in enumerate(reasons)
+        Probe("tensor", f"t{i}", None, 1.0, 1.0, 0.0, verdict="inconclusive", noise=0.0, step=1e-3, reason=r)
+        for i, r in enumerate(reasons)
     ]
     return CheckReport(
         step=1, verdict=verdict, probes=probes, loss=1.0, n_forward=1, n_backward=1, duration_s=0.0, notes=notes or []

@@ -26,8 +26,8 @@ def _measured(analytic: float, numeric: float, tolerance: float, predicted: floa
     size = abs(analytic - numeric)
     verdict = "ok" if size <= tolerance else "fail"
     reason = Reason.AGREES if verdict == "ok" else Reason.DISCREPANCY
-    probe = Probe(ProbeKind.TENSORS, "*", None, analytic, numeric, size / abs(analytic), verdict, 0.0, 1e-6, reason,
-                  evaluations=2, floor=tolerance / 2)  # fmt: skip
+    probe = Probe(ProbeKind.TENSORS, "*", None, analytic, numeric, size / abs(analytic), verdict=verdict, noise=0.0,
+                  step=1e-6, reason=reason, evaluations=2, floor=tolerance / 2)  # fmt: skip
     return Measured(probe, (0, 1), (0.5, 0.5), tolerance, size / tolerance, predicted)
 
 

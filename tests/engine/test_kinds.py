@@ -30,11 +30,11 @@ OWN_KINDS = {"engine/results/kinds.py", "engine/function/sandbox.py"}
 
 
 def _probe(kind: str, verdict: str = "ok", reason: str = "agrees", index: tuple[int, ...] | None = None) -> Probe:
-    return Probe(kind, "w", index, 1.0, 1.0, 0.0, verdict, 0.0, 1e-3, reason)  # type: ignore[arg-type]
+    return Probe(kind, "w", index, 1.0, 1.0, 0.0, verdict=verdict, noise=0.0, step=1e-3, reason=reason)  # type: ignore[arg-type]
 
 
 def _report(*probes: Probe, verdict: str = "inconclusive") -> CheckReport:
-    return CheckReport(1, verdict, list(probes), 1.0, 1, 1, 0.0)  # type: ignore[arg-type]
+    return CheckReport(1, verdict, list(probes), 1.0, 1, 1, duration_s=0.0)  # type: ignore[arg-type]
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -119,11 +119,9 @@ def test_an_agreeing_probe_of_a_vouching_kind_makes_the_check_ok(monkeypatch: py
 
 
 def test_culprit_search_probes_are_listed_after_the_victims_and_are_none() -> None:
-    failing = _report(
-        Probe("activation", "blocks.0", None, 1.0, 2.0, 0.5, "fail", 0.0, 1e-3, "discrepancy"),  # type: ignore[arg-type]
-        _probe("tensor", "fail", "discrepancy"),
-        verdict="fail",
-    )
+    activation = Probe("activation", "blocks.0", None, 1.0, 2.0, 0.5, verdict="fail", noise=0.0, step=1e-3,
+                       reason="discrepancy")  # type: ignore[arg-type]  # fmt: skip
+    failing = _report(activation, _probe("tensor", "fail", "discrepancy"), verdict="fail")
     assert kinds_where(culprit_search=True) == SEARCH_KINDS
     assert [p.kind for p in ordered_failures(failing)] == ["tensor", "activation"]
     listed = [line for line in describe("run", [failing]).splitlines() if line.startswith("tensors with failing")]

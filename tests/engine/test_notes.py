@@ -99,7 +99,7 @@ def test_an_unknown_code_is_refused() -> None:
 
 def test_a_report_finds_its_notes_by_code() -> None:
     notes = [Note(NoteCode.SLICE_REFUSED, "a"), "plain", Note(NoteCode.SLICE_REFUSED, "b")]
-    report = CheckReport(1, "ok", [], 1.0, 1, 1, 0.0, notes=notes)  # type: ignore[arg-type]
+    report = CheckReport(1, "ok", [], 1.0, 1, 1, duration_s=0.0, notes=notes)  # type: ignore[arg-type]
     assert report.noted(NoteCode.SLICE_REFUSED) == ["a", "b"]
     assert report.noted("slice-refused") == ["a", "b"]
     assert report.noted(NoteCode.WHOLE_BATCH) == []

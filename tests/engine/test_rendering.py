@@ -23,7 +23,7 @@ CULPRIT = "the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input gradi
 
 
 def _probe(kind: str, target: str, verdict: str = "fail", index: tuple[int, ...] | None = None) -> Probe:
-    return Probe(kind, target, index, 1.0, 1.05, 0.05, verdict, 1e-6, 1e-3, "discrepancy")  # type: ignore[arg-type]
+    return Probe(kind, target, index, 1.0, 1.05, 0.05, verdict=verdict, noise=1e-6, step=1e-3, reason="discrepancy")  # type: ignore[arg-type]
 
 
 def _report(failures: int = 2, search: int = 0, **changes: object) -> CheckReport:
@@ -88,7 +88,8 @@ def test_the_error_the_warning_and_the_helper_say_the_same() -> None:
 
 
 def test_non_finite_numbers_are_written_as_words() -> None:
-    probe = Probe("param", "w", (0,), math.nan, math.inf, math.nan, "fail", math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
+    probe = Probe("param", "w", (0,), math.nan, math.inf, math.nan, verdict="fail", noise=math.inf, step=1e-3,
+                  reason="nonfinite")  # type: ignore[arg-type]  # fmt: skip
     report = _report(failures=0)
     report = dataclasses.replace(report, probes=[probe])
     assert "| nan | inf | nan | inf | nonfinite |" in render_markdown(report)

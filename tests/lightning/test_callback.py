@@ -460,7 +460,7 @@ def test_progress_bar_shows_the_last_verdict(tmp_path: Path, capsys: pytest.Capt
 
 def test_progress_status_keeps_earlier_failures_in_sight() -> None:
     def report(verdict: str, step: int) -> CheckReport:
-        return CheckReport(step, verdict, [], 0.0, 1, 1, 0.0)  # type: ignore[arg-type]
+        return CheckReport(step, verdict, [], 0.0, 1, 1, duration_s=0.0)  # type: ignore[arg-type]
 
     assert progress_status(report("ok", 500), failed_checks=0) == "ok@500"
     assert progress_status(report("fail", 1), failed_checks=1) == "fail@1"

@@ -70,7 +70,8 @@ def test_a_failing_check_has_the_markdown_text(failing: CheckReport) -> None:
 
 
 def test_no_backend_receives_a_non_finite_scalar() -> None:
-    probe = Probe("param", "w", (0,), math.nan, math.nan, math.nan, "inconclusive", math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
+    probe = Probe("param", "w", (0,), math.nan, math.nan, math.nan, verdict="inconclusive", noise=math.inf, step=1e-3,
+                  reason="nonfinite")  # type: ignore[arg-type]  # fmt: skip
     report = CheckReport(step=1, verdict="inconclusive", probes=[probe], loss=math.nan, n_forward=1, n_backward=1,
                          duration_s=0.1)  # fmt: skip
     records = records_of(report, overhead=math.inf)

@@ -93,7 +93,8 @@ def _strict(line: str) -> Any:
 def test_json_lines_sink_appends_one_valid_json_object_per_check(tmp_path: Path, failing: CheckReport) -> None:
     path = tmp_path / "run" / "gradwatch.jsonl"
     sink = JsonLinesSink(path)
-    bad = Probe("param", "w", (1, 2), math.nan, math.inf, math.nan, "fail", -math.inf, 1e-3, "nonfinite")  # type: ignore[arg-type]
+    bad = Probe("param", "w", (1, 2), math.nan, math.inf, math.nan, verdict="fail", noise=-math.inf, step=1e-3,
+                reason="nonfinite")  # type: ignore[arg-type]  # fmt: skip
     fields = {f.name: getattr(failing, f.name) for f in dataclasses.fields(CheckReport)}
     fields.update(probes=[*failing.probes, bad], fault={"at": "loss", "value": math.nan}, scope=Scope.OPTIMIZER)
     reports = [failing, ScopedReport(**fields)]

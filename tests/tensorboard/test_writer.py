@@ -17,7 +17,8 @@ from gradwatch.tensorboard.writer import FAILURES_TAG, HISTOGRAM_TAG
 def _probe(
     verdict: str, rel_error: float, target: str = "layer.weight", index: tuple[int, ...] | None = (2, 3)
 ) -> Probe:
-    return Probe("param", target, index, 1.0, 1.0 + rel_error, rel_error, verdict, 1e-6, 1e-3, "agrees")  # type: ignore[arg-type]
+    return Probe("param", target, index, 1.0, 1.0 + rel_error, rel_error, verdict=verdict, noise=1e-6, step=1e-3,
+                 reason="agrees")  # type: ignore[arg-type]  # fmt: skip
 
 
 def _report(*probes: Probe) -> CheckReport:

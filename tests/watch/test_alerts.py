@@ -13,8 +13,9 @@ from gradwatch.watch.alerts import AlertPolicy, Backoff, failure_message
 
 
 def _report(verdict: str = "fail", failures: int = 1) -> CheckReport:
+    kept = "fail" if verdict == "fail" else "ok"
     probes = [
-        Probe("param", "w", (i,), 1.0, 2.0, 1 / 3, "fail" if verdict == "fail" else "ok", 1e-6, 1e-3, "discrepancy")
+        Probe("param", "w", (i,), 1.0, 2.0, 1 / 3, verdict=kept, noise=1e-6, step=1e-3, reason="discrepancy")  # type: ignore[arg-type]
         for i in range(failures)
     ]
     return CheckReport(step=3, verdict=verdict, probes=probes, loss=1.0, n_forward=5, n_backward=1, duration_s=0.01)  # type: ignore[arg-type]
@@ -78,7 +79,7 @@ def test_check_errors_are_rate_limited_separately() -> None:
 
 
 def _inconclusive(step: int) -> CheckReport:
-    probe = Probe("tensor", "w", None, 1.0, 1.0, 0.0, "inconclusive", 0.0, 1e-3, "flat")
+    probe = Probe("tensor", "w", None, 1.0, 1.0, 0.0, verdict="inconclusive", noise=0.0, step=1e-3, reason="flat")
     return CheckReport(step=step, verdict="inconclusive", probes=[probe], loss=1.0, n_forward=1, n_backward=1,
                        duration_s=0.0)  # fmt: skip
 

@@ -36,7 +36,7 @@ from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_mult
 from gradwatch.engine.applied.window import PathContext
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import passes_fallbacks
 
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
@@ -148,9 +148,9 @@ def reproducing_autocast(setting: PathSetting, applied: Sequence[Tensor], eager:
             trial = dataclasses.replace(setting, path=context, autocast=dtype)
             try:
                 gradient = trial.gradient()[1]
-            except CheckAbandonedError:
-                raise
-            except Exception:  # a dtype this device's autocast cannot run (an operator without a kernel for it)
+            except Exception as error:  # a dtype this device's autocast cannot run (no kernel for an operator)
+                if passes_fallbacks(error):
+                    raise
                 continue
             backward += 1
             distance = math.hypot(*distances(gradient, list(applied)))

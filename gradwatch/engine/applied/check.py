@@ -250,14 +250,14 @@ def _refused(
         disagreeing = disagreeing_ranks(plan.applied, setting.group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
-            probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
-                          Reason.DISCREPANCY)  # fmt: skip
+            probe = Probe(ProbeKind.DESCENT, "*", None, math.nan, math.nan, math.inf, verdict=Verdict.FAIL,
+                          noise=math.nan, step=0.0, reason=Reason.DISCREPANCY)  # fmt: skip
             return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied",
                                   fault="reduction", fault_message=message)  # fmt: skip
     if shards.finite() if shards is not None else all(bool(torch.isfinite(g).all()) for g in plan.applied):
         return None
-    probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
-                  Reason.NONFINITE)  # fmt: skip
+    probe = Probe(ProbeKind.LOSS, "*", None, math.inf, math.nan, math.inf, verdict=Verdict.FAIL, noise=math.nan,
+                  step=0.0, reason=Reason.NONFINITE)  # fmt: skip
     named = list(zip(plan.names, plan.applied, strict=True))
     fields = nonfinite_fault(setting, named, search=culprit_search and shards is None)
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)

@@ -20,7 +20,8 @@ from gradwatch.engine.recomputed.check import check_gradients
 from gradwatch.engine.recomputed.nonfinite import nonfinite_entries
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError, CheckReport
+from gradwatch.engine.results.report import CheckReport
+from gradwatch.errors import passes_fallbacks
 
 
 def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
@@ -37,9 +38,9 @@ def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
         return check_gradients(searched, batch, single_loss(setting.loss_fn, setting.rng_states[0], None), step=step,
                                seed=session.settings.seed, optimizers=session.optimizers,
                                hold_detached=session.settings.hold_detached)  # fmt: skip
-    except CheckAbandonedError:
-        raise
     except Exception as error:
+        if passes_fallbacks(error):
+            raise
         text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
         notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
         return CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,

@@ -47,6 +47,7 @@ from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import dot, norms, total
 from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.errors import own_error
 
 PADDING = {
     "labels": -100,
@@ -289,6 +290,8 @@ def compare_accumulation(
                                              scale=SPREAD_SCALE)  # fmt: skip
             found = _compared(acc, one, distances(one, again), dtype, len(batches), 3)
     except Exception as error:  # the loss refuses the joined batch: no comparison, the check stands
+        if own_error(error):
+            raise
         text = f"accumulation not compared with one batch: the loss raised {type(error).__name__} ({error})"
         return None, [Note(NoteCode.ACCUMULATION_EQUIVALENCE, text)]
     finally:

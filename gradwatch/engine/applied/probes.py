@@ -30,14 +30,14 @@ from gradwatch.engine.applied.directions import AppliedProbes
 from gradwatch.engine.applied.gradients import exact_conditions
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
 from gradwatch.engine.applied.plan import AppliedPlan
-from gradwatch.engine.applied.window_points import NotReproducibleError, WindowMeasurements
+from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import NotReproducibleError, passes_fallbacks
 
 __all__ = ["AppliedProbes", "Measured", "measure", "unresolved_note"]
 
@@ -89,9 +89,9 @@ def measure(
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
                     return _probes_at(evaluator, probing, torch.float64)
-            except CheckAbandonedError:
-                raise
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
+                if passes_fallbacks(error):
+                    raise
                 text = f"probes run natively: the loss raised {type(error).__name__} in float64"
                 evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
             finally:

@@ -116,7 +116,7 @@ def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: floa
 
     def judged(verdict: str, reason: str, tolerance: float, excess: float) -> Judged:
         fields = (assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale)
-        return Judged(*fields, verdict, reason, assessment.loss_noise, tolerance=tolerance, excess=excess)
+        return Judged(*fields, verdict, reason, loss_noise=assessment.loss_noise, tolerance=tolerance, excess=excess)
 
     if not stencil.finite:
         return judged("inconclusive", "nonfinite", math.inf, math.nan)

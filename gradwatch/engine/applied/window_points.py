@@ -32,20 +32,12 @@ from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
+from gradwatch.errors import NotReproducibleError
 
 ROUNDING_ULPS = 8.0
 """The round-off of one float64 loss evaluation, in units of its last place: the noise a screen assumes before any
 full stencil has measured it (float64 round-off lies orders of magnitude below every tolerance of a float32 or 16-bit
 gradient, so the figure only needs to be generous)."""
-
-
-class NotReproducibleError(Exception):
-    """The loss at the centre, evaluated again, is not the differentiated loss (the probes say so and probe
-    nothing)."""
-
-    def __init__(self, center: float) -> None:
-        super().__init__(center)
-        self.center = center
 
 
 class WindowMeasurements(Measurements):

@@ -88,7 +88,7 @@ class ActivationProbes:
         evaluate = self.ladder.measurements.evaluator.loss
         analytic = task.direction.analytic  # type: ignore[union-attr]
         self._extra += 4
-        share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate, place)
+        share = own_share(site, components, analytic, task.result.numeric, task.step, evaluate, place=place)
         self._splits[(site.name, place)] = share
         if share == DOWNSTREAM:
             self._outputs_wrong(wrapped, task.result)
@@ -103,7 +103,7 @@ class ActivationProbes:
         norms remove the gradient's dominant component): taken as right there, the block was searched and a module
         inside it named, upstream of the bug. The evidence recorded is the failing probe's."""
         fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
-        wrong = Assessment(*fields, "fail", "discrepancy", evidence.loss_noise)
+        wrong = Assessment(*fields, "fail", "discrepancy", loss_noise=evidence.loss_noise)
         for site in sites:
             known = self._measured.get((site.name, "activation"))
             if known is None or known.verdict != "fail":
@@ -203,4 +203,4 @@ class ActivationProbes:
         if clear:
             return result
         fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-        return Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
+        return Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)

@@ -77,6 +77,7 @@ def own_share(
     numeric: float,
     step: float,
     evaluate: Callable[[], float],
+    *,
     place: str = "module_input",
 ) -> str | None:
     """Whether a failing probe of ``place`` of ``site`` (its input or its own parameters, along ``components``,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class Site:
     parent: str | None
     children: list[str] = field(default_factory=list)
     calls: int = 0
+    _: KW_ONLY
     gradients: dict[str, list[Tensor]] = field(default_factory=dict)
     scales: dict[str, float] = field(default_factory=dict)
     same_as_parent: set[str] = field(default_factory=set)

@@ -78,6 +78,7 @@ class LossEvaluator:
         loss_fn: LossFn,
         params: list[tuple[str, Tensor]],
         state: TrainingState,
+        *,
         float64_reductions: bool = True,
         held: HeldDetaches | None = None,
     ) -> None:

@@ -13,7 +13,7 @@ changed in place outside ``step`` (seen by its version counter) has no copy: it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ class _SavedOptimizer:
     group_items: list[list[tuple[str, Any]]]
     group_params: list[list[Tensor]]
     entries: dict[Tensor, tuple[dict[str, Any], list[tuple[str, Any]]]]
+    _: KW_ONLY
     versions: dict[tuple[int, str], int]
     attributes: dict[str, Any]
     copies: dict[tuple[int, str], Tensor] | None = None
@@ -70,8 +71,8 @@ class _SavedOptimizer:
             [list(group.items()) for group in groups],
             [list(group["params"]) for group in groups],
             entries,
-            versions,
-            attributes,
+            versions=versions,
+            attributes=attributes,
         )
 
     def copy_state(self) -> None:

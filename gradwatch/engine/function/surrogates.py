@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,7 @@ class StockSurrogates:
     fake_quantisers: list[str] = field(default_factory=list)
     weight_norms: list[nn.Module] = field(default_factory=list)
     """DoRA modules, whose detached weight norms a check holds constant."""
+    _: KW_ONLY
     weight_norm_names: list[str] = field(default_factory=list)
     quantiser_modules: list[nn.Module] = field(default_factory=list)
     quantisers_off: bool = False  # a recomputed check runs the fake quantisers as the identity (see the module doc)

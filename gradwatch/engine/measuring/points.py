@@ -22,16 +22,10 @@ from gradwatch.engine.measuring.vectorized import VectorizedLoss, memory_budget,
 from gradwatch.engine.numerics.stencil import PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import InputsRefusedError, passes_fallbacks
 
 Request = tuple[Direction, float, Sequence[float]]
 """Points to evaluate ahead: a direction, a step and the offsets (in units of the step) along it."""
-
-
-class InputsRefusedError(Exception):
-    """The loss raised at displaced inputs: an input that is also a target in [0, 1] (an autoencoder's
-    ``binary_cross_entropy(recon, x)``), a probability, a mask or a label stored as floats. The check drops its input
-    probes, never the check (:func:`gradwatch.engine.recomputed.probes.measured_probes`)."""
 
 
 def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
@@ -48,10 +42,8 @@ def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets
             displacement = move(offset * step)
             try:
                 value = evaluator.loss()
-            except CheckAbandonedError:
-                raise
             except Exception as error:
-                if not moves_inputs:
+                if passes_fallbacks(error) or not moves_inputs:
                     raise
                 first_line = (str(error).strip().splitlines() or [""])[0]
                 raise InputsRefusedError(f"{type(error).__name__}: {first_line}") from error

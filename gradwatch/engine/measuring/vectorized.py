@@ -35,7 +35,7 @@ from torch.nn.modules import module as torch_module
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import CoordinateDirection, Displacement, VectorDirection
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import passes_fallbacks
 
 AGREEMENT = 1e-11
 """How closely, relative to the loss, a pass must reproduce the loss at the unperturbed point evaluated on its own:
@@ -185,9 +185,9 @@ class VectorizedLoss:
         inputs = {self._paths[key]: stack for key, stack in stacks.items() if key in self._paths}
         try:
             values = self.evaluator.losses(params, inputs, points)
-        except CheckAbandonedError:
-            raise
         except Exception as error:  # anything vmap cannot run is evaluated point by point instead
+            if passes_fallbacks(error):
+                raise
             first_line = (str(error).strip().splitlines() or [""])[0]  # vmap's messages run on with advice and links
             self._give_up(
                 NoteCode.NOT_VECTORISABLE, f"the loss cannot be vectorised ({type(error).__name__}: {first_line})"

@@ -9,7 +9,7 @@ second step (:func:`confirm`). Kinks, round-off and flat losses end ``"inconclus
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from gradwatch.engine.numerics.stencil import Stencil
 
@@ -47,6 +47,7 @@ class Assessment:
     scale: float
     verdict: str
     reason: str
+    _: KW_ONLY
     loss_noise: float = 0.0
 
     @property
@@ -97,7 +98,7 @@ def screen(stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: 
         # beyond the tolerance: significant or not by the borrowed estimate, only the probe's own stencil can tell
         # (a single coordinate is often far less noisy than the whole model moving at once)
         verdict, reason = "suspect", "discrepancy" if size > SIGNIFICANCE * noise else "unresolved"
-    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, noise * stencil.step)
+    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise=noise * stencil.step)
 
 
 def _fields(assessment: Assessment) -> tuple[float, float, float, float]:
@@ -145,7 +146,7 @@ def assess(
         verdict, reason = "inconclusive", "kink" if roughness > size else "unresolved"
     else:
         verdict, reason = "fail", "discrepancy"
-    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise)
+    return Assessment(numeric, discrepancy, noise, scale, verdict, reason, loss_noise=loss_noise)
 
 
 def undecided(assessment: Assessment, rtol: float) -> bool:

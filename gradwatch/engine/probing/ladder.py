@@ -34,7 +34,7 @@ from gradwatch.engine.probing.judges import Judge, Tolerance
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckAbandonedError
+from gradwatch.errors import passes_fallbacks
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
@@ -106,7 +106,7 @@ class Ladder:
                 result = task.result
                 assert result is not None
                 fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-                task.result = Assessment(*fields, "inconclusive", "unresolved", result.loss_noise)
+                task.result = Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)
         self._prefetch([(task, HALF_OFFSETS) for task in suspects])
         for task in suspects:
             self._full(task)
@@ -134,9 +134,9 @@ class Ladder:
                     task.step = task.initial_step * scale
                     task.stencil = None
                     self._full(task)
-        except CheckAbandonedError:
-            raise
         except Exception as error:
+            if passes_fallbacks(error):
+                raise
             notes.append(
                 Note(
                     NoteCode.NO_FLOAT64_REMEASUREMENT,

@@ -307,7 +307,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         and not any(p.reason == "nonfinite" for p in probes)
     ):
         with autocast_disabled():  # the global settings training compiled its graph under, as a hook sees them
-            probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, evaluator.notes)
+            probes += compiled_probes(model, batch, loss_fn, params, state, plan.rtol, notes=evaluator.notes)
         if not culprits:
             culprits, culprit_message = compiled_culprit(model, probes)
     return _Outcome(

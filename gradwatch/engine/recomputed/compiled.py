@@ -113,6 +113,7 @@ def compiled_probes(
     params: Sequence[tuple[str, Tensor]],
     state: TrainingState,
     rtol: float,
+    *,
     notes: list[Note],
 ) -> list[Probe]:
     """Compare the gradient training's compiled graph gives on ``batch`` with eager autograd's (see the module doc).

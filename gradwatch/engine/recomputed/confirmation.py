@@ -201,6 +201,5 @@ def _mark_imprecise(task: ProbeTask, fail_on_imprecise: bool) -> None:
     result = task.result
     assert result is not None
     verdict = "fail" if fail_on_imprecise else "ok"
-    task.result = Assessment(
-        result.numeric, result.discrepancy, result.noise, result.scale, verdict, "imprecise", result.loss_noise
-    )
+    task.result = Assessment(result.numeric, result.discrepancy, result.noise, result.scale, verdict, "imprecise",
+                             loss_noise=result.loss_noise)  # fmt: skip

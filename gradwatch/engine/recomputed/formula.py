@@ -218,7 +218,7 @@ def _fail(task: ProbeTask) -> None:
     result = task.result
     assert result is not None
     fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-    task.result = Assessment(*fields, "fail", "discrepancy", result.loss_noise)
+    task.result = Assessment(*fields, "fail", "discrepancy", loss_noise=result.loss_noise)
 
 
 def _note(confirmed: Sequence[tuple[ProbeTask, ProbeTask]]) -> Note:

@@ -57,8 +57,8 @@ def measured_nonfinite(
             f"the loss itself is {reference.loss} at the point: it has no derivative there to compare autograd's "
             "gradient with (a log of 0, a division by 0, an overflow in the forward)"
         )
-        probe = Probe(ProbeKind.LOSS, "loss", None, reference.loss, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0,
-                      Reason.NONFINITE)  # fmt: skip
+        probe = Probe(ProbeKind.LOSS, "loss", None, reference.loss, math.nan, math.inf, verdict=Verdict.FAIL,
+                      noise=math.nan, step=0.0, reason=Reason.NONFINITE)  # fmt: skip
         return NonFinite([probe], notes=[Note(NoteCode.NONFINITE_LOSS, text)])
     found = NonFinite([])
     for (name, param), grad in zip(params, reference.param_grads, strict=True):
@@ -117,8 +117,8 @@ def _measured(evaluator: LossEvaluator, name: str, param: Tensor, index: tuple[i
     (plus, h_plus), (minus, h_minus) = values
     numeric = (plus - minus) / (h_plus - h_minus) if h_plus != h_minus else math.nan
     noise = machine_epsilon(data.dtype) * max(abs(plus), abs(minus)) / max(abs(h_plus), 1e-300)
-    return Probe(ProbeKind.PARAM, name, index, analytic, numeric, math.inf, Verdict.FAIL, noise, abs(h_plus),
-                 Reason.NONFINITE, evaluations=2)  # fmt: skip
+    return Probe(ProbeKind.PARAM, name, index, analytic, numeric, math.inf, verdict=Verdict.FAIL, noise=noise,
+                 step=abs(h_plus), reason=Reason.NONFINITE, evaluations=2)  # fmt: skip
 
 
 def _culprit(

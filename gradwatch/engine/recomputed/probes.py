@@ -60,6 +60,7 @@ class MeasuredProbes:
     surrogates: tuple[str, ...]
     culprits: list[str]
     culprit_message: str
+    _: dataclasses.KW_ONLY
     rtol: float
 
 
@@ -120,7 +121,7 @@ def measured_probes(
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
     evaluator.notes += unreached_note(model, evaluator.params, reference.param_grads, probes)
-    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, plan.rtol)
+    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, rtol=plan.rtol)
 
 
 def _probe_with_inputs_if_accepted(

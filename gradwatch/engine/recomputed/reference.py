@@ -60,7 +60,9 @@ def reference_on_a_slice(
         if probe_batch is batch:
             break
         held = session.held_detaches()
-        evaluator = LossEvaluator(model, probe_batch, loss_fn, params, state, float64_reductions, held)
+        evaluator = LossEvaluator(
+            model, probe_batch, loss_fn, params, state, float64_reductions=float64_reductions, held=held
+        )
         try:
             return evaluator, evaluator.reference(with_inputs=with_inputs), probe_batch
         except Exception as error:
@@ -75,7 +77,9 @@ def reference_on_a_slice(
             )
     if refused:
         notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
-    evaluator = LossEvaluator(model, batch, loss_fn, params, state, float64_reductions, session.held_detaches())
+    evaluator = LossEvaluator(
+        model, batch, loss_fn, params, state, float64_reductions=float64_reductions, held=session.held_detaches()
+    )
     return evaluator, evaluator.reference(with_inputs=with_inputs), batch
 
 
@@ -185,4 +189,5 @@ def nonfinite_probes(
 
 
 def _nonfinite_probe(kind: ProbeKind, target: str, index: tuple[int, ...] | None, value: float) -> Probe:
-    return Probe(kind, target, index, value, math.nan, math.inf, Verdict.FAIL, math.nan, 0.0, Reason.NONFINITE)
+    return Probe(kind, target, index, value, math.nan, math.inf, verdict=Verdict.FAIL, noise=math.nan, step=0.0,
+                 reason=Reason.NONFINITE)  # fmt: skip

@@ -84,8 +84,8 @@ def disagreeing_replicas(
                 if math.isfinite(own - theirs)
                 else math.inf
             )
-            probes.append(Probe(ProbeKind.TENSOR, name, None, own, theirs, error, Verdict.FAIL, math.nan, 0.0,
-                                Reason.DISCREPANCY))  # fmt: skip
+            probes.append(Probe(ProbeKind.TENSOR, name, None, own, theirs, error, verdict=Verdict.FAIL, noise=math.nan,
+                                step=0.0, reason=Reason.DISCREPANCY))  # fmt: skip
     if probes:
         shown = ", ".join(p.target for p in probes[:6]) + (f" and {len(probes) - 6} more" if len(probes) > 6 else "")
         notes.append(

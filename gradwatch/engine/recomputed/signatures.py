@@ -135,9 +135,8 @@ def _moves_coarsely(evaluator: LossEvaluator, portfolio: Portfolio, i: int) -> b
 def _mark(task: ProbeTask) -> None:
     result = task.result
     assert result is not None
-    task.result = Assessment(
-        result.numeric, result.discrepancy, result.noise, result.scale, "inconclusive", "surrogate", result.loss_noise
-    )
+    fields = (result.numeric, result.discrepancy, result.noise, result.scale)
+    task.result = Assessment(*fields, "inconclusive", "surrogate", loss_noise=result.loss_noise)
 
 
 def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: Sequence[int], rtol: float) -> None:

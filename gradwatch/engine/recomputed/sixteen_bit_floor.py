@@ -115,6 +115,7 @@ class SixteenBitFloor:
     spread: list[float] | None = None
     native: NativeValues | None = None
     """The leaf modules' outputs of the native forward of the spread's measurement."""
+    _: dataclasses.KW_ONLY
     error: str = ""
     """What the last measurement that raised said."""
     notes: list[Note] = dataclasses.field(default_factory=list)

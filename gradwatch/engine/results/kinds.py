@@ -20,7 +20,7 @@ other module spells kind names, and that ``docs/kinds-and-notes.md`` lists the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum
 
 
@@ -115,6 +115,7 @@ class KindTraits:
     one_tensor: bool = False
     vouches: bool = False
     starts_culprit_search: bool = False
+    _: KW_ONLY
     culprit_search: bool = False
     refocused: bool = False
     made_by: str = ""

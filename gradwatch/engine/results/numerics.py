@@ -48,6 +48,7 @@ class Numerics:
     mkldnn: str = "ieee"
     reduced_reductions: tuple[str, ...] = ()
     deterministic: bool = False
+    _: dataclasses.KW_ONLY
     cudnn_deterministic: bool = False
     cudnn_benchmark: bool = False
     attention: tuple[str, ...] = ()

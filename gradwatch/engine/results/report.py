@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 from typing import Any, Literal, TypeVar
 
@@ -84,6 +84,7 @@ class Probe:
     analytic: float
     numeric: float
     rel_error: float
+    _: KW_ONLY
     verdict: Verdict
     noise: float
     step: float
@@ -180,6 +181,7 @@ class CheckReport:
     loss: float
     n_forward: int
     n_backward: int
+    _: KW_ONLY
     duration_s: float
     notes: list[Note] = field(default_factory=list)
     samples: int | None = None

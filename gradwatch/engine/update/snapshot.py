@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -95,6 +95,7 @@ class KeptParameter:
     grad: Tensor
     state: Mapping[str, Any]
     hyper: Mapping[str, Any]
+    _: KW_ONLY
     group: int
 
 
@@ -142,7 +143,7 @@ class UpdateSnapshot:
                 hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
                 state = {k: _copied(v) for k, v in optimizer.state.get(param, {}).items()}
                 copied = grad.detach().clone() if grads is None else grad
-                kept.append(KeptParameter(name, param, param.detach().clone(), copied, state, hyper, index))
+                kept.append(KeptParameter(name, param, param.detach().clone(), copied, state, hyper, group=index))
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:

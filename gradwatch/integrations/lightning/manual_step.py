@@ -3,7 +3,10 @@
 With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to
 ``self.manual_backward`` and steps that optimizer. The loss whose gradient optimizer step *k* of a batch applies is
 the sum of the losses ``training_step`` gave ``manual_backward`` since the step before it (or the batch's start),
-those of the step's own ``closure=`` included. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
+those of the step's own ``closure=`` included; a step with none since the step before applies the gradient of the
+same backward as that step (two optimizers on one loss: Muon for the matrices and AdamW for the rest, stepping in turn
+after one ``manual_backward``), and is checked against those losses, computed before the step before it moved its
+parameters. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
 ``training_step`` again from the batch's start (the window replays the batch's random state, so every draw, the
 noise of a generator included, is the training's), with the module's optimizers unable to step and
 ``manual_backward`` recording its loss instead of differentiating it, and stops at step *k*. Nothing of the training is
@@ -14,7 +17,7 @@ clipped, logging is silenced.
 The parameters are as ``training_step`` had them at every point: the callback keeps, at each optimizer step of a
 checked batch, the values of that optimizer's parameters before its update (:data:`Earlier`), and the run again starts
 with every parameter an earlier step of the batch updated at its value before that step, then moves it on at each held
-step, as the update did (:class:`_Rewind`, which puts those values in the module's slots, as a check puts its float64
+step, as the update did (:class:`Rewind`, which puts those values in the module's slots, as a check puts its float64
 copies there, and takes them out afterwards: the parameters themselves are never written). A generator's sample made
 before the generator's step and given to the discriminator after it is the training's sample.
 """
@@ -22,7 +25,7 @@ before the generator's step and given to the discriminator after it is the train
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 
 from gradwatch.engine import LossFn
 from gradwatch.integrations.lightning.training_step import _logging_silenced, _noop, _silenced
+from gradwatch.watch.rewind import Earlier, Rewind, before_update
 
 __all__ = ["Earlier", "before_update", "manual_step_loss"]
 
@@ -41,70 +45,14 @@ class _Reached(BaseException):
     ``training_step`` catching ``Exception`` lets it through)."""
 
 
-Earlier = Sequence[tuple[torch.optim.Optimizer, dict[str, Tensor]]]
-"""The batch's optimizer steps before the checked one, in order: the optimizer, and the values its parameters held
-before its update, by name."""
-
-
-class _Rewind:
-    """The parameters of the batch's earlier steps as they were at each point of ``training_step`` run again: before a
-    step, the values they held before its update; after, those of their next step or the module's own (see the module
-    doc). Values are put in the module's parameter slots (every slot that holds the parameter: tied weights), never
-    written into a parameter."""
-
-    def __init__(self, module: nn.Module, earlier: Earlier) -> None:
-        self.module, self.earlier = module, earlier
-        self.timeline: dict[str, list[tuple[int, Tensor]]] = {}
-        for step, (_, values) in enumerate(earlier, start=1):
-            for name, value in values.items():
-                self.timeline.setdefault(name, []).append((step, value))
-        self.occupants: dict[str, Tensor] = {}
-        self.slots: dict[str, list[tuple[dict[str, Any], str]]] = {}
-
-    def __enter__(self) -> _Rewind:
-        for name in self.timeline:  # what the slots hold now (the check's float64 copy, a perturbed value, ...)
-            prefix, _, leaf = name.rpartition(".")
-            self.occupants[name] = self.module.get_submodule(prefix)._parameters[leaf]  # type: ignore[assignment]
-        held = {id(tensor): name for name, tensor in self.occupants.items()}
-        for module in self.module.modules():
-            for key, tensor in module._parameters.items():
-                if tensor is not None and id(tensor) in held:
-                    self.slots.setdefault(held[id(tensor)], []).append((module._parameters, key))
-        for name, values in self.timeline.items():
-            self._put(name, values[0][1])
-        return self
-
-    def stepped(self, step: int, optimizer: Any) -> None:
-        """Held step ``step`` (1 for the batch's first) of ``optimizer`` was reached: its parameters move on."""
-        expected = self.earlier[step - 1][0]
-        if optimizer is not expected:
-            raise ValueError(
-                f"training_step run again steps {type(optimizer).__name__} at its optimizer step {step}, where "
-                f"training stepped {type(expected).__name__}: its optimizer steps depend on more than the batch and "
-                "the random state, so gradwatch cannot tell which loss a step applies"
-            )
-        for name in self.earlier[step - 1][1]:
-            following = next((value for at, value in self.timeline[name] if at > step), None)
-            self._put(name, following)
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.timeline:
-            self._put(name, None)
-
-    def _put(self, name: str, value: Tensor | None) -> None:
-        occupant = self.occupants[name]
-        held = occupant if value is None else value.to(device=occupant.device, dtype=occupant.dtype)
-        for table, key in self.slots.get(name, []):
-            table[key] = held
-
-
 class _Steps:
     """What the optimizers' stand-ins see: the losses given to ``manual_backward`` since the last step, and steps."""
 
-    def __init__(self, ordinal: int, optimizer: torch.optim.Optimizer, rewind: _Rewind) -> None:
+    def __init__(self, ordinal: int, optimizer: torch.optim.Optimizer, rewind: Rewind) -> None:
         self.ordinal, self.optimizer, self.rewind = ordinal, optimizer, rewind
         self.taken = 0
         self.losses: list[Tensor] = []
+        self.shared: list[Tensor] = []  # the losses of the last step that had some: a later step may share them
         self.loss: Tensor | None = None
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -121,17 +69,18 @@ class _Steps:
                     f"training stepped {type(self.optimizer).__name__}: its optimizer steps depend on more than the "
                     "batch and the random state, so gradwatch cannot tell which loss this step applies"
                 )
-            if not self.losses:
+            losses = self.losses or self.shared  # none since the step before: the steps share one backward
+            if not losses:
                 raise ValueError(
                     f"training_step gave manual_backward no loss before its optimizer step {self.ordinal}: gradwatch "
                     "cannot tell which loss this step applies"
                 )
-            self.loss = self.losses[0]
-            for loss in self.losses[1:]:
+            self.loss = losses[0]
+            for loss in losses[1:]:
                 self.loss = self.loss + loss
             raise _Reached
         self.rewind.stepped(self.taken, getattr(optimizer, "optimizer", optimizer))
-        self.losses = []
+        self.shared, self.losses = self.losses or self.shared, []
         return result
 
 
@@ -166,13 +115,6 @@ def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
             delattr(obj, name)
 
 
-def before_update(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """The values of the module's parameters that ``optimizer`` updates, by name, copied before its update (an entry of
-    :data:`Earlier`)."""
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return {name: p.detach().clone() for name, p in module.named_parameters() if id(p) in ids}
-
-
 def manual_step_loss(
     module: pl.LightningModule,
     batch_idx: int,
@@ -186,7 +128,7 @@ def manual_step_loss(
     earlier = list(earlier)[: ordinal - 1]
 
     def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
-        with _Rewind(module, earlier) as rewind:
+        with Rewind(module, earlier) as rewind:
             steps = _Steps(ordinal, optimizer, rewind)
             with _logging_silenced(module), _stand_ins(module, steps), contextlib.suppress(_Reached):
                 module.training_step(batch, *extra)
