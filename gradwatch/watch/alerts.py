@@ -215,8 +215,9 @@ class Remarks:
         :class:`GradientCheckWarning`; Python shows it on the console unless logging is set up otherwise): an applied
         check that passed with a noise floor above :data:`WEAK_FLOOR`, and the first check that left trainable
         tensors unchecked."""
-        floor = report.noise_floor
-        if not self._warned_weak and report.verdict == "ok" and math.isfinite(floor) and floor > WEAK_FLOOR:
+        floor = report.noise_floor  # an update check's floor is its reference's rounding, not the path's
+        weak = report.scope == "applied" and math.isfinite(floor) and floor > WEAK_FLOOR
+        if not self._warned_weak and report.verdict == "ok" and weak:
             self._warned_weak = True
             passes = f"less than about {3 * floor:.0%} off" if floor < 1 / 3 else "off by as much as its own size"
             log.warning(
