@@ -209,7 +209,8 @@ def test_a_muon_update_checks_bfloat16_floor_does_not_call_a_float32_applied_che
             muon.step()
             watch.after_optimizer_step(muon, step=step)
     updates = [r for r in watch.reports if r.scope == "update"]
-    assert updates and all(r.verdict == "ok" for r in updates), [r.summary() for r in updates]
+    assert updates
+    assert all(r.verdict == "ok" for r in updates), [r.summary() for r in updates]
     assert max(r.noise_floor for r in updates) > WEAK_FLOOR  # the reference's own bfloat16 rounding
     assert [r.verdict for r in watch.applied_reports] == ["ok", "ok"]
     assert all(r.noise_floor < 1e-4 for r in watch.applied_reports)
