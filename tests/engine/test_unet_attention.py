@@ -26,6 +26,7 @@ def _first_failing(bug: str | None, checks: int):  # type: ignore[no-untyped-def
     return made, report
 
 
+@pytest.mark.slow  # a diffusers UNet's culprit search: 20-150 s on 2 cores
 def test_a_two_percent_attention_output_bug_above_the_float64_limit_fails_the_first_check_with_its_module(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -46,6 +47,7 @@ def test_the_correct_unet_passes_above_the_float64_limit(monkeypatch: pytest.Mon
     assert first is None, report
 
 
+@pytest.mark.slow  # a diffusers UNet's culprit search: 20-150 s on 2 cores
 def test_a_softmax_backward_bug_is_never_blamed_on_a_module_outside_its_attention() -> None:
     # the bug lives in the attention processor, in `up_blocks.0.attentions.1`'s own forward; a block upstream of it
     # (`down_blocks.0`, whose time-embedding input magnified the small error reaching its output) was named before
@@ -58,6 +60,7 @@ def test_a_softmax_backward_bug_is_never_blamed_on_a_module_outside_its_attentio
     assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
 
 
+@pytest.mark.slow  # a diffusers UNet's culprit search: 20-150 s on 2 cores
 def test_a_key_projections_input_gradient_bug_below_the_tolerance_fails_the_first_check_on_its_formula() -> None:
     # a 2% error in `to_k`'s input gradient reaches every probe of the check below the float32 tolerance (at most
     # 3.6e-4, along a random direction in `conv_in.bias`); float64 autograd, without float32's rounding, disagrees with
@@ -74,6 +77,7 @@ def test_a_key_projections_input_gradient_bug_below_the_tolerance_fails_the_firs
     assert named == holder or holder.startswith(f"{named}.") or named == "", report.culprit_message
 
 
+@pytest.mark.slow  # a diffusers UNet's culprit search: 20-150 s on 2 cores
 def test_a_bug_diluted_at_the_block_before_it_is_not_blamed_on_that_block() -> None:
     # a 2% error in the mid block's attention output projection is a small share of the gradient at the output of the
     # block before it (`down_blocks.1`), whose probes passed; its norms magnify it at its input, and a norm inside it
