@@ -3,11 +3,14 @@ model and loop to train them on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from gradwatch import GradientWatch
 
 
 def mlp(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
@@ -21,6 +24,35 @@ def batch(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tenso
 
 def loss_fn(model: nn.Module, item: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.mse_loss(model(item[0]), item[1])
+
+
+def watched_loop(
+    make: Callable[[nn.Module], torch.optim.Optimizer],
+    steps: int,
+    *,
+    sinks: Sequence[Any] = (),
+    recomputed: bool = False,
+) -> GradientWatch:
+    """``steps`` steps of :func:`mlp` stepped by ``make(model)`` through ``GradientWatch``: an applied and an update
+    check at each (failures kept, not raised), the recomputed check of ``maybe_check`` too where ``recomputed``."""
+    watch = GradientWatch(
+        every_n_steps=1000, first_check_step=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
+        on_fail=lambda report: None, sinks=list(sinks),
+    )  # fmt: skip
+    model = mlp()
+    optimizer = make(model)
+    torch.manual_seed(1)
+    for step in range(1, steps + 1):
+        item = batch()
+        watch.record(item)
+        model.zero_grad()
+        loss_fn(model, item).backward()
+        watch.before_optimizer_step(model, loss_fn, step=step, optimizer=optimizer)
+        optimizer.step()
+        if recomputed:
+            watch.maybe_check(model, item, loss_fn, step=step)
+    watch.flush()
+    return watch
 
 
 def _closure(closure: Callable[[], float] | None) -> None:

@@ -21,23 +21,7 @@ from gradwatch.outputs.sinks import JsonLinesSink
 
 def _train(logdir: Path, make: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> GradientWatch:
     """2 steps of a tiny MLP, an applied and an update check at each, recorded in ``logdir``'s JSON lines record."""
-    watch = GradientWatch(
-        every_n_steps=1000, first_check_step=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
-        on_fail=lambda report: None, sinks=[JsonLinesSink(logdir / JSONL_NAME)],
-    )  # fmt: skip
-    model = update_models.mlp()
-    optimizer = make(model)
-    torch.manual_seed(1)
-    for step in range(1, 3):
-        item = update_models.batch()
-        watch.record(item)
-        model.zero_grad()
-        update_models.loss_fn(model, item).backward()
-        watch.before_optimizer_step(model, update_models.loss_fn, step=step, optimizer=optimizer)
-        optimizer.step()
-        watch.maybe_check(model, item, update_models.loss_fn, step=step)
-    watch.flush()
-    return watch
+    return update_models.watched_loop(make, 2, sinks=[JsonLinesSink(logdir / JSONL_NAME)], recomputed=True)
 
 
 def _report(logdir: Path) -> tuple[int, str]:

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from gradwatch import CheckReport, GradientWatch, GradWatch, check_gradients
+from gradwatch import CheckReport, GradWatch, check_gradients
 from gradwatch.outputs.records import Overhead, applied_scalars, update_scalars
 from gradwatch.tensorboard.dashboard import LAYOUT_TAG, REL_ERROR_TAGS, SECTIONS, layout, layout_tags, write_dashboard
 
@@ -35,21 +35,7 @@ def _linear(tag: str) -> str:
 def _update_reports(make: Callable[[torch.nn.Module], torch.optim.Optimizer]) -> list[CheckReport]:
     """The update checks of a real plain loop: a tiny MLP stepped by ``make(model)`` through ``GradientWatch``, an
     update check at each of its 3 steps."""
-    watch = GradientWatch(
-        every_n_steps=1000, first_check_step=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
-        on_fail=lambda report: None,
-    )  # fmt: skip
-    model = update_models.mlp()
-    optimizer = make(model)
-    torch.manual_seed(1)
-    for step in range(1, 4):
-        item = update_models.batch()
-        watch.record(item)
-        model.zero_grad()
-        update_models.loss_fn(model, item).backward()
-        watch.before_optimizer_step(model, update_models.loss_fn, step=step, optimizer=optimizer)
-        optimizer.step()
-    return watch.update_reports
+    return update_models.watched_loop(make, 3).update_reports
 
 
 def test_every_charted_tag_is_a_scalar_of_the_report_its_log10_the_applied_or_update_checks_or_the_overhead() -> None:
