@@ -155,3 +155,21 @@ def test_the_check_leaves_the_optimizer_untouched() -> None:
     for key, entry in state["state"].items():
         assert all(torch.equal(v, state_checked["state"][key][k]) for k, v in entry.items())
     assert state["param_groups"] == state_checked["param_groups"]
+
+
+def test_the_report_records_the_numerics_the_step_ran_under() -> None:
+    torch.manual_seed(0)
+    model = models.mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    models.loss_fn(model, models.batch()).backward()
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        snapshot = UpdateSnapshot.take(optimizer, update_tensors(optimizer, list(model.named_parameters())))
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    optimizer.step()
+    report = check_update(snapshot.with_clip(1.0), step=1)
+    assert report.numerics is not None
+    assert report.numerics.matmul == "tf32"
+    assert "tf32" in report.numerics.describe()

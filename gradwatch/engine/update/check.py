@@ -297,6 +297,7 @@ def check_update(
     return CheckReport(
         step=step, verdict=verdict, probes=probes, loss=math.nan, n_forward=0, n_backward=0,
         duration_s=time.perf_counter() - started, notes=notes, precision="float64", scope="update",
+        numerics=snapshot.numerics,
         applied=AppliedFindings(fault=fault, fault_message=message, noise_floor=max(floors) if floors else math.nan,
                                 floor_excess=max(excess) if excess else math.nan),
     )  # fmt: skip

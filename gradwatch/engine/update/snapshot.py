@@ -15,12 +15,15 @@ remain.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from gradwatch.engine.results.numerics import Numerics, current_numerics
 
 __all__ = ["MAX_ELEMENTS", "UPDATE_TENSORS", "KeptParameter", "UpdateSnapshot", "innermost", "update_tensors"]
 
@@ -110,6 +113,8 @@ class UpdateSnapshot:
         max_norm: The clip the loop declared (``None``: none): the gradient it steps with is the verified one times
             ``min(1, max_norm / (norm + 1e-6))``.
         previous: By name, the gradient of the step before, when kept: a step taken with it is named.
+        numerics: The settings that change the numbers (TF32, reduced-precision reductions, ...) as the step ran under
+            them, recorded on the update check's report as on the other checks'.
     """
 
     optimizer: Any
@@ -117,6 +122,7 @@ class UpdateSnapshot:
     norm: float = 0.0
     max_norm: float | None = None
     previous: Mapping[str, Tensor] = field(default_factory=dict)
+    numerics: Numerics = field(default_factory=current_numerics)
 
     @classmethod
     def take(
@@ -150,7 +156,7 @@ class UpdateSnapshot:
         """This snapshot with the clip the loop declared after it was taken (``None``: leave it)."""
         if max_norm is None:
             return self
-        return UpdateSnapshot(self.optimizer, self.kept, self.norm, float(max_norm), self.previous)
+        return dataclasses.replace(self, max_norm=float(max_norm))
 
     @property
     def coefficient(self) -> float:
