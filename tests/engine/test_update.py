@@ -72,9 +72,13 @@ def _train(
 def test_healthy_optimizers_pass_fifty_steps(name: str, dtype: torch.dtype) -> None:
     reports = _train(HEALTHY[name], steps=50, dtype=dtype, scheduler=True)
     assert [r for r in reports if r.verdict == "fail"] == []
-    decided = [r for r in reports if r.verdict == "ok"]
-    assert len(decided) >= 40, [str(r) for r in reports if r.verdict != "ok"][:2]
     assert all(r.scope == "update" for r in reports)
+    undecided = [r for r in reports if r.verdict != "ok"]
+    if dtype == torch.float32:
+        assert len(undecided) <= 10, [str(r) for r in undecided][:2]
+    # bfloat16 parameters round an update of lr 1e-3 to 5e-2 away in most elements: a check whose floor is a large
+    # share of the update vouches for nothing, and says so instead of passing
+    assert all(r.noted("update-unresolved") for r in undecided), [str(r) for r in undecided][:2]
 
 
 def test_the_report_says_which_reference_it_used() -> None:

@@ -129,10 +129,10 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
     relative = discrepancy / scale if scale > 0 else (0.0 if discrepancy == 0 else math.inf)
     if not finite:
         verdict, reason = Verdict.FAIL, Reason.NONFINITE
+    elif floor > UNRESOLVED * scale:  # within the rounding or not, an update the dtype rounds away vouches for nothing
+        verdict, reason = Verdict.INCONCLUSIVE, Reason.UNRESOLVED
     elif discrepancy <= allowed:
         verdict, reason = Verdict.OK, Reason.AGREES
-    elif floor > UNRESOLVED * scale:
-        verdict, reason = Verdict.INCONCLUSIVE, Reason.UNRESOLVED
     else:
         verdict, reason = Verdict.FAIL, Reason.DISCREPANCY
     probe = Probe(
