@@ -60,7 +60,11 @@ def test_every_float64_tensor_above_a_few_thousand_elements_refused():
     assert len(recomputed) == 6
     assert sum(r.verdict == "ok" for r in recomputed) >= 5, [r.summary() for r in recomputed]
     assert all(r.precision == "native" for r in recomputed if r.verdict == "ok")  # what the device affords
-    for report in watch.reports:  # an undecided check says why (the applied check has no native fallback yet)
+    applied = watch.applied_reports
+    assert [r.step for r in applied] == [1, 2, 4, 6]
+    assert all(r.verdict == "ok" for r in applied), [r.summary() for r in applied]  # probed natively instead
+    assert all(r.noted("applied-native") for r in applied)
+    for report in watch.reports:  # an undecided check says why
         if report.verdict == "inconclusive":
             assert any(note.code == NoteCode.OUT_OF_MEMORY for note in report.notes), report.notes
 
@@ -76,6 +80,7 @@ def test_one_out_of_memory_error_anywhere_in_a_run(at: int):
     assert watch.counts["skipped"] == 0
     reports = watch.recomputed_reports
     assert reports[-1].verdict == "ok", [r.summary() for r in reports]  # the next check runs
+    assert [r.verdict for r in watch.applied_reports] == ["ok", "ok"], [r.summary() for r in watch.applied_reports]
     for report in reports:
         if report.verdict == "inconclusive":
             assert any(note.code == NoteCode.OUT_OF_MEMORY for note in report.notes), report.notes

@@ -33,6 +33,7 @@ from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
@@ -89,10 +90,15 @@ def measure(
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
                     return _probes_at(evaluator, probing, torch.float64)
-            except Exception as error:  # no float64 kernel, a tensor made in float32 inside: probe natively
-                if passes_fallbacks(error):
+            except Exception as error:  # no float64 kernel, a tensor made in float32 inside, no memory for float64
+                out_of_memory = is_out_of_memory(error)
+                if passes_fallbacks(error) and not out_of_memory:
                     raise
-                text = f"probes run natively: the loss raised {type(error).__name__} in float64"
+                if out_of_memory:
+                    release_memory(named[0][1].device if named else None)
+                    text = "probes run natively: float64 probes ran out of memory"
+                else:
+                    text = f"probes run natively: the loss raised {type(error).__name__} in float64"
                 evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
             finally:
                 evaluator.params = named

@@ -67,8 +67,15 @@ SPREAD_SCALE = 3.0
 
 
 def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
-    """``‖a_T − b_T‖`` per tensor, in float64."""
-    return norms([x.double() - y.double() for x, y in zip(a, b, strict=True)], exact=True)
+    """``‖a_T − b_T‖`` per tensor, accumulated in float64. Two gradients of float32 or less are subtracted in float32
+    (exact where they are within a factor of two of each other, as gradients compared here are; elsewhere the
+    difference rounds to 6e-8 of itself): no float64 copy of a gradient is made, which a GPU's memory may not hold."""
+    return norms([_difference(x, y) for x, y in zip(a, b, strict=True)], exact=True)
+
+
+def _difference(x: Tensor, y: Tensor) -> Tensor:
+    dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+    return x.detach().to(dtype) - y.detach().to(dtype)
 
 
 def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:

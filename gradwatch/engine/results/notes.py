@@ -124,7 +124,7 @@ class NoteCode(StrEnum):
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
-    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
+    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64 or it ran out of memory"
     APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
     UPDATE_REFERENCE = "update-reference", "the reference an update check compared the optimizer's update with"
     UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
