@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -49,6 +50,18 @@ def replicas_group() -> Any:
     loss on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else
     ``None``."""
     return _REPLICAS.get()
+
+
+def any_replica(flag: bool) -> bool:
+    """Inside :func:`made_plain`, whether ``flag`` is true on any rank of the model's mesh (one all-reduce); ``flag``
+    itself elsewhere. A check whose loss runs the model's collectives must take every decision alike on every rank,
+    including those that rest on a rank's own timings or free memory, or the ranks' collectives stop matching."""
+    group = _REPLICAS.get()
+    if group is None:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)
 
 
 def _is_dtensor(tensor: Any) -> bool:

@@ -34,6 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradwatch.engine.distributed import tensor_parallel
+from gradwatch.engine.distributed.collective import any_rank
 from gradwatch.engine.function.cast_on_use import CastOnUse
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -169,6 +171,8 @@ def probe_precision(
     device, priced = _device_of(model), math.isfinite(step_seconds)
     if priced and not problem and _TOO_SLOW.get(model, ("", ""))[0] == str(device):  # once per model and device
         code, problem = NoteCode.FLOAT64_TOO_SLOW, _TOO_SLOW[model][1]
+    if _on_any_rank(bool(problem)) and not problem:  # ranks in lockstep evaluate alike: none makes the trial
+        code, problem = NoteCode.MEMORY_NATIVE, "another rank of the check cannot afford float64"
     if not problem:
         named = {id(p): name for name, p in model.named_parameters()}
         with contextlib.ExitStack() as storage:
@@ -182,7 +186,7 @@ def probe_precision(
                     trial, seconds = _timed(evaluator.loss)
                 finally:
                     evaluator.watch = None
-                if priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds:  # timed again, warmed up
+                if _on_any_rank(priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds):  # again, warmed up
                     seconds = min(seconds, _timed(evaluator.loss)[1])
             except Exception as error:
                 if own_error(error):  # a bug of gradwatch's own is not the loss refusing
@@ -195,7 +199,7 @@ def probe_precision(
                     else (NoteCode.NATIVE_PRECISION, f"the loss raised {type(error).__name__} in float64 ({error})")
                 )
             else:
-                if priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds:
+                if _on_any_rank(priced and seconds > FLOAT64_SLOWDOWN_LIMIT * step_seconds):
                     code = NoteCode.FLOAT64_TOO_SLOW
                     problem = (
                         f"a float64 evaluation of the loss took {seconds / step_seconds:.0f}x a native forward and "
@@ -216,6 +220,14 @@ def probe_precision(
     evaluator.notes.append(Note(code, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank the check runs in lockstep with (a sharded check's, a tensor-parallel
+    model's mesh), ``flag`` itself in a check of one process: a decision on a rank's own timing or free memory must be
+    the same on every rank, or one rank evaluates the loss once more than the others and their collectives no longer
+    match."""
+    return tensor_parallel.any_replica(any_rank([flag])[0])
 
 
 _TOO_SLOW: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakKeyDictionary()

@@ -52,6 +52,7 @@ from gradwatch.engine.probing.outcome import Outcome, overall_verdict
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
+from gradwatch.engine.recomputed.layout import refusing_losses_written_for_shards
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
@@ -69,6 +70,7 @@ __all__ = ["check_gradients"]
 
 
 @validate.suggests_options(ProbeOptions)
+@refusing_losses_written_for_shards
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,

@@ -111,6 +111,10 @@ class NoteCode(StrEnum):
     LOSS_COLLECTIVES = "loss-collectives", "the loss calls collectives: checked as the global loss, every rank together"
     ZERO3_GATHERED = "zero3-gathered", "DeepSpeed ZeRO-3 parameters gathered whole on every rank for the check"
     TENSOR_PARALLEL = "tensor-parallel", "tensor-parallel parameters made whole on every rank for the check"
+    LOSS_FOR_SHARDS = (
+        "loss-for-shards",
+        "no probe made: a tensor-parallel loss computes another value on whole parameters than on the shards",
+    )
     RANKS_SPLIT = (
         "ranks-split",
         "no probe made: the ranks hold different parameters (a model split across them by hand)",

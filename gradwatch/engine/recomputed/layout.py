@@ -1,0 +1,115 @@
+"""A tensor-parallel loss written for the shards: :func:`refusing_losses_written_for_shards`.
+
+A recomputed check of a tensor-parallel model differentiates the loss with the parameters made whole on every rank
+(:mod:`gradwatch.engine.distributed.tensor_parallel`). That is the training's loss only if the loss does not depend on
+how the parameters are laid out. A loss written for the shards does: a vocab-parallel cross-entropy (Megatron-LM's)
+takes each rank's slice of the logits and all-reduces the maximum, the sum of exponentials and the target's logit over
+the group; on whole logits every rank counts the whole vocabulary, so the ranks compute another loss than training's,
+and different gradients of the replicated parameters, although training's gradient is right. Checked on whole
+parameters, such a loss would fail a correct model.
+
+So before a tensor-parallel recomputed check the loss is evaluated once on the shards, as training computes it, and
+once on the whole parameters, every rank together, with the random state replayed and the model's state put back; when
+the two values differ beyond rounding the check is not made: its report is ``"inconclusive"`` with a note
+(``loss-for-shards``) saying why and what checks such a loss instead (the applied check, which compares training's own
+gradient with the loss's derivative). A model that FSDP2 shards as well (a 2-D mesh) is not compared.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import time
+from collections.abc import Callable
+from typing import Any, ParamSpec
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradwatch.engine.distributed import tensor_parallel, zero
+from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.function.values import as_scalar_loss
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport
+from gradwatch.errors import passes_fallbacks
+
+__all__ = ["SAME_LOSS", "refusing_losses_written_for_shards"]
+
+Options = ParamSpec("Options")
+
+SAME_LOSS = 1e-5
+"""How far, relatively, the loss on whole parameters may be from the loss on the shards: the collectives and the whole
+matmuls sum in another order (float32 rounding, ~1e-7), a loss written for the shards is off by O(1) (``log n``)."""
+
+
+def _value(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> float:
+    """``loss_fn(model, batch)`` without a gradient, the random state replayed and the model's state put back after."""
+    state = TrainingState.capture(model)
+    try:
+        state.before_evaluation()
+        with torch.no_grad():
+            value = as_scalar_loss(loss_fn(model, batch))
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        state.after_evaluation()
+        return float(value.detach().double())
+    finally:
+        state.restore()
+
+
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards the model too (a 2-D mesh): its hooks run a forward on the shards only as part of a
+    training step, so the loss is not evaluated outside one there (not compared: the check goes on as before)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def refusing_losses_written_for_shards(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:
+    """Make a recomputed check (``check(model, batch, loss_fn, ..., step=...)``) of a tensor-parallel model refuse a
+    loss that computes another value on whole parameters than on the shards (see the module doc); every other model
+    goes to ``check`` untouched."""
+    signature = inspect.signature(check)
+
+    @functools.wraps(check)
+    def run(*args: Options.args, **kwargs: Options.kwargs) -> CheckReport:
+        bound = signature.bind_partial(*args, **kwargs)
+        model, batch, loss_fn = (bound.arguments.get(name) for name in ("model", "batch", "loss_fn"))
+        if not (
+            dist.is_initialized()
+            and isinstance(model, nn.Module)
+            and callable(loss_fn)
+            and not zero.is_engine(model)
+            and tensor_parallel.is_tensor_parallel(model)
+            and not _fully_sharded(model)
+        ):
+            return check(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            on_shards = _value(model, batch, loss_fn)
+        except Exception as error:  # the loss does not run on these shards: nothing to compare with
+            if passes_fallbacks(error):
+                raise
+            return check(*args, **kwargs)
+        with tensor_parallel.made_plain(model):
+            on_whole = _value(model, batch, loss_fn)
+        if math.isfinite(on_shards) and abs(on_whole - on_shards) <= SAME_LOSS * max(abs(on_shards), 1e-30):
+            return check(*args, **kwargs)
+        text = (
+            f"no probe made: on whole parameters the loss is {on_whole:.9g}, on the shards (as training computes it) "
+            f"{on_shards:.9g}; it is written for the shards (a vocab-parallel cross-entropy, a loss that all-reduces "
+            "over the tensor-parallel group), so its derivative with whole parameters is not the training's. The "
+            "applied check compares the training's own gradient with this loss's derivative"
+        )
+        return CheckReport(
+            step=int(bound.arguments.get("step", 0) or 0), verdict=Verdict.INCONCLUSIVE, probes=[], loss=on_shards,
+            n_forward=2, n_backward=0, duration_s=time.perf_counter() - started,
+            notes=[Note(NoteCode.LOSS_FOR_SHARDS, text)],
+        )  # fmt: skip
+
+    return run
