@@ -36,22 +36,19 @@ _OF_ITS_KIND = ("silently incorrect", "incorrect gradient", "gradients will be i
 def torch_registries_cleared() -> Iterator[None]:
     """Empty the warning registries of PyTorch's modules for the duration (see the module doc), then put back what
     each held, so that a warning shown once in training is raised again during a check and no more afterwards."""
-    namespaces = _torch_namespaces()
-    saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
-    for namespace in namespaces:
-        registry = namespace.get(_REGISTRY)
-        if isinstance(registry, dict) and registry:
-            saved.append((registry, dict(registry)))
-            registry.clear()
+    held = [namespace[_REGISTRY] for namespace in _torch_namespaces() if _REGISTRY in namespace]
+    saved = [(registry, dict(registry)) for registry in held if isinstance(registry, dict) and registry]
+    for registry, _ in saved:
+        registry.clear()
     try:
         yield
     finally:
-        for namespace in _torch_namespaces():  # a module imported during the check has its registry emptied too
-            registry = namespace.get(_REGISTRY)
+        # a module imported during the check has its registry emptied too
+        for registry in [namespace[_REGISTRY] for namespace in _torch_namespaces() if _REGISTRY in namespace]:
             if isinstance(registry, dict):
                 registry.clear()
-        for registry, held in saved:
-            registry.update(held)
+        for registry, entries in saved:
+            registry.update(entries)
 
 
 _REGISTRY = "__warningregistry__"
