@@ -288,6 +288,11 @@ class GradWatchCallback(TrainerCallback):
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's
+        optimizers = () if self.trainer.optimizer is None else (self.trainer.optimizer,)
+        if not self.watch.recording:  # no window kept, so no check: the watch's bookkeeping of the step alone
+            step = self.trainer.state.global_step + 1
+            self.watch.before_optimizer_step(self._model, step=step, gradients=gradients, optimizers=optimizers)
+            return
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         path = TrainerPath(
             self.trainer, self._model, self._trainer_loss, self.loss_fn, count=self._window_count,
@@ -301,7 +306,7 @@ class GradWatchCallback(TrainerCallback):
                 training=path.training(),
                 loss_scale=float(scaler.get_scale()) if scaler is not None else 1.0,  # unscaled after this call
                 gradients=gradients,
-                optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
+                optimizers=optimizers,
             )
 
     def _applied_unreachable(self, args: TrainingArguments) -> str | None:

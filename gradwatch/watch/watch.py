@@ -442,8 +442,9 @@ class GradientWatch:
         if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
             model, gradients = unwrapped(model), FullGradients(model) if gradients is None else gradients
         _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
-        if training is None:
-            training = TrainingPath(combine, path, join, window_normalised)
+        if training is None:  # the defaults' one object, not a new one at every step
+            plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
+            training = _PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised)
         elif (combine, path, join, window_normalised) != ("mean", None, None, False):
             raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
         with self.guarded("watch.before_optimizer_step"):
@@ -750,6 +751,10 @@ class GradientWatch:
             return lambda: check_clipping(norms, _gradients(model), max_norm, step=step)
         self._say_once("clip", UNREAD_CLIP.format(step=step))
         return None
+
+
+_PLAIN_PATH = TrainingPath()
+"""A plain loop's training path (each micro-batch's loss divided by their count, its forward as it is)."""
 
 
 def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None = None) -> list[torch.Tensor | None]:

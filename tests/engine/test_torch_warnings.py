@@ -86,6 +86,24 @@ def test_the_registries_are_put_back_as_they_were() -> None:
     assert after == before
 
 
+def test_a_module_imported_after_the_last_check_has_its_registry_emptied_and_put_back_too() -> None:
+    import sys
+    import types
+
+    with torch_registries_cleared():  # the modules' namespaces read once, as by an earlier check
+        pass
+    late = types.ModuleType("torch._gradwatch_imported_late")  # imported after: the list is read again
+    late.__dict__["__warningregistry__"] = {("planted", UserWarning, 1): True}
+    sys.modules[late.__name__] = late
+    try:
+        with torch_registries_cleared():
+            assert late.__dict__["__warningregistry__"] == {}
+            late.__dict__["__warningregistry__"][("new", UserWarning, 2)] = True
+        assert late.__dict__["__warningregistry__"] == {("planted", UserWarning, 1): True}
+    finally:
+        del sys.modules[late.__name__]
+
+
 def test_warnings_of_other_kinds_are_quoted_and_unrelated_ones_ignored() -> None:
     notes = incorrect_gradient_notes(
         [

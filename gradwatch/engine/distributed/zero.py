@@ -36,9 +36,14 @@ def is_engine(model: Any) -> bool:
     """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s first result) wrapping a module."""
     return (
         isinstance(model, nn.Module)
+        and all(hasattr(type(model), name) for name in _ENGINE_METHODS)
         and isinstance(getattr(model, "module", None), nn.Module)
-        and all(hasattr(model, name) for name in ("is_gradient_accumulation_boundary", "zero_optimization_stage"))
     )
+
+
+_ENGINE_METHODS = ("is_gradient_accumulation_boundary", "zero_optimization_stage")
+"""Methods of a DeepSpeed engine's class, asked first: a plain module's class has neither and answers at once, where
+asking the module builds the error of ``nn.Module.__getattr__`` (the watch asks at every training step)."""
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

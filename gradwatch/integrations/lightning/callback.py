@@ -232,13 +232,14 @@ class GradWatch(Callback):
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
         self._remove_clip_hooks()
         with self._watch.guarded("GradWatch.on_train_batch_end"):
-            scaler = _grad_scaler(trainer)
 
             def skipped() -> bool:  # asked only at a due step
+                scaler = _grad_scaler(trainer)
                 return scale_before is not None and scaler is not None and scaler.get_scale() < scale_before
 
             # global_step counts optimizer steps: it does not move on the micro-batches of gradient accumulation
-            loss_fn = self.loss_fn or training_step_loss(pl_module, batch_idx)
+            # (the watch's loss_fn read from it directly, not through the options' __getattr__, at every step)
+            loss_fn = self._watch.loss_fn or training_step_loss(pl_module, batch_idx)
             report = self._watch.maybe_check(
                 pl_module, batch, loss_fn, step=trainer.global_step, skipped=skipped, optimizers=trainer.optimizers
             )

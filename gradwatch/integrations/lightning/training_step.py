@@ -79,11 +79,14 @@ def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
     ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return
     the loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check.
     """
-    extra = (batch_idx,) if is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2) else ()
+    extra: list[tuple[int, ...]] = []  # the signature read at the first call, not at every step this loss is built
 
     def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
+        if not extra:
+            takes = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)
+            extra.append((batch_idx,) if takes else ())
         with _logging_silenced(module):
-            output = module.training_step(batch, *extra)
+            output = module.training_step(batch, *extra[0])
         if output is None:
             raise NoLossToCheckError
         if isinstance(output, Mapping):

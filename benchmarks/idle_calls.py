@@ -1,0 +1,240 @@
+"""What the watch's calls cost on a training step when no check is due, per adapter, in microseconds.
+
+Every step of a watched run passes through the watch: a plain loop makes its calls (``record``,
+``before_optimizer_step``, ``maybe_check``), Lightning's ``GradWatch`` and the Hugging Face ``GradWatchCallback`` run
+their hooks. On a step where no check of any kind is due, those calls should cost next to nothing. This script trains a
+small MLP for ``--steps`` steps at ``GradWatch()``'s defaults (both first checks at step 1, the next recomputed check
+at step 500) and times the watch's calls and the adapters' hooks alone (the thread's CPU time, ``time.thread_time``,
+one thread), on the steps after the first where no report came out; the training's own work inside a hook (the
+Trainer's clipping, which the Hugging Face callback wraps) is measured apart and left out. The wrapper that times a
+hook costs about half a microsecond per call; it is measured and subtracted.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/idle_calls.py [--steps N]`` (under a minute on one CPU core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import GradientWatch
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        if labels is None:
+            return logits
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _batches(steps: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [(torch.randn(size, 16, generator=generator), torch.randint(0, 4, (size,), generator=generator))
+            for _ in range(steps)]  # fmt: skip
+
+
+class _Clock:
+    """The thread's CPU time spent in the calls it wraps, by step; what the wrapper itself costs is subtracted."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+        self.step = 0
+        self.inner = 0.0  # the training's own work inside a wrapped call, left out
+        self.overhead = _wrapper_cost()
+
+    def timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            started, inner = time.thread_time(), self.inner
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - started - (self.inner - inner) - self.overhead
+                self.by_step[self.step] = self.by_step.get(self.step, 0.0) + spent
+
+        return timed_call
+
+    def training(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` as the training's own work: its time is not the watch's."""
+
+        @functools.wraps(call)
+        def training_call(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.inner += time.thread_time() - started
+
+        return training_call
+
+    def idle_microseconds(self, busy: set[int]) -> tuple[float, int]:
+        """The median over the idle steps (after the first, none in ``busy``) of the calls' time, and their count."""
+        idle = [seconds for step, seconds in self.by_step.items() if step > 1 and step not in busy]
+        return 1e6 * statistics.median(idle), len(idle)
+
+
+def _wrapper_cost() -> float:
+    """What one timed call of an empty function costs besides the function (two clock reads, the wrapper)."""
+
+    def empty() -> None:
+        return None
+
+    costs = []
+    for _ in range(5):
+        started = time.thread_time()
+        for _ in range(2000):
+            t0 = time.thread_time()
+            empty()
+            time.thread_time() - t0
+        costs.append((time.thread_time() - started) / 2000)
+    return statistics.median(costs)
+
+
+def _steps_with_reports(watch: GradientWatch) -> set[int]:
+    return {report.step for report in watch.reports}
+
+
+def plain_loop(steps: int) -> tuple[float, int]:
+    """``record``, ``before_optimizer_step`` and ``maybe_check`` in a plain loop, as the README's loop makes them."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = GradientWatch(verbose=False)
+    clock = _Clock()
+    record, before, maybe_check = (clock.timed(call) for call in
+                                   (watch.record, watch.before_optimizer_step, watch.maybe_check))  # fmt: skip
+    watch.setup(model)
+    watch.start(0)
+    for step, batch in enumerate(_batches(steps), start=1):
+        clock.step = step
+        record(batch)
+        optimizer.zero_grad()
+        _loss(model, batch).backward()
+        before(model, _loss, step=step)
+        optimizer.step()
+        maybe_check(model, batch, _loss, step=step)
+    return clock.idle_microseconds(_steps_with_reports(watch))
+
+
+def lightning(steps: int) -> tuple[float, int]:
+    """Lightning's ``GradWatch``: its hooks that run at every step (``on_train_batch_start``,
+    ``on_before_optimizer_step``, ``on_train_batch_end``)."""
+    import lightning.pytorch as pl
+
+    from gradwatch import GradWatch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MLP()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return _loss(self.net, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    callback = GradWatch(verbose=False)
+    clock = _Clock()
+    for hook in ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"):
+        setattr(callback, hook, clock.timed(getattr(callback, hook)))
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            clock.step = trainer.global_step + 1
+
+    trainer = pl.Trainer(
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Steps(), callback], accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(_batches(steps), batch_size=None))
+    return clock.idle_microseconds(_steps_with_reports(callback.watch))
+
+
+def hugging_face(steps: int) -> tuple[float, int]:
+    """The Hugging Face ``GradWatchCallback``: its step hooks (``on_step_begin``, ``on_pre_optimizer_step``,
+    ``on_step_end``) and its wrappers of the Trainer's ``compute_loss`` and ``clip_grad_norm_`` (the Trainer's own
+    work inside those left out)."""
+    from transformers import Trainer, TrainingArguments
+
+    from gradwatch.integrations.huggingface import GradWatchCallback
+
+    torch.manual_seed(0)
+    data = [{"x": x, "labels": y} for batch in _batches(steps) for x, y in zip(*batch, strict=True)]
+    with tempfile.TemporaryDirectory() as output:
+        args = TrainingArguments(
+            output_dir=output, max_steps=steps, per_device_train_batch_size=16, report_to=[], save_strategy="no",
+            logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = Trainer(model=MLP(), args=args, train_dataset=data)
+        callback = GradWatchCallback(trainer, verbose=False)
+        clock = _Clock()
+        for hook in ("on_step_begin", "on_pre_optimizer_step", "on_step_end", "on_train_begin"):
+            setattr(callback, hook, clock.timed(getattr(callback, hook)))
+        begin = callback.on_train_begin
+
+        def on_train_begin(*args: Any, **kwargs: Any) -> Any:  # the wrappers the callback installs, timed too
+            begin(*args, **kwargs)
+            callback._compute_loss = clock.training(callback._compute_loss)
+            callback._clip_grad_norm = clock.training(callback._clip_grad_norm)
+            trainer.compute_loss = clock.timed(trainer.compute_loss)  # type: ignore[method-assign]
+            trainer.accelerator.clip_grad_norm_ = clock.timed(trainer.accelerator.clip_grad_norm_)
+
+        callback.on_train_begin = on_train_begin  # type: ignore[method-assign]
+
+        class Steps:
+            def __getattr__(self, name: str) -> Any:
+                def event(args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                    if name == "on_step_begin":
+                        clock.step = state.global_step + 1
+
+                return event
+
+        trainer.add_callback(Steps())
+        trainer.pop_callback(callback)
+        trainer.add_callback(callback)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+    return clock.idle_microseconds(_steps_with_reports(callback.watch))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| adapter | calls per step | idle steps | µs per idle step (median, CPU time) |")
+    print("|---|---|---|---|")
+    for name, calls, run in (
+        ("plain loop (`GradientWatch`)", "`record`, `before_optimizer_step`, `maybe_check`", plain_loop),
+        ("Lightning `GradWatch`", "3 hooks", lightning),
+        ("Hugging Face `GradWatchCallback`", "3 hooks, `compute_loss`, `clip_grad_norm_`", hugging_face),
+    ):
+        microseconds, idle = run(options.steps)
+        print(f"| {name} | {calls} | {idle} | {microseconds:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
