@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -33,23 +33,64 @@ _OF_ITS_KIND = ("silently incorrect", "incorrect gradient", "gradients will be i
 
 
 @contextlib.contextmanager
-def torch_registries_cleared() -> Iterator[None]:
+def torch_registries_cleared(warned: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """Empty the warning registries of PyTorch's modules for the duration (see the module doc), then put back what
-    each held, so that a warning shown once in training is raised again during a check and no more afterwards."""
-    saved: dict[str, dict[Any, Any]] = {}
-    for name, module in list(sys.modules.items()):
-        registry = getattr(module, "__warningregistry__", None) if _is_torch(name) else None
-        if isinstance(registry, dict) and registry:
-            saved[name] = dict(registry)
+    each held, so that a warning shown once in training is raised again during a check and no more afterwards.
+
+    ``warned()``, asked on leaving, says whether any warning was shown meanwhile (``warnings.showwarning`` called):
+    a registry gains an entry only for a warning it then shows, so when none was, the registries emptied are put back
+    and the others left as they are, without reading every module of PyTorch again."""
+    saved: dict[str, tuple[dict[Any, Any], dict[Any, Any]]] = {}
+    for name, registry in _torch_registries():
+        if registry:
+            saved[name] = registry, dict(registry)
             registry.clear()
     try:
         yield
     finally:
-        for name, module in list(sys.modules.items()):
-            registry = getattr(module, "__warningregistry__", None) if _is_torch(name) else None
-            if isinstance(registry, dict):
+        if warned():  # the check may have imported or warned in more of them
+            for name, registry in _torch_registries():
                 registry.clear()
-                registry.update(saved.get(name, {}))
+                registry.update(saved[name][1] if name in saved else {})
+        else:
+            for registry, held in saved.values():
+                registry.clear()
+                registry.update(held)
+
+
+def _torch_registries() -> list[tuple[str, dict[Any, Any]]]:
+    """The warning registry of each of PyTorch's modules that has one, by module name. A registry lives in the
+    module's globals (where :func:`warnings.warn` puts it), so it is read from the module's ``__dict__``: a plain
+    attribute lookup would raise and catch an ``AttributeError`` for each of the thousand modules without one, or run
+    a module's own ``__getattr__``."""
+    found = []
+    for name, namespace in _torch_namespaces():
+        registry = namespace.get("__warningregistry__")
+        if isinstance(registry, dict):
+            found.append((name, registry))
+    return found
+
+
+_namespaces: tuple[tuple[int, str | None], tuple[tuple[str, dict[str, Any]], ...]] = ((0, None), ())
+"""The globals of PyTorch's modules in ``sys.modules``, with the key they were found at (:func:`_torch_namespaces`)."""
+
+
+def _torch_namespaces() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The name and globals of each of PyTorch's imported modules. Finding them reads every module of ``sys.modules``
+    (a few thousand with ``transformers``: milliseconds, twice a check, against a check of a small model of a few),
+    so they are kept while ``sys.modules`` holds as many names and the same last one: an import appends its module's
+    name at the end of that dict, so a module imported since (or removed and imported again) changes the key."""
+    global _namespaces
+    modules = sys.modules
+    key = (len(modules), next(reversed(modules), None))
+    if _namespaces[0] != key:
+        found = []
+        for name, module in list(modules.items()):
+            namespace = getattr(module, "__dict__", None) if _is_torch(name) else None
+            if isinstance(namespace, dict):
+                found.append((name, namespace))
+        _namespaces = key, tuple(found)
+    return _namespaces[1]
 
 
 def _is_torch(name: str) -> bool:
