@@ -19,6 +19,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from itertools import compress, repeat
 from typing import Any
 
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -42,55 +43,54 @@ def torch_registries_cleared(warned: Callable[[], bool] = lambda: True) -> Itera
     and the others left as they are, without reading every module of PyTorch again."""
     saved: dict[str, tuple[dict[Any, Any], dict[Any, Any]]] = {}
     for name, registry in _torch_registries():
-        if registry:
-            saved[name] = registry, dict(registry)
-            registry.clear()
+        saved[name] = registry, dict(registry)
+        registry.clear()
     try:
         yield
     finally:
-        if warned():  # the check may have imported or warned in more of them
+        if warned():  # what the check's warnings left in the registries it did not empty (or in new ones)
             for name, registry in _torch_registries():
-                registry.clear()
-                registry.update(saved[name][1] if name in saved else {})
-        else:
-            for registry, held in saved.values():
-                registry.clear()
-                registry.update(held)
+                if name not in saved:
+                    registry.clear()
+        for registry, held in saved.values():
+            registry.clear()
+            registry.update(held)
 
 
 def _torch_registries() -> list[tuple[str, dict[Any, Any]]]:
     """The warning registry of each of PyTorch's modules that has one, by module name. A registry lives in the
     module's globals (where :func:`warnings.warn` puts it), so it is read from the module's ``__dict__``: a plain
     attribute lookup would raise and catch an ``AttributeError`` for each of the thousand modules without one, or run
-    a module's own ``__getattr__``."""
-    found = []
-    for name, namespace in _torch_namespaces():
-        registry = namespace.get("__warningregistry__")
-        if isinstance(registry, dict):
-            found.append((name, registry))
-    return found
+    a module's own ``__getattr__``. The lookups run in one ``map`` (a thousand of them, each check), and only the
+    registries that hold something are returned: an empty one has nothing to save or to clear."""
+    names, namespaces = _torch_namespaces()
+    found = list(map(dict.get, namespaces, repeat("__warningregistry__")))
+    held = compress(zip(names, found, strict=True), found)
+    return [(name, registry) for name, registry in held if isinstance(registry, dict)]
 
 
-_namespaces: tuple[tuple[int, str | None], tuple[tuple[str, dict[str, Any]], ...]] = ((0, None), ())
-"""The globals of PyTorch's modules in ``sys.modules``, with the key they were found at (:func:`_torch_namespaces`)."""
+_namespaces: tuple[tuple[int, str | None], tuple[str, ...], tuple[dict[str, Any], ...]] = ((0, None), (), ())
+"""The names and globals of PyTorch's modules in ``sys.modules``, with the key they were found at
+(:func:`_torch_namespaces`)."""
 
 
-def _torch_namespaces() -> tuple[tuple[str, dict[str, Any]], ...]:
-    """The name and globals of each of PyTorch's imported modules. Finding them reads every module of ``sys.modules``
-    (a few thousand with ``transformers``: milliseconds, twice a check, against a check of a small model of a few),
-    so they are kept while ``sys.modules`` holds as many names and the same last one: an import appends its module's
-    name at the end of that dict, so a module imported since (or removed and imported again) changes the key."""
+def _torch_namespaces() -> tuple[tuple[str, ...], tuple[dict[str, Any], ...]]:
+    """The names and globals of PyTorch's imported modules. Finding them reads every module of ``sys.modules`` (a few
+    thousand with ``transformers``: milliseconds, twice a check, against a check of a small model of a few), so they
+    are kept while ``sys.modules`` holds as many names and the same last one: an import appends its module's name at
+    the end of that dict, so a module imported since (or removed and imported again) changes the key."""
     global _namespaces
     modules = sys.modules
     key = (len(modules), next(reversed(modules), None))
     if _namespaces[0] != key:
-        found = []
+        names, namespaces = [], []
         for name, module in list(modules.items()):
             namespace = getattr(module, "__dict__", None) if _is_torch(name) else None
             if isinstance(namespace, dict):
-                found.append((name, namespace))
-        _namespaces = key, tuple(found)
-    return _namespaces[1]
+                names.append(name)
+                namespaces.append(namespace)
+        _namespaces = key, tuple(names), tuple(namespaces)
+    return _namespaces[1], _namespaces[2]
 
 
 def _is_torch(name: str) -> bool:
