@@ -4,6 +4,7 @@ has shown the warning already; where the gradient is then wrong, the check fails
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +103,33 @@ def test_a_module_imported_after_the_last_check_has_its_registry_emptied_and_put
         assert late.__dict__["__warningregistry__"] == {("planted", UserWarning, 1): True}
     finally:
         del sys.modules[late.__name__]
+
+
+def test_a_check_without_warnings_puts_back_the_registries_it_emptied() -> None:
+    import torch.autograd.graph as graph
+
+    registry = graph.__dict__.setdefault("__warningregistry__", {})
+    registry[("planted", UserWarning, 3)] = True
+    before = dict(registry)
+    with torch_registries_cleared(warned=lambda: False):
+        assert graph.__dict__["__warningregistry__"] == {}
+    assert graph.__dict__["__warningregistry__"] == before
+    del registry[("planted", UserWarning, 3)]
+
+
+def test_a_torch_module_imported_since_the_last_check_has_its_registry_emptied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    with torch_registries_cleared():  # the modules known now
+        pass
+    module = types.ModuleType("torch.gradwatch_planted_module")
+    module.__dict__["__warningregistry__"] = {("planted", UserWarning, 4): True}
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with torch_registries_cleared():
+        assert module.__dict__["__warningregistry__"] == {}
+    assert module.__dict__["__warningregistry__"] == {("planted", UserWarning, 4): True}
 
 
 def test_warnings_of_other_kinds_are_quoted_and_unrelated_ones_ignored() -> None:

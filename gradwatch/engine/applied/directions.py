@@ -76,7 +76,7 @@ class AppliedProbes:
         self.ladder = Ladder(
             measurements, judge=judge, native_dtype=native_dtype, reference_loss=measurements.reference
         )
-        self.grad_norms = norms(self.grads, exact=True)
+        self.grad_norms = list(plan.applied_norms)
         self.grad_norm = math.hypot(*self.grad_norms)
         numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
         param_norms = _agreed(norms(self.moved), getattr(measurements.evaluator, "group", None))

@@ -24,7 +24,6 @@ from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors
 from gradwatch.engine.applied.window import unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
-from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -90,7 +89,7 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     _infer_autocast(path, eager, evaluator.notes)
     measured_floors = _measured_floors(path, eager, evaluator.notes)
     setting, plan = path.setting, path.plan
-    applied_norms = norms(plan.applied, exact=True)
+    applied_norms = plan.applied_norms
     floor_values = floors(measured_floors or [], applied_norms, plan.path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
     measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, provisional=lazy)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
+
+from gradwatch.engine.numerics.norms import norms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,3 +37,9 @@ class AppliedPlan:
     tensor_probes: int
     rotation: int
     eager: list[Tensor] | None = None
+
+    @cached_property
+    def applied_norms(self) -> list[float]:
+        """``‖g_T‖`` of each tensor of ``applied``, accumulated in float64: computed once for the plan (the floors,
+        the probes' directions and their tensor choices all ask for them)."""
+        return norms(self.applied, exact=True)

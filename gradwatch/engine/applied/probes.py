@@ -35,7 +35,6 @@ from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
-from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import NotReproducibleError, passes_fallbacks
@@ -117,7 +116,7 @@ def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -
         return _not_reproducible(evaluator, center, loss)
     measurements = WindowMeasurements(evaluator, center, reference=loss, native_dtype=plan.native, pending=pending,
                                       screens=screens)  # fmt: skip
-    sizes = norms(plan.applied, exact=True)
+    sizes = plan.applied_norms
     beyond = rounding.beyond(sizes, floors, plan.multiple) if rounding else []
     if plan.eager is not None:  # a 16-bit path: each tensor's applied gradient against eager's, at its own floor
         beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))

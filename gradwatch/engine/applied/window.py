@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn, as_scalar_loss
-from gradwatch.engine.function.state import TrainingState, capture_rng, set_rng
+from gradwatch.engine.function.state import TrainingState, capture_rng, set_rng, unchanged
 from gradwatch.engine.results.notes import Note, NoteCode
 
 if TYPE_CHECKING:
@@ -55,6 +55,11 @@ def combined(losses: list[Tensor], combine: Combine) -> Tensor:
     return total / len(losses) if combine == "mean" else total
 
 
+SLOW_GENERATORS = frozenset({"numpy", "python"})
+"""The generators whose state costs the most to set (NumPy's ~60 µs, as much as a small model's forward; Python's
+~4 µs): a window's loss stops setting them once its first evaluation showed that no micro-batch draws from them."""
+
+
 def window_loss(
     loss_fn: LossFn,
     rng_states: Sequence[dict[str, Any] | None],
@@ -62,16 +67,25 @@ def window_loss(
     path: PathContext | None,
 ) -> LossFn:
     """``loss(model, batches)``: the window's combined loss, each micro-batch's forward run with its own random state
-    (``None``: as the generators are) inside ``path()`` when given."""
+    (``None``: as the generators are) inside ``path()`` when given. A generator of :data:`SLOW_GENERATORS` that no
+    micro-batch's forward advanced in the first completed evaluation is not set again: the loss does not draw from
+    it (torch's generators, which a loss may read and put back itself, are set every time)."""
     context = path or no_context
+    undrawn: set[str] | None = None  # known after the first evaluation
 
     def loss(model: nn.Module, batches: Any) -> Tensor:
-        losses = []
+        nonlocal undrawn
+        losses, first = [], undrawn is None
+        left = set(SLOW_GENERATORS)
         for batch, state in zip(batches, rng_states, strict=True):
             if state is not None:
-                set_rng(state)
+                set_rng(state, None if undrawn is None else [name for name in state if name not in undrawn])
             with context():
                 losses.append(as_scalar_loss(loss_fn(model, batch)))
+            if first and state is not None:
+                left = {name for name in left if name in state and unchanged(name, state[name])}
+        if first:
+            undrawn = left
         return combined(losses, combine)
 
     return loss

@@ -166,7 +166,7 @@ def warnings_withheld() -> Iterator[list[str]]:
 
     # PyTorch's own warnings that training has shown once are raised again (its warning registries emptied and put
     # back): some say a gradient is silently incorrect (:mod:`.torch_warnings`)
-    with torch_registries_cleared():
+    with torch_registries_cleared(warned=lambda: bool(withheld)):
         warnings.showwarning = withhold  # type: ignore[assignment]
         try:
             yield withheld

@@ -202,6 +202,12 @@ def capture_rng() -> dict[str, Any]:
     return _capture_rng()
 
 
-def set_rng(state: dict[str, Any]) -> None:
-    """Set every global random generator to ``state`` (from :func:`capture_rng`)."""
-    _set_rng(state)
+def set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
+    """Set every global random generator to ``state`` (from :func:`capture_rng`); only those named in
+    ``generators``, if given."""
+    _set_rng(state, generators)
+
+
+def unchanged(name: str, saved: Any) -> bool:
+    """Whether the global generator ``name`` (a key of :func:`capture_rng`'s state) is still in the ``saved`` state."""
+    return _unchanged(name, saved)

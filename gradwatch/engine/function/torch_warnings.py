@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import compress, repeat
 from typing import Any
 
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -33,44 +34,63 @@ _OF_ITS_KIND = ("silently incorrect", "incorrect gradient", "gradients will be i
 
 
 @contextlib.contextmanager
-def torch_registries_cleared() -> Iterator[None]:
+def torch_registries_cleared(warned: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """Empty the warning registries of PyTorch's modules for the duration (see the module doc), then put back what
-    each held, so that a warning shown once in training is raised again during a check and no more afterwards."""
-    held = [namespace[_REGISTRY] for namespace in _torch_namespaces() if _REGISTRY in namespace]
-    saved = [(registry, dict(registry)) for registry in held if isinstance(registry, dict) and registry]
-    for registry, _ in saved:
+    each held, so that a warning shown once in training is raised again during a check and no more afterwards.
+
+    ``warned()``, asked on leaving, says whether any warning was shown meanwhile (``warnings.showwarning`` called):
+    a registry gains an entry only for a warning it then shows, so when none was, the registries emptied are put back
+    and the others left as they are, without reading every module of PyTorch again."""
+    saved: dict[str, tuple[dict[Any, Any], dict[Any, Any]]] = {}
+    for name, registry in _torch_registries():
+        saved[name] = registry, dict(registry)
         registry.clear()
     try:
         yield
     finally:
-        # a module imported during the check has its registry emptied too
-        for registry in [namespace[_REGISTRY] for namespace in _torch_namespaces() if _REGISTRY in namespace]:
-            if isinstance(registry, dict):
-                registry.clear()
-        for registry, entries in saved:
-            registry.update(entries)
+        if warned():  # what the check's warnings left in the registries it did not empty (or in new ones)
+            for name, registry in _torch_registries():
+                if name not in saved:
+                    registry.clear()
+        for registry, held in saved.values():
+            registry.clear()
+            registry.update(held)
 
 
-_REGISTRY = "__warningregistry__"
-"""Where ``warnings`` keeps a module's "shown once" entries: in the globals of the code that warned, the module's
-``__dict__`` (so a module's own ``__getattr__``, a lazy module's, is never asked for it)."""
+def _torch_registries() -> list[tuple[str, dict[Any, Any]]]:
+    """The warning registry of each of PyTorch's modules that has one, by module name. A registry lives in the
+    module's globals (where :func:`warnings.warn` puts it), so it is read from the module's ``__dict__``: a plain
+    attribute lookup would raise and catch an ``AttributeError`` for each of the thousand modules without one, or run
+    a module's own ``__getattr__``. The lookups run in one ``map`` (a thousand of them, each check), and only the
+    registries that hold something are returned: an empty one has nothing to save or to clear."""
+    names, namespaces = _torch_namespaces()
+    found = list(map(dict.get, namespaces, repeat("__warningregistry__")))
+    held = compress(zip(names, found, strict=True), found)
+    return [(name, registry) for name, registry in held if isinstance(registry, dict)]
 
-_namespaces: tuple[tuple[int, str | None], list[dict[str, Any]]] = ((-1, None), [])
-"""The ``__dict__`` of every PyTorch module, with the state of ``sys.modules`` it was read from (its length and last
-name): a check reads it in microseconds, where walking ``sys.modules`` (thousands of modules once Lightning or
-transformers are imported) took milliseconds twice a check."""
+
+_namespaces: tuple[tuple[int, str | None], tuple[str, ...], tuple[dict[str, Any], ...]] = ((0, None), (), ())
+"""The names and globals of PyTorch's modules in ``sys.modules``, with the key they were found at
+(:func:`_torch_namespaces`)."""
 
 
-def _torch_namespaces() -> list[dict[str, Any]]:
-    """The ``__dict__`` of every PyTorch module in ``sys.modules``, read again only when a module was imported since
-    (``sys.modules`` keeps the order modules were added in)."""
+def _torch_namespaces() -> tuple[tuple[str, ...], tuple[dict[str, Any], ...]]:
+    """The names and globals of PyTorch's imported modules. Finding them reads every module of ``sys.modules`` (a few
+    thousand with ``transformers``: milliseconds, twice a check, against a check of a small model of a few), so they
+    are kept while ``sys.modules`` holds as many names and the same last one: an import appends its module's name at
+    the end of that dict, so a module imported since (or removed and imported again) changes the key."""
     global _namespaces
     modules = sys.modules
-    state = (len(modules), next(reversed(modules), None))
-    if _namespaces[0] != state:
-        found = [getattr(module, "__dict__", None) for name, module in list(modules.items()) if _is_torch(name)]
-        _namespaces = (state, [namespace for namespace in found if isinstance(namespace, dict)])
-    return _namespaces[1]
+    key = (len(modules), next(reversed(modules), None))
+    if _namespaces[0] != key:
+        names, namespaces = [], []
+        for name, module in list(modules.items()):
+            namespace = getattr(module, "__dict__", None) if _is_torch(name) else None
+            if isinstance(namespace, dict):
+                names.append(name)
+                namespaces.append(namespace)
+        _namespaces = key, tuple(names), tuple(namespaces)
+    return _namespaces[1], _namespaces[2]
 
 
 def _is_torch(name: str) -> bool:
