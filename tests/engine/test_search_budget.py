@@ -129,3 +129,31 @@ def test_a_search_resumed_inside_the_named_culprit_names_it_again_for_less(model
     assert again.culprit_search.resumed
     assert again.culprit_search.complete
     assert again.culprit_search.evaluations < uncapped.culprit_search.evaluations / 2
+
+
+@pytest.mark.slow
+def test_a_llama_whose_top_module_is_a_source_is_searched_over_capped_checks() -> None:
+    # the model's input is token ids: the top module has no input gradient, a source the descent looks at after the
+    # chain (a cap that stopped there once spent nothing and never went on)
+    from hf_stack_models import plant_activation_bug, tiny_llama, token_ids
+
+    llama = tiny_llama(layers=2)
+    planted = plant_activation_bug(llama, 0)
+    ids = torch.tensor(token_ids(4, 12))
+
+    def loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=batch, labels=batch).loss
+
+    within: tuple[str, ...] = ()
+    candidates: tuple[str, ...] = ()
+    for step in range(16):
+        budget = SearchBudget(steps=1, step_seconds=1e-3, within=within, candidates=candidates, clock=Readings())
+        report = check_gradients(llama, ids, loss, step=step, search_budget=budget)
+        assert report.verdict == "fail"
+        assert report.culprit_search.evaluations > 0  # every check narrows the culprit further
+        if report.culprit_search.complete:
+            break
+        within, candidates = report.culprit_search.resume_point()
+    assert report.culprit_search.complete
+    assert report.culprits[0] == planted
+    assert step > 1

@@ -89,12 +89,12 @@ class Descent(CulpritWords):
         return self._proved_inside(site) or self._leaf_own_parameters(site)
 
     def _candidates(self) -> tuple[str, ...]:
-        """Where the bug still lies inside the deepest module proved: the children the binary search was narrowing,
-        else all of them."""
+        """Where the bug still lies inside the deepest module proved: the children of its chain the binary search was
+        narrowing (all of them before it started), and its sources (looked at after the chain)."""
         deepest = self.path[-1] if self.path else None
-        if self._narrowing is not None and self._narrowing[0] is deepest:
-            return tuple(site.name for site in self._narrowing[1])
         chain, sources = self._children(deepest)
+        if self._narrowing is not None and self._narrowing[0] is deepest:
+            chain = self._narrowing[1]
         return tuple(site.name for site in [*chain, *sources])
 
     def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
@@ -222,7 +222,7 @@ class Descent(CulpritWords):
         where the boundary lies among undecided children, the first child known right returned). A resumed search
         starts from the range an earlier check's search narrowed the boundary to (the first child it found right, the
         children before the range it found wrong; the children at the boundary are measured again as it is named)."""
-        low, high = self._resumed_range(children)
+        low, high = self._resumed_range(children, node)
         undecided: set[int] = set()
         while low < high:
             self._narrowing = (node, children[low:high])
@@ -240,14 +240,19 @@ class Descent(CulpritWords):
         self._narrowing = (node, children[low : low + 1])  # the first child right: the bug inside it, or before it
         return low, True
 
-    def _resumed_range(self, children: list[Site]) -> tuple[int, int]:
-        """The range of ``children`` the boundary lies in: all of them, or, once, where an earlier search left it."""
-        names = [c.name for c in children]
+    def _resumed_range(self, children: list[Site], node: Site | None) -> tuple[int, int]:
+        """The range of ``children`` (the node's chain) the boundary lies in: all of them, or, once, where an earlier
+        search left it (none of them where it left only the node's sources: every output gradient along the chain was
+        wrong)."""
         narrowed, self._narrowed = self._narrowed, ()
+        names = [c.name for c in children]
         inside = [names.index(n) for n in narrowed if n in names]
-        if not inside or len(inside) != len(narrowed):
-            return 0, len(children)
-        return min(inside), max(inside) + 1
+        if inside:
+            return min(inside), max(inside) + 1
+        sources = {s.name for s in self._children(node)[1]}
+        if narrowed and set(narrowed) <= sources:
+            return len(children), len(children)
+        return 0, len(children)
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
