@@ -114,7 +114,7 @@ class GradientWatch:
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         max_culprit_search_steps: The most a failing check's culprit search may take, in training steps at the run's
-            mean step (before one is measured, the check's reference pass stands in), and never under 10 s
+            mean step (before one is measured, the check's reference pass stands in), and never under 30 s
             (``MIN_CULPRIT_SEARCH_SECONDS``: a small model's search stalls nothing); a search that runs out leaves
             the verdict ``"fail"``, names the deepest module it proved to hold the bug and the candidates left, and
             the next failing check goes on from there (carried in :meth:`state_dict`). 100 by default

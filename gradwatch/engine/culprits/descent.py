@@ -245,12 +245,14 @@ class Descent(CulpritWords):
         search left it (none of them where it left only the node's sources: every output gradient along the chain was
         wrong)."""
         narrowed, self._narrowed = self._narrowed, ()
+        if not narrowed:
+            return 0, len(children)
         names = [c.name for c in children]
         inside = [names.index(n) for n in narrowed if n in names]
         if inside:
             return min(inside), max(inside) + 1
         sources = {s.name for s in self._children(node)[1]}
-        if narrowed and set(narrowed) <= sources:
+        if set(narrowed) <= sources:
             return len(children), len(children)
         return 0, len(children)
 
