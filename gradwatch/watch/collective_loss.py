@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine.applied import check_applied_gradient
 from gradwatch.engine.function.state import capture_rng
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.errors import LossCollectivesError
@@ -133,7 +134,7 @@ def global_check(
 
 def recomputed_check(
     model: nn.Module, batch: Any, loss_fn: LossFn, *, step: int, settings: ProbeSettings, rotation: int,
-    focus: Sequence[str], optimizers: Sequence[torch.optim.Optimizer],
+    focus: Sequence[str], optimizers: Sequence[torch.optim.Optimizer], search_budget: SearchBudget | None = None,
 ) -> CheckReport:  # fmt: skip
     """The watch's recomputed check of ``loss_fn``: :func:`~gradwatch.check_gradients`; for a model whose group's
     collectives are counted (:func:`counted_group`), one whose loss turned out to run collectives is checked again as
@@ -142,7 +143,7 @@ def recomputed_check(
     counted = CollectiveCounter(loss_fn, group) if group is not None else loss_fn
     try:
         return check_gradients(model, batch, counted, step=step, settings=settings, rotation=rotation, focus=focus,
-                               optimizers=optimizers)  # fmt: skip
+                               optimizers=optimizers, search_budget=search_budget)  # fmt: skip
     except LossCollectivesError:
         assert isinstance(counted, CollectiveCounter)
         return global_check(model, batch, loss_fn, group=group, step=step, settings=settings, optimizers=optimizers,

@@ -1,4 +1,5 @@
-"""The defaults of a series of checks, with their reasons: the cadence, the budget, the probe slice."""
+"""The defaults of a series of checks, with their reasons: the cadence, the budget, the probe slice, the cap on a
+failing check's culprit search."""
 
 DEFAULT_EVERY_N_STEPS = 500
 """The default cadence: a check every this many optimizer steps (besides the first, at step 1)."""
@@ -18,3 +19,16 @@ fault on the training's path present from the start is found in the first minute
 wrong formula. The first applied check is always made and measures what one costs; the later ones go within the 1%
 budget (``max_overhead``) both kinds share, a due check postponed until the training time affords what the last one
 cost (``benchmarks/applied.py`` measures the cost in training steps)."""
+
+DEFAULT_MAX_CULPRIT_SEARCH_STEPS = 100
+"""The default cap on a failing check's culprit search, in training steps at the run's mean step (by the watch's clock):
+a search that would take longer stops, names the deepest module it proved to hold the bug, and the next failing check
+goes on from there. Without a cap a 3% backward bug in one layer of a tiny Llama under the Trainer took its first
+failing applied check 9 minutes on a loaded machine; 100 steps is about what a search of a small model costs
+(``benchmarks/failing_check.py``); it never stops a search before ``MIN_CULPRIT_SEARCH_SECONDS``."""
+
+MIN_CULPRIT_SEARCH_SECONDS = 30.0
+"""The cap on a culprit search never stops one sooner than this: on a small model, whose training steps take
+milliseconds, 100 steps are a second or less, and a search of a few seconds stalls nothing; its culprit is then named
+at the first failing check, as without a cap. 30 s rather than less: on a machine shared with other jobs, a tiny
+model's search takes several times its quiet time, and a floor of 10 s cut the demo's first applied search there."""

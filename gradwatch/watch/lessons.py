@@ -3,23 +3,31 @@
 The ``ignore`` patterns that match the model (matched once, those that match nothing warned of), the probe slice the
 loss accepts (a loss that refused 2 samples is not asked again), whether it vectorises, and the focus: the tensors
 the last check could not decide or saw fail, probed again at the next check so a wrong gradient found once is
-confirmed at every check, not only when the rotation comes round to it.
+confirmed at every check, not only when the rotation comes round to it; and where a failing check's culprit search
+stopped at its cap (the modules proved to hold the bug, the candidates left), for the next failing check to go on
+from (:mod:`gradwatch.engine.probing.search_budget`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
+import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from gradwatch.engine import CheckReport
 from gradwatch.engine.function.memory import backed_off
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch.alerts import GradientCheckWarning
+from gradwatch.watch.defaults import MIN_CULPRIT_SEARCH_SECONDS
 
 
 class Lessons:
@@ -33,6 +41,10 @@ class Lessons:
         self.settings = settings
         self.active = settings
         self.focus: tuple[str, ...] = ()
+        self.search_within: tuple[str, ...] = ()  # where the last failing check's culprit search stopped at its cap
+        self.search_candidates: tuple[str, ...] = ()
+        self.search_clock: Callable[[], float] = time.perf_counter  # the searches' clock (a test counts instead)
+        self.search_min_seconds = MIN_CULPRIT_SEARCH_SECONDS
         self._set_up_for: int | None = None  # id of the model the ignore patterns were matched to
         self._warned_no_params = False
 
@@ -62,8 +74,34 @@ class Lessons:
         matched = tuple(p for p in self.settings.ignore if any(fnmatch.fnmatchcase(name, p) for name in names))
         self.active = dataclasses.replace(self.active, ignore=matched)
 
+    def search_budget(self, steps: int | None, step_seconds: float) -> SearchBudget:
+        """The culprit search budget of the next check: ``steps`` training steps of ``step_seconds`` each (``nan``
+        while unknown: the check's reference pass stands in), from where the last search stopped."""
+        known = step_seconds if math.isfinite(step_seconds) and step_seconds > 0 else None
+        return SearchBudget(steps, known, self.search_within, self.search_candidates, clock=self.search_clock,
+                            min_seconds=self.search_min_seconds)  # fmt: skip
+
+    def learn_search(self, report: CheckReport) -> None:
+        """Where a failing check's culprit search stopped (or the culprit it named), for the next one to go on from;
+        a check that passed leaves nothing to go on from."""
+        progress = report.culprit_search
+        if progress is not None:
+            self.search_within, self.search_candidates = progress.resume_point()
+        elif report.verdict != "fail":
+            self.search_within, self.search_candidates = (), ()
+
+    def search_state(self) -> dict[str, Any]:
+        """The search's resume point, as a checkpoint carries it (plain lists of names)."""
+        return {"culprit_search_within": list(self.search_within),
+                "culprit_search_candidates": list(self.search_candidates)}  # fmt: skip
+
+    def load_search_state(self, state: dict[str, Any]) -> None:
+        self.search_within = tuple(str(name) for name in state.get("culprit_search_within", ()))
+        self.search_candidates = tuple(str(name) for name in state.get("culprit_search_candidates", ()))
+
     def learn(self, report: CheckReport) -> None:
         """What a recomputed check's report teaches the next check."""
+        self.learn_search(report)
         samples = self.active.probe_batch_size
         if samples is not None and report.samples is not None and report.samples > samples:
             # the loss refused the smaller slice: no need to try it again

@@ -28,6 +28,7 @@ class WatchOptions(ProbeOptions, total=False):
     max_reports: int
     verbose: bool
     check_update: bool
+    max_culprit_search_steps: int | None
 
 
 WATCH_OPTIONS = frozenset(WatchOptions.__optional_keys__) - frozenset(ProbeOptions.__optional_keys__)

@@ -26,6 +26,7 @@ from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
@@ -37,6 +38,7 @@ from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
 from gradwatch.watch.defaults import (
     DEFAULT_APPLIED_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
+    DEFAULT_MAX_CULPRIT_SEARCH_STEPS,
     DEFAULT_MAX_OVERHEAD,
     DEFAULT_PROBE_BATCH_SIZE,
 )
@@ -111,6 +113,12 @@ class GradientWatch:
             report or error; by default the most severe process's (:mod:`gradwatch.watch.distributed`).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
+        max_culprit_search_steps: The most a failing check's culprit search may take, in training steps at the run's
+            mean step (before one is measured, the check's reference pass stands in), and never under 30 s
+            (``MIN_CULPRIT_SEARCH_SECONDS``: a small model's search stalls nothing); a search that runs out leaves
+            the verdict ``"fail"``, names the deepest module it proved to hold the bug and the candidates left, and
+            the next failing check goes on from there (carried in :meth:`state_dict`). 100 by default
+            (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
         check_update: At each step whose gradient an applied check verified, also check the update the optimizer
             makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.updates`);
             ``False``: no update check.
@@ -157,6 +165,7 @@ class GradientWatch:
         context: Context | None = None,
         on_report: Callable[[CheckReport], object] | None = None,
         check_update: bool = True,
+        max_culprit_search_steps: int | None = DEFAULT_MAX_CULPRIT_SEARCH_STEPS,
         **options: Unpack[ProbeOptions],
     ) -> None:
         chosen = validate.check_optional_int("every_n_steps", every_n_steps, minimum=1)
@@ -175,6 +184,9 @@ class GradientWatch:
         self.max_reports = validate.check_int("max_reports", max_reports, minimum=1)
         self.verbose = validate.check_bool("verbose", verbose)
         self.check_update = validate.check_bool("check_update", check_update)
+        self.max_culprit_search_steps = validate.check_optional_int(
+            "max_culprit_search_steps", max_culprit_search_steps, minimum=1
+        )
         self._decide = decide or rank0_decides
         self._agree = agree or agree_across_ranks
         self._context = context or no_context
@@ -288,6 +300,7 @@ class GradientWatch:
                 **self._recomputed.state_dict(),
                 **self._clock.state_dict(),
                 **self._applied.state_dict(),
+                **self._lessons.search_state(),
             }
         return {"version": _STATE_VERSION}
 
@@ -303,6 +316,7 @@ class GradientWatch:
             self._recomputed.load_state_dict(state_dict)
             self._clock.load_state_dict(state_dict)
             self._applied.load_state_dict(state_dict)
+            self._lessons.load_search_state(state_dict)
             self._last_step = int(state_dict.get("last_step", 0))
 
     # the calls
@@ -598,6 +612,9 @@ class GradientWatch:
     def _overhead(self) -> Any:
         return self._clock.reading(self._recomputed.steps)
 
+    def _search_budget(self) -> SearchBudget:
+        return self._lessons.search_budget(self.max_culprit_search_steps, self._overhead().step_seconds)
+
     def _say_once(self, what: str, text: str) -> None:
         if what not in self._said:
             self._said.add(what)
@@ -616,7 +633,7 @@ class GradientWatch:
         lessons = self._lessons
         check = lambda: collective_loss.recomputed_check(  # noqa: E731
             model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
-            focus=lessons.focus, optimizers=optimizers,
+            focus=lessons.focus, optimizers=optimizers, search_budget=self._search_budget(),
         )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
@@ -702,7 +719,7 @@ class GradientWatch:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            **training.arguments(),
+            search_budget=self._search_budget(), **training.arguments(),
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -715,6 +732,7 @@ class GradientWatch:
         if report is None:
             return None
         self._findings.found(optimizer, step, report.fault)
+        self._lessons.learn_search(report)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
         # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use

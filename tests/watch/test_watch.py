@@ -261,4 +261,6 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         "first_seconds",  # the first checks' time, apart from the steady share (read with a default: older states load)
         # the update checks' counts (gradwatch.watch.updates)
         "update_checks", "update_failed",
+        # where a failing check's culprit search stopped at its cap, for the next to go on (read with defaults)
+        "culprit_search_within", "culprit_search_candidates",
     }  # fmt: skip

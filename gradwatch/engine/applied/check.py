@@ -46,6 +46,7 @@ from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.numerics.steps import most_precise
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.compiled import compiled_parts
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -79,6 +80,7 @@ def check_applied_gradient(
     compare_one_batch: bool = True,
     join: Join | None = None,
     window_normalised: bool | Callable[[], bool] = False,
+    search_budget: SearchBudget | None = None,
     **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
@@ -132,6 +134,9 @@ def check_applied_gradient(
             accumulated gradient that is the one-batch one divided by the window's size is then warned of as a second
             normalisation, not taken for a summed loss averaged over the window. A function that says so is asked
             only when that comparison finds such a division.
+        search_budget: A cap on the culprit search of a formula fault (the recomputed check of the first micro-batch
+            and its search, both within it), and where an earlier search left off, as
+            :func:`~gradwatch.check_gradients` takes it; ``None``: no cap.
         **options: The probe options one by one (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`; the others concern the recomputed check alone
             and are not used.
@@ -143,6 +148,7 @@ def check_applied_gradient(
     session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
     setting = _window(session, batches, loss_fn, combine=combine, rng_states=rng_states, path=path, group=group,
                       start=start, loss_scale=loss_scale)  # fmt: skip
+    setting.search_budget = search_budget
     names, applied, shards = _selected(setting, gradients)
     if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
@@ -274,7 +280,8 @@ def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: 
         probes = [_undecided(p) if p.verdict == "fail" or p.target in surrogate else p for p in outcome.probes]
         return dataclasses.replace(outcome, probes=probes, surrogates=found.surrogates, attribution=None)
     if culprit_search:
-        return dataclasses.replace(outcome, culprits=found.culprits, culprit_message=found.culprit_message)
+        return dataclasses.replace(outcome, culprits=found.culprits, culprit_message=found.culprit_message,
+                                   culprit_search=found.culprit_search)  # fmt: skip
     return outcome
 
 

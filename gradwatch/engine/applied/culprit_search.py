@@ -34,10 +34,13 @@ def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
     if is_sixteen_bit(model):
         searched, batch = float32_twin(model), promoted_batch(batch)
         notes.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
+    budget = setting.search_budget
+    if budget is not None:  # the recomputed check the search needs counts against the search's cap
+        budget.start()
     try:
         return check_gradients(searched, batch, single_loss(setting.loss_fn, setting.rng_states[0], None), step=step,
                                seed=session.settings.seed, optimizers=session.optimizers,
-                               hold_detached=session.settings.hold_detached)  # fmt: skip
+                               hold_detached=session.settings.hold_detached, search_budget=budget)  # fmt: skip
     except Exception as error:
         if passes_fallbacks(error):
             raise

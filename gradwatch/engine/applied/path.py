@@ -20,6 +20,7 @@ from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.session import CheckSession
 
 
@@ -29,7 +30,7 @@ class PathSetting:
     ``session`` (its model, checked parameters and training state), the window's micro-batches with their random
     states and how the loop combines their losses, the context the forward ran in (``autocast``: its dtype;
     ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients present
-    when the window began, and the loop's loss scale."""
+    when the window began, the loop's loss scale, and the cap on a formula fault's culprit search."""
 
     session: CheckSession
     batches: list[Any]
@@ -42,6 +43,7 @@ class PathSetting:
     group: Any = None
     start: Checksums | None = None
     loss_scale: float = 1.0
+    search_budget: SearchBudget | None = None
 
     @property
     def model(self) -> nn.Module:

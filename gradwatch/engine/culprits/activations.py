@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from gradwatch.engine.numerics.kinks import at_a_tie
 from gradwatch.engine.numerics.steps import relative_step
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import ProbeKind
 from gradwatch.errors import ExhaustedError
@@ -51,8 +53,10 @@ class ActivationProbes:
         portfolio: Portfolio,
         compute: torch.dtype,
         failing_params: frozenset[str] = frozenset(),
+        budget: SearchBudget | None = None,
     ) -> None:
         self.sites = sites
+        self.budget = budget
         self.failing_params = failing_params
         self.ladder = ladder
         self.portfolio = portfolio
@@ -62,11 +66,22 @@ class ActivationProbes:
         self._failing: dict[tuple[str, str], tuple[list[torch.Tensor], ProbeTask]] = {}  # the direction that failed
         self._splits: dict[tuple[str, str], str | None] = {}
         self._extra = 0  # evaluations spent outside probes (the splits of failing input probes)
+        self.may_stop: Callable[[], bool] = lambda: True  # whether the cap may stop the search now (it narrowed)
+        self.capped = False  # whether the budget's cap stopped the search (not its limits of probes and evaluations)
 
     @property
     def evaluations(self) -> int:
         """The loss evaluations the search spent so far."""
         return self._extra + sum(task.evaluations for task in self.tasks)
+
+    def _spend(self) -> None:
+        """Refuse to spend more (:class:`ExhaustedError`) past the search's limit of evaluations, or past its budget's
+        cap once the search narrowed the culprit down since its start (:attr:`may_stop`)."""
+        if self.evaluations >= MAX_EVALUATIONS:
+            raise ExhaustedError
+        if self.budget is not None and self.budget.exhausted() and self.may_stop():
+            self.capped = True
+            raise ExhaustedError
 
     def split(self, site: Site, place: str = "module_input") -> str | None:
         """Whether the failing probe of ``place`` of ``site`` (its input, or its own parameters) fails because of its
@@ -81,8 +96,7 @@ class ActivationProbes:
         found = self._failing.get((site.name, place))
         if found is None:
             return None
-        if self.evaluations >= MAX_EVALUATIONS:
-            raise ExhaustedError
+        self._spend()
         components, task = found
         assert task.result is not None
         evaluate = self.ladder.measurements.evaluator.loss
@@ -132,7 +146,8 @@ class ActivationProbes:
         """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
         it, such as a dropped projection term) and along a random direction (which sees that error); the place is
         wrong if either fails, right if both agree."""
-        if len(self.tasks) >= MAX_PROBES or self.evaluations >= MAX_EVALUATIONS:
+        self._spend()
+        if len(self.tasks) >= MAX_PROBES:
             raise ExhaustedError
         grads = site.gradients[place]
         # a module called several times (shared weights, a recurrent cell): the error flows backwards through its

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from gradwatch.engine.culprits.descent import LOSS
 from gradwatch.engine.culprits.sites import Site
+from gradwatch.engine.culprits.words import LOSS
 from gradwatch.engine.results.kinds import ProbeKind
 
 INWARD = (ProbeKind.MODULE_INPUT, ProbeKind.MODULE_PARAMS)

@@ -6,70 +6,96 @@ the culprit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
 from gradwatch.engine.culprits.sites import Site
-from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.results.naming import display_name, named
+from gradwatch.engine.culprits.words import CulpritWords, Localization
+from gradwatch.engine.probing.search_budget import SearchBudget
+from gradwatch.engine.results.naming import named
 from gradwatch.engine.results.notes import Note, NoteCode
-
-LOSS = "<loss>"
-"""The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
+from gradwatch.engine.results.search_progress import SearchProgress
 
 
-@dataclass
-class Localization:
-    """What a culprit search found.
-
-    Attributes:
-        culprits: The culprit's name and those of the modules proven to contain it, most specific first (empty when
-            no module could be singled out).
-        message: The finding in words, leading with the culprit.
-        tasks: The activation probes the search made, measured.
-        notes: Why a search could not run or stopped short.
-    """
-
-    culprits: list[str] = field(default_factory=list)
-    message: str = ""
-    tasks: list[ProbeTask] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-
-
-class Descent:
+class Descent(CulpritWords):
     """The descent of :func:`~gradwatch.engine.culprits.search.localize` (see the module docs), writing into
     ``found``."""
 
     def __init__(
-        self, sites: dict[str, Site], probes: ActivationProbes, failing_params: set[str], found: Localization
+        self,
+        sites: dict[str, Site],
+        probes: ActivationProbes,
+        failing_params: set[str],
+        found: Localization,
+        budget: SearchBudget | None = None,
     ) -> None:
         self.sites = sites
         self.probes = probes
         self.failing_params = failing_params
         self.found = found
+        self.budget = budget
         self.path: list[Site] = []  # modules proven to contain the bug, outermost first
         self.passed: set[str] = set()  # modules whose output gradient a split proved wrong: the boundary is after them
+        self.resumed = False
+        self._narrowed: tuple[str, ...] = budget.candidates if budget is not None else ()  # from an earlier search
+        self._narrowing: tuple[Site | None, list[Site]] | None = None  # the children a binary search is narrowing
+        self._start: tuple[tuple[str, ...], set[str]] = ((), set())  # where this check's search started
+        probes.may_stop = self._narrowed_since_start
 
     def run(self) -> None:
+        complete = False
         try:
-            self._descend()
+            self._descend(self._resume())
+            complete = True
         except ExhaustedError:
-            spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
-            if self.path:
-                deepest = self.path[-1]
-                self._name(deepest, f"the search stopped at its budget ({spent}) inside `{display_name(deepest.name)}`")
-            self.found.notes.append(
-                Note(
-                    NoteCode.CULPRIT_PROBE_LIMIT,
-                    f"culprit search stopped at its budget ({spent}): "
-                    + (
-                        f"{named(self.path[-1])} is the deepest module proved to hold the bug"
-                        if self.path
-                        else "no module proved to hold the bug"
-                    ),
-                )
-            )
+            self._stopped()
+        self.found.progress = SearchProgress(
+            complete, tuple(s.name for s in self.path), () if complete else self._candidates(), self.resumed,
+            self.probes.evaluations,
+        )  # fmt: skip
+
+    def _resume(self) -> Site | None:
+        """Where the search starts: inside the deepest module an earlier check's search proved to hold the bug, if it
+        still proves it (its output gradient right, the bug inside it by its own probes), else from the loss (among the
+        candidates left there, if the earlier search had proved no module yet). The cap cannot stop the proof: it
+        stops a search only once it narrowed the culprit further than where it started."""
+        within = self.budget.within if self.budget is not None else ()
+        start = None
+        self.probes.may_stop = lambda: False
+        if within and all(name in self.sites for name in within):
+            deepest = self.sites[within[-1]]
+            if self._still_holds(deepest):
+                self.path, self.resumed, start = [self.sites[name] for name in within], True, deepest
+        if within and not self.resumed:
+            self._narrowed = ()
+        self.resumed = self.resumed or bool(self._narrowed)
+        self._start = (tuple(s.name for s in self.path), set(self._narrowed or self._candidates()))
+        self.probes.may_stop = self._narrowed_since_start
+        return start
+
+    def _narrowed_since_start(self) -> bool:
+        """Whether the search narrowed the culprit further than where this check's search started: a module more
+        proved to hold the bug, or fewer candidates left inside the deepest one."""
+        path = tuple(s.name for s in self.path)
+        if len(path) != len(self._start[0]):
+            return len(path) > len(self._start[0])
+        return set(self._candidates()) < self._start[1]
+
+    def _still_holds(self, site: Site) -> bool:
+        """Whether the bug is proved inside ``site`` again: its output gradient right and its input gradient (or a
+        parameter's inside it) wrong by its own backward; for the model itself, the outermost module, its output
+        gradient right (the check failed: the bug is in the model, not in the loss's own code)."""
+        if site.parent is None:
+            return self._verdict(site, "activation") == "ok"
+        return self._proved_inside(site) or self._leaf_own_parameters(site)
+
+    def _candidates(self) -> tuple[str, ...]:
+        """Where the bug still lies inside the deepest module proved: the children of its chain the binary search was
+        narrowing (all of them before it started), and its sources (looked at after the chain)."""
+        deepest = self.path[-1] if self.path else None
+        chain, sources = self._children(deepest)
+        if self._narrowing is not None and self._narrowing[0] is deepest:
+            chain = self._narrowing[1]
+        return tuple(site.name for site in [*chain, *sources])
 
     def _children(self, node: Site | None) -> tuple[list[Site], list[Site]]:
         """The node's children whose output can be displaced, in the order the forward ran them: the chain (a gradient
@@ -87,7 +113,7 @@ class Descent:
     def _descend(self, node: Site | None = None) -> None:
         while True:
             chain, sources = self._children(node)
-            j, settled = self._boundary(chain)
+            j, settled = self._boundary(chain, node)
             if not settled and not (j < len(chain) and self._proved_inside(chain[j])):
                 # the boundary lies among undecided children, unless the first child known right passes a wrong
                 # gradient to its input or to parameters inside it (which proves the bug inside it, whatever the
@@ -173,29 +199,6 @@ class Descent:
                 return source
         return None
 
-    def _after_last(self, node: Site | None, last: Site) -> None:
-        """Even the last child's output gradient is wrong: the node's own code after it (the loss, at the top)."""
-        if node is None:
-            self._culprit(
-                None,
-                f"the loss's own backward is wrong: the gradient at the output of {named(last)} is "
-                f"{self._off(last, 'activation')} off",
-            )
-        else:
-            self._culprit(node, self._own_words(node, f" after {named(last)}"))
-
-    def _between(self, node: Site | None, before: Site, after: Site) -> None:
-        """The gradient is right at ``after``'s input and wrong at ``before``'s output: the node's own code."""
-        if node is None:
-            self._culprit(
-                None,
-                f"the loss's own backward is wrong between {named(before)} and {named(after)}: the gradient at "
-                f"the input of `{display_name(after.name)}` is right, at the output of `{display_name(before.name)}` "
-                f"{self._off(before, 'activation')} off",
-            )
-        else:
-            self._culprit(node, self._own_words(node, f" between {named(before)} and {named(after)}"))
-
     def _wrong_inside(self, site: Site) -> bool:
         """Whether a failing parameter inside ``site`` has a wrong gradient as its own module uses it (a probe
         displacing it during that module's forward only fails): the error arises inside ``site``, not in a use of
@@ -213,13 +216,16 @@ class Descent:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
 
-    def _boundary(self, children: list[Site]) -> tuple[int, bool]:
+    def _boundary(self, children: list[Site], node: Site | None = None) -> tuple[int, bool]:
         """The first child from which on every output gradient is right (the error flows backwards): a binary search
         over the children whose probes decide, passing over the undecided ones; and whether it is settled (``False``
-        where the boundary lies among undecided children, the first child known right returned)."""
-        low, high = 0, len(children)
+        where the boundary lies among undecided children, the first child known right returned). A resumed search
+        starts from the range an earlier check's search narrowed the boundary to (the first child it found right, the
+        children before the range it found wrong; the children at the boundary are measured again as it is named)."""
+        low, high = self._resumed_range(children, node)
         undecided: set[int] = set()
         while low < high:
+            self._narrowing = (node, children[low:high])
             open_ = [i for i in range(low, high) if i not in undecided]
             if not open_:
                 return high, False
@@ -231,7 +237,24 @@ class Descent:
                 high = middle
             else:
                 undecided.add(middle)
+        self._narrowing = (node, children[low : low + 1])  # the first child right: the bug inside it, or before it
         return low, True
+
+    def _resumed_range(self, children: list[Site], node: Site | None) -> tuple[int, int]:
+        """The range of ``children`` (the node's chain) the boundary lies in: all of them, or, once, where an earlier
+        search left it (none of them where it left only the node's sources: every output gradient along the chain was
+        wrong)."""
+        narrowed, self._narrowed = self._narrowed, ()
+        if not narrowed:
+            return 0, len(children)
+        names = [c.name for c in children]
+        inside = [names.index(n) for n in narrowed if n in names]
+        if inside:
+            return min(inside), max(inside) + 1
+        sources = {s.name for s in self._children(node)[1]}
+        if set(narrowed) <= sources:
+            return len(children), len(children)
+        return 0, len(children)
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
@@ -295,40 +318,6 @@ class Descent:
         return (
             self._verdict(owner, "module_params") == "fail" and self.probes.split(owner, "module_params") != DOWNSTREAM
         )
-
-    def _parameters_culprit(self, owner: Site) -> None:
-        read = [name for name in owner.parameters if "." in name]  # a module's own parameters have plain names
-        whose = "its parameters" if not read else "the parameters it reads (" + ", ".join(f"`{n}`" for n in read) + ")"
-        off, right = self._off(owner, "module_params"), self._verdict(owner, "activation") in ("ok", None)
-        why = "while its output gradient is right" if right else "and disagrees with its forward"  # split: own
-        self._culprit(owner, f"the backward of {named(owner)} is wrong: the gradient of {whose} is {off} off {why}")
-
-    def _own_words(self, node: Site, where: str) -> str:
-        evidence = (
-            f"its input gradient is {self._off(node, 'module_input')} off while its output gradient is right"
-            if self._verdict(node, "module_input") == "fail"
-            else "the gradient of its parameters is wrong while its output gradient is right"
-        )
-        code = f" in its own code{where}" if where else ""
-        if not node.children:
-            code = ""
-        return f"the backward of {named(node)} is wrong{code}: {evidence}"
-
-    def _off(self, site: Site, place: str) -> str:
-        result = self.probes.verdict(site, place)
-        if result is None:
-            return "?"
-        # a formula fault within float32's tolerance, searched for in float64 (:mod:`..recomputed.formula`): 2e-05
-        return f"{result.rel_error:.1%}" if result.rel_error >= 1e-3 else f"{result.rel_error:.1g}"
-
-    def _culprit(self, site: Site | None, message: str) -> None:
-        names = [LOSS] if site is None else [site.name]
-        names += [s.name for s in reversed(self.path) if site is None or s.name != site.name]
-        self.found.culprits = names
-        self.found.message = message
-
-    def _name(self, site: Site, why: str) -> None:
-        self._culprit(site, f"the backward of {named(site)} or of a module inside it is wrong ({why})")
 
     def _sweep(self, node: Site | None) -> Site | None:
         """The first module inside ``node``, breadth first along the calls, whose output gradient is right and whose

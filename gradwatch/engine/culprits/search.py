@@ -40,8 +40,9 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from gradwatch.engine.culprits.activations import ActivationProbes
-from gradwatch.engine.culprits.descent import LOSS, Descent, Localization
+from gradwatch.engine.culprits.descent import Descent
 from gradwatch.engine.culprits.sites import Site, record_sites
+from gradwatch.engine.culprits.words import LOSS, Localization
 from gradwatch.engine.culprits.writes import Write, writes_behind_autograds_back
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.precision import probe_precision
@@ -49,6 +50,7 @@ from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error
 from gradwatch.engine.recomputed.reference import reproduced_center
@@ -65,9 +67,12 @@ def localize(
     tasks: Sequence[ProbeTask],
     ladder: LadderFactory,
     precision: str,
+    *,
+    budget: SearchBudget | None = None,
 ) -> Localization | None:
     """Search for the culprit of a failing check (see the module doc); ``None`` when the check did not fail on a
-    gradient probe. ``evaluator`` must be on the native parameters and inputs; it is again afterwards."""
+    gradient probe. ``evaluator`` must be on the native parameters and inputs; it is again afterwards. ``budget``: the
+    cap on what the search spends and where an earlier check's search left off (:mod:`.budget`)."""
     failing = [
         t
         for t in tasks
@@ -79,6 +84,8 @@ def localize(
     if not failing:
         return None
     found = Localization()
+    if budget is not None:
+        budget.start()
     written = _written(model, evaluator)
     if written is not None:
         found.culprits, found.message = written.culprits, written.message
@@ -99,10 +106,11 @@ def localize(
                 return found
             measurements = Measurements(evaluator, *reproduced)
             probes = ActivationProbes(
-                sites, ladder(measurements, portfolio.reference.loss), portfolio, compute, frozenset(failing_params)
-            )
+                sites, ladder(measurements, portfolio.reference.loss), portfolio, compute, frozenset(failing_params),
+                budget,
+            )  # fmt: skip
             found.tasks = probes.tasks  # the same list: filled as the search measures
-            Descent(sites, probes, failing_params, found).run()
+            Descent(sites, probes, failing_params, found, budget).run()
     except UnfaithfulFloat64Error as error:
         found.notes.append(
             Note(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.culprits.descent import LOSS
+from gradwatch.engine.culprits.words import LOSS
 from gradwatch.engine.function.evaluation import LossEvaluator
 
 BACKWARD = "<backward>"

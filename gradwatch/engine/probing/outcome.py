@@ -15,6 +15,7 @@ from typing import Any
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+from gradwatch.engine.results.search_progress import SearchProgress
 
 
 def overall_verdict(probes: Sequence[Probe]) -> Verdict:
@@ -39,6 +40,7 @@ class Outcome:
     culprits: list[str] = dataclasses.field(default_factory=list)
     culprit_message: str = ""
     surrogates: tuple[str, ...] = ()
+    culprit_search: SearchProgress | None = None
 
     def report_fields(self) -> dict[str, Any]:
         """The fields of the check's report this outcome gives (:meth:`CheckSession.report
@@ -52,4 +54,5 @@ class Outcome:
             "culprits": self.culprits,
             "culprit_message": self.culprit_message,
             "surrogates": self.surrogates,
+            "culprit_search": self.culprit_search,
         }

@@ -17,6 +17,7 @@ from gradwatch.engine.function.precision import ResolvedPrecision
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.probing.ladder import Ladder
 from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
@@ -46,6 +47,8 @@ class ProbePlan:
         priced: Whether float64 probes give way to native ones where float64 costs too much on the device
             (``precision="auto"``; see :func:`gradwatch.engine.function.precision.probe_precision`).
         step_seconds: What a priced check's native reference pass took: the price float64 is compared with.
+        search_budget: The cap on a failing check's culprit search and where it resumes (``None``: no cap, from the
+            loss; :mod:`.search_budget`).
     """
 
     portfolio: PortfolioSettings
@@ -61,6 +64,7 @@ class ProbePlan:
     tolerances: TensorTolerances | None = None
     priced: bool = False
     step_seconds: float = math.nan
+    search_budget: SearchBudget | None = None
 
     @property
     def seed(self) -> str:

@@ -51,6 +51,7 @@ from gradwatch.engine.numerics.steps import (
 from gradwatch.engine.probing.outcome import Outcome, overall_verdict
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.recomputed.layout import refusing_losses_written_for_shards
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
@@ -61,6 +62,7 @@ from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport
+from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
@@ -82,6 +84,7 @@ def check_gradients(
     rotation: int | None = None,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     settings: ProbeSettings | None = None,
+    search_budget: SearchBudget | None = None,
     **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss.
@@ -106,6 +109,12 @@ def check_gradients(
             otherwise only if given here. See :mod:`gradwatch.engine.function.optimizers`.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what
             :class:`~gradwatch.GradientWatch` passes, built once for a whole run); then none one by one.
+        search_budget: A cap on a failing check's culprit search, in training steps, and where an earlier check's
+            search left off (a :class:`~gradwatch.engine.probing.search_budget.SearchBudget`; what a series of checks
+            passes, its cap ``max_culprit_search_steps``). ``None`` (the default): the search goes on to the end
+            (within its own limits of 64 probes and 240 loss evaluations), from the loss. A search its cap stopped
+            leaves the verdict as it is, names the deepest module it proved to hold the bug and says where it stopped
+            (:attr:`~gradwatch.engine.results.report.CheckReport.culprit_search`).
         **options: The probe options one by one (``tensor_probes``, ``precision``, ``ignore``, ``rtol``, ...): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`, where each is documented with its default.
 
@@ -137,12 +146,13 @@ def check_gradients(
     focus = validate.check_patterns("focus", focus)
     validate.check_optional_int("rotation", rotation, minimum=0)
     refuse_meta(model, batch)
-    return _check(session, batch, loss_fn, focus, rotation)
+    return _check(session, batch, loss_fn, focus, rotation, search_budget)
 
 
 def _check(
-    session: CheckSession, batch: Any, loss_fn: LossFn, focus: tuple[str, ...], rotation: int | None
-) -> CheckReport:
+    session: CheckSession, batch: Any, loss_fn: LossFn, focus: tuple[str, ...], rotation: int | None,
+    search_budget: SearchBudget | None = None,
+) -> CheckReport:  # fmt: skip
     """The recomputed check's measurement plan, in its session: :func:`check_gradients` once its arguments are
     validated."""
     model, settings, surrogates = session.model, session.settings, session.surrogates
@@ -190,14 +200,16 @@ def _check(
         measure_floor=settings.rtol is None,
         check_formula=settings.rtol is None,
         priced=settings.precision == "auto" and session.collective is None,
+        search_budget=search_budget,
     )
     with surviving_out_of_memory(mode, next((p.device for _, p in params), None)) as ran_out, session.measuring():
         outcome = _run(session, batch, loss_fn, plan)
     if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
     if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
-        culprits, message = _culprits_of_twin(session, batch, loss_fn, (outcome.culprits, outcome.culprit_message))
-        outcome = dataclasses.replace(outcome, culprits=culprits, culprit_message=message)
+        own = (outcome.culprits, outcome.culprit_message, outcome.culprit_search)
+        culprits, message, progress = _culprits_of_twin(session, batch, loss_fn, own, search_budget)
+        outcome = dataclasses.replace(outcome, culprits=culprits, culprit_message=message, culprit_search=progress)
     report = session.report(
         **outcome.report_fields(),
         n_backward=outcome.evaluator.n_backward,
@@ -214,15 +226,17 @@ def _check(
 
 
 def _culprits_of_twin(
-    session: CheckSession, batch: Any, loss_fn: LossFn, own: tuple[list[str], str]
-) -> tuple[list[str], str]:
+    session: CheckSession, batch: Any, loss_fn: LossFn, own: tuple[list[str], str, SearchProgress | None],
+    search_budget: SearchBudget | None,
+) -> tuple[list[str], str, SearchProgress | None]:  # fmt: skip
     """The culprits of a failing check of a 16-bit model, from its float32 twin (:mod:`..function.twin`) where the
     twin's check fails too: the search's probes of module inputs and outputs there stand above the arithmetic's error,
     where in 16 bits they may not decide, or end at a wrong place. Where the twin passes, the fault lives in the 16-bit
     arithmetic alone (a kernel wrong only in bfloat16) and the model's own search stands. A note says which."""
     twin = float32_twin(session.model)
     try:
-        found = check_gradients(twin, promoted_batch(batch), loss_fn, step=session.step, settings=session.settings)
+        found = check_gradients(twin, promoted_batch(batch), loss_fn, step=session.step, settings=session.settings,
+                                search_budget=search_budget)  # fmt: skip
     except Exception as error:  # the verdict stands; the model's own search with it
         if passes_fallbacks(error):
             raise
@@ -235,7 +249,7 @@ def _culprits_of_twin(
     if found.verdict != Verdict.FAIL:
         return own
     session.trailing.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
-    return found.culprits, found.culprit_message
+    return found.culprits, found.culprit_message, found.culprit_search
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -257,6 +271,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
     surrogates: tuple[str, ...] = ()
     culprits: list[str] = []
     culprit_message = ""
+    progress = None
     model, state = session.model, session.state
     assert state is not None, "a check's measurements run inside session.measuring()"
     with probe_conditions():
@@ -266,8 +281,11 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
         )
         evaluator.loss_fn = loss_fn
-        if plan.priced:  # a training step's work on the probe batch: what float64 probes are priced against
-            plan = dataclasses.replace(plan, step_seconds=time.perf_counter() - started)
+        reference_seconds = time.perf_counter() - started  # a training step's work on the probe batch
+        if plan.priced:  # what float64 probes are priced against
+            plan = dataclasses.replace(plan, step_seconds=reference_seconds)
+        if plan.search_budget is not None:  # a training step's stand-in where the caller knows none
+            plan.search_budget.stand_in(reference_seconds)
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
@@ -298,7 +316,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
-            culprits, culprit_message = measured.culprits, measured.culprit_message
+            culprits, culprit_message, progress = measured.culprits, measured.culprit_message, measured.culprit_search
             if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
                 latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
                 evaluator.notes += [latent] if latent is not None else []
@@ -324,4 +342,5 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         culprits=culprits,
         culprit_message=culprit_message,
         probed_inputs=tuple(reference.input_grads),
+        culprit_search=progress,
     )

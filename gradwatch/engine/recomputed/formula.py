@@ -31,8 +31,8 @@ from contextlib import contextmanager
 
 import torch
 
-from gradwatch.engine.culprits.descent import Localization
 from gradwatch.engine.culprits.search import localize
+from gradwatch.engine.culprits.words import Localization
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of

@@ -30,6 +30,7 @@ from gradwatch.engine.recomputed.signatures import stop_gradients, straight_thro
 from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import Probe
+from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.engine.unreached import unreached_note
 
 LOCALIZED_AT_MOST = 8
@@ -62,6 +63,7 @@ class MeasuredProbes:
     culprit_message: str
     _: dataclasses.KW_ONLY
     rtol: float
+    culprit_search: SearchProgress | None = None
 
 
 def measured_probes(
@@ -105,6 +107,7 @@ def measured_probes(
     surrogates: list[str] = []
     culprits: list[str] = []
     message = ""
+    progress = None
     if portfolio is not None:
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
         if any(task.failed for task in tasks):
@@ -114,14 +117,15 @@ def measured_probes(
         surrogates += stop_gradients(evaluator, tasks)
         if found is None and sharding_active() is None:  # the search's probes are per rank: not a global function
             searched_in = _search_precision(evaluator, plan, precision)
-            found = localize(model, evaluator, portfolio, tasks, plan.ladder, searched_in)
+            found = localize(model, evaluator, portfolio, tasks, plan.ladder, searched_in, budget=plan.search_budget)
         if found is not None:
             evaluator.notes += found.notes
-            culprits, message = found.culprits, found.message
+            culprits, message, progress = found.culprits, found.message, found.progress
             tasks = [*tasks, *found.tasks]
     probes = [task.probe() for task in tasks]
     evaluator.notes += unreached_note(model, evaluator.params, reference.param_grads, probes)
-    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, rtol=plan.rtol)
+    return MeasuredProbes(probes, precision, vectorized, tuple(surrogates), culprits, message, rtol=plan.rtol,
+                          culprit_search=progress)  # fmt: skip
 
 
 def _probe_with_inputs_if_accepted(

@@ -96,6 +96,7 @@ class NoteCode(StrEnum):
     CULPRIT_FLOAT64_UNFAITHFUL = "culprit-float64-unfaithful", "no culprit search: float64 evaluates another function"
     CULPRIT_ABANDONED = "culprit-abandoned", "culprit search abandoned: the loss raised under its hooks"
     CULPRIT_PROBE_LIMIT = "culprit-probe-limit", "culprit search stopped at its limit of probes"
+    CULPRIT_SEARCH_CAPPED = "culprit-search-capped", "culprit search stopped at its cap; the next check goes on"
     CULPRIT_FLOAT32_TWIN = "culprit-float32-twin", "the culprit search ran on a float32 twin of the 16-bit model"
     CULPRIT_UNDECIDED = "culprit-undecided", "culprit search stopped: a probe inside it could not decide"
     UPSTREAM_IGNORED = "upstream-ignored", "a module's backward ignores its upstream gradient: right only at weight 1"

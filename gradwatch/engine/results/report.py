@@ -20,6 +20,7 @@ from gradwatch.engine.results.findings import Fault as Fault
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics
+from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.errors import CheckAbandonedError as CheckAbandonedError
 from gradwatch.errors import GradientCheckError as GradientCheckError
 from gradwatch.errors import UnrestoredStateWarning as UnrestoredStateWarning
@@ -173,6 +174,10 @@ class CheckReport:
         numerics: The settings that change the numbers, as training had them when the check started (TF32, reduced
             reductions, deterministic algorithms, attention backends, autocast; see
             :mod:`gradwatch.engine.results.numerics`).
+        culprit_search: How far a failing check's culprit search got (a
+            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap with the
+            modules proved to hold the bug and the candidates left inside them, where the next check of a series goes
+            on); ``None`` where no search ran.
     """
 
     step: int
@@ -198,6 +203,7 @@ class CheckReport:
     applied: AppliedFindings | None = None
     probed_inputs: tuple[str, ...] = ()
     numerics: Numerics | None = None
+    culprit_search: SearchProgress | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", _member(Verdict, self.verdict, "verdict"))
