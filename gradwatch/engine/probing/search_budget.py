@@ -25,6 +25,9 @@ import math
 import time
 from collections.abc import Callable
 
+from gradwatch.engine.distributed import tensor_parallel
+from gradwatch.engine.distributed.collective import any_rank
+
 
 @dataclasses.dataclass
 class SearchBudget:
@@ -81,10 +84,12 @@ class SearchBudget:
         return max(self.steps * step, self.min_seconds)
 
     def exhausted(self) -> bool:
-        """Whether the search has spent its cap since :meth:`start`."""
-        if self._started is None or math.isinf(self.seconds):
-            return False
-        return self.clock() - self._started >= self.seconds
+        """Whether the search has spent its cap since :meth:`start`, on this rank or on any rank searching in
+        lockstep with it (a sharded or tensor-parallel check, a global check of a loss with collectives): each rank
+        reads its own clock, and ranks that stopped at different points would run different collectives."""
+        spent = self._started is not None and not math.isinf(self.seconds)
+        spent = spent and self.clock() - self._started >= self.seconds  # type: ignore[operator]
+        return tensor_parallel.any_replica(any_rank([spent])[0])
 
 
 __all__ = ["SearchBudget"]
