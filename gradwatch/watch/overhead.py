@@ -39,6 +39,11 @@ class OverheadClock:
             self.train_seconds += now - self._mark
         self._mark = now
 
+    @property
+    def timing(self) -> bool:
+        """Whether the time from now to the next batch's end is training time (a batch ended since training started)."""
+        return self._mark is not None
+
     def check_ran(self, started: float, ended: float) -> None:
         """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
         if self.check_seconds == 0.0:

@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
+from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
 from gradwatch.engine.distributed.parameters import is_sharded
@@ -701,7 +702,7 @@ class GradientWatch:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            **training.arguments(),
+            closer_look=not self._applied.unbounded, **training.arguments(),
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -713,6 +714,8 @@ class GradientWatch:
             self._applied.ran(seconds)
         if report is None:
             return None
+        if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
+            self._applied.owe()
         self._findings.found(optimizer, step, report.fault)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
