@@ -186,3 +186,14 @@ def test_no_gradient_is_kept_for_an_owed_check_before_its_postponement_ends() ->
     assert windows.cadence.resume_at > 10
     assert not windows.due(10, 9)  # the watch keeps no copy of the gradient for the step before a check not yet due
     assert windows.due(windows.cadence.resume_at, windows.cadence.resume_at - 1)
+
+
+def test_the_update_check_of_the_first_applied_check_is_part_of_the_one_time_cost() -> None:
+    clock = OverheadClock()
+    clock.batch_ended(0.0)
+    clock.add_check(2.0)  # the first applied check
+    clock.add_check(0.25, first=True)  # the update check it leads to
+    clock.batch_ended(3.25)
+    clock.add_check(0.5)  # a later applied check
+    assert clock.first_seconds == 2.25
+    assert clock.steady_fraction == 0.5
