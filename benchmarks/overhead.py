@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import inspect
+import math
 import statistics
 import threading
 import time
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradwatch import GradWatch, check_gradients
+from gradwatch import GradientWatch, GradWatch, check_gradients
 
 COCKPIT = {1: 1.51, 4: 1.17, 16: 1.04, 64: 1.02}
 """Cockpit's cheapest configuration ("economy"), overhead factor by tracking interval (its paper, CIFAR-10 CNN, GPU)."""
@@ -177,6 +179,25 @@ def _llama_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Modu
     return (lambda: LlamaForCausalLM(config)), _llama_loss, DataLoader(data, batch_size=8)
 
 
+class MLP(nn.Module):
+    """A small MLP classifier (32 features, two hidden layers of 256): a training step of a few milliseconds, so that
+    10,000-step runs fit a benchmark session."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+def _mlp_setup(steps: int) -> tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], Tensor], DataLoader]:
+    """The MLP on 256 batches of 64 synthetic samples, repeated for as many epochs as the run's steps take."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256 * 64, 32, generator=g), torch.randint(0, 10, (256 * 64,), generator=g))
+    return MLP, _image_loss, DataLoader(data, batch_size=64)
+
+
 REALISTIC = {
     "CNN, CIFAR-shaped, batch 128": (_cnn_setup, 256),
     "GPT LM, 32 x 64 tokens": (_gpt_setup, 256),
@@ -192,6 +213,16 @@ SHORT = {
     "GPT LM, 32 x 64 tokens": (_gpt_setup, 600),
 }
 """A 600-step fine-tune at the defaults (``--short``): both kinds of check at step 1, then the 1% budget."""
+
+LONG = [
+    ("MLP (32-256-256-10), batch 64", _mlp_setup, 10_000, 3),
+    ("GPT LM, 32 x 64 tokens", _gpt_setup, 1000, 3),
+    ("CNN, CIFAR-shaped, batch 128", _cnn_setup, 600, 1),
+    ("GPT LM, 32 x 64 tokens", _gpt_setup, 600, 1),
+]
+"""The rows of ``--long``: runs of 10,000, 1,000 and 600 steps at the defaults, with the runs without a watch each is
+interleaved with (the 600-step rows one: their wall-time ratio moves too much on a shared machine to mean much; the
+10,000-step row on a small MLP, whose steps are short enough for 10,000 of them to fit a benchmark session)."""
 
 
 class _Timer(pl.Callback):
@@ -262,6 +293,7 @@ def _fit(
         accelerator=RUN["accelerator"],
         precision=RUN["precision"],  # type: ignore[arg-type]
         max_steps=steps,
+        max_epochs=-1,  # a loader shorter than the run (the MLP's) is repeated
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -413,6 +445,134 @@ def defaults_table(models: dict[str, Any] | None = None) -> None:
         )
 
 
+def long_table(rows: list[tuple[str, Any, int, int]], repeats: int) -> None:
+    """``GradWatch()`` at its defaults in ``repeats`` runs per row, the first ones each after a run without a watch
+    (A B A B ..., as many as the row says): the first checks' one-time cost in training steps, the share of the
+    training time the checks take after them and in all (the watch's own clock: check time over the time between
+    batches), and the wall-time ratio of each pair."""
+    print(
+        "| model | steps | checks made (recomputed, applied) | first checks, once (training steps) "
+        "| share after them (own clock) | share in all (own clock) | time with / without (wall) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, setup, steps, pairs in rows:
+        build, loss, loader = setup(steps)
+        first, steady, share, ratios, made = [], [], [], [], []
+        for run in range(repeats):
+            without = _fit(build, loss, loader, steps, None)[0] if run < pairs else math.nan
+            watch = GradWatch()
+            with_watch, _ = _fit(build, loss, loader, steps, watch)
+            clock = watch.watch._clock
+            step_seconds = clock.train_seconds / steps
+            first.append(clock.first_seconds / step_seconds)
+            steady.append(100 * clock.steady_fraction)
+            share.append(100 * clock.fraction)
+            ratios += [with_watch / without] if run < pairs else []
+            made.append(f"{len(watch.recomputed_reports)}, {len(watch.applied_reports)}")
+
+        def cell(values: list[float], form: str) -> str:
+            return f"{statistics.median(values):{form}} ({', '.join(f'{v:{form}}' for v in values)})"
+
+        print(
+            f"| {name} | {steps:,} | {'; '.join(made)} | {cell(first, '.1f')} | **{cell(steady, '.2f')}%** "
+            f"| {cell(share, '.2f')}% | {cell(ratios, '.3f')}x |",
+            flush=True,
+        )
+
+
+def first_checks_table(cases: list[tuple[str, nn.Module, Any, Callable[[nn.Module, Any], Tensor]]]) -> None:
+    """The two checks ``GradientWatch()`` makes at step 1 of a plain loop, in training steps of the same process
+    (CPU time of this thread; the applied one with the update check it leads to, timed as step 1's ``optimizer.step``
+    beyond a later one's), next to the applied check's lower bound (one backward and four float64 forwards of the
+    window, ``applied_lower_bound.py``)."""
+    print(
+        "| model | training step | applied check at step 1, with its update check (evaluations) "
+        "| recomputed check at step 1 "
+        "| both, in training steps | applied check's bound | both / bound |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, model, batch, loss in cases:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        watch = GradientWatch(verbose=False)
+        steps, stepping, applied, recomputed, report = [], [], 0.0, 0.0, None
+        for step in range(1, 13):
+            started = time.thread_time()
+            watch.record(batch)
+            loss(model, batch).backward()
+            before = time.thread_time()
+            watch.before_optimizer_step(model, loss, step=step)
+            after = time.thread_time()
+            optimizer.step()  # the update check of step 1 runs in its post hook
+            optimizer.zero_grad()
+            checking = time.thread_time()
+            stepping.append(checking - after)
+            watch.maybe_check(model, batch, loss, step=step)
+            ended = time.thread_time()
+            if step == 1:
+                applied, recomputed = after - before, ended - checking
+                report = watch.applied_reports[0]
+            elif step > 2:
+                steps.append(ended - started - (after - before) - (ended - checking))
+        step_seconds = statistics.median(steps)
+        applied += max(stepping[0] - statistics.median(stepping[2:]), 0.0)  # with the update check it led to
+        bound = _applied_bound(model, batch, loss) / step_seconds
+        both = (applied + recomputed) / step_seconds
+        evaluations = report.n_forward if report is not None else 0
+        print(
+            f"| {name} | {1e3 * step_seconds:.1f} ms | {applied / step_seconds:.1f} ({evaluations}) "
+            f"| {recomputed / step_seconds:.1f} | **{both:.1f}** | {bound:.1f} | {both / bound:.2f}x |"
+        )
+
+
+def _applied_bound(model: nn.Module, batch: Any, loss: Callable[[nn.Module, Any], Tensor]) -> float:
+    """One float32 forward and backward and four float64 forwards of the window (CPU time of this thread, medians of
+    5): the least a healthy applied check with float64 probes costs."""
+    precise = copy.deepcopy(model).double()
+    precise_batch = [t.double() if t.is_floating_point() else t for t in batch]
+
+    def timed(function: Callable[[], object]) -> float:
+        function()
+        times = []
+        for _ in range(5):
+            started = time.thread_time()
+            function()
+            times.append(time.thread_time() - started)
+        return statistics.median(times)
+
+    def backward() -> None:
+        torch.autograd.grad(loss(model, batch), [p for p in model.parameters() if p.requires_grad])
+
+    with torch.no_grad():
+        forward64 = timed(lambda: loss(precise, precise_batch))
+    return timed(backward) + 4 * forward64
+
+
+def _first_cases() -> list[tuple[str, nn.Module, Any, Callable[[nn.Module, Any], Tensor]]]:
+    """The models of ``applied_lower_bound.py`` (``applied.py``'s cost table, batch 64; this script's CNN and GPT) and
+    this script's MLP."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import applied_models
+    from applied_models import batch_for, cross_entropy
+
+    cases: list[tuple[str, nn.Module, Any, Callable[[nn.Module, Any], Tensor]]] = []
+    small = {"MLP": "MLP", "CNN (BatchNorm, dropout)": "CNN", "transformer (dropout)": "Transformer"}
+    for label, make in ((label, getattr(applied_models, name)) for label, name in small.items()):
+        torch.manual_seed(0)
+        model = make()
+        cases.append((f"{label}, `applied.py`, batch 64", model, batch_for(model, size=64, seed=1), cross_entropy))
+    for label, (setup, _) in SHORT.items():
+        build, loss, loader = setup(1)
+        torch.manual_seed(0)
+        cases.append((f"{label}, `overhead.py`", build(), next(iter(loader)), loss))
+    build, loss, loader = _mlp_setup(1)
+    torch.manual_seed(0)
+    cases.append(("MLP (32-256-256-10), batch 64, `overhead.py`", build(), next(iter(loader)), loss))
+    return cases
+
+
 def check_cost_table(checks: int) -> None:
     """One healthy check of each model of :data:`REALISTIC` at GradWatch's settings, for a probe batch of one sample
     and of the default (two): loss evaluations, forward passes and the median time, against one training step."""
@@ -487,6 +647,10 @@ def main() -> None:
     )
     parser.add_argument("--check-cost", action="store_true", help="only one healthy check's cost on each model")
     parser.add_argument("--short", action="store_true", help="only the defaults in 600-step runs")
+    parser.add_argument(
+        "--long", action="store_true", help="the defaults in 600-, 1,000- and 10,000-step runs, with and without"
+    )
+    parser.add_argument("--first", action="store_true", help="only the two checks at step 1 of a plain loop")
     parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per setting")
     parser.add_argument("--steps", type=int, default=256, help="training steps per run")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the table's runs train")
@@ -501,6 +665,11 @@ def main() -> None:
         defaults_table()
     elif args.short:
         defaults_table(SHORT)
+    elif args.long:
+        long_table(LONG, args.repeats)
+    elif args.first:
+        torch.set_num_threads(1)
+        first_checks_table(_first_cases())
     elif args.check_cost:
         check_cost_table(12)
     else:

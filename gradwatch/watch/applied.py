@@ -52,14 +52,16 @@ class Windows:
         self._since: dict[Any, int] = {}  # by key: how many of ``stepped`` came before its window was recorded
         self.step = -1  # the optimizer step the current window leads to (recorded or not)
         self._open = False  # whether the window's step is due and affordable
+        self._timed = False  # whether the clock times the current window (it began after a batch's end)
         self._said_unrecorded = False
 
     def due(self, step: int, previous: int | None = None) -> bool:
-        """Whether optimizer step ``step`` (1 for the first) is due for an applied check, or one is pending: a due step
-        in ``(previous, step]`` (``previous``: the last window's step, ``step - 1`` by default; a loop whose windows
-        each lead to several optimizer steps numbers them apart)."""
+        """Whether optimizer step ``step`` (1 for the first) is due for an applied check, or one is pending (and not
+        postponed past ``step``): a due step in ``(previous, step]`` (``previous``: the last window's step, ``step - 1``
+        by default; a loop whose windows each lead to several optimizer steps numbers them apart)."""
         previous = step - 1 if previous is None or not 0 <= previous < step else previous
-        return self.cadence.enabled and (self.cadence.pending or self.cadence.due(previous, step))
+        waiting = self.cadence.pending and step >= self.cadence.resume_at  # not before a postponement ends
+        return self.cadence.enabled and (waiting or self.cadence.due(previous, step))
 
     def record(
         self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int], key: Any = None
@@ -69,7 +71,8 @@ class Windows:
         ``None``: the window every optimizer of the step shares)."""
         if step != self.step:  # a new window begins
             self.windows, self.stepped = {}, []
-            self.cadence.steps += self.step >= 0
+            self.cadence.steps += self._timed  # the window before, if the clock timed it: the training time's steps
+            self._timed = self.cadence.clock.timing
             previous, self.step = self.step, step
             self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
         if self._open:

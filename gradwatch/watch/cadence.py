@@ -140,6 +140,17 @@ class Cadence:
         per_step = clock.train_seconds / self.steps if self.steps > 0 and clock.train_seconds > 0 else 0.0
         return max(1, math.ceil(needed / per_step)) if per_step > 0 else 1
 
+    @property
+    def unbounded(self) -> bool:
+        """Whether the next check is one no budget bounds: the first of its kind, made whatever the budget to measure
+        what one costs (an applied one leaves its closer look to later: :mod:`gradwatch.engine.applied.closer_look`)."""
+        return self.checks == 0 and self.max_overhead is not None
+
+    def owe(self) -> None:
+        """The check just made left part of its work for later (the first applied check's closer look): another is due
+        now, made when the budget affords it (pending, and in a checkpoint's state as such)."""
+        self.pending = True
+
     def skipped(self) -> None:
         """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""
         self.pending = True

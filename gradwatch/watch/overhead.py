@@ -1,10 +1,10 @@
 """gradwatch's own time against the training time, for the ``gradwatch/overhead*`` scalars and the budget
 (:mod:`.cadence`).
 
-The first recomputed check and the first applied check are made whatever the budget (they measure what a check
-costs): their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share of the training time the
-checks take from then on (:attr:`OverheadClock.steady_fraction`, what the budget keeps near 1%) is not drowned by a
-one-time cost set against the few steps trained so far.
+The first recomputed check and the first applied check (with the update check it leads to) are made whatever the budget
+(they measure what a check costs): their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share of
+the training time the checks take from then on (:attr:`OverheadClock.steady_fraction`, what the budget keeps near 1%) is
+not drowned by a one-time cost set against the few steps trained so far.
 
 Training time is measured between the ends of consecutive training batches, minus the time the checks took; time
 before the first batch (set-up, a resumed run's restart) does not count.
@@ -39,6 +39,11 @@ class OverheadClock:
             self.train_seconds += now - self._mark
         self._mark = now
 
+    @property
+    def timing(self) -> bool:
+        """Whether the time from now to the next batch's end is training time (a batch ended since training started)."""
+        return self._mark is not None
+
     def check_ran(self, started: float, ended: float) -> None:
         """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
         if self.check_seconds == 0.0:
@@ -46,10 +51,11 @@ class OverheadClock:
         self.check_seconds += ended - started
         self._mark = ended  # the check's own time is not training time
 
-    def add_check(self, seconds: float) -> None:
+    def add_check(self, seconds: float, *, first: bool = False) -> None:
         """An applied check took ``seconds`` inside a training batch (at the optimizer step): its time is gradwatch's,
-        not training's, and counts against the budget both kinds of check share."""
-        if self.applied_seconds == 0.0:
+        not training's, and counts against the budget both kinds of check share. The first applied check's time is a
+        one-time cost, and so is the update check it leads to (``first``)."""
+        if first or self.applied_seconds == 0.0:
             self.first_seconds += seconds
         self.applied_seconds += seconds
         if self._mark is not None:

@@ -176,7 +176,8 @@ class UpdateChecks:
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip
         seconds = time.perf_counter() - started
-        self._clock.add_check(seconds)  # gradwatch's time, within the applied checks' budget
+        first = self._checks == 0 and self._applied.checks <= 1  # the update of the run's first applied check
+        self._clock.add_check(seconds, first=first)  # gradwatch's time, within the applied checks' budget
         self._applied.cost += seconds
         self._checks += 1
         pending.snapshot, pending.grads = None, {}  # the copies are needed no more

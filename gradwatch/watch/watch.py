@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
+from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
 from gradwatch.engine.distributed.parameters import is_sharded
@@ -97,11 +98,10 @@ class GradientWatch:
             rate-limited), ``"raise"`` (:class:`~gradwatch.GradientCheckError`), ``"stop"`` (warn and set
             :attr:`should_stop`) or a callable receiving the failing :class:`~gradwatch.CheckReport`.
         loss_fn: ``loss_fn(model, batch) -> scalar Tensor``, the loss to check when a call is given none.
-        max_overhead: The budget both kinds share: a due check is postponed while gradwatch's time, with that check,
-            would exceed this fraction of the training time (measured between calls); the first recomputed check is
-            always made, and measures the cost. 1% by default (``DEFAULT_MAX_OVERHEAD``) whatever the cadence, one
-            chosen by hand included; ``None``: none (``every_n_steps=1, max_overhead=None`` checks every step).
-            ``"auto"``, the rule of earlier versions: 1% at the default cadence, none for a cadence chosen by hand.
+        max_overhead: The budget both kinds share: a due check waits while gradwatch's time with it would exceed this
+            fraction of the training time (measured between calls); the first checks are always made, a one-time
+            cost. 1% by default (``DEFAULT_MAX_OVERHEAD``), whatever the cadence; ``None``: none (``every_n_steps=1,
+            max_overhead=None`` checks every step); ``"auto"``: 1% at the default cadence, none for a chosen one.
         max_reports: How many reports :attr:`reports` keeps (the oldest are dropped).
         verbose: Log (INFO) what is no failure: notes once each, postponements, warnings the backoff withholds.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (then none one by one);
@@ -114,14 +114,11 @@ class GradientWatch:
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         max_culprit_search_steps: The most a failing check's culprit search may take, in training steps at the run's
-            mean step (before one is measured, the check's reference pass stands in), and never under 30 s
-            (``MIN_CULPRIT_SEARCH_SECONDS``: a small model's search stalls nothing); a search that runs out leaves
-            the verdict ``"fail"``, names the deepest module it proved to hold the bug and the candidates left, and
-            the next failing check goes on from there (carried in :meth:`state_dict`). 100 by default
-            (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
-        check_update: At each step whose gradient an applied check verified, also check the update the optimizer
-            makes of it against a reference update (``scope == "update"``; :mod:`gradwatch.watch.updates`);
-            ``False``: no update check.
+            mean step, never under 30 s (``MIN_CULPRIT_SEARCH_SECONDS``); one that runs out stays ``"fail"``, names
+            the deepest module it proved and the candidates left, and the next failing check goes on from there (in
+            :meth:`state_dict`). 100 by default (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
+        check_update: Where an applied check verified the gradient, check the optimizer's update of it against a
+            reference update (``scope == "update"``; :mod:`gradwatch.watch.updates`); ``False``: none.
         **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`.
 
@@ -719,7 +716,7 @@ class GradientWatch:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            search_budget=self._search_budget(), **training.arguments(),
+            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **training.arguments(),
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -731,6 +728,8 @@ class GradientWatch:
             self._applied.ran(seconds)
         if report is None:
             return None
+        if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
+            self._applied.owe()
         self._findings.found(optimizer, step, report.fault)
         self._lessons.learn_search(report)
         self._outcomes.publish(report, self._overhead())

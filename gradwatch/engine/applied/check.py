@@ -73,6 +73,7 @@ def check_applied_gradient(
     group: Any = None,
     start: Checksums | None = None,
     rotation: int = 0,
+    closer_look: bool = True,
     culprit_search: bool = True,
     loss_scale: float = 1.0,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
@@ -114,6 +115,10 @@ def check_applied_gradient(
         start: The fingerprint of the gradients present when the window began (:class:`AppliedWindow` records it): a
             leftover of an earlier window is then recognised as an accumulation fault.
         rotation: Which window of tensors the probes cover (the check's position in a series).
+        closer_look: ``False``: when the combined probes all agree, stop there and leave the float64 floor and the
+            tensor probes to a later check, with a note ``applied-closer-look-deferred`` saying what was looked at
+            (a watch's first applied check, which no budget bounds: :mod:`~gradwatch.engine.applied.closer_look`); a
+            probe that does not agree goes on to them at once.
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
         optimizers: Optimizers whose state the check puts back if the loss changes it (a learning rate decayed inside
@@ -154,7 +159,7 @@ def check_applied_gradient(
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
                               notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
-    plan = _plan(setting, names, applied, rotation)
+    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look)
     refused = _refused(setting, plan, shards, culprit_search=culprit_search)
     if refused is not None:
         return refused

@@ -15,6 +15,7 @@ from torch import Tensor
 from gradwatch.engine.applied import autocast_path, lazy_floor
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
+from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.measured import calm
 from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.plan import AppliedPlan
@@ -93,7 +94,8 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     floor_values = floors(measured_floors or [], applied_norms, plan.path_dtype)
     screens, lazy = dict[Any, Any](), measured_floors is None
     measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, provisional=lazy)
-    if measured_floors is None and not calm(measured):  # a probe the storage rounding alone leaves uncalm
+    if measured_floors is None and not calm(measured) and not deferred(evaluator.notes):  # a probe the storage
+        # rounding alone leaves uncalm (a first check whose combined probes agree leaves that to a later one)
         measured_floors, rounding = lazy_floor.float64_rounding(setting, eager, plan.applied, evaluator.notes)
         path.backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, plan.path_dtype)

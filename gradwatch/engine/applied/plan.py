@@ -27,6 +27,8 @@ class AppliedPlan:
         eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
             applied gradient is further from it than its floor allows is probed on its own
             (:func:`~.measured.off_eager`).
+        closer_look: ``False``: the check stops after its combined probes when they all agree, leaving the float64
+            floor, groups and tensor probes to a later check (a watch's first applied check: :mod:`.closer_look`).
     """
 
     names: list[str]
@@ -37,6 +39,7 @@ class AppliedPlan:
     tensor_probes: int
     rotation: int
     eager: list[Tensor] | None = None
+    closer_look: bool = True
 
     @cached_property
     def applied_norms(self) -> list[float]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradwatch.engine.applied.closer_look import deferred_note, waits
 from gradwatch.engine.applied.combined import tensors_to_probe, unvouched, vouching_groups
 from gradwatch.engine.applied.directions import AppliedProbes
 from gradwatch.engine.applied.gradients import exact_conditions
@@ -144,6 +145,10 @@ def _not_reproducible(evaluator: LossEvaluator, center: float, loss: float) -> l
 def _probed(probes: AppliedProbes, probing: _Pass, beyond: list[int]) -> list[Measured]:
     plan, floors, provisional = probing.plan, probing.floors, probing.provisional
     measured = [m for m in (probes.descent(), probes.balanced(), *probes.every_check()) if m is not None]
+    if not plan.closer_look and not beyond and waits(measured, probes.grad_norms, floors, plan.multiple):
+        note = deferred_note(measured, plan.names, probes.grad_norms, floors, plan.multiple, provisional=provisional)
+        probes.measurements.evaluator.notes.append(note)  # a series' first check: its closer look waits (.closer_look)
+        return measured
     if provisional and not calm(measured):
         return measured
     if calm(measured):  # the tensors they leave unvouched, in groups a balanced probe over each would vouch for

@@ -156,6 +156,10 @@ class NoteCode(StrEnum):
         "applied-path-inferred",
         "the path's autocast was inferred: the model enters it itself, or it reproduces the applied gradient",
     )
+    APPLIED_CLOSER_LOOK_DEFERRED = (
+        "applied-closer-look-deferred",
+        "a first applied check made only its combined probes (they agree); its closer look waits for budget",
+    )
     UNREACHED_PARAMETERS = (
         "unreached-parameters",
         "trainable parameters the loss never reaches: requires_grad, and no gradient after the backward",
