@@ -110,3 +110,21 @@ def test_the_norm_an_engine_clipped_with_is_held_against_the_verified_norm() -> 
     assert check_clip_norm(verified, 2 * true, max_norm=100.0).verdict == "ok"
     with pytest.raises(ValueError, match="`max_norm` must be a positive number"):
         check_clip_norm(verified, true, max_norm=0.0)
+
+
+def test_a_float32_norm_of_millions_of_elements_clips_cleanly() -> None:
+    # the Trainer's clip_grad_norm_ takes a float32 norm, which on a CPU is off by far more than float32's epsilon for
+    # a tensor of millions of elements (an embedding's gradient at 0.5B parameters: 3e-3): no false alarm for that
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(4_000_000)), nn.Parameter(torch.zeros(300))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    float32_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    verified = GradientNorms.of([p.grad for p in params])
+    assert abs(float(float32_norm) / verified.total - 1) > 2e-5  # the case: beyond the tolerance of 1e-5
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    report = check_clipping(verified, [p.grad for p in params], 1.0)
+    assert (report.verdict, report.fault) == ("ok", None), report.fault_message
+    for p in params:
+        p.grad.mul_(1.001)  # type: ignore[union-attr]
+    assert check_clipping(verified, [p.grad for p in params], 1.0).fault == "clipping"

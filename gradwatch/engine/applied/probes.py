@@ -33,9 +33,15 @@ from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eage
 from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.memory import is_out_of_memory, release_memory
-from gradwatch.engine.function.precision import float64_storage, resolve_precision, substitute_of
+from gradwatch.engine.function.precision import (
+    AUTO_FLOAT64_ELEMENTS,
+    float64_storage,
+    resolve_precision,
+    substitute_of,
+)
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import NotReproducibleError, passes_fallbacks
@@ -86,7 +92,7 @@ def measure(
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
         elif float64:
             try:
-                with float64_storage(evaluator.model) as substitutes:
+                with float64_storage(evaluator.model, _moved(evaluator.model, named)) as substitutes:
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
                     return _probes_at(evaluator, probing, torch.float64)
@@ -104,6 +110,14 @@ def measure(
                 evaluator.params = named
                 evaluator.use_native_inputs()
         return _probes_at(evaluator, probing, plan.native)
+
+
+def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set[int] | None:
+    """The parameters that get a float64 copy: all of them, unless the model is beyond the float64 limit (a LoRA
+    adapter on a billion frozen parameters), where only the checked ones do and the rest are cast where used
+    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`), without a float64 copy of the whole model."""
+    elements = sum(p.numel() for p in model.parameters() if p.is_floating_point() or p.is_complex())
+    return {id(autograd_tensor(p)) for _, p in named} if elements > AUTO_FLOAT64_ELEMENTS else None
 
 
 def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -> list[Measured]:
