@@ -42,19 +42,27 @@ def recorded(call: Callable[..., Any], operations: list[str], active: Callable[[
     return recording
 
 
-def hooks(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def global_hooks() -> int:
+    """How many global hooks every module and optimizer runs (``register_module_forward_hook``,
+    ``register_optimizer_step_pre_hook``, ...): taken before a test's run, as what code before it left installed."""
+    modules = torch.nn.modules.module
+    return (
+        len(optimizers._global_optimizer_pre_hooks) + len(optimizers._global_optimizer_post_hooks)
+        + len(modules._global_forward_hooks) + len(modules._global_forward_pre_hooks)
+    )  # fmt: skip
+
+
+def hooks(model: nn.Module, optimizer: torch.optim.Optimizer, *, before: int = 0) -> int:
     """How many hooks the model's modules and parameters and the optimizer hold (and the optimizer an Accelerate
-    wrapper wraps), the global ones included."""
-    count = 0
+    wrapper wraps), with the global ones installed since there were ``before`` (:func:`global_hooks`)."""
+    count = global_hooks() - before
     for own in {id(optimizer): optimizer, id(inner := getattr(optimizer, "optimizer", optimizer)): inner}.values():
         held = vars(own)
         count += len(held.get("_optimizer_step_pre_hooks", {})) + len(held.get("_optimizer_step_post_hooks", {}))
-    count += len(optimizers._global_optimizer_pre_hooks) + len(optimizers._global_optimizer_post_hooks)
     for module in model.modules():
         count += len(module._forward_hooks) + len(module._forward_pre_hooks) + len(module._backward_hooks)
         count += len(module._backward_pre_hooks)
     for parameter in model.parameters():
         count += len(parameter._backward_hooks or {})
         count += len(getattr(parameter, "_post_accumulate_grad_hooks", None) or {})
-    modules = torch.nn.modules.module
-    return count + len(modules._global_forward_hooks) + len(modules._global_forward_pre_hooks)
+    return count

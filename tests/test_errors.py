@@ -164,14 +164,16 @@ def _applied_check() -> Any:
 def test_a_bug_of_gradwatchs_own_in_the_applied_probes_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
     """The applied check probes natively when the model cannot run in float64, with a note; a bug of gradwatch's own
     there is not the model refusing float64: it propagates out of the check."""
-    broken = _gradwatch_function("def float64_storage(model):\n    return model.no_such_attribute\n", "float64_storage")
+    broken = _gradwatch_function(
+        "def float64_storage(model, moved=None):\n    return model.no_such_attribute\n", "float64_storage"
+    )
     monkeypatch.setattr(probes, "float64_storage", broken)
     with pytest.raises(AttributeError, match="no_such_attribute"):
         _applied_check()
 
 
 def test_the_model_refusing_float64_in_the_applied_probes_is_still_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refusing(model: Any) -> None:  # the user's model raising in float64
+    def refusing(model: Any, moved: Any = None) -> None:  # the user's model raising in float64
         raise AttributeError("the model has no float64 kernel")
 
     monkeypatch.setattr(probes, "float64_storage", refusing)

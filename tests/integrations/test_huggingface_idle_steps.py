@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from idle_steps import hooks, recorded
+from idle_steps import global_hooks, hooks, recorded
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -38,6 +38,7 @@ def test_the_hooks_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_ho
     model = _Classifier()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     callback = GradWatchCallback(trainer, verbose=False)  # the defaults: both first checks at step 1
+    installed = global_hooks()  # what earlier code left: not the watch's
     operations: list[str] = []
     steps: list[int] = [0]
     hooks_left: list[int] = []
@@ -55,7 +56,7 @@ def test_the_hooks_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_ho
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if idle():
-                hooks_left.append(hooks(model, trainer.optimizer))
+                hooks_left.append(hooks(model, trainer.optimizer, before=installed))
 
     trainer.add_callback(Steps())
     trainer.add_callback(callback)

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from helpers import LitClassifier, classification_batch, loader, trainer
-from idle_steps import hooks, recorded
+from idle_steps import global_hooks, hooks, recorded
 
 from gradwatch import GradWatch
 
@@ -14,6 +14,7 @@ from gradwatch import GradWatch
 def test_the_hooks_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_hook(tmp_path: Any) -> None:
     module = LitClassifier()
     callback = GradWatch(verbose=False)  # the defaults: both first checks at step 1, the next ones at 500 and 5000
+    installed = global_hooks()  # what earlier code left: not the watch's
     operations: list[str] = []
     steps: list[int] = [0]
     hooks_left: list[int] = []
@@ -30,7 +31,7 @@ def test_the_hooks_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_ho
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
             if idle():
-                hooks_left.append(hooks(pl_module, trainer.optimizers[0]))
+                hooks_left.append(hooks(pl_module, trainer.optimizers[0], before=installed))
 
     trainer(tmp_path, [Steps(), callback], max_steps=6).fit(module, loader(classification_batch()))
     assert steps[1:] == [1, 2, 3, 4, 5, 6]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from idle_steps import hooks, recorded
+from idle_steps import global_hooks, hooks, recorded
 from torch import nn
 
 from gradwatch import GradientWatch
@@ -19,6 +19,7 @@ def test_the_calls_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_ho
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = GradientWatch(verbose=False)  # the defaults: both first checks at step 1, the next ones at 500 and 5000
+    installed = global_hooks()  # what earlier code left: not the watch's
     operations: list[str] = []
     step = 0
     idle = lambda: step > 1  # noqa: E731
@@ -40,6 +41,6 @@ def test_the_calls_of_a_step_with_no_check_due_touch_no_tensor_and_install_no_ho
             continue
         assert (applied, recomputed) == (None, None)
         assert operations == [], f"step {step}: the watch ran {operations}"
-        assert hooks(model, optimizer) == 0, f"step {step}: hooks left installed"
+        assert hooks(model, optimizer, before=installed) == 0, f"step {step}: hooks left installed"
         assert not watch.recording
     assert sorted(report.scope for report in watch.reports) == ["applied", "recomputed", "update"]
