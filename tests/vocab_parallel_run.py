@@ -16,12 +16,12 @@ recomputed check after the second. Scenarios:
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tensor_parallel_run import _digest
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -82,17 +82,6 @@ class Model(nn.Module):
 
 def loss_fn(model: nn.Module, batch: Any) -> Tensor:
     return VocabParallelCrossEntropy.apply(model(batch[0]), batch[1])
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _digest(tensors: list[Tensor]) -> str:
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(_local(tensor).detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def run(kind: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ gradient with the loss's derivative). A model that FSDP2 shards as well (a 2-D m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -96,10 +97,14 @@ def refusing_losses_written_for_shards(check: Callable[Options, CheckReport]) ->
             if passes_fallbacks(error):
                 raise
             return check(*args, **kwargs)
-        with tensor_parallel.made_plain(model):
+        with tensor_parallel.made_plain(
+            model
+        ):  # one gather of the whole parameters serves the comparison and the check
             on_whole = _value(model, batch, loss_fn)
-        if math.isfinite(on_shards) and abs(on_whole - on_shards) <= SAME_LOSS * max(abs(on_shards), 1e-30):
-            return check(*args, **kwargs)
+            if math.isfinite(on_shards) and abs(on_whole - on_shards) <= SAME_LOSS * max(abs(on_shards), 1e-30):
+                report = check(*args, **kwargs)  # on plain parameters now: the check makes nothing whole again
+                note = Note(NoteCode.TENSOR_PARALLEL, tensor_parallel.TENSOR_PARALLEL_NOTE)
+                return dataclasses.replace(report, notes=[*report.notes, note])
         text = (
             f"no probe made: on whole parameters the loss is {on_whole:.9g}, on the shards (as training computes it) "
             f"{on_shards:.9g}; it is written for the shards (a vocab-parallel cross-entropy, a loss that all-reduces "
