@@ -9,8 +9,9 @@
   wherever the backend settings let a GPU use TF32 (``torch.backends.cuda.matmul`` / ``cudnn.conv``
   ``fp32_precision == "tf32"``), and only there, as the kernels do.
 * **Kernels**: :class:`ShuffledLinear` sums its weight gradient in a random order at every backward (atomics);
-  :class:`RefusesFloat64` raises on float64, :class:`Float32Inside` accepts it and computes in float32; each can carry
-  a backward wrong by a factor; :class:`Bf16OnlyRMSNorm` accepts bfloat16 only (pure-bf16 training).
+  :class:`RefusesFloat64` raises on float64, :class:`Float32Inside` accepts it and computes in float32
+  (:class:`OpaqueFloat32Inside` out of gradwatch's sight, as a Triton kernel does); each can carry a backward wrong by
+  a factor; :class:`Bf16OnlyRMSNorm` accepts bfloat16 only (pure-bf16 training).
 """
 
 from __future__ import annotations
@@ -314,6 +315,19 @@ class Float32Inside(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return _ScaledTanh.apply(x, self.factor, lambda t: torch.tanh(t.float()).to(t.dtype))
+
+
+def _float32_unseen(tensor: Tensor) -> Tensor:
+    with torch._C.DisableTorchFunction():  # a Triton kernel's cast: no TorchFunctionMode sees it
+        return torch.tanh(tensor.float()).to(tensor.dtype)
+
+
+class OpaqueFloat32Inside(Float32Inside):
+    """:class:`Float32Inside` whose float32 computation no ``TorchFunctionMode`` sees, as a Triton kernel's (gradwatch's
+    float64 fidelity keeps ``.float()`` at float64 where it sees it)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ScaledTanh.apply(x, self.factor, _float32_unseen)
 
 
 class _Bf16RMSNorm(torch.autograd.Function):

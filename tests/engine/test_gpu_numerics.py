@@ -22,7 +22,15 @@ from gradwatch.outputs.jsonl import record_json, record_numerics
 from gradwatch.outputs.reading import read_logdir
 from gradwatch.outputs.records import report_records
 from gradwatch.outputs.sinks import JsonLinesSink
-from tests.gpu_emulation import Bf16OnlyRMSNorm, Float32Inside, RefusesFloat64, ShuffledLinear, TF32Emulation, tf32
+from tests.gpu_emulation import (
+    Bf16OnlyRMSNorm,
+    Float32Inside,
+    OpaqueFloat32Inside,
+    RefusesFloat64,
+    ShuffledLinear,
+    TF32Emulation,
+    tf32,
+)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -327,3 +335,18 @@ def test_pure_bf16_with_a_bf16_only_kernel_thirty_healthy_checks_and_bit_identic
     assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), tally
     assert tally[("applied", "inconclusive")] <= 30 * 0.2, tally
     assert all(p.verdict == "ok" for r in watch.recomputed_reports for p in _kernel_probes(r))
+
+
+def test_a_kernel_computing_float64_in_float32_out_of_sight_is_probed_natively_by_the_applied_check_too():
+    """Float64 fidelity keeps a visible ``.float()`` at float64 (:class:`Float32Inside` then computes float64); a
+    Triton kernel's float32 it cannot see. The applied check's float64 probes through it read a 3% bug ``ok``
+    (noise 0.8% of the slope, claimed float64) until they verified that the loss was computed in float64."""
+    torch.manual_seed(0)
+    healthy = train(nn.Sequential(nn.Linear(16, 32), OpaqueFloat32Inside(), nn.Linear(32, 5)), _vectors, 2)
+    assert all(r.verdict == "ok" for r in _checks(healthy)), [str(r) for r in _checks(healthy)]
+    torch.manual_seed(0)
+    buggy = train(nn.Sequential(nn.Linear(16, 32), OpaqueFloat32Inside(factor=1.03), nn.Linear(32, 5)), _vectors, 1)
+    assert all(r.verdict == "fail" for r in _checks(buggy)), [str(r) for r in _checks(buggy)]
+    for report in [*healthy.applied_reports, *buggy.applied_reports]:
+        assert report.precision == "native"  # the precision it measured, not the one it asked for
+        assert any("float64 evaluations are quantised" in note for note in report.notes), report.notes
