@@ -46,6 +46,7 @@ from gradwatch.engine.function.precision import (
 )
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.faithfulness import FINE_AGREEMENT, FINE_CHANGE
+from gradwatch.engine.results.kinds import ProbeKind
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import NotReproducibleError, passes_fallbacks
 
@@ -127,17 +128,23 @@ FLOAT64_NOISE = 1e-6
 
 def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[torch.Tensor], loss: float) -> str | None:
     """Why the float64 evaluations computed in a lower precision somewhere (a kernel that accepts float64 and computes
-    float32, which :class:`~gradwatch.engine.function.fidelity.Float64Fidelity` cannot see), or ``None``: tested, as
-    the recomputed check does (:func:`gradwatch.engine.recomputed.faithfulness.quantised`), only where a probe's noise
-    is beyond float64's. Along the applied gradient, steps whose predicted change is
-    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of the loss (far below a float32 ulp) move a float64
-    loss along its slope at both ``s`` and ``s / 2``; one rounded to float32 on the way does not."""
-    noisy = [m for m in found if m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300)]
+    float32, which :class:`~gradwatch.engine.function.fidelity.Float64Fidelity` cannot see), or ``None``; tested only
+    where the loss's value is float64 and a probe's noise is beyond float64's. The loss is measured along the applied
+    gradient, as the descent probe measured it, at steps whose predicted change is
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of the loss (far below a float32 ulp), ``s`` and
+    ``s / 2``: a float64 function's central differences there are the descent probe's own within
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT` (whatever the gradient: a wrong one, a
+    straight-through estimator's, differs from both alike); a function rounded to float32 on the way moves by whole
+    float32 ulps there, or not at all."""
+    descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
+    noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
     slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
     tensors = [p for _, p in evaluator.params]
     shapes = len(tensors) == len(applied) and all(t.shape == g.shape and not t.is_complex()
                                                   for t, g in zip(tensors, applied, strict=False))  # fmt: skip
-    if not noisy or not shapes or slope == 0.0 or loss == 0.0 or not math.isfinite(loss):
+    if descent is None or not noisy or not shapes or evaluator.value_dtype != torch.float64:
+        return None
+    if slope == 0.0 or not math.isfinite(descent.numeric) or not math.isfinite(loss) or loss == 0.0:
         return None
     step = FINE_CHANGE * abs(loss) / slope
     differences = []
@@ -154,12 +161,13 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
                         source = exact_source(t)
                         t.copy_(source) if source is not None else t.sub_(g.to(t.dtype), alpha=sign * h / slope)
             differences.append((values[0] - values[1]) / (2 * h))
-    if max(abs(d - slope) for d in differences) <= FINE_AGREEMENT * slope:
+    if max(abs(d - descent.numeric) for d in differences) <= FINE_AGREEMENT * max(abs(descent.numeric), slope):
         return None
     return (
         f"float64 evaluations are quantised: along the gradient, central differences at steps predicted to move the "
-        f"loss by {FINE_CHANGE:.0e} of it measured {differences[0]:.4g} and {differences[1]:.4g} for a slope of "
-        f"{slope:.4g}; somewhere the loss is computed in a lower precision that gradwatch cannot promote"
+        f"loss by {FINE_CHANGE:.0e} of it measured {differences[0]:.4g} and {differences[1]:.4g}, at the descent "
+        f"probe's step {descent.numeric:.4g}; somewhere the loss is computed in a lower precision that gradwatch "
+        "cannot promote"
     )
 
 

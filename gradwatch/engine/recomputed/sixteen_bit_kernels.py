@@ -37,16 +37,24 @@ from gradwatch.engine.results.naming import named_module
 from gradwatch.engine.results.report import Probe
 
 STEP = 0.1
-"""The central difference's step, relative to the norm of the displaced tensors: the finite difference's round-off
+"""The first central difference's step, relative to the norm of the displaced tensors: the finite difference's round-off
 (about ``ε / (√12 · h)`` of the module's output rounding, most of it cancelling) and a Richardson extrapolation's
 truncation (``O(h⁴)``) both well below 1% on a bf16 RMSNorm, whose errors at a single central difference were 0.1-0.6%
 at ``h = 0.03``, 1-2% (truncation) at 0.1 and up to 3% (round-off) at 0.003."""
 
 CONFIRMATION = 0.7
-"""The second measurement's step, relative to the first: a discrepancy fails only where it reproduces there."""
+"""The second measurement's step, relative to the first: a verdict stands only where the two agree within their
+round-off (a Richardson extrapolation's truncation, ``O(h⁴)``, differs fourfold between them; a bug does not)."""
+
+SMALLER = 3.0
+"""Where the two measurements disagree (truncation: a fused MLP's weights moved 10% at once), the step is this many
+times smaller, at most :data:`LEVELS` steps in all."""
+
+LEVELS = 3
 
 MOST_MODULES = 8
-"""The most modules of the refusing class one check measures (each: a backward and 16 forwards of the module)."""
+"""The most modules of the refusing class one check measures (each: a backward and 16 forwards of the module per
+step tried)."""
 
 
 def kernel_probes(model: nn.Module, evaluator: LossEvaluator, kind: type[nn.Module]) -> list[Probe]:
@@ -105,21 +113,28 @@ def _probe(kind: ProbeKind, name: str, call: tuple[Any, ...], tensors: Sequence[
     length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slopes))
     epsilon = float(torch.finfo(tensors[0].dtype).eps)
     tolerance = FLOOR_MULTIPLE * epsilon / 2  # a 16-bit gradient's rounding along its own direction, at most
-    measured = [_extrapolated(module, args, kwargs, upstream, inputs, kind, tensors, slopes, STEP * size / length * f)
-                for f in (1.0, CONFIRMATION)]  # fmt: skip
-    errors = [ratio - 1 for ratio, _ in measured]
-    noises = [noise for _, noise in measured]
+    for level in range(LEVELS):  # down from STEP until the two measurements agree (truncation gone)
+        step = STEP / SMALLER**level
+        along = step * size / length
+        measured = [_extrapolated(module, args, kwargs, upstream, inputs, kind, tensors, slopes, along * f)
+                    for f in (1.0, CONFIRMATION)]  # fmt: skip
+        errors = [ratio - 1 for ratio, _ in measured]
+        noises = [noise for _, noise in measured]
+        if abs(errors[0] - errors[1]) <= SIGNIFICANCE * math.hypot(*noises):
+            break
+    consistent = abs(errors[0] - errors[1]) <= SIGNIFICANCE * math.hypot(*noises)
     beyond = [abs(e) > tolerance + SIGNIFICANCE * n for e, n in zip(errors, noises, strict=True)]
-    if all(beyond) and errors[0] * errors[1] > 0:
+    if consistent and all(beyond):
         verdict, reason = Verdict.FAIL, Reason("discrepancy")
-    elif all(abs(e) <= tolerance and SIGNIFICANCE * n <= RESOLUTION for e, n in zip(errors, noises, strict=True)):
+    elif consistent and all(abs(e) <= tolerance and SIGNIFICANCE * n <= RESOLUTION
+                            for e, n in zip(errors, noises, strict=True)):  # fmt: skip
         verdict, reason = Verdict.OK, Reason("agrees")
     else:
-        verdict, reason = Verdict.INCONCLUSIVE, Reason("unresolved" if any(beyond) else "unstable")
+        verdict, reason = Verdict.INCONCLUSIVE, Reason("unresolved" if consistent else "unstable")
     error = min(errors, key=abs)
     return Probe(kind=kind, target=name, index=None, analytic=length, numeric=length * (1 + error),
                  rel_error=abs(error) / max(1 + error, 1.0), verdict=verdict, noise=length * max(noises),
-                 step=STEP * size, reason=reason, evaluations=8)  # fmt: skip
+                 step=step * size, reason=reason, evaluations=16 * (level + 1))  # fmt: skip
 
 
 def _extrapolated(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], upstream: Tensor,
