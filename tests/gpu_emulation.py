@@ -330,7 +330,7 @@ class OpaqueFloat32Inside(Float32Inside):
         return _ScaledTanh.apply(x, self.factor, _float32_unseen)
 
 
-class _Bf16RMSNorm(torch.autograd.Function):
+class Bf16RMSNormKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, factor: float) -> Tensor:
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
@@ -361,4 +361,4 @@ class Bf16OnlyRMSNorm(nn.Module):
         self.factor = factor
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Bf16RMSNorm.apply(x, self.weight, self.factor)
+        return Bf16RMSNormKernel.apply(x, self.weight, self.factor)

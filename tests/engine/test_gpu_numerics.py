@@ -24,6 +24,7 @@ from gradwatch.outputs.records import report_records
 from gradwatch.outputs.sinks import JsonLinesSink
 from tests.gpu_emulation import (
     Bf16OnlyRMSNorm,
+    Bf16RMSNormKernel,
     Float32Inside,
     OpaqueFloat32Inside,
     RefusesFloat64,
@@ -261,6 +262,31 @@ class PureBf16(nn.Module):
         return self.head(h + self.down(nn.functional.gelu(self.up(self.norm(h)))))
 
 
+class FusedBlock(nn.Module):
+    """A block whose own forward calls the bf16-only RMSNorm kernel between two linear layers: the refusing module is
+    the block, a nonlinear function of its weights, whose probes moved 10% at once read a healthy block 3-10% off
+    (truncation) before the step came down until two measurements agreed."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.weight = nn.Parameter(torch.ones(32))
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = Bf16RMSNormKernel.apply(self.a(x), self.weight, self.factor)
+        return x + self.b(nn.functional.gelu(normed))
+
+
+class WithFusedBlock(nn.Module):
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.embed, self.block, self.head = nn.Linear(16, 32), FusedBlock(factor), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
 def _bf16_vectors(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=generator).bfloat16(), torch.randint(0, 5, (8,), generator=generator)
 
@@ -269,9 +295,11 @@ def _float_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
 
 
-def train_pure_bf16(factor: float, steps: int, watched: bool = True) -> tuple[nn.Module, Any, GradientWatch | None]:
-    """``steps`` AdamW steps of the bf16 :class:`PureBf16` in a plain loop, both checks at every step (``watched``)."""
-    model = _seeded(lambda: PureBf16(factor)).to(torch.bfloat16)
+def train_pure_bf16(factor: float, steps: int, watched: bool = True, make: Callable[[float], nn.Module] = PureBf16,
+                    ) -> tuple[nn.Module, Any, GradientWatch | None]:  # fmt: skip
+    """``steps`` AdamW steps of the bf16 ``make(factor)`` (:class:`PureBf16`) in a plain loop, both checks at every
+    step (``watched``)."""
+    model = _seeded(lambda: make(factor)).to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     watch = GradientWatch(every_n_steps=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
                           max_reports=500) if watched else None  # fmt: skip
@@ -335,6 +363,19 @@ def test_pure_bf16_with_a_bf16_only_kernel_thirty_healthy_checks_and_bit_identic
     assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), tally
     assert tally[("applied", "inconclusive")] <= 30 * 0.2, tally
     assert all(p.verdict == "ok" for r in watch.recomputed_reports for p in _kernel_probes(r))
+
+
+@pytest.mark.slow
+def test_pure_bf16_a_fused_block_around_a_bf16_only_kernel_raises_no_false_alarm_and_its_bug_is_caught():
+    _, _, healthy = train_pure_bf16(1.0, 3, make=WithFusedBlock)
+    assert all(r.verdict != "fail" for r in _checks(healthy)), [str(r) for r in _checks(healthy)]
+    probes = [p for r in healthy.recomputed_reports for p in r.probes if p.kind in ("module_input", "module_params")]
+    assert {p.target for p in probes} == {"block"}
+    assert all(p.verdict == "ok" for p in probes), probes
+    _, _, buggy = train_pure_bf16(1.05, 3, make=WithFusedBlock)
+    failing = [r for r in buggy.recomputed_reports if r.verdict == "fail"]
+    assert failing, [str(r) for r in buggy.recomputed_reports]  # within 3 checks
+    assert all(r.culprits[0] == "block" for r in failing), [r.culprit_message for r in failing]
 
 
 def test_a_kernel_computing_float64_in_float32_out_of_sight_is_probed_natively_by_the_applied_check_too():

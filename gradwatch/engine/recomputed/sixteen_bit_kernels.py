@@ -21,6 +21,7 @@ module: its backward disagrees with its own forward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -81,19 +82,46 @@ def kernel_probes(model: nn.Module, evaluator: LossEvaluator, kind: type[nn.Modu
     return probes
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call of a module as the reference pass made it: its arguments, the gradient its output received, and the
+    positions of its 16-bit floating arguments (what a ``"module_input"`` probe moves)."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    upstream: Tensor
+    inputs: list[int]
+
+    def output(self, moved: Sequence[Tensor] | None = None, params: Sequence[tuple[Tensor, Tensor]] = ()) -> Tensor:
+        """The module's output with its 16-bit arguments replaced by ``moved`` (or as they were) and each parameter of
+        ``params`` (``(parameter, value)``) holding the value, put back afterwards; its random draws the same at every
+        call."""
+        called = list(self.args)
+        for i, tensor in zip(self.inputs, moved if moved is not None else [], strict=False):
+            called[i] = tensor
+        saved = [p.detach().clone() for p, _ in params]
+        try:
+            for p, value in params:
+                p.data.copy_(value)
+            with torch.random.fork_rng():  # dropout inside a kernel draws one mask for every evaluation
+                torch.manual_seed(0)
+                return self.module(*called, **self.kwargs)
+        finally:
+            for (p, _), value in zip(params, saved, strict=True):
+                p.data.copy_(value)
+
+
 def _module_probes(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                    upstream: Tensor) -> list[Probe]:  # fmt: skip
     inputs = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.dtype in SIXTEEN_BIT]
     params = [p for p in module.parameters() if p.requires_grad and p.dtype in SIXTEEN_BIT]
     if not inputs:
         return []
+    call = _Call(module, args, kwargs, upstream, inputs)
     with torch.enable_grad():
         moving = [args[i].detach().requires_grad_(True) for i in inputs]
-        called = list(args)
-        for i, tensor in zip(inputs, moving, strict=True):
-            called[i] = tensor
-        output = module(*called, **kwargs)
-        found = torch.autograd.grad(output, [*moving, *params], upstream, allow_unused=True)
+        found = torch.autograd.grad(call.output(moving), [*moving, *params], upstream, allow_unused=True)
     analytic = [torch.zeros_like(t) if g is None else g for t, g in zip([*moving, *params], found, strict=True)]
     probes = []
     for kind, tensors, slopes in (
@@ -101,28 +129,26 @@ def _module_probes(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: 
         (ProbeKind.MODULE_PARAMS, params, analytic[len(inputs) :]),
     ):
         if tensors and any(bool(s.any()) for s in slopes):
-            probes.append(_probe(kind, name, (module, args, kwargs, upstream, inputs), tensors, slopes))
+            probes.append(_probe(kind, name, call, tensors, slopes))
     return probes
 
 
-def _probe(kind: ProbeKind, name: str, call: tuple[Any, ...], tensors: Sequence[Tensor],
-           slopes: Sequence[Tensor]) -> Probe:  # fmt: skip
-    """One probe of the module along ``slopes`` (its backward's gradient in ``tensors``), measured at two steps."""
-    module, args, kwargs, upstream, inputs = call
+def _probe(kind: ProbeKind, name: str, call: _Call, tensors: Sequence[Tensor], slopes: Sequence[Tensor]) -> Probe:
+    """One probe of the module along ``slopes`` (its backward's gradient in ``tensors``), measured at two steps, from
+    :data:`STEP` down until they agree."""
     size = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
     length = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slopes))
     epsilon = float(torch.finfo(tensors[0].dtype).eps)
     tolerance = FLOOR_MULTIPLE * epsilon / 2  # a 16-bit gradient's rounding along its own direction, at most
     for level in range(LEVELS):  # down from STEP until the two measurements agree (truncation gone)
         step = STEP / SMALLER**level
-        along = step * size / length
-        measured = [_extrapolated(module, args, kwargs, upstream, inputs, kind, tensors, slopes, along * f)
+        measured = [_extrapolated(call, kind == ProbeKind.MODULE_INPUT, tensors, slopes, step * size / length * f)
                     for f in (1.0, CONFIRMATION)]  # fmt: skip
         errors = [ratio - 1 for ratio, _ in measured]
         noises = [noise for _, noise in measured]
-        if abs(errors[0] - errors[1]) <= SIGNIFICANCE * math.hypot(*noises):
+        consistent = abs(errors[0] - errors[1]) <= SIGNIFICANCE * math.hypot(*noises)
+        if consistent:
             break
-    consistent = abs(errors[0] - errors[1]) <= SIGNIFICANCE * math.hypot(*noises)
     beyond = [abs(e) > tolerance + SIGNIFICANCE * n for e, n in zip(errors, noises, strict=True)]
     if consistent and all(beyond):
         verdict, reason = Verdict.FAIL, Reason("discrepancy")
@@ -134,14 +160,14 @@ def _probe(kind: ProbeKind, name: str, call: tuple[Any, ...], tensors: Sequence[
     error = min(errors, key=abs)
     return Probe(kind=kind, target=name, index=None, analytic=length, numeric=length * (1 + error),
                  rel_error=abs(error) / max(1 + error, 1.0), verdict=verdict, noise=length * max(noises),
-                 step=step * size, reason=reason, evaluations=16 * (level + 1))  # fmt: skip
+                 step=step * size, reason=reason, evaluations=8 * (level + 1))  # fmt: skip
 
 
-def _extrapolated(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], upstream: Tensor,
-                  inputs: list[int], kind: ProbeKind, tensors: Sequence[Tensor], slopes: Sequence[Tensor],
+def _extrapolated(call: _Call, inputs: bool, tensors: Sequence[Tensor], slopes: Sequence[Tensor],
                   step: float) -> tuple[float, float]:  # fmt: skip
-    """The ratio of the finite difference to the analytic change along the displacement made, Richardson-extrapolated
-    from steps ``step`` and ``2 step``, with its round-off (relative)."""
+    """The ratio of the finite difference of ``⟨ḡ, M⟩`` to the analytic change along the displacement made (the
+    displaced ``tensors`` rounded to their dtype), Richardson-extrapolated from steps ``step`` and ``2 step``, with its
+    round-off (relative; ``nan`` and ``inf`` where the rounded displacement vanished)."""
     ratios, noises = [], []
     for h in (step, 2 * step):
         changes, analytic, rounding = [], 0.0, 0.0
@@ -149,24 +175,13 @@ def _extrapolated(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             moved = [(t.detach().double() + sign * h * s.double()).to(t.dtype)
                      for t, s in zip(tensors, slopes, strict=True)]  # fmt: skip
             with torch.no_grad():
-                if kind == ProbeKind.MODULE_INPUT:
-                    called = list(args)
-                    for i, tensor in zip(inputs, moved, strict=True):
-                        called[i] = tensor
-                    output = module(*called, **kwargs)
-                else:
-                    saved = [t.detach().clone() for t in tensors]
-                    try:
-                        for t, m in zip(tensors, moved, strict=True):
-                            t.data.copy_(m)
-                        output = module(*args, **kwargs)
-                    finally:
-                        for t, s in zip(tensors, saved, strict=True):
-                            t.data.copy_(s)
-            weighted = upstream.double() * output.double()
+                output = call.output(moved) if inputs else call.output(params=list(zip(tensors, moved, strict=True)))
+            weighted = call.upstream.double() * output.double()
             changes.append(float(weighted.sum()))
             rounding += float(torch.finfo(output.dtype).eps) ** 2 / 12 * float(weighted.pow(2).sum())
             analytic += sign * sum(float((s.double() * m.double()).sum()) for s, m in zip(slopes, moved, strict=True))
+        if analytic == 0.0:
+            return math.nan, math.inf
         ratios.append((changes[0] - changes[1]) / analytic)
         noises.append(math.sqrt(rounding) / abs(analytic))
     return (4 * ratios[0] - ratios[1]) / 3, math.hypot(4 * noises[0], noises[1]) / 3
