@@ -140,8 +140,10 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
     noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
     slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
     tensors = [p for _, p in evaluator.params]
-    shapes = len(tensors) == len(applied) and all(t.shape == g.shape and not t.is_complex()
-                                                  for t, g in zip(tensors, applied, strict=False))  # fmt: skip
+    sources = [source for source in map(exact_source, tensors) if source is not None]  # put back from, exactly
+    shapes = len(tensors) == len(applied) == len(sources) and all(
+        t.shape == g.shape for t, g in zip(tensors, applied, strict=True)
+    )
     if descent is None or not noisy or not shapes or evaluator.value_dtype != torch.float64:
         return None
     if slope == 0.0 or not math.isfinite(descent.numeric) or not math.isfinite(loss) or loss == 0.0:
@@ -157,9 +159,8 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
                 try:
                     values.append(evaluator.loss())
                 finally:
-                    for t, g in zip(tensors, applied, strict=True):
-                        source = exact_source(t)
-                        t.copy_(source) if source is not None else t.sub_(g.to(t.dtype), alpha=sign * h / slope)
+                    for t, source in zip(tensors, sources, strict=True):
+                        t.copy_(source)
             differences.append((values[0] - values[1]) / (2 * h))
     if max(abs(d - descent.numeric) for d in differences) <= FINE_AGREEMENT * max(abs(descent.numeric), slope):
         return None
