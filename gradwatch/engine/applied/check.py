@@ -301,11 +301,12 @@ def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equival
     calibrated (the floor along the descent probe, the largest excess) and the one-batch comparison."""
     evaluator, attribution = outcome.evaluator, outcome.attribution
     descent = next((m for m in outcome.measured if m.probe.kind == ProbeKind.DESCENT), None)
+    native = any(note.code == NoteCode.APPLIED_NATIVE for note in evaluator.notes)  # float64 reductions only
     return session.report(
         **outcome.report_fields(),
         n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
-        precision="float64" if evaluator.value_dtype == torch.float64 else "native",
+        precision="float64" if evaluator.value_dtype == torch.float64 and not native else "native",
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",
