@@ -128,7 +128,7 @@ class NoteCode(StrEnum):
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
     APPLIED_ROUNDING_CROSSING = (
         "applied-rounding-crossing",
-        "a 16-bit path's disagreement that did not recur at shifted points: its rounding crossed a kink, undecided",
+        "a 16-bit path's disagreement gone at shifted points: its rounding crossed a kink, undecided",
     )
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
