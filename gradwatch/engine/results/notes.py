@@ -118,7 +118,7 @@ class NoteCode(StrEnum):
     )
     RANKS_SPLIT = (
         "ranks-split",
-        "the ranks hold different parameters (a model split by hand): checked as one, against the ranks' summed loss",
+        "the ranks hold different parameters (a split by hand): checked as one model against the summed loss",
     )
     REPLICAS_DISAGREE = (
         "replicas-disagree",
