@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.values import as_scalar_loss
 
 __all__ = ["SplitModel", "SplitWindow", "replicated_note", "split_note", "split_window"]
 
@@ -75,7 +76,7 @@ class SplitWindow:
         """This rank's loss times ``scale`` (the number of ranks: the mean of the ranks' losses is their sum)."""
 
         def scaled(_: nn.Module, batch: Any) -> Tensor:
-            value = self.loss_fn(self.part, batch)
+            value = as_scalar_loss(self.loss_fn(self.part, batch))
             if not self.first:
                 self.first.append(float(value.detach()))
             return value * scale
