@@ -155,6 +155,9 @@ def check_applied_gradient(
                       start=start, loss_scale=loss_scale)  # fmt: skip
     setting.search_budget = search_budget
     names, applied, shards = _selected(setting, gradients)
+    split = [] if setting.group is None else ranks_with_other_parameters(session.params, setting.group)
+    if split and not isinstance(model, SplitModel):  # not replicas, but made so for the check (a rank may hold none)
+        return _split_check(setting, names, applied, split, (rotation, closer_look))
     if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
@@ -250,14 +253,10 @@ def _plan(setting: PathSetting, names: list[str], applied: list[Tensor], rotatio
 def _refused(
     setting: PathSetting, plan: AppliedPlan, shards: ShardedWindow | None, *, culprit_search: bool
 ) -> CheckReport | None:
-    """The report of a window settled before any probe: ranks that hold other parameters (checked as replicas of every
-    rank's part: :func:`_split_check`), ranks whose reduced gradients differ (``"reduction"``), a gradient with
-    non-finite values; ``None`` for a window to probe."""
+    """The report of a window settled before any probe: ranks whose reduced gradients differ (``"reduction"``), a
+    gradient with non-finite values; ``None`` for a window to probe."""
     session = setting.session
     if setting.group is not None:
-        split = ranks_with_other_parameters(session.params, setting.group)
-        if split and not isinstance(session.model, SplitModel):  # not replicas, but made so for the check
-            return _split_check(setting, plan, split)
         disagreeing = disagreeing_ranks(plan.applied, setting.group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
@@ -274,20 +273,23 @@ def _refused(
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
 
 
-def _split_check(setting: PathSetting, plan: AppliedPlan, ranks: list[int]) -> CheckReport:
+def _split_check(
+    setting: PathSetting, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
+) -> CheckReport:
     """The check of a model split across the ranks by hand, as replicas of every rank's part (:mod:`.split`): the
     window's loss and path as they are, no culprit search of one rank's loss (its collectives would wait for the
     others), no one-batch comparison. A gradient wrong for the ranks' summed loss whose ranks all compute the same loss
     is checked again against that loss (Megatron's convention): right for it, it stands; wrong for both, the report
     is the one where fewer tensors fail (the convention the rest of the code follows)."""
     session, group = setting.session, setting.group
-    split = split_window(session.model, setting.loss_fn, plan.names, plan.applied, group)
+    split = split_window(session.model, setting.loss_fn, names, applied, group)
+    rotation, closer_look = turn
 
     def check(scale: float) -> CheckReport:
         return check_applied_gradient(
             split.model, setting.batches, split.loss(scale), split.gradients, combine=setting.combine,
-            rng_states=setting.rng_states, path=setting.path, step=session.step, group=group, rotation=plan.rotation,
-            closer_look=plan.closer_look, culprit_search=False, loss_scale=setting.loss_scale,
+            rng_states=setting.rng_states, path=setting.path, step=session.step, group=group, rotation=rotation,
+            closer_look=closer_look, culprit_search=False, loss_scale=setting.loss_scale,
             optimizers=session.optimizers, settings=session.settings, compare_one_batch=False,
             search_budget=setting.search_budget,
         )  # fmt: skip
