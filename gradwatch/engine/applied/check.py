@@ -1,7 +1,8 @@
 """One check of the gradient the optimizer applies: :func:`check_applied_gradient`.
 
 1. **Consistency across ranks** (DDP): every rank must hold the same reduced gradient; per-tensor checksums are
-   compared, and a rank that disagrees is named (fault ``"reduction"``).
+   compared, and a rank that disagrees is named (fault ``"reduction"``). Ranks that hold other parameters (a model
+   split by hand) are no replicas: the check is made of every rank's part together (:mod:`.split`).
 2. **The noise floor of the path** (:mod:`.verdict`): per tensor, how far a correct gradient of the path's precision is
    from a more precise one, measured with trusted gradients (:mod:`.gradients`, :mod:`.rounding`).
 3. **The probes** (:mod:`.probes`): central differences of the window's loss (:mod:`.window`), on float64 storage

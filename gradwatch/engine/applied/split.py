@@ -14,7 +14,10 @@ module itself and the others' a copy of their parameters and gradients (one gath
 owner moves the real ones and which its forward never uses. Each rank's loss is scaled by the number of ranks, so the
 mean of the ranks' losses is ``S``, and the gradient checked is the training's own. A probe of one tensor moves it on
 its owner alone, and a failing one names the rank (``rank.1.0.weight``). A recomputed gradient (the path's, the floor's)
-is each rank's own, zero on the copies, averaged as DDP averages: ``∂S/∂θ_r`` again.
+is each rank's own, zero on the copies, averaged as DDP averages: ``∂S/∂θ_r`` again. Where every rank computes the same
+loss ``L`` (tensor parallelism), Megatron's convention (the forward's all-reduce with an identity backward) trains
+``∂L/∂θ_r = ∂S/∂θ_r / world`` instead: a gradient wrong for ``S`` is then checked against ``L`` too
+(:func:`~gradwatch.engine.applied.check.check_applied_gradient` keeps the convention more of its tensors agree with).
 
 The cost: every rank holds every rank's checked parameters and gradients for the check (fine for the small models a
 split by hand runs on a few ranks; a large one wants a library that describes the split: DTensor, FSDP2).
