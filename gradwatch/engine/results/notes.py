@@ -118,7 +118,7 @@ class NoteCode(StrEnum):
     )
     RANKS_SPLIT = (
         "ranks-split",
-        "no probe made: the ranks hold different parameters (a model split across them by hand)",
+        "the ranks hold different parameters (a split by hand): checked as one model against the summed loss",
     )
     REPLICAS_DISAGREE = (
         "replicas-disagree",
