@@ -111,7 +111,7 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
         path.backward += 4 * autocast_path.SHIFTED_POINTS
         if not autocast_path.disagreement_recurs(setting, plan, tensors):
             measured, attribution = [_crossing(m) for m in measured], None
-            evaluator.notes.append(_crossing_note(setting, tensors))
+            evaluator.notes.append(Note(NoteCode.APPLIED_ROUNDING_CROSSING, _crossing_text(setting, tensors)))
     return AppliedOutcome(evaluator=evaluator, loss=reference.loss, probes=[m.probe for m in measured],
                           measured=measured, attribution=attribution, backward=path.backward,
                           floors=floor_values)  # fmt: skip
@@ -126,15 +126,14 @@ def _crossing(measured: Measured) -> Measured:
     return dataclasses.replace(measured, probe=undecided)
 
 
-def _crossing_note(setting: PathSetting, tensors: list[int]) -> Note:
+def _crossing_text(setting: PathSetting, tensors: list[int]) -> str:
     names = ", ".join(setting.session.params[i][0] for i in tensors[:4]) + (" and more" if len(tensors) > 4 else "")
     dtype = str(setting.autocast).removeprefix("torch.")
-    return Note(
-        NoteCode.APPLIED_ROUNDING_CROSSING,
+    return (
         f"the {dtype} path's gradient of {names} disagreed at this point only: at {autocast_path.SHIFTED_POINTS} "
         f"points shifted by {autocast_path.SHIFT:g} of each parameter it agreed with eager float32 within its floor, "
         f"so its rounding crossed a kink here (a ReLU input within its rounding of 0), which a wrong kernel would not "
-        f"undo; undecided, probed again at the next check",
+        f"undo; undecided, probed again at the next check"
     )
 
 
