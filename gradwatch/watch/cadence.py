@@ -91,16 +91,22 @@ class Cadence:
 
     def reached(self, step: int) -> bool:
         """A call at optimizer step ``step``, the first of that step or a later micro-batch's: whether a check is due
-        (at the step's first call; it stays due, pending, until it runs)."""
+        (at the step's first call; it stays due, pending, until it runs) and not waiting for a postponement (a step
+        the grad scaler skips during one is then no skipped check)."""
         if step == self._seen:
             return False
         if self._timing:
             self.steps += step - self._seen
         self._timing, self._seen = True, step
         self.pending = self.pending or self.due(self.last_step, step)
-        if not self.pending:
+        if not self.pending or self.postponed_past(step):  # a postponed check is not asked about before resume_at
             self.last_step = step
-        return self.pending
+            return False
+        return True
+
+    def postponed_past(self, step: int) -> bool:
+        """Whether the check due waits, at ``step``, for the postponement the budget decided (``resume_at``)."""
+        return self.max_overhead is not None and step < self.resume_at
 
     def runs_now(self, step: int, decide: Callable[[int], int]) -> bool:
         """Whether the check due at ``step`` runs now (it is then no longer pending), or is postponed to fit the
@@ -112,7 +118,7 @@ class Cadence:
         """
         self.last_step = step
         if self.max_overhead is not None:
-            if step < self.resume_at:
+            if self.postponed_past(step):
                 self.pending = True
                 return False
             wait = int(decide(self._wait(self.max_overhead)))
