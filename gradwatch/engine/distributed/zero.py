@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,11 +38,13 @@ def is_engine(model: Any) -> bool:
     return _engine_class(type(model)) and isinstance(getattr(model, "module", None), nn.Module)
 
 
-@functools.cache
-def _engine_class(kind: type) -> bool:
-    """Whether ``kind`` is a module class with a DeepSpeed engine's methods, asked of the class once: a plain module's
-    class has neither, and each ``hasattr`` of a missing attribute builds an error (the watch asks at every step)."""
+def _has_engine_methods(kind: Any) -> bool:
     return issubclass(kind, nn.Module) and all(hasattr(kind, name) for name in _ENGINE_METHODS)
+
+
+_engine_class: Callable[[Any], bool] = functools.cache(_has_engine_methods)
+"""Whether a class is a module class with a DeepSpeed engine's methods, asked of the class once: a plain module's class
+has neither, and each ``hasattr`` of a missing attribute builds an error (the watch asks at every training step)."""
 
 
 _ENGINE_METHODS = ("is_gradient_accumulation_boundary", "zero_optimization_stage")
