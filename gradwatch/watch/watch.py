@@ -282,8 +282,11 @@ class GradientWatch:
         Args:
             step: The optimizer step just taken.
         """
-        with self.guarded("watch.due_next"):
+        try:  # at every step of some loops: a guard by try/except (see absorbs)
             return self._recomputed.pending or self._recomputed.due(self._recomputed.last_step, step + 1)
+        except Exception as error:
+            if not self.absorbs("watch.due_next", error):
+                raise
         return False
 
     def state_dict(self) -> dict[str, Any]:
@@ -520,7 +523,7 @@ class GradientWatch:
         if is_engine(model) and clipped_with is None:
             engine = model
             model, clipped_with = unwrapped(engine), lambda: clipped_norm(engine)
-        with self.guarded("watch.after_clipping"):
+        try:  # at every step of a loop that clips: a guard by try/except (see absorbs)
             self._updates.declare(step, max_norm)
             verified = self._findings.take_verified(step)
             check = None if verified is None else self._clip_check(verified, model, max_norm, step, clipped_with)
@@ -528,6 +531,9 @@ class GradientWatch:
             if report is not None:
                 self._outcomes.publish(report, self._overhead())
             return report
+        except Exception as error:
+            if not self.absorbs("watch.after_clipping", error):
+                raise
         return None
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, *, step: int) -> CheckReport | None:
