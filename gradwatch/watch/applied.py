@@ -61,7 +61,7 @@ class Windows:
         by default; a loop whose windows each lead to several optimizer steps numbers them apart)."""
         previous = step - 1 if previous is None or not 0 <= previous < step else previous
         waiting = self.cadence.pending and step >= self.cadence.resume_at  # not before a postponement ends
-        return self.cadence.enabled and (waiting or self.cadence.due(previous, step))
+        return self.cadence.every_n_steps is not None and (waiting or self.cadence.due(previous, step))
 
     def begin(self, step: int, decide: Callable[[int], int]) -> bool:
         """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: whether it is

@@ -461,7 +461,8 @@ class GradientWatch:
         A check that finds no gradient to read (no ``.grad`` on any checked parameter, none given) says so once, as a
         :class:`~gradwatch.GradientCheckWarning` naming the remedy; its report is inconclusive.
         """
-        validate.check_int("step", step, minimum=1)
+        if type(step) is not int or step < 1:  # asked at every step: the usual case cheaply
+            validate.check_int("step", step, minimum=1)
         if optimizer is not None:  # an optimizer that updates none of the model's parameters is the caller's error
             _updated(unwrapped(model), _optimizer("optimizer", optimizer))
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))

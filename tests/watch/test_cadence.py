@@ -84,3 +84,21 @@ def test_state_round_trips_across_a_resume() -> None:
     restored.load_state_dict(cadence.state_dict())
     assert restored.state_dict() == cadence.state_dict()
     assert restored.resume_at == cadence.resume_at
+
+
+def test_a_postponed_check_is_not_reached_before_its_postponement_ends() -> None:
+    cadence = _cadence(1, None, 0.01)
+    clock = cadence.clock
+    clock.batch_ended(0.0)
+    clock.batch_ended(100.0)
+    cadence.steps = 100
+    clock.check_ran(100.0, 100.8)
+    cadence.ran(0.8)
+    assert not cadence.runs_now(2, lambda wait: wait)  # 1.6 s of checks is 1% of 160 s: 60 steps more
+    assert cadence.resume_at == 62
+    cadence.start(2)
+    # the steps in between are no due steps to act on (a watch asks neither the budget nor the grad scaler there)
+    assert [cadence.reached(step) for step in range(3, 63)] == [False] * 59 + [True]
+    assert cadence.pending
+    assert cadence.last_step == 61
+    assert cadence.postponed == 1
