@@ -52,6 +52,7 @@ class Windows:
         self._since: dict[Any, int] = {}  # by key: how many of ``stepped`` came before its window was recorded
         self.step = -1  # the optimizer step the current window leads to (recorded or not)
         self._open = False  # whether the window's step is due and affordable
+        self._until: float = 0  # no applied check is due after the window's step and before this one
         self._timed = False  # whether the clock times the current window (it began after a batch's end)
         self._said_unrecorded = False
 
@@ -72,7 +73,11 @@ class Windows:
             self.cadence.steps += self._timed  # the window before, if the clock timed it: the training time's steps
             self._timed = self.cadence.clock.timing
             previous, self.step = self.step, step
-            self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
+            if previous < step < self._until and not self.cadence.pending:
+                self._open = False  # none due since the last window: the common case, known without a call
+            else:
+                self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
+                self._until = self.cadence.next_due(step)
         return self._open
 
     def record(self, batch: Any, model: nn.Module | None, key: Any = None) -> None:
@@ -87,7 +92,9 @@ class Windows:
     def idle(self, step: int) -> bool:
         """Whether optimizer step ``step`` needs nothing of the windows at its optimizer step: its window was begun and
         not kept, and the step after it is not due either (whose update check keeps this step's gradient)."""
-        return self.step == step and not self._open and not self.due(step + 1, step)
+        if self.step != step or self._open:
+            return False
+        return (step + 1 < self._until and not self.cadence.pending) or not self.due(step + 1, step)
 
     def take(self, step: int, key: Any = None) -> AppliedWindow | None:
         """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an

@@ -387,7 +387,7 @@ class GradientWatch:
         """
         if self._updates.pending is not None:
             self._updates.release()
-        if self.applied_every_n_steps is None:
+        if self._applied.every_n_steps is None:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
         key = None if optimizer is None else _optimizer("optimizer", optimizer)
@@ -476,8 +476,9 @@ class GradientWatch:
         try:
             if optimizer is None and self._updates.pending is None and self._windows.idle(step):
                 # no window kept for this step, none due after it: the step's bookkeeping alone, as _window() does it
-                self._model, self._last_step = unwrapped(model), max(self._last_step, step)
-                if self.applied_every_n_steps is not None:
+                self._model = model if model is self._model else unwrapped(model)  # never an engine itself
+                self._last_step = max(self._last_step, step)
+                if self._applied.every_n_steps is not None:
                     self._clock.batch_ended(time.perf_counter())
                 return None
             if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
@@ -578,7 +579,7 @@ class GradientWatch:
         if self._updates.pending is not None:
             self._updates.release()  # the update check's one-shot hooks, once they have run
         loss_fn = self._loss_fn(loss_fn, step)
-        model = unwrapped(model)
+        model = model if model is self._model else unwrapped(model)  # the model of the last call: never an engine
         self._model, self._last_step = model, max(self._last_step, step)
         try:
             self._clock.batch_ended(now)
