@@ -13,14 +13,19 @@ With ``--count-calls`` it counts instead the function calls (Python functions an
 them) the same calls make per idle step: a figure no clock or load moves, where a loaded machine (a virtual machine's
 stolen time) can inflate the microseconds several times over, clock reads included.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/idle_calls.py [--steps N] [--count-calls]`` (under a minute on one CPU
-core).
+With ``--before PATH`` (a folder holding another version's ``gradwatch`` package, e.g. ``git archive <commit>
+gradwatch | tar -x -C PATH``) it alternates, in this one process, runs of that version and of the one imported
+otherwise, ``--rounds`` times each (gradwatch imported afresh for each run), and prints the median of each.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/idle_calls.py [--steps N] [--count-calls] [--before PATH --rounds R]``
+(under a minute on one CPU core per round and version).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
 import sys
 import tempfile
@@ -32,8 +37,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from gradwatch import GradientWatch
 
 
 class MLP(nn.Module):
@@ -165,12 +168,14 @@ def _wrapper_cost() -> float:
     return statistics.median(costs)
 
 
-def _steps_with_reports(watch: GradientWatch) -> set[int]:
+def _steps_with_reports(watch: Any) -> set[int]:
     return {report.step for report in watch.reports}
 
 
 def plain_loop(steps: int) -> tuple[float, int]:
     """``record``, ``before_optimizer_step`` and ``maybe_check`` in a plain loop, as the README's loop makes them."""
+    from gradwatch import GradientWatch
+
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -275,25 +280,50 @@ def hugging_face(steps: int) -> tuple[float, int]:
     return clock.idle_microseconds(_steps_with_reports(callback.watch))
 
 
+RUNS = (
+    ("plain loop (`GradientWatch`)", "`record`, `before_optimizer_step`, `maybe_check`", plain_loop),
+    ("Lightning `GradWatch`", "3 hooks", lightning),
+    ("Hugging Face `GradWatchCallback`", "3 hooks, `compute_loss`, `clip_grad_norm_`", hugging_face),
+)
+
+
+def _import_from(path: str | None, added: list[str]) -> None:
+    """gradwatch imported afresh at the next import: from ``path``, else from where it is found without it."""
+    for name in [name for name in sys.modules if name == "gradwatch" or name.startswith("gradwatch.")]:
+        del sys.modules[name]
+    while added:
+        sys.path.remove(added.pop())
+    if path is not None:
+        sys.path.insert(0, path)
+        added.append(path)
+    importlib.invalidate_caches()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--count-calls", action="store_true", help="count the function calls, not the time")
+    parser.add_argument("--before", help="a folder holding another version's gradwatch, run in turn with this one")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each version, alternated (with --before)")
     options = parser.parse_args()
     global COUNT_CALLS
     COUNT_CALLS = options.count_calls
     torch.set_num_threads(1)
+    versions = [("before", options.before), ("after", None)] if options.before else [("", None)]
     figure = "function calls per idle step (median)" if COUNT_CALLS else "µs per idle step (median, CPU time)"
-    print(f"| adapter | calls per step | idle steps | {figure} |")
-    print("|---|---|---|---|")
-    for name, calls, run in (
-        ("plain loop (`GradientWatch`)", "`record`, `before_optimizer_step`, `maybe_check`", plain_loop),
-        ("Lightning `GradWatch`", "3 hooks", lightning),
-        ("Hugging Face `GradWatchCallback`", "3 hooks, `compute_loss`, `clip_grad_norm_`", hugging_face),
-    ):
-        microseconds, idle = run(options.steps)
-        print(f"| {name} | {calls} | {idle} | {microseconds:.0f} |" if COUNT_CALLS else
-              f"| {name} | {calls} | {idle} | {microseconds:.1f} |", flush=True)  # fmt: skip
+    columns = " | ".join(f"{version}: {figure}" if version else figure for version, _ in versions)
+    print(f"| adapter | calls per step | idle steps | {columns} |")
+    print("|---|---|---|" + "---|" * len(versions))
+    added: list[str] = []
+    for name, calls, run in RUNS:
+        figures: dict[str, list[float]] = {version: [] for version, _ in versions}
+        for _ in range(options.rounds if options.before else 1):
+            for version, path in versions:
+                _import_from(path, added)
+                value, idle = run(options.steps)
+                figures[version].append(value)
+        shown = " | ".join(f"{statistics.median(values):.{0 if COUNT_CALLS else 1}f}" for values in figures.values())
+        print(f"| {name} | {calls} | {idle} | {shown} |", flush=True)
 
 
 if __name__ == "__main__":
