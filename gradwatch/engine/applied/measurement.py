@@ -27,6 +27,7 @@ from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
+from gradwatch.engine.results.kinds import Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 
 
@@ -122,7 +123,7 @@ def _crossing(measured: Measured) -> Measured:
     path's rounding (the next check probes its tensor again)."""
     if measured.probe.verdict != "fail":
         return measured
-    undecided = dataclasses.replace(measured.probe, verdict="inconclusive", reason="tie")
+    undecided = dataclasses.replace(measured.probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.TIE)
     return dataclasses.replace(measured, probe=undecided)
 
 
