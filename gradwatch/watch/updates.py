@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.distributed.whole import whole
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
 from gradwatch.engine.update.snapshot import innermost
@@ -54,6 +55,7 @@ class _Pending:
     grads: dict[str, Tensor] = field(default_factory=dict)  # the verified gradients, copied before the loop clips
     _: KW_ONLY
     snapshot: UpdateSnapshot | None = None
+    last: Any = None  # the optimizer's last param group: ZeRO steps its torch optimizer once per group
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
 
@@ -90,12 +92,13 @@ class UpdateChecks:
             self.pending = None
 
     def _candidates(
-        self, model: nn.Module, optimizer: Any, updated: Sequence[tuple[str, nn.Parameter]] | None
-    ) -> list[tuple[str, Tensor]]:
+        self, model: nn.Module, optimizer: Any, updated: Sequence[tuple[str, nn.Parameter]] | None,
+        gradients: Mapping[str, Tensor] | None = None,
+    ) -> list[tuple[str, Tensor]]:  # fmt: skip
         named = list(updated) if updated is not None else list(model.named_parameters())
         names = {name for name, _ in checked_parameters(model, self._lessons.active.ignore)}
         named = [(name, p) for name, p in named if name in names]
-        return update_tensors(optimizer, named, rotation=self._checks)
+        return update_tensors(optimizer, named, rotation=self._checks, graded=gradients)
 
     def keep_previous(
         self, model: nn.Module, step: int, optimizer: Any, optimizers: Sequence[Any],
@@ -105,7 +108,7 @@ class UpdateChecks:
         optimizer = _stepping(optimizer, optimizers)
         with torch.no_grad():
             candidates = self._candidates(model, optimizer, updated)
-            grads = {n: p.grad.detach().clone() for n, p in candidates if p.grad is not None}
+            grads = {n: whole(p.grad).detach().clone() for n, p in candidates if p.grad is not None}
         self._previous = (step, grads)
 
     def prepare(
@@ -118,22 +121,29 @@ class UpdateChecks:
         *,
         norm: float,
         max_norm: float | None,
+        gradients: Mapping[str, Tensor] | None = None,
     ) -> None:
-        """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step."""
+        """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step
+        (``gradients``: the whole verified gradients a ZeRO-1/2 engine keeps in its partitions, ``optimizer`` its
+        ZeRO optimizer)."""
         self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
         previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
-        named = self._candidates(model, optimizer, updated)
+        named = self._candidates(model, optimizer if gradients is None else None, updated, gradients)
         if not named:
             return
         with torch.no_grad():  # copied now: the loop clips .grad in place before the step
-            grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+            grads = (
+                {name: whole(p.grad).detach().clone() for name, p in named if p.grad is not None}
+                if gradients is None
+                else {name: gradients[name].detach().clone() for name, _ in named}
+            )
         pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._declared.get(step),
                            previous, grads)  # fmt: skip
         self.pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
-            pending.snapshot = self._snapshot(pending, inner)
+            pending.snapshot, pending.last = self._snapshot(pending, optimizer), inner.param_groups[-1]
             pending.handles.append(inner.register_step_post_hook(self._hook(pending)))
             return
 
@@ -158,8 +168,9 @@ class UpdateChecks:
 
     def _hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:
-            snapshot = pending.snapshot
-            if not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer:
+            snapshot, groups = pending.snapshot, stepping.param_groups
+            if (not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer
+                    and (pending.last is None or groups[-1] is pending.last)):  # fmt: skip
                 with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
                     self._run(pending)
 
@@ -171,7 +182,8 @@ class UpdateChecks:
         if snapshot is None:
             return None
         snapshot = snapshot.with_clip(self._declared.get(pending.step) if snapshot.max_norm is None else None)
-        given = {kept.name: kept.param.grad for kept in snapshot.kept}
+        # a ZeRO parameter's .grad is not what its optimizer steps with (the partitions are)
+        given = {k.name: None if hasattr(k.param, "_hp_mapping") else whole(k.param.grad) for k in snapshot.kept}
         started = time.perf_counter()
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip

@@ -738,12 +738,18 @@ class GradientWatch:
         with self.guarded("the clip check's norms of the verified gradient"):
             held = _gradients(model, updated) if own else list((gradients or {}).values())
             self._findings.verified = Verified(step, GradientNorms.of(held), own)
-        # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
-        # unscales it after this call) are not what the optimizer steps with: their update is not checked here
-        if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
+        # gradients given otherwise than by a ZeRO-1/2 engine (ZeRO-3's partitions, `gradients=`) and a scaled gradient
+        # (a float16 grad scaler, which unscales it after this call) are not what the optimizer steps with: their
+        # update is not checked here
+        engine = gradients.engine if isinstance(gradients, FullGradients) else None
+        zero = engine is not None and engine.zero_optimization_stage() in (1, 2)  # whole parameters, partitioned state
+        if (own or zero) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
                 norm = self._findings.verified.norms.total
-                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm)
+                if zero:  # its ZeRO optimizer steps (and clips, by its gradient_clipping) the verified gradients
+                    optimizer, max_norm = engine.optimizer, max_norm or engine.gradient_clipping() or None
+                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm,
+                                      gradients=gradients if zero else None)  # fmt: skip
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.distributed.whole import whole_value
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
@@ -120,7 +121,7 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
     with torch.no_grad():
         ruled = _rule_updates(snapshot, kept)
         candidate, reference, floor, source = ruled if ruled is not None else _replay_updates(snapshot, kept)
-        applied = kept.param.detach().to("cpu", torch.float64) - kept.before.to("cpu", torch.float64)
+        applied = whole_value(kept.param).detach().to("cpu", torch.float64) - kept.before.to("cpu", torch.float64)
     scale = float(reference.norm())
     eps = machine_epsilon(kept.param.dtype)
     allowed = FLOOR_MULTIPLE * floor + ROUNDING_MULTIPLE * eps * scale
@@ -141,6 +142,15 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
         floor=floor / scale if scale > 0 else math.nan,
     )  # fmt: skip
     return _Compared(probe, allowed / scale if scale > 0 else math.inf, candidate, applied, reference, source)
+
+
+def _wrong_shares(kept: KeptParameter, compared: _Compared) -> list[int]:
+    """The ranks whose share of a sharded tensor (FSDP2's rows, ZeRO's partition) is alone farther from the same
+    elements of the reference than the whole tensor's tolerance; ``[]`` where it is not sharded or every share is."""
+    difference = (compared.applied - compared.reference).reshape(-1)
+    ranks = [rank for rank, (start, count) in enumerate(kept.shares)
+             if count and float(difference[start : start + count].norm()) > compared.probe.noise]  # fmt: skip
+    return ranks if len(ranks) < len(kept.shares) else []
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
@@ -288,6 +298,12 @@ def check_update(
             f"cosine {cosine:.6g}, norm ratio {ratio:.6g} (applied / reference), where rounding allows "
             f"{compared.tolerance:.2g}; {why}"
         )
+        ranks = _wrong_shares(kept, compared)
+        if ranks:
+            where = (f"rank(s) {ranks} made the part of the update that differs (their shares of `{kept.name}`), the "
+                     "other ranks' shares agree with the reference")  # fmt: skip
+            message += f"; {where}"
+            notes.append(Note(NoteCode.UPDATE_RANKS, where))
     verdicts = [p.verdict for p in probes]
     verdict = (
         Verdict.FAIL if Verdict.FAIL in verdicts else Verdict.OK if Verdict.OK in verdicts else Verdict.INCONCLUSIVE
