@@ -77,10 +77,12 @@ def test_rank1_share_of_the_update_scaled_is_caught_naming_rank1(results: dict[s
         assert failed["fault"] == "update"
         assert "rank(s) [1] made the part of the update that differs" in failed["message"]
         assert "update-ranks" in failed["note_codes"]
-        # rows 0-7 of inp.weight are rank 0's under FSDP2; ZeRO splits hidden.weight between the ranks
-        assert failed["failures"] == (["inp.weight"] if engine == "fsdp" else ["hidden.weight"])
+        # FSDP2 splits each tensor's rows between the ranks; ZeRO gives inp.* to rank 0 and splits hidden.weight
+        expected = ["hidden.weight", "inp.bias", "inp.weight"] if engine == "fsdp" else ["hidden.weight"]
+        assert failed["failures"] == expected
+        assert f"the update of `{'inp.weight' if engine == 'fsdp' else 'hidden.weight'}`" in failed["message"]
         assert "cosine 1," not in failed["message"]  # a share, not the whole tensor, is off
-    assert ranks[0]["reports"] == ranks[1]["reports"]  # every rank compared the same whole tensors
+    assert _updates(ranks[0]) == _updates(ranks[1])  # every rank compared the same whole tensors
 
 
 @pytest.mark.parametrize("scenario", ["fsdp-own", "z1-own", "z2-own", "z2-fused"])
