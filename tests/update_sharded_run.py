@@ -56,7 +56,9 @@ def loss_fn(model: nn.Module, batch: Any) -> Tensor:
 
 def _data(rank: int) -> list[tuple[Tensor, Tensor]]:
     generator = torch.Generator().manual_seed(10 + rank)
-    return [(torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for _ in range(STEPS)]
+    return [
+        (torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for _ in range(STEPS)
+    ]
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -742,14 +742,15 @@ class GradientWatch:
         # (a float16 grad scaler, which unscales it after this call) are not what the optimizer steps with: their
         # update is not checked here
         engine = gradients.engine if isinstance(gradients, FullGradients) else None
-        zero = engine is not None and engine.zero_optimization_stage() in (1, 2)  # whole parameters, partitioned state
-        if (own or zero) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
+        if engine is not None and engine.zero_optimization_stage() not in (1, 2):  # ZeRO-1/2: whole parameters
+            engine = None
+        if (own or engine) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
                 norm = self._findings.verified.norms.total
-                if zero:  # its ZeRO optimizer steps (and clips, by its gradient_clipping) the verified gradients
+                if engine is not None:  # its ZeRO optimizer steps (and clips: gradient_clipping) the verified gradients
                     optimizer, max_norm = engine.optimizer, max_norm or engine.gradient_clipping() or None
                 self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm,
-                                      gradients=gradients if zero else None)  # fmt: skip
+                                      gradients=gradients if engine is not None else None)  # fmt: skip
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:

@@ -55,7 +55,9 @@ def _updates(rank: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("engine", ["fsdp", "z1", "z2"])
-def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(results: dict[str, Any], engine: str) -> None:
+def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(
+    results: dict[str, Any], engine: str
+) -> None:
     for watched, baseline in zip(_ranks(results, f"{engine}-healthy"), _ranks(results, f"{engine}-baseline"),
                                  strict=True):  # fmt: skip
         updates = _updates(watched)

@@ -62,7 +62,8 @@ def update_tensors(
     candidates = [
         (n, p)
         for n, p in named
-        if (updated is None or id(p) in updated) and p.is_floating_point()
+        if (updated is None or id(p) in updated)
+        and p.is_floating_point()
         and (p.grad is not None if graded is None else n in graded)
     ]
     small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
