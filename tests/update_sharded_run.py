@@ -3,13 +3,15 @@ each rank saw to JSON.
 
 Usage: ``python tests/update_sharded_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched`` sets
 the launcher's variables); ``tests/integrations/test_update_sharded.py`` runs it. A scenario is ``<engine>-<kind>``:
-``fsdp`` (FSDP2's ``fully_shard`` on every ``Linear`` and the root, ``torch.optim.AdamW``), ``z1`` / ``z2`` (DeepSpeed
-ZeRO stage 1 / 2, torch's Adam through ``torch_adam``), trained a few optimizer steps on each rank's own data, with an
-applied check (and so an update check) at every step:
+``fsdp`` (FSDP2's ``fully_shard`` on every ``Linear`` and the root, ``torch.optim.AdamW``), ``tp`` (tensor parallelism:
+``inp`` column-parallel, ``hidden`` row-parallel, ``out`` plain; the ranks on the same batches), ``z1`` / ``z2``
+(DeepSpeed ZeRO stage 1 / 2, torch's AdamW through ``torch_adam``), trained a few optimizer steps on each rank's own
+data, with an applied check (and so an update check) at every step:
 
 - ``healthy`` / ``baseline``: the watch, and the same seeded run without it (parameters and optimizer state digested);
 - ``scaled``: an optimizer step post hook (registered before the watch's) that multiplies rank 1's share of each
-  parameter's update by 1.1 (FSDP2: its rows, each parameter's local shard; ZeRO: its flat fp32 partition), at step 3;
+  parameter's update by 1.1 (FSDP2 and tensor parallelism: each parameter's local shard; ZeRO: its flat fp32
+  partitions), at step 3;
 - ``own``: an optimizer gradwatch has no rule for, checked by the single-device replay: under ZeRO the one DeepSpeed
   builds for ``"type": "Adagrad"`` (on CPU, torch's ``Adagrad`` stepping DeepSpeed's flat partitions), under FSDP2
   ``torch.optim.Adagrad``; ``fused`` (ZeRO): DeepSpeed's own ``FusedAdam`` (its CPU op, compiled at first use), which
@@ -106,16 +108,20 @@ def _watch() -> GradientWatch:
     return GradientWatch(every_n_steps=100, applied_every_n_steps=1, max_overhead=None, verbose=False)
 
 
-def _fsdp(kind: str) -> dict[str, Any]:
+def _fsdp(kind: str, tensor_parallel: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     model = Net()
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    for layer in (model.inp, model.hidden, model.out):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if tensor_parallel:  # the ranks of the group train on the same batches
+        parallelize_module(model, mesh, {"inp": ColwiseParallel(), "hidden": RowwiseParallel()})
+    else:
+        for layer in (model.inp, model.hidden, model.out):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = (
         torch.optim.Adagrad(model.parameters(), lr=1e-2)
         if kind == "own"
@@ -125,7 +131,7 @@ def _fsdp(kind: str) -> dict[str, Any]:
     if kind == "scaled":
         _scale_rank1(optimizer, list(model.parameters()), lambda: step == FAULT_STEP)
     watch = None if kind == "baseline" else _watch()
-    data = _data(torch.distributed.get_rank())
+    data = _data(0 if tensor_parallel else torch.distributed.get_rank())
     for step in range(1, STEPS + 1):
         batch = data[step - 1]
         if watch is not None:
@@ -204,7 +210,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     for scenario in sys.argv[2:]:
         engine, kind = scenario.split("-")
-        result = _fsdp(kind) if engine == "fsdp" else _zero(int(engine.removeprefix("z")), kind)
+        result = _fsdp(kind, engine == "tp") if engine in ("fsdp", "tp") else _zero(int(engine.removeprefix("z")), kind)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     # leave without the interpreter's teardown, in which DeepSpeed's and gloo's state sometimes aborts a rank

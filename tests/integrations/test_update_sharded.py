@@ -1,9 +1,10 @@
 """The update check under sharding (two processes, CPU, gloo; the loops in ``tests/update_sharded_run.py``): FSDP2
-(``fully_shard``, DTensor parameters and AdamW state) and DeepSpeed ZeRO-1/2 (fp32 partitions of the parameters and
-of Adam's state, gradient clipping). Healthy runs pass every update check and train bit for bit as without gradwatch;
-rank 1's share of each update scaled by 1.1 after the step is caught at the first update check after it, on every rank
-alike, naming rank 1; an optimizer gradwatch has no rule for (the one DeepSpeed builds for ``Adagrad``, torch's Adagrad
-under FSDP2; DeepSpeed's ``FusedAdam`` where its CPU op is built) is checked by the single-device replay."""
+(``fully_shard``, DTensor parameters and AdamW state), tensor parallelism (a column- and a row-parallel layer) and
+DeepSpeed ZeRO-1/2 (fp32 partitions of the parameters and of Adam's state, gradient clipping, two param groups).
+Healthy runs pass every update check and train bit for bit as without gradwatch; rank 1's share of each update scaled
+by 1.1 after the step is caught at the first update check after it, on every rank alike, naming rank 1; an optimizer
+gradwatch has no rule for (the one DeepSpeed builds for ``Adagrad``, torch's Adagrad under FSDP2; DeepSpeed's
+``FusedAdam`` where its CPU op is built) is checked by the single-device replay."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from two_processes import needs_gloo, run_launched
 
 pytestmark = [needs_gloo, pytest.mark.slow]
 
-FSDP = ["fsdp-healthy", "fsdp-baseline", "fsdp-scaled", "fsdp-own"]
+FSDP = ["fsdp-healthy", "fsdp-baseline", "fsdp-scaled", "fsdp-own", "tp-healthy", "tp-baseline", "tp-scaled"]
 ZERO = [f"z{stage}-{kind}" for stage in (1, 2) for kind in ("healthy", "baseline", "scaled", "own")]
 
 
@@ -54,7 +55,7 @@ def _updates(rank: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in rank["reports"] if r["scope"] == "update"]
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "z1", "z2"])
+@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2"])
 def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(
     results: dict[str, Any], engine: str
 ) -> None:
@@ -65,11 +66,11 @@ def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(
         assert all("AdamW in float64" in " ".join(r["notes"]) for r in updates)
         for key in ("params", "optimizer", "master"):
             assert watched.get(key) == baseline.get(key), key
-    if engine != "fsdp":  # the engine clipped at steps 2 and 3: the checks stepped with its clip coefficient
+    if engine.startswith("z"):  # the engine clipped at steps 2 and 3: the checks stepped with its clip coefficient
         assert [norm > 0.3 for norm in watched["grad_norms"]] == [False, True, True]
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "z1", "z2"])
+@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2"])
 def test_rank1_share_of_the_update_scaled_is_caught_naming_rank1(results: dict[str, Any], engine: str) -> None:
     ranks = _ranks(results, f"{engine}-scaled")
     for rank in ranks:
@@ -79,10 +80,11 @@ def test_rank1_share_of_the_update_scaled_is_caught_naming_rank1(results: dict[s
         assert failed["fault"] == "update"
         assert "rank(s) [1] made the part of the update that differs" in failed["message"]
         assert "update-ranks" in failed["note_codes"]
-        # FSDP2 splits each tensor's rows between the ranks; ZeRO gives inp.* to rank 0 and splits hidden.weight
-        expected = ["hidden.weight", "inp.bias", "inp.weight"] if engine == "fsdp" else ["hidden.weight"]
-        assert failed["failures"] == expected
-        assert f"the update of `{'inp.weight' if engine == 'fsdp' else 'hidden.weight'}`" in failed["message"]
+        # FSDP2 splits each tensor's rows between the ranks, tensor parallelism inp's rows and hidden.weight's
+        # columns; ZeRO gives inp.* to rank 0 and splits hidden.weight
+        zero = engine.startswith("z")
+        assert failed["failures"] == (["hidden.weight"] if zero else ["hidden.weight", "inp.bias", "inp.weight"])
+        assert f"the update of `{'hidden.weight' if zero else 'inp.weight'}`" in failed["message"]
         assert "cosine 1," not in failed["message"]  # a share, not the whole tensor, is off
     assert _updates(ranks[0]) == _updates(ranks[1])  # every rank compared the same whole tensors
 
