@@ -6,10 +6,11 @@ it off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a 
 the verified gradient and the optimizer's state of a few tensors and checks the update once the optimizer stepped,
 from a step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
 ``before_optimizer_step`` was given (``optimizer=``, or the one of ``optimizers=``); without one, the watch hooks the
-next step of any optimizer that updates the verified tensors (torch's global step hooks). A loop whose optimizer's
-step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are one-shot: each
-does nothing after its step and is removed at the watch's next call (removing a hook while torch runs the hooks would
-break a loop with hooks of its own after it).
+next step of any optimizer that updates the verified tensors (torch's global step hooks); for a DeepSpeed ZeRO-1/2
+engine, the torch optimizer its ZeRO optimizer steps once per param group (checked after the last). A loop whose
+optimizer's step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are
+one-shot: each does nothing after its step and is removed at the watch's next call (removing a hook while torch runs
+the hooks would break a loop with hooks of its own after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
 (``max_norm=`` to ``before_optimizer_step``, or the ``after_clipping`` call of the step). Before a step due for a
@@ -32,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradwatch.engine import CheckReport
 from gradwatch.engine.distributed.whole import whole
+from gradwatch.engine.distributed.zero import FullGradients
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
 from gradwatch.engine.update.snapshot import innermost
@@ -63,6 +65,13 @@ class _Pending:
 def _stepping(optimizer: Any, optimizers: Sequence[Any]) -> Any:
     """The optimizer about to step: the one named, else the loop's only one, else ``None`` (found by the hooks)."""
     return optimizers[0] if optimizer is None and len(optimizers) == 1 else optimizer
+
+
+def zero_engine(gradients: Any) -> Any:
+    """The DeepSpeed ZeRO-1/2 engine whose :class:`FullGradients` ``gradients`` are, else ``None`` (its parameters are
+    whole on every rank, its optimizer state partitioned: :mod:`gradwatch.engine.distributed.whole` gathers it)."""
+    engine = gradients.engine if isinstance(gradients, FullGradients) else None
+    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2) else None
 
 
 class UpdateChecks:
@@ -121,13 +130,18 @@ class UpdateChecks:
         *,
         norm: float,
         max_norm: float | None,
+        engine: Any = None,
         gradients: Mapping[str, Tensor] | None = None,
     ) -> None:
         """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step
-        (``gradients``: the whole verified gradients a ZeRO-1/2 engine keeps in its partitions, ``optimizer`` its
-        ZeRO optimizer)."""
+        (``engine``: a ZeRO-1/2 engine, whose ZeRO optimizer steps, and clips by its ``gradient_clipping``, the whole
+        verified ``gradients`` it keeps in its partitions)."""
         self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
+        if engine is not None:
+            optimizer, max_norm = engine.optimizer, max_norm or engine.gradient_clipping() or None
+        else:
+            gradients = None
         previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
         named = self._candidates(model, optimizer if gradients is None else None, updated, gradients)
         if not named:

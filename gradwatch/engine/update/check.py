@@ -74,7 +74,7 @@ def _rule_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update
     reference = reference_for(snapshot.optimizer, kept.hyper)
     if reference is None:
         return None
-    dtype = kept.param.dtype
+    dtype = kept.before.dtype
     before64 = kept.before.detach().to("cpu", torch.float64)
     state64 = {key: _float64(value) for key, value in kept.state.items()}
 
@@ -110,9 +110,9 @@ def _replay_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Upda
         return new.to("cpu", torch.float64) - before64
 
     # the replay rounds as the optimizer does: its floor is the rounding of each new value, ε·|new| per element
-    eps = machine_epsilon(kept.param.dtype)
+    eps = machine_epsilon(kept.before.dtype)
     floor_norm = 0.5 * eps * float(kept.before.detach().double().norm())
-    dtype = str(kept.param.dtype).removeprefix("torch.")
+    dtype = str(kept.before.dtype).removeprefix("torch.")
     name = f"a single-device replay of {type(snapshot.optimizer).__name__} in {dtype}"
     return replay, replay(kept.grad.to("cpu", torch.float64) * snapshot.coefficient), floor_norm, name
 
@@ -123,7 +123,7 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
         candidate, reference, floor, source = ruled if ruled is not None else _replay_updates(snapshot, kept)
         applied = whole_value(kept.param).detach().to("cpu", torch.float64) - kept.before.to("cpu", torch.float64)
     scale = float(reference.norm())
-    eps = machine_epsilon(kept.param.dtype)
+    eps = machine_epsilon(kept.before.dtype)
     allowed = FLOOR_MULTIPLE * floor + ROUNDING_MULTIPLE * eps * scale
     discrepancy = float((applied - reference).norm())
     finite = math.isfinite(discrepancy) and math.isfinite(scale)
@@ -281,7 +281,7 @@ def check_update(
         if compared.probe.reason == Reason.UNRESOLVED:
             notes.append(Note(NoteCode.UPDATE_UNRESOLVED, (
                 f"the update of `{kept.name}` is within its dtype's rounding of the reference's (floor "
-                f"{compared.probe.floor:.2g} of its norm): {kept.param.dtype} parameters round it too coarsely to tell"
+                f"{compared.probe.floor:.2g} of its norm): {kept.before.dtype} parameters round it too coarsely to tell"
             )))  # fmt: skip
     for source, names in sources.items():
         notes.insert(0, Note(NoteCode.UPDATE_REFERENCE, f"updates of {', '.join(names)} checked against {source}"))
