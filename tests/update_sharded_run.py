@@ -15,7 +15,7 @@ data, with an applied check (and so an update check) at every step:
 - ``own``: an optimizer gradwatch has no rule for, checked by the single-device replay: under ZeRO the one DeepSpeed
   builds for ``"type": "Adagrad"`` (on CPU, torch's ``Adagrad`` stepping DeepSpeed's flat partitions), under FSDP2
   ``torch.optim.Adagrad``; ``fused`` (ZeRO): DeepSpeed's own ``FusedAdam`` (its CPU op, compiled at first use), which
-  counts steps per param group.
+  counts steps per param group; ``fusedscaled``: so, with ``scaled``'s fault.
 
 The ZeRO runs clip the gradient (``gradient_clipping``), which the update check reads from the engine, and, but for
 Adagrad, two param groups (ZeRO steps its torch optimizer once per group: the update is compared after the last).
@@ -157,7 +157,7 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = Net()
-    optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": kind != "fused"}}
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": not kind.startswith("fused")}}
     if kind.startswith("own"):
         optimizer = {"type": "Adagrad", "params": {"lr": 1e-2}}
     config = {
@@ -179,7 +179,7 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
     )
     step = 0
     inner = engine.optimizer.optimizer  # the torch optimizer stepping the flat fp32 partitions
-    if kind == "scaled":
+    if kind.endswith("scaled"):
         _scale_rank1(inner, [p for g in inner.param_groups for p in g["params"]], lambda: step == FAULT_STEP)
     watch = None if kind.endswith("baseline") else _watch()
     data, norms = _data(torch.distributed.get_rank()), []

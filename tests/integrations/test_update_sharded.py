@@ -32,7 +32,7 @@ def _fused_adam_built() -> bool:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     scenarios = list(FSDP)
     if _has_deepspeed():
-        scenarios += ZERO + (["z2-fused"] if _fused_adam_built() else [])
+        scenarios += ZERO + (["z2-fused", "z2-fusedscaled"] if _fused_adam_built() else [])
     out = tmp_path_factory.mktemp("update_sharded")
     return run_launched("update_sharded_run.py", out, *scenarios, timeout_s=400, env={"DS_ACCELERATOR": "cpu"})[0]
 
@@ -96,3 +96,11 @@ def test_an_optimizer_without_a_rule_is_checked_by_the_replay(results: dict[str,
         updates = _updates(rank)
         assert [r["verdict"] for r in updates] == ["ok", "ok", "ok"]
         assert all(f"a single-device replay of {expected}" in " ".join(r["notes"]) for r in updates)
+
+
+def test_a_wrong_share_of_a_replayed_optimizers_update_names_the_rank(results: dict[str, Any]) -> None:
+    for rank in _ranks(results, "z2-fusedscaled"):
+        updates = _updates(rank)
+        assert [(r["step"], r["verdict"]) for r in updates] == [(1, "ok"), (2, "ok"), (3, "fail")]
+        assert "a single-device replay of FusedAdam" in updates[-1]["message"]
+        assert "rank(s) [1] made the part of the update that differs" in updates[-1]["message"]
