@@ -157,7 +157,10 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = Net()
-    optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": not kind.startswith("fused")}}
+    optimizer = {
+        "type": "AdamW",
+        "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": not kind.startswith("fused")},
+    }
     if kind.startswith("own"):
         optimizer = {"type": "Adagrad", "params": {"lr": 1e-2}}
     config = {
