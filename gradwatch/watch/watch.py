@@ -49,7 +49,7 @@ from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
 from gradwatch.watch.rewind import Earlier, rewound
-from gradwatch.watch.updates import UpdateChecks
+from gradwatch.watch.updates import UpdateChecks, zero_engine
 
 log = logging.getLogger(__name__)
 
@@ -774,12 +774,12 @@ class GradientWatch:
         with self.guarded("the clip check's norms of the verified gradient"):
             held = _gradients(model, updated) if own else list((gradients or {}).values())
             self._findings.verified = Verified(step, GradientNorms.of(held), own)
-        # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
-        # unscales it after this call) are not what the optimizer steps with: their update is not checked here
-        if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
+        # not checked: the update of gradients an engine keeps elsewhere (but ZeRO-1/2's) or still scaled (float16)
+        engine = zero_engine(gradients)
+        if (own or engine) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
-                norm = self._findings.verified.norms.total
-                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm)
+                self._updates.prepare(model, step, optimizer, optimizers, updated, max_norm=max_norm, engine=engine,
+                                      norm=self._findings.verified.norms.total, gradients=gradients)  # fmt: skip
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:

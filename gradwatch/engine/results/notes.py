@@ -139,6 +139,7 @@ class NoteCode(StrEnum):
     UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
     UPDATE_UNCHECKED = "update-unchecked", "a tensor an update check could not compare, and why"
     UPDATE_UNDECLARED_CLIP = "update-undeclared-clip", "a clip the loop applied but did not declare"
+    UPDATE_RANKS = "update-ranks", "the ranks whose share of a sharded tensor's update is wrong"
     ACCUMULATION_EQUIVALENCE = (
         "accumulation-equivalence",
         "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",
