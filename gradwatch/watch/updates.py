@@ -123,6 +123,7 @@ class UpdateChecks:
         self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
         previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
+        self._previous = None  # not held longer than it is needed (a GPU's memory)
         named = self._candidates(model, optimizer, updated)
         if not named:
             return

@@ -82,6 +82,7 @@ def check_applied_gradient(
     join: Join | None = None,
     window_normalised: bool | Callable[[], bool] = False,
     search_budget: SearchBudget | None = None,
+    float64_probes: bool = True,
     **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
@@ -142,6 +143,8 @@ def check_applied_gradient(
         search_budget: A cap on the culprit search of a formula fault (the recomputed check of the first micro-batch
             and its search, both within it), and where an earlier search left off, as
             :func:`~gradwatch.check_gradients` takes it; ``None``: no cap.
+        float64_probes: ``False``: probe natively (with float64 reductions) without trying float64 first, as a watch
+            does for a while after float64 probes ran out of memory (:class:`~gradwatch.watch.lessons.Lessons`).
         **options: The probe options one by one (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`; the others concern the recomputed check alone
             and are not used.
@@ -159,18 +162,21 @@ def check_applied_gradient(
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
                               notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
-    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look)
-    refused = _refused(setting, plan, shards, culprit_search=culprit_search)
-    if refused is not None:
-        return refused
+    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look,
+                               float64=float64_probes)  # fmt: skip
     equivalence, said = None, list[Note]()
-    with surviving_out_of_memory(None, setting.params[0].device) as ran_out, session.measuring():
-        outcome = measure_window(setting, plan)
-        if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
-            equivalence, said = compare_accumulation(setting, plan.names, join=join,
-                                                     window_normalised=window_normalised)  # fmt: skip
+    with surviving_out_of_memory(None, setting.params[0].device) as ran_out:
+        refused = _refused(setting, plan, shards, culprit_search=culprit_search)  # its finite test may run out too
+        if refused is None:
+            with session.measuring():
+                outcome = measure_window(setting, plan)
+                if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
+                    equivalence, said = compare_accumulation(setting, plan.names, join=join,
+                                                             window_normalised=window_normalised)  # fmt: skip
     if ran_out:  # the state is back and what the check allocated freed: the run goes on
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
+    if refused is not None:
+        return refused
     outcome.evaluator.notes.extend(said)
     if outcome.attribution is not None and outcome.attribution.search_culprit:
         outcome = _searched(setting, outcome, culprit_search=culprit_search)
@@ -305,7 +311,7 @@ def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equival
         **outcome.report_fields(),
         n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
-        precision="float64" if evaluator.value_dtype == torch.float64 else "native",
+        precision=evaluator.probed_in,
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",

@@ -113,6 +113,9 @@ class LossEvaluator:
         """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
+        self.probed_in = "native"
+        """What an applied check's probes computed in: ``"float64"`` on float64 storage, else ``"native"`` (float64
+        reductions give float64 values, not float64 arithmetic)."""
 
     def _reset_inputs(self) -> None:
         """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
