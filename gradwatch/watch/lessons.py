@@ -95,7 +95,7 @@ class Lessons:
         """What an applied check's report teaches the next one: where its search stopped, and whether its float64
         probes fit in the device's memory (a check the back-off kept native gets a note saying so)."""
         self.learn_search(report)
-        if self.float64.learn(report):
+        if self.float64.learn(report) and report.probes:  # (a postponed check probed in no precision)
             report.notes.append(Note(NoteCode.MEMORY_NATIVE, self.float64.note()))
 
     def search_state(self) -> dict[str, Any]:

@@ -43,8 +43,9 @@ from gradwatch.engine.applied.window import (
     split_note,
 )
 from gradwatch.engine.distributed.whole import on_whole_parameters
+from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.memory import surviving_out_of_memory
+from gradwatch.engine.function.memory import affordable_samples, surviving_out_of_memory
 from gradwatch.engine.numerics.steps import most_precise
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.compiled import compiled_parts
@@ -164,6 +165,9 @@ def check_applied_gradient(
                               notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
     plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look,
                                float64=float64_probes)  # fmt: skip
+    postponed = _postponed(setting)
+    if postponed is not None:
+        return postponed
     equivalence, said = None, list[Note]()
     with surviving_out_of_memory(None, setting.params[0].device) as ran_out:
         refused = _refused(setting, plan, shards, culprit_search=culprit_search)  # its finite test may run out too
@@ -278,6 +282,22 @@ def _refused(
     named = list(zip(plan.names, plan.applied, strict=True))
     fields = nonfinite_fault(setting, named, search=culprit_search and shards is None)
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
+
+
+def _postponed(setting: PathSetting) -> CheckReport | None:
+    """The report of a check whose window would not fit in the device's free memory, by the estimate of
+    :func:`~gradwatch.engine.function.memory.affordable_samples` (a window cannot shrink); ``None``: it fits, or
+    the memory or the model's activations are unknown, or ranks in lockstep would decide apart."""
+    session = setting.session
+    window = sum(batch_size(b) or 0 for b in setting.batches)
+    if session.collective is not None or setting.group is not None or not window:
+        return None
+    samples, why = affordable_samples(session.model, setting.params, window, window)
+    if samples:
+        return None
+    text = f"no probe made: the window would not fit in the device's free memory ({why}); the next check tries again"
+    return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                          notes=[Note(NoteCode.MEMORY_POSTPONED, text)])  # fmt: skip
 
 
 def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: bool) -> AppliedOutcome:

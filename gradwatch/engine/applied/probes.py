@@ -113,7 +113,7 @@ def measure(
                 if passes_fallbacks(error) and not out_of_memory:
                     raise
                 if out_of_memory:
-                    release_memory(named[0][1].device if named else None)
+                    release_memory(named[0][1].device if named else None, error)
                     text = f"probes run natively: float64 ran out of memory ({first_line(error)})"
                     note = Note(NoteCode.MEMORY_NATIVE, text)
                 else:

@@ -257,7 +257,8 @@ class LossEvaluator:
         return float(loss.detach()), [None if g is None else dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
+        base = tensor._base if tensor._base is not None else tensor  # a parameter's view (W.T) is the parameter
+        if not (base.is_leaf and base.requires_grad):  # parameters and inputs are not activations
             self.saved_elements += tensor.numel()
         return tensor
 

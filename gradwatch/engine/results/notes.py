@@ -70,6 +70,8 @@ class NoteCode(StrEnum):
     # memory
     MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit (or ran out) in the device's memory"
     OUT_OF_MEMORY = "out-of-memory", "the check ran out of memory: put back, inconclusive; the next runs cheaper"
+    MEMORY_SHRUNK = "memory-shrunk", "the probe batch shrunk before the check: its estimated peak did not fit in memory"
+    MEMORY_POSTPONED = "memory-postponed", "no probe made: the check's estimated peak does not fit in the free memory"
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
