@@ -113,9 +113,7 @@ class LossEvaluator:
         """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
-        self.probed_in = "native"
-        """What an applied check's probes computed in: ``"float64"`` on float64 storage, else ``"native"`` (float64
-        reductions give float64 values, not float64 arithmetic)."""
+        self.probed_in = "native"  # an applied check's probes: "float64" on float64 storage (not float64 reductions)
 
     def _reset_inputs(self) -> None:
         """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
@@ -131,8 +129,7 @@ class LossEvaluator:
 
     @contextlib.contextmanager
     def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
-        """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
-        replayed."""
+        """One forward pass evaluating the loss at ``points`` points (one, if it raises), the random state replayed."""
         self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
@@ -257,8 +254,8 @@ class LossEvaluator:
         return float(loss.detach()), [None if g is None else dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
-        base = tensor._base if tensor._base is not None else tensor  # a parameter's view (W.T) is the parameter
-        if not (base.is_leaf and base.requires_grad):  # parameters and inputs are not activations
+        base = tensor._base if tensor._base is not None else tensor  # parameters, their views (W.T) and inputs are
+        if not (base.is_leaf and base.requires_grad):  # not activations
             self.saved_elements += tensor.numel()
         return tensor
 
