@@ -33,6 +33,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
+from gradwatch.engine.distributed import tensor_parallel
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
@@ -203,7 +204,8 @@ def _check(
         search_budget=search_budget,
     )
     wanted = settings.probe_batch_size or batch_size(batch) or 0
-    lockstep = session.collective is not None  # ranks in lockstep must not decide apart on their own free memory
+    # ranks in lockstep (sharded, tensor-parallel) must not decide apart on their own free memory
+    lockstep = session.collective is not None or tensor_parallel.replicas_group() is not None
     samples, why = (wanted, "") if lockstep else affordable_samples(model, [p for _, p in params], wanted, 1)
     if why and not samples:  # estimated before starting: no out-of-memory error to survive
         text = f"no probe made: the check would not fit in the device's free memory ({why}); the next check tries again"
