@@ -331,7 +331,7 @@ def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equival
         **outcome.report_fields(),
         n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
-        precision=evaluator.probed_in,
+        precision=evaluator.probed_in,  # what the probes computed in (float64 reductions alone are native)
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",

@@ -111,6 +111,8 @@ class LossEvaluator:
         """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
         self.watch: contextlib.AbstractContextManager[Any] | None = None
         """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
+        self.refused_by: type[nn.Module] | None = None
+        """The class of the module whose forward raised in the float64 trial (a kernel refusing float64), if any."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
         self.probed_in = "native"  # an applied check's probes: "float64" on float64 storage (not float64 reductions)
@@ -231,8 +233,7 @@ class LossEvaluator:
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
         """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
-        ``created()`` after the forward: zero leaves that hooks add to activations), computed as the reference is.
-        A tensor the loss does not depend on gets ``None``."""
+        ``created()`` after the forward: zero leaves hooks add to activations; ``None`` for one the loss ignores)."""
         self._reset_inputs()
         completed = False
         try:
@@ -395,6 +396,5 @@ class LossEvaluator:
         return self._grad_mode_evaluations
 
     def use_grad_mode(self) -> None:
-        """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between
-        ``torch.no_grad()`` and grad mode)."""
+        """Evaluate with autograd recording from now on (kernels or random draws that differ in ``no_grad``)."""
         self._grad_mode_evaluations = True
