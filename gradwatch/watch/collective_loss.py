@@ -78,10 +78,12 @@ class CollectiveCounter:
         return self.loss_fn(model, batch)
 
 
-def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor]:
+def _mean_gradient(
+    model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, *, average: bool = True
+) -> dict[str, torch.Tensor]:
     """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
-    rank and averaged over ``group`` as DDP averages it; ``.grad``, DDP's reducer and the random state are left as
-    they were."""
+    rank and averaged over ``group`` as DDP averages it (each rank's own without ``average``: a model split by hand);
+    ``.grad``, DDP's reducer and the random state are left as they were."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     syncing = getattr(model, "no_sync", None)
     forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
@@ -95,8 +97,9 @@ def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) ->
     parts = [(torch.zeros_like(p) if g is None else g).detach().reshape(-1).double()
              for (_, p), g in zip(named, grads, strict=True)]  # fmt: skip
     flat = torch.cat([*parts, torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float64)])
-    dist.all_reduce(flat, group=group)
-    world = dist.get_world_size(group)
+    if average:
+        dist.all_reduce(flat, group=group)
+    world = dist.get_world_size(group) if average else 1
     found, offset = {}, 0
     present = flat[-len(named) :]
     for i, (name, p) in enumerate(named):
@@ -130,6 +133,20 @@ def global_check(
         "(the whole batch of each rank)"
     )
     return dataclasses.replace(report, scope="recomputed", notes=[Note(NoteCode.LOSS_COLLECTIVES, text), *report.notes])
+
+
+def split_check(
+    model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, step: int, settings: ProbeSettings,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> CheckReport:  # fmt: skip
+    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): this
+    step's gradient recomputed on every rank, each its own part's, against the sum of the ranks' losses, every rank
+    evaluating it together as the applied check of such a model does."""
+    drawn = capture_rng()
+    gradients = _mean_gradient(model, batch, loss_fn, group, average=False)
+    report = check_applied_gradient(model, [batch], loss_fn, gradients, group=group, step=step, settings=settings,
+                                    optimizers=optimizers, compare_one_batch=False, rng_states=[drawn])  # fmt: skip
+    return dataclasses.replace(report, scope="recomputed")
 
 
 def recomputed_check(

@@ -24,7 +24,7 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
 from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
-from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
+from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped
 from gradwatch.engine.probing.search_budget import SearchBudget
@@ -622,7 +622,7 @@ class GradientWatch:
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
     ) -> CheckReport | None:  # fmt: skip
-        if not self._lessons.checkable(model) or self._split(model):
+        if not self._lessons.checkable(model):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
@@ -631,6 +631,11 @@ class GradientWatch:
             model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
             focus=lessons.focus, optimizers=optimizers, search_budget=self._search_budget(),
         )  # fmt: skip
+        if self._split(model):  # every rank's part against the ranks' summed loss, every rank together
+            check = lambda: collective_loss.split_check(  # noqa: E731
+                model, batch, loss_fn, group=default_group(model), step=step, settings=lessons.active,
+                optimizers=optimizers,
+            )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
             ended = time.perf_counter()
@@ -644,15 +649,9 @@ class GradientWatch:
 
     def _split(self, model: nn.Module) -> bool:
         """Whether the ranks hold other parameters than rank 0 (a model split by hand), asked once per model on every
-        rank together before its first recomputed check, and said once: such a model is not checked."""
+        rank together before its first recomputed check (:mod:`gradwatch.engine.applied.split`)."""
         if id(model) not in self._split_models:
-            ranks = split_ranks(model)
-            self._split_models[id(model)] = bool(ranks)
-            if ranks:
-                text = split_note(ranks).replace("this applied check does not", "recomputed checks do not")
-                warnings.warn(
-                    f"gradwatch: no recomputed checks in this run: {text}", GradientCheckWarning, stacklevel=3
-                )
+            self._split_models[id(model)] = bool(split_ranks(model))
         return self._split_models[id(model)]
 
     # the applied check
