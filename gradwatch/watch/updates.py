@@ -143,6 +143,7 @@ class UpdateChecks:
         else:
             gradients = None
         previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
+        self._previous = None  # not held longer than it is needed (a GPU's memory)
         named = self._candidates(model, optimizer if gradients is None else None, updated, gradients)
         if not named:
             return

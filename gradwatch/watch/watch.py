@@ -233,8 +233,7 @@ class GradientWatch:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (kept on
-        resume)."""
+        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (resumed)."""
         return {**self._outcomes.counts, "postponed": self._recomputed.postponed}
 
     @property
@@ -753,6 +752,7 @@ class GradientWatch:
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
             search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **training.arguments(),
+            float64_probes=self._lessons.float64.allows(model),  # not tried again in vain once it ran out of memory
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -767,7 +767,7 @@ class GradientWatch:
         if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
             self._applied.owe()
         self._findings.found(optimizer, step, report.fault)
-        self._lessons.learn_search(report)
+        self._lessons.learn_applied(report)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
         # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use

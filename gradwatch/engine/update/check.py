@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.distributed.whole import whole_value
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
@@ -271,7 +272,10 @@ def check_update(
         lr = float(kept.hyper["lr"]) if isinstance(kept.hyper.get("lr"), (int, float, Tensor)) else math.nan
         try:
             compared = _compare(snapshot, kept, lr)
-        except ReplayError as error:
+        except Exception as error:  # a replay it cannot make, or no memory for its float64 comparison
+            if not isinstance(error, ReplayError) and not is_out_of_memory(error):
+                raise
+            release_memory(kept.param.device, error) if is_out_of_memory(error) else None
             notes.append(Note(NoteCode.UPDATE_UNCHECKED, f"the update of `{kept.name}` was not checked: {error}"))
             continue
         probes.append(compared.probe)
