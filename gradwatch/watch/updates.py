@@ -71,7 +71,7 @@ def zero_engine(gradients: Any) -> Any:
     """The DeepSpeed ZeRO-1/2 engine whose :class:`FullGradients` ``gradients`` are, else ``None`` (its parameters are
     whole on every rank, its optimizer state partitioned: :mod:`gradwatch.engine.distributed.whole` gathers it)."""
     engine = gradients.engine if isinstance(gradients, FullGradients) else None
-    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2) else None
+    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2, 3) else None
 
 
 class UpdateChecks:
@@ -158,7 +158,10 @@ class UpdateChecks:
         self.pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
-            pending.snapshot, pending.last = self._snapshot(pending, optimizer), inner.param_groups[-1]
+            # ZeRO-3 steps each sub-group's flat partition in its param group's (else empty) params
+            flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+            pending.last = flats[-1] if flats else inner.param_groups[-1]
+            pending.snapshot = self._snapshot(pending, optimizer)
             pending.handles.append(inner.register_step_post_hook(self._hook(pending)))
             return
 
@@ -185,7 +188,8 @@ class UpdateChecks:
         def after(stepping: Any, *_: Any) -> None:
             snapshot, groups = pending.snapshot, stepping.param_groups
             if (not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer
-                    and (pending.last is None or groups[-1] is pending.last)):  # fmt: skip
+                    and (pending.last is None or groups[-1] is pending.last
+                         or any(p is pending.last for g in groups for p in g["params"]))):  # fmt: skip
                 with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
                     self._run(pending)
 
@@ -198,7 +202,8 @@ class UpdateChecks:
             return None
         snapshot = snapshot.with_clip(self._declared.get(pending.step) if snapshot.max_norm is None else None)
         # a ZeRO parameter's .grad is not what its optimizer steps with (the partitions are)
-        given = {k.name: None if hasattr(k.param, "_hp_mapping") else whole(k.param.grad) for k in snapshot.kept}
+        zero = [k for k in snapshot.kept if hasattr(k.param, "_hp_mapping") or hasattr(k.param, "ds_id")]
+        given = {k.name: None if k in zero else whole(k.param.grad) for k in snapshot.kept}
         started = time.perf_counter()
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip
