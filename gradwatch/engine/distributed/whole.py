@@ -36,7 +36,7 @@ def whole(tensor: Any) -> Any:
 
 
 def whole_value(param: Tensor) -> Tensor:
-    """The whole tensor the optimizer updates for ``param``: a ZeRO-1/2 parameter's fp32 master (DeepSpeed's
+    """The whole tensor the optimizer updates for ``param``: a ZeRO parameter's fp32 master (DeepSpeed's
     ``get_full_hp_param``: the ranks' partitions gathered), a ``DTensor``'s shards gathered, else ``param``. A
     collective for either: every rank calls it together."""
     if hasattr(param, "_z3_optimizer"):  # ZeRO-3: the fp32 partitions of its ranks gathered
@@ -47,7 +47,7 @@ def whole_value(param: Tensor) -> Tensor:
 
 
 def whole_state(param: Tensor, flat: Tensor) -> Tensor:
-    """``param``'s whole tensor of a ZeRO-1/2 optimizer state entry ``flat`` (a tensor over the rank's flat fp32
+    """``param``'s whole tensor of a ZeRO optimizer state entry ``flat`` (a tensor over the rank's flat fp32
     partition): each rank's fragment of it gathered, as DeepSpeed's ``get_full_hp_param`` gathers the state once it has
     linked it (after the first step); under ZeRO-3 the rank's partition of ``param``, at its offset in ``flat``. A
     collective: every rank calls it together."""

@@ -156,7 +156,7 @@ class UpdateSnapshot:
         """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; ``grads``:
         by name, the verified gradients when copied earlier (before the loop clipped them), else each ``.grad`` now."""
         outer, optimizer = optimizer, innermost(optimizer)
-        # ZeRO-1/2: the torch optimizer steps one flat partition per group of the module's parameters
+        # ZeRO: the torch optimizer steps one flat partition per group (ZeRO-3: sub-group) of the module's parameters
         partitioned = getattr(outer, "bit16_groups", None) or getattr(outer, "fp16_groups", None)
         flats = getattr(outer, "fp32_partitioned_groups_flat", None)  # ZeRO-3: one per sub-group, out of its group
         groups = partitioned or [group["params"] for group in optimizer.param_groups]
