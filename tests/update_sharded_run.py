@@ -4,9 +4,9 @@ each rank saw to JSON.
 Usage: ``python tests/update_sharded_run.py OUT_DIR SCENARIO...`` on every rank (``two_processes.run_launched`` sets
 the launcher's variables); ``tests/integrations/test_update_sharded.py`` runs it. A scenario is ``<engine>-<kind>``:
 ``fsdp`` (FSDP2's ``fully_shard`` on every ``Linear`` and the root, ``torch.optim.AdamW``), ``tp`` (tensor parallelism:
-``inp`` column-parallel, ``hidden`` row-parallel, ``out`` plain; the ranks on the same batches), ``z1`` / ``z2``
-(DeepSpeed ZeRO stage 1 / 2, torch's AdamW through ``torch_adam``), trained a few optimizer steps on each rank's own
-data, with an applied check (and so an update check) at every step:
+``inp`` column-parallel, ``hidden`` row-parallel, ``out`` plain; the ranks on the same batches), ``z1`` / ``z2`` /
+``z3`` (DeepSpeed ZeRO stage 1 / 2 / 3, torch's AdamW through ``torch_adam``), trained a few optimizer steps on each
+rank's own data, with an applied check (and so an update check) at every step:
 
 - ``healthy`` / ``baseline``: the watch, and the same seeded run without it (parameters and optimizer state digested);
 - ``scaled``: an optimizer step post hook (registered before the watch's) that multiplies rank 1's share of each
@@ -166,7 +166,8 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        # ZeRO-3: every parameter partitioned, none kept whole for being small
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": optimizer,
         "gradient_clipping": 0.3,
         "steps_per_print": 10**9,
@@ -182,8 +183,10 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
     )
     step = 0
     inner = engine.optimizer.optimizer  # the torch optimizer stepping the flat fp32 partitions
+    # (ZeRO-3 puts each in its param group's params only for its own step)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
     if kind.endswith("scaled"):
-        _scale_rank1(inner, [p for g in inner.param_groups for p in g["params"]], lambda: step == FAULT_STEP)
+        _scale_rank1(inner, flats or [p for g in inner.param_groups for p in g["params"]], lambda: step == FAULT_STEP)
     watch = None if kind.endswith("baseline") else _watch()
     data, norms = _data(torch.distributed.get_rank()), []
     for step in range(1, STEPS + 1):
@@ -196,12 +199,14 @@ def _zero(stage: int, kind: str) -> dict[str, Any]:
         engine.step()
         norms.append(float(engine.get_global_grad_norm()))
     params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):  # ZeRO-3's partitions gathered (else nothing done)
+        digest = _digest([p.detach().clone() for p in params])
     return {
         "rank": torch.distributed.get_rank(),
         "optimizer_class": type(inner).__name__,
         "grad_norms": norms,
         "reports": [_report(r) for r in (watch.reports if watch is not None else [])],
-        "params": _digest([p.detach().clone() for p in params]),
+        "params": digest,
         "master": _digest([safe_get_full_fp32_param(p) for p in params]),
         # each rank's partitions of the optimizer state (DeepSpeed 0.19.8 links the state of its first param group
         # only, after that group's first step, so safe_get_full_optimizer_state fails on the others)

@@ -1,16 +1,16 @@
 """The update checks of a :class:`~gradwatch.GradientWatch`: the update ``optimizer.step()`` makes of the gradient an
 applied check verified, compared with a reference update (:mod:`gradwatch.engine.update`).
 
-It runs wherever the applied check runs, at the same steps and within the same budget (``check_update=False`` turns
-it off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values,
-the verified gradient and the optimizer's state of a few tensors and checks the update once the optimizer stepped,
-from a step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
+It runs wherever the applied check runs, at the same steps and within the same budget (``check_update=False`` turns it
+off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values, the
+verified gradient and the optimizer's state of a few tensors and checks the update once the optimizer stepped, from a
+step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
 ``before_optimizer_step`` was given (``optimizer=``, or the one of ``optimizers=``); without one, the watch hooks the
-next step of any optimizer that updates the verified tensors (torch's global step hooks); for a DeepSpeed ZeRO-1/2
-engine, the torch optimizer its ZeRO optimizer steps once per param group (checked after the last). A loop whose
-optimizer's step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are
-one-shot: each does nothing after its step and is removed at the watch's next call (removing a hook while torch runs
-the hooks would break a loop with hooks of its own after it).
+next step of any optimizer that updates the verified tensors (torch's global step hooks); for a DeepSpeed ZeRO engine,
+the torch optimizer its ZeRO optimizer steps once per param group (ZeRO-3: sub-group; checked after the last). A loop
+whose optimizer's step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are
+one-shot: each does nothing after its step and is removed at the watch's next call (removing a hook while torch runs the
+hooks would break a loop with hooks of its own after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
 (``max_norm=`` to ``before_optimizer_step``, or the ``after_clipping`` call of the step). Before a step due for a
@@ -68,10 +68,10 @@ def _stepping(optimizer: Any, optimizers: Sequence[Any]) -> Any:
 
 
 def zero_engine(gradients: Any) -> Any:
-    """The DeepSpeed ZeRO-1/2 engine whose :class:`FullGradients` ``gradients`` are, else ``None`` (its parameters are
-    whole on every rank, its optimizer state partitioned: :mod:`gradwatch.engine.distributed.whole` gathers it)."""
+    """The DeepSpeed ZeRO engine whose :class:`FullGradients` ``gradients`` are, else ``None`` (its fp32 master
+    parameters and optimizer state partitioned: :mod:`gradwatch.engine.distributed.whole` gathers the checked ones)."""
     engine = gradients.engine if isinstance(gradients, FullGradients) else None
-    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2) else None
+    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2, 3) else None
 
 
 class UpdateChecks:
@@ -134,7 +134,7 @@ class UpdateChecks:
         gradients: Mapping[str, Tensor] | None = None,
     ) -> None:
         """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step
-        (``engine``: a ZeRO-1/2 engine, whose ZeRO optimizer steps, and clips by its ``gradient_clipping``, the whole
+        (``engine``: a ZeRO engine, whose ZeRO optimizer steps, and clips by its ``gradient_clipping``, the whole
         verified ``gradients`` it keeps in its partitions)."""
         self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
@@ -158,7 +158,10 @@ class UpdateChecks:
         self.pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
-            pending.snapshot, pending.last = self._snapshot(pending, optimizer), inner.param_groups[-1]
+            # ZeRO-3 steps each sub-group's flat partition in its param group's (else empty) params
+            flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+            pending.last = flats[-1] if flats else inner.param_groups[-1]
+            pending.snapshot = self._snapshot(pending, optimizer)
             pending.handles.append(inner.register_step_post_hook(self._hook(pending)))
             return
 
@@ -185,7 +188,8 @@ class UpdateChecks:
         def after(stepping: Any, *_: Any) -> None:
             snapshot, groups = pending.snapshot, stepping.param_groups
             if (not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer
-                    and (pending.last is None or groups[-1] is pending.last)):  # fmt: skip
+                    and (pending.last is None or groups[-1] is pending.last
+                         or any(p is pending.last for g in groups for p in g["params"]))):  # fmt: skip
                 with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
                     self._run(pending)
 
@@ -198,7 +202,8 @@ class UpdateChecks:
             return None
         snapshot = snapshot.with_clip(self._declared.get(pending.step) if snapshot.max_norm is None else None)
         # a ZeRO parameter's .grad is not what its optimizer steps with (the partitions are)
-        given = {k.name: None if hasattr(k.param, "_hp_mapping") else whole(k.param.grad) for k in snapshot.kept}
+        zero = [k for k in snapshot.kept if hasattr(k.param, "_hp_mapping") or hasattr(k.param, "ds_id")]
+        given = {k.name: None if k in zero else whole(k.param.grad) for k in snapshot.kept}
         started = time.perf_counter()
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip

@@ -771,7 +771,7 @@ class GradientWatch:
         with self.guarded("the clip check's norms of the verified gradient"):
             held = gradients_of(model, updated) if own else list((gradients or {}).values())
             self._findings.verified = Verified(step, GradientNorms.of(held), own)
-        # not checked: the update of gradients an engine keeps elsewhere (but ZeRO-1/2's) or still scaled (float16)
+        # not checked: the update of gradients an engine keeps elsewhere (but ZeRO's) or still scaled (float16)
         engine = zero_engine(gradients)
         if (own or engine) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):

@@ -1,6 +1,7 @@
 """The update check under sharding (two processes, CPU, gloo; the loops in ``tests/update_sharded_run.py``): FSDP2
 (``fully_shard``, DTensor parameters and AdamW state), tensor parallelism (a column- and a row-parallel layer) and
-DeepSpeed ZeRO-1/2 (fp32 partitions of the parameters and of Adam's state, gradient clipping, two param groups).
+DeepSpeed ZeRO-1/2/3 (fp32 partitions of the parameters and of Adam's state, gradient clipping, two param groups;
+ZeRO-3's parameters partitioned too).
 Healthy runs pass every update check and train bit for bit as without gradwatch; rank 1's share of each update scaled
 by 1.1 after the step is caught at the first update check after it, on every rank alike, naming rank 1; an optimizer
 gradwatch has no rule for (the one DeepSpeed builds for ``Adagrad``, torch's Adagrad under FSDP2; DeepSpeed's
@@ -18,6 +19,7 @@ pytestmark = [needs_gloo, pytest.mark.slow]
 
 FSDP = ["fsdp-healthy", "fsdp-baseline", "fsdp-scaled", "fsdp-own", "tp-healthy", "tp-baseline", "tp-scaled"]
 ZERO = [f"z{stage}-{kind}" for stage in (1, 2) for kind in ("healthy", "baseline", "scaled", "own")]
+ZERO += ["z3-healthy", "z3-baseline", "z3-scaled"]
 
 
 def _fused_adam_built() -> bool:
@@ -55,7 +57,7 @@ def _updates(rank: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in rank["reports"] if r["scope"] == "update"]
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2"])
+@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2", "z3"])
 def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(
     results: dict[str, Any], engine: str
 ) -> None:
@@ -70,7 +72,7 @@ def test_healthy_sharded_runs_pass_every_update_check_and_train_as_without(
         assert [norm > 0.3 for norm in watched["grad_norms"]] == [False, True, True]
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2"])
+@pytest.mark.parametrize("engine", ["fsdp", "tp", "z1", "z2", "z3"])
 def test_rank1_share_of_the_update_scaled_is_caught_naming_rank1(results: dict[str, Any], engine: str) -> None:
     ranks = _ranks(results, f"{engine}-scaled")
     for rank in ranks:
@@ -81,8 +83,8 @@ def test_rank1_share_of_the_update_scaled_is_caught_naming_rank1(results: dict[s
         assert "rank(s) [1] made the part of the update that differs" in failed["message"]
         assert "update-ranks" in failed["note_codes"]
         # FSDP2 splits each tensor's rows between the ranks, tensor parallelism inp's rows and hidden.weight's
-        # columns; ZeRO gives inp.* to rank 0 and splits hidden.weight
-        zero = engine.startswith("z")
+        # columns, ZeRO-3 each tensor's elements; ZeRO-1/2 give inp.* to rank 0 and split hidden.weight
+        zero = engine in ("z1", "z2")
         assert failed["failures"] == (["hidden.weight"] if zero else ["hidden.weight", "inp.bias", "inp.weight"])
         assert f"the update of `{'hidden.weight' if zero else 'inp.weight'}`" in failed["message"]
         assert "cosine 1," not in failed["message"]  # a share, not the whole tensor, is off

@@ -7,7 +7,7 @@ gradients given made whole and keyed by the checked module's names, and the proc
 defaulting to the one the library averages (ZeRO) or replicates (tensor parallelism) over.
 
 For the update check, :func:`whole` and :func:`whole_value` gather one tensor whole (an FSDP2 ``DTensor``'s shards, a
-ZeRO-1/2 parameter's fp32 master partitions) and :func:`shares` says which elements of it each rank updates.
+ZeRO parameter's fp32 master partitions) and :func:`shares` says which elements of it each rank updates.
 """
 
 from __future__ import annotations
@@ -36,18 +36,25 @@ def whole(tensor: Any) -> Any:
 
 
 def whole_value(param: Tensor) -> Tensor:
-    """The whole tensor the optimizer updates for ``param``: a ZeRO-1/2 parameter's fp32 master (DeepSpeed's
+    """The whole tensor the optimizer updates for ``param``: a ZeRO parameter's fp32 master (DeepSpeed's
     ``get_full_hp_param``: the ranks' partitions gathered), a ``DTensor``'s shards gathered, else ``param``. A
     collective for either: every rank calls it together."""
+    if hasattr(param, "_z3_optimizer"):  # ZeRO-3: the fp32 partitions of its ranks gathered
+        return param._z3_optimizer.get_full_hp_param(param)  # type: ignore[no-any-return]
     if hasattr(param, "_hp_mapping") and hasattr(param, "get_full_hp_param"):
         return param.get_full_hp_param()  # type: ignore[no-any-return]
     return whole(param)  # type: ignore[no-any-return]
 
 
 def whole_state(param: Tensor, flat: Tensor) -> Tensor:
-    """``param``'s whole tensor of a ZeRO-1/2 optimizer state entry ``flat`` (a tensor over the rank's flat fp32
+    """``param``'s whole tensor of a ZeRO optimizer state entry ``flat`` (a tensor over the rank's flat fp32
     partition): each rank's fragment of it gathered, as DeepSpeed's ``get_full_hp_param`` gathers the state once it has
-    linked it (after the first step). A collective: every rank calls it together."""
+    linked it (after the first step); under ZeRO-3 the rank's partition of ``param``, at its offset in ``flat``. A
+    collective: every rank calls it together."""
+    z3 = getattr(param, "_z3_optimizer", None)
+    if z3 is not None:
+        _, offset, count = z3.grad_position[z3.get_param_id(param)]
+        return z3._fp32_state_allgather(param, flat.detach().narrow(0, offset, count))  # type: ignore[no-any-return]
     gathered = torch.zeros(param.numel(), dtype=flat.dtype)
     mapping = param._hp_mapping  # type: ignore[attr-defined]
     if mapping is not None:
@@ -65,7 +72,7 @@ def shares(param: Tensor) -> tuple[tuple[int, int], ...]:
         world, rows = param.device_mesh.size(), param.shape[0]  # type: ignore[attr-defined]
         chunk, row = -(-rows // world), param.numel() // max(rows, 1)  # rows split as torch.chunk splits them
         return tuple((min(r * chunk, rows) * row, max(0, min(chunk, rows - r * chunk)) * row) for r in range(world))
-    owned, group = zero.owned_range(param), getattr(param, "_dp_group", None)
+    owned, group = zero.owned_range(param), getattr(param, "_dp_group", getattr(param, "ds_process_group", None))
     if owned is None or not dist.is_initialized():
         return ()
     ranges = torch.zeros(dist.get_world_size(group), 2, dtype=torch.float64)

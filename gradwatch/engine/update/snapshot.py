@@ -11,7 +11,7 @@ a series of checks (``rotation``), always with a matrix among them when the opti
 function of the whole matrix), tensors too large to copy and step on one device cheaply left out while smaller ones
 remain.
 
-Under sharding (FSDP2's ``DTensor`` parameters and state, DeepSpeed ZeRO-1/2's fp32 partitions) only the checked
+Under sharding (FSDP2's ``DTensor`` parameters and state, DeepSpeed ZeRO's fp32 partitions) only the checked
 tensors and their state are gathered whole (:mod:`gradwatch.engine.distributed.whole`, a collective: every rank takes
 the snapshot together), with the share of each tensor each rank updates, so that a wrong share names its rank.
 """
@@ -66,14 +66,14 @@ def update_tensors(
         and p.is_floating_point()
         and (p.grad is not None if graded is None else n in graded)
     ]
-    small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
+    small = [(n, p) for n, p in candidates if getattr(p, "ds_numel", p.numel()) <= MAX_ELEMENTS]  # ZeRO-3: its whole
     candidates = small or candidates
     if len(candidates) <= count:
         return candidates
     first = (rotation * count) % len(candidates)
     chosen = [candidates[(first + k) % len(candidates)] for k in range(count)]
-    if not any(p.dim() >= 2 for _, p in chosen):
-        matrices = [(n, p) for n, p in candidates if p.dim() >= 2]
+    if not any(len(getattr(p, "ds_shape", p.shape)) >= 2 for _, p in chosen):
+        matrices = [(n, p) for n, p in candidates if len(getattr(p, "ds_shape", p.shape)) >= 2]
         if matrices:
             chosen[-1] = matrices[rotation % len(matrices)]
     return chosen
@@ -156,8 +156,9 @@ class UpdateSnapshot:
         """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; ``grads``:
         by name, the verified gradients when copied earlier (before the loop clipped them), else each ``.grad`` now."""
         outer, optimizer = optimizer, innermost(optimizer)
-        # ZeRO-1/2: the torch optimizer steps one flat partition per group of the module's parameters
-        partitioned = getattr(outer, "bit16_groups", None)
+        # ZeRO: the torch optimizer steps one flat partition per group (ZeRO-3: sub-group) of the module's parameters
+        partitioned = getattr(outer, "bit16_groups", None) or getattr(outer, "fp16_groups", None)
+        flats = getattr(outer, "fp32_partitioned_groups_flat", None)  # ZeRO-3: one per sub-group, out of its group
         groups = partitioned or [group["params"] for group in optimizer.param_groups]
         group_of = {id(p): i for i, params in enumerate(groups) for p in params}
         kept = []
@@ -167,8 +168,9 @@ class UpdateSnapshot:
                 if grad is None or id(param) not in group_of:
                     continue
                 index = group_of[id(param)]
+                holder = flats[index] if flats else optimizer.param_groups[index]["params"][0] if partitioned else param
+                index = outer.sub_group_to_group_id[index] if flats else index
                 hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
-                holder = optimizer.param_groups[index]["params"][0] if partitioned else param
                 state = {k: _state(param, holder, v) for k, v in optimizer.state.get(holder, {}).items()}
                 copied = whole(grad).detach().clone() if grads is None else grad
                 before = whole_value(param).detach().clone()
