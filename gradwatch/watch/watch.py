@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
 from gradwatch.engine.applied.closer_look import deferred
@@ -32,7 +32,6 @@ from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
 from gradwatch.outputs.sinks import Sink
-from gradwatch.watch import collective_loss
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import Findings, Verified, Windows
 from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
@@ -628,7 +627,7 @@ class GradientWatch:
             return None
         self._lessons.set_up(model, force=False)
         lessons = self._lessons
-        check = lambda: collective_loss.recomputed_check(  # noqa: E731
+        check = lambda: check_gradients(  # noqa: E731
             model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
             focus=lessons.focus, optimizers=optimizers, search_budget=self._search_budget(),
         )  # fmt: skip

@@ -1,0 +1,195 @@
+"""The recomputed check of a loss that calls collectives (a contrastive loss's ``GatherLayer``, an ``all_reduce`` of a
+metric) on ranks that hold replicas of one model (DDP, bare or wrapped): the global loss, evaluated by every rank
+together.
+
+Under DDP each process checks its own batch shard: its own loss, its own probe points, its own decisions. A loss with
+collectives inside breaks both halves of that. The gradient a rank's backward computes is not the derivative of its own
+loss (a gather's backward adds the other ranks' losses' share of this rank's embeddings), so a correct layer fails; and
+each rank's probes, decided on its own numbers, run the collectives in a different order from the others', which can
+hang. So :func:`check_gradients <gradwatch.check_gradients>` counts the collectives of the default process group while
+the per-rank check runs (:class:`CollectiveCounter`, :func:`in_lockstep_for_collective_losses`): they are the same on
+every rank up to the end of the first evaluation, forward and backward; if the loss issued any, every rank abandons the
+per-rank check at its next evaluation (or at its end), the ranks agree on it in one reduction, and the check becomes
+:func:`global_check`: this step's gradient recomputed on every rank and averaged as DDP averages it, against central
+differences of the mean of the ranks' losses, every evaluation on every rank in lockstep at the same probe point
+(:func:`gradwatch.check_applied_gradient` with the process group, whose decisions rest on numbers the same on every
+rank). A gradient right for the local loss and wrong for the global one fails. Ranks that hold other parameters (a
+model split by hand) are refused there, with the reason. A rank whose check raised after the loss's collectives makes
+every rank's check end: it raises, the others report ``inconclusive`` with the reason.
+
+Collectives of another process group than the default one are not counted (the per-rank check then runs as before);
+where a process group cannot count its collectives (no sequence numbers), neither; nor where a library lays the
+parameters out (``DTensor`` under FSDP2 or tensor parallelism, DeepSpeed's engine or ZeRO), whose checks take their own
+course.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, ParamSpec
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradwatch.engine.distributed import zero
+from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.distributed.parameters import is_sharded
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.state import capture_rng
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport
+from gradwatch.errors import LossCollectivesError
+
+Options = ParamSpec("Options")
+
+
+def _sequence(group: Any) -> int | None:
+    """How many collectives ``group`` has run so far (``None`` where it cannot say)."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def counted_group(model: nn.Module) -> Any:
+    """The process group whose collectives the per-rank check of ``model`` counts: the default one of a run of several
+    processes, for a model whose parameters are whole, plain tensors (DDP's replicas, the bare module or wrapped in
+    ``DistributedDataParallel``); else ``None``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if sharding_active() is not None or zero.is_engine(model) or is_sharded(list(model.named_parameters())):
+        return None
+    if any(zero.owned_range(p) is not None for p in model.parameters()):
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+class CollectiveCounter:
+    """``loss_fn``, counting the collectives of ``group`` from the first call on: a call made after any ran raises
+    :class:`LossCollectivesError` (the per-rank check issues no collective of its own, so they are the loss's)."""
+
+    def __init__(self, loss_fn: LossFn, group: Any) -> None:
+        self.loss_fn, self.group = loss_fn, group
+        self.start = _sequence(group)
+        self.calls = 0
+        self.issued = 0
+
+    def counted(self) -> int:
+        """The collectives run since the counting began (0 where the group cannot say)."""
+        now = _sequence(self.group)
+        if self.start is not None and now is not None:
+            self.issued = now - self.start
+        return self.issued
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.calls and self.counted():
+            raise LossCollectivesError(f"the loss calls collectives ({self.issued} in its first evaluation)")
+        self.calls += 1
+        return self.loss_fn(model, batch)
+
+
+def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor]:
+    """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
+    rank and averaged over ``group`` as DDP averages it; ``.grad``, DDP's reducer and the random state are left as
+    they were."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    syncing = getattr(model, "no_sync", None)
+    forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
+    try:
+        with torch.random.fork_rng(devices=[]), syncing() if callable(syncing) else contextlib.nullcontext():
+            loss = loss_fn(model, batch)
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    finally:
+        if forward_sync is not None:
+            model.require_forward_param_sync = forward_sync
+    parts = [(torch.zeros_like(p) if g is None else g).detach().reshape(-1).double()
+             for (_, p), g in zip(named, grads, strict=True)]  # fmt: skip
+    flat = torch.cat([*parts, torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float64)])
+    dist.all_reduce(flat, group=group)
+    world = dist.get_world_size(group)
+    found, offset = {}, 0
+    present = flat[-len(named) :]
+    for i, (name, p) in enumerate(named):
+        part = flat[offset : offset + p.numel()]
+        offset += p.numel()
+        if present[i] > 0:
+            found[name] = (part / world).reshape(p.shape).to(p.dtype)
+    return found
+
+
+def _refused(step: int, text: str) -> CheckReport:
+    """The ``inconclusive`` report of a check of a loss with collectives that is not made, saying why."""
+    return CheckReport(step=step, verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, n_forward=0, n_backward=0,
+                       duration_s=0.0, notes=[Note(NoteCode.LOSS_COLLECTIVES, text)])  # fmt: skip
+
+
+def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, issued: int,
+                 **check: Any) -> CheckReport:  # fmt: skip
+    """The recomputed check of a loss with collectives inside, as the global loss every rank evaluates together
+    (``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
+    probe options apply). No culprit search follows a failure: it would differentiate a rank's own loss."""
+    from gradwatch.engine.applied.check import check_applied_gradient  # the applied check searches with this module's
+    from gradwatch.engine.applied.window import ranks_with_other_parameters, split_note
+
+    step = int(check.get("step", 0))
+    split = ranks_with_other_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad], group)
+    if split:  # no replicas to average: the ranks' gradients would not even line up
+        return _refused(step, f"the loss calls collectives ({issued} in its first evaluation); " + split_note(split))
+    drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
+    gradients = _mean_gradient(model, batch, loss_fn, group)
+    options = {k: v for k, v in check.items() if k not in ("focus", "rotation", "search_budget", "step")}
+    report = check_applied_gradient(model, [batch], loss_fn, gradients, group=group, step=step, compare_one_batch=False,
+                                    rng_states=[drawn], culprit_search=False, **options)  # fmt: skip
+    text = (
+        f"the loss calls collectives ({issued} in its first evaluation): a rank's own loss is not the function its "
+        "gradient differentiates, so this step's gradient, recomputed on every rank and averaged as DDP averages it, "
+        "was checked against the mean of the ranks' losses, every rank evaluating it together at the same points "
+        "(the whole batch of each rank)"
+    )
+    return dataclasses.replace(report, scope="recomputed", notes=[Note(NoteCode.LOSS_COLLECTIVES, text), *report.notes])
+
+
+def in_lockstep_for_collective_losses(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:
+    """Make a recomputed check (``check(model, batch, loss_fn, ..., step=...)``) of replicas under a default process
+    group of several ranks count its loss's collectives, and check a loss that runs any as the global loss, every rank
+    together (:func:`global_check`; see the module doc); every other check goes to ``check`` untouched."""
+    signature = inspect.signature(check)
+
+    @functools.wraps(check)
+    def run(*args: Options.args, **kwargs: Options.kwargs) -> CheckReport:
+        bound = signature.bind_partial(*args, **kwargs)
+        model, batch, loss_fn = (bound.arguments.get(name) for name in ("model", "batch", "loss_fn"))
+        group = counted_group(model) if isinstance(model, nn.Module) and callable(loss_fn) else None
+        if group is None:
+            return check(*args, **kwargs)
+        counter = CollectiveCounter(loss_fn, group)  # type: ignore[arg-type]  # callable, as asked above
+        bound.arguments["loss_fn"] = counter
+        report, error = None, None
+        try:
+            report = check(*bound.args, **bound.kwargs)
+        except LossCollectivesError:
+            pass
+        except Exception as raised:
+            error = raised
+        if not counter.counted():  # no collective: the per-rank check as it ran (every rank's own, perhaps alone)
+            if error is not None:
+                raise error
+            return report  # type: ignore[return-value]  # a check returns a report or raises
+        # every rank ran the loss's collectives, so every rank is here: one reduction says whether all go on together
+        state = torch.tensor([2 if error is not None else 1])
+        dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+        if error is not None:
+            raise error
+        if int(state) == 2:
+            text = "the loss calls collectives, and the check raised on another rank after them: no check made"
+            return _refused(int(bound.arguments.get("step", 0)), text)
+        return global_check(model, batch, loss_fn, group=group, issued=counter.issued, **bound.kwargs)  # type: ignore[arg-type]
+
+    return run
