@@ -26,6 +26,7 @@ course.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -48,6 +49,10 @@ from gradwatch.engine.results.report import CheckReport
 from gradwatch.errors import LossCollectivesError
 
 Options = ParamSpec("Options")
+
+_TOGETHER: contextvars.ContextVar[bool] = contextvars.ContextVar("a check of the global loss runs", default=False)
+"""Set while :func:`global_check` runs: a recomputed check asked for inside it (the applied check's culprit search)
+is not made (it would differentiate a rank's own loss, and search again without end)."""
 
 
 def _sequence(group: Any) -> int | None:
@@ -145,8 +150,12 @@ def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, i
     drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
     gradients = _mean_gradient(model, batch, loss_fn, group)
     options = {k: v for k, v in check.items() if k not in ("focus", "rotation", "search_budget", "step")}
-    report = check_applied_gradient(model, [batch], loss_fn, gradients, group=group, step=step, compare_one_batch=False,
-                                    rng_states=[drawn], culprit_search=False, **options)  # fmt: skip
+    token = _TOGETHER.set(True)
+    try:
+        report = check_applied_gradient(model, [batch], loss_fn, gradients, group=group, step=step, rng_states=[drawn],
+                                        compare_one_batch=False, culprit_search=False, **options)  # fmt: skip
+    finally:
+        _TOGETHER.reset(token)
     text = (
         f"the loss calls collectives ({issued} in its first evaluation): a rank's own loss is not the function its "
         "gradient differentiates, so this step's gradient, recomputed on every rank and averaged as DDP averages it, "
@@ -169,6 +178,10 @@ def in_lockstep_for_collective_losses(check: Callable[Options, CheckReport]) -> 
         group = counted_group(model) if isinstance(model, nn.Module) and callable(loss_fn) else None
         if group is None:
             return check(*args, **kwargs)
+        if _TOGETHER.get():  # every rank alike: the same global check asks on each
+            return _refused(
+                int(bound.arguments.get("step", 0)), "no recomputed check inside a check of the global loss"
+            )
         counter = CollectiveCounter(loss_fn, group)  # type: ignore[arg-type]  # callable, as asked above
         bound.arguments["loss_fn"] = counter
         report, error = None, None
