@@ -5,9 +5,10 @@ writes what the checks said to ``OUT_DIR/<scenario>_rank<r>.json``.
 
 Usage: ``python tests/gather_loss_lightning_run.py OUT_DIR SCENARIO...``; ``strategy="ddp"`` starts rank 1 by running
 this script again, so ``tests/watch/test_collective_losses.py`` runs it in a subprocess (``two_processes.run_ranks``).
-The scenarios are the layer's backwards of ``gather_loss_run.py`` (``correct``, ``local_slot``, ``all_reduce_none``,
-``summed_slots``); ``fit_<backward>`` is a Lightning fit (and an unwatched one, for bit-identity), ``direct_<backward>``
-the direct calls, each after the fits in the same two processes. The Trainer's sampler gives each rank its own data.
+The scenarios name the layer's backwards of ``gather_loss_run.py`` (``correct``, ``local_slot``, ``all_reduce_none``,
+``summed_slots``): ``fit_<backward>`` is a Lightning fit (for ``correct`` an unwatched one too, for bit-identity),
+``direct_<backward>`` the direct calls, after a fit (which starts rank 1). The Trainer's sampler gives each rank its
+own data.
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ def _fit(out: Path, watched: bool) -> tuple[pl.Trainer, LitContrastive, GradWatc
 
 
 def fit(out: Path, backward: str) -> dict[str, Any]:
-    """A watched and an unwatched fit of two steps: what the first checks of each kind said, and whether training
-    was bit-identical."""
+    """A watched fit of two steps (and for the correct layer an unwatched one): what the first checks of each kind
+    said, and whether training was bit-identical."""
     _Gather.mode = backward
     trainer, model, watch = _fit(out, watched=True)
     assert watch is not None
-    _, plain, _ = _fit(out, watched=False)
+    plain = _fit(out, watched=False)[1] if backward == "correct" else model
     first = {
         kind: next((_said(r) for r in getattr(watch, f"{kind}_reports")), None) for kind in ("applied", "recomputed")
     }
