@@ -7,7 +7,8 @@ Usage: ``python tests/gather_loss_lightning_run.py OUT_DIR SCENARIO...``; ``stra
 this script again, so ``tests/watch/test_collective_losses.py`` runs it in a subprocess (``two_processes.run_ranks``).
 The scenarios name the layer's backwards of ``gather_loss_run.py`` (``correct``, ``local_slot``, ``all_reduce_none``,
 ``summed_slots``): ``fit_<backward>`` is a Lightning fit (for ``correct`` an unwatched one too, for bit-identity),
-``direct_<backward>`` the direct calls, after a fit (which starts rank 1). The Trainer's sampler gives each rank its
+``direct_<backward>`` the direct calls, after a fit (which starts rank 1); ``direct_split`` a direct call on ranks that
+hold other parameters. The Trainer's sampler gives each rank its
 own data.
 """
 
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from gradwatch import GradWatch, check_gradients
+from gradwatch.engine.results.notes import codes
 
 
 class LitContrastive(Contrastive, pl.LightningModule):
@@ -102,13 +104,29 @@ def direct(backward: str) -> dict[str, Any]:
     return said
 
 
+def split() -> dict[str, Any]:
+    """:func:`check_gradients` of the correct layer's loss on a model that rank 1 holds with a parameter more (a model
+    split by hand): its ranks are no replicas to average, so the check is refused there, on every rank."""
+    _Gather.mode = "correct"
+    torch.manual_seed(0)
+    model = Contrastive()
+    if dist.get_rank() == 1:
+        model.extra = torch.nn.Parameter(torch.zeros(3))
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(4, 6, generator=generator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = check_gradients(model, (x, x + 0.1 * torch.randn(4, 6, generator=generator)), nt_xent, step=1)
+    return {"rank": dist.get_rank(), **_said(report), "codes": codes(report.notes)}
+
+
 def main() -> None:
     import json
 
     out = Path(sys.argv[1])
     for scenario in sys.argv[2:]:
         kind, _, backward = scenario.partition("_")
-        result = fit(out, backward) if kind == "fit" else direct(backward)
+        result = fit(out, backward) if kind == "fit" else split() if backward == "split" else direct(backward)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
     _close_process_group()
 

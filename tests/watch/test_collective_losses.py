@@ -1,9 +1,10 @@
 """Losses with collectives inside, under DDP (two processes, CPU, gloo): an NT-Xent loss over embeddings gathered
 from both ranks with a hand-written ``GatherLayer`` (``tests/gather_loss_run.py``), each rank on its own data, both
-kinds of check at step 1 of a plain-PyTorch loop and of a Lightning fit (``tests/gather_loss_lightning_run.py``), and
-``check_gradients`` called directly on each rank. The correct layer fails no check; each published wrong backward
-(this rank's slot only, ``all_reduce``'s ``None``, the slots summed) fails at the first check, on every rank alike;
-nothing hangs (a bounded timeout), and training is bit-identical with and without the watch."""
+kinds of check at step 1 of a plain-PyTorch loop, of a Lightning fit (``tests/gather_loss_lightning_run.py``) and of a
+``transformers.Trainer`` fit (``tests/gather_loss_trainer_run.py``), and ``check_gradients`` called directly on each
+rank. The correct layer fails no check; each published wrong backward (this rank's slot only, ``all_reduce``'s ``None``,
+the slots summed) fails at the first check, on every rank alike; nothing hangs (a bounded timeout), and training is
+bit-identical with and without the watch."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ BACKWARDS = ("correct", "local_slot", "all_reduce_none", "summed_slots")
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gather_loss_lightning")
-    scenarios = [f"{kind}_{backward}" for kind in ("fit", "direct") for backward in BACKWARDS]
+    scenarios = [f"{kind}_{backward}" for kind in ("fit", "direct") for backward in BACKWARDS] + ["direct_split"]
     return run_ranks("gather_loss_lightning_run.py", out, *scenarios, timeout_s=540)[0]
 
 
@@ -100,3 +101,38 @@ def test_check_gradients_called_on_each_rank_checks_the_global_loss(lightning: d
             said = rank[wrapped]
             assert (said["verdict"], said["fault"]) == ("fail", "formula"), (backward, said["report"])
             assert said["unchanged"]
+
+
+def test_check_gradients_refuses_a_loss_with_collectives_on_ranks_that_hold_other_parameters(
+    lightning: dict[str, Any],
+) -> None:
+    for rank in _both(lightning, "direct_split"):
+        assert rank["verdict"] == "inconclusive", rank["report"]
+        assert "ranks-split" in rank["codes"]
+        assert "rank(s) [1] hold other parameters than rank 0" in rank["report"]
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("gather_loss_trainer")
+    return run_launched("gather_loss_trainer_run.py", out, *BACKWARDS, timeout_s=540)[0]
+
+
+def test_the_correct_gather_layer_fails_no_check_under_the_trainer_and_training_is_unchanged(
+    trainer: dict[str, Any],
+) -> None:
+    for rank in _both(trainer, "correct"):
+        assert rank["identical"]
+        assert rank["applied"]["verdict"] == "ok", rank["applied"]["report"]
+        assert rank["recomputed"]["verdict"] == "ok", rank["recomputed"]["report"]
+        assert any(note.startswith("the loss calls collectives") for note in rank["recomputed"]["notes"])
+
+
+@pytest.mark.parametrize("backward", BACKWARDS[1:])
+def test_each_published_wrong_backward_fails_at_the_first_check_under_the_trainer(
+    trainer: dict[str, Any], backward: str
+) -> None:
+    for rank in _both(trainer, backward):
+        for kind in ("applied", "recomputed"):
+            assert (rank[kind]["verdict"], rank[kind]["fault"]) == ("fail", "formula"), rank[kind]["report"]

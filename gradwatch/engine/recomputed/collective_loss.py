@@ -19,8 +19,8 @@ every rank's check end: it raises, the others report ``inconclusive`` with the r
 
 Collectives of another process group than the default one are not counted (the per-rank check then runs as before);
 where a process group cannot count its collectives (no sequence numbers), neither; nor where a library lays the
-parameters out (``DTensor`` under FSDP2 or tensor parallelism, DeepSpeed's engine or ZeRO), whose checks take their own
-course.
+parameters out (``DTensor`` under FSDP2, whose check evaluates the global loss together already, or tensor parallelism,
+whose check refuses a loss written for the shards; DeepSpeed's engine or ZeRO, whose recomputed check stays per rank).
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) ->
     return found
 
 
-def _refused(step: int, text: str) -> CheckReport:
+def _refused(step: int, text: str, code: NoteCode = NoteCode.LOSS_COLLECTIVES) -> CheckReport:
     """The ``inconclusive`` report of a check of a loss with collectives that is not made, saying why."""
     return CheckReport(step=step, verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, n_forward=0, n_backward=0,
-                       duration_s=0.0, notes=[Note(NoteCode.LOSS_COLLECTIVES, text)])  # fmt: skip
+                       duration_s=0.0, notes=[Note(code, text)])  # fmt: skip
 
 
 def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, issued: int,
@@ -140,13 +140,16 @@ def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, i
     """The recomputed check of a loss with collectives inside, as the global loss every rank evaluates together
     (``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
     probe options apply). No culprit search follows a failure: it would differentiate a rank's own loss."""
-    from gradwatch.engine.applied.check import check_applied_gradient  # the applied check searches with this module's
+    from gradwatch.engine.applied.check import check_applied_gradient  # here: it imports check_gradients, decorated
     from gradwatch.engine.applied.window import ranks_with_other_parameters, split_note
 
     step = int(check.get("step", 0))
     split = ranks_with_other_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad], group)
     if split:  # no replicas to average: the ranks' gradients would not even line up
-        return _refused(step, f"the loss calls collectives ({issued} in its first evaluation); " + split_note(split))
+        text = f"the loss calls collectives ({issued} in its first evaluation); " + split_note(split)
+        return _refused(
+            step, text.replace("this applied check does not", "recomputed checks do not"), NoteCode.RANKS_SPLIT
+        )
     drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
     gradients = _mean_gradient(model, batch, loss_fn, group)
     options = {k: v for k, v in check.items() if k not in ("focus", "rotation", "search_budget", "step")}
