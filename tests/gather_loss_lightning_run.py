@@ -8,12 +8,13 @@ this script again, so ``tests/watch/test_collective_losses.py`` runs it in a sub
 The scenarios name the layer's backwards of ``gather_loss_run.py`` (``correct``, ``local_slot``, ``all_reduce_none``,
 ``summed_slots``): ``fit_<backward>`` is a Lightning fit (for ``correct`` an unwatched one too, for bit-identity),
 ``direct_<backward>`` the direct calls, after a fit (which starts rank 1); ``direct_split`` a direct call on ranks that
-hold other parameters. The Trainer's sampler gives each rank its
+hold other parameters, ``direct_raise`` one whose loss raises on rank 1 alone. The Trainer's sampler gives each rank its
 own data.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -120,13 +121,33 @@ def split() -> dict[str, Any]:
     return {"rank": dist.get_rank(), **_said(report), "codes": codes(report.notes)}
 
 
+def raising() -> dict[str, Any]:
+    """:func:`check_gradients` of a loss whose backward raises on rank 1 alone, after the forward's collectives: rank 1
+    raises, rank 0 reports ``inconclusive`` (neither waits for the other)."""
+    _Gather.mode = "raise_on_rank1"
+    torch.manual_seed(0)
+    model = Contrastive()
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(4, 6, generator=generator)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = check_gradients(model, (x, x + 0.1 * torch.randn(4, 6, generator=generator)), nt_xent, step=1)
+    except RuntimeError as error:
+        return {"rank": dist.get_rank(), "raised": str(error)}
+    return {"rank": dist.get_rank(), "raised": None, **_said(report)}
+
+
 def main() -> None:
     import json
 
     out = Path(sys.argv[1])
     for scenario in sys.argv[2:]:
         kind, _, backward = scenario.partition("_")
-        result = fit(out, backward) if kind == "fit" else split() if backward == "split" else direct(backward)
+        if kind == "fit":
+            result = fit(out, backward)
+        else:
+            result = {"split": split, "raise": raising}.get(backward, functools.partial(direct, backward))()
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
     _close_process_group()
 

@@ -63,7 +63,10 @@ BACKWARDS = ("correct", "local_slot", "all_reduce_none", "summed_slots")
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("gather_loss_lightning")
-    scenarios = [f"{kind}_{backward}" for kind in ("fit", "direct") for backward in BACKWARDS] + ["direct_split"]
+    scenarios = [f"{kind}_{backward}" for kind in ("fit", "direct") for backward in BACKWARDS] + [
+        "direct_split",
+        "direct_raise",
+    ]
     return run_ranks("gather_loss_lightning_run.py", out, *scenarios, timeout_s=540)[0]
 
 
@@ -110,6 +113,16 @@ def test_check_gradients_refuses_a_loss_with_collectives_on_ranks_that_hold_othe
         assert rank["verdict"] == "inconclusive", rank["report"]
         assert "ranks-split" in rank["codes"]
         assert "rank(s) [1] hold other parameters than rank 0" in rank["report"]
+
+
+def test_a_loss_that_raises_on_one_rank_after_its_collectives_ends_the_check_on_every_rank(
+    lightning: dict[str, Any],
+) -> None:
+    rank0, rank1 = _both(lightning, "direct_raise")
+    assert rank1["raised"] == "the gather's backward failed on purpose on rank 1"
+    assert rank0["raised"] is None
+    assert rank0["verdict"] == "inconclusive", rank0["report"]
+    assert "the check raised on another rank" in rank0["report"]
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,15 @@ loss (a gather's backward adds the other ranks' losses' share of this rank's emb
 each rank's probes, decided on its own numbers, run the collectives in a different order from the others', which can
 hang. So :func:`check_gradients <gradwatch.check_gradients>` counts the collectives of the default process group while
 the per-rank check runs (:class:`CollectiveCounter`, :func:`in_lockstep_for_collective_losses`): they are the same on
-every rank up to the end of the first evaluation, forward and backward; if the loss issued any, every rank abandons the
+every rank in the first evaluation; if the loss issued any, every rank abandons the
 per-rank check at its next evaluation (or at its end), the ranks agree on it in one reduction, and the check becomes
 :func:`global_check`: this step's gradient recomputed on every rank and averaged as DDP averages it, against central
 differences of the mean of the ranks' losses, every evaluation on every rank in lockstep at the same probe point
 (:func:`gradwatch.check_applied_gradient` with the process group, whose decisions rest on numbers the same on every
 rank). A gradient right for the local loss and wrong for the global one fails. Ranks that hold other parameters (a
-model split by hand) are refused there, with the reason. A rank whose check raised after the loss's collectives makes
-every rank's check end: it raises, the others report ``inconclusive`` with the reason.
+model split by hand) are refused there, with the reason. A rank whose check raised after the loss's collectives (or
+whose gradient raised in the global check) makes every rank's check end: it raises, the others report
+``inconclusive`` with the reason.
 
 Collectives of another process group than the default one are not counted (the per-rank check then runs as before);
 where a process group cannot count its collectives (no sequence numbers), neither; nor where a library lays the
@@ -31,7 +32,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec
 
 import torch
@@ -100,33 +101,45 @@ class CollectiveCounter:
         return self.loss_fn(model, batch)
 
 
-def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor]:
+def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor] | None:
     """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
     rank and averaged over ``group`` as DDP averages it; ``.grad``, DDP's reducer and the random state are left as
-    they were."""
+    they were. Where it raised on a rank, that rank raises after the reduction and the others get ``None``."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     syncing = getattr(model, "no_sync", None)
     forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
+    grads: Sequence[torch.Tensor | None] = [None] * len(named)
+    error = None
     try:
         with torch.random.fork_rng(devices=[]), syncing() if callable(syncing) else contextlib.nullcontext():
             loss = loss_fn(model, batch)
             grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    except Exception as raised:  # the reduction below goes on, so that no other rank waits for this one
+        error = raised
     finally:
         if forward_sync is not None:
             model.require_forward_param_sync = forward_sync
     parts = [(torch.zeros_like(p) if g is None else g).detach().reshape(-1).double()
              for (_, p), g in zip(named, grads, strict=True)]  # fmt: skip
-    flat = torch.cat([*parts, torch.tensor([0.0 if g is None else 1.0 for g in grads], dtype=torch.float64)])
+    flags = [0.0 if g is None else 1.0 for g in grads] + [1.0 if error is not None else 0.0]
+    flat = torch.cat([*parts, torch.tensor(flags, dtype=torch.float64)])
     dist.all_reduce(flat, group=group)
+    if error is not None:
+        raise error
+    if flat[-1] > 0:
+        return None
     world = dist.get_world_size(group)
     found, offset = {}, 0
-    present = flat[-len(named) :]
+    present = flat[-len(named) - 1 : -1]
     for i, (name, p) in enumerate(named):
         part = flat[offset : offset + p.numel()]
         offset += p.numel()
         if present[i] > 0:
             found[name] = (part / world).reshape(p.shape).to(p.dtype)
     return found
+
+
+_RAISED_ELSEWHERE = "the loss calls collectives, and the check raised on another rank after them: no check made"
 
 
 def _refused(step: int, text: str, code: NoteCode = NoteCode.LOSS_COLLECTIVES) -> CheckReport:
@@ -152,6 +165,8 @@ def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, i
         )
     drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
     gradients = _mean_gradient(model, batch, loss_fn, group)
+    if gradients is None:
+        return _refused(step, _RAISED_ELSEWHERE)
     options = {k: v for k, v in check.items() if k not in ("focus", "rotation", "search_budget", "step")}
     token = _TOGETHER.set(True)
     try:
@@ -204,8 +219,7 @@ def in_lockstep_for_collective_losses(check: Callable[Options, CheckReport]) -> 
         if error is not None:
             raise error
         if int(state) == 2:
-            text = "the loss calls collectives, and the check raised on another rank after them: no check made"
-            return _refused(int(bound.arguments.get("step", 0)), text)
+            return _refused(int(bound.arguments.get("step", 0)), _RAISED_ELSEWHERE)
         return global_check(model, batch, loss_fn, group=group, issued=counter.issued, **bound.kwargs)  # type: ignore[arg-type]
 
     return run
