@@ -9,14 +9,25 @@ one thread), on the steps after the first where no report came out; the training
 Trainer's clipping, which the Hugging Face callback wraps) is measured apart and left out. The wrapper that times a
 hook costs about half a microsecond per call; it is measured and subtracted.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/idle_calls.py [--steps N]`` (under a minute on one CPU core).
+With ``--count-calls`` it counts instead the function calls (Python functions and builtins, as ``cProfile`` counts
+them) the same calls make per idle step: a figure no clock or load moves, where a loaded machine (a virtual machine's
+stolen time) can inflate the microseconds several times over, clock reads included.
+
+With ``--before PATH`` (a folder holding another version's ``gradwatch`` package, e.g. ``git archive <commit>
+gradwatch | tar -x -C PATH``) it alternates, in this one process, runs of that version and of the one imported
+otherwise, ``--rounds`` times each (gradwatch imported afresh for each run), and prints the median of each.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/idle_calls.py [--steps N] [--count-calls] [--before PATH --rounds R]``
+(under a minute on one CPU core per round and version).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -26,8 +37,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from gradwatch import GradientWatch
 
 
 class MLP(nn.Module):
@@ -53,16 +62,36 @@ def _batches(steps: int, size: int = 16) -> list[tuple[torch.Tensor, torch.Tenso
             for _ in range(steps)]  # fmt: skip
 
 
+COUNT_CALLS = False
+"""``--count-calls``: count the function calls of the wrapped calls instead of timing them."""
+
+
+class _Calls:
+    """A profile function counting the function calls it sees (while set with ``sys.setprofile``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self.count += 1
+
+
 class _Clock:
-    """The thread's CPU time spent in the calls it wraps, by step; what the wrapper itself costs is subtracted."""
+    """The thread's CPU time spent in the calls it wraps, by step; what the wrapper itself costs is subtracted (or,
+    with :data:`COUNT_CALLS`, the function calls they make)."""
 
     def __init__(self) -> None:
         self.by_step: dict[int, float] = {}
         self.step = 0
         self.inner = 0.0  # the training's own work inside a wrapped call, left out
-        self.overhead = _wrapper_cost()
+        self.overhead = 0.0 if COUNT_CALLS else _wrapper_cost()
+        self.calls = _Calls()
 
     def timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        if COUNT_CALLS:
+            return self._counted(call)
+
         @functools.wraps(call)
         def timed_call(*args: Any, **kwargs: Any) -> Any:
             started, inner = time.thread_time(), self.inner
@@ -74,8 +103,37 @@ class _Clock:
 
         return timed_call
 
+    def _counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def counted_call(*args: Any, **kwargs: Any) -> Any:
+            outer = sys.getprofile()  # a wrapped call inside another (clip_grad_norm_ in a hook) counts once
+            before = self.calls.count
+            sys.setprofile(self.calls)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                sys.setprofile(outer)
+                if outer is None:
+                    # in millionths, so that idle_microseconds reads the count
+                    self.by_step[self.step] = self.by_step.get(self.step, 0.0) + (self.calls.count - before) / 1e6
+
+        return counted_call
+
     def training(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` as the training's own work: its time is not the watch's."""
+
+        if COUNT_CALLS:
+
+            @functools.wraps(call)
+            def uncounted_call(*args: Any, **kwargs: Any) -> Any:
+                outer = sys.getprofile()
+                sys.setprofile(None)
+                try:
+                    return call(*args, **kwargs)
+                finally:
+                    sys.setprofile(outer)
+
+            return uncounted_call
 
         @functools.wraps(call)
         def training_call(*args: Any, **kwargs: Any) -> Any:
@@ -110,12 +168,14 @@ def _wrapper_cost() -> float:
     return statistics.median(costs)
 
 
-def _steps_with_reports(watch: GradientWatch) -> set[int]:
+def _steps_with_reports(watch: Any) -> set[int]:
     return {report.step for report in watch.reports}
 
 
 def plain_loop(steps: int) -> tuple[float, int]:
     """``record``, ``before_optimizer_step`` and ``maybe_check`` in a plain loop, as the README's loop makes them."""
+    from gradwatch import GradientWatch
+
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -220,20 +280,50 @@ def hugging_face(steps: int) -> tuple[float, int]:
     return clock.idle_microseconds(_steps_with_reports(callback.watch))
 
 
+RUNS = (
+    ("plain loop (`GradientWatch`)", "`record`, `before_optimizer_step`, `maybe_check`", plain_loop),
+    ("Lightning `GradWatch`", "3 hooks", lightning),
+    ("Hugging Face `GradWatchCallback`", "3 hooks, `compute_loss`, `clip_grad_norm_`", hugging_face),
+)
+
+
+def _import_from(path: str | None, added: list[str]) -> None:
+    """gradwatch imported afresh at the next import: from ``path``, else from where it is found without it."""
+    for name in [name for name in sys.modules if name == "gradwatch" or name.startswith("gradwatch.")]:
+        del sys.modules[name]
+    while added:
+        sys.path.remove(added.pop())
+    if path is not None:
+        sys.path.insert(0, path)
+        added.append(path)
+    importlib.invalidate_caches()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--count-calls", action="store_true", help="count the function calls, not the time")
+    parser.add_argument("--before", help="a folder holding another version's gradwatch, run in turn with this one")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each version, alternated (with --before)")
     options = parser.parse_args()
+    global COUNT_CALLS
+    COUNT_CALLS = options.count_calls
     torch.set_num_threads(1)
-    print("| adapter | calls per step | idle steps | µs per idle step (median, CPU time) |")
-    print("|---|---|---|---|")
-    for name, calls, run in (
-        ("plain loop (`GradientWatch`)", "`record`, `before_optimizer_step`, `maybe_check`", plain_loop),
-        ("Lightning `GradWatch`", "3 hooks", lightning),
-        ("Hugging Face `GradWatchCallback`", "3 hooks, `compute_loss`, `clip_grad_norm_`", hugging_face),
-    ):
-        microseconds, idle = run(options.steps)
-        print(f"| {name} | {calls} | {idle} | {microseconds:.1f} |", flush=True)
+    versions = [("before", options.before), ("after", None)] if options.before else [("", None)]
+    figure = "function calls per idle step (median)" if COUNT_CALLS else "µs per idle step (median, CPU time)"
+    columns = " | ".join(f"{version}: {figure}" if version else figure for version, _ in versions)
+    print(f"| adapter | calls per step | idle steps | {columns} |")
+    print("|---|---|---|" + "---|" * len(versions))
+    added: list[str] = []
+    for name, calls, run in RUNS:
+        figures: dict[str, list[float]] = {version: [] for version, _ in versions}
+        for _ in range(options.rounds if options.before else 1):
+            for version, path in versions:
+                _import_from(path, added)
+                value, idle = run(options.steps)
+                figures[version].append(value)
+        shown = " | ".join(f"{statistics.median(values):.{0 if COUNT_CALLS else 1}f}" for values in figures.values())
+        print(f"| {name} | {calls} | {idle} | {shown} |", flush=True)
 
 
 if __name__ == "__main__":

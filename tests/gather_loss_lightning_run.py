@@ -106,13 +106,13 @@ def direct(backward: str) -> dict[str, Any]:
 
 
 def split() -> dict[str, Any]:
-    """:func:`check_gradients` of the correct layer's loss on a model that rank 1 holds with a parameter more (a model
-    split by hand): its ranks are no replicas to average, so the check is refused there, on every rank."""
+    """:func:`check_gradients` of the correct layer's loss on a model that rank 1 holds with another hidden width (a
+    model split by hand): no replicas to average; each rank's gradient is checked against the ranks' summed loss."""
     _Gather.mode = "correct"
     torch.manual_seed(0)
     model = Contrastive()
-    if dist.get_rank() == 1:
-        model.extra = torch.nn.Parameter(torch.zeros(3))
+    if dist.get_rank() == 1:  # another hidden width: parameters of other shapes, every one of them used
+        model.encoder = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8))
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
     x = torch.randn(4, 6, generator=generator)
     with warnings.catch_warnings():

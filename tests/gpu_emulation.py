@@ -9,8 +9,9 @@
   wherever the backend settings let a GPU use TF32 (``torch.backends.cuda.matmul`` / ``cudnn.conv``
   ``fp32_precision == "tf32"``), and only there, as the kernels do.
 * **Kernels**: :class:`ShuffledLinear` sums its weight gradient in a random order at every backward (atomics);
-  :class:`RefusesFloat64` raises on float64, :class:`Float32Inside` accepts it and computes in float32; each can carry
-  a backward wrong by a factor.
+  :class:`RefusesFloat64` raises on float64, :class:`Float32Inside` accepts it and computes in float32
+  (:class:`OpaqueFloat32Inside` out of gradwatch's sight, as a Triton kernel does); each can carry a backward wrong by
+  a factor; :class:`Bf16OnlyRMSNorm` accepts bfloat16 only (pure-bf16 training).
 """
 
 from __future__ import annotations
@@ -314,3 +315,50 @@ class Float32Inside(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return _ScaledTanh.apply(x, self.factor, lambda t: torch.tanh(t.float()).to(t.dtype))
+
+
+def _float32_unseen(tensor: Tensor) -> Tensor:
+    with torch._C.DisableTorchFunction():  # a Triton kernel's cast: no TorchFunctionMode sees it
+        return torch.tanh(tensor.float()).to(tensor.dtype)
+
+
+class OpaqueFloat32Inside(Float32Inside):
+    """:class:`Float32Inside` whose float32 computation no ``TorchFunctionMode`` sees, as a Triton kernel's (gradwatch's
+    float64 fidelity keeps ``.float()`` at float64 where it sees it)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ScaledTanh.apply(x, self.factor, _float32_unseen)
+
+
+class Bf16RMSNormKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, factor: float) -> Tensor:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+            raise RuntimeError(f"fused_rms_norm: expected BFloat16 but found {x.dtype} and {weight.dtype}")
+        ctx.save_for_backward(x, weight)
+        ctx.factor = factor
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * weight.float()).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        xf, gf = x.float(), grad.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        normed = xf * rstd
+        gn = gf * weight.float()
+        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True)) * ctx.factor
+        return grad_x.to(torch.bfloat16), (gf * normed).reshape(-1, x.shape[-1]).sum(0).to(torch.bfloat16), None
+
+
+class Bf16OnlyRMSNorm(nn.Module):
+    """A fused RMSNorm kernel that accepts bfloat16 only (raises on float32 and float64, as Liger's and Transformer
+    Engine's bf16 kernels do), float32 inside; ``factor`` scales its input gradient (1: correct)."""
+
+    def __init__(self, width: int, factor: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.factor = factor
+
+    def forward(self, x: Tensor) -> Tensor:
+        return Bf16RMSNormKernel.apply(x, self.weight, self.factor)

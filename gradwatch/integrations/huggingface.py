@@ -191,8 +191,13 @@ class GradWatchCallback(TrainerCallback):
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
+    @guarded_hook("GradWatchCallback.on_epoch_end")
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        keep_state(state, STATE_KEY, self.watch.state_dict())  # a checkpoint saved at the epoch's end
+
     @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        keep_state(state, STATE_KEY, self.watch.state_dict())  # trainer.save_state() after the run
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
         if self._engine_hook is not None:
@@ -246,7 +251,11 @@ class GradWatchCallback(TrainerCallback):
             skipped=lambda: bool(getattr(self.trainer.accelerator, "optimizer_step_was_skipped", False)),
             optimizers=() if self.trainer.optimizer is None else (self.trainer.optimizer,),
         )
-        keep_state(state, STATE_KEY, self.watch.state_dict())  # before the Trainer saves a checkpoint of this step
+        if control.should_save or control.should_evaluate or control.should_training_stop:
+            # before the Trainer saves a checkpoint of this step (DefaultFlowCallback, which runs before this callback,
+            # asked for one, or for an evaluation that may save the best model), not at every step: a state_dict
+            # costs more than the rest of an idle step; the epoch's and the run's ends keep it too
+            keep_state(state, STATE_KEY, self.watch.state_dict())
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -266,11 +275,14 @@ class GradWatchCallback(TrainerCallback):
         scaler: the check ran on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
         norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)  # training's: not guarded
-        with self.watch.guarded("GradWatchCallback's check of the clip coefficient"):
+        try:  # at every step: a guard by try/except (see GradientWatch.absorbs)
             finite = isinstance(max_norm, (int, float)) and 0 < max_norm < float("inf") and norm_type == 2
             # not under DeepSpeed either: its engine clips its own partitioned gradients, inside its step
             if finite and getattr(self.trainer.accelerator, "scaler", None) is None and self._engine_hook is None:
                 self.watch.after_clipping(self._model, float(max_norm), step=self.trainer.state.global_step + 1)
+        except Exception as error:
+            if not self.watch.absorbs("GradWatchCallback's check of the clip coefficient", error):
+                raise
         return norm
 
     @guarded_hook("GradWatchCallback's check of the engine's clip norm")

@@ -52,6 +52,7 @@ class Windows:
         self._since: dict[Any, int] = {}  # by key: how many of ``stepped`` came before its window was recorded
         self.step = -1  # the optimizer step the current window leads to (recorded or not)
         self._open = False  # whether the window's step is due and affordable
+        self._until: float = 0  # no applied check is due after the window's step and before this one
         self._timed = False  # whether the clock times the current window (it began after a batch's end)
         self._said_unrecorded = False
 
@@ -61,26 +62,39 @@ class Windows:
         by default; a loop whose windows each lead to several optimizer steps numbers them apart)."""
         previous = step - 1 if previous is None or not 0 <= previous < step else previous
         waiting = self.cadence.pending and step >= self.cadence.resume_at  # not before a postponement ends
-        return self.cadence.enabled and (waiting or self.cadence.due(previous, step))
+        return self.cadence.every_n_steps is not None and (waiting or self.cadence.due(previous, step))
 
-    def record(
-        self, batch: Any, model: nn.Module | None, step: int, decide: Callable[[int], int], key: Any = None
-    ) -> None:
-        """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: keep it when that
-        step is due and affordable (decided at the step's first micro-batch), in the window of ``key`` (an optimizer;
-        ``None``: the window every optimizer of the step shares)."""
+    def begin(self, step: int, decide: Callable[[int], int]) -> bool:
+        """A micro-batch of the window leading to optimizer step ``step`` is about to run its forward: whether it is
+        kept (:meth:`record`), since that step is due and affordable (decided at the step's first micro-batch)."""
         if step != self.step:  # a new window begins
-            self.windows, self.stepped = {}, []
+            if self.windows or self.stepped:
+                self.windows, self.stepped = {}, []
             self.cadence.steps += self._timed  # the window before, if the clock timed it: the training time's steps
             self._timed = self.cadence.clock.timing
             previous, self.step = self.step, step
-            self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
-        if self._open:
-            window = self.windows.get(key)
-            if window is None:
-                window = self.windows[key] = AppliedWindow(model)
-                self._since[key] = len(self.stepped)
-            window.record(batch)
+            if previous < step < self._until and not self.cadence.pending:
+                self._open = False  # none due since the last window: the common case, known without a call
+            else:
+                self._open = self.due(step, previous) and self.cadence.runs_now(step, decide)
+                self._until = self.cadence.next_due(step)
+        return self._open
+
+    def record(self, batch: Any, model: nn.Module | None, key: Any = None) -> None:
+        """Keep the micro-batch :meth:`begin` opened the window for, in the window of ``key`` (an optimizer; ``None``:
+        the window every optimizer of the step shares)."""
+        window = self.windows.get(key)
+        if window is None:
+            window = self.windows[key] = AppliedWindow(model)
+            self._since[key] = len(self.stepped)
+        window.record(batch)
+
+    def idle(self, step: int) -> bool:
+        """Whether optimizer step ``step`` needs nothing of the windows at its optimizer step: its window was begun and
+        not kept, and the step after it is not due either (whose update check keeps this step's gradient)."""
+        if self.step != step or self._open:
+            return False
+        return (step + 1 < self._until and not self.cadence.pending) or not self.due(step + 1, step)
 
     def take(self, step: int, key: Any = None) -> AppliedWindow | None:
         """The window recorded for optimizer step ``step`` (once: the watch checks it now), else ``None``. For an

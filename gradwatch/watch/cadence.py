@@ -72,6 +72,7 @@ class Cadence:
         self.checks = 0
         self._seen = -1  # the step of the last call: a later call at the same step (a micro-batch) is no new step
         self._timing = False  # whether the steps since training (re)started are timed yet
+        self._quiet: tuple[float, float] = (0, 0)  # no check is due at the steps strictly between these two
 
     @property
     def enabled(self) -> bool:
@@ -79,11 +80,16 @@ class Cadence:
 
     def due(self, previous: int, step: int) -> bool:
         """Whether a check is due among the optimizer steps ``previous < s <= step`` (pending ones aside)."""
+        return step >= self.next_due(previous)
+
+    def next_due(self, previous: int) -> float:
+        """The first optimizer step after ``previous`` at which a check is due (pending ones aside; infinity: none
+        ever): no step before it needs this kind's attention, which the calls of every step compare with once."""
         if self.every_n_steps is None:
-            return False
-        if self.first_check_step is not None and previous < self.first_check_step <= step:
-            return True
-        return step // self.every_n_steps > previous // self.every_n_steps
+            return math.inf
+        following = (previous // self.every_n_steps + 1) * self.every_n_steps
+        first = self.first_check_step
+        return first if first is not None and previous < first < following else following
 
     def start(self, step: int) -> None:
         """Training (re)starts at ``step``: the steps until the next call are not timed."""
@@ -91,16 +97,26 @@ class Cadence:
 
     def reached(self, step: int) -> bool:
         """A call at optimizer step ``step``, the first of that step or a later micro-batch's: whether a check is due
-        (at the step's first call; it stays due, pending, until it runs)."""
+        (at the step's first call; it stays due, pending, until it runs) and not waiting for a postponement (a step
+        the grad scaler skips during one is then no skipped check)."""
         if step == self._seen:
             return False
         if self._timing:
             self.steps += step - self._seen
         self._timing, self._seen = True, step
-        self.pending = self.pending or self.due(self.last_step, step)
         if not self.pending:
+            base, until = self._quiet
+            if not base <= self.last_step < step < until:  # else none due in between, as known since the last one
+                self._quiet = (self.last_step, self.next_due(self.last_step))
+                self.pending = step >= self._quiet[1]
+        if not self.pending or self.postponed_past(step):  # a postponed check is not asked about before resume_at
             self.last_step = step
-        return self.pending
+            return False
+        return True
+
+    def postponed_past(self, step: int) -> bool:
+        """Whether the check due waits, at ``step``, for the postponement the budget decided (``resume_at``)."""
+        return self.max_overhead is not None and step < self.resume_at
 
     def runs_now(self, step: int, decide: Callable[[int], int]) -> bool:
         """Whether the check due at ``step`` runs now (it is then no longer pending), or is postponed to fit the
@@ -112,7 +128,7 @@ class Cadence:
         """
         self.last_step = step
         if self.max_overhead is not None:
-            if step < self.resume_at:
+            if self.postponed_past(step):
                 self.pending = True
                 return False
             wait = int(decide(self._wait(self.max_overhead)))

@@ -93,7 +93,7 @@ def agree_across_ranks(report: CheckReport | None, error: Exception | None, step
     verdicts = ", ".join(
         f"rank {r}: {outcome[0].verdict if outcome[0] else 'skipped'}" for r, outcome in enumerate(outcomes)
     )
-    if chosen.noted(NoteCode.SHARDED) or chosen.noted(NoteCode.LOSS_COLLECTIVES):
+    if any(chosen.noted(code) for code in (NoteCode.SHARDED, NoteCode.LOSS_COLLECTIVES, NoteCode.RANKS_SPLIT)):
         note = Note(
             NoteCode.RANKS_TOGETHER,
             f"one check of the global loss, run together by every process ({verdicts}); this report is rank {rank}'s",

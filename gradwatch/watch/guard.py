@@ -51,11 +51,15 @@ class Guard:
         self._sites: set[str] = set()
         self._errors: set[str] = set()
         self._passing: BaseException | None = None  # the last error that is the caller's, let through every guard
+        self._blocks: dict[str, _Guarded] = {}  # by site: a guarded block holds no state of its own, made once
 
     def __call__(self, site: str) -> contextlib.AbstractContextManager[None]:
         """Run the block; an ``Exception`` it raises that is not the caller's is reported (once for ``site``) and the
         block is left, as if it had returned."""
-        return _Guarded(self, site)
+        block = self._blocks.get(site)
+        if block is None:
+            block = self._blocks[site] = _Guarded(self, site)
+        return block
 
     def passes(self, error: BaseException) -> BaseException:
         """Mark ``error`` as the caller's: it passes every guard it meets (returned, for ``raise guard.passes(e)``)."""
@@ -70,6 +74,15 @@ class Guard:
         except Exception as error:
             self.passes(error)
             raise
+
+    def absorbs(self, site: str, error: BaseException) -> bool:
+        """Whether the guard of ``site`` takes ``error`` (reported, see :meth:`report`) rather than let it through: an
+        ``Exception`` that is neither the caller's nor a failing check's. What ``with guard(site)`` does, for the calls
+        of every training step, which use ``try``/``except`` instead (free in Python 3.11 when nothing is raised)."""
+        if not isinstance(error, Exception) or isinstance(error, GradientCheckError) or error is self._passing:
+            return False
+        self.report(site, error)
+        return True
 
     def report(self, site: str, error: Exception) -> None:
         """``error`` in ``site``: a note and a warning the first time ``site`` raised in this run; a debug log."""
@@ -100,12 +113,7 @@ class _Guarded:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> bool:
-        if error is None or not isinstance(error, Exception) or isinstance(error, GradientCheckError):
-            return False
-        if error is self._guard._passing:
-            return False
-        self._guard.report(self._site, error)
-        return True
+        return error is not None and self._guard.absorbs(self._site, error)
 
 
 def guarded_hook(site: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -115,8 +123,11 @@ def guarded_hook(site: str) -> Callable[[Callable[..., None]], Callable[..., Non
     def decorate(hook: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(hook)
         def guarded(self: Any, *args: Any, **kwargs: Any) -> None:
-            with self.watch.guarded(site):
+            try:
                 hook(self, *args, **kwargs)
+            except Exception as error:
+                if not self.watch.absorbs(site, error):
+                    raise
 
         return guarded
 

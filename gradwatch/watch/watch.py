@@ -24,10 +24,11 @@ from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
 from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
-from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext, split_note
+from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped
 from gradwatch.engine.probing.search_budget import SearchBudget
+from gradwatch.engine.recomputed.collective_loss import split_check
 from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
@@ -281,8 +282,11 @@ class GradientWatch:
         Args:
             step: The optimizer step just taken.
         """
-        with self.guarded("watch.due_next"):
+        try:  # at every step of some loops: a guard by try/except (see absorbs)
             return self._recomputed.pending or self._recomputed.due(self._recomputed.last_step, step + 1)
+        except Exception as error:
+            if not self.absorbs("watch.due_next", error):
+                raise
         return False
 
     def state_dict(self) -> dict[str, Any]:
@@ -326,6 +330,16 @@ class GradientWatch:
             site: The call site, as the note and the warning name it (``"watch.record"``, ...).
         """
         return self._outcomes.guard(site)
+
+    def absorbs(self, site: str, error: BaseException) -> bool:
+        """Whether :meth:`guarded` takes ``error`` raised in ``site`` (a note and a warning once) rather than let it
+        through: for a call of every training step, guarded by ``try``/``except``, which costs nothing unless raised.
+
+        Args:
+            site: The call site, as for :meth:`guarded`.
+            error: What the call raised.
+        """
+        return self._outcomes.guard.absorbs(site, error)
 
     def setup(self, model: nn.Module) -> None:
         """Match the ``ignore`` patterns to the model's parameter names (each that matches none warns once); the first
@@ -371,16 +385,19 @@ class GradientWatch:
                 about to run: the window recorded for that optimizer's :meth:`before_optimizer_step` (its own random
                 states). Without it, the window is shared by every optimizer of the step.
         """
-        self._updates.release()
-        if not self._applied.enabled:
+        if self._updates.pending is not None:
+            self._updates.release()
+        if self._applied.every_n_steps is None:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
-        key = _optimizer("optimizer", optimizer)
-        model = unwrapped(model) if model is not None else self._model
-        with self.guarded("watch.record"):  # its float64 checksums of the gradients may run out of memory
-            self._windows.record(batch, model, step, self._decide, key)
-            return
-        self._windows.abandon()
+        key = None if optimizer is None else _optimizer("optimizer", optimizer)
+        try:  # its float64 checksums of the gradients may run out of memory
+            if self._windows.begin(step, self._decide):  # else nothing to keep: the window is not due
+                self._windows.record(batch, unwrapped(model) if model is not None else self._model, key)
+        except Exception as error:
+            if not self.absorbs("watch.record", error):
+                raise
+            self._windows.abandon()
 
     def before_optimizer_step(
         self,
@@ -444,20 +461,28 @@ class GradientWatch:
         A check that finds no gradient to read (no ``.grad`` on any checked parameter, none given) says so once, as a
         :class:`~gradwatch.GradientCheckWarning` naming the remedy; its report is inconclusive.
         """
-        validate.check_int("step", step, minimum=1)
-        optimizer = _optimizer("optimizer", optimizer)
+        if type(step) is not int or step < 1:  # asked at every step: the usual case cheaply
+            validate.check_int("step", step, minimum=1)
+        if optimizer is not None:  # an optimizer that updates none of the model's parameters is the caller's error
+            _updated(unwrapped(model), _optimizer("optimizer", optimizer))
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
-        if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
-            model, gradients = unwrapped(model), FullGradients(model) if gradients is None else gradients
-        _updated(model, optimizer)  # an optimizer that updates none of the model's parameters is the caller's error
+        if training is not None and (combine, path, join, window_normalised) != ("mean", None, None, False):
+            raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
         if training is None:  # the defaults' one object, not a new one at every step
             plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
             training = _PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised)
-        elif (combine, path, join, window_normalised) != ("mean", None, None, False):
-            raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
-        with self.guarded("watch.before_optimizer_step"):
+        try:
+            if optimizer is None and self._updates.pending is None and self._windows.idle(step):
+                # no window kept for this step, none due after it: the step's bookkeeping alone, as _window() does it
+                self._model = model if model is self._model else unwrapped(model)  # never an engine itself
+                self._last_step = max(self._last_step, step)
+                if self._applied.every_n_steps is not None:
+                    self._clock.batch_ended(time.perf_counter())
+                return None
+            if is_engine(model):  # DeepSpeed: the gradient lives in the engine's partitions
+                model, gradients = unwrapped(model), FullGradients(model) if gradients is None else gradients
             earlier = self._windows.earlier(step, optimizer)  # other optimizers' updates since its loss ran
             window = self._window(model, step, optimizer, optimizers, skipped)
             if window is None:
@@ -466,6 +491,9 @@ class GradientWatch:
                 window, model, loss_fn, step=step, training=training, group=group, loss_scale=loss_scale,
                 gradients=gradients, optimizers=optimizers, optimizer=optimizer, max_norm=max_norm, earlier=earlier,
             )  # fmt: skip
+        except Exception as error:
+            if not self.absorbs("watch.before_optimizer_step", error):
+                raise
         return None
 
     def after_clipping(
@@ -497,7 +525,7 @@ class GradientWatch:
         if is_engine(model) and clipped_with is None:
             engine = model
             model, clipped_with = unwrapped(engine), lambda: clipped_norm(engine)
-        with self.guarded("watch.after_clipping"):
+        try:  # at every step of a loop that clips: a guard by try/except (see absorbs)
             self._updates.declare(step, max_norm)
             verified = self._findings.take_verified(step)
             check = None if verified is None else self._clip_check(verified, model, max_norm, step, clipped_with)
@@ -505,6 +533,9 @@ class GradientWatch:
             if report is not None:
                 self._outcomes.publish(report, self._overhead())
             return report
+        except Exception as error:
+            if not self.absorbs("watch.after_clipping", error):
+                raise
         return None
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None, *, step: int) -> CheckReport | None:
@@ -545,11 +576,12 @@ class GradientWatch:
             The check's report, or ``None`` when no check ran (not due, postponed, skipped).
         """
         now = time.perf_counter()
-        self._updates.release()  # the update check's one-shot hooks, once they have run
+        if self._updates.pending is not None:
+            self._updates.release()  # the update check's one-shot hooks, once they have run
         loss_fn = self._loss_fn(loss_fn, step)
-        model = unwrapped(model)
+        model = model if model is self._model else unwrapped(model)  # the model of the last call: never an engine
         self._model, self._last_step = model, max(self._last_step, step)
-        with self.guarded("watch.maybe_check"):
+        try:
             self._clock.batch_ended(now)
             if not self._recomputed.reached(step):
                 return None
@@ -562,6 +594,9 @@ class GradientWatch:
             if not self._recomputed.runs_now(step, self._decide):
                 return None
             return self._run(model, batch, loss_fn, step, now, tuple(optimizers))
+        except Exception as error:
+            if not self.absorbs("watch.maybe_check", error):
+                raise
         return None
 
     def check(
@@ -595,8 +630,11 @@ class GradientWatch:
     # what the calls share
 
     def _loss_fn(self, loss_fn: LossFn | None, step: int) -> LossFn:
+        chosen = loss_fn if loss_fn is not None else self.loss_fn
+        if type(step) is int and step >= 0 and callable(chosen):  # at every step: the usual case, asked cheaply
+            return chosen
         validate.check_int("step", step, minimum=0)
-        chosen = validate.check_optional_callable("loss_fn", loss_fn if loss_fn is not None else self.loss_fn)
+        chosen = validate.check_optional_callable("loss_fn", chosen)
         if chosen is None:
             raise ValueError("`loss_fn` must be given, to the watch or to this call: gradwatch needs the loss to check")
         return chosen
@@ -622,7 +660,7 @@ class GradientWatch:
         self, model: nn.Module, batch: Any, loss_fn: LossFn, step: int, started: float,
         optimizers: tuple[torch.optim.Optimizer, ...],
     ) -> CheckReport | None:  # fmt: skip
-        if not self._lessons.checkable(model) or self._split(model):
+        if not self._lessons.checkable(model):
             self._outcomes.counts["skipped"] += 1
             return None
         self._lessons.set_up(model, force=False)
@@ -631,6 +669,11 @@ class GradientWatch:
             model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
             focus=lessons.focus, optimizers=optimizers, search_budget=self._search_budget(),
         )  # fmt: skip
+        if self._split(model):  # every rank's part against the ranks' summed loss, every rank together
+            check = lambda: split_check(  # noqa: E731
+                model, batch, loss_fn, group=default_group(model), step=step, settings=lessons.active,
+                optimizers=optimizers,
+            )  # fmt: skip
         report = self._outcomes.agreed(step, check, self._contexts(model, local=True), self._agree)
         with self.guarded("the budget's clock"):
             ended = time.perf_counter()
@@ -644,15 +687,9 @@ class GradientWatch:
 
     def _split(self, model: nn.Module) -> bool:
         """Whether the ranks hold other parameters than rank 0 (a model split by hand), asked once per model on every
-        rank together before its first recomputed check, and said once: such a model is not checked."""
+        rank together before its first recomputed check (:mod:`gradwatch.engine.applied.split`)."""
         if id(model) not in self._split_models:
-            ranks = split_ranks(model)
-            self._split_models[id(model)] = bool(ranks)
-            if ranks:
-                text = split_note(ranks).replace("this applied check does not", "recomputed checks do not")
-                warnings.warn(
-                    f"gradwatch: no recomputed checks in this run: {text}", GradientCheckWarning, stacklevel=3
-                )
+            self._split_models[id(model)] = bool(split_ranks(model))
         return self._split_models[id(model)]
 
     # the applied check

@@ -22,7 +22,16 @@ from gradwatch.outputs.jsonl import record_json, record_numerics
 from gradwatch.outputs.reading import read_logdir
 from gradwatch.outputs.records import report_records
 from gradwatch.outputs.sinks import JsonLinesSink
-from tests.gpu_emulation import Float32Inside, RefusesFloat64, ShuffledLinear, TF32Emulation, tf32
+from tests.gpu_emulation import (
+    Bf16OnlyRMSNorm,
+    Bf16RMSNormKernel,
+    Float32Inside,
+    OpaqueFloat32Inside,
+    RefusesFloat64,
+    ShuffledLinear,
+    TF32Emulation,
+    tf32,
+)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -238,3 +247,147 @@ def test_numerics_are_in_the_json_lines_record_and_gradwatch_report(tmp_path):
     (run,) = read_logdir(tmp_path)
     shown = format_run(run)
     assert "numerics (steps 1 to 2, 2 checks): float32 matmul tf32, float32 cudnn conv tf32" in shown, shown
+
+
+class PureBf16(nn.Module):
+    """A residual MLP block around a bf16-only fused RMSNorm, for pure-bf16 training (``.to(torch.bfloat16)``)."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Linear(16, 32), Bf16OnlyRMSNorm(32, factor)
+        self.up, self.down, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(h + self.down(nn.functional.gelu(self.up(self.norm(h)))))
+
+
+class FusedBlock(nn.Module):
+    """A block whose own forward calls the bf16-only RMSNorm kernel between two linear layers: the refusing module is
+    the block, a nonlinear function of its weights, whose probes moved 10% at once read a healthy block 3-10% off
+    (truncation) before the step came down until two measurements agreed."""
+
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.weight = nn.Parameter(torch.ones(32))
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = Bf16RMSNormKernel.apply(self.a(x), self.weight, self.factor)
+        return x + self.b(nn.functional.gelu(normed))
+
+
+class WithFusedBlock(nn.Module):
+    def __init__(self, factor: float = 1.0) -> None:
+        super().__init__()
+        self.embed, self.block, self.head = nn.Linear(16, 32), FusedBlock(factor), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
+def _bf16_vectors(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 16, generator=generator).bfloat16(), torch.randint(0, 5, (8,), generator=generator)
+
+
+def _float_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+def train_pure_bf16(factor: float, steps: int, watched: bool = True, make: Callable[[float], nn.Module] = PureBf16,
+                    ) -> tuple[nn.Module, Any, GradientWatch | None]:  # fmt: skip
+    """``steps`` AdamW steps of the bf16 ``make(factor)`` (:class:`PureBf16`) in a plain loop, both checks at every
+    step (``watched``)."""
+    model = _seeded(lambda: make(factor)).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = GradientWatch(every_n_steps=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                          max_reports=500) if watched else None  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    for step in range(1, steps + 1):
+        batch = _bf16_vectors(generator)
+        if watch is not None:
+            watch.record(batch)
+        _float_loss(model, batch).backward()
+        if watch is not None:
+            watch.before_optimizer_step(model, _float_loss, step=step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if watch is not None:
+            watch.maybe_check(model, batch, _float_loss, step=step)
+    return model, optimizer, watch
+
+
+def _kernel_probes(report: Any) -> list:
+    return [p for p in report.probes if p.kind in ("module_input", "module_params") and p.target == "norm"]
+
+
+def test_the_bf16_only_kernel_refuses_float32_and_float64():
+    norm = Bf16OnlyRMSNorm(4)
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(RuntimeError, match="expected BFloat16"):
+            norm.to(dtype)(torch.randn(2, 4, dtype=dtype))
+
+
+def test_pure_bf16_a_five_percent_bug_in_a_bf16_only_kernel_is_caught_and_named_at_the_first_check():
+    _, _, watch = train_pure_bf16(1.05, 1)
+    (recomputed,) = watch.recomputed_reports
+    assert recomputed.verdict == "fail", str(recomputed)
+    assert recomputed.precision == "native"  # the loss refuses float64
+    assert recomputed.culprits[0] == "norm", recomputed.culprit_message
+    assert "its input gradient is" in recomputed.culprit_message
+    (failing,) = [p for p in _kernel_probes(recomputed) if p.verdict == "fail"]
+    assert failing.kind == "module_input"
+    assert 0.03 < failing.rel_error < 0.07, failing
+    assert all(p.verdict != "fail" for p in recomputed.probes if p.kind not in ("module_input", "module_params"))
+
+
+def test_pure_bf16_healthy_bf16_only_kernel_checks_agree_in_isolation():
+    _, _, watch = train_pure_bf16(1.0, 3)
+    assert all(r.verdict != "fail" for r in _checks(watch)), [str(r) for r in _checks(watch)]
+    for report in watch.recomputed_reports:
+        probes = _kernel_probes(report)
+        assert {p.kind for p in probes} == {"module_input", "module_params"}, report.probes
+        assert all(p.verdict == "ok" and p.rel_error < 0.01 for p in probes), probes
+
+
+@pytest.mark.slow
+def test_pure_bf16_with_a_bf16_only_kernel_thirty_healthy_checks_and_bit_identical_training():
+    model, optimizer, watch = train_pure_bf16(1.0, 30)
+    plain, plain_optimizer, _ = train_pure_bf16(1.0, 30, watched=False)
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(optimizer.state.values(), plain_optimizer.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+    tally = _tally(watch)
+    assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), tally
+    assert tally[("applied", "inconclusive")] <= 30 * 0.2, tally
+    assert all(p.verdict == "ok" for r in watch.recomputed_reports for p in _kernel_probes(r))
+
+
+@pytest.mark.slow
+def test_pure_bf16_a_fused_block_around_a_bf16_only_kernel_raises_no_false_alarm_and_its_bug_is_caught():
+    _, _, healthy = train_pure_bf16(1.0, 3, make=WithFusedBlock)
+    assert all(r.verdict != "fail" for r in _checks(healthy)), [str(r) for r in _checks(healthy)]
+    probes = [p for r in healthy.recomputed_reports for p in r.probes if p.kind in ("module_input", "module_params")]
+    assert {p.target for p in probes} == {"block"}
+    assert all(p.verdict == "ok" for p in probes), probes
+    _, _, buggy = train_pure_bf16(1.05, 3, make=WithFusedBlock)
+    failing = [r for r in buggy.recomputed_reports if r.verdict == "fail"]
+    assert failing, [str(r) for r in buggy.recomputed_reports]  # within 3 checks
+    assert all(r.culprits[0] == "block" for r in failing), [r.culprit_message for r in failing]
+
+
+def test_a_kernel_computing_float64_in_float32_out_of_sight_is_probed_natively_by_the_applied_check_too():
+    """Float64 fidelity keeps a visible ``.float()`` at float64 (:class:`Float32Inside` then computes float64); a
+    Triton kernel's float32 it cannot see. The applied check's float64 probes through it read a 3% bug ``ok``
+    (noise 0.8% of the slope, claimed float64) until they verified that the loss was computed in float64."""
+    torch.manual_seed(0)
+    healthy = train(nn.Sequential(nn.Linear(16, 32), OpaqueFloat32Inside(), nn.Linear(32, 5)), _vectors, 2)
+    assert all(r.verdict == "ok" for r in _checks(healthy)), [str(r) for r in _checks(healthy)]
+    torch.manual_seed(0)
+    buggy = train(nn.Sequential(nn.Linear(16, 32), OpaqueFloat32Inside(factor=1.03), nn.Linear(32, 5)), _vectors, 1)
+    assert all(r.verdict == "fail" for r in _checks(buggy)), [str(r) for r in _checks(buggy)]
+    for report in [*healthy.applied_reports, *buggy.applied_reports]:
+        assert report.precision == "native"  # the precision it measured, not the one it asked for
+        assert any("float64 evaluations are quantised" in note for note in report.notes), report.notes

@@ -337,3 +337,15 @@ def test_a_hook_that_scales_one_accumulated_gradient_is_caught(tmp_path: Path) -
     assert callback is not None
     (report,) = [r for r in callback.applied_reports if not _is_clipping(r)]
     assert (report.scope, report.verdict) == ("applied", "fail")
+
+
+@pytest.mark.slow
+def test_the_state_a_checkpoint_saves_is_the_watchs_at_its_step_with_no_check_there(tmp_path: Path) -> None:
+    # kept when the Trainer saves (step 3, no check there) and at the run's end (step 4), not at every step
+    saving = {"save_strategy": "steps", "save_steps": 3}
+    trainer, callback = _train(tmp_path, steps=4, arguments=saving, every_n_steps=2)
+    assert callback is not None
+    assert [r.step for r in callback.reports] == [1, 2, 4]
+    saved = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert (saved[STATE_KEY]["checks"], saved[STATE_KEY]["last_step"]) == (2, 3)
+    assert trainer.state.stateful_callbacks[STATE_KEY] == callback.watch.state_dict()

@@ -55,20 +55,13 @@ def _fit(net: torch.nn.Module, batches: Any, steps: int, tmp_path: Path, precisi
     return watch
 
 
-def _seeded(make: Any, **kwargs: Any) -> torch.nn.Module:
-    torch.manual_seed(0)
+def _seeded(make: Any, seed: int = 0, **kwargs: Any) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return make(**kwargs)
 
 
-_ORDER_DEPENDENT = pytest.mark.xfail(
-    strict=False,
-    reason="one applied check in 50 read a false 'precision' fault (1 of 18 probes, past 3x the bf16 floor) in the "
-    "full slow suite, not alone nor on the code before this session: order-dependent, not yet explained (closing note)",
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["32-true", pytest.param("bf16-mixed", marks=_ORDER_DEPENDENT)])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize(("make", "batches"), [(CNN, _images), (Transformer, _sequences)], ids=["cnn", "transformer"])
 def test_fifty_healthy_checks_of_each_kind_under_tf32_in_lightning(make, batches, precision, tmp_path):
     watch = _fit(_seeded(make), batches, 50, tmp_path, precision)
@@ -80,6 +73,17 @@ def test_fifty_healthy_checks_of_each_kind_under_tf32_in_lightning(make, batches
     for report in [*watch.recomputed_reports, *watch.applied_reports]:
         assert report.numerics is not None
         assert (report.numerics.matmul, report.numerics.cudnn_conv) == ("tf32", "tf32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [2, 3])
+def test_bf16_rounding_that_crosses_a_kink_at_one_point_is_no_false_alarm(seed, tmp_path):
+    """These initialisations of the transformer read a false `precision` (seed 2, steps 18 and 45) and `unknown`
+    (seed 3, step 31) fault before the applied check looked again at shifted points: one tensor upstream of the ReLU
+    far beyond its bf16 floor at one point only (with one torch thread; other thread counts round elsewhere)."""
+    watch = _fit(_seeded(Transformer, seed), _sequences, 50, tmp_path, "bf16-mixed")
+    failures = [str(r) for r in watch.reports if r.verdict == "fail"]
+    assert not failures, failures[:1]
 
 
 @pytest.mark.slow

@@ -84,3 +84,46 @@ def test_state_round_trips_across_a_resume() -> None:
     restored.load_state_dict(cadence.state_dict())
     assert restored.state_dict() == cadence.state_dict()
     assert restored.resume_at == cadence.resume_at
+
+
+def test_a_postponed_check_is_not_reached_before_its_postponement_ends() -> None:
+    cadence = _cadence(1, None, 0.01)
+    clock = cadence.clock
+    clock.batch_ended(0.0)
+    clock.batch_ended(100.0)
+    cadence.steps = 100
+    clock.check_ran(100.0, 100.8)
+    cadence.ran(0.8)
+    assert not cadence.runs_now(2, lambda wait: wait)  # 1.6 s of checks is 1% of 160 s: 60 steps more
+    assert cadence.resume_at == 62
+    cadence.start(2)
+    # the steps in between are no due steps to act on (a watch asks neither the budget nor the grad scaler there)
+    assert [cadence.reached(step) for step in range(3, 63)] == [False] * 59 + [True]
+    assert cadence.pending
+    assert cadence.last_step == 61
+    assert cadence.postponed == 1
+
+
+def _due(every: int, first: int | None, previous: int, step: int) -> bool:
+    """The definition of a due step, written out: the first check's step or a multiple of the cadence in between."""
+    return (first is not None and previous < first <= step) or step // every > previous // every
+
+
+def test_the_next_due_step_is_the_first_step_due() -> None:
+    for every, first in [(5, 1), (5, 7), (5, 10), (3, None), (4, 4)]:
+        cadence = _cadence(every, first, None)
+        for previous in range(30):
+            first_due = next(step for step in range(previous + 1, 100) if _due(every, first, previous, step))
+            assert cadence.next_due(previous) == first_due, (every, first, previous)
+            assert [cadence.due(previous, step) for step in range(40)] == [
+                _due(every, first, previous, step) for step in range(40)
+            ]
+
+
+def test_the_steps_known_to_be_quiet_do_not_hide_a_due_step_of_a_state_loaded_from_before() -> None:
+    cadence = _cadence(10, None, None)
+    cadence.start(0)
+    assert [step for step in range(1, 25) if cadence.reached(step) and cadence.runs_now(step, lambda w: w)] == [10, 20]
+    cadence.load_state_dict({**cadence.state_dict(), "last_step": 5})  # a checkpoint of step 5
+    cadence.start(5)
+    assert cadence.reached(12)  # step 10 is due again: what was known quiet after step 20 says nothing of it

@@ -143,7 +143,8 @@ def _train(windows: Windows, steps: range, check_seconds: float, owe: bool) -> l
     the first check owing its closer look when ``owe``."""
     checked, cadence = [], windows.cadence
     for step in steps:
-        windows.record(object(), None, step, lambda wait: wait)
+        if windows.begin(step, lambda wait: wait):
+            windows.record(object(), None)
         cadence.clock.batch_ended(step + check_seconds * cadence.checks)  # the time so far: steps and checks
         if windows.take(step) is not None:
             checked.append(step)

@@ -30,7 +30,9 @@ from gradwatch.engine.results.notes import NoteCode
 MAX_NORM = 0.5
 
 SITES: list[tuple[Any, str]] = [
+    (applied.Windows, "begin"),
     (applied.Windows, "record"),
+    (applied.Windows, "idle"),  # before_optimizer_step's test of a step with nothing to do
     (applied.Windows, "take"),
     (window.Checksums, "of"),  # watch.record's float64 checksums
     (window, "capture_rng"),

@@ -1,7 +1,8 @@
 """One check of the gradient the optimizer applies: :func:`check_applied_gradient`.
 
 1. **Consistency across ranks** (DDP): every rank must hold the same reduced gradient; per-tensor checksums are
-   compared, and a rank that disagrees is named (fault ``"reduction"``).
+   compared, and a rank that disagrees is named (fault ``"reduction"``). Ranks that hold other parameters (a model
+   split by hand) are no replicas: the check is made of every rank's part together (:mod:`.split`).
 2. **The noise floor of the path** (:mod:`.verdict`): per tensor, how far a correct gradient of the path's precision is
    from a more precise one, measured with trusted gradients (:mod:`.gradients`, :mod:`.rounding`).
 3. **The probes** (:mod:`.probes`): central differences of the window's loss (:mod:`.window`), on float64 storage
@@ -31,6 +32,7 @@ from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
 from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.applied.plan import AppliedPlan
 from gradwatch.engine.applied.sharded import ShardedWindow, shard_window
+from gradwatch.engine.applied.split import SplitModel, replicated_note, split_note, split_window
 from gradwatch.engine.applied.verdict import floor_multiple, relative_floor
 from gradwatch.engine.applied.window import (
     COMBINES,
@@ -40,7 +42,6 @@ from gradwatch.engine.applied.window import (
     applied_gradients,
     disagreeing_ranks,
     ranks_with_other_parameters,
-    split_note,
 )
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.evaluation import LossFn
@@ -155,6 +156,9 @@ def check_applied_gradient(
                       start=start, loss_scale=loss_scale)  # fmt: skip
     setting.search_budget = search_budget
     names, applied, shards = _selected(setting, gradients)
+    split = [] if setting.group is None else ranks_with_other_parameters(session.params, setting.group)
+    if split and not isinstance(model, SplitModel):  # not replicas, but made so for the check (a rank may hold none)
+        return _split_check(setting, names, applied, split, (rotation, closer_look))
     if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
@@ -172,8 +176,8 @@ def check_applied_gradient(
     if ran_out:  # the state is back and what the check allocated freed: the run goes on
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
     outcome.evaluator.notes.extend(said)
-    if outcome.attribution is not None and outcome.attribution.search_culprit:
-        outcome = _searched(setting, outcome, culprit_search=culprit_search)
+    if outcome.attribution is not None and outcome.attribution.search_culprit and not isinstance(model, SplitModel):
+        outcome = _searched(setting, outcome, culprit_search=culprit_search)  # a split model's: one rank's loss alone
     return _report(session, outcome, equivalence)
 
 
@@ -250,14 +254,10 @@ def _plan(setting: PathSetting, names: list[str], applied: list[Tensor], rotatio
 def _refused(
     setting: PathSetting, plan: AppliedPlan, shards: ShardedWindow | None, *, culprit_search: bool
 ) -> CheckReport | None:
-    """The report of a window settled before any probe: ranks that hold other parameters (inconclusive), ranks whose
-    reduced gradients differ (``"reduction"``), a gradient with non-finite values; ``None`` for a window to probe."""
+    """The report of a window settled before any probe: ranks whose reduced gradients differ (``"reduction"``), a
+    gradient with non-finite values; ``None`` for a window to probe."""
     session = setting.session
     if setting.group is not None:
-        split = ranks_with_other_parameters(session.params, setting.group)
-        if split:  # not replicas: their gradients differ by design, and no reduction is at fault
-            return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
-                                  notes=[Note(NoteCode.RANKS_SPLIT, split_note(split))])  # fmt: skip
         disagreeing = disagreeing_ranks(plan.applied, setting.group)
         if disagreeing:
             message = f"rank(s) {disagreeing} hold a different gradient than rank 0 after the reduction"
@@ -272,6 +272,39 @@ def _refused(
     named = list(zip(plan.names, plan.applied, strict=True))
     fields = nonfinite_fault(setting, named, search=culprit_search and shards is None)
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
+
+
+def _split_check(
+    setting: PathSetting, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
+) -> CheckReport:
+    """The check of a model split across the ranks by hand, as replicas of every rank's part (:mod:`.split`): the
+    window's loss and path as they are, no culprit search of one rank's loss (its collectives would wait for the
+    others), no one-batch comparison. A gradient wrong for the ranks' summed loss whose ranks all compute the same loss
+    is checked again against that loss (Megatron's convention): right for it, it stands; wrong for both, the report
+    is the one where fewer tensors fail (the convention the rest of the code follows)."""
+    session, group = setting.session, setting.group
+    split = split_window(session.model, setting.loss_fn, names, applied, group)
+    rotation, closer_look = turn
+
+    def check(scale: float) -> CheckReport:
+        return check_applied_gradient(
+            split.model, setting.batches, split.loss(scale), split.gradients, combine=setting.combine,
+            rng_states=setting.rng_states, path=setting.path, step=session.step, group=group, rotation=rotation,
+            closer_look=closer_look, culprit_search=False, loss_scale=setting.loss_scale,
+            optimizers=session.optimizers, settings=session.settings, compare_one_batch=False,
+            search_budget=setting.search_budget,
+        )  # fmt: skip
+
+    report, said = check(split.world), split_note(ranks, split.world)
+    if split.replicated(group) and report.verdict == Verdict.FAIL:
+        again = check(1.0)  # the convention of most tensors' gradients: a fault in a few of them fails in its own
+        if again.verdict != Verdict.FAIL or len(_failing(again)) < len(_failing(report)):
+            report, said = again, f"{said}; {replicated_note(split.world)}"
+    return dataclasses.replace(report, notes=[*session.leading, Note(NoteCode.RANKS_SPLIT, said), *report.notes])
+
+
+def _failing(report: CheckReport) -> set[str]:
+    return {p.target for p in report.probes if p.verdict == Verdict.FAIL}
 
 
 def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: bool) -> AppliedOutcome:
@@ -301,11 +334,12 @@ def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equival
     calibrated (the floor along the descent probe, the largest excess) and the one-batch comparison."""
     evaluator, attribution = outcome.evaluator, outcome.attribution
     descent = next((m for m in outcome.measured if m.probe.kind == ProbeKind.DESCENT), None)
+    native = any(note.code == NoteCode.APPLIED_NATIVE for note in evaluator.notes)  # float64 reductions only
     return session.report(
         **outcome.report_fields(),
         n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
-        precision="float64" if evaluator.value_dtype == torch.float64 else "native",
+        precision="float64" if evaluator.value_dtype == torch.float64 and not native else "native",
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",

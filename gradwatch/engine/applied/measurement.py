@@ -106,9 +106,35 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     )
     evaluator.notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, path.again) if failing else None
+    if attribution is not None and attribution.fault in ("precision", "unknown") and setting.autocast is not None:
+        tensors = sorted({i for m in failing for i in m.tensors})
+        path.backward += 4 * autocast_path.SHIFTED_POINTS
+        if not autocast_path.disagreement_recurs(setting, plan, tensors):
+            measured, attribution = [_crossing(m) for m in measured], None
+            evaluator.notes.append(Note(NoteCode.APPLIED_ROUNDING_CROSSING, _crossing_text(setting, tensors)))
     return AppliedOutcome(evaluator=evaluator, loss=reference.loss, probes=[m.probe for m in measured],
                           measured=measured, attribution=attribution, backward=path.backward,
                           floors=floor_values)  # fmt: skip
+
+
+def _crossing(measured: Measured) -> Measured:
+    """A failing probe of a 16-bit path whose disagreement did not recur at shifted points: undecided, a tie of the
+    path's rounding (the next check probes its tensor again)."""
+    if measured.probe.verdict != "fail":
+        return measured
+    undecided = dataclasses.replace(measured.probe, verdict="inconclusive", reason="tie")
+    return dataclasses.replace(measured, probe=undecided)
+
+
+def _crossing_text(setting: PathSetting, tensors: list[int]) -> str:
+    names = ", ".join(setting.session.params[i][0] for i in tensors[:4]) + (" and more" if len(tensors) > 4 else "")
+    dtype = str(setting.autocast).removeprefix("torch.")
+    return (
+        f"the {dtype} path's gradient of {names} disagreed at this point only: at {autocast_path.SHIFTED_POINTS} "
+        f"points shifted by {autocast_path.SHIFT:g} of each parameter it agreed with eager float32 within its floor, "
+        f"so its rounding crossed a kink here (a ReLU input within its rounding of 0), which a wrong kernel would not "
+        f"undo; undecided, probed again at the next check"
+    )
 
 
 def _nothing(path: _Path, evaluator: LossEvaluator, loss: float) -> AppliedOutcome:

@@ -20,6 +20,7 @@ window's measuring service (:mod:`.window_points`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +39,14 @@ from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.function.precision import (
     AUTO_FLOAT64_ELEMENTS,
+    exact_source,
     float64_storage,
     resolve_precision,
     substitute_of,
 )
 from gradwatch.engine.numerics.steps import center_tolerance
+from gradwatch.engine.recomputed.faithfulness import FINE_AGREEMENT, FINE_CHANGE
+from gradwatch.engine.results.kinds import ProbeKind
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import NotReproducibleError, passes_fallbacks
 
@@ -90,12 +94,17 @@ def measure(
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
-        elif float64:
+        elif float64 and "quantised" not in probing.screens:  # (a second pass over a quantised float64 loss)
             try:
                 with float64_storage(evaluator.model, _moved(evaluator.model, named)) as substitutes:
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    return _probes_at(evaluator, probing, torch.float64)
+                    found = _probes_at(evaluator, probing, torch.float64)
+                    quantised = _quantised(evaluator, found, plan.applied, loss)
+                    if quantised is None:
+                        return found
+                    evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, f"probes run natively: {quantised}"))
+                    probing.screens["quantised"] = quantised
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside, no memory for float64
                 out_of_memory = is_out_of_memory(error)
                 if passes_fallbacks(error) and not out_of_memory:
@@ -110,6 +119,57 @@ def measure(
                 evaluator.params = named
                 evaluator.use_native_inputs()
         return _probes_at(evaluator, probing, plan.native)
+
+
+FLOAT64_NOISE = 1e-6
+"""A float64 probe whose own noise exceeds this fraction of its slope (float64 round-off at an applied check's step is
+~1e-9 of it) makes the check verify that its loss was computed in float64 (:func:`_quantised`)."""
+
+
+def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[torch.Tensor], loss: float) -> str | None:
+    """Why the float64 evaluations computed in a lower precision somewhere (a kernel that accepts float64 and computes
+    float32, which :class:`~gradwatch.engine.function.fidelity.Float64Fidelity` cannot see), or ``None``; tested only
+    where the loss's value is float64 and a probe's noise is beyond float64's. The loss is measured along the applied
+    gradient, as the descent probe measured it, at steps whose predicted change is
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of the loss (far below a float32 ulp), ``s`` and
+    ``s / 2``: a float64 function's central differences there are the descent probe's own within
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT` (whatever the gradient: a wrong one, a
+    straight-through estimator's, differs from both alike); a function rounded to float32 on the way moves by whole
+    float32 ulps there, or not at all."""
+    descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
+    noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
+    slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
+    tensors = [p for _, p in evaluator.params]
+    sources = [source for source in map(exact_source, tensors) if source is not None]  # put back from, exactly
+    shapes = len(tensors) == len(applied) == len(sources) and all(
+        t.shape == g.shape for t, g in zip(tensors, applied, strict=True)
+    )
+    if descent is None or not noisy or not shapes or evaluator.value_dtype != torch.float64:
+        return None
+    if slope == 0.0 or not math.isfinite(descent.numeric) or not math.isfinite(loss) or loss == 0.0:
+        return None
+    step = FINE_CHANGE * abs(loss) / slope
+    differences = []
+    with torch.no_grad():
+        for h in (step, step / 2):
+            values = []
+            for sign in (1.0, -1.0):
+                for t, g in zip(tensors, applied, strict=True):
+                    t.add_(g.to(t.dtype), alpha=sign * h / slope)
+                try:
+                    values.append(evaluator.loss())
+                finally:
+                    for t, source in zip(tensors, sources, strict=True):
+                        t.copy_(source)
+            differences.append((values[0] - values[1]) / (2 * h))
+    if max(abs(d - descent.numeric) for d in differences) <= FINE_AGREEMENT * max(abs(descent.numeric), slope):
+        return None
+    return (
+        f"float64 evaluations are quantised: along the gradient, central differences at steps predicted to move the "
+        f"loss by {FINE_CHANGE:.0e} of it measured {differences[0]:.4g} and {differences[1]:.4g}, at the descent "
+        f"probe's step {descent.numeric:.4g}; somewhere the loss is computed in a lower precision that gradwatch "
+        "cannot promote"
+    )
 
 
 def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set[int] | None:

@@ -290,15 +290,3 @@ def ranks_with_other_parameters(named: Sequence[tuple[str, Tensor]], group: Any)
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     return [rank for rank, found in enumerate(every) if rank and found != every[0]]
-
-
-def split_note(ranks: list[int]) -> str:
-    """The words of a check refused because ``ranks`` hold other parameters than rank 0 (said once by the watch)."""
-    return (
-        f"no probe made: rank(s) {ranks} hold other parameters than rank 0 (their names or shapes "
-        "differ): the model is split across the ranks by hand (hand-written tensor or pipeline parallelism), not "
-        "replicated as under DDP, so the ranks' gradients are not copies of one reduced gradient to compare and no "
-        "rank's loss alone is the function its gradient belongs to; this applied check does not check such models "
-        "(pass group=None to check a rank's part whose loss runs no collective, or use a library that describes the "
-        "split: DTensor, FSDP2)"
-    )

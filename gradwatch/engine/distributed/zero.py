@@ -16,8 +16,9 @@ the applied gradient is wrong only in some ranks' ranges, :func:`ranks_owning_wr
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,22 +35,28 @@ ZERO3_NOTE = (
 
 def is_engine(model: Any) -> bool:
     """Whether ``model`` is a DeepSpeed engine (``deepspeed.initialize``'s first result) wrapping a module."""
-    return (
-        isinstance(model, nn.Module)
-        and all(hasattr(type(model), name) for name in _ENGINE_METHODS)
-        and isinstance(getattr(model, "module", None), nn.Module)
-    )
+    return _engine_class(type(model)) and isinstance(getattr(model, "module", None), nn.Module)
+
+
+def _has_engine_methods(kind: Any) -> bool:
+    return issubclass(kind, nn.Module) and all(hasattr(kind, name) for name in _ENGINE_METHODS)
+
+
+_engine_class: Callable[[Any], bool] = functools.cache(_has_engine_methods)
+"""Whether a class is a module class with a DeepSpeed engine's methods, asked of the class once: a plain module's class
+has neither, and each ``hasattr`` of a missing attribute builds an error (the watch asks at every training step)."""
 
 
 _ENGINE_METHODS = ("is_gradient_accumulation_boundary", "zero_optimization_stage")
-"""Methods of a DeepSpeed engine's class, asked first: a plain module's class has neither and answers at once, where
-asking the module builds the error of ``nn.Module.__getattr__`` (the watch asks at every training step)."""
+"""Methods of a DeepSpeed engine's class."""
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
     """The module a DeepSpeed engine wraps (``model`` itself otherwise). A check runs the loss on the module: the
     engine's own forward registers hooks that divide the output's gradient by the accumulation steps and drive its
     optimizer's backward bookkeeping, neither of which belongs in a check's evaluations."""
+    if not _engine_class(type(model)):  # asked at every training step: a plain module's class answers at once
+        return model
     return model.module if is_engine(model) else model  # type: ignore[return-value]
 
 

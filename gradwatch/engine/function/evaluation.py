@@ -111,6 +111,8 @@ class LossEvaluator:
         """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
         self.watch: contextlib.AbstractContextManager[Any] | None = None
         """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
+        self.refused_by: type[nn.Module] | None = None
+        """The class of the module whose forward raised in the float64 trial (a kernel refusing float64), if any."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
 

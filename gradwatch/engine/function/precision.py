@@ -28,6 +28,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from types import TracebackType
 from typing import Literal
 
 import torch
@@ -193,6 +194,7 @@ def probe_precision(
                     raise
                 if not is_out_of_memory(error) and isinstance(error, CheckAbandonedError):
                     raise
+                evaluator.refused_by = None if is_out_of_memory(error) else refusing_module(model, error)
                 code, problem = (
                     (NoteCode.MEMORY_NATIVE, f"float64 ran out of memory ({first_line(error)})")
                     if is_out_of_memory(error)
@@ -220,6 +222,20 @@ def probe_precision(
     evaluator.notes.append(Note(code, f"probes run in the native precision: {problem}"))
     evaluator.use_native_inputs()
     yield "native", math.nan
+
+
+def refusing_module(model: nn.Module, error: BaseException) -> type[nn.Module] | None:
+    """The class of the innermost module of ``model`` whose forward ``error`` was raised in (its traceback), or
+    ``None``."""
+    owners = {id(m) for m in model.modules()}
+    found: type[nn.Module] | None = None
+    frames: TracebackType | None = error.__traceback__
+    while frames is not None:
+        owner = frames.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in owners and owner is not model:
+            found = type(owner)
+        frames = frames.tb_next
+    return found
 
 
 def _on_any_rank(flag: bool) -> bool:

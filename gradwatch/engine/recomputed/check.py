@@ -40,6 +40,7 @@ from gradwatch.engine.function.conditions import autocast_disabled, probe_condit
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import surviving_out_of_memory
 from gradwatch.engine.function.precision import resolve_precision
+from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import (
@@ -60,6 +61,7 @@ from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sharded import sharded_settings
+from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport
@@ -319,6 +321,11 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message, progress = measured.culprits, measured.culprit_message, measured.culprit_search
+            if evaluator.refused_by is not None and plan.native_dtype in SIXTEEN_BIT and sharding_active() is None:
+                own = kernel_probes(model, evaluator, evaluator.refused_by)  # its module alone, in 16 bits
+                probes += own
+                named, message = kernel_culprit(model, own)
+                culprits, culprit_message = (named, message) if named else (culprits, culprit_message)
             if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
                 latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
                 evaluator.notes += [latent] if latent is not None else []

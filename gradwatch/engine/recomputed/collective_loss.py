@@ -14,7 +14,8 @@ per-rank check at its next evaluation (or at its end), the ranks agree on it in 
 differences of the mean of the ranks' losses, every evaluation on every rank in lockstep at the same probe point
 (:func:`gradwatch.check_applied_gradient` with the process group, whose decisions rest on numbers the same on every
 rank). A gradient right for the local loss and wrong for the global one fails. Ranks that hold other parameters (a
-model split by hand) are refused there, with the reason. A rank whose check raised after the loss's collectives (or
+model split by hand) are checked there as :func:`split_check` checks them: each rank's own part's gradient against
+the sum of the ranks' losses. A rank whose check raised after the loss's collectives (or
 whose gradient raised in the global check) makes every rank's check end: it raises, the others report
 ``inconclusive`` with the reason.
 
@@ -101,10 +102,13 @@ class CollectiveCounter:
         return self.loss_fn(model, batch)
 
 
-def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) -> dict[str, torch.Tensor] | None:
+def _mean_gradient(
+    model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, *, average: bool = True
+) -> dict[str, torch.Tensor] | None:
     """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
-    rank and averaged over ``group`` as DDP averages it; ``.grad``, DDP's reducer and the random state are left as
-    they were. Where it raised on a rank, that rank raises after the reduction and the others get ``None``."""
+    rank and averaged over ``group`` as DDP averages it (each rank's own without ``average``: a model split by hand);
+    ``.grad``, DDP's reducer and the random state are left as they were. Where it raised on a rank, that rank raises
+    after the reduction and the others get ``None``."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     syncing = getattr(model, "no_sync", None)
     forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
@@ -123,12 +127,16 @@ def _mean_gradient(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any) ->
              for (_, p), g in zip(named, grads, strict=True)]  # fmt: skip
     flags = [0.0 if g is None else 1.0 for g in grads] + [1.0 if error is not None else 0.0]
     flat = torch.cat([*parts, torch.tensor(flags, dtype=torch.float64)])
-    dist.all_reduce(flat, group=group)
+    failed = torch.tensor([flat[-1].item()])
+    if average:
+        dist.all_reduce(flat, group=group)
+    else:  # each rank's own part: only whether a rank raised goes across
+        dist.all_reduce(failed, group=group)
     if error is not None:
         raise error
-    if flat[-1] > 0:
+    if float(failed if not average else flat[-1]) > 0:
         return None
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if average else 1
     found, offset = {}, 0
     present = flat[-len(named) - 1 : -1]
     for i, (name, p) in enumerate(named):
@@ -148,23 +156,17 @@ def _refused(step: int, text: str, code: NoteCode = NoteCode.LOSS_COLLECTIVES) -
                        duration_s=0.0, notes=[Note(code, text)])  # fmt: skip
 
 
-def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, issued: int,
-                 **check: Any) -> CheckReport:  # fmt: skip
-    """The recomputed check of a loss with collectives inside, as the global loss every rank evaluates together
-    (``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
-    probe options apply). No culprit search follows a failure: it would differentiate a rank's own loss."""
+def _together(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, split: bool, **check: Any) -> CheckReport:
+    """This step's gradient recomputed on every rank (averaged as DDP averages it, or each rank's own part's where
+    the model is ``split`` by hand) against the ranks' losses, every rank evaluating them together at the same points
+    (:func:`~gradwatch.check_applied_gradient` with ``group``); no culprit search (it would differentiate a rank's own
+    loss). ``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
+    probe options apply."""
     from gradwatch.engine.applied.check import check_applied_gradient  # here: it imports check_gradients, decorated
-    from gradwatch.engine.applied.window import ranks_with_other_parameters, split_note
 
     step = int(check.get("step", 0))
-    split = ranks_with_other_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad], group)
-    if split:  # no replicas to average: the ranks' gradients would not even line up
-        text = f"the loss calls collectives ({issued} in its first evaluation); " + split_note(split)
-        return _refused(
-            step, text.replace("this applied check does not", "recomputed checks do not"), NoteCode.RANKS_SPLIT
-        )
     drawn = capture_rng()  # the random numbers the gradient's forward draws, replayed by every evaluation
-    gradients = _mean_gradient(model, batch, loss_fn, group)
+    gradients = _mean_gradient(model, batch, loss_fn, group, average=not split)
     if gradients is None:
         return _refused(step, _RAISED_ELSEWHERE)
     options = {k: v for k, v in check.items() if k not in ("focus", "rotation", "search_budget", "step")}
@@ -174,13 +176,31 @@ def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, i
                                         compare_one_batch=False, culprit_search=False, **options)  # fmt: skip
     finally:
         _TOGETHER.reset(token)
+    return dataclasses.replace(report, scope="recomputed")
+
+
+def split_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, **check: Any) -> CheckReport:
+    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): this
+    step's gradient recomputed on every rank, each its own part's, against the sum of the ranks' losses, every rank
+    evaluating it together as the applied check of such a model does."""
+    return _together(model, batch, loss_fn, group, True, **check)
+
+
+def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, issued: int,
+                 **check: Any) -> CheckReport:  # fmt: skip
+    """The recomputed check of a loss with collectives inside, as the global loss every rank evaluates together (a
+    model split by hand: as :func:`split_check` checks it)."""
+    from gradwatch.engine.applied.window import ranks_with_other_parameters
+
+    split = bool(ranks_with_other_parameters([(n, p) for n, p in model.named_parameters() if p.requires_grad], group))
+    report = _together(model, batch, loss_fn, group, split, **check)
+    how = "each rank's own part's, against the sum" if split else "averaged as DDP averages it, against the mean"
     text = (
         f"the loss calls collectives ({issued} in its first evaluation): a rank's own loss is not the function its "
-        "gradient differentiates, so this step's gradient, recomputed on every rank and averaged as DDP averages it, "
-        "was checked against the mean of the ranks' losses, every rank evaluating it together at the same points "
-        "(the whole batch of each rank)"
+        f"gradient differentiates, so this step's gradient, recomputed on every rank, {how} of the ranks' losses, "
+        "was checked with every rank evaluating it together at the same points (the whole batch of each rank)"
     )
-    return dataclasses.replace(report, scope="recomputed", notes=[Note(NoteCode.LOSS_COLLECTIVES, text), *report.notes])
+    return dataclasses.replace(report, notes=[Note(NoteCode.LOSS_COLLECTIVES, text), *report.notes])
 
 
 def in_lockstep_for_collective_losses(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:

@@ -118,7 +118,7 @@ class NoteCode(StrEnum):
     )
     RANKS_SPLIT = (
         "ranks-split",
-        "no probe made: the ranks hold different parameters (a model split across them by hand)",
+        "the ranks hold different parameters (a split by hand): checked as one model against the summed loss",
     )
     REPLICAS_DISAGREE = (
         "replicas-disagree",
@@ -126,6 +126,10 @@ class NoteCode(StrEnum):
     )
     # applied checks (gradwatch.engine.applied)
     APPLIED_FLOOR = "applied-floor", "the noise floor of the training's path the applied gradient was judged against"
+    APPLIED_ROUNDING_CROSSING = (
+        "applied-rounding-crossing",
+        "a 16-bit path's disagreement gone at shifted points: its rounding crossed a kink, undecided",
+    )
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"

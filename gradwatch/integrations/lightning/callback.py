@@ -197,16 +197,22 @@ class GradWatch(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        with self._watch.guarded("GradWatch.on_train_batch_start"):
+        try:  # at every step: a guard by try/except, free unless raised (see GradientWatch.absorbs)
             self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
             self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
+        except Exception as error:
+            if not self._watch.absorbs("GradWatch.on_train_batch_start", error):
+                raise
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        with self._watch.guarded("GradWatch.on_before_optimizer_step"):
+        try:
             self._before_optimizer_step(trainer, pl_module, optimizer)
+        except Exception as error:
+            if not self._watch.absorbs("GradWatch.on_before_optimizer_step", error):
+                raise
 
     def _before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -230,8 +236,9 @@ class GradWatch(Callback):
     ) -> None:
         scale_before, self._scale_before = self._scale_before, None
         self._stepped = []  # the batch's copies of parameters before its updates: needed no more
-        self._remove_clip_hooks()
-        with self._watch.guarded("GradWatch.on_train_batch_end"):
+        if self._clip_hooks:
+            self._remove_clip_hooks()
+        try:  # at every step: a guard by try/except (see GradientWatch.absorbs)
 
             def skipped() -> bool:  # asked only at a due step
                 scaler = _grad_scaler(trainer)
@@ -246,6 +253,9 @@ class GradWatch(Callback):
             if report is not None:
                 with self._watch.guarded("GradWatch's progress bar"):
                     show_in_progress_bar(trainer, report, self.counts["failed"])
+        except Exception as error:
+            if not self._watch.absorbs("GradWatch.on_train_batch_end", error):
+                raise
         self._stop_if_asked(trainer)
 
     def _check_applied(

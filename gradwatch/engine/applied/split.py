@@ -1,0 +1,132 @@
+"""A model split across the ranks by hand, checked as what it is: :func:`split_window`.
+
+Ranks that hold different parameters without a library that says how (hand-written tensor or pipeline parallelism,
+:func:`~gradwatch.engine.applied.window.ranks_with_other_parameters`) train one function: the sum ``S`` of the ranks'
+losses. Each rank's backward computes ``∂S/∂θ_r`` for its own parameters ``θ_r`` when the loss's collectives have
+their adjoints as backward (``torch.distributed.nn``'s all-reduce sums the ranks' output gradients), and for a loss
+without collectives ``∂S/∂θ_r`` is the rank's own loss's gradient. No rank's loss alone is that function, and the
+ranks' gradients are no copies of one reduced gradient to compare.
+
+The applied check of DDP replicas already evaluates a loss with collectives on every rank in lockstep at the same
+point, against the mean of the ranks' losses, and decides only on numbers the same on every rank. A split model is made
+such replicas for the check: on every rank a :class:`SplitModel` holds every rank's part under ``rank.<r>``, its own the
+module itself and the others' a copy of their parameters and gradients (one gather), which the probes move as the
+owner moves the real ones and which its forward never uses. Each rank's loss is scaled by the number of ranks, so the
+mean of the ranks' losses is ``S``, and the gradient checked is the training's own. A probe of one tensor moves it on
+its owner alone, and a failing one names the rank (``rank.1.0.weight``). A recomputed gradient (the path's, the floor's)
+is each rank's own, zero on the copies, averaged as DDP averages: ``∂S/∂θ_r`` again. Where every rank computes the same
+loss ``L`` (tensor parallelism), Megatron's convention (the forward's all-reduce with an identity backward) trains
+``∂L/∂θ_r = ∂S/∂θ_r / world`` instead: a gradient wrong for ``S`` is then checked against ``L`` too
+(:func:`~gradwatch.engine.applied.check.check_applied_gradient` keeps the convention more of its tensors agree with).
+
+The cost: every rank holds every rank's checked parameters and gradients for the check (fine for the small models a
+split by hand runs on a few ranks; a large one wants a library that describes the split: DTensor, FSDP2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gradwatch.engine.function.evaluation import LossFn
+from gradwatch.engine.function.values import as_scalar_loss
+
+__all__ = ["SplitModel", "SplitWindow", "replicated_note", "split_note", "split_window"]
+
+
+class SplitModel(nn.Module):
+    """Every rank's part of a model split by hand, on one rank: ``rank[r]`` this rank's own module where ``r`` is this
+    rank, else a copy of rank ``r``'s checked parameters (see the module doc)."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.rank = nn.ModuleList(parts)
+
+
+def _copy(named: Sequence[tuple[str, Tensor]], device: torch.device) -> nn.Module:
+    """A module holding ``named`` parameters (copies on ``device``) under their own dotted names."""
+    shell = nn.Module()
+    for name, value in named:
+        *path, leaf = name.split(".")
+        module = shell
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]  # type: ignore[assignment]
+        module.register_parameter(leaf, nn.Parameter(value.to(device), requires_grad=True))
+    return shell
+
+
+@dataclasses.dataclass
+class SplitWindow:
+    """A split model's check as replicas: the :class:`SplitModel`, every rank's gradients by its name there, the user's
+    loss and this rank's part, and the first value each loss made for the check returned (this rank's own loss at the
+    point)."""
+
+    model: SplitModel
+    gradients: dict[str, Tensor]
+    loss_fn: LossFn
+    part: nn.Module
+    world: int
+    first: list[float] = dataclasses.field(default_factory=list)
+
+    def loss(self, scale: float) -> LossFn:
+        """This rank's loss times ``scale`` (the number of ranks: the mean of the ranks' losses is their sum)."""
+
+        def scaled(_: nn.Module, batch: Any) -> Tensor:
+            value = as_scalar_loss(self.loss_fn(self.part, batch))
+            if not self.first:
+                self.first.append(float(value.detach()))
+            return value * scale
+
+        return scaled
+
+    def replicated(self, group: Any) -> bool:
+        """Whether every rank's loss had the same value at the point (every rank together)."""
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, self.first[:1], group=group)
+        return all(found == every[0] and found for found in every)
+
+
+def split_window(
+    model: nn.Module, loss_fn: LossFn, names: Sequence[str], applied: Sequence[Tensor], group: Any
+) -> SplitWindow:
+    """A split model's check as replicas (see the module doc): ``model`` this rank's part, ``names`` its checked
+    parameters and ``applied`` their gradients (complex ones as their real views). One gather over ``group``, every
+    rank together."""
+    params = dict(model.named_parameters())
+    gradients = [torch.view_as_complex(g) if params[n].is_complex() else g for n, g in zip(names, applied, strict=True)]
+    mine = [(name, params[name].detach().cpu(), g.detach().cpu()) for name, g in zip(names, gradients, strict=True)]
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    here = dist.get_rank(group)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    parts = [model if r == here else _copy([(n, p) for n, p, _ in held], device) for r, held in enumerate(every)]
+    found = {f"rank.{r}.{n}": g.to(device) for r, held in enumerate(every) if r != here for n, _, g in held}
+    found.update({f"rank.{here}.{n}": g for n, g in zip(names, gradients, strict=True)})  # its own, bit for bit
+    return SplitWindow(SplitModel(parts), found, loss_fn, model, len(every))
+
+
+def split_note(ranks: list[int], world: int) -> str:
+    """The words of the check of a model whose ``ranks`` hold other parameters than rank 0."""
+    return (
+        f"rank(s) {ranks} hold other parameters than rank 0 (their names or shapes differ): the model is split across "
+        "the ranks by hand (hand-written tensor or pipeline parallelism), not replicated as under DDP, so it was "
+        f"checked as one model of every rank's parameters (named rank.<r>.<name>) against the sum of the {world} "
+        "ranks' losses, every rank evaluating it together at the same points and moving its own parameters; each "
+        "rank's gradient is taken for the derivative of that sum (what autograd collectives give)"
+    )
+
+
+def replicated_note(world: int) -> str:
+    """The words of a split model's gradient checked against the loss every rank computes alike."""
+    return (
+        f"every rank computes the same loss, and the gradient is not that of the {world} ranks' sum but of that loss "
+        "(one rank's copy): the convention of tensor parallelism written as Megatron's (the forward's all-reduce "
+        "with an identity backward); checked against it"
+    )
