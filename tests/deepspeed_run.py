@@ -256,7 +256,9 @@ def _train(kind: str, stage: int, dtype_name: str) -> dict[str, Any]:
         assert "step" not in engine.optimizer.__dict__
     return {
         "rank": rank,
-        "reports": [_report(r) for r in (watch.reports if watch is not None else [])],
+        # the gradient checks; the update checks (ZeRO-1/2) apart
+        "reports": [_report(r) for r in (watch.reports if watch is not None else []) if r.scope != "update"],
+        "updates": [_report(r) for r in (watch.update_reports if watch is not None else [])],
         "grad_norms": norms,
         **_state(engine),
     }

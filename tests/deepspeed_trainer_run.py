@@ -177,7 +177,9 @@ def _outcome(engine: Any, reports: Any) -> dict[str, Any]:
                 "note_codes": codes(r.notes),
             }
             for r in reports
+            if r.scope != "update"  # the gradient checks; the update checks (ZeRO-1/2) apart
         ],
+        "updates": [(r.step, r.verdict, r.fault_message) for r in reports if r.scope == "update"],
     }
 
 

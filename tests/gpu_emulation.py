@@ -97,9 +97,10 @@ class LimitedDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         new = {}
+        given = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}  # in place, a view: not made here
         for tensor in _tensors(out):
             pointer = tensor.untyped_storage().data_ptr()
-            if pointer and pointer not in self._storages:
+            if pointer and pointer not in self._storages and pointer not in given:
                 new[pointer] = tensor.untyped_storage().nbytes()
         if self.limit is not None and self.alive + sum(new.values()) > self.limit:
             raise torch.OutOfMemoryError(

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import GradientCheckError
 from gradwatch.watch.alerts import GradientCheckWarning, log_traceback
@@ -91,6 +92,8 @@ class Guard:
             "unaffected (said once for this call)"
         )
         log_traceback(message, error)
+        if is_out_of_memory(error):  # what the call held is freed before training's next step needs it
+            release_memory(None, error)
         said = f"{type(error).__name__}: {error}"  # the same error from a function that two sites call: said once
         if site in self._sites or said in self._errors:
             return

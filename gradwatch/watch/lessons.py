@@ -21,9 +21,9 @@ from typing import Any
 from torch import nn
 
 from gradwatch.engine import CheckReport
-from gradwatch.engine.function.memory import backed_off
+from gradwatch.engine.function.memory import backed_off, free_memory
 from gradwatch.engine.probing.search_budget import SearchBudget
-from gradwatch.engine.results.notes import NoteCode
+from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.selection import unmatched_patterns
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.watch.alerts import GradientCheckWarning
@@ -45,6 +45,7 @@ class Lessons:
         self.search_candidates: tuple[str, ...] = ()
         self.search_clock: Callable[[], float] = time.perf_counter  # the searches' clock (a test counts instead)
         self.search_min_seconds = MIN_CULPRIT_SEARCH_SECONDS
+        self.float64 = Float64Backoff()  # the applied checks' float64 probes, after they ran out of memory
         self._set_up_for: int | None = None  # id of the model the ignore patterns were matched to
         self._warned_no_params = False
 
@@ -90,14 +91,22 @@ class Lessons:
         elif report.verdict != "fail":
             self.search_within, self.search_candidates = (), ()
 
+    def learn_applied(self, report: CheckReport) -> None:
+        """What an applied check's report teaches the next one: where its search stopped, and whether its float64
+        probes fit in the device's memory (a check the back-off kept native gets a note saying so)."""
+        self.learn_search(report)
+        if self.float64.learn(report) and report.probes:  # (a postponed check probed in no precision)
+            report.notes.append(Note(NoteCode.MEMORY_NATIVE, self.float64.note()))
+
     def search_state(self) -> dict[str, Any]:
-        """The search's resume point, as a checkpoint carries it (plain lists of names)."""
+        """The search's resume point (plain lists of names) and the float64 back-off, as a checkpoint carries them."""
         return {"culprit_search_within": list(self.search_within),
-                "culprit_search_candidates": list(self.search_candidates)}  # fmt: skip
+                "culprit_search_candidates": list(self.search_candidates), **self.float64.state_dict()}  # fmt: skip
 
     def load_search_state(self, state: dict[str, Any]) -> None:
         self.search_within = tuple(str(name) for name in state.get("culprit_search_within", ()))
         self.search_candidates = tuple(str(name) for name in state.get("culprit_search_candidates", ()))
+        self.float64.load_state_dict(state)
 
     def learn(self, report: CheckReport) -> None:
         """What a recomputed check's report teaches the next check."""
@@ -119,3 +128,62 @@ class Lessons:
         if report.vectorized is False:
             # the loss could not be vectorised: the next checks need not try again
             self.active = dataclasses.replace(self.active, vectorize=False)
+
+
+FLOAT64_RETRY_LIMIT = 64
+"""The most applied checks in a row the float64 back-off keeps native before float64 probes are tried again."""
+
+
+class Float64Backoff:
+    """Whether a watch's next applied check tries float64 probes, after earlier ones ran out of memory (or were
+    estimated not to fit): an applied check that tries float64 and runs out falls back to native probes within
+    itself, but the next one would try again, in vain, every time.
+
+    The rule: after the ``n``-th such check in a row, the next ``2**n`` applied checks (2, 4, 8, ... at most
+    :data:`FLOAT64_RETRY_LIMIT`) probe natively without trying float64; then float64 is tried again, or sooner, once
+    the device's free memory at a check is twice what it was when float64 last ran out (memory another part of the
+    program held was freed). A check whose float64 probes fit ends the back-off.
+    """
+
+    def __init__(self) -> None:
+        self.misses = 0  # applied checks in a row whose float64 probes did not fit
+        self.left = 0  # applied checks left to probe natively
+        self.free_at_miss: int | None = None  # the free memory when float64 last did not fit
+        self._free: int | None = None  # at the check being made
+        self._held = False  # whether the check being made was kept native
+
+    def allows(self, model: nn.Module) -> bool:
+        """Whether the applied check about to run on ``model`` tries float64 probes."""
+        device = next((p.device for p in model.parameters()), None)
+        self._free = free_memory(device) if device is not None else None
+        grown = self._free is not None and self.free_at_miss is not None and self._free >= 2 * self.free_at_miss
+        self._held = self.left > 0 and not grown
+        return not self._held
+
+    def learn(self, report: CheckReport) -> bool:
+        """Count ``report`` (an applied check's); whether it was kept native by the back-off (for its note)."""
+        if self._held:
+            self.left -= 1
+            return True
+        if report.noted(NoteCode.MEMORY_NATIVE) or report.noted(NoteCode.OUT_OF_MEMORY):
+            self.misses += 1
+            self.left, self.free_at_miss = min(2**self.misses, FLOAT64_RETRY_LIMIT), self._free
+        elif report.precision == "float64":
+            self.misses, self.left, self.free_at_miss = 0, 0, None
+        return False
+
+    def note(self) -> str:
+        return (
+            f"probes run natively: float64 probes did not fit in the device's memory at the last {self.misses} "
+            f"applied check(s) that tried them; tried again after {self.left} more, or once the free memory doubles"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied_float64_misses": self.misses, "applied_float64_native_left": self.left,
+                "applied_float64_free_at_miss": self.free_at_miss}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.misses = int(state.get("applied_float64_misses", 0))
+        self.left = int(state.get("applied_float64_native_left", 0))
+        free = state.get("applied_float64_free_at_miss")
+        self.free_at_miss = None if free is None else int(free)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.report import UnrestoredStateWarning
 from gradwatch.outputs.records import Overhead, report_records
@@ -84,6 +85,8 @@ class Outcomes:
                 raise
             self.counts["skipped"] += 1
             self.alerts.check_error(step, error)
+            if is_out_of_memory(error):  # what the check held is freed before training's next step needs it
+                release_memory(None, error)
         return None
 
     def agreed(

@@ -6,10 +6,11 @@ it off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a 
 the verified gradient and the optimizer's state of a few tensors and checks the update once the optimizer stepped,
 from a step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
 ``before_optimizer_step`` was given (``optimizer=``, or the one of ``optimizers=``); without one, the watch hooks the
-next step of any optimizer that updates the verified tensors (torch's global step hooks). A loop whose optimizer's
-step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are one-shot: each
-does nothing after its step and is removed at the watch's next call (removing a hook while torch runs the hooks would
-break a loop with hooks of its own after it).
+next step of any optimizer that updates the verified tensors (torch's global step hooks); for a DeepSpeed ZeRO-1/2
+engine, the torch optimizer its ZeRO optimizer steps once per param group (checked after the last). A loop whose
+optimizer's step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are
+one-shot: each does nothing after its step and is removed at the watch's next call (removing a hook while torch runs
+the hooks would break a loop with hooks of its own after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
 (``max_norm=`` to ``before_optimizer_step``, or the ``after_clipping`` call of the step). Before a step due for a
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from gradwatch.engine import CheckReport
+from gradwatch.engine.distributed.whole import whole
+from gradwatch.engine.distributed.zero import FullGradients
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.update import UpdateSnapshot, check_update, update_tensors
 from gradwatch.engine.update.snapshot import innermost
@@ -54,6 +57,7 @@ class _Pending:
     grads: dict[str, Tensor] = field(default_factory=dict)  # the verified gradients, copied before the loop clips
     _: KW_ONLY
     snapshot: UpdateSnapshot | None = None
+    last: Any = None  # the optimizer's last param group: ZeRO steps its torch optimizer once per group
     handles: list[RemovableHandle] = field(default_factory=list)
     done: bool = False
 
@@ -61,6 +65,13 @@ class _Pending:
 def _stepping(optimizer: Any, optimizers: Sequence[Any]) -> Any:
     """The optimizer about to step: the one named, else the loop's only one, else ``None`` (found by the hooks)."""
     return optimizers[0] if optimizer is None and len(optimizers) == 1 else optimizer
+
+
+def zero_engine(gradients: Any) -> Any:
+    """The DeepSpeed ZeRO-1/2 engine whose :class:`FullGradients` ``gradients`` are, else ``None`` (its parameters are
+    whole on every rank, its optimizer state partitioned: :mod:`gradwatch.engine.distributed.whole` gathers it)."""
+    engine = gradients.engine if isinstance(gradients, FullGradients) else None
+    return engine if engine is not None and engine.zero_optimization_stage() in (1, 2) else None
 
 
 class UpdateChecks:
@@ -90,12 +101,13 @@ class UpdateChecks:
             self.pending = None
 
     def _candidates(
-        self, model: nn.Module, optimizer: Any, updated: Sequence[tuple[str, nn.Parameter]] | None
-    ) -> list[tuple[str, Tensor]]:
+        self, model: nn.Module, optimizer: Any, updated: Sequence[tuple[str, nn.Parameter]] | None,
+        gradients: Mapping[str, Tensor] | None = None,
+    ) -> list[tuple[str, Tensor]]:  # fmt: skip
         named = list(updated) if updated is not None else list(model.named_parameters())
         names = {name for name, _ in checked_parameters(model, self._lessons.active.ignore)}
         named = [(name, p) for name, p in named if name in names]
-        return update_tensors(optimizer, named, rotation=self._checks)
+        return update_tensors(optimizer, named, rotation=self._checks, graded=gradients)
 
     def keep_previous(
         self, model: nn.Module, step: int, optimizer: Any, optimizers: Sequence[Any],
@@ -105,7 +117,7 @@ class UpdateChecks:
         optimizer = _stepping(optimizer, optimizers)
         with torch.no_grad():
             candidates = self._candidates(model, optimizer, updated)
-            grads = {n: p.grad.detach().clone() for n, p in candidates if p.grad is not None}
+            grads = {n: whole(p.grad).detach().clone() for n, p in candidates if p.grad is not None}
         self._previous = (step, grads)
 
     def prepare(
@@ -118,22 +130,35 @@ class UpdateChecks:
         *,
         norm: float,
         max_norm: float | None,
+        engine: Any = None,
+        gradients: Mapping[str, Tensor] | None = None,
     ) -> None:
-        """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step."""
+        """An applied check verified step ``step``'s gradient: keep what the update check needs and hook the step
+        (``engine``: a ZeRO-1/2 engine, whose ZeRO optimizer steps, and clips by its ``gradient_clipping``, the whole
+        verified ``gradients`` it keeps in its partitions)."""
         self.release(step + 1)
         optimizer = _stepping(optimizer, optimizers)
+        if engine is not None:
+            optimizer, max_norm = engine.optimizer, max_norm or engine.gradient_clipping() or None
+        else:
+            gradients = None
         previous = self._previous[1] if self._previous and self._previous[0] == step - 1 else {}
-        named = self._candidates(model, optimizer, updated)
+        self._previous = None  # not held longer than it is needed (a GPU's memory)
+        named = self._candidates(model, optimizer if gradients is None else None, updated, gradients)
         if not named:
             return
         with torch.no_grad():  # copied now: the loop clips .grad in place before the step
-            grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+            grads = (
+                {name: whole(p.grad).detach().clone() for name, p in named if p.grad is not None}
+                if gradients is None
+                else {name: gradients[name].detach().clone() for name, _ in named}
+            )
         pending = _Pending(step, named, norm, max_norm if max_norm is not None else self._declared.get(step),
                            previous, grads)  # fmt: skip
         self.pending = pending
         if optimizer is not None:
             inner = innermost(optimizer)
-            pending.snapshot = self._snapshot(pending, inner)
+            pending.snapshot, pending.last = self._snapshot(pending, optimizer), inner.param_groups[-1]
             pending.handles.append(inner.register_step_post_hook(self._hook(pending)))
             return
 
@@ -158,8 +183,9 @@ class UpdateChecks:
 
     def _hook(self, pending: _Pending) -> Callable[..., None]:
         def after(stepping: Any, *_: Any) -> None:
-            snapshot = pending.snapshot
-            if not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer:
+            snapshot, groups = pending.snapshot, stepping.param_groups
+            if (not pending.done and snapshot is not None and innermost(stepping) is snapshot.optimizer
+                    and (pending.last is None or groups[-1] is pending.last)):  # fmt: skip
                 with self._outcomes.guard("the update check's step post-hook"):  # never ends the optimizer's step
                     self._run(pending)
 
@@ -171,7 +197,8 @@ class UpdateChecks:
         if snapshot is None:
             return None
         snapshot = snapshot.with_clip(self._declared.get(pending.step) if snapshot.max_norm is None else None)
-        given = {kept.name: kept.param.grad for kept in snapshot.kept}
+        # a ZeRO parameter's .grad is not what its optimizer steps with (the partitions are)
+        given = {k.name: None if hasattr(k.param, "_hp_mapping") else whole(k.param.grad) for k in snapshot.kept}
         started = time.perf_counter()
         report = self._outcomes.guarded(pending.step, lambda: check_update(snapshot, step=pending.step, given=given),
                                         [])  # fmt: skip

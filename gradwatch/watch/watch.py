@@ -49,7 +49,7 @@ from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
 from gradwatch.watch.rewind import Earlier, rewound
-from gradwatch.watch.updates import UpdateChecks
+from gradwatch.watch.updates import UpdateChecks, zero_engine
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +233,7 @@ class GradientWatch:
 
     @property
     def counts(self) -> dict[str, int]:
-        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (kept on
-        resume)."""
+        """Checks run, failed, skipped, postponed (over budget), applied and update checks run and failed (resumed)."""
         return {**self._outcomes.counts, "postponed": self._recomputed.postponed}
 
     @property
@@ -753,6 +752,7 @@ class GradientWatch:
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
             search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **training.arguments(),
+            float64_probes=self._lessons.float64.allows(model),  # not tried again in vain once it ran out of memory
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
         local = group is None and not is_sharded(list(model.named_parameters()))
@@ -767,19 +767,19 @@ class GradientWatch:
         if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
             self._applied.owe()
         self._findings.found(optimizer, step, report.fault)
-        self._lessons.learn_search(report)
+        self._lessons.learn_applied(report)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
         # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
         with self.guarded("the clip check's norms of the verified gradient"):
             held = _gradients(model, updated) if own else list((gradients or {}).values())
             self._findings.verified = Verified(step, GradientNorms.of(held), own)
-        # an engine's own gradients (DeepSpeed's partitions) and a scaled gradient (a float16 grad scaler, which
-        # unscales it after this call) are not what the optimizer steps with: their update is not checked here
-        if own and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
+        # not checked: the update of gradients an engine keeps elsewhere (but ZeRO-1/2's) or still scaled (float16)
+        engine = zero_engine(gradients)
+        if (own or engine) and loss_scale == 1.0 and self.check_update and self._findings.verified is not None:
             with self.guarded("the update check's copies before the step"):
-                norm = self._findings.verified.norms.total
-                self._updates.prepare(model, step, optimizer, optimizers, updated, norm=norm, max_norm=max_norm)
+                self._updates.prepare(model, step, optimizer, optimizers, updated, max_norm=max_norm, engine=engine,
+                                      norm=self._findings.verified.norms.total, gradients=gradients)  # fmt: skip
         return report
 
     def _readable(self, model: nn.Module, gradients: Mapping[str, torch.Tensor] | None) -> bool:

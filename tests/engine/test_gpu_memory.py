@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradwatch import check_gradients
+from gradwatch import CheckReport, check_applied_gradient, check_gradients
 from gradwatch.engine.function import memory
 from gradwatch.engine.results.notes import NoteCode
 from tests.gpu_emulation import Float64MemoryLimit, LimitedDevice, SlowFloat64
@@ -86,7 +86,7 @@ def test_the_cpu_allocators_error_is_an_out_of_memory_error_too():
 
 def test_float64_that_would_not_fit_in_the_free_memory_is_not_tried():
     model = _model()
-    previous = memory.set_free_memory_probe(lambda device: 4096)  # bytes: less than a float64 copy of the model
+    previous = memory.set_free_memory_probe(lambda device: 18000)  # bytes: the native check fits, float64 not
     try:
         with Float64MemoryLimit(above=1 << 62) as counting:
             report = check_gradients(model, _batch(), _loss, probe_batch_size=4)
@@ -96,7 +96,7 @@ def test_float64_that_would_not_fit_in_the_free_memory_is_not_tried():
     assert report.precision == "native"
     (note,) = [n for n in report.notes if n.code == NoteCode.MEMORY_NATIVE]
     assert "float64 probes need about" in note
-    assert "0.0 MiB free on the device" in note
+    assert "17.6 KiB free on the device" in note
     assert counting.largest < max(p.numel() for p in model.parameters())  # no float64 copy of a weight made
 
 
@@ -161,3 +161,64 @@ def test_a_device_with_little_more_than_the_steps_peak_free_and_slow_float64():
     assert all(r.verdict == "ok" or r.notes for r in reports)
     assert sum(r.verdict == "ok" for r in reports) >= 2, [r.summary() for r in reports]
     assert all(r.precision == "native" for r in reports)  # float64 fits in neither the memory nor the time
+
+
+def test_a_probe_batch_that_would_not_fit_is_shrunk_before_the_check_or_the_check_postponed():
+    model = _model()
+    _loss(model, _batch()).backward()
+    before = _state(model)
+    check_gradients(model, _batch(), _loss, probe_batch_size=4)  # measures the model's activations per sample
+    per_sample = memory._PER_SAMPLE[model]
+    assert 0 < per_sample < 4 * (24 + 48 + 48 + 6 + 6)  # float32 activations of a sample, not the weights' views
+    fixed = 2 * 4 * sum(p.numel() for p in model.parameters())  # the copy of the parameters and their gradient
+    for free, samples in [((fixed + 1.5 * per_sample) / memory.HEADROOM, 1), (0.9 * fixed / memory.HEADROOM, 0)]:
+        previous = memory.set_free_memory_probe(lambda device, free=free: int(free))
+        try:
+            with Float64MemoryLimit(above=1 << 62) as counting:
+                report = check_gradients(model, _batch(), _loss, probe_batch_size=4)
+        finally:
+            memory.set_free_memory_probe(previous)
+        assert all(torch.equal(a, b) for a, b in zip(before, _state(model), strict=True))
+        if samples:
+            assert report.verdict == "ok", report.summary()
+            assert report.samples == 1
+            assert report.noted(NoteCode.MEMORY_SHRUNK)
+        else:  # not even one sample fits: postponed before anything is allocated
+            assert report.verdict == "inconclusive"
+            assert report.noted(NoteCode.MEMORY_POSTPONED)
+            assert counting.made == 0
+            assert not report.probes
+
+
+def _applied(model: nn.Module) -> CheckReport:
+    return check_applied_gradient(model, [_batch()], _loss)
+
+
+def _applied_float64_allocations() -> int:
+    model = _model()
+    _loss(model, _batch()).backward()
+    with Float64MemoryLimit(at=None, above=1 << 62) as counting:
+        _applied(model)
+    return counting.made
+
+
+APPLIED_ALLOCATIONS = _applied_float64_allocations()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
+def test_out_of_memory_at_any_phase_of_an_applied_check_leaves_the_model_exactly_and_the_next_check_runs(
+    fraction: float,
+):
+    model = _model()
+    _loss(model, _batch()).backward()
+    before = _state(model)
+    grads = [p.grad for p in model.parameters()]
+    with Float64MemoryLimit(at=1 + int(fraction * (APPLIED_ALLOCATIONS - 1))) as limit:
+        report = _applied(model)
+    assert limit.raised == 1
+    assert report.verdict != "fail", report.summary()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model), strict=True))
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))  # the very tensors
+    if report.verdict == "inconclusive":
+        assert report.noted(NoteCode.OUT_OF_MEMORY) or report.noted(NoteCode.MEMORY_NATIVE), report.notes
+    assert _applied(model).verdict == "ok"

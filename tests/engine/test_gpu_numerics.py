@@ -361,7 +361,9 @@ def test_pure_bf16_with_a_bf16_only_kernel_thirty_healthy_checks_and_bit_identic
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
     tally = _tally(watch)
     assert (tally[("recomputed", "fail")], tally[("applied", "fail")]) == (0, 0), tally
-    assert tally[("applied", "inconclusive")] <= 30 * 0.2, tally
+    # at most 20% of each kind inconclusive: the recomputed check's bf16 probes along directions step 2x longer
+    # (SIXTEEN_BIT_DIRECTION_STEP), where 13 of 30 had ended inconclusive, their round-off 1.5% of the slope
+    assert max(tally[("applied", "inconclusive")], tally[("recomputed", "inconclusive")]) <= 30 * 0.2, tally
     assert all(p.verdict == "ok" for r in watch.recomputed_reports for p in _kernel_probes(r))
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradwatch.engine.numerics.steps import finer_step, relative_step, relative_tolerance
+from gradwatch.engine.numerics.steps import SIXTEEN_BIT_DIRECTION_STEP, finer_step, relative_step, relative_tolerance
 
 
 def test_tolerances_and_steps_follow_the_dtype() -> None:
@@ -15,6 +15,17 @@ def test_tolerances_and_steps_follow_the_dtype() -> None:
     assert relative_step(torch.float32) == pytest.approx(torch.finfo(torch.float32).eps ** 0.2)
     assert relative_step(torch.float64) < relative_step(torch.float32)
     assert relative_step(torch.float64, torch.float64) == relative_step(torch.float64)
+
+
+def test_sixteen_bit_probes_along_a_direction_step_longer_than_at_a_coordinate() -> None:
+    # a direction over n coordinates moves each by ~1/√n of the step: in 16 bits its round-off is what limits it
+    for dtype in (torch.bfloat16, torch.float16):
+        at_a_coordinate = torch.finfo(dtype).eps ** 0.2
+        assert relative_step(dtype) == pytest.approx(at_a_coordinate)
+        assert relative_step(dtype, direction=True) == pytest.approx(SIXTEEN_BIT_DIRECTION_STEP * at_a_coordinate)
+    for dtype in (torch.float32, torch.float64):  # their round-off leaves the Richardson optimum as it is
+        assert relative_step(dtype, direction=True) == relative_step(dtype)
+    assert relative_step(torch.float64, torch.bfloat16, direction=True) == relative_step(torch.float64, torch.bfloat16)
 
 
 def test_float64_probes_of_a_float32_gradient_take_the_screens_optimal_step() -> None:

@@ -79,7 +79,7 @@ def test_memory_budget_splits_the_points_over_more_passes_or_leaves_them_one_by_
     assert split.n_forward == whole.n_forward
     assert split.n_passes > whole.n_passes
     _same_measurements(split, whole)
-    monkeypatch.setattr(points_module, "memory_budget", lambda params: 30_000)  # too little for a pass of 4 points
+    monkeypatch.setattr(points_module, "memory_budget", lambda params: 10_000)  # too little for a pass of 4 points
     none = _check(model, vectorize=True)
     assert none.vectorized is None
     assert none.n_passes == none.n_forward

@@ -65,6 +65,9 @@ def test_healthy_zero_runs_pass_every_check_and_train_as_without(
             assert watched[key] == baseline[key], key
         gathered = ["zero3-gathered" in r["note_codes"] for r in watched["reports"]]
         assert gathered == [stage == 3] * len(gathered)
+        # ZeRO-1/2: the update of each verified gradient checked too (clipped at 0.5), from the fp32 master weights
+        updates = [(r["step"], r["verdict"]) for r in watched["updates"]]
+        assert updates == ([] if stage == 3 else [(1, "ok"), (2, "ok"), (3, "ok")])
     assert [r["floor_excess"] for r in checked[0]["reports"]] == [r["floor_excess"] for r in checked[1]["reports"]]
 
 

@@ -80,6 +80,9 @@ def test_healthy_trainer_fits_pass_every_check_and_train_as_without(
         ]  # fmt: skip
         assert _clip_checks(watched) == [(1, "ok")]
         assert all(("zero3-gathered" in r["note_codes"]) == (stage == 3) for r in _checks(watched))
+        # ZeRO-1/2: each verified gradient's update checked too, never failing
+        assert all(verdict != "fail" for _, verdict, _ in watched["updates"]), watched["updates"]
+        assert bool(watched["updates"]) == (stage != 3)
         for key in ("params", "master", "optimizer"):
             assert watched[key] == plain[key], key
 

@@ -263,4 +263,6 @@ def test_the_state_keeps_the_keys_of_gradwatch_checkpoints() -> None:
         "update_checks", "update_failed",
         # where a failing check's culprit search stopped at its cap, for the next to go on (read with defaults)
         "culprit_search_within", "culprit_search_candidates",
+        # the applied checks' float64 back-off after running out of memory (gradwatch.watch.lessons, read with defaults)
+        "applied_float64_misses", "applied_float64_native_left", "applied_float64_free_at_miss",
     }  # fmt: skip

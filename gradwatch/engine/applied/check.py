@@ -44,8 +44,9 @@ from gradwatch.engine.applied.window import (
     ranks_with_other_parameters,
 )
 from gradwatch.engine.distributed.whole import on_whole_parameters
+from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.memory import surviving_out_of_memory
+from gradwatch.engine.function.memory import affordable_samples, surviving_out_of_memory
 from gradwatch.engine.numerics.steps import most_precise
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.compiled import compiled_parts
@@ -83,6 +84,7 @@ def check_applied_gradient(
     join: Join | None = None,
     window_normalised: bool | Callable[[], bool] = False,
     search_budget: SearchBudget | None = None,
+    float64_probes: bool = True,
     **options: Unpack[ProbeOptions],
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
@@ -143,6 +145,8 @@ def check_applied_gradient(
         search_budget: A cap on the culprit search of a formula fault (the recomputed check of the first micro-batch
             and its search, both within it), and where an earlier search left off, as
             :func:`~gradwatch.check_gradients` takes it; ``None``: no cap.
+        float64_probes: ``False``: probe natively (with float64 reductions) without trying float64 first, as a watch
+            does for a while after float64 probes ran out of memory (:class:`~gradwatch.watch.lessons.Lessons`).
         **options: The probe options one by one (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``): the
             fields of :class:`~gradwatch.engine.settings.ProbeSettings`; the others concern the recomputed check alone
             and are not used.
@@ -163,18 +167,24 @@ def check_applied_gradient(
         text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
                               notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
-    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look)
-    refused = _refused(setting, plan, shards, culprit_search=culprit_search)
-    if refused is not None:
-        return refused
+    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look,
+                               float64=float64_probes)  # fmt: skip
+    postponed = _postponed(setting)
+    if postponed is not None:
+        return postponed
     equivalence, said = None, list[Note]()
-    with surviving_out_of_memory(None, setting.params[0].device) as ran_out, session.measuring():
-        outcome = measure_window(setting, plan)
-        if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
-            equivalence, said = compare_accumulation(setting, plan.names, join=join,
-                                                     window_normalised=window_normalised)  # fmt: skip
+    with surviving_out_of_memory(None, setting.params[0].device) as ran_out:
+        refused = _refused(setting, plan, shards, culprit_search=culprit_search)  # its finite test may run out too
+        if refused is None:
+            with session.measuring():
+                outcome = measure_window(setting, plan)
+                if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
+                    equivalence, said = compare_accumulation(setting, plan.names, join=join,
+                                                             window_normalised=window_normalised)  # fmt: skip
     if ran_out:  # the state is back and what the check allocated freed: the run goes on
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
+    if refused is not None:
+        return refused
     outcome.evaluator.notes.extend(said)
     if outcome.attribution is not None and outcome.attribution.search_culprit and not isinstance(model, SplitModel):
         outcome = _searched(setting, outcome, culprit_search=culprit_search)  # a split model's: one rank's loss alone
@@ -274,6 +284,22 @@ def _refused(
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
 
 
+def _postponed(setting: PathSetting) -> CheckReport | None:
+    """The report of a check whose window would not fit in the device's free memory, by the estimate of
+    :func:`~gradwatch.engine.function.memory.affordable_samples` (a window cannot shrink); ``None``: it fits, or
+    the memory or the model's activations are unknown, or ranks in lockstep would decide apart."""
+    session = setting.session
+    window = sum(batch_size(b) or 0 for b in setting.batches)
+    if session.collective is not None or setting.group is not None or not window:
+        return None
+    samples, why = affordable_samples(session.model, setting.params, window, window)
+    if samples:
+        return None
+    text = f"no probe made: the window would not fit in the device's free memory ({why}); the next check tries again"
+    return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                          notes=[Note(NoteCode.MEMORY_POSTPONED, text)])  # fmt: skip
+
+
 def _split_check(
     setting: PathSetting, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
 ) -> CheckReport:
@@ -334,12 +360,11 @@ def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equival
     calibrated (the floor along the descent probe, the largest excess) and the one-batch comparison."""
     evaluator, attribution = outcome.evaluator, outcome.attribution
     descent = next((m for m in outcome.measured if m.probe.kind == ProbeKind.DESCENT), None)
-    native = any(note.code == NoteCode.APPLIED_NATIVE for note in evaluator.notes)  # float64 reductions only
     return session.report(
         **outcome.report_fields(),
         n_backward=outcome.backward + (equivalence.backward if equivalence is not None else 0),
         n_passes=evaluator.n_forward,
-        precision="float64" if evaluator.value_dtype == torch.float64 and not native else "native",
+        precision=evaluator.probed_in,  # what the probes computed in (float64 reductions alone are native)
         scope="applied",
         fault=attribution.fault if attribution is not None else None,
         fault_message=attribution.message if attribution is not None else "",

@@ -24,9 +24,12 @@ from gradwatch.engine.applied.reduced_float32 import tf32_floors
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors
 from gradwatch.engine.applied.window import unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
+from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
+from gradwatch.engine.function.memory import learn_activations
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
+from gradwatch.engine.results.kinds import Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 
 
@@ -78,6 +81,9 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     evaluator.group = setting.group
     path = _Path(setting, plan)
     reference = _reference(path, evaluator)
+    itemsize = max((p.element_size() for p in setting.params), default=4)
+    window = sum(batch_size(b) or 0 for b in setting.batches)
+    learn_activations(setting.model, evaluator.saved_elements * itemsize, window)  # the next check's peak
     if _not_the_trained_function(setting, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
     params = setting.params
@@ -122,7 +128,7 @@ def _crossing(measured: Measured) -> Measured:
     path's rounding (the next check probes its tensor again)."""
     if measured.probe.verdict != "fail":
         return measured
-    undecided = dataclasses.replace(measured.probe, verdict="inconclusive", reason="tie")
+    undecided = dataclasses.replace(measured.probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.TIE)
     return dataclasses.replace(measured, probe=undecided)
 
 

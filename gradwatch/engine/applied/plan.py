@@ -29,6 +29,8 @@ class AppliedPlan:
             (:func:`~.measured.off_eager`).
         closer_look: ``False``: the check stops after its combined probes when they all agree, leaving the float64
             floor, groups and tensor probes to a later check (a watch's first applied check: :mod:`.closer_look`).
+        float64: ``False``: the probes run natively (float64 reductions) without trying float64 first (a watch whose
+            earlier applied check's float64 probes ran out of memory: :class:`~gradwatch.watch.lessons.Lessons`).
     """
 
     names: list[str]
@@ -40,6 +42,7 @@ class AppliedPlan:
     rotation: int
     eager: list[Tensor] | None = None
     closer_look: bool = True
+    float64: bool = True
 
     @cached_property
     def applied_norms(self) -> list[float]:

@@ -41,9 +41,11 @@ from gradwatch.engine.function.precision import (
     AUTO_FLOAT64_ELEMENTS,
     exact_source,
     float64_storage,
+    float64_unaffordable,
     resolve_precision,
     substitute_of,
 )
+from gradwatch.engine.function.values import first_line
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.recomputed.faithfulness import FINE_AGREEMENT, FINE_CHANGE
 from gradwatch.engine.results.kinds import ProbeKind
@@ -90,10 +92,18 @@ def measure(
     elements = sum(p.numel() for _, p in named)
     probing = _Pass(plan, floors, loss, screens if screens is not None else {}, provisional, rounding)
     with exact_conditions():
-        float64 = resolve_precision("auto", plan.native, elements) == "float64"
+        wanted = resolve_precision("auto", plan.native, elements) == "float64"
+        unaffordable = float64_unaffordable(evaluator.model, evaluator) if wanted and plan.float64 else ""
+        # the ranks of a group evaluate alike, or their collectives stop matching
+        group = getattr(evaluator, "group", None)
+        float64 = wanted and not _on_every_rank(not plan.float64 or bool(unaffordable), group)
+        evaluator.probed_in = "native"
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
             evaluator.notes.append(Note(NoteCode.SHARDED_NATIVE, text))
+        elif wanted and not float64:  # not tried: estimated before, or an earlier check's lesson (the watch says it)
+            text = unaffordable or ("" if not plan.float64 else "another rank of the check cannot afford float64")
+            evaluator.notes += [Note(NoteCode.MEMORY_NATIVE, f"probes run natively: {text}")] if text else []
         elif float64 and "quantised" not in probing.screens:  # (a second pass over a quantised float64 loss)
             try:
                 with float64_storage(evaluator.model, _moved(evaluator.model, named)) as substitutes:
@@ -102,6 +112,7 @@ def measure(
                     found = _probes_at(evaluator, probing, torch.float64)
                     quantised = _quantised(evaluator, found, plan.applied, loss)
                     if quantised is None:
+                        evaluator.probed_in = "float64"
                         return found
                     evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, f"probes run natively: {quantised}"))
                     probing.screens["quantised"] = quantised
@@ -110,15 +121,27 @@ def measure(
                 if passes_fallbacks(error) and not out_of_memory:
                     raise
                 if out_of_memory:
-                    release_memory(named[0][1].device if named else None)
-                    text = "probes run natively: float64 probes ran out of memory"
+                    release_memory(named[0][1].device if named else None, error)
+                    text = f"probes run natively: float64 ran out of memory ({first_line(error)})"
+                    note = Note(NoteCode.MEMORY_NATIVE, text)
                 else:
                     text = f"probes run natively: the loss raised {type(error).__name__} in float64"
-                evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, text))
+                    note = Note(NoteCode.APPLIED_NATIVE, text)
+                evaluator.notes.append(note)
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
         return _probes_at(evaluator, probing, plan.native)
+
+
+def _on_every_rank(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` is true on any rank of the DDP ``group`` (``flag`` itself without one): a decision on one
+    rank's free memory or lessons taken by all."""
+    if group is None:
+        return flag
+    agreed = torch.tensor([float(flag)], dtype=torch.float64)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(agreed.item())
 
 
 FLOAT64_NOISE = 1e-6

@@ -5,6 +5,9 @@ ZeRO (:mod:`.zero`) and tensor parallelism (:mod:`.tensor_parallel`), run on the
 :func:`~gradwatch.check_applied_gradient`): its model argument unwrapped, made whole for the duration, the applied
 gradients given made whole and keyed by the checked module's names, and the process group of an applied check
 defaulting to the one the library averages (ZeRO) or replicates (tensor parallelism) over.
+
+For the update check, :func:`whole` and :func:`whole_value` gather one tensor whole (an FSDP2 ``DTensor``'s shards, a
+ZeRO-1/2 parameter's fp32 master partitions) and :func:`shares` says which elements of it each rank updates.
 """
 
 from __future__ import annotations
@@ -16,14 +19,59 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
+import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from gradwatch.engine.distributed import tensor_parallel, zero
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport
 
 Options = ParamSpec("Options")
+
+
+def whole(tensor: Any) -> Any:
+    """A ``DTensor``'s whole value (its shards gathered: a collective), anything else (a tensor, ``None``) itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") and hasattr(tensor, "placements") else tensor
+
+
+def whole_value(param: Tensor) -> Tensor:
+    """The whole tensor the optimizer updates for ``param``: a ZeRO-1/2 parameter's fp32 master (DeepSpeed's
+    ``get_full_hp_param``: the ranks' partitions gathered), a ``DTensor``'s shards gathered, else ``param``. A
+    collective for either: every rank calls it together."""
+    if hasattr(param, "_hp_mapping") and hasattr(param, "get_full_hp_param"):
+        return param.get_full_hp_param()  # type: ignore[no-any-return]
+    return whole(param)  # type: ignore[no-any-return]
+
+
+def whole_state(param: Tensor, flat: Tensor) -> Tensor:
+    """``param``'s whole tensor of a ZeRO-1/2 optimizer state entry ``flat`` (a tensor over the rank's flat fp32
+    partition): each rank's fragment of it gathered, as DeepSpeed's ``get_full_hp_param`` gathers the state once it has
+    linked it (after the first step). A collective: every rank calls it together."""
+    gathered = torch.zeros(param.numel(), dtype=flat.dtype)
+    mapping = param._hp_mapping  # type: ignore[attr-defined]
+    if mapping is not None:
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        gathered.narrow(0, lp.start, lp.numel).copy_(flat.detach().reshape(-1).narrow(0, hp.start, hp.numel))
+    dist.all_reduce(gathered, group=param._dp_group)  # type: ignore[attr-defined]
+    return gathered.reshape(param.shape)
+
+
+def shares(param: Tensor) -> tuple[tuple[int, int], ...]:
+    """By rank, ``(start, count)``: the elements of the flattened ``param`` whose update that rank makes (FSDP2's rows
+    of a ``Shard(0)`` DTensor, the ranges ZeRO partitions it into); ``()`` for a parameter every rank updates whole.
+    Under ZeRO a collective: every rank calls it together."""
+    if hasattr(param, "placements") and [repr(x) for x in param.placements] == ["Shard(dim=0)"] and param.dim():
+        world, rows = param.device_mesh.size(), param.shape[0]  # type: ignore[attr-defined]
+        chunk, row = -(-rows // world), param.numel() // max(rows, 1)  # rows split as torch.chunk splits them
+        return tuple((min(r * chunk, rows) * row, max(0, min(chunk, rows - r * chunk)) * row) for r in range(world))
+    owned, group = zero.owned_range(param), getattr(param, "_dp_group", None)
+    if owned is None or not dist.is_initialized():
+        return ()
+    ranges = torch.zeros(dist.get_world_size(group), 2, dtype=torch.float64)
+    ranges[dist.get_rank(group)] = torch.tensor(owned, dtype=torch.float64)
+    dist.all_reduce(ranges, group=group)
+    return tuple((int(start), int(count)) for start, count in ranges.tolist())
 
 
 def on_whole_parameters(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:

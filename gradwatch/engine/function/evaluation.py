@@ -115,6 +115,7 @@ class LossEvaluator:
         """The class of the module whose forward raised in the float64 trial (a kernel refusing float64), if any."""
         self.value_dtype = torch.float32
         """The dtype of the last loss value (float64 when the float64 reductions reached the final loss)."""
+        self.probed_in = "native"  # an applied check's probes: "float64" on float64 storage (not float64 reductions)
 
     def _reset_inputs(self) -> None:
         """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
@@ -130,8 +131,7 @@ class LossEvaluator:
 
     @contextlib.contextmanager
     def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
-        """One forward pass that evaluates the loss at ``points`` points (one, if it raises), with the random state
-        replayed."""
+        """One forward pass evaluating the loss at ``points`` points (one, if it raises), the random state replayed."""
         self.state.before_evaluation()
         self.n_passes += 1
         self.n_forward += 1
@@ -233,8 +233,7 @@ class LossEvaluator:
 
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
         """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
-        ``created()`` after the forward: zero leaves that hooks add to activations), computed as the reference is.
-        A tensor the loss does not depend on gets ``None``."""
+        ``created()`` after the forward: zero leaves hooks add to activations; ``None`` for one the loss ignores)."""
         self._reset_inputs()
         completed = False
         try:
@@ -256,7 +255,8 @@ class LossEvaluator:
         return float(loss.detach()), [None if g is None else dense(g) for g in grads]
 
     def _count_saved(self, tensor: Tensor) -> Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):  # parameters and inputs are not activations
+        base = tensor._base if tensor._base is not None else tensor  # parameters, their views (W.T) and inputs are
+        if not (base.is_leaf and base.requires_grad):  # not activations
             self.saved_elements += tensor.numel()
         return tensor
 
@@ -396,6 +396,5 @@ class LossEvaluator:
         return self._grad_mode_evaluations
 
     def use_grad_mode(self) -> None:
-        """Evaluate with autograd recording from now on (for models whose kernels or random draws differ between
-        ``torch.no_grad()`` and grad mode)."""
+        """Evaluate with autograd recording from now on (kernels or random draws that differ in ``no_grad``)."""
         self._grad_mode_evaluations = True

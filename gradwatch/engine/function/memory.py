@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
+import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import CheckOutOfMemoryError
@@ -29,11 +32,13 @@ from gradwatch.errors import CheckOutOfMemoryError
 __all__ = [
     "CheckOutOfMemoryError",
     "MemoryEstimate",
+    "affordable_samples",
     "backed_off",
     "check_peak",
     "ending_check_when_out_of_memory",
     "free_memory",
     "is_out_of_memory",
+    "learn_activations",
     "release_memory",
     "set_free_memory_probe",
     "surviving_out_of_memory",
@@ -49,6 +54,9 @@ FreeMemoryProbe = Callable[[torch.device], "int | None"]
 """A function giving the bytes free on a device (``None``: unknown)."""
 
 _probe: FreeMemoryProbe | None = None
+
+_PER_SAMPLE: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+"""The bytes of activations per sample a reference pass of each model saved for its backward, as last measured."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -90,8 +98,7 @@ def surviving_out_of_memory(precision: str | None, device: torch.device | None) 
         probes = f" with {precision} probes" if precision else ""
         text = f"the check ran out of memory{probes} ({problem.splitlines()[0]}); the training state "
         ran_out.append(Note(NoteCode.OUT_OF_MEMORY, text + "is put back and the next check of a run is made cheaper"))
-    if ran_out:
-        release_memory(device)
+        release_memory(device, error)
 
 
 def set_free_memory_probe(probe: FreeMemoryProbe | None) -> FreeMemoryProbe | None:
@@ -124,11 +131,16 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-def release_memory(device: torch.device | None) -> None:
+def release_memory(device: torch.device | None, error: BaseException | None = None) -> None:
     """Free what a check that ran out of memory left allocated: its tensors (once unreferenced) and the caching
-    allocator's blocks they held, so that training's next step finds the memory it had."""
+    allocator's blocks they held, so that training's next step finds the memory it had. The frames of ``error``'s
+    traceback (and of the errors it was raised from) are cleared first: they hold the check's tensors, which would
+    otherwise wait for the garbage collector's next pass while training's next step runs out of memory."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+    if (device is None or device.type == "cuda") and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -189,5 +201,36 @@ def backed_off(
     return {}
 
 
+def learn_activations(model: nn.Module, saved_bytes: int, samples: int | None) -> None:
+    """Remember what a reference pass of ``model`` on ``samples`` samples saved for its backward (``saved_bytes``),
+    from which a later check of it estimates its peak before starting (:func:`affordable_samples`)."""
+    if samples:
+        _PER_SAMPLE[model] = saved_bytes / samples
+
+
+def affordable_samples(model: nn.Module, params: Sequence[Tensor], wanted: int, fewest: int) -> tuple[int, str]:
+    """The most samples, up to ``wanted``, a check of ``model`` can evaluate at once within :data:`HEADROOM` of the
+    device's free memory, and why fewer (``""``: all of them fit, or the free memory is unknown).
+
+    A check holds a copy of the parameters it probes (to put them back exactly) and their reference gradient besides
+    the activations of its evaluation, estimated per sample from the model's last reference pass (before the first,
+    the copies alone are counted). 0 when fewer than ``fewest`` fit (the check is postponed): 1 for a recomputed
+    check, the whole window for an applied one, whose window cannot shrink."""
+    per_sample = _PER_SAMPLE.get(model, 0.0)  # unknown before the model's first reference: the copies alone
+    device = next((p.device for p in params), None)
+    free = free_memory(device) if device is not None else None
+    if free is None or wanted <= 0:
+        return wanted, ""
+    fixed = 2 * sum(p.numel() * p.element_size() for p in params)
+    fits = max(math.floor((HEADROOM * free - fixed) / max(per_sample, 1.0)), 0)
+    if fits >= wanted:
+        return wanted, ""
+    fits = 0 if fits < fewest else fits
+    need = fixed + per_sample * (wanted if fits == 0 else fits)
+    return fits, f"{_mib(int(need))} estimated for {wanted if fits == 0 else fits} sample(s), {_mib(free)} free"
+
+
 def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+    """``size`` bytes in the unit that shows them (KiB, MiB or GiB)."""
+    unit = next((u for u in (3, 2) if size >= 2 ** (10 * u)), 1)
+    return f"{size / 2 ** (10 * unit):.1f} {('KiB', 'MiB', 'GiB')[unit - 1]}"

@@ -168,7 +168,7 @@ def probe_precision(
         yield "native", math.nan
         return
     native_params = evaluator.params
-    code, problem = _unaffordable(model, evaluator)
+    code, problem = NoteCode.MEMORY_NATIVE, float64_unaffordable(model, evaluator)
     device, priced = _device_of(model), math.isfinite(step_seconds)
     if priced and not problem and _TOO_SLOW.get(model, ("", ""))[0] == str(device):  # once per model and device
         code, problem = NoteCode.FLOAT64_TOO_SLOW, _TOO_SLOW[model][1]
@@ -251,19 +251,17 @@ _TOO_SLOW: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakK
 checks are not timed again (a float64 trial on such a device costs more than the rest of a check)."""
 
 
-def _unaffordable(model: nn.Module, evaluator: LossEvaluator) -> tuple[NoteCode, str]:
+def float64_unaffordable(model: nn.Module, evaluator: LossEvaluator) -> str:
     """Why float64 probes would not fit in the device's free memory (``""``: they would), by the estimate of
     :func:`~gradwatch.engine.function.memory.check_peak`."""
     params = [p for _, p in evaluator.params]
     if not params:
-        return NoteCode.NATIVE_PRECISION, ""
+        return ""
     estimate = check_peak(
         params, list(model.buffers()), list(evaluator.inputs.values()), evaluator.saved_elements,
         params[0].element_size(), params[0].device,
     )  # fmt: skip
-    if estimate.fits("float64"):
-        return NoteCode.NATIVE_PRECISION, ""
-    return NoteCode.MEMORY_NATIVE, estimate.describe("float64")
+    return "" if estimate.fits("float64") else estimate.describe("float64")
 
 
 def _timed(evaluate: Callable[[], float]) -> tuple[float, float]:

@@ -83,7 +83,16 @@ def gradient_tolerance(rtol: float, loss: float, dtype: torch.dtype) -> float:
     return max(rtol, ANALYTIC_ROUNDING * machine_epsilon(dtype) / abs(loss))
 
 
-def relative_step(dtype: torch.dtype, gradient_dtype: torch.dtype | None = None) -> float:
+SIXTEEN_BIT_DIRECTION_STEP = 2.0
+"""How much longer a probe along a direction over many coordinates steps in a 16-bit dtype. Its step is relative to
+the coordinates' magnitude, yet moves each of ``n`` coordinates by about ``1/√n`` of it, so that the 16-bit round-off
+``ε·|L|/h`` of its differences is nearly all its noise, while the stencil also counts the two-point truncation
+``O(h²)`` as noise. Measured on a pure-bf16 residual MLP (30 checks): along ``ĝ`` the noise was 1.5% of the slope at
+1x (round-off), 1.6% at 4x (truncation), about 0.9% at 2x, the balance of the two; the checks decided (``ok``) rose
+from 17 to 29 of 30 at 2x (25 at 3x, 21 at 4x), and from 14 and 17 to 24 and 27 of 30 at two other seeds."""
+
+
+def relative_step(dtype: torch.dtype, gradient_dtype: torch.dtype | None = None, *, direction: bool = False) -> float:
     """Step size relative to the scale of the perturbed value, for probes evaluated in ``dtype`` of a gradient computed
     in ``gradient_dtype`` (by default the same).
 
@@ -96,11 +105,15 @@ def relative_step(dtype: torch.dtype, gradient_dtype: torch.dtype | None = None)
     then follows the gradient's dtype and is orders of magnitude above the round-off at this step, while the smaller
     step leaves a screen ~10⁴ times less truncation and crosses ~100 times fewer kinks (ReLU, max-pool), so healthy
     probes rarely need the full stencil.
+
+    A ``direction`` over many coordinates evaluated in a 16-bit dtype steps :data:`SIXTEEN_BIT_DIRECTION_STEP` times
+    longer: its round-off, not its truncation, limits it.
     """
     epsilon = machine_epsilon(dtype)
     if gradient_dtype is not None and machine_epsilon(gradient_dtype) > epsilon:
         return epsilon ** (1 / 3)
-    return epsilon**0.2
+    longer = direction and epsilon > machine_epsilon(torch.float32)
+    return epsilon**0.2 * (SIXTEEN_BIT_DIRECTION_STEP if longer else 1.0)
 
 
 def finer_step(step: float, *, center: float, scale: float, rtol: float, compute_epsilon: float) -> float | None:

@@ -123,7 +123,6 @@ class Ladder:
         if not pending or not self.float64_refinement:
             return
         notes = self.measurements.evaluator.notes
-        scale = relative_step(torch.float64, self.native_dtype) / relative_step(self.probe_dtype, self.native_dtype)
         try:
             moved = {id(autograd_tensor(t)) for task in pending for t in getattr(task.direction, "tensors", ())}
             with self.measurements.in_float64(self.reference_loss, self.native_dtype, moved) as substitutes:
@@ -131,7 +130,8 @@ class Ladder:
                     return
                 for task in pending:
                     task.direction.substitute(substitutes)  # perturb the float64 copies the model now uses
-                    task.step = task.initial_step * scale
+                    probe_step = relative_step(self.probe_dtype, self.native_dtype, direction=task.index is None)
+                    task.step = task.initial_step * relative_step(torch.float64, self.native_dtype) / probe_step
                     task.stencil = None
                     self._full(task)
         except Exception as error:

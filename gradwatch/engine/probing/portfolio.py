@@ -218,9 +218,10 @@ class Portfolio:
 
     # ---- the probes -----------------------------------------------------------------------------------------------
 
-    def _relative_step(self, dtype: torch.dtype) -> float:
-        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` (see :func:`relative_step`)."""
-        return relative_step(dtype, self.native_dtype)
+    def _relative_step(self, dtype: torch.dtype, direction: bool = True) -> float:
+        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` along a ``direction`` over many
+        coordinates or at one coordinate (see :func:`relative_step`)."""
+        return relative_step(dtype, self.native_dtype, direction=direction)
 
     def _tensor_scale(self, i: int) -> float:
         """The magnitude the steps in parameter ``i`` are relative to; the model's when the tensor is all zeros."""
@@ -338,7 +339,7 @@ class Portfolio:
             return None
         grad = self.grads[tensor]
         direction = CoordinateDirection(param, index, value_at(grad, index))
-        step = self._relative_step(param.dtype) * max(direction.magnitude, self._tensor_scale(tensor))
+        step = self._relative_step(param.dtype, direction=False) * max(direction.magnitude, self._tensor_scale(tensor))
         numel = self.numels[tensor]
         grad_rms = self.tensor_grad_norms[tensor] / math.sqrt(max(numel, 1))
         floor = max(2 * grad_rms, self.negligible * self.grad_norm / math.sqrt(numel))
@@ -365,7 +366,8 @@ class Portfolio:
             index = _random_index(working.shape, self.rng)
         grad = grads[path]
         direction = CoordinateDirection(working, index, grad[index].item(), self.evaluator.mark_inputs_current)
-        step = self._relative_step(working.dtype) * (max(direction.value.abs().item(), rms(working)) or 1.0)
+        relative = self._relative_step(working.dtype, direction=False)
+        step = relative * (max(direction.value.abs().item(), rms(working)) or 1.0)
         floor = 2 * rms(grad)
         return ProbeTask(ProbeKind.INPUT, path, index, direction, step, scale_floor=floor, tensor=tensor, moves=(path,))
 

@@ -33,12 +33,13 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
+from gradwatch.engine.distributed import tensor_parallel
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossFn
-from gradwatch.engine.function.memory import surviving_out_of_memory
+from gradwatch.engine.function.memory import affordable_samples, learn_activations, surviving_out_of_memory
 from gradwatch.engine.function.precision import resolve_precision
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
@@ -206,6 +207,18 @@ def _check(
         priced=settings.precision == "auto" and session.collective is None,
         search_budget=search_budget,
     )
+    wanted = settings.probe_batch_size or batch_size(batch) or 0
+    # ranks in lockstep (sharded, tensor-parallel) must not decide apart on their own free memory
+    lockstep = session.collective is not None or tensor_parallel.replicas_group() is not None
+    samples, why = (wanted, "") if lockstep else affordable_samples(model, [p for _, p in params], wanted, 1)
+    if why and not samples:  # estimated before starting: no out-of-memory error to survive
+        text = f"no probe made: the check would not fit in the device's free memory ({why}); the next check tries again"
+        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, precision=mode,
+                              notes=[Note(NoteCode.MEMORY_POSTPONED, text)])  # fmt: skip
+    if why:
+        session.settings = dataclasses.replace(settings, probe_batch_size=samples)
+        text = f"probes use {samples} sample(s), not {wanted}: more would not fit in the device's free memory ({why})"
+        session.leading.append(Note(NoteCode.MEMORY_SHRUNK, text))
     with surviving_out_of_memory(mode, next((p.device for _, p in params), None)) as ran_out, session.measuring():
         outcome = _run(session, batch, loss_fn, plan)
     if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
@@ -286,6 +299,8 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         )
         evaluator.loss_fn = loss_fn
         reference_seconds = time.perf_counter() - started  # a training step's work on the probe batch
+        itemsize = max((p.element_size() for _, p in session.params), default=4)
+        learn_activations(model, evaluator.saved_elements * itemsize, batch_size(probe_batch))  # the next one's peak
         if plan.priced:  # what float64 probes are priced against
             plan = dataclasses.replace(plan, step_seconds=reference_seconds)
         if plan.search_budget is not None:  # a training step's stand-in where the caller knows none

@@ -164,11 +164,11 @@ def _measured_natively(
     if reproduced is None:
         return [None] * len(tasks)
     measuring = plan.ladder(Measurements(evaluator, *reproduced), reference.loss)
-    scale = relative_step(native_dtype, native_dtype) / relative_step(torch.float64, native_dtype)
     replicas = []
     for task in tasks:
+        native = relative_step(native_dtype, native_dtype, direction=task.index is None)
         replica = portfolio.replica(task, evaluator, reference)
-        replica.step = replica.initial_step = task.initial_step * scale
+        replica.step = replica.initial_step = task.initial_step * native / relative_step(torch.float64, native_dtype)
         replicas.append(replica)
     measuring.measure_fully(replicas)
     for task, replica in zip(tasks, replicas, strict=True):

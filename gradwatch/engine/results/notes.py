@@ -68,8 +68,10 @@ class NoteCode(StrEnum):
     )
     FLOAT64_TOO_SLOW = "float64-too-slow", "probes run natively: float64 costs too much against the step on this device"
     # memory
-    MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit in the device's free memory"
+    MEMORY_NATIVE = "memory-native", "probes run natively: float64 would not fit (or ran out) in the device's memory"
     OUT_OF_MEMORY = "out-of-memory", "the check ran out of memory: put back, inconclusive; the next runs cheaper"
+    MEMORY_SHRUNK = "memory-shrunk", "the probe batch shrunk before the check: its estimated peak did not fit in memory"
+    MEMORY_POSTPONED = "memory-postponed", "no probe made: the check's estimated peak does not fit in the free memory"
     REMEASURED_IN_FLOAT64 = "remeasured-in-float64", "undecided probes measured again in float64"
     NO_FLOAT64_REMEASUREMENT = "no-float64-remeasurement", "undecided probes could not be measured again in float64"
     # vectorised passes
@@ -133,12 +135,13 @@ class NoteCode(StrEnum):
     APPLIED_UNCHECKED = "applied-unchecked", "trainable parameters without a gradient were not checked"
     APPLIED_NOT_REPRODUCIBLE = "applied-not-reproducible", "no probe made: the window's loss is not reproducible"
     APPLIED_PATH_DIFFERS = "applied-path-differs", "no probe made: the path computes another loss than eager code"
-    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64 or it ran out of memory"
+    APPLIED_NATIVE = "applied-native", "applied probes run natively: the loss refused float64"
     APPLIED_CLIPPING = "applied-clipping", "the clip coefficient the loop applied, against the verified gradient's norm"
     UPDATE_REFERENCE = "update-reference", "the reference an update check compared the optimizer's update with"
     UPDATE_UNRESOLVED = "update-unresolved", "an update the parameters' dtype rounds too coarsely to be checked"
     UPDATE_UNCHECKED = "update-unchecked", "a tensor an update check could not compare, and why"
     UPDATE_UNDECLARED_CLIP = "update-undeclared-clip", "a clip the loop applied but did not declare"
+    UPDATE_RANKS = "update-ranks", "the ranks whose share of a sharded tensor's update is wrong"
     ACCUMULATION_EQUIVALENCE = (
         "accumulation-equivalence",
         "the accumulated gradient against the window's samples taken as one batch (scale, cosine)",

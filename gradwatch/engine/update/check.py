@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.distributed.whole import whole_value
+from gradwatch.engine.function.memory import is_out_of_memory, release_memory
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
@@ -73,7 +75,7 @@ def _rule_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update
     reference = reference_for(snapshot.optimizer, kept.hyper)
     if reference is None:
         return None
-    dtype = kept.param.dtype
+    dtype = kept.before.dtype
     before64 = kept.before.detach().to("cpu", torch.float64)
     state64 = {key: _float64(value) for key, value in kept.state.items()}
 
@@ -109,9 +111,9 @@ def _replay_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Upda
         return new.to("cpu", torch.float64) - before64
 
     # the replay rounds as the optimizer does: its floor is the rounding of each new value, ε·|new| per element
-    eps = machine_epsilon(kept.param.dtype)
+    eps = machine_epsilon(kept.before.dtype)
     floor_norm = 0.5 * eps * float(kept.before.detach().double().norm())
-    dtype = str(kept.param.dtype).removeprefix("torch.")
+    dtype = str(kept.before.dtype).removeprefix("torch.")
     name = f"a single-device replay of {type(snapshot.optimizer).__name__} in {dtype}"
     return replay, replay(kept.grad.to("cpu", torch.float64) * snapshot.coefficient), floor_norm, name
 
@@ -120,9 +122,9 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
     with torch.no_grad():
         ruled = _rule_updates(snapshot, kept)
         candidate, reference, floor, source = ruled if ruled is not None else _replay_updates(snapshot, kept)
-        applied = kept.param.detach().to("cpu", torch.float64) - kept.before.to("cpu", torch.float64)
+        applied = whole_value(kept.param).detach().to("cpu", torch.float64) - kept.before.to("cpu", torch.float64)
     scale = float(reference.norm())
-    eps = machine_epsilon(kept.param.dtype)
+    eps = machine_epsilon(kept.before.dtype)
     allowed = FLOOR_MULTIPLE * floor + ROUNDING_MULTIPLE * eps * scale
     discrepancy = float((applied - reference).norm())
     finite = math.isfinite(discrepancy) and math.isfinite(scale)
@@ -141,6 +143,15 @@ def _compare(snapshot: UpdateSnapshot, kept: KeptParameter, lr: float) -> _Compa
         floor=floor / scale if scale > 0 else math.nan,
     )  # fmt: skip
     return _Compared(probe, allowed / scale if scale > 0 else math.inf, candidate, applied, reference, source)
+
+
+def _wrong_shares(kept: KeptParameter, compared: _Compared) -> list[int]:
+    """The ranks whose share of a sharded tensor (FSDP2's rows, ZeRO's partition) is alone farther from the same
+    elements of the reference than the whole tensor's tolerance; ``[]`` where it is not sharded or every share is."""
+    difference = (compared.applied - compared.reference).reshape(-1)
+    ranks = [rank for rank, (start, count) in enumerate(kept.shares)
+             if count and float(difference[start : start + count].norm()) > compared.probe.noise]  # fmt: skip
+    return ranks if len(ranks) < len(kept.shares) else []
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
@@ -261,7 +272,10 @@ def check_update(
         lr = float(kept.hyper["lr"]) if isinstance(kept.hyper.get("lr"), (int, float, Tensor)) else math.nan
         try:
             compared = _compare(snapshot, kept, lr)
-        except ReplayError as error:
+        except Exception as error:  # a replay it cannot make, or no memory for its float64 comparison
+            if not isinstance(error, ReplayError) and not is_out_of_memory(error):
+                raise
+            release_memory(kept.param.device, error) if is_out_of_memory(error) else None
             notes.append(Note(NoteCode.UPDATE_UNCHECKED, f"the update of `{kept.name}` was not checked: {error}"))
             continue
         probes.append(compared.probe)
@@ -271,7 +285,7 @@ def check_update(
         if compared.probe.reason == Reason.UNRESOLVED:
             notes.append(Note(NoteCode.UPDATE_UNRESOLVED, (
                 f"the update of `{kept.name}` is within its dtype's rounding of the reference's (floor "
-                f"{compared.probe.floor:.2g} of its norm): {kept.param.dtype} parameters round it too coarsely to tell"
+                f"{compared.probe.floor:.2g} of its norm): {kept.before.dtype} parameters round it too coarsely to tell"
             )))  # fmt: skip
     for source, names in sources.items():
         notes.insert(0, Note(NoteCode.UPDATE_REFERENCE, f"updates of {', '.join(names)} checked against {source}"))
@@ -288,6 +302,12 @@ def check_update(
             f"cosine {cosine:.6g}, norm ratio {ratio:.6g} (applied / reference), where rounding allows "
             f"{compared.tolerance:.2g}; {why}"
         )
+        ranks = _wrong_shares(kept, compared)
+        if ranks:
+            where = (f"rank(s) {ranks} made the part of the update that differs (their shares of `{kept.name}`), the "
+                     "other ranks' shares agree with the reference")  # fmt: skip
+            message += f"; {where}"
+            notes.append(Note(NoteCode.UPDATE_RANKS, where))
     verdicts = [p.verdict for p in probes]
     verdict = (
         Verdict.FAIL if Verdict.FAIL in verdicts else Verdict.OK if Verdict.OK in verdicts else Verdict.INCONCLUSIVE

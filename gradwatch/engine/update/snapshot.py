@@ -10,19 +10,24 @@ optimizer itself is touched: its state is read, never written.
 a series of checks (``rotation``), always with a matrix among them when the optimizer updates one (Muon's update is a
 function of the whole matrix), tensors too large to copy and step on one device cheaply left out while smaller ones
 remain.
+
+Under sharding (FSDP2's ``DTensor`` parameters and state, DeepSpeed ZeRO-1/2's fp32 partitions) only the checked
+tensors and their state are gathered whole (:mod:`gradwatch.engine.distributed.whole`, a collective: every rank takes
+the snapshot together), with the share of each tensor each rank updates, so that a wrong share names its rank.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradwatch.engine.distributed.whole import shares, whole, whole_state, whole_value
 from gradwatch.engine.results.numerics import Numerics, current_numerics
 
 __all__ = ["MAX_ELEMENTS", "UPDATE_TENSORS", "KeptParameter", "UpdateSnapshot", "innermost", "update_tensors"]
@@ -47,16 +52,19 @@ def innermost(optimizer: Any) -> Any:
 
 
 def update_tensors(
-    optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0
-) -> list[tuple[str, Tensor]]:
+    optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0,
+    graded: Collection[str] | None = None,
+) -> list[tuple[str, Tensor]]:  # fmt: skip
     """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
-    updates (any, for ``None``) that have a gradient, in turn from the ``rotation``-th, a matrix among them (see the
-    module doc)."""
+    updates (any, for ``None``) that have a gradient (a ``.grad``, or a name in ``graded``: the gradients an engine
+    keeps elsewhere), in turn from the ``rotation``-th, a matrix among them (see the module doc)."""
     updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
     candidates = [
         (n, p)
         for n, p in named
-        if (updated is None or id(p) in updated) and p.grad is not None and p.is_floating_point()
+        if (updated is None or id(p) in updated)
+        and p.is_floating_point()
+        and (p.grad is not None if graded is None else n in graded)
     ]
     small = [(n, p) for n, p in candidates if p.numel() <= MAX_ELEMENTS]
     candidates = small or candidates
@@ -78,6 +86,14 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _state(param: Tensor, holder: Tensor, value: Any) -> Any:
+    """A state entry of ``param``, kept whole: a ``DTensor`` gathered, an entry of a ZeRO flat partition (``holder``)
+    gathered as ``param``'s whole tensor of it, anything else as :func:`_copied` keeps it."""
+    if isinstance(value, Tensor) and holder is not param and value.shape == holder.shape:
+        return whole_state(param, value)
+    return _copied(whole(value))
+
+
 @dataclass(frozen=True)
 class KeptParameter:
     """One checked parameter as it was before the step.
@@ -90,6 +106,7 @@ class KeptParameter:
         state: The optimizer's state for it, kept (tensors cloned).
         hyper: Its param group's hyperparameters before the step (without ``params``).
         group: The index of its param group.
+        shares: By rank, the ``(start, count)`` of the flattened tensor that rank updates, when sharded (else ``()``).
     """
 
     name: str
@@ -100,6 +117,7 @@ class KeptParameter:
     hyper: Mapping[str, Any]
     _: KW_ONLY
     group: int
+    shares: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,8 +155,11 @@ class UpdateSnapshot:
     ) -> UpdateSnapshot:
         """Keep ``named`` (chosen by :func:`update_tensors`) as they are now, before ``optimizer.step()``; ``grads``:
         by name, the verified gradients when copied earlier (before the loop clipped them), else each ``.grad`` now."""
-        optimizer = innermost(optimizer)
-        group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        outer, optimizer = optimizer, innermost(optimizer)
+        # ZeRO-1/2: the torch optimizer steps one flat partition per group of the module's parameters
+        partitioned = getattr(outer, "bit16_groups", None)
+        groups = partitioned or [group["params"] for group in optimizer.param_groups]
+        group_of = {id(p): i for i, params in enumerate(groups) for p in params}
         kept = []
         with torch.no_grad():
             for name, param in named:
@@ -147,9 +168,12 @@ class UpdateSnapshot:
                     continue
                 index = group_of[id(param)]
                 hyper = {k: _copied(v) for k, v in optimizer.param_groups[index].items() if k != "params"}
-                state = {k: _copied(v) for k, v in optimizer.state.get(param, {}).items()}
-                copied = grad.detach().clone() if grads is None else grad
-                kept.append(KeptParameter(name, param, param.detach().clone(), copied, state, hyper, group=index))
+                holder = optimizer.param_groups[index]["params"][0] if partitioned else param
+                state = {k: _state(param, holder, v) for k, v in optimizer.state.get(holder, {}).items()}
+                copied = whole(grad).detach().clone() if grads is None else grad
+                before = whole_value(param).detach().clone()
+                kept.append(KeptParameter(name, param, before, copied, state, hyper, group=index,
+                                          shares=shares(param)))  # fmt: skip
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:
