@@ -21,7 +21,7 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
-from gradwatch.engine.applied.clipping import GradientNorms, check_clip_norm, check_clipping
+from gradwatch.engine.applied.clipping import GradientNorms
 from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
 from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext
@@ -36,6 +36,7 @@ from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import Findings, Verified, Windows
 from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
+from gradwatch.watch.clip_check import clip_check
 from gradwatch.watch.defaults import (
     DEFAULT_APPLIED_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
@@ -46,6 +47,7 @@ from gradwatch.watch.defaults import (
 from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
 from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
 from gradwatch.watch.lessons import Lessons
+from gradwatch.watch.optimized import gradients_of, optimizer_argument, updated_parameters
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
 from gradwatch.watch.rewind import Earlier, rewound
@@ -61,12 +63,6 @@ UNREAD_GRADIENT = (
     "elsewhere (DeepSpeed ZeRO's partitions): hand the engine itself to the watch (watch.before_optimizer_step(engine, "
     "loss_fn, step=step)) or its gradients as gradients= (gradwatch.integrations.deepspeed.FullGradients(engine)); "
     "otherwise call it after the window's backward passes and before zero_grad (said once)"
-)
-UNREAD_CLIP = (
-    "gradwatch: the clip check of step {step} cannot read the clipped gradient: the gradient verified was an "
-    "engine's own (gradients=), which it clips out of .grad; pass the norm it clipped with as after_clipping(..., "
-    "clipped_with=...) (DeepSpeed: engine.get_global_grad_norm after engine.step(), or hand the engine itself) "
-    "(said once)"
 )
 
 
@@ -389,7 +385,7 @@ class GradientWatch:
         if self._applied.every_n_steps is None:
             return
         step = self._last_step + 1 if step is None else validate.check_int("step", step, minimum=1)
-        key = None if optimizer is None else _optimizer("optimizer", optimizer)
+        key = None if optimizer is None else optimizer_argument("optimizer", optimizer)
         try:  # its float64 checksums of the gradients may run out of memory
             if self._windows.begin(step, self._decide):  # else nothing to keep: the window is not due
                 self._windows.record(batch, unwrapped(model) if model is not None else self._model, key)
@@ -463,7 +459,7 @@ class GradientWatch:
         if type(step) is not int or step < 1:  # asked at every step: the usual case cheaply
             validate.check_int("step", step, minimum=1)
         if optimizer is not None:  # an optimizer that updates none of the model's parameters is the caller's error
-            _updated(unwrapped(model), _optimizer("optimizer", optimizer))
+            updated_parameters(unwrapped(model), optimizer_argument("optimizer", optimizer))
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
@@ -527,7 +523,8 @@ class GradientWatch:
         try:  # at every step of a loop that clips: a guard by try/except (see absorbs)
             self._updates.declare(step, max_norm)
             verified = self._findings.take_verified(step)
-            check = None if verified is None else self._clip_check(verified, model, max_norm, step, clipped_with)
+            check = None if verified is None else clip_check(verified, model, max_norm, step, clipped_with,
+                                                             say_once=self._say_once)  # fmt: skip
             report = None if check is None else self._outcomes.guarded(step, check, [])
             if report is not None:
                 self._outcomes.publish(report, self._overhead())
@@ -701,7 +698,7 @@ class GradientWatch:
         ``None``: none due, none recorded (said once), or the optimizer skips the step."""
         self._updates.release(step)
         if self.check_update and self._windows.due(step + 1, step):
-            self._updates.keep_previous(model, step, optimizer, optimizers, _updated(model, optimizer))
+            self._updates.keep_previous(model, step, optimizer, optimizers, updated_parameters(model, optimizer))
         self._model, self._last_step = model, max(self._last_step, step)
         if self._applied.enabled:  # a loop that makes only applied checks measures its training time here
             self._clock.batch_ended(time.perf_counter())
@@ -735,7 +732,7 @@ class GradientWatch:
         guard = self._outcomes.guard
         loss_fn = guard.callers(self._loss_fn, loss_fn, step)  # bad arguments are the caller's errors
         loss_fn = rewound(loss_fn, model, earlier) if earlier else loss_fn
-        updated, own = guard.callers(_updated, model, optimizer), gradients is None
+        updated, own = guard.callers(updated_parameters, model, optimizer), gradients is None
         if updated is not None:  # the optimizer's own parameters, their gradients (or those given) alone
             given = gradients if gradients is not None else {name: p.grad for name, p in updated if p.grad is not None}
             only = {name for name, _ in updated}
@@ -772,7 +769,7 @@ class GradientWatch:
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
         # engine keeps elsewhere (it clips them itself, out of .grad) only their global norm is of use
         with self.guarded("the clip check's norms of the verified gradient"):
-            held = _gradients(model, updated) if own else list((gradients or {}).values())
+            held = gradients_of(model, updated) if own else list((gradients or {}).values())
             self._findings.verified = Verified(step, GradientNorms.of(held), own)
         # not checked: the update of gradients an engine keeps elsewhere (but ZeRO-1/2's) or still scaled (float16)
         engine = zero_engine(gradients)
@@ -789,48 +786,6 @@ class GradientWatch:
             return any(p.grad is not None for _, p in checked)
         return any(gradients.get(name) is not None for name, _ in checked)
 
-    def _clip_check(
-        self, verified: Verified, model: nn.Module, max_norm: float, step: int,
-        clipped_with: float | Callable[[], float | None] | None,
-    ) -> Callable[[], CheckReport] | None:  # fmt: skip
-        """The check of the clip coefficient of the gradient verified at ``step``, else ``None`` (nothing to read)."""
-        norms = verified.norms
-        if clipped_with is not None:
-            used = clipped_with() if callable(clipped_with) else clipped_with
-            if used is None:
-                return None
-            return lambda: check_clip_norm(norms, float(used), max_norm, step=step)
-        if verified.own:
-            return lambda: check_clipping(norms, _gradients(model), max_norm, step=step)
-        self._say_once("clip", UNREAD_CLIP.format(step=step))
-        return None
-
 
 _PLAIN_PATH = TrainingPath()
 """A plain loop's training path (each micro-batch's loss divided by their count, its forward as it is)."""
-
-
-def _gradients(model: nn.Module, updated: list[tuple[str, nn.Parameter]] | None = None) -> list[torch.Tensor | None]:
-    """Each trainable parameter's ``.grad`` (of those an optimizer updates, when given), in order."""
-    if updated is not None:
-        return [p.grad for _, p in updated]
-    return [p.grad for p in model.parameters() if p.requires_grad]
-
-
-def _optimizer(name: str, optimizer: Any) -> Any:
-    """``optimizer``: ``None`` or an object with ``param_groups`` (a ``torch.optim.Optimizer``), else a clear error."""
-    if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
-        kind = type(optimizer).__name__
-        raise ValueError(f"`{name}` must be a torch.optim.Optimizer (with param_groups); got {kind}")
-    return optimizer
-
-
-def _updated(model: nn.Module, optimizer: Any) -> list[tuple[str, nn.Parameter]] | None:
-    """The trainable parameters of ``model`` that ``optimizer`` updates, by name (``None`` without an optimizer)."""
-    if optimizer is None:
-        return None
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    updated = [(name, p) for name, p in model.named_parameters() if id(p) in ids and p.requires_grad]
-    if not updated:
-        raise ValueError("`optimizer` updates none of the model's trainable parameters")
-    return updated
