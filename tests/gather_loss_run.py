@@ -13,7 +13,8 @@ batch. The layer's forward all-gathers; its backward, by scenario:
 - ``all_reduce_none``: returns what ``dist.all_reduce`` returns (``None``): no gradient reaches the encoder at all;
 - ``summed_slots``: returns the sum of the slots of every rank (the gradients of other ranks' embeddings added to
   this rank's);
-- ``correct_dropout``: the correct layer, with dropout in the encoder (each check replays the random numbers).
+- ``correct_dropout``: the correct layer, with dropout in the encoder (each check replays the random numbers);
+- ``raise_on_rank1`` (``tests/gather_loss_lightning_run.py`` only): raises on rank 1, returns the local slot on rank 0.
 
 A learnable temperature after the gather keeps one gradient alive in every scenario (so DDP's reducer and the
 applied check have something to hold), as CLIP-style losses have.
@@ -58,6 +59,10 @@ class _Gather(torch.autograd.Function):
             return dist.all_reduce(stacked)  # type: ignore[no-any-return]  # None: the published bug
         if _Gather.mode == "summed_slots":
             return stacked.sum(0)
+        if _Gather.mode == "raise_on_rank1":  # after the forward's gathers, on one rank only
+            if dist.get_rank() == 1:
+                raise RuntimeError("the gather's backward failed on purpose on rank 1")
+            return grads[dist.get_rank()].clone()
         raise ValueError(_Gather.mode)
 
 

@@ -33,7 +33,6 @@ OLD_PATHS = {
     "HeldValuesError": "gradwatch.engine.function.held",
     "InputsRefusedError": "gradwatch.engine.measuring.points",
     "LossCallsBackwardError": "gradwatch.engine.function.backward",
-    "LossCollectivesError": "gradwatch.watch.collective_loss",
     "NoLossToCheckError": "gradwatch.watch.hooks",
     "NotReproducibleError": "gradwatch.engine.applied.window_points",
     "OutsideTreeError": "gradwatch.engine.function.substitution",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from gradwatch.engine import CheckReport, LossFn
+from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms
 from gradwatch.engine.applied.closer_look import deferred
@@ -28,11 +28,11 @@ from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped
 from gradwatch.engine.probing.search_budget import SearchBudget
+from gradwatch.engine.recomputed.collective_loss import split_check
 from gradwatch.engine.results.notes import Note
 from gradwatch.engine.selection import checked_parameters
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings, settings_of
 from gradwatch.outputs.sinks import Sink
-from gradwatch.watch import collective_loss
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import Findings, Verified, Windows
 from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
@@ -661,12 +661,12 @@ class GradientWatch:
             return None
         self._lessons.set_up(model, force=False)
         lessons = self._lessons
-        check = lambda: collective_loss.recomputed_check(  # noqa: E731
+        check = lambda: check_gradients(  # noqa: E731
             model, batch, loss_fn, step=step, settings=lessons.active, rotation=self._outcomes.counts["checks"],
             focus=lessons.focus, optimizers=optimizers, search_budget=self._search_budget(),
         )  # fmt: skip
         if self._split(model):  # every rank's part against the ranks' summed loss, every rank together
-            check = lambda: collective_loss.split_check(  # noqa: E731
+            check = lambda: split_check(  # noqa: E731
                 model, batch, loss_fn, group=default_group(model), step=step, settings=lessons.active,
                 optimizers=optimizers,
             )  # fmt: skip

@@ -34,7 +34,7 @@ from gradwatch import CheckReport, GradientCheckError, GradientCheckWarning, Gra
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.integrations.lightning.publishing import progress_status
 from gradwatch.outputs.records import applied_scalars, update_scalars
-from gradwatch.watch import collective_loss as watch_module  # where the watch calls check_gradients
+from gradwatch.watch import watch as watch_module  # where the watch calls check_gradients
 
 SCALAR_TAGS = {
     "gradwatch/rel_error_max",

@@ -54,6 +54,7 @@ from gradwatch.engine.probing.outcome import Outcome, overall_verdict
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import PortfolioSettings
 from gradwatch.engine.probing.search_budget import SearchBudget
+from gradwatch.engine.recomputed.collective_loss import in_lockstep_for_collective_losses
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
 from gradwatch.engine.recomputed.layout import refusing_losses_written_for_shards
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
@@ -76,6 +77,7 @@ __all__ = ["check_gradients"]
 
 @validate.suggests_options(ProbeOptions)
 @refusing_losses_written_for_shards
+@in_lockstep_for_collective_losses
 @on_whole_parameters
 def check_gradients(
     model: nn.Module,
