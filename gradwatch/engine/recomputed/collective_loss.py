@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.engine.distributed import zero
+from gradwatch.engine.distributed import tensor_parallel, zero
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.function.evaluation import LossFn
@@ -72,6 +72,8 @@ def counted_group(model: nn.Module) -> Any:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if sharding_active() is not None or zero.is_engine(model) or is_sharded(list(model.named_parameters())):
+        return None
+    if tensor_parallel.replicas_group() is not None:  # made whole for a tensor-parallel check, which runs in lockstep
         return None
     if any(zero.owned_range(p) is not None for p in model.parameters()):
         return None
