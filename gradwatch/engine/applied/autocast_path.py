@@ -113,7 +113,7 @@ SHIFTED_POINTS = 2
 """How many shifted points a 16-bit path's disagreement must recur at to be its kernels' fault."""
 
 
-def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequence[int]) -> bool:
+def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequence[int]) -> tuple[bool, int]:
     """Whether a 16-bit autocast path's gradient stays further from eager float32's, in each of ``tensors`` (indices
     into the checked parameters), than the floor's multiple allows at each of :data:`SHIFTED_POINTS` points, the
     parameters scaled by ``1 + SHIFT · N(0, 1)`` element by element (the same draws on every rank), the floor measured
@@ -121,14 +121,14 @@ def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequen
     within its rounding of 0): measured on a tiny transformer under bf16 autocast, ``linear1`` 30 times its floor at
     one point, 1.2-1.4 times at five points shifted so; a wrong 16-bit kernel is wrong at every point. The
     parameters are put back bit for bit; on shards (no elementwise draw of the whole tensor) nothing is tried and the
-    disagreement stands."""
+    disagreement stands. With it, the backward passes spent (four per point looked at)."""
     if setting.autocast is None or sharding_active() is not None or not tensors:
-        return True
+        return True, 0
     params = setting.params
     kept = [p.detach().clone() for p in params]
     generator = torch.Generator().manual_seed(len(tensors))
     try:
-        for _ in range(SHIFTED_POINTS):
+        for point in range(SHIFTED_POINTS):
             with torch.no_grad():
                 for param, value in zip(params, kept, strict=True):
                     draw = torch.randn(value.shape, generator=generator, dtype=torch.float64)
@@ -139,8 +139,8 @@ def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequen
             floor = floors(measured, norms(again, exact=True), plan.path_dtype)
             apart = distances(again, eager)
             if all(apart[i] <= plan.multiple * floor[i] for i in tensors):
-                return False
-        return True
+                return False, 4 * (point + 1)
+        return True, 4 * SHIFTED_POINTS
     finally:
         with torch.no_grad():
             for param, value in zip(params, kept, strict=True):

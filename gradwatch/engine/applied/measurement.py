@@ -114,8 +114,9 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     attribution = attribute(setting, plan, eager, failing, floor_values, path.again) if failing else None
     if attribution is not None and attribution.fault in ("precision", "unknown") and setting.autocast is not None:
         tensors = sorted({i for m in failing for i in m.tensors})
-        path.backward += 4 * autocast_path.SHIFTED_POINTS
-        if not autocast_path.disagreement_recurs(setting, plan, tensors):
+        recurs, backward = autocast_path.disagreement_recurs(setting, plan, tensors)
+        path.backward += backward
+        if not recurs:
             measured, attribution = [_crossing(m) for m in measured], None
             evaluator.notes.append(Note(NoteCode.APPLIED_ROUNDING_CROSSING, _crossing_text(setting, tensors)))
     return AppliedOutcome(evaluator=evaluator, loss=reference.loss, probes=[m.probe for m in measured],
