@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_grad
 from real_models import ScaledWeightGradient
 from torch import Tensor, nn
+from two_processes import leave_without_teardown
 
 from gradwatch import GradientCheckWarning, GradientWatch
 from gradwatch.engine.distributed.zero import gathered
@@ -271,11 +271,7 @@ def main() -> None:
         result = run(kind, int(stage.removeprefix("z")), dtype)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
-    # every result is written: leave without the interpreter's teardown, in which DeepSpeed's and gloo's state
-    # sometimes aborts a rank ("terminate called without an active exception") and leaves the other waiting
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from deepspeed_run import Net, _digest, _leave_last_micro_batch_out, _scale_rank1_partition
 from torch import Tensor
 from torch.utils.data import Dataset
+from two_processes import leave_without_teardown
 
 from gradwatch import GradientWatch
 from gradwatch.engine.results.notes import codes
@@ -236,11 +237,7 @@ def main() -> None:
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
         AcceleratorState._reset_state()  # one Accelerator with a DeepSpeed plugin per state: the next fit makes its own
     torch.distributed.barrier()
-    # every result is written: leave without the interpreter's teardown, in which the Trainer's DeepSpeed and gloo
-    # state sometimes aborts a rank ("terminate called without an active exception") and leaves the other waiting
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

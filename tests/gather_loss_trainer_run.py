@@ -10,7 +10,6 @@ two optimizer steps, and for ``correct`` an unwatched one too, for bit-identity.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ from ddp_run import _digest
 from gather_loss_run import Contrastive, _Gather, _said, nt_xent
 from torch import Tensor, nn
 from torch.utils.data import Dataset
+from two_processes import leave_without_teardown
 
 from gradwatch.integrations.huggingface import GradWatchCallback
 
@@ -93,9 +93,7 @@ def main() -> None:
         result = run(out, backward)
         (out / f"{backward}_rank{result['rank']}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # every result is written: no teardown of the Trainer's gloo state (see deepspeed_trainer_run)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

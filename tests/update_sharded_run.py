@@ -23,16 +23,16 @@ Adagrad, two param groups (ZeRO steps its torch optimizer once per group: the up
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tensor_parallel_run import _digest, _local
 from torch import Tensor, nn
+from two_processes import leave_without_teardown
 
 from gradwatch import GradientWatch
 from gradwatch.engine.results.notes import codes
@@ -62,17 +62,6 @@ def _data(rank: int) -> list[tuple[Tensor, Tensor]]:
     return [
         (torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)) for _ in range(STEPS)
     ]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # type: ignore[no-any-return]
-
-
-def _digest(tensors: list[Tensor]) -> str:
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(_local(tensor).detach().float().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _scale_rank1(optimizer: torch.optim.Optimizer, params: list[Tensor], when: Any) -> None:
@@ -221,10 +210,7 @@ def main() -> None:
         result = _fsdp(kind, engine == "tp") if engine in ("fsdp", "tp") else _zero(int(engine.removeprefix("z")), kind)
         (out / f"{scenario}_rank{result['rank']}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
-    # leave without the interpreter's teardown, in which DeepSpeed's and gloo's state sometimes aborts a rank
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":
