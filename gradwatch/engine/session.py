@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from gradwatch.engine import validation as validate
 from gradwatch.engine.distributed.collective import Collective, sharded
 from gradwatch.engine.distributed.parameters import is_sharded, local_mask, local_shards, lockstep
+from gradwatch.engine.distributed.whole import Whole, made_whole
 from gradwatch.engine.function.conditions import warnings_withheld
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.held import HeldDetaches
@@ -72,6 +73,7 @@ class CheckSession:
         leading: Notes a report gives before the measurements' own (sharding, parameters left out).
         state: The training state, captured while :meth:`measuring`.
         numerics: The settings that change the numbers, as the check found them (recorded on its report).
+        whole: The model as it was given, made whole (:func:`~gradwatch.engine.distributed.whole.made_whole`).
     """
 
     model: nn.Module
@@ -81,6 +83,7 @@ class CheckSession:
     surrogates: StockSurrogates
     started: float
     _: dataclasses.KW_ONLY
+    whole: Whole
     params: list[tuple[str, Tensor]] = dataclasses.field(default_factory=list)
     collective: Collective | None = None
     leading: list[Note] = dataclasses.field(default_factory=list)
@@ -90,6 +93,7 @@ class CheckSession:
     numerics: Numerics = dataclasses.field(default_factory=current_numerics)
 
     @classmethod
+    @contextlib.contextmanager
     def open(
         cls,
         model: nn.Module,
@@ -99,9 +103,13 @@ class CheckSession:
         settings: ProbeSettings | None,
         options: Mapping[str, Any],
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    ) -> CheckSession:
-        """Validate what every check takes and start it: ``settings`` whole, or ``options`` (some fields of
-        :class:`~gradwatch.engine.settings.ProbeSettings`) one by one.
+        gradients: Any = None,
+        group: Any = None,
+    ) -> Iterator[CheckSession]:
+        """Validate what every check takes and start it, for the duration of the ``with`` block: ``settings`` whole,
+        or ``options`` (some fields of :class:`~gradwatch.engine.settings.ProbeSettings`) one by one; a DeepSpeed or
+        tensor-parallel model made whole (:func:`~gradwatch.engine.distributed.whole.made_whole`, with an applied
+        check's ``gradients`` and ``group``: see :attr:`whole`), the check then run on the module it wraps.
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``, ``loss_fn`` is not callable, ``settings`` is no
@@ -115,8 +123,10 @@ class CheckSession:
         validate.check_int("step", step, minimum=0)
         chosen = settings_of(settings, options)
         protected = check_optimizers(optimizers)
-        surrogates = find_stock_surrogates(model)
-        return cls(model, step, chosen, protected, surrogates, time.perf_counter(), trailing=surrogates.notes())
+        with made_whole(model, gradients, group) as whole:
+            surrogates = find_stock_surrogates(whole.model)
+            yield cls(whole.model, step, chosen, protected, surrogates, time.perf_counter(),
+                      trailing=surrogates.notes(), whole=whole)  # fmt: skip
 
     def quantisers_as_identity(self) -> None:
         """Run the model's fake quantisers as the identity during the measurements (a recomputed check: see
@@ -190,6 +200,10 @@ class CheckSession:
                 stacklevel=3,
             )
 
+    def closing(self) -> list[Note]:
+        """The notes a report ends with: how the model was made whole (none for a plain one)."""
+        return [self.whole.note] if self.whole.note is not None else []
+
     def report(
         self, *, verdict: Verdict, probes: list[Probe], loss: float, notes: Sequence[Note] = (), **fields: Any
     ) -> CheckReport:
@@ -210,7 +224,7 @@ class CheckSession:
             probes=probes,
             loss=loss,
             duration_s=time.perf_counter() - self.started,
-            notes=list(dict.fromkeys([*self.leading, *notes, *self.trailing])),
+            notes=[*dict.fromkeys([*self.leading, *notes, *self.trailing]), *self.closing()],
             side_effects=tuple(state.sandbox.changed + state.guard.changed) if state is not None else (),
             unrestored=self.unrestored,
             numerics=self.numerics,

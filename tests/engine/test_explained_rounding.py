@@ -74,28 +74,28 @@ def test_float64_rounding_gives_each_tensors_distance_from_float64_along_the_app
     exact = list(torch.autograd.grad(loss_fn(model.double(), batch.double()), list(model.parameters())))
     model.float()
     applied = [g * 1.5 for g in eager]
-    session = CheckSession.open(model, loss_fn, step=0, settings=None, options={}, optimizers=())
-    session.select()
-    session.state = TrainingState.capture(model)
-    setting = PathSetting(
-        session=session, batches=[batch], loss_fn=loss_fn, rng_states=[None], combine="sum", path=None
-    )
-    notes: list = []
-    distances, rounding = lazy_floor.float64_rounding(setting, eager, applied, notes)
-    assert rounding is not None
-    assert not notes
-    for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):
-        assert math.isclose(
-            rounding.eager[i], float(((e.double() - x) * a.double()).sum()), rel_tol=1e-6, abs_tol=1e-18
+    with CheckSession.open(model, loss_fn, step=0, settings=None, options={}, optimizers=()) as session:
+        session.select()
+        session.state = TrainingState.capture(model)
+        setting = PathSetting(
+            session=session, batches=[batch], loss_fn=loss_fn, rng_states=[None], combine="sum", path=None
         )
-        assert math.isclose(rounding.path[i], float(((a.double() - e.double()) * a.double()).sum()), rel_tol=1e-6)
-        assert math.isclose(distances[0][i], float((e.double() - x).norm()), rel_tol=1e-6, abs_tol=1e-18)
-    assert all(p > 0.0 for p in rounding.path)  # the applied gradient is 1.5x the eager one
-    # 0.5 of each tensor's gradient along itself: far beyond its floor, so probed one by one and left in the closer
-    # look of the combined probes (a fault of the training's path)
-    norms = [float(a.norm()) for a in applied]
-    assert rounding.beyond(norms, distances[0], 2.0) == list(range(len(applied)))
-    assert rounding.explained(rounding.beyond(norms, distances[0], 2.0)) == list(rounding.eager)
+        notes: list = []
+        distances, rounding = lazy_floor.float64_rounding(setting, eager, applied, notes)
+        assert rounding is not None
+        assert not notes
+        for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):
+            assert math.isclose(
+                rounding.eager[i], float(((e.double() - x) * a.double()).sum()), rel_tol=1e-6, abs_tol=1e-18
+            )
+            assert math.isclose(rounding.path[i], float(((a.double() - e.double()) * a.double()).sum()), rel_tol=1e-6)
+            assert math.isclose(distances[0][i], float((e.double() - x).norm()), rel_tol=1e-6, abs_tol=1e-18)
+        assert all(p > 0.0 for p in rounding.path)  # the applied gradient is 1.5x the eager one
+        # 0.5 of each tensor's gradient along itself: far beyond its floor, so probed one by one and left in the closer
+        # look of the combined probes (a fault of the training's path)
+        norms = [float(a.norm()) for a in applied]
+        assert rounding.beyond(norms, distances[0], 2.0) == list(range(len(applied)))
+        assert rounding.explained(rounding.beyond(norms, distances[0], 2.0)) == list(rounding.eager)
 
 
 def test_the_applied_gradients_distance_from_the_eager_one_is_discounted_only_within_half_a_probes_tolerance() -> None:

@@ -43,7 +43,6 @@ from gradwatch.engine.applied.window import (
     disagreeing_ranks,
     ranks_with_other_parameters,
 )
-from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import affordable_samples, surviving_out_of_memory
@@ -61,7 +60,6 @@ __all__ = ["check_applied_gradient", "path_autocast"]
 
 
 @validate.suggests_options(ProbeOptions)
-@on_whole_parameters
 def check_applied_gradient(
     model: nn.Module,
     batches: Sequence[Any],
@@ -155,40 +153,48 @@ def check_applied_gradient(
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
-    session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
-    setting = _window(session, batches, loss_fn, combine=combine, rng_states=rng_states, path=path, group=group,
-                      start=start, loss_scale=loss_scale)  # fmt: skip
-    setting.search_budget = search_budget
-    names, applied, shards = _selected(setting, gradients)
-    split = [] if setting.group is None else ranks_with_other_parameters(session.params, setting.group)
-    if split and not isinstance(model, SplitModel):  # not replicas, but made so for the check (a rank may hold none)
-        return _split_check(setting, names, applied, split, (rotation, closer_look))
-    if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
-        text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
-        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
-                              notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
-    plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look,
-                               float64=float64_probes)  # fmt: skip
-    postponed = _postponed(setting)
-    if postponed is not None:
-        return postponed
-    equivalence, said = None, list[Note]()
-    with surviving_out_of_memory(None, setting.params[0].device) as ran_out:
-        refused = _refused(setting, plan, shards, culprit_search=culprit_search)  # its finite test may run out too
-        if refused is None:
-            with session.measuring():
-                outcome = measure_window(setting, plan)
-                if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
-                    equivalence, said = compare_accumulation(setting, plan.names, join=join,
-                                                             window_normalised=window_normalised)  # fmt: skip
-    if ran_out:  # the state is back and what the check allocated freed: the run goes on
-        return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied")
-    if refused is not None:
-        return refused
-    outcome.evaluator.notes.extend(said)
-    if outcome.attribution is not None and outcome.attribution.search_culprit and not isinstance(model, SplitModel):
-        outcome = _searched(setting, outcome, culprit_search=culprit_search)  # a split model's: one rank's loss alone
-    return _report(session, outcome, equivalence)
+    with CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers,
+                           gradients=gradients, group=group) as session:  # fmt: skip
+        gradients, group = session.whole.gradients, session.whole.group
+        setting = _window(session, batches, loss_fn, combine=combine, rng_states=rng_states, path=path, group=group,
+                          start=start, loss_scale=loss_scale)  # fmt: skip
+        setting.search_budget = search_budget
+        names, applied, shards = _selected(setting, gradients)
+        split = [] if setting.group is None else ranks_with_other_parameters(session.params, setting.group)
+        if split and not isinstance(
+            model, SplitModel
+        ):  # not replicas, but made so for the check (a rank may hold none)
+            return _split_check(setting, names, applied, split, (rotation, closer_look))
+        if not names:  # every gradient left out (ignore=, none given): nothing to hold against the loss
+            text = "no probe made: no trainable parameter with a gradient is left to check (ignore=, or no gradient)"
+            return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, scope="applied",
+                                  notes=[Note(NoteCode.NOTHING_TO_PROBE, text)])  # fmt: skip
+        plan = dataclasses.replace(_plan(setting, names, applied, rotation), closer_look=closer_look,
+                                   float64=float64_probes)  # fmt: skip
+        postponed = _postponed(setting)
+        if postponed is not None:
+            return postponed
+        equivalence, said = None, list[Note]()
+        with surviving_out_of_memory(None, setting.params[0].device) as ran_out:
+            refused = _refused(setting, plan, shards, culprit_search=culprit_search)  # its finite test may run out too
+            if refused is None:
+                with session.measuring():
+                    outcome = measure_window(setting, plan)
+                    if compare_one_batch and len(setting.batches) > 1 and session.collective is None:
+                        equivalence, said = compare_accumulation(setting, plan.names, join=join,
+                                                                 window_normalised=window_normalised)  # fmt: skip
+        if ran_out:  # the state is back and what the check allocated freed: the run goes on
+            return session.report(
+                verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, scope="applied"
+            )
+        if refused is not None:
+            return refused
+        outcome.evaluator.notes.extend(said)
+        if outcome.attribution is not None and outcome.attribution.search_culprit and not isinstance(model, SplitModel):
+            outcome = _searched(
+                setting, outcome, culprit_search=culprit_search
+            )  # a split model's: one rank's loss alone
+        return _report(session, outcome, equivalence)
 
 
 def _window(
@@ -326,7 +332,8 @@ def _split_check(
         again = check(1.0)  # the convention of most tensors' gradients: a fault in a few of them fails in its own
         if again.verdict != Verdict.FAIL or len(_failing(again)) < len(_failing(report)):
             report, said = again, f"{said}; {replicated_note(split.world)}"
-    return dataclasses.replace(report, notes=[*session.leading, Note(NoteCode.RANKS_SPLIT, said), *report.notes])
+    notes = [*session.leading, Note(NoteCode.RANKS_SPLIT, said), *report.notes, *session.closing()]
+    return dataclasses.replace(report, notes=notes)
 
 
 def _failing(report: CheckReport) -> set[str]:

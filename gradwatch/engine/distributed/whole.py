@@ -1,10 +1,9 @@
 """Checks of models whose parameters a parallelising library splits across ranks other than FSDP2's rows: DeepSpeed
 ZeRO (:mod:`.zero`) and tensor parallelism (:mod:`.tensor_parallel`), run on the parameters made whole.
 
-:func:`on_whole_parameters` adapts a check function (:func:`~gradwatch.check_gradients`,
-:func:`~gradwatch.check_applied_gradient`): its model argument unwrapped, made whole for the duration, the applied
-gradients given made whole and keyed by the checked module's names, and the process group of an applied check
-defaulting to the one the library averages (ZeRO) or replicates (tensor parallelism) over.
+:func:`made_whole` is a step of opening a check's session: the model unwrapped and made whole for the check's duration,
+an applied check's gradients made whole and keyed by the checked module's names, and its process group defaulting to
+the one the library averages (ZeRO) or replicates (tensor parallelism) over.
 
 For the update check, :func:`whole` and :func:`whole_value` gather one tensor whole (an FSDP2 ``DTensor``'s shards, a
 ZeRO parameter's fp32 master partitions) and :func:`shares` says which elements of it each rank updates.
@@ -14,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
-from collections.abc import Callable
-from typing import Any, ParamSpec
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +22,6 @@ from torch import Tensor, nn
 
 from gradwatch.engine.distributed import tensor_parallel, zero
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckReport
-
-Options = ParamSpec("Options")
 
 
 def whole(tensor: Any) -> Any:
@@ -81,46 +75,44 @@ def shares(param: Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((int(start), int(count)) for start, count in ranges.tolist())
 
 
-def on_whole_parameters(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:
-    """Make a check of a model (its first argument) take DeepSpeed and tensor-parallel models (see the module doc)."""
-    takes_group = "group" in inspect.signature(check).parameters
+@dataclasses.dataclass
+class Whole:
+    """A check's model made whole (see the module doc): what a check of it runs on, and an applied check's gradients
+    and process group as they follow from it.
 
-    @functools.wraps(check)
-    def run(*args: Options.args, **kwargs: Options.kwargs) -> CheckReport:
-        values: list[Any] = list(args)
-        model = values[0] if values else kwargs.get("model")
-        if not isinstance(model, nn.Module):
-            return check(*args, **kwargs)
-        is_zero = zero.is_engine(model) or any(zero.owned_range(p) is not None for p in model.parameters())
-        is_tp = not is_zero and tensor_parallel.is_tensor_parallel(model)
-        if not (is_zero or is_tp):
-            return check(*args, **kwargs)
-        inner = zero.unwrapped(model)
-        values[0:1] = [inner] if values else []
-        if "model" in kwargs:
-            kwargs["model"] = inner
-        if takes_group:  # an applied check: its gradients, whole and by the checked module's names
-            given = zero.unprefixed(values[3] if len(values) > 3 else kwargs.get("gradients"), model)
-            if is_tp:
-                given = tensor_parallel.whole_gradients(inner, given)
-            if len(values) > 3:
-                values[3] = given
-            else:
-                kwargs["gradients"] = given
-            if kwargs.get("group") is None and dist.is_initialized():
-                kwargs["group"] = zero.data_parallel_group(inner) if is_zero else tensor_parallel.mesh_group(inner)
-        note: Note | None = None
-        with contextlib.ExitStack() as stack:
-            if is_tp:
-                stack.enter_context(tensor_parallel.made_plain(inner))
-                note = Note(NoteCode.TENSOR_PARALLEL, tensor_parallel.TENSOR_PARALLEL_NOTE)
-            else:
-                note = (
-                    Note(NoteCode.ZERO3_GATHERED, zero.ZERO3_NOTE)
-                    if stack.enter_context(zero.gathered(inner))
-                    else None
-                )
-            report = check(*values, **kwargs)
-        return report if note is None else dataclasses.replace(report, notes=[*report.notes, note])
+    Attributes:
+        model: The module the check runs on: the one a DeepSpeed engine wraps, its parameters whole while it runs.
+        gradients: An applied check's gradients, whole and keyed by ``model``'s names (as given for a plain model).
+        group: An applied check's process group: by default the one ZeRO averages or tensor parallelism replicates
+            over (as given for a plain model).
+        note: What the report says of it (ZeRO-3 parameters gathered, tensor-parallel parameters made plain).
+    """
 
-    return run
+    model: nn.Module
+    gradients: Any = None
+    group: Any = None
+    note: Note | None = None
+
+
+@contextlib.contextmanager
+def made_whole(model: nn.Module, gradients: Any = None, group: Any = None) -> Iterator[Whole]:
+    """``model`` made whole for the duration, with an applied check's ``gradients`` and ``group``: a step of opening a
+    check's session (:meth:`~gradwatch.engine.session.CheckSession.open`). A collective for a sharded model: every
+    rank enters together."""
+    is_zero = zero.is_engine(model) or any(zero.owned_range(p) is not None for p in model.parameters())
+    is_tp = not is_zero and tensor_parallel.is_tensor_parallel(model)
+    if not (is_zero or is_tp):
+        yield Whole(model, gradients, group)
+        return
+    inner = zero.unwrapped(model)
+    given = zero.unprefixed(gradients, model)
+    whole = Whole(inner, tensor_parallel.whole_gradients(inner, given) if is_tp else given, group)
+    if group is None and dist.is_initialized():
+        whole.group = zero.data_parallel_group(inner) if is_zero else tensor_parallel.mesh_group(inner)
+    with contextlib.ExitStack() as stack:
+        if is_tp:
+            stack.enter_context(tensor_parallel.made_plain(inner))
+            whole.note = Note(NoteCode.TENSOR_PARALLEL, tensor_parallel.TENSOR_PARALLEL_NOTE)
+        elif stack.enter_context(zero.gathered(inner)):
+            whole.note = Note(NoteCode.ZERO3_GATHERED, zero.ZERO3_NOTE)
+        yield whole

@@ -34,8 +34,6 @@ from typing_extensions import Unpack
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
 from gradwatch.engine.distributed import tensor_parallel
-from gradwatch.engine.distributed.collective import active as sharding_active
-from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossFn
@@ -78,7 +76,6 @@ __all__ = ["check_gradients"]
 @validate.suggests_options(ProbeOptions)
 @refusing_losses_written_for_shards
 @in_lockstep_for_collective_losses
-@on_whole_parameters
 def check_gradients(
     model: nn.Module,
     batch: Any,
@@ -147,11 +144,12 @@ def check_gradients(
         >>> report.verdict
         'ok'
     """
-    session = CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers)
-    focus = validate.check_patterns("focus", focus)
-    validate.check_optional_int("rotation", rotation, minimum=0)
-    refuse_meta(model, batch)
-    return _check(session, batch, loss_fn, focus, rotation, search_budget)
+    with CheckSession.open(model, loss_fn, step=step, settings=settings, options=options,
+                           optimizers=optimizers) as session:  # fmt: skip
+        focus = validate.check_patterns("focus", focus)
+        validate.check_optional_int("rotation", rotation, minimum=0)
+        refuse_meta(session.model, batch)
+        return _check(session, batch, loss_fn, focus, rotation, search_budget)
 
 
 def _check(
@@ -223,7 +221,7 @@ def _check(
         outcome = _run(session, batch, loss_fn, plan)
     if ran_out:  # the state is back, what the check allocated freed; the next check of a run is made cheaper
         return session.report(verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, notes=ran_out, precision=mode)
-    if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and sharding_active() is None:
+    if overall_verdict(outcome.probes) == Verdict.FAIL and is_sixteen_bit(model) and session.collective is None:
         own = (outcome.culprits, outcome.culprit_message, outcome.culprit_search)
         culprits, message, progress = _culprits_of_twin(session, batch, loss_fn, own, search_budget)
         outcome = dataclasses.replace(outcome, culprits=culprits, culprit_message=message, culprit_search=progress)
@@ -313,7 +311,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         ]
         grad_norms = norms(grads, exact=True)
         probes = nonfinite_probes(reference, params, grad_norms)
-        if probes and sharding_active() is None:  # measured against the loss's differences, traced to a module
+        if probes and session.collective is None:  # measured against the loss's differences, traced to a module
             nonfinite = measured_nonfinite(model, evaluator, reference, params)
             probes, culprits, culprit_message = nonfinite.probes, nonfinite.culprits, nonfinite.message
             evaluator.notes += nonfinite.notes
@@ -336,16 +334,16 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
             plan = dataclasses.replace(plan, rtol=measured.rtol)
             surrogates = measured.surrogates
             culprits, culprit_message, progress = measured.culprits, measured.culprit_message, measured.culprit_search
-            if evaluator.refused_by is not None and plan.native_dtype in SIXTEEN_BIT and sharding_active() is None:
+            if evaluator.refused_by is not None and plan.native_dtype in SIXTEEN_BIT and session.collective is None:
                 own = kernel_probes(model, evaluator, evaluator.refused_by)  # its module alone, in 16 bits
                 probes += own
                 named, message = kernel_culprit(model, own)
                 culprits, culprit_message = (named, message) if named else (culprits, culprit_message)
-            if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and sharding_active() is None:
+            if custom.found is not None and overall_verdict(probes) != Verdict.FAIL and session.collective is None:
                 latent = latent_upstream_bug(model, evaluator, reference.param_grads)  # right at weight 1 only
                 evaluator.notes += [latent] if latent is not None else []
     if (
-        sharding_active() is None
+        session.collective is None
         and compiled_parts(model)
         and math.isfinite(plan.rtol)
         and not any(p.reason == "nonfinite" for p in probes)
