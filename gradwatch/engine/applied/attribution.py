@@ -29,8 +29,7 @@ from torch import Tensor
 
 from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.measured import Measured
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.sharded import ranks_at_fault
 from gradwatch.engine.applied.step_hooks import accumulate_hooks, accumulate_message, modified_message, step_pre_hooks
 from gradwatch.engine.applied.window import Checksums, single_loss

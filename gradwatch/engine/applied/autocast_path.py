@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.gradients import Gradient
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import PathContext
 from gradwatch.engine.distributed.collective import active as sharding_active

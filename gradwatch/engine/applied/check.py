@@ -29,8 +29,7 @@ from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Equivalence, Join, compare_accumulation
 from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.sharded import ShardedWindow, shard_window
 from gradwatch.engine.applied.split import SplitModel, replicated_note, split_note, split_window
 from gradwatch.engine.applied.verdict import floor_multiple, relative_floor
@@ -120,7 +119,7 @@ def check_applied_gradient(
         rotation: Which window of tensors the probes cover (the check's position in a series).
         closer_look: ``False``: when the combined probes all agree, stop there and leave the float64 floor and the
             tensor probes to a later check, with a note ``applied-closer-look-deferred`` saying what was looked at
-            (a watch's first applied check, which no budget bounds: :mod:`~gradwatch.engine.applied.closer_look`); a
+            (a watch's first applied check, which no budget bounds: :mod:`~gradwatch.engine.applied.probes`); a
             probe that does not agree goes on to them at once.
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.combined import balanced_components, balanced_weights, floor_along
+from gradwatch.engine.applied.gradients import rank_means
 from gradwatch.engine.applied.measured import Measured, explained
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.path import AppliedPlan
 from gradwatch.engine.applied.verdict import FloorJudge, Judged, float64_step, storage_rounding
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import global_numel
@@ -46,10 +45,10 @@ class AppliedProbes:
         plan: The applied gradient and how it is judged.
         moved: The tensors the probes move (the parameters, or their float64 substitutes).
         floors: The path's noise floor per tensor (see :func:`~gradwatch.engine.applied.verdict.floors`).
-        provisional: The floors are a lower bound (:mod:`.lazy_floor`): a screen that does not agree stops there, for
+        provisional: The floors are a lower bound (:mod:`.measurement`): a screen that does not agree stops there, for
             the check to measure the floor and probe again.
         rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
-            float64, :mod:`.lazy_floor`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
+            float64, :mod:`.measurement`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
     def __init__(
@@ -63,6 +62,7 @@ class AppliedProbes:
         rounding: Sequence[float] | None = None,
     ) -> None:
         self.measurements = measurements
+        self.plan = plan
         native_dtype = plan.native
         self.rounding = rounding
         self.provisional = provisional
@@ -79,7 +79,8 @@ class AppliedProbes:
         self.grad_norms = list(plan.applied_norms)
         self.grad_norm = math.hypot(*self.grad_norms)
         numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
-        param_norms = _agreed(norms(self.moved), getattr(measurements.evaluator, "group", None))
+        # every rank takes the same steps (ranks whose parameters diverged would average differences over other steps)
+        param_norms = rank_means(norms(self.moved), getattr(measurements.evaluator, "group", None))
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
@@ -237,14 +238,3 @@ class AppliedProbes:
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, result.tolerance, result.excess,
                         explained=explained(self.rounding, tensors, weights), exact_tolerance=exact)  # fmt: skip
-
-
-def _agreed(values: list[float], group: Any) -> list[float]:
-    """``values`` averaged over the ranks of ``group`` (as they are without one): the probes' steps come from the
-    parameters' sizes, and every rank must take the same step, or the ranks' losses, averaged at each point, would be
-    differences over different steps (ranks whose parameters diverged after a step that applied different gradients)."""
-    if group is None or not values:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, group=group)
-    return (tensor / torch.distributed.get_world_size(group)).tolist()

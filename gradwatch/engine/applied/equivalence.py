@@ -260,7 +260,7 @@ def compare_accumulation(
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
     eager backward passes (the window, the one batch), in eval mode, and a third (the one batch at three times the
     loss) only when they differ by more than the least tolerance: the tolerance is then measured, as the applied check
-    measures its floor only when a probe needs it (:mod:`.lazy_floor`).
+    measures its floor only when a probe needs it (:mod:`.measurement`).
 
     ``window_normalised`` (or a function that says so, asked only when the accumulated gradient is the one-batch one
     divided by the window's size): each micro-batch's loss is already divided by the window's count, so that division

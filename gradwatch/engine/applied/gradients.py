@@ -83,6 +83,15 @@ def _gradient(
     return value, rank_mean(grads, group)
 
 
+def rank_means(values: list[float], group: Any) -> list[float]:
+    """``values`` averaged over the ranks of ``group`` in float64 (as they are without one)."""
+    if group is None or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return (tensor / dist.get_world_size(group)).tolist()
+
+
 def rank_mean(grads: Gradient, group: Any) -> Gradient:
     """The mean over the ranks of ``group`` (a plain all-reduce); ``grads`` without one."""
     if group is None:
@@ -104,7 +113,7 @@ def exact_conditions(ieee: bool = True) -> Iterator[list[tuple[str, torch.dtype]
     passes), so that it draws the training's masks; activation checkpoints run non-reentrant (a reentrant one refuses
     ``torch.autograd.grad``). Yields the autocast regions the loss tried to enter meanwhile
     (:func:`~gradwatch.engine.function.conditions.autocast_held_off`). Not ``ieee``: float32 kernels as training set
-    them (TF32 where it is on: :mod:`.reduced_float32`)."""
+    them (TF32 where it is on: :mod:`.measurement`)."""
     with (
         autocast_held_off() as entered,
         full_float32_precision() if ieee else contextlib.nullcontext(),

@@ -4,7 +4,7 @@ A probe's discrepancy ``a − D`` (the applied gradient's slope against the meas
 the path's gradient along its direction. Its tolerance allows for that rounding by Cauchy-Schwarz, tensor by tensor
 (``Σ_T floor_T ‖d_T‖``), so a rounding of the same sign in every tensor (common-mode: a float32 CNN at initialisation)
 brings a healthy combined probe close to half its tolerance, which alone would send the check on to tensor probes
-(:data:`~.combined.CLOSER_LOOK`). Once the float64 floor is measured (:mod:`.lazy_floor`) that rounding is known as a
+(:data:`~.combined.CLOSER_LOOK`). Once the float64 floor is measured (:mod:`.measurement`) that rounding is known as a
 vector, not only as a norm: the eager gradient less the float64 one, ``e``. Its part along the probe's direction,
 ``e · d`` (:attr:`Measured.explained`), is then the discrepancy rounding alone would give, and what calls for a closer
 look is what is left of the discrepancy beyond it, or the discrepancy itself where that is smaller (the finite

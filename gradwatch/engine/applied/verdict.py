@@ -176,7 +176,7 @@ class FloorJudge:
 
     A screen borrows the round-off of one loss evaluation the window's measurements assume (float64) or the descent
     probe's first full stencil measured (natively): ``measurements.loss_noise``. ``provisional``: the floors are a
-    lower bound (:mod:`.lazy_floor`), and a screen that does not agree is not completed (the check measures the floor
+    lower bound (:mod:`.measurement`), and a screen that does not agree is not completed (the check measures the floor
     and probes again). A failure stands only where it reproduces at the second step (:func:`confirmed`) and the point
     is no tie of the loss; no undecided probe is measured again (the probes already run on float64 storage where the
     model allows it)."""

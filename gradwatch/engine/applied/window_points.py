@@ -3,7 +3,7 @@
 
 It is the check's :class:`~gradwatch.engine.measuring.points.Measurements` with two things a window adds:
 
-* **screens kept for a second pass**: a check whose floor is measured only when a probe needs it (:mod:`.lazy_floor`)
+* **screens kept for a second pass**: a check whose floor is measured only when a probe needs it (:mod:`.measurement`)
   probes the same point twice, against two floors; the second pass takes the first one's screens (by probe and step)
   and evaluates none of them again;
 * **the centre evaluated only when a stencil needs it**: a float64 pass evaluates no loss at the unperturbed point up
