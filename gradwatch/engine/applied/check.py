@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.applied.attribution import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.autocast_path import path_autocast
-from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Equivalence, Join, compare_accumulation
 from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
 from gradwatch.engine.applied.path import AppliedPlan, PathSetting

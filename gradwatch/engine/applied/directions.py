@@ -1,7 +1,7 @@
 """The directions of an applied check's probes, measured by the ladder: :class:`AppliedProbes`.
 
 The probes move the parameters along the applied gradient itself (the descent probe, over every tensor), along every
-tensor's own normalised gradient at once or over a group of tensors (the balanced probes, :mod:`.combined`), and
+tensor's own normalised gradient at once or over a group of tensors (the balanced probes, :mod:`.measured`), and
 along one tensor's part of it (which of them are made: :mod:`.probes`). Each is a
 :class:`~gradwatch.engine.probing.tasks.ProbeTask` that the ladder (:mod:`gradwatch.engine.probing.ladder`) measures
 and escalates like a recomputed check's probe, from a two-point screen (with float64 evaluations, whose round-off is
@@ -18,9 +18,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from gradwatch.engine.applied.combined import balanced_components, balanced_weights, floor_along
 from gradwatch.engine.applied.gradients import rank_means
-from gradwatch.engine.applied.measured import Measured, explained
+from gradwatch.engine.applied.measured import Measured, balanced_components, balanced_weights, explained, floor_along
 from gradwatch.engine.applied.path import AppliedPlan
 from gradwatch.engine.applied.verdict import FloorJudge, Judged, float64_step, storage_rounding
 from gradwatch.engine.applied.window_points import WindowMeasurements
@@ -119,7 +118,7 @@ class AppliedProbes:
         return self._measure(task, (1.0 / self.grad_norm,) * len(every))
 
     def balanced(self, group: Sequence[int] | None = None) -> Measured | None:
-        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`), or those of ``group``
+        """The probe along every tensor's own normalised gradient at once (:mod:`.measured`), or those of ``group``
         alone (its target then names them); ``None`` with fewer than two tensors with a gradient (the descent probe is
         that direction then)."""
         chosen = set(range(len(self.grad_norms)) if group is None else group)

@@ -103,7 +103,7 @@ class AppliedPlan:
         path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
         multiple: How many noise floors of the path a gradient may be off.
         tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
-            call for them (see :mod:`.combined`; every tensor once a probe fails).
+            call for them (see :mod:`.measured`; every tensor once a probe fails).
         rotation: Which turn of tensors this check probes.
         eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
             applied gradient is further from it than its floor allows is probed on its own

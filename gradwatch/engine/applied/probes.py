@@ -36,10 +36,19 @@ from typing import Any
 
 import torch
 
-from gradwatch.engine.applied.combined import CLOSER_LOOK, tensors_to_probe, unvouched, vouching_groups
 from gradwatch.engine.applied.directions import AppliedProbes
 from gradwatch.engine.applied.gradients import exact_conditions, rank_means
-from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
+from gradwatch.engine.applied.measured import (
+    CLOSER_LOOK,
+    Measured,
+    Rounding,
+    calm,
+    off_eager,
+    tensors_to_probe,
+    unvouched,
+    vouchers,
+    vouching_groups,
+)
 from gradwatch.engine.applied.path import AppliedPlan
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
