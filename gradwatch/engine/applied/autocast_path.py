@@ -32,7 +32,7 @@ from torch import Tensor
 from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import PathContext
+from gradwatch.engine.applied.window import PathContext, autocast_context
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -155,11 +155,7 @@ def candidates(device: str) -> list[tuple[torch.dtype, PathContext]]:
     )
     if device == "cuda" and not torch.cuda.is_bf16_supported():
         order = (torch.float16,)
-    return [(dtype, _context(device, dtype)) for dtype in order]
-
-
-def _context(device: str, dtype: torch.dtype) -> PathContext:
-    return lambda: torch.autocast(device, dtype=dtype)
+    return [(dtype, autocast_context(device, dtype)) for dtype in order]
 
 
 @dataclass(frozen=True)

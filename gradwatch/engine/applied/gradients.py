@@ -1,22 +1,16 @@
 """The window's gradient computed again along other paths: what a noise floor and an attribution compare.
 
-Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), with the
-random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions:
+Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), the
+random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions: eager
+float32 (:func:`eager_gradient`), with a 16-bit autocast path's rounding emulated (:func:`emulated_gradient`), on
+float64 copies with the parameters' gradient hooks applied (:func:`float64_gradient`), or on the training's own path
+with one element of it switched off or the loss scaled (:func:`path_gradient`).
 
-* :func:`eager_gradient`: today's recomputation, eager float32, outside autocast, full-precision kernels;
-* :func:`emulated_gradient`: the same with the rounding of a 16-bit autocast path (:mod:`.rounding`);
-* :func:`float64_gradient`: on float64 copies of the parameters, buffers and inputs, the gradient hooks of the
-  parameters applied as autograd applies them to the float32 parameters;
-* :func:`path_gradient`: on the training's own path, as the loop runs its forward (its autocast context, its compiled
-  code), or with one element of the path switched off (``compiled=False``: compiled code run eagerly), or of the loss
-  scaled by a factor (the same gradient, rounded otherwise).
-
-Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
-by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
-``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.distributed`) each result
-is this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate
-with respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not
-available (FSDP gathers parameters in their own dtype).
+Under DDP (a ``group``) every result is the mean over the ranks by a plain all-reduce of gradwatch's own: the
+training's reduction (and its communication hooks) is what the ``"reduction"`` attribution leaves out. Under FSDP2
+each result is this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot
+differentiate with respect to a shard); :func:`float64_gradient` is not available there (FSDP gathers parameters in
+their own dtype).
 """
 
 from __future__ import annotations
@@ -107,13 +101,10 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
 
 @contextlib.contextmanager
 def exact_conditions(ieee: bool = True) -> Iterator[list[tuple[str, torch.dtype]]]:
-    """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
-    Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
-    check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
-    passes), so that it draws the training's masks; activation checkpoints run non-reentrant (a reentrant one refuses
-    ``torch.autograd.grad``). Yields the autocast regions the loss tried to enter meanwhile
-    (:func:`~gradwatch.engine.function.conditions.autocast_held_off`). Not ``ieee``: float32 kernels as training set
-    them (TF32 where it is on: :mod:`.measurement`)."""
+    """The conditions of the check's own evaluations: outside autocast (also where the loss enters it), full-precision
+    float32 kernels (not ``ieee``: as training set them, TF32 where it is on), compiled code run eagerly, activation
+    checkpoints non-reentrant; dropout left as training calls it, so that it draws the training's masks. Yields the
+    autocast regions the loss tried to enter (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)."""
     with (
         autocast_held_off() as entered,
         full_float32_precision() if ieee else contextlib.nullcontext(),
@@ -134,9 +125,8 @@ def eager_gradient(
     scale: float = 1.0,
     ieee: bool = True,
 ) -> Gradient:
-    """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window); with
-    a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise); not ``ieee``, with the
-    float32 kernels training's settings choose (TF32)."""
+    """Eager float32 autograd of the window's loss, outside autocast; with a ``scale``, of the loss times it, divided by
+    it (the same gradient, rounded otherwise); not ``ieee``, with the float32 kernels training's settings choose."""
     with exact_conditions(ieee):
         return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)[1]
 
@@ -165,8 +155,8 @@ def float64_gradient(
     *,
     group: Any = None,
 ) -> Gradient:
-    """Eager autograd on float64 storage. The parameters' own gradient hooks (``param.register_hook``) are applied to
-    the result, as autograd applies them to the parameters' gradient: a hook is part of the gradient being checked."""
+    """Eager autograd on float64 storage, the parameters' own gradient hooks (``param.register_hook``) applied to the
+    result: a hook is part of the gradient being checked."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
         wrt = [substitute_of(p, substitutes) for p in params]
@@ -189,11 +179,9 @@ def path_gradient(
     group: Any = None,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
-    """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
-    per micro-batch), with compiled code run eagerly if not ``compiled``, every autocast region held off if not
-    ``autocast``; with a ``scale``, the gradient of the loss
-    times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
-    :func:`~gradwatch.engine.applied.verdict.floors`)."""
+    """The window's loss and gradient as the training computes them, compiled code run eagerly if not ``compiled``,
+    every autocast region held off if not ``autocast``; with a ``scale``, the gradient of the loss times it, divided by
+    it (rounded otherwise on a 16-bit path: :func:`~.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())

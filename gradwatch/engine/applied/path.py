@@ -2,9 +2,8 @@
 probes are asked to do (:class:`AppliedPlan`).
 
 Every step of an applied check (its floor, the probes' window loss, the one-batch comparison, the attribution) needs
-the same facts about the window: its micro-batches with their random states, how the loop combines their losses, the
-context the forward ran in, the DDP group, the loop's loss scale. They travel as this one object, which also runs the
-window's gradient again along the paths those steps compare (:mod:`.gradients`).
+the same facts about the window; they travel as one object, which also runs the window's gradient again along the
+paths those steps compare (:mod:`.gradients`).
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ from gradwatch.engine.session import CheckSession
 
 @dataclass(kw_only=True)
 class PathSetting:
-    """The training's path, as the check can run it again (see :func:`~.attribution.attribute`): in the check's
-    ``session`` (its model, checked parameters and training state), the window's micro-batches with their random
-    states and how the loop combines their losses, the context the forward ran in (``autocast``: its dtype;
-    ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients present
-    when the window began, the loop's loss scale, and the cap on a formula fault's culprit search."""
+    """The training's path, as the check can run it again: the check's ``session``, the window's micro-batches with
+    their random states and how the loop combines their losses, the context the forward ran in (``autocast``: its
+    dtype; ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients
+    present when the window began, the loop's loss scale, and the cap on a formula fault's culprit search."""
 
     session: CheckSession
     batches: list[Any]
@@ -67,27 +65,24 @@ class PathSetting:
 
     def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
         """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
-        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
-        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
-        scale."""
+        path's context (nor any autocast the forward enters itself) unless ``with_path``, compiled code run eagerly
+        unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own scale."""
         return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
                                        compiled=compiled, autocast=with_path, group=self.group,
                                        scale=scale * self.loss_scale)  # fmt: skip
 
     def eager(self, *, scale: float = 1.0, ieee: bool = True) -> Gradient:
-        """Eager float32 autograd of the window's loss outside the path's context
-        (:func:`~.gradients.eager_gradient`)."""
+        """:func:`~.gradients.eager_gradient` of the window's loss."""
         return gradients.eager_gradient(self.model, self.batches, self.window(with_path=False), self.params,
                                         self.state, group=self.group, scale=scale, ieee=ieee)  # fmt: skip
 
     def emulated(self, dtype: torch.dtype) -> Gradient:
-        """Eager float32 autograd with autocast's rounding to ``dtype`` emulated
-        (:func:`~.gradients.emulated_gradient`)."""
+        """:func:`~.gradients.emulated_gradient` of the window's loss."""
         return gradients.emulated_gradient(self.model, self.batches, self.window(with_path=False), self.params,
                                            self.state, dtype=dtype, group=self.group)  # fmt: skip
 
     def float64(self) -> Gradient:
-        """Eager autograd of the window's loss on float64 storage (:func:`~.gradients.float64_gradient`)."""
+        """:func:`~.gradients.float64_gradient` of the window's loss."""
         return gradients.float64_gradient(self.model, self.batches, self.window(with_path=False), self.params,
                                           self.state, group=self.group)  # fmt: skip
 
@@ -106,8 +101,7 @@ class AppliedPlan:
             call for them (see :mod:`.measured`; every tensor once a probe fails).
         rotation: Which turn of tensors this check probes.
         eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
-            applied gradient is further from it than its floor allows is probed on its own
-            (:func:`~.measured.off_eager`).
+            applied gradient is further from it than its floor allows is probed (:func:`~.measured.off_eager`).
         closer_look: ``False``: the check stops after its combined probes when they all agree, leaving the float64
             floor, groups and tensor probes to a later check (a watch's first applied check: :mod:`.probes`).
         float64: ``False``: the probes run natively (float64 reductions) without trying float64 first (a watch whose
@@ -127,6 +121,5 @@ class AppliedPlan:
 
     @cached_property
     def applied_norms(self) -> list[float]:
-        """``‖g_T‖`` of each tensor of ``applied``, accumulated in float64: computed once for the plan (the floors,
-        the probes' directions and their tensor choices all ask for them)."""
+        """``‖g_T‖`` of each tensor of ``applied``, accumulated in float64, computed once."""
         return norms(self.applied, exact=True)
