@@ -1,18 +1,15 @@
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in.
 
-The failing probes measured the window loss's derivative along their directions; any gradient can be held against
-those measurements (:meth:`~gradwatch.engine.applied.measured.Measured.agrees`) at the cost of one backward pass, with
-no new loss evaluation. The attribution recomputes the window's gradient along paths that differ from the training's in
-one element at a time:
+Any gradient can be held against the failing probes' measurements (:meth:`~.measured.Measured.agrees`) at the cost of
+one backward pass, with no new loss evaluation. The attribution recomputes the window's gradient along paths that
+differ from the training's in one element at a time:
 
-1. **the same path again** (same micro-batches, same random states, the path's autocast and compiled code, gradwatch's
-   own plain mean across ranks). If it is right, the path computes the right gradient and what the optimizer got is
-   something else: leftovers of an earlier window (the residual has the fingerprint of the gradients present when the
-   window began) or another combination of the window's micro-batch gradients → ``"accumulation"``; under DDP the
-   training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; under FSDP2
-   the rows of some ranks, not all, off (the recomputation runs FSDP's reduce-scatter too) → ``"reduction"`` naming
-   them; otherwise the path gives another answer when run again → ``"modified"`` when the optimizers run step
-   pre-hooks (:mod:`.step_hooks`: the change recurs), else ``"transient"``.
+1. **the same path again** (same micro-batches and random states, gradwatch's own plain mean across ranks). If it is
+   right, what the optimizer got is something else: leftovers of an earlier window (the residual has the fingerprint
+   of the gradients present when the window began) or another combination of the micro-batch gradients →
+   ``"accumulation"``; under DDP the training's own reduction → ``"reduction"``; under FSDP2 the rows of some ranks,
+   not all, off → ``"reduction"`` naming them; else ``"modified"`` where hooks explain a change that recurs
+   (:mod:`.step_hooks`), or ``"transient"``.
 2. the path reproduces the wrong gradient: **eager float32** (today's recomputation) wrong too → ``"formula"``;
 3. eager right: the **compiled** code run eagerly under the path's autocast is right → ``"compiled"``; then **autocast
    off** is right → ``"precision"``; else ``"unknown"``.

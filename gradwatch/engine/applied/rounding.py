@@ -1,12 +1,11 @@
 """A trusted gradient with the rounding of a 16-bit autocast path: the reference a noise floor is measured with.
 
-A correct bf16-autocast gradient differs from the exact derivative by its rounding; a wrong one by its bug. To tell
-them apart, an applied check needs to know how far a *correct* gradient of that precision is off, and it cannot ask the
-path's own kernels, which are what is being checked. In the spirit of flash-attention's tests (a kernel's error is
-judged against the error of a same-precision PyTorch reference), :class:`AutocastRounding` builds that same-precision
-reference from float32 kernels that the float32 checks vouch for. Below autograd (a ``TorchDispatchMode``, so the
-backward's operations are seen as well as the forward's, inside composite functions too) it rounds values to the
-autocast dtype where autocast would hold them in 16 bits:
+A correct bf16-autocast gradient differs from the exact derivative by its rounding, a wrong one by its bug; the check
+needs to know how far a *correct* one is off without asking the path's own kernels, which are what is checked. In the
+spirit of flash-attention's tests (a kernel's error judged against a same-precision PyTorch reference's),
+:class:`AutocastRounding` builds that reference from float32 kernels the float32 checks vouch for: below autograd (a
+``TorchDispatchMode``, which sees the backward's operations too) it rounds values to the autocast dtype where autocast
+would hold them in 16 bits:
 
 * the operands and results of the operations autocast runs in 16 bits (matrix products, convolutions and their
   backward, attention);
@@ -14,9 +13,9 @@ autocast dtype where autocast would hold them in 16 bits:
   float32 tensor takes part in an elementwise operation (type promotion makes the result float32, as under autocast)
   and except the losses autocast runs in float32.
 
-Its formulas are float32 autograd's, so a backward that is wrong only under autocast (the fault checked for) is not
-in it; its rounding is autocast's, so its distance from the float32 gradient is the noise floor of a correct gradient on
-the path. Where it cannot tell (a mixed-dtype norm's weight gradient) it rounds, which can only raise the floor.
+Its formulas are float32 autograd's (a backward wrong only under autocast is not in it) and its rounding autocast's,
+so its distance from the float32 gradient is the noise floor of a correct gradient on the path. Where it cannot tell (a
+mixed-dtype norm's weight gradient) it rounds, which can only raise the floor.
 """
 
 from __future__ import annotations
@@ -78,8 +77,8 @@ _PROMOTING = {
 
 def _floats(values: Any, found: list[Tensor] | None = None) -> list[Tensor]:
     """The floating tensors among ``values`` (an operation's arguments or results), in ``tree_flatten``'s order: walked
-    by hand through tuples, lists and dicts (what the dispatcher passes), pytree's generic walk for anything else; this
-    runs for every operation of the forward and the backward, where pytree's walk cost more than the operation."""
+    by hand through tuples, lists and dicts, pytree's walk for anything else (for every operation, pytree's walk cost
+    more than the operation)."""
     found = [] if found is None else found
     if isinstance(values, Tensor):
         if values.is_floating_point():
@@ -113,11 +112,7 @@ _ATOMS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layou
 
 
 class AutocastRounding(TorchDispatchMode):
-    """Emulates the rounding of autocast to ``dtype`` on float32 kernels (see the module doc).
-
-    Args:
-        dtype: The autocast dtype (``torch.bfloat16`` or ``torch.float16``).
-    """
+    """Emulates the rounding of autocast to ``dtype`` (``torch.bfloat16`` or ``torch.float16``) on float32 kernels."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()

@@ -1,14 +1,11 @@
 """The applied gradient of a sharded model (FSDP2's ``fully_shard``): each rank checks its shard of it, together.
 
-After FSDP's reduce-scatter each rank holds, as ``param.grad``, its rows of the mean over the ranks of their
-gradients: one gradient of the global loss (the mean of the ranks' window losses), in pieces. An applied check of it is
-a sharded check (:mod:`gradwatch.engine.distributed`): every rank moves its own shards along one global direction (its
-rows of the applied gradient), every number a probe decides on is summed over the ranks, and every loss is the global
-loss, so that all ranks run the same evaluations in the same order (the collectives of FSDP's forward need it).
-
-There is no cross-rank checksum to compare (each rank holds other rows); instead, when a probe fails, each rank's rows
-are held against the same rows recomputed on the training's path, and the ranks whose rows disagree are named
-(:func:`ranks_at_fault`).
+After FSDP's reduce-scatter each rank holds, as ``param.grad``, its rows of one gradient of the global loss (the mean
+of the ranks' window losses). Its applied check is a sharded check (:mod:`gradwatch.engine.distributed`): every rank
+moves its own shards along its rows of the applied gradient, every number a probe decides on is summed over the ranks,
+and all ranks run the same evaluations in the same order (the collectives of FSDP's forward need it). There is no
+cross-rank checksum to compare; when a probe fails, the ranks whose rows disagree with the same rows recomputed on the
+training's path are named (:func:`ranks_at_fault`).
 """
 
 from __future__ import annotations

@@ -1,26 +1,22 @@
 """A model split across the ranks by hand, checked as what it is: :func:`split_window`.
 
 Ranks that hold different parameters without a library that says how (hand-written tensor or pipeline parallelism,
-:func:`~gradwatch.engine.applied.window.ranks_with_other_parameters`) train one function: the sum ``S`` of the ranks'
-losses. Each rank's backward computes ``∂S/∂θ_r`` for its own parameters ``θ_r`` when the loss's collectives have
-their adjoints as backward (``torch.distributed.nn``'s all-reduce sums the ranks' output gradients), and for a loss
-without collectives ``∂S/∂θ_r`` is the rank's own loss's gradient. No rank's loss alone is that function, and the
+:func:`~.window.ranks_with_other_parameters`) train one function: the sum ``S`` of the ranks' losses. Each rank's
+backward computes ``∂S/∂θ_r`` for its own parameters when the loss's collectives have their adjoints as backward
+(``torch.distributed.nn``'s all-reduce), or when the loss has none. No rank's loss alone is that function, and the
 ranks' gradients are no copies of one reduced gradient to compare.
 
-The applied check of DDP replicas already evaluates a loss with collectives on every rank in lockstep at the same
-point, against the mean of the ranks' losses, and decides only on numbers the same on every rank. A split model is made
-such replicas for the check: on every rank a :class:`SplitModel` holds every rank's part under ``rank.<r>``, its own the
-module itself and the others' a copy of their parameters and gradients (one gather), which the probes move as the
-owner moves the real ones and which its forward never uses. Each rank's loss is scaled by the number of ranks, so the
-mean of the ranks' losses is ``S``, and the gradient checked is the training's own. A probe of one tensor moves it on
-its owner alone, and a failing one names the rank (``rank.1.0.weight``). A recomputed gradient (the path's, the floor's)
-is each rank's own, zero on the copies, averaged as DDP averages: ``∂S/∂θ_r`` again. Where every rank computes the same
-loss ``L`` (tensor parallelism), Megatron's convention (the forward's all-reduce with an identity backward) trains
-``∂L/∂θ_r = ∂S/∂θ_r / world`` instead: a gradient wrong for ``S`` is then checked against ``L`` too
-(:func:`~gradwatch.engine.applied.check.check_applied_gradient` keeps the convention more of its tensors agree with).
-
-The cost: every rank holds every rank's checked parameters and gradients for the check (fine for the small models a
-split by hand runs on a few ranks; a large one wants a library that describes the split: DTensor, FSDP2).
+The applied check of DDP replicas already evaluates a loss with collectives on every rank in lockstep, against the
+mean of the ranks' losses. A split model is made such replicas for the check: on every rank a :class:`SplitModel` holds
+every rank's part under ``rank.<r>``, its own the module itself and the others' a copy of their parameters and
+gradients (one gather), which the probes move as the owner moves the real ones and its forward never uses. Each rank's
+loss is scaled by the number of ranks, so the mean is ``S``. A probe of one tensor moves it on its owner alone, and a
+failing one names the rank (``rank.1.0.weight``). A recomputed gradient is each rank's own, zero on the copies,
+averaged as DDP averages: ``∂S/∂θ_r`` again. Where every rank computes the same loss ``L`` (tensor parallelism),
+Megatron's convention (the forward's all-reduce with an identity backward) trains ``∂L/∂θ_r = ∂S/∂θ_r / world``: a
+gradient wrong for ``S`` is then checked against ``L`` too (:func:`~.check.check_applied_gradient` keeps the convention
+more of its tensors agree with). The cost: every rank holds every rank's checked parameters and gradients (fine for
+the small models split by hand; a large one wants DTensor or FSDP2).
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ __all__ = ["SplitModel", "SplitWindow", "replicated_note", "split_note", "split_
 
 
 class SplitModel(nn.Module):
-    """Every rank's part of a model split by hand, on one rank: ``rank[r]`` this rank's own module where ``r`` is this
-    rank, else a copy of rank ``r``'s checked parameters (see the module doc)."""
+    """Every rank's part of a model split by hand: ``rank[r]`` this rank's own module, or a copy of rank ``r``'s checked
+    parameters."""
 
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -64,9 +60,8 @@ def _copy(named: Sequence[tuple[str, Tensor]], device: torch.device) -> nn.Modul
 
 @dataclasses.dataclass
 class SplitWindow:
-    """A split model's check as replicas: the :class:`SplitModel`, every rank's gradients by its name there, the user's
-    loss and this rank's part, and the first value each loss made for the check returned (this rank's own loss at the
-    point)."""
+    """A split model's check as replicas: the :class:`SplitModel`, every rank's gradients by their names there, the
+    user's loss and this rank's part, and the first value of this rank's own loss at the point."""
 
     model: SplitModel
     gradients: dict[str, Tensor]
@@ -87,7 +82,7 @@ class SplitWindow:
         return scaled
 
     def replicated(self, group: Any) -> bool:
-        """Whether every rank's loss had the same value at the point (every rank together)."""
+        """Whether every rank's loss had the same value at the point (a collective)."""
         every: list[Any] = [None] * self.world
         dist.all_gather_object(every, self.first[:1], group=group)
         return all(found == every[0] and found for found in every)
@@ -96,9 +91,8 @@ class SplitWindow:
 def split_window(
     model: nn.Module, loss_fn: LossFn, names: Sequence[str], applied: Sequence[Tensor], group: Any
 ) -> SplitWindow:
-    """A split model's check as replicas (see the module doc): ``model`` this rank's part, ``names`` its checked
-    parameters and ``applied`` their gradients (complex ones as their real views). One gather over ``group``, every
-    rank together."""
+    """A split model's check as replicas: ``model`` this rank's part, ``names`` its checked parameters and ``applied``
+    their gradients (complex ones as their real views). One gather over ``group``."""
     params = dict(model.named_parameters())
     gradients = [torch.view_as_complex(g) if params[n].is_complex() else g for n, g in zip(names, applied, strict=True)]
     mine = [(name, params[name].detach().cpu(), g.detach().cpu()) for name, g in zip(names, gradients, strict=True)]
