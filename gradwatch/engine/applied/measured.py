@@ -40,8 +40,7 @@ from gradwatch.engine.results.report import Probe
 
 CLOSER_LOOK = 0.5
 """A combined probe whose discrepancy exceeds this fraction of its tolerance (its ``excess``), though it agrees, sends
-the check on to the tensor probes (in turn, ``tensor_probes`` of them): healthy checks stay below 0.5 on the benchmark
-models (``docs/benchmarks.md``), while a fault just under the tolerance is then looked at tensor by tensor."""
+the check on to the tensor probes: healthy checks stay below it on the benchmark models (``docs/benchmarks.md``)."""
 
 
 RESOLUTION_LOSS = 2.0
@@ -64,22 +63,16 @@ def balanced_weights(grad_norms: Sequence[float]) -> list[float]:
     return [1.0 / (n * root) if ok else 0.0 for n, ok in zip(grad_norms, usable, strict=True)]
 
 
-def balanced_components(grads: Sequence[Tensor], weights: Sequence[float]) -> list[Tensor]:
-    """The balanced unit direction, tensor by tensor (``weights[i] · grads[i]``; new tensors, the gradients are left
-    as they are)."""
-    return [grad * weight for grad, weight in zip(grads, weights, strict=True)]
-
-
 def floor_along(floors: Sequence[float], part_norms: Sequence[float]) -> float:
-    """The path's noise floor along a unit direction whose part in tensor ``T`` has norm ``part_norms[T]``: no gradient
-    within ``floor_T`` of a correct one in every tensor is further off along it than ``Σ_T floor_T · ‖d_T‖``."""
+    """The path's noise floor along a unit direction whose part in tensor ``T`` has norm ``part_norms[T]``,
+    ``Σ_T floor_T · ‖d_T‖`` (Cauchy-Schwarz)."""
     return math.fsum(f * n for f, n in zip(floors, part_norms, strict=True))
 
 
 @dataclass(frozen=True)
 class Combined:
-    """What :func:`tensors_to_probe` needs of one combined probe: its verdict, its discrepancy over its tolerance
-    (``excess``), its tolerance, and the coefficient ``w_T`` of each tensor's applied gradient in its direction."""
+    """What :func:`tensors_to_probe` needs of one combined probe (``weights``: the coefficient ``w_T`` of each
+    tensor's applied gradient in its direction)."""
 
     verdict: str
     excess: float
@@ -113,11 +106,10 @@ def unvouched(
 def vouching_groups(
     candidates: Sequence[int], grad_norms: Sequence[float], floors: Sequence[float], multiple: float
 ) -> list[list[int]]:
-    """Groups of two or more ``candidates`` such that a balanced probe over a group alone, at the floors (before its
-    own noise), would vouch for each of its tensors (:func:`unvouched`'s test). Along the balanced direction over ``k``
-    tensors, ``T`` resolves ``multiple · Σ floor / ‖g_T‖``, so the test is ``Σ floor ≤ cap_T`` with ``cap_T`` the
-    larger of ``RESOLUTION_LOSS · floor_T`` and ``RESOLUTION_TARGET · ‖g_T‖ / multiple``: the tensors are taken in
-    order of their floor and added while the sum stays within every member's cap, then the rest grouped again."""
+    """Groups of two or more ``candidates`` that a balanced probe over a group alone, at the floors, would vouch for
+    (:func:`unvouched`'s test): ``T`` resolves ``multiple · Σ floor / ‖g_T‖`` there, so the test is ``Σ floor ≤
+    cap_T``, ``cap_T`` the larger of ``RESOLUTION_LOSS · floor_T`` and ``RESOLUTION_TARGET · ‖g_T‖ / multiple``. The
+    tensors are taken in order of their floor while the sum stays within every member's cap, then the rest again."""
     usable = [i for i in candidates if grad_norms[i] > 0 and math.isfinite(grad_norms[i]) and math.isfinite(floors[i])]
     caps = {i: max(RESOLUTION_LOSS * floors[i], RESOLUTION_TARGET * grad_norms[i] / multiple) for i in usable}
     left = sorted(usable, key=lambda i: floors[i])
@@ -148,10 +140,9 @@ def tensors_to_probe(
     rotation: int,
     also: Sequence[int] = (),
 ) -> list[int]:
-    """Which tensors to probe one by one after the combined probes: every one when one fails; ``tensor_probes`` of
-    them in turn (all for ``None``) from the ``rotation``-th window on (the check's position in a series) when one does
-    not agree within :data:`CLOSER_LOOK` of its tolerance; else those none of them vouches for (:func:`unvouched`),
-    again ``tensor_probes`` of them in turn; and every one of ``also`` besides."""
+    """Which tensors to probe one by one after the combined probes: every one when one fails; when one does not agree
+    within :data:`CLOSER_LOOK`, all, else those none vouches for (:func:`unvouched`), ``tensor_probes`` of them in turn
+    (the ``rotation``-th turn; all for ``None``); and every one of ``also`` besides."""
     count = len(grad_norms)
     if any(probe.verdict == "fail" for probe in combined):
         return list(range(count))
@@ -165,11 +156,10 @@ def tensors_to_probe(
 
 @dataclass
 class Measured:
-    """A finished probe and what an attribution needs of it: which tensors it moved, its unit direction's coefficient
-    over the applied gradient in each of them, the derivative it measured and its tolerance; ``explained``, the
-    discrepancy ``a − D`` the path's measured rounding predicts along its direction (0 when that is not measured);
-    ``exact_tolerance``, with that rounding measured, the tolerance with the floor at the storage rounding alone
-    (:func:`vouchers`; ``nan`` when it is not measured)."""
+    """A finished probe and what an attribution needs of it: the tensors it moved, its direction's coefficient over the
+    applied gradient in each, its tolerance; ``explained``, the discrepancy ``a − D`` the measured rounding predicts
+    along it (0 when not measured); ``exact_tolerance``, the tolerance with the floor at the storage rounding alone
+    (:func:`vouchers`; ``nan`` when the rounding is not measured)."""
 
     probe: Probe
     tensors: tuple[int, ...]
@@ -182,9 +172,8 @@ class Measured:
 
     @property
     def closer(self) -> float:
-        """The discrepancy left beyond the rounding that ``explained`` predicts, over the tolerance, or ``excess`` where
-        that is smaller (and when nothing is explained): what :func:`calm` holds against
-        :data:`CLOSER_LOOK`."""
+        """The discrepancy left beyond ``explained``, over the tolerance, or ``excess`` where that is smaller: what
+        :func:`calm` holds against :data:`CLOSER_LOOK`."""
         if not self.explained or not math.isfinite(self.excess):
             return self.excess
         left = abs(self.probe.analytic - self.probe.numeric - self.explained)
@@ -196,8 +185,8 @@ class Measured:
         return Combined(self.probe.verdict, self.closer, self.tolerance, weights)
 
     def exact(self) -> Combined | None:
-        """What :func:`tensors_to_probe` needs of it judged at ``exact_tolerance``, its discrepancy less
-        ``explained``; ``None`` when the rounding is not measured."""
+        """:meth:`combined` judged at ``exact_tolerance``, its discrepancy less ``explained``; ``None`` when the
+        rounding is not measured."""
         if not self.exact_tolerance > 0 or not math.isfinite(self.exact_tolerance):
             return None
         left = abs(self.probe.analytic - self.probe.numeric - self.explained)
@@ -212,8 +201,8 @@ class Measured:
 
 
 def explained(rounding: Sequence[float] | None, tensors: Sequence[int], weights: Sequence[float]) -> float:
-    """The discrepancy ``a − D`` the measured rounding predicts along the direction ``Σ_T w_T g_T`` over ``tensors``:
-    ``Σ_T w_T (e_T · g_T)``, with ``rounding[T] = e_T · g_T`` (0 without a measured rounding)."""
+    """The discrepancy ``a − D`` the measured rounding ``rounding[T] = e_T · g_T`` predicts along ``Σ_T w_T g_T``:
+    ``Σ_T w_T (e_T · g_T)`` (0 without a measured rounding)."""
     if rounding is None:
         return 0.0
     value = math.fsum(w * rounding[i] for i, w in zip(tensors, weights, strict=True))
@@ -221,15 +210,10 @@ def explained(rounding: Sequence[float] | None, tensors: Sequence[int], weights:
 
 
 def vouchers(measured: Sequence[Measured]) -> list[Combined]:
-    """The probes as they vouch for the tensors (:func:`unvouched`, :func:`tensors_to_probe`).
-
-    Once the rounding is measured, and every probe's discrepancy less the part of it the rounding explains is within
-    :data:`CLOSER_LOOK` of the tolerance with the floor at the storage rounding (``exact_tolerance``), the
-    probes vouch at that tolerance: a fault of a tensor that its own probe would resolve moves that discrepancy by at
-    least half its tolerance, sending the check back to the probes at their own tolerance (with their groups and
-    tensor probes); the rounding is not the fault. A float32 CNN at initialisation, whose convolutions before BatchNorm
-    have floors a thousand times the rest, then needs no group or tensor probe for its precise tensors. Else, or
-    without a measured rounding, the probes vouch at their own tolerance."""
+    """The probes as they vouch for the tensors (:func:`unvouched`, :func:`tensors_to_probe`): at ``exact_tolerance``
+    once every probe's discrepancy less what the rounding explains is within :data:`CLOSER_LOOK` of it (a fault its own
+    probe would resolve moves that by at least half of it, sending the check back to the probes' own tolerance), so a
+    float32 CNN at initialisation needs no group or tensor probe for its precise tensors; else at their own."""
     exact = [m.exact() for m in measured]
     chosen = [c for c in exact if c is not None and c.verdict == "ok" and c.excess <= CLOSER_LOOK]
     if measured and len(chosen) == len(measured):
@@ -239,19 +223,17 @@ def vouchers(measured: Sequence[Measured]) -> list[Combined]:
 
 @dataclass(frozen=True)
 class Rounding:
-    """What the float64 gradient tells of the applied one without a probe, per tensor along its applied gradient
-    ``g_T``: ``eager[T] = (eager_T − float64_T) · g_T`` (the path's rounding) and ``path[T] = (g_T − eager_T) · g_T``
-    (how far the applied gradient is from the eager one: another rounding of the same path, or a fault of the
-    training's path)."""
+    """What the float64 gradient tells of the applied one without a probe, per tensor along ``g_T``: ``eager[T] =
+    (eager_T − float64_T) · g_T`` (the path's rounding) and ``path[T] = (g_T − eager_T) · g_T`` (another rounding of
+    the same path, or a fault of the training's path)."""
 
     eager: Sequence[float]
     path: Sequence[float]
 
     def beyond(self, grad_norms: Sequence[float], floors: Sequence[float], multiple: float) -> list[int]:
         """The tensors whose own probe the known parts alone, ``|eager[T] + path[T]| / ‖g_T‖``, would take beyond
-        :data:`CLOSER_LOOK` of its tolerance at the floor (``multiple · floor_T``): probed one by one, with
-        their ``path`` part left in the combined probes' closer look (a fault of the training's path shows there); not
-        those whose own probe resolves nothing smaller than their gradient (:func:`unvouched`)."""
+        :data:`CLOSER_LOOK` of its tolerance at the floor: probed one by one, their ``path`` part left in the combined
+        probes' closer look; not those whose own probe resolves nothing smaller than their gradient."""
         known = zip(self.eager, self.path, grad_norms, floors, strict=True)
         limit = CLOSER_LOOK * multiple
         return [
@@ -265,8 +247,7 @@ class Rounding:
 
     def explained(self, beyond: Sequence[int]) -> list[float]:
         """Per tensor, what the combined probes' closer look discounts (:attr:`Measured.explained`): the rounding, and
-        the applied gradient's distance from the eager one where it keeps each tensor probe within half its tolerance
-        (no tensor probe could fail by it: it is the floor's own kind of distance)."""
+        the ``path`` part of the tensors not ``beyond`` (no tensor probe could fail by it)."""
         left = set(beyond)
         return [e + (0.0 if i in left else p) for i, (e, p) in enumerate(zip(self.eager, self.path, strict=True))]
 
@@ -278,13 +259,11 @@ def off_eager(
     floors: Sequence[float],
     multiple: float,
 ) -> list[int]:
-    """On a 16-bit path, the tensors whose applied gradient ``g_T`` is further from eager float32 autograd's along
-    ``ĝ_T``, ``|(g_T − eager_T) · ĝ_T|``, than :data:`CLOSER_LOOK` of its own probe's tolerance at the floor
-    (``multiple · floor_T``): a fault in one tensor's 16-bit backward shows there whole, however small its share of
-    ``‖g‖``, where a combined probe over every tensor sums all their floors and a tensor probe in turn may not reach it
-    at this check. Each is probed on its own; a correct path's rounding stays within its floor (the floor is a bound of
-    it), so a healthy check rarely probes one more. Not those whose own probe resolves nothing smaller than their
-    gradient."""
+    """On a 16-bit path, the tensors whose applied gradient is further from eager float32's along ``ĝ_T``,
+    ``|(g_T − eager_T) · ĝ_T|``, than :data:`CLOSER_LOOK` of its own probe's tolerance at the floor: a fault in one
+    tensor's 16-bit backward shows there whole, where the combined probes sum every tensor's floor. Each is probed on
+    its own (a correct path's rounding stays within its floor, so a healthy check rarely probes one more); not those
+    whose own probe resolves nothing smaller than their gradient."""
     limit = CLOSER_LOOK * multiple
     found = []
     for i, (g, e, size, floor) in enumerate(zip(applied, eager, grad_norms, floors, strict=True)):
