@@ -62,8 +62,7 @@ class WindowEvaluator(LossEvaluator):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AppliedOutcome(Outcome):
-    """What the measuring part of an applied check produced, besides what every check's does: the finished probes
-    with what an attribution needs of them, the attribution of a failure, the backward passes spent and the floors."""
+    """What the measuring part of an applied check produced, besides what every check's does."""
 
     measured: list[Measured]
     attribution: Attribution | None
@@ -73,8 +72,8 @@ class AppliedOutcome(Outcome):
 
 @dataclasses.dataclass
 class _Path:
-    """The training's path as the measurements found it: its setting and plan (an autocast path inferred replaces
-    both), the path's own gradient where it was computed, and the backward passes spent."""
+    """The training's path as the measurements found it (an autocast path inferred replaces setting and plan), its own
+    gradient where computed, and the backward passes spent."""
 
     setting: PathSetting
     plan: AppliedPlan
@@ -95,11 +94,8 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     learn_activations(setting.model, evaluator.saved_elements * itemsize, window)  # the next check's peak
     if _not_the_trained_function(setting, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
-    params = setting.params
-    eager = recompute.rank_mean(
-        [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
-        setting.group,
-    )
+    grads = zip(reference.param_grads, setting.params, strict=True)
+    eager = recompute.rank_mean([g if g is not None else torch.zeros_like(p) for g, p in grads], setting.group)
     if not _path_reproduces(path, reference.loss, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
     _infer_autocast(path, eager, evaluator.notes)
@@ -167,8 +163,7 @@ def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
     own = autocast_path.own_autocast(entered, device)
     if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
         setting.autocast, path.plan = own, autocast_path.replanned(path.plan, own)
-        said = autocast_path.own_note(own, device)
-        evaluator.notes.append(said)
+        evaluator.notes.append(autocast_path.own_note(own, device))
     return dataclasses.replace(reference, loss=recompute.rank_means([reference.loss], setting.group)[0])
 
 
@@ -222,14 +217,12 @@ def _infer_autocast(path: _Path, eager: list[Tensor], notes: list[Note]) -> None
         assert inferred.setting.autocast is not None
         path.setting, path.again = inferred.setting, inferred.gradient
         path.plan = autocast_path.replanned(path.plan, inferred.setting.autocast)
-        said = inferred.note
-        notes.append(said)
+        notes.append(inferred.note)
 
 
 def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> list[list[float]] | None:
     """The distances the path's floor is measured from up front (:func:`~.verdict.floors`): a 16-bit autocast path's,
-    a sharded float32 path's backward spread, a TF32 path's; ``None`` where the floor waits for a probe that needs it
-    (see the module doc)."""
+    a sharded float32 path's backward spread, a TF32 path's; ``None`` where it waits for a probe that needs it."""
     setting = path.setting
     if setting.autocast is not None:
         assert path.again is not None
@@ -247,12 +240,10 @@ def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> lis
 def float64_rounding(
     setting: PathSetting, eager: Sequence[Tensor], applied: Sequence[Tensor], notes: list[Note]
 ) -> tuple[list[list[float]], Rounding | None]:
-    """The distance of the ``eager`` gradient from the float64 one, per tensor (one float64 backward of the window
-    ``setting`` runs again), as the list of measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes;
-    and, with the ``applied`` gradient, the parts of a probe's discrepancy known without a probe
-    (:class:`~.measured.Rounding`). For a model without float64 kernels (Triton, fused CUDA kernels), with a note, the
-    float32 backward's own rounding instead: its distance from the gradient of 3x the loss divided by 3, which its
-    kernels round otherwise (a fault that scales the gradient cancels out of it), and no known parts."""
+    """The distance of the ``eager`` gradient from the float64 one per tensor (one float64 backward), as
+    :func:`~.verdict.floors` takes it, and with the ``applied`` gradient the parts of a probe's discrepancy known
+    without a probe (:class:`~.measured.Rounding`). For a model without float64 kernels (Triton, fused CUDA kernels),
+    with a note, the float32 backward's own rounding instead (its spread at 3x the loss), and no known parts."""
     try:
         exact = setting.float64()
     except Exception as error:
@@ -290,8 +281,8 @@ def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence
 
 
 def tf32_floors(setting: PathSetting, eager: Sequence[Tensor], notes: list[Note]) -> list[list[float]] | None:
-    """The measured distances :func:`~gradwatch.engine.applied.verdict.floors` takes for a float32 path that runs in
-    TF32 under training's settings, with a note; ``None`` (no backward) where no path of the device does."""
+    """The measured distances :func:`~.verdict.floors` takes for a float32 path that runs in TF32 under training's
+    settings, with a note; ``None`` (no backward) where no path of the device does."""
     paths = setting.session.numerics.reduced_on(autocast_path.device_type(setting.params))
     if not paths:
         return None

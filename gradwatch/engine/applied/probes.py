@@ -147,13 +147,11 @@ FLOAT64_NOISE = 1e-6
 def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[torch.Tensor], loss: float) -> str | None:
     """Why the float64 evaluations computed in a lower precision somewhere (a kernel that accepts float64 and computes
     float32, which :class:`~gradwatch.engine.function.fidelity.Float64Fidelity` cannot see), or ``None``; tested only
-    where the loss's value is float64 and a probe's noise is beyond float64's. The loss is measured along the applied
-    gradient, as the descent probe measured it, at steps whose predicted change is
-    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of the loss (far below a float32 ulp), ``s`` and
-    ``s / 2``: a float64 function's central differences there are the descent probe's own within
-    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT` (whatever the gradient: a wrong one, a
-    straight-through estimator's, differs from both alike); a function rounded to float32 on the way moves by whole
-    float32 ulps there, or not at all."""
+    where the loss's value is float64 and a probe's noise is beyond float64's. Along the applied gradient, at steps
+    ``s`` and ``s / 2`` predicted to move the loss by :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of
+    it (far below a float32 ulp), a float64 function's central differences are the descent probe's own within
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT`, whatever the gradient; a function rounded to
+    float32 on the way moves by whole float32 ulps there, or not at all."""
     descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
     noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
     slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
@@ -191,9 +189,9 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
 
 
 def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set[int] | None:
-    """The parameters that get a float64 copy: all of them, unless the model is beyond the float64 limit (a LoRA
-    adapter on a billion frozen parameters), where only the checked ones do and the rest are cast where used
-    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`), without a float64 copy of the whole model."""
+    """The parameters that get a float64 copy: all, unless the model is beyond the float64 limit (a LoRA adapter on a
+    billion frozen parameters), where only the checked ones do and the rest are cast where used
+    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`)."""
     elements = sum(p.numel() for p in model.parameters() if p.is_floating_point() or p.is_complex())
     return {id(autograd_tensor(p)) for _, p in named} if elements > AUTO_FLOAT64_ELEMENTS else None
 
@@ -275,8 +273,7 @@ def _probed(probes: AppliedProbes, beyond: list[int]) -> list[Measured]:
 
 def waits(measured: Sequence[Measured], grad_norms: Sequence[float], floors: Sequence[float], multiple: float) -> bool:
     """Whether a check planned without its closer look stops after the combined probes ``measured``: every one agrees,
-    and the closer look would do something (a discrepancy above :data:`~.measured.CLOSER_LOOK` of its tolerance, or
-    tensors they do not vouch for)."""
+    and the closer look would do something (a discrepancy above :data:`~.measured.CLOSER_LOOK`, tensors unvouched)."""
     if not measured or any(m.probe.verdict != "ok" for m in measured):
         return False
     uneasy = any(not m.closer <= CLOSER_LOOK for m in measured)
@@ -317,8 +314,8 @@ def deferred(notes: Sequence[Note]) -> bool:
 
 
 def unresolved_note(measured: list[Measured], value_dtype: torch.dtype) -> list[Note]:
-    """A note naming the probes that could not resolve the gradient (reason ``unresolved``: a central difference whose
-    noise is comparable to the slope it measures), with what would resolve them; none when every probe resolved."""
+    """A note naming the probes that could not resolve the gradient (reason ``unresolved``), with what would resolve
+    them; none when every probe resolved."""
     unresolved = [m.probe for m in measured if m.probe.reason == "unresolved"]
     if not unresolved:
         return []
