@@ -93,7 +93,7 @@ def autocast_floors(setting: PathSetting, eager: Gradient, again: Gradient) -> l
     against ``eager``, and the path's gradient ``again`` against its gradient of :data:`~.verdict.SPREAD_SCALE` times
     the loss (two backward passes)."""
     assert setting.autocast is not None
-    emulated = setting.emulated(setting.autocast)
+    emulated = setting.eager(emulated=setting.autocast)
     scaled = setting.gradient(scale=SPREAD_SCALE)[1]
     return [distances(emulated, eager), distances(again, scaled)]
 

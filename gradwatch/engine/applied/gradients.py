@@ -2,8 +2,8 @@
 
 Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), the
 random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions: eager
-float32 (:func:`eager_gradient`), with a 16-bit autocast path's rounding emulated (:func:`emulated_gradient`), on
-float64 copies with the parameters' gradient hooks applied (:func:`float64_gradient`), or on the training's own path
+float32 (:func:`eager_gradient`, or with a 16-bit autocast path's rounding emulated), on float64 copies with the
+parameters' gradient hooks applied (:func:`float64_gradient`), or on the training's own path
 with one element of it switched off or the loss scaled (:func:`path_gradient`).
 
 Under DDP (a ``group``) every result is the mean over the ranks by a plain all-reduce of gradwatch's own: the
@@ -124,26 +124,13 @@ def eager_gradient(
     group: Any = None,
     scale: float = 1.0,
     ieee: bool = True,
+    emulated: torch.dtype | None = None,
 ) -> Gradient:
     """Eager float32 autograd of the window's loss, outside autocast; with a ``scale``, of the loss times it, divided by
-    it (the same gradient, rounded otherwise); not ``ieee``, with the float32 kernels training's settings choose."""
-    with exact_conditions(ieee):
+    it (the same gradient, rounded otherwise); not ``ieee``, with the float32 kernels training's settings choose;
+    ``emulated``, with the storage rounding of autocast to that dtype (:mod:`.rounding`)."""
+    with exact_conditions(ieee), AutocastRounding(emulated) if emulated else contextlib.nullcontext():
         return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)[1]
-
-
-def emulated_gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    dtype: torch.dtype,
-    group: Any = None,
-) -> Gradient:
-    """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
-    with exact_conditions(), AutocastRounding(dtype):
-        return _gradient(model, batches, loss_fn, params, state, group=group)[1]
 
 
 def float64_gradient(

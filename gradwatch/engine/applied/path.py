@@ -71,15 +71,11 @@ class PathSetting:
                                        compiled=compiled, autocast=with_path, group=self.group,
                                        scale=scale * self.loss_scale)  # fmt: skip
 
-    def eager(self, *, scale: float = 1.0, ieee: bool = True) -> Gradient:
+    def eager(self, *, scale: float = 1.0, ieee: bool = True, emulated: torch.dtype | None = None) -> Gradient:
         """:func:`~.gradients.eager_gradient` of the window's loss."""
         return gradients.eager_gradient(self.model, self.batches, self.window(with_path=False), self.params,
-                                        self.state, group=self.group, scale=scale, ieee=ieee)  # fmt: skip
-
-    def emulated(self, dtype: torch.dtype) -> Gradient:
-        """:func:`~.gradients.emulated_gradient` of the window's loss."""
-        return gradients.emulated_gradient(self.model, self.batches, self.window(with_path=False), self.params,
-                                           self.state, dtype=dtype, group=self.group)  # fmt: skip
+                                        self.state, group=self.group, scale=scale, ieee=ieee,
+                                        emulated=emulated)  # fmt: skip
 
     def float64(self) -> Gradient:
         """:func:`~.gradients.float64_gradient` of the window's loss."""
