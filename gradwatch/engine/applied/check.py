@@ -30,8 +30,14 @@ from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.equivalence import Equivalence, Join, compare_accumulation
 from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
 from gradwatch.engine.applied.path import AppliedPlan, PathSetting
-from gradwatch.engine.applied.sharded import ShardedWindow, shard_window
-from gradwatch.engine.applied.split import SplitModel, replicated_note, split_note, split_window
+from gradwatch.engine.applied.split import (
+    ShardedWindow,
+    SplitModel,
+    replicated_note,
+    shard_window,
+    split_note,
+    split_window,
+)
 from gradwatch.engine.applied.verdict import floor_multiple, relative_floor
 from gradwatch.engine.applied.window import (
     COMBINES,

@@ -1,4 +1,5 @@
-"""A model split across the ranks by hand, checked as what it is: :func:`split_window`.
+"""The applied check of a model whose ranks hold different parameters: split by hand (:func:`split_window`), or sharded
+by FSDP2's ``fully_shard`` (:func:`shard_window`).
 
 Ranks that hold different parameters without a library that says how (hand-written tensor or pipeline parallelism,
 :func:`~.window.ranks_with_other_parameters`) train one function: the sum ``S`` of the ranks' losses. Each rank's
@@ -17,11 +18,19 @@ Megatron's convention (the forward's all-reduce with an identity backward) train
 gradient wrong for ``S`` is then checked against ``L`` too (:func:`~.check.check_applied_gradient` keeps the convention
 more of its tensors agree with). The cost: every rank holds every rank's checked parameters and gradients (fine for
 the small models split by hand; a large one wants DTensor or FSDP2).
+
+**Sharded**: after FSDP's reduce-scatter each rank holds, as ``param.grad``, its rows of one gradient of the global loss
+(the mean of the ranks' window losses). Its applied check is a sharded check (:mod:`gradwatch.engine.distributed`):
+every rank moves its own shards along its rows of the applied gradient, every number a probe decides on is summed over
+the ranks, and all ranks run the same evaluations in the same order (the collectives of FSDP's forward need it). There
+is no cross-rank checksum to compare; when a probe fails, the ranks whose rows disagree with the same rows recomputed
+on the training's path are named (:func:`ranks_at_fault`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,10 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gradwatch.engine.distributed import SHARDED_NOTE
+from gradwatch.engine.distributed.collective import Collective, sharded
+from gradwatch.engine.distributed.parameters import register_like
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.values import as_scalar_loss
-
-__all__ = ["SplitModel", "SplitWindow", "replicated_note", "split_note", "split_window"]
+from gradwatch.engine.numerics.norms import norms
 
 
 class SplitModel(nn.Module):
@@ -124,3 +135,48 @@ def replicated_note(world: int) -> str:
         "(one rank's copy): the convention of tensor parallelism written as Megatron's (the forward's all-reduce "
         "with an identity backward); checked against it"
     )
+
+
+@dataclasses.dataclass
+class ShardedWindow:
+    """A sharded applied check's collective, the local shards it moves and this rank's rows of the applied gradient."""
+
+    collective: Collective
+    params: list[Tensor]
+    applied: list[Tensor]
+
+    def note(self) -> str:
+        return (
+            f"{SHARDED_NOTE} {self.collective.world} ranks: the applied gradient as FSDP reduce-scattered it, each "
+            "rank its own rows, against the global loss (the mean of the ranks' window losses); recomputations go "
+            "through FSDP's own reduce-scatter, so a fault of the reduction reads as the path's"
+        )
+
+    def finite(self) -> bool:
+        """Whether every rank's rows of the applied gradient are finite (the same answer on every rank)."""
+        local = all(bool(torch.isfinite(g).all()) for g in self.applied)
+        return not self.collective.reduce([0.0 if local else 1.0])[0]
+
+
+def shard_window(collective: Collective, local: Sequence[Tensor], applied: Sequence[Tensor]) -> ShardedWindow:
+    """This rank's rows of the ``applied`` gradients (``DTensor``\\ s, or local tensors already) of the parameters
+    whose local shards are ``local`` (the check's session found them and their ``collective``)."""
+    rows = []
+    for grad, shard in zip(applied, local, strict=True):
+        mine = grad.to_local() if hasattr(grad, "to_local") else grad
+        rows.append(register_like(collective, mine.detach(), shard))
+    return ShardedWindow(collective, list(local), rows)
+
+
+def ranks_at_fault(
+    collective: Collective, applied: Sequence[Tensor], recomputed: Sequence[Tensor], floors: Sequence[float]
+) -> list[int]:
+    """The ranks whose rows of the applied gradient are farther from the same rows ``recomputed`` than the path's
+    floor allows them (each tensor's ``floors`` entry is for the whole tensor; a rank's rows may take all of it)."""
+    mine = [a.double() - r.double() for a, r in zip(applied, recomputed, strict=True)]
+    with sharded(None):  # this rank's rows alone
+        distances = norms(mine, exact=True)
+    local = any(d > f and math.isfinite(f) for d, f in zip(distances, floors, strict=True))
+    flags = [0.0] * collective.world
+    flags[collective.rank] = 1.0 if local else 0.0
+    return [rank for rank, flag in enumerate(collective.reduce(flags)) if flag]

@@ -7,16 +7,15 @@ path differs from the exact derivative by its rounding, which is measured, not a
 ``T``, as the largest of:
 
 * the **forward's and formulas' rounding**: the distance ``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the
-  path's precision and one in a higher precision (for a 16-bit autocast path, float32 autograd with autocast's rounding
-  emulated, :mod:`.rounding`, against plain float32 autograd; for a float32 path, float32 autograd against float64);
-* on a 16-bit path, the **backward kernels' own rounding** (a reduction accumulated in 16 bits inside a norm's
-  backward, which no emulation on float32 kernels reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's
-  gradient of the loss and of three times the loss, which the same kernels round differently. A fault that scales a
-  gradient is the same in both and cancels out of the spread, so it cannot hide itself in the floor;
+  path's precision and a more precise one (16-bit autocast emulated, :mod:`.rounding`, against float32; float32
+  against float64);
+* on a 16-bit path, the **backward kernels' own rounding** (a 16-bit reduction inside a norm's backward, which no
+  emulation reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's gradient of the loss and of three times
+  the loss, which the same kernels round otherwise (a fault that scales a gradient cancels out of it);
 * the rounding of storing the gradient in the path's dtype, ``u · ‖g_T‖``.
 
-By Cauchy-Schwarz a gradient that far off errs by at most that distance along any unit direction within ``T``. The
-applied gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
+By Cauchy-Schwarz a gradient that far off errs by at most that along any unit direction within ``T``. The applied
+gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
 :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times ``n``, and the discrepancy reproduces at an independent
 second step. The multiple is ``torch.compile``'s accuracy rule (an optimized gradient may be 2x, in 16 bits 3x, as far
 from float64 as eager's), the same spirit as flash-attention's "at most 2x the error of a same-precision reference".

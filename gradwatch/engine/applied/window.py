@@ -225,7 +225,7 @@ class AppliedWindow:
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("AppliedWindow.check: `model` must be given when the window was made without one")
-        from gradwatch.engine.applied.step_hooks import recurring
+        from gradwatch.engine.applied.attribution import recurring
 
         region = self.autocast if options.get("path") is None else None
         if region is not None:
