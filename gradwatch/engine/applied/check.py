@@ -4,7 +4,7 @@
    compared, and a rank that disagrees is named (fault ``"reduction"``). Ranks that hold other parameters (a model
    split by hand) are no replicas: the check is made of every rank's part together (:mod:`.split`).
 2. **The noise floor of the path** (:mod:`.verdict`): per tensor, how far a correct gradient of the path's precision is
-   from a more precise one, measured with trusted gradients (:mod:`.gradients`, :mod:`.rounding`).
+   from a more precise one, measured with trusted gradients (:mod:`.gradients`).
 3. **The probes** (:mod:`.probes`): central differences of the window's loss (:mod:`.window`), on float64 storage
    where the model allows it, outside autocast, along the applied gradient and along each tensor's part of it.
 4. **The attribution** of a failure (:mod:`.attribution`), and for a formula fault today's culprit search.

@@ -7,7 +7,7 @@ path differs from the exact derivative by its rounding, which is measured, not a
 ``T``, as the largest of:
 
 * the **forward's and formulas' rounding**: the distance ``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the
-  path's precision and a more precise one (16-bit autocast emulated, :mod:`.rounding`, against float32; float32
+  path's precision and a more precise one (16-bit autocast emulated, :mod:`.gradients`, against float32; float32
   against float64);
 * on a 16-bit path, the **backward kernels' own rounding** (a 16-bit reduction inside a norm's backward, which no
   emulation reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's gradient of the loss and of three times
