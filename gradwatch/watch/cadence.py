@@ -159,7 +159,7 @@ class Cadence:
     @property
     def unbounded(self) -> bool:
         """Whether the next check is one no budget bounds: the first of its kind, made whatever the budget to measure
-        what one costs (an applied one leaves its closer look to later: :mod:`gradwatch.engine.applied.closer_look`)."""
+        what one costs (an applied one leaves its closer look to later: :mod:`gradwatch.engine.applied.probes`)."""
         return self.checks == 0 and self.max_overhead is not None
 
     def owe(self) -> None:

@@ -22,8 +22,8 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn, check_gradients
 from gradwatch.engine import validation as validate
 from gradwatch.engine.applied.clipping import GradientNorms
-from gradwatch.engine.applied.closer_look import deferred
 from gradwatch.engine.applied.equivalence import Join
+from gradwatch.engine.applied.probes import deferred
 from gradwatch.engine.applied.window import AppliedWindow, Combine, PathContext
 from gradwatch.engine.distributed.parameters import is_sharded
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, is_engine, unwrapped

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from gradwatch.engine.applied import check_applied_gradient
-from gradwatch.engine.applied.rounding import _floats, _mapped
+from gradwatch.engine.applied.gradients import _floats, _mapped
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.notes import NoteCode

@@ -1,5 +1,5 @@
 """The first applied check's closer look, left for a later check when its combined probes agree
-(``engine/applied/closer_look.py``): decided by counted evaluations and verdicts, never by a clock."""
+(``engine/applied/probes.py``): decided by counted evaluations and verdicts, never by a clock."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from applied_models import CNN, batch_for, cross_entropy
 
 from gradwatch import AppliedWindow
-from gradwatch.engine.applied.closer_look import deferred, waits
 from gradwatch.engine.applied.measured import Measured
+from gradwatch.engine.applied.probes import deferred, waits
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import NoteCode
 from gradwatch.engine.results.report import CheckReport, Probe

@@ -13,8 +13,9 @@ from applied_models import ConvBatchNorm
 from torch import nn
 from torch.nn import functional as F
 
-from gradwatch.engine.applied import AppliedWindow, lazy_floor
+from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
+from gradwatch.engine.applied.measurement import float64_rounding
 from gradwatch.engine.applied.path import PathSetting
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.kinds import ProbeKind, Reason
@@ -81,7 +82,7 @@ def test_float64_rounding_gives_each_tensors_distance_from_float64_along_the_app
             session=session, batches=[batch], loss_fn=loss_fn, rng_states=[None], combine="sum", path=None
         )
         notes: list = []
-        distances, rounding = lazy_floor.float64_rounding(setting, eager, applied, notes)
+        distances, rounding = float64_rounding(setting, eager, applied, notes)
         assert rounding is not None
         assert not notes
         for i, (e, x, a) in enumerate(zip(eager, exact, applied, strict=True)):

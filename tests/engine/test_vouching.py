@@ -1,4 +1,4 @@
-"""The groups of tensors the combined probes of an applied check leave unvouched (engine/applied/combined.py): each
+"""The groups of tensors the combined probes of an applied check leave unvouched (engine/applied/measured.py): each
 group is one a balanced probe over it alone vouches for at its floors, the tensors with a large floor are kept out of
 the precise tensors' group, and a small CNN with BatchNorm passes while a 2% fault in one of its tensors is caught and
 named at the first check."""
@@ -13,7 +13,7 @@ from applied_models import ConvBatchNorm
 from torch.nn import functional as F
 
 from gradwatch.engine.applied import AppliedWindow
-from gradwatch.engine.applied.combined import Combined, balanced_weights, floor_along, unvouched, vouching_groups
+from gradwatch.engine.applied.measured import Combined, balanced_weights, floor_along, unvouched, vouching_groups
 
 
 def _probe_over(group: list[int], grad_norms: list[float], floors: list[float], multiple: float) -> Combined:

@@ -1,5 +1,5 @@
 """The first checks of a run as a bounded one-time cost: the first applied check leaves its closer look for a later
-check when its combined probes agree (``engine/applied/closer_look.py``), and the watch owes that check, made as soon
+check when its combined probes agree (``engine/applied/probes.py``), and the watch owes that check, made as soon
 as the budget affords it (``Cadence.owe``), through a checkpoint too. Decided on a fake clock (training time set by
 the loop, a check's time by its loss evaluations) so that every step asserted is deterministic."""
 
@@ -16,7 +16,7 @@ from torch import nn
 import gradwatch.watch.updates
 import gradwatch.watch.watch
 from gradwatch import GradientWatch
-from gradwatch.engine.applied.closer_look import deferred
+from gradwatch.engine.applied.probes import deferred
 from gradwatch.watch.applied import Windows
 from gradwatch.watch.cadence import APPLIED_KEYS, Cadence
 from gradwatch.watch.overhead import OverheadClock

@@ -1,44 +1,54 @@
 """Which part of the training's path an applied gradient that disagrees with the loss went wrong in.
 
-The failing probes measured the window loss's derivative along their directions; any gradient can be held against
-those measurements (:meth:`~gradwatch.engine.applied.measured.Measured.agrees`) at the cost of one backward pass, with
-no new loss evaluation. The attribution recomputes the window's gradient along paths that differ from the training's in
-one element at a time:
+Any gradient can be held against the failing probes' measurements (:meth:`~.measured.Measured.agrees`) at the cost of
+one backward pass, with no new loss evaluation. The attribution recomputes the window's gradient along paths that
+differ from the training's in one element at a time:
 
-1. **the same path again** (same micro-batches, same random states, the path's autocast and compiled code, gradwatch's
-   own plain mean across ranks). If it is right, the path computes the right gradient and what the optimizer got is
-   something else: leftovers of an earlier window (the residual has the fingerprint of the gradients present when the
-   window began) or another combination of the window's micro-batch gradients → ``"accumulation"``; under DDP the
-   training's own cross-rank reduction, which the recomputation replaced by a plain mean → ``"reduction"``; under FSDP2
-   the rows of some ranks, not all, off (the recomputation runs FSDP's reduce-scatter too) → ``"reduction"`` naming
-   them; otherwise the path gives another answer when run again → ``"modified"`` when the optimizers run step
-   pre-hooks (:mod:`.step_hooks`: the change recurs), else ``"transient"``.
+1. **the same path again** (same micro-batches and random states, gradwatch's own plain mean across ranks). If it is
+   right, what the optimizer got is something else: leftovers of an earlier window (the residual has the fingerprint
+   of the gradients present when the window began) or another combination of the micro-batch gradients →
+   ``"accumulation"``; under DDP the training's own reduction → ``"reduction"``; under FSDP2 the rows of some ranks,
+   not all, off → ``"reduction"`` naming them; else the gradient was changed after the backward: ``"modified"`` where
+   the change recurs (a step pre-hook that edits ``.grad``, a post-accumulate-grad hook, both named from the first
+   check: :func:`step_pre_hooks`, :func:`accumulate_hooks`; a change seen at two checks in a row, :func:`recurring`),
+   else ``"transient"`` (once: hardware, a race).
 2. the path reproduces the wrong gradient: **eager float32** (today's recomputation) wrong too → ``"formula"``;
 3. eager right: the **compiled** code run eagerly under the path's autocast is right → ``"compiled"``; then **autocast
    off** is right → ``"precision"``; else ``"unknown"``.
+
+The probes can say that a formula is wrong, not where: the recomputed check of the window's first micro-batch, with its
+culprit search, says where (:func:`recomputed_search`; it also recognises the straight-through estimators whose
+failures are no fault). A 16-bit model's own gradient hides a few percent (its check's tolerance is 10%), so its search
+runs on a float32 twin of the model (:mod:`..function.twin`).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.measured import Measured
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
-from gradwatch.engine.applied.sharded import ranks_at_fault
-from gradwatch.engine.applied.step_hooks import accumulate_hooks, accumulate_message, modified_message, step_pre_hooks
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.split import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, single_loss
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import every_rank
 from gradwatch.engine.distributed.zero import ranks_owning_wrong_rows
+from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import dot, norms, total
-from gradwatch.engine.results.report import Fault
+from gradwatch.engine.recomputed.check import check_gradients
+from gradwatch.engine.recomputed.nonfinite import nonfinite_entries
+from gradwatch.engine.results.kinds import Verdict
+from gradwatch.engine.results.notes import Note, NoteCode
+from gradwatch.engine.results.report import CheckReport, Fault
+from gradwatch.errors import passes_fallbacks
 
 
 @dataclass(frozen=True)
@@ -191,3 +201,128 @@ def _recombination(setting: PathSetting, plan: AppliedPlan, floors: Sequence[flo
                 for t, a in enumerate(applied)]  # fmt: skip
     distance = math.hypot(*norms(residual, exact=True))
     return weights if distance <= multiple * math.hypot(*floors) else None
+
+
+def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
+    """The recomputed check of the window's first micro-batch (with its random state), for its culprits and
+    surrogates. Whatever it raises leaves an empty ``ok`` report and a note: the applied verdict stands without it (an
+    abandoned check is raised on)."""
+    session, step = setting.session, setting.session.step
+    model, batch = setting.model, setting.batches[0]
+    searched = model
+    if is_sixteen_bit(model):
+        searched, batch = float32_twin(model), promoted_batch(batch)
+        notes.append(Note(NoteCode.CULPRIT_FLOAT32_TWIN, TWIN_NOTE))
+    budget = setting.search_budget
+    if budget is not None:  # the recomputed check the search needs counts against the search's cap
+        budget.start()
+    try:
+        return check_gradients(searched, batch, single_loss(setting.loss_fn, setting.rng_states[0], None), step=step,
+                               seed=session.settings.seed, optimizers=session.optimizers,
+                               hold_detached=session.settings.hold_detached, search_budget=budget)  # fmt: skip
+    except Exception as error:
+        if passes_fallbacks(error):
+            raise
+        text = f"no culprit search: the recomputed check raised {type(error).__name__} ({error})"
+        notes.append(Note(NoteCode.CULPRIT_ABANDONED, text))
+        return CheckReport(step=step, verdict=Verdict.OK, probes=[], loss=math.nan, n_forward=0, n_backward=0,
+                           duration_s=0.0)  # fmt: skip
+
+
+def nonfinite_fault(setting: PathSetting, applied: list[tuple[str, Tensor]], *, search: bool) -> dict[str, Any]:
+    """The fault of an applied gradient that holds non-finite values, as report fields: where (by tensor and index),
+    and, with ``search``, the module at which the gradient turns non-finite and the loss's central differences there,
+    from the recomputed check of the window's first micro-batch (:mod:`..recomputed.nonfinite`)."""
+    found = recomputed_search(setting, []) if search else None
+    return {
+        "fault": "unknown",
+        "fault_message": f"the applied gradient holds non-finite values: {nonfinite_entries(applied)}",
+        "culprits": found.culprits if found is not None else [],
+        "culprit_message": found.culprit_message if found is not None else "",
+    }
+
+
+def _global_pre_hooks() -> list[Any]:
+    return _theirs(getattr(importlib.import_module("torch.optim.optimizer"), "_global_optimizer_pre_hooks", None))
+
+
+NOT_THE_USERS = ("gradwatch.", "deepspeed.", "torch.")
+"""Where the hooks that are nobody's edit come from: gradwatch's own (a check guards the optimizers with a global
+pre-hook), and a parallelising library's, which *are* its reduction (DeepSpeed's ZeRO reduces from a
+post-accumulate-grad hook)."""
+
+
+def _theirs(hooks: Any) -> list[Any]:
+    """The hooks someone added to the path (not from :data:`NOT_THE_USERS`)."""
+    values = list(hooks.values()) if hasattr(hooks, "values") else []
+    return [hook for hook in values if not str(getattr(hook, "__module__", "")).startswith(NOT_THE_USERS)]
+
+
+def _name(hook: Any) -> str:
+    return str(getattr(hook, "__qualname__", None) or type(hook).__qualname__)
+
+
+def step_pre_hooks(optimizers: Iterable[Any]) -> list[str]:
+    """``"Optimizer: hook"`` for each step pre-hook the ``optimizers`` run before their update (global ones as
+    ``"every optimizer: hook"``); empty when none."""
+    found = [f"every optimizer: {_name(hook)}" for hook in _global_pre_hooks()]
+    seen: set[int] = set()
+    for optimizer in optimizers:
+        raw = getattr(optimizer, "optimizer", optimizer)  # a wrapper (Lightning's, Accelerate's) around the optimizer
+        if id(raw) in seen:
+            continue
+        seen.add(id(raw))
+        found += [
+            f"{type(raw).__name__}: {_name(hook)}" for hook in _theirs(getattr(raw, "_optimizer_step_pre_hooks", None))
+        ]
+    return found
+
+
+def accumulate_hooks(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """``"name: hook"`` for each post-accumulate-grad hook on the ``named`` parameters: it runs on the accumulated
+    ``.grad`` after each backward, where a recomputation of the path does not, so a hook that rescales it there changes
+    the gradient at every step."""
+    found = []
+    for name, parameter in named:
+        found += [f"{name}: {_name(hook)}" for hook in _theirs(getattr(parameter, "_post_accumulate_grad_hooks", None))]
+    return found
+
+
+RIGHT_AGAIN = "the same path, run again on the same micro-batches with the same random states, gives the right gradient"
+CHANGED = f"{RIGHT_AGAIN}: the applied one was changed after the backward"
+
+
+def _listed(hooks: list[str]) -> str:
+    return ", ".join(hooks[:4]) + (f" and {len(hooks) - 4} more" if len(hooks) > 4 else "")
+
+
+def accumulate_message(hooks: list[str]) -> str:
+    """The words of a ``"modified"`` fault that post-accumulate-grad hooks on the tensors at fault explain."""
+    return (
+        f"{CHANGED}, and the tensors that differ have post-accumulate-grad hooks ({_listed(hooks)}), which run on the "
+        "accumulated .grad after each backward: a hook that rescales the gradient there changes it at every step"
+    )
+
+
+def modified_message(hooks: list[str]) -> str:
+    """The words of a ``"modified"`` fault the optimizers' step pre-hooks explain."""
+    return (
+        f"{CHANGED}, and the optimizer runs step pre-hooks before its update ({_listed(hooks)}): a hook that edits the "
+        "gradient changes it at every step"
+    )
+
+
+def recurring_message(previous_step: int) -> str:
+    """The words of a ``"modified"`` fault seen again (the applied check before this one had it too)."""
+    return (
+        f"{CHANGED}, as at the applied check of step {previous_step}: no one-off corruption but code that edits the "
+        "gradient between the backward and the optimizer's update (a step pre-hook, a callback, the loop)"
+    )
+
+
+def recurring(report: CheckReport, previous: tuple[int, str | None] | None) -> CheckReport:
+    """``report``, its ``"transient"`` fault called ``"modified"`` when the check before it (``previous``: its step and
+    fault, for the same optimizer or window) found one of the two: a change at two checks in a row is no one-off."""
+    if report.fault != "transient" or previous is None or previous[1] not in ("transient", "modified"):
+        return report
+    return report.with_findings(fault="modified", fault_message=recurring_message(previous[0]))

@@ -1,22 +1,18 @@
 """A 16-bit autocast path: its noise floor, and its precision where no one named it.
 
-An applied check judges the gradient against the noise floor of the precision the training's path computes in. The
-loop names that path (``path=``, a factory of the context its forward ran in); where it does not, the check must not
-take a correct 16-bit gradient for a wrong float32 one. Two cases are common:
+An applied check judges the gradient against the noise floor of the precision the training's path computes in. Where
+the loop does not name that path (``path=``), the check must not take a correct 16-bit gradient for a wrong float32
+one. Two cases are common:
 
-* **the model enters autocast itself**, in its own ``forward`` (or a loss that enters ``accelerator.autocast()``):
-  the check's reference pass holds that region off (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)
-  and sees it entered, direct evidence of the path's precision (:func:`own_autocast`); the path is then judged as that
-  autocast path, its recomputation letting the model's own region run;
-* **the loop runs its forward under** ``torch.autocast`` **and did not say so** (a plain loop, Accelerate or Fabric
-  without ``path=``): the applied gradient then disagrees with eager float32 by the 16-bit rounding, beyond the float32
-  floor. Where the applied gradient is further from eager float32's than :data:`SCREEN` (a float32 path differs from
-  its own recomputation by the accumulation's rounding alone, ~1e-7 of ``‖g‖``; a 16-bit one by 5e-4 and more), the
-  window is run again under each autocast dtype of the parameters' device before any probe
-  (:func:`reproducing_autocast`); one whose gradient reproduces the applied one far more closely than eager float32
-  does (with the recorded random states, bit for bit on CPU) is the path the forward ran on, and the check judges the
-  gradient with that path's floor, with a note. A gradient changed after the backward is reproduced by no dtype, and a
-  float32 loop's faults stay float32 faults: a dtype is adopted only when it is :data:`ADOPTION_RATIO` times closer.
+* **the model enters autocast itself** (in its ``forward``, or a loss that enters ``accelerator.autocast()``): the
+  check's reference pass holds that region off and sees it entered (:func:`own_autocast`); the path is then judged as
+  that autocast path, its recomputation letting the model's own region run;
+* **the loop runs its forward under** ``torch.autocast`` **and did not say so**: where the applied gradient is further
+  from eager float32's than :data:`SCREEN` (a float32 path differs by ~1e-7 of ``‖g‖``, a 16-bit one by 5e-4 and
+  more), the window is run again under each autocast dtype of the parameters' device before any probe
+  (:func:`reproducing_autocast`); one whose gradient reproduces the applied one :data:`ADOPTION_RATIO` times more
+  closely than eager float32 (bit for bit on CPU) is the path the forward ran on, judged with that path's floor, with a
+  note. A gradient changed after the backward is reproduced by no dtype: a float32 loop's faults stay float32 faults.
 """
 
 from __future__ import annotations
@@ -30,10 +26,9 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.gradients import Gradient
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
-from gradwatch.engine.applied.window import PathContext
+from gradwatch.engine.applied.window import PathContext, autocast_context
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -42,10 +37,9 @@ from gradwatch.errors import passes_fallbacks
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 ADOPTION_RATIO = 0.25
-"""How much closer to the applied gradient than eager float32's an autocast recomputation must come for the check to
-adopt its dtype as the path's: a float32 gradient changed after the backward is not made closer by 16-bit rounding
-(the rounding is unrelated to the change), while the path's own recomputation reproduces the applied gradient exactly
-where the random states are replayed (CPU) and within the kernels' nondeterminism elsewhere."""
+"""How much closer to the applied gradient than eager float32's an autocast recomputation must come for its dtype to
+be adopted: 16-bit rounding does not bring a float32 gradient changed after the backward closer, while the path's own
+recomputation reproduces the applied gradient exactly (CPU) or within the kernels' nondeterminism."""
 
 
 SCREEN = 1e-4
@@ -76,8 +70,7 @@ def path_autocast(path: PathContext | None) -> torch.dtype | None:
 
 def own_autocast(entered: Sequence[tuple[str, torch.dtype]], device: str) -> torch.dtype | None:
     """The 16-bit dtype of the first autocast region the loss's code tried to enter on ``device`` (``entered``, as
-    :func:`~gradwatch.engine.function.conditions.autocast_held_off` records them), else ``None``: a region of another
-    device leaves the parameters' computations as they are."""
+    :func:`~gradwatch.engine.function.conditions.autocast_held_off` records them), else ``None``."""
     return next((dtype for kind, dtype in entered if kind == device and dtype in SIXTEEN_BITS), None)
 
 
@@ -96,12 +89,11 @@ def replanned(plan: AppliedPlan, dtype: torch.dtype) -> AppliedPlan:
 
 
 def autocast_floors(setting: PathSetting, eager: Gradient, again: Gradient) -> list[list[float]]:
-    """The measured distances of a 16-bit autocast path's floor (:func:`~gradwatch.engine.applied.verdict.floors`):
-    float32 autograd with autocast's rounding emulated against ``eager``, and the path's gradient ``again`` against
-    the path's gradient of :data:`~gradwatch.engine.applied.verdict.SPREAD_SCALE` times the loss (two backward
-    passes)."""
+    """The measured distances of a 16-bit autocast path's floor (:func:`~.verdict.floors`): the emulated gradient
+    against ``eager``, and the path's gradient ``again`` against its gradient of :data:`~.verdict.SPREAD_SCALE` times
+    the loss (two backward passes)."""
     assert setting.autocast is not None
-    emulated = setting.emulated(setting.autocast)
+    emulated = setting.eager(emulated=setting.autocast)
     scaled = setting.gradient(scale=SPREAD_SCALE)[1]
     return [distances(emulated, eager), distances(again, scaled)]
 
@@ -114,14 +106,13 @@ SHIFTED_POINTS = 2
 
 
 def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequence[int]) -> tuple[bool, int]:
-    """Whether a 16-bit autocast path's gradient stays further from eager float32's, in each of ``tensors`` (indices
-    into the checked parameters), than the floor's multiple allows at each of :data:`SHIFTED_POINTS` points, the
-    parameters scaled by ``1 + SHIFT · N(0, 1)`` element by element (the same draws on every rank), the floor measured
-    again at each. A correct path's rounding can cross a kink the floor's emulated rounding does not (a ReLU input
-    within its rounding of 0): measured on a tiny transformer under bf16 autocast, ``linear1`` 30 times its floor at
-    one point, 1.2-1.4 times at five points shifted so; a wrong 16-bit kernel is wrong at every point. The
-    parameters are put back bit for bit; on shards (no elementwise draw of the whole tensor) nothing is tried and the
-    disagreement stands. With it, the backward passes spent (four per point looked at)."""
+    """Whether a 16-bit autocast path's gradient stays further from eager float32's, in each of ``tensors``, than the
+    floor's multiple allows at each of :data:`SHIFTED_POINTS` points, the parameters scaled by ``1 + SHIFT · N(0, 1)``
+    element by element (the same draws on every rank), the floor measured again at each; with the backward passes
+    spent (four per point). A correct path's rounding can cross a kink the emulated rounding does not (a ReLU input
+    within its rounding of 0: a tiny bf16 transformer's ``linear1`` at 30 times its floor at one point, 1.2-1.4 times at
+    five shifted ones); a wrong 16-bit kernel is wrong at every point. The parameters are put back bit for bit; on
+    shards nothing is tried and the disagreement stands."""
     if setting.autocast is None or sharding_active() is not None or not tensors:
         return True, 0
     params = setting.params
@@ -156,17 +147,12 @@ def candidates(device: str) -> list[tuple[torch.dtype, PathContext]]:
     )
     if device == "cuda" and not torch.cuda.is_bf16_supported():
         order = (torch.float16,)
-    return [(dtype, _context(device, dtype)) for dtype in order]
-
-
-def _context(device: str, dtype: torch.dtype) -> PathContext:
-    return lambda: torch.autocast(device, dtype=dtype)
+    return [(dtype, autocast_context(device, dtype)) for dtype in order]
 
 
 @dataclass(frozen=True)
 class Inferred:
-    """What :func:`reproducing_autocast` found: the path's setting with its autocast (``None``: none reproduces the
-    applied gradient), that path's gradient, the backward passes spent, the note to add."""
+    """What :func:`reproducing_autocast` found (``setting`` ``None``: no autocast path reproduces the gradient)."""
 
     setting: PathSetting | None
     gradient: Gradient | None
@@ -175,11 +161,9 @@ class Inferred:
 
 
 def reproducing_autocast(setting: PathSetting, applied: Sequence[Tensor], eager: Gradient) -> Inferred:
-    """The autocast path, among :func:`candidates` for the parameters' device, whose recomputed window gradient
-    reproduces ``applied`` :data:`ADOPTION_RATIO` times closer than ``eager`` does (the path's gradient without
-    autocast: eager float32, or the compiled code's), if one does (see the module doc); none tried where ``applied``
-    is within :data:`SCREEN` of ``eager``, else one backward pass per candidate tried, stopping at one that reproduces
-    it exactly."""
+    """The autocast path among :func:`candidates` whose window gradient reproduces ``applied`` :data:`ADOPTION_RATIO`
+    times closer than ``eager`` (the path's gradient without autocast) does, if one does (see the module doc): none
+    tried within :data:`SCREEN`, else one backward pass per candidate, stopping at one that reproduces it exactly."""
     device = device_type(setting.params)
     missing = math.hypot(*distances(eager, list(applied)))
     size = math.hypot(*norms(list(applied), exact=True))

@@ -4,7 +4,7 @@
    compared, and a rank that disagrees is named (fault ``"reduction"``). Ranks that hold other parameters (a model
    split by hand) are no replicas: the check is made of every rank's part together (:mod:`.split`).
 2. **The noise floor of the path** (:mod:`.verdict`): per tensor, how far a correct gradient of the path's precision is
-   from a more precise one, measured with trusted gradients (:mod:`.gradients`, :mod:`.rounding`).
+   from a more precise one, measured with trusted gradients (:mod:`.gradients`).
 3. **The probes** (:mod:`.probes`): central differences of the window's loss (:mod:`.window`), on float64 storage
    where the model allows it, outside autocast, along the applied gradient and along each tensor's part of it.
 4. **The attribution** of a failure (:mod:`.attribution`), and for a formula fault today's culprit search.
@@ -25,14 +25,19 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
+from gradwatch.engine.applied.attribution import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.autocast_path import path_autocast
-from gradwatch.engine.applied.culprit_search import nonfinite_fault, recomputed_search
 from gradwatch.engine.applied.equivalence import Equivalence, Join, compare_accumulation
 from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
-from gradwatch.engine.applied.sharded import ShardedWindow, shard_window
-from gradwatch.engine.applied.split import SplitModel, replicated_note, split_note, split_window
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.split import (
+    ShardedWindow,
+    SplitModel,
+    replicated_note,
+    shard_window,
+    split_note,
+    split_window,
+)
 from gradwatch.engine.applied.verdict import floor_multiple, relative_floor
 from gradwatch.engine.applied.window import (
     COMBINES,
@@ -87,13 +92,10 @@ def check_applied_gradient(
 ) -> CheckReport:
     """Check the gradient the optimizer is about to apply against central differences of the window's loss.
 
-    The probe options an applied check uses are ``tensor_probes`` (tensors probed along their part of the gradient; all
-    if descent fails), ``ignore``, ``seed`` (of its culprit search) and ``hold_detached``: the fields of
-    :class:`~gradwatch.engine.settings.ProbeSettings`, where they are documented with their defaults. Stock
-    surrogates (spectral norm's power iteration, padding rows, embeddings with ``scale_grad_by_freq``) are handled as
-    :func:`~gradwatch.check_gradients` handles them, besides the tensors ``ignore`` leaves out. What the check does
-    around its measurements (the parameters it selects, the state it puts back and names when it cannot) is the check
-    session's (:class:`~gradwatch.engine.session.CheckSession`), the same as the recomputed check's.
+    Stock surrogates (spectral norm's power iteration, padding rows, embeddings with ``scale_grad_by_freq``) are
+    handled as :func:`~gradwatch.check_gradients` handles them. What the check does around its measurements (the
+    parameters it selects, the state it puts back and names when it cannot) is the check session's
+    (:class:`~gradwatch.engine.session.CheckSession`), as for the recomputed check.
 
     Args:
         model: The module whose trainable floating parameters the optimizer updates. A DeepSpeed engine: the module
@@ -118,7 +120,7 @@ def check_applied_gradient(
         rotation: Which window of tensors the probes cover (the check's position in a series).
         closer_look: ``False``: when the combined probes all agree, stop there and leave the float64 floor and the
             tensor probes to a later check, with a note ``applied-closer-look-deferred`` saying what was looked at
-            (a watch's first applied check, which no budget bounds: :mod:`~gradwatch.engine.applied.closer_look`); a
+            (a watch's first applied check, which no budget bounds: :mod:`~gradwatch.engine.applied.probes`); a
             probe that does not agree goes on to them at once.
         culprit_search: For a formula fault, run :func:`~gradwatch.check_gradients` on the first micro-batch to name
             the module whose backward is wrong.
@@ -127,8 +129,7 @@ def check_applied_gradient(
         loss_scale: The factor a float16 loop scales its loss by (``GradScaler.get_scale()``): recomputations of the
             path scale it alike, so that its float16 gradients do not underflow where training's did not.
         settings: The probe options as one :class:`~gradwatch.engine.settings.ProbeSettings` (what a series of checks
-            passes, built once for a run); then none one by one. Its fields that concern
-            the recomputed check alone (``random_probes``, ``precision``, ...) are not used.
+            passes, built once for a run); then none one by one.
         compare_one_batch: For a window of several micro-batches, compare the accumulated gradient with the gradient
             of its samples taken as one batch (:mod:`~gradwatch.engine.applied.equivalence`: two or three more backward
             passes): ``accumulation_scale`` and ``accumulation_cosine`` on the report, a warning note when they differ.
@@ -136,18 +137,18 @@ def check_applied_gradient(
             comparison (by default :func:`~gradwatch.engine.applied.equivalence.concatenate`; a loop whose items carry
             more than the batch, such as Lightning's batch index, joins them itself).
         window_normalised: Each micro-batch's loss is already divided by the whole window's count of samples or tokens
-            (transformers' ``num_items_in_batch``), so their gradients must add up to the one-batch gradient: an
-            accumulated gradient that is the one-batch one divided by the window's size is then warned of as a second
-            normalisation, not taken for a summed loss averaged over the window. A function that says so is asked
-            only when that comparison finds such a division.
+            (transformers' ``num_items_in_batch``): an accumulated gradient that is the one-batch one divided by the
+            window's size is then warned of as a second normalisation, not taken for a summed loss averaged over the
+            window. A function that says so is asked only when that comparison finds such a division.
         search_budget: A cap on the culprit search of a formula fault (the recomputed check of the first micro-batch
             and its search, both within it), and where an earlier search left off, as
             :func:`~gradwatch.check_gradients` takes it; ``None``: no cap.
         float64_probes: ``False``: probe natively (with float64 reductions) without trying float64 first, as a watch
             does for a while after float64 probes ran out of memory (:class:`~gradwatch.watch.lessons.Lessons`).
-        **options: The probe options one by one (``tensor_probes``, ``ignore``, ``seed``, ``hold_detached``): the
-            fields of :class:`~gradwatch.engine.settings.ProbeSettings`; the others concern the recomputed check alone
-            and are not used.
+        **options: The probe options one by one, fields of :class:`~gradwatch.engine.settings.ProbeSettings` (documented
+            there with their defaults): ``tensor_probes`` (tensors probed along their part of the gradient; all if
+            descent fails), ``ignore``, ``seed`` (of the culprit search) and ``hold_detached``; the others concern the
+            recomputed check alone and are not used.
 
     Returns:
         A :class:`~gradwatch.CheckReport` with ``scope="applied"``; ``fault`` names the part of the path at fault when
@@ -209,8 +210,7 @@ def _window(
     start: Checksums | None,
     loss_scale: float,
 ) -> PathSetting:
-    """The window's facts, validated: its micro-batches with their random states, how their losses combine, the path's
-    context and autocast dtype, whether the model holds compiled code."""
+    """The window's facts, validated."""
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:
         raise ValueError("`batches` must be a non-empty list or tuple of the window's micro-batches")
@@ -255,8 +255,8 @@ def _selected(
 
 
 def _plan(setting: PathSetting, names: list[str], applied: list[Tensor], rotation: int) -> AppliedPlan:
-    """The plan of the probes: the gradient they measure, judged at the floor of the path's precision (its autocast
-    dtype, else the parameters' most precise one)."""
+    """The plan of the probes, judged at the floor of the path's precision (its autocast dtype, else the parameters'
+    most precise one)."""
     session = setting.session
     setting.autocast = path_autocast(setting.path)
     setting.compiled = bool(compiled_parts(session.model))
@@ -291,9 +291,8 @@ def _refused(
 
 
 def _postponed(setting: PathSetting) -> CheckReport | None:
-    """The report of a check whose window would not fit in the device's free memory, by the estimate of
-    :func:`~gradwatch.engine.function.memory.affordable_samples` (a window cannot shrink); ``None``: it fits, or
-    the memory or the model's activations are unknown, or ranks in lockstep would decide apart."""
+    """The report of a check whose window would not fit in the device's free memory (a window cannot shrink); ``None``:
+    it fits, or that is unknown, or ranks in lockstep would decide apart."""
     session = setting.session
     window = sum(batch_size(b) or 0 for b in setting.batches)
     if session.collective is not None or setting.group is not None or not window:
@@ -309,11 +308,10 @@ def _postponed(setting: PathSetting) -> CheckReport | None:
 def _split_check(
     setting: PathSetting, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
 ) -> CheckReport:
-    """The check of a model split across the ranks by hand, as replicas of every rank's part (:mod:`.split`): the
-    window's loss and path as they are, no culprit search of one rank's loss (its collectives would wait for the
-    others), no one-batch comparison. A gradient wrong for the ranks' summed loss whose ranks all compute the same loss
-    is checked again against that loss (Megatron's convention): right for it, it stands; wrong for both, the report
-    is the one where fewer tensors fail (the convention the rest of the code follows)."""
+    """The check of a model split across the ranks by hand, as replicas of every rank's part (:mod:`.split`), with no
+    culprit search of one rank's loss (its collectives would wait for the others) and no one-batch comparison. A
+    gradient wrong for the ranks' summed loss whose ranks all compute the same loss is checked again against that loss
+    (Megatron's convention): the report kept is the one where fewer tensors fail."""
     session, group = setting.session, setting.group
     split = split_window(session.model, setting.loss_fn, names, applied, group)
     rotation, closer_look = turn
@@ -342,8 +340,7 @@ def _failing(report: CheckReport) -> set[str]:
 
 def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: bool) -> AppliedOutcome:
     """A formula fault's recomputed check of the first micro-batch: the module at fault, or the straight-through
-    estimators that explain every failure (today's check recognises them by their signature: tensors it calls
-    surrogates are not faults of the formula, and a check whose failures they explain is not a failure)."""
+    estimators (surrogates, recognised by their signature) that explain every failure, which is then none."""
     found = recomputed_search(setting, outcome.evaluator.notes)
     surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
     failing_targets = {p.target for p in outcome.probes if p.verdict == "fail"}
@@ -363,8 +360,8 @@ def _undecided(probe: Probe) -> Probe:
 
 
 def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equivalence | None) -> CheckReport:
-    """The applied check's report: the probes' verdict, the fault the attribution found, how the verdict was
-    calibrated (the floor along the descent probe, the largest excess) and the one-batch comparison."""
+    """The applied check's report: the probes' verdict, the fault, how the verdict was calibrated and the one-batch
+    comparison."""
     evaluator, attribution = outcome.evaluator, outcome.attribution
     descent = next((m for m in outcome.measured if m.probe.kind == ProbeKind.DESCENT), None)
     return session.report(

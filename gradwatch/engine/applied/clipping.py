@@ -1,20 +1,16 @@
 """The clip coefficient a loop applied, checked against the true norm of the gradient an applied check verified.
 
-An applied check looks at the gradient before clipping (:func:`~gradwatch.engine.applied.check_applied_gradient`):
-a loop that clips then multiplies it by ``c = min(1, max_norm / ‖g‖)`` with ``‖g‖`` the norm of the whole gradient,
-over every rank and shard (``torch.nn.utils.clip_grad_norm_``, Lightning's ``gradient_clip_val``, the Trainer's
-``max_grad_norm`` and DeepSpeed's ``gradient_clipping`` divide by ``‖g‖ + 1e-6``; both forms are accepted, with
-``‖g‖`` the true norm or the norm the loop takes in the gradient's own dtype). A norm taken
-over one rank's shards, before the cross-rank reduction, or over-counted across a mesh (VeOmni PR#862) gives another
-coefficient, and every update is scaled by the error: the loss the loop computes cannot show it.
+An applied check looks at the gradient before clipping: a loop that clips then multiplies it by ``c = min(1,
+max_norm / ‖g‖)``, ``‖g‖`` the norm of the whole gradient over every rank and shard (``clip_grad_norm_``, Lightning,
+the Trainer and DeepSpeed divide by ``‖g‖ + 1e-6``; both forms are accepted, with the true norm or the norm in the
+gradient's own dtype). A norm taken over one rank's shards, before the reduction, or over-counted across a mesh
+(VeOmni PR#862) scales every update by the error, which the loss cannot show.
 
-:meth:`GradientNorms.of` records what the check needs of the verified gradient before clipping (per-tensor norms and
-signed sums and the global norm: a few numbers, no copy), :func:`check_clipping` compares the gradient the optimizer
-steps with against it: every tensor must be the verified one times the same coefficient, and that coefficient must be
-the one ``max_norm`` and the true global norm give. A wrong one fails with fault ``"clipping"`` and both norms in the
-message. An engine that clips gradients it keeps in its own partitions (DeepSpeed's ZeRO optimizers, inside their
-``step``) exposes the norm it clipped with instead (``engine.optimizer._global_grad_norm``): :func:`check_clip_norm`
-compares the coefficient that norm gives with the one the true norm gives.
+:meth:`GradientNorms.of` records a few numbers of the verified gradient before clipping (no copy);
+:func:`check_clipping` holds the gradient the optimizer steps with against them: every tensor the verified one times
+the same coefficient, the one ``max_norm`` and the true global norm give, else fault ``"clipping"``. An engine that
+clips in its own partitions (DeepSpeed's ZeRO) exposes the norm it clipped with instead
+(``engine.optimizer._global_grad_norm``), which :func:`check_clip_norm` checks.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ from gradwatch.engine.results.report import CheckReport
 __all__ = ["CLIP_EPSILONS", "GradientNorms", "check_clip_norm", "check_clipping"]
 
 CLIP_EPSILONS = (0.0, 1e-6)
-"""What loops add to the norm before dividing ``max_norm`` by it: nothing (the textbook rule), or ``1e-6`` (torch's
-``clip_grad_norm_``, and through it Lightning, the Trainer and accelerate; DeepSpeed)."""
+"""What loops add to the norm before dividing ``max_norm`` by it: nothing, or ``1e-6`` (``clip_grad_norm_``,
+DeepSpeed)."""
 
 ROUNDING_MULTIPLE = 4.0
 """How many units of the gradient dtype's epsilon a coefficient may be off: the loop computes the norm and the
@@ -53,8 +49,8 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 def _real(tensor: Tensor) -> Tensor:
-    """A complex gradient as the real pairs the optimizer updates (``view_as_real``: same norm, both parts summed),
-    a real one as it is; the clipping loops take a complex tensor's norm over its moduli, which this equals."""
+    """A complex gradient as its real pairs (the same norm as the moduli the clipping loops take), a real one as it
+    is."""
     return torch.view_as_real(tensor.detach().resolve_conj()) if tensor.is_complex() else tensor.detach()
 
 
@@ -155,10 +151,7 @@ def check_clipping(
         when the coefficient differs from the expected one (or differs between tensors), ``"ok"`` otherwise; a note
         (code ``"applied-clipping"``) gives the norms and both coefficients.
     """
-    started = time.perf_counter()
-    validate.check_int("step", step, minimum=0)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"`max_norm` must be a positive number; got {max_norm!r}")
+    started = _validated(step, max_norm)
     before = verified if isinstance(verified, GradientNorms) else GradientNorms.of(verified)
     after = GradientNorms.of(clipped)
     if len(after.norms) != len(before.norms):
@@ -215,10 +208,7 @@ def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, 
     Returns:
         A :class:`~gradwatch.CheckReport` as :func:`check_clipping` returns one.
     """
-    started = time.perf_counter()
-    validate.check_int("step", step, minimum=0)
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"`max_norm` must be a positive number; got {max_norm!r}")
+    started = _validated(step, max_norm)
     if isinstance(used_norm, bool) or not isinstance(used_norm, (int, float)):
         raise ValueError(f"`used_norm` must be a number; got {used_norm!r}")
     tolerance = max(ROUNDING_MULTIPLE * machine_epsilon(verified.dtype), LEAST_TOLERANCE)
@@ -236,6 +226,14 @@ def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, 
             "partition, before the reduction, or counted twice over a mesh?)"
         )
     return _report(step, started, text, fault_message)
+
+
+def _validated(step: int, max_norm: float) -> float:
+    """The start time of a clipping check whose ``step`` and ``max_norm`` are valid."""
+    validate.check_int("step", step, minimum=0)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"`max_norm` must be a positive number; got {max_norm!r}")
+    return time.perf_counter()
 
 
 def _report(step: int, started: float, text: str, fault_message: str) -> CheckReport:

@@ -1,13 +1,11 @@
 """The directions of an applied check's probes, measured by the ladder: :class:`AppliedProbes`.
 
-The probes move the parameters along the applied gradient itself (the descent probe, over every tensor), along every
-tensor's own normalised gradient at once or over a group of tensors (the balanced probes, :mod:`.combined`), and
-along one tensor's part of it (which of them are made: :mod:`.probes`). Each is a
-:class:`~gradwatch.engine.probing.tasks.ProbeTask` that the ladder (:mod:`gradwatch.engine.probing.ladder`) measures
-and escalates like a recomputed check's probe, from a two-point screen (with float64 evaluations, whose round-off is
-known; natively the descent's full stencil measures it first) to a full stencil and a confirming stencil at
-``0.3 h``, judged against the path's floor along the direction (:class:`~.verdict.FloorJudge`) on the window's
-measuring service (:mod:`.window_points`). Steps follow :func:`~gradwatch.engine.numerics.steps.relative_step`, made
+The probes move the parameters along the applied gradient (the descent probe), along every tensor's own normalised
+gradient at once or over a group (the balanced probes, :mod:`.measured`), and along one tensor's part of it (which are
+made: :mod:`.probes`). Each is a :class:`~gradwatch.engine.probing.tasks.ProbeTask` that the ladder measures and
+escalates like a recomputed check's probe, from a two-point screen (natively once the descent's full stencil measured
+the round-off) to a full stencil and a confirming one at ``0.3 h``, judged against the path's floor along the
+direction (:class:`~.verdict.FloorJudge`). Steps follow :func:`~gradwatch.engine.numerics.steps.relative_step`, made
 finer on float64 evaluations of a lower-precision gradient (:func:`~.verdict.float64_step`).
 """
 
@@ -15,14 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
-import torch
 from torch import Tensor
 
-from gradwatch.engine.applied.combined import balanced_components, balanced_weights, floor_along
-from gradwatch.engine.applied.measured import Measured, explained
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.gradients import rank_means
+from gradwatch.engine.applied.measured import Measured, balanced_weights, explained, floor_along
+from gradwatch.engine.applied.path import AppliedPlan
 from gradwatch.engine.applied.verdict import FloorJudge, Judged, float64_step, storage_rounding
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import global_numel
@@ -45,11 +41,10 @@ class AppliedProbes:
         measurements: The window's measuring service.
         plan: The applied gradient and how it is judged.
         moved: The tensors the probes move (the parameters, or their float64 substitutes).
-        floors: The path's noise floor per tensor (see :func:`~gradwatch.engine.applied.verdict.floors`).
-        provisional: The floors are a lower bound (:mod:`.lazy_floor`): a screen that does not agree stops there, for
-            the check to measure the floor and probe again.
+        floors: The path's noise floor per tensor (:func:`~.verdict.floors`).
+        provisional: The floors are a lower bound (:mod:`.measurement`): a screen that does not agree stops there.
         rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
-            float64, :mod:`.lazy_floor`), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
+            float64), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
     def __init__(
@@ -63,6 +58,7 @@ class AppliedProbes:
         rounding: Sequence[float] | None = None,
     ) -> None:
         self.measurements = measurements
+        self.plan = plan
         native_dtype = plan.native
         self.rounding = rounding
         self.provisional = provisional
@@ -79,7 +75,8 @@ class AppliedProbes:
         self.grad_norms = list(plan.applied_norms)
         self.grad_norm = math.hypot(*self.grad_norms)
         numels = [max(global_numel(t), 1) for t in self.moved]  # of the whole tensor, where ``t`` is a shard
-        param_norms = _agreed(norms(self.moved), getattr(measurements.evaluator, "group", None))
+        # every rank takes the same steps (ranks whose parameters diverged would average differences over other steps)
+        param_norms = rank_means(norms(self.moved), getattr(measurements.evaluator, "group", None))
         self.param_rms = [n / math.sqrt(c) for n, c in zip(param_norms, numels, strict=True)]
         self.param_scale = math.hypot(*param_norms) / math.sqrt(sum(numels))
         self.relative = relative_step(measurements.compute_dtype, native_dtype)
@@ -92,8 +89,8 @@ class AppliedProbes:
         return max(self.param_rms[i], self.param_scale) or 1.0
 
     def step_along(self, step: float, tensors: Sequence[int], weights: Sequence[float]) -> float:
-        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`; ``step`` natively), of the
-        storage rounding alone: a second pass against the measured floor reuses the screens."""
+        """The step of a float64 probe along ``Σ_T w_T g_T`` (:func:`~.verdict.float64_step`; ``step`` natively), at
+        the storage rounding alone, so that a second pass against the measured floor reuses the screens."""
         if not self.finer:
             return step
         least = self._least(tensors, weights)
@@ -118,7 +115,7 @@ class AppliedProbes:
         return self._measure(task, (1.0 / self.grad_norm,) * len(every))
 
     def balanced(self, group: Sequence[int] | None = None) -> Measured | None:
-        """The probe along every tensor's own normalised gradient at once (:mod:`.combined`), or those of ``group``
+        """The probe along every tensor's own normalised gradient at once (:mod:`.measured`), or those of ``group``
         alone (its target then names them); ``None`` with fewer than two tensors with a gradient (the descent probe is
         that direction then)."""
         chosen = set(range(len(self.grad_norms)) if group is None else group)
@@ -127,7 +124,7 @@ class AppliedProbes:
         if len(tensors) < 2:
             return None
         target = DESCENT_TARGET if group is None else f"{self.names[tensors[0]]} and {len(tensors) - 1} more"
-        components = balanced_components([self.grads[i] for i in tensors], [weights[i] for i in tensors])
+        components = [self.grads[i] * weights[i] for i in tensors]
         direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
         part = 1.0 / math.sqrt(len(tensors))
         floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
@@ -172,10 +169,9 @@ class AppliedProbes:
         return found
 
     def _measure(self, task: ProbeTask, weights: tuple[float, ...]) -> Measured:
-        """``task`` up the ladder, its coefficient over the applied gradient ``weights[k]`` in its ``k``-th tensor: a
-        screen where the round-off of a loss evaluation is known (else a full stencil), then, for a loss whose values
-        are rounded coarser than the probes compute, a full stencil at the step of the values' dtype where the first
-        could not resolve the slope."""
+        """``task`` up the ladder (``weights[k]``: its coefficient over the applied gradient in its ``k``-th tensor): a
+        screen where a loss evaluation's round-off is known (else a full stencil), then, for a loss whose values are
+        rounded coarser than the probes compute, a full stencil at the step of the values' dtype if needed."""
         step = task.step
         task.step = task.initial_step = self.step_along(step, [i for i in task.moves if isinstance(i, int)], weights)
         if math.isfinite(self.measurements.loss_noise):
@@ -184,9 +180,7 @@ class AppliedProbes:
             self.ladder.measure_fully([task])
         assert task.result is not None
         if task.result.reason in (Reason.UNRESOLVED, Reason.FLAT) and self._coarse_values and not self.provisional:
-            # the loss's values are rounded coarser than the probes compute (a float32 copy of a float64 loss): a step
-            # made for the computing dtype leaves a difference of rounding noise; the step of the values' dtype
-            # resolves the slope
+            # (a float32 copy of a float64 loss): a step made for the computing dtype measures rounding noise
             self._say_coarse()
             first = (task.stencil, task.result, task.step)
             task.step, task.stencil = step * self.measurements.value_epsilon**0.2 / self.relative, None
@@ -237,14 +231,3 @@ class AppliedProbes:
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, result.tolerance, result.excess,
                         explained=explained(self.rounding, tensors, weights), exact_tolerance=exact)  # fmt: skip
-
-
-def _agreed(values: list[float], group: Any) -> list[float]:
-    """``values`` averaged over the ranks of ``group`` (as they are without one): the probes' steps come from the
-    parameters' sizes, and every rank must take the same step, or the ranks' losses, averaged at each point, would be
-    differences over different steps (ranks whose parameters diverged after a step that applied different gradients)."""
-    if group is None or not values:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(tensor, group=group)
-    return (tensor / torch.distributed.get_world_size(group)).tolist()

@@ -1,30 +1,22 @@
 """Accumulation equivalence: the gradient of a window of micro-batches against that of its samples taken as one batch.
 
 An applied check verifies that the optimizer gets the derivative of the loss the loop computes. A loop can compute the
-wrong loss, of which the gradient is the right derivative: transformers' gradient-accumulation bug (late 2024, PR#35207)
-took each micro-batch's loss as the mean over its own tokens and averaged those means, so micro-batches with fewer
-tokens weighed more, and the accumulated gradient was not the gradient of the window's tokens taken together (1.18x
-along the update in a re-creation). The same window taken as one batch, under the loss's own reduction (a mean over its
-samples or tokens, a sum), gives the gradient the accumulation is meant to reproduce.
+wrong loss: transformers' gradient-accumulation bug (late 2024, PR#35207) averaged each micro-batch's mean over its own
+tokens, so micro-batches with fewer tokens weighed more (1.18x along the update in a re-creation). The same window
+taken as one batch, under the loss's own reduction, gives the gradient the accumulation is meant to reproduce.
 
-:func:`compare_accumulation` joins the window's micro-batches into one (by default :func:`concatenate`: tensors along
-the batch dimension, token tensors of different lengths padded, labels with ``-100`` and masks with 0; a loop whose
-micro-batch items carry more than the batch gives its own join, :data:`Join`) and computes both gradients, eagerly
-and with the model in eval mode (dropout off, BatchNorm on its running statistics: otherwise the
-micro-batches' own dropout masks and batch statistics would differ from one batch's, and that difference is no bug of
-the loss). Along the applied direction it reports the **scale** ``(g_acc · ĝ_acc) / (g_one · ĝ_acc)`` and the
-**cosine** of the two, and per tensor the same, and warns when they differ by more than their rounding allows. That
-rounding is measured, as an applied check measures its floor (:mod:`.verdict`): the spread ``‖g_one,T − g_3,T / 3‖``
-between the one-batch gradient of the loss and of three times the loss, which the same kernels round otherwise (a
-float32 model: ~1e-7 of ``‖g‖``; a model that computes in 16 bits: ~1e-3), at least the storage rounding; each of the
-two gradients is that far off, and a difference beyond :func:`~.verdict.floor_multiple` times both is no rounding
-(:func:`tolerances`). Micro-batches that are equal-size means agree (their mean of means is the mean),
-as do sums combined by a sum; a summed loss averaged over the window is the one-batch gradient divided by the window's
-size, which is said without a warning, unless the loop says its micro-batch losses are already normalised over the
-whole window (``window_normalised``: each divided by the window's count of samples or tokens, as transformers'
-``num_items_in_batch`` does), when that division is a second normalisation (the 0.25x of a DAPO-style loss divided
-again by 4 micro-batches). The reverse, micro-batch means summed over the window (the one-batch gradient times the
-window's size: a loss never divided by the accumulation steps, TRL's "4x"), is always warned of.
+:func:`compare_accumulation` joins the window's micro-batches into one (by default :func:`concatenate`, else the
+loop's :data:`Join`) and computes both gradients eagerly in eval mode (dropout off, BatchNorm on its running
+statistics: the micro-batches' own masks and statistics are no bug of the loss). Along the applied direction it
+reports the **scale** ``(g_acc · ĝ_acc) / (g_one · ĝ_acc)`` and the **cosine** of the two, and per tensor the same,
+and warns when they differ by more than their rounding allows: measured as an applied check measures its floor, the
+spread ``‖g_one,T − g_3,T / 3‖`` between the one-batch gradient of the loss and of three times the loss (float32:
+~1e-7 of ``‖g‖``; 16 bits: ~1e-3), at least the storage rounding (:func:`tolerances`). Equal-size means agree, as do
+sums combined by a sum; a summed loss averaged over the window (the one-batch gradient divided by the window's size)
+is said without a warning, unless the loop says its micro-batch losses are already normalised over the whole window
+(``window_normalised``, as transformers' ``num_items_in_batch``), when that division is a second normalisation (a
+DAPO-style loss divided again by 4 micro-batches). Micro-batch means summed over the window (a loss never divided by
+the accumulation steps, TRL's "4x") are always warned of.
 """
 
 from __future__ import annotations
@@ -105,10 +97,9 @@ def _concatenate(parts: list[Any], key: str | None) -> Any:
 
 
 def concatenate(batches: Sequence[Any]) -> Any:
-    """The micro-batches as one batch: tensors concatenated along their first (batch) dimension, token tensors of a
-    mapping batch of different lengths padded at the end (:data:`PADDING`), equal non-tensor values kept. Raises
-    ``ValueError`` naming why when they cannot be (tensors of different shapes without a padding rule, other
-    structures)."""
+    """The micro-batches as one batch: tensors concatenated along their batch dimension, token tensors of a mapping
+    batch of different lengths padded at the end (:data:`PADDING`), equal non-tensor values kept; ``ValueError``
+    saying why they cannot be."""
     return _concatenate(list(batches), None)
 
 
@@ -119,15 +110,13 @@ class Equivalence:
     Attributes:
         scale: Along the accumulated gradient's direction, its derivative over the one-batch gradient's.
         cosine: The cosine of the two gradients.
-        tensor_scales: The same scale per tensor (``nan`` where a tensor's gradient is within its rounding of zero:
-            a bias before a norm).
-        tolerance: The relative difference of the whole gradients beyond which they are said to differ (their
-            measured rounding, :func:`tolerances`).
+        tensor_scales: The same scale per tensor (``nan`` where a tensor's gradient is within its rounding of zero).
+        tolerance: The relative difference of the whole gradients beyond which they are said to differ
+            (:func:`tolerances`).
         windows: How many micro-batches the window had.
         tensor_tolerances: The same per tensor (empty: ``tolerance`` for every tensor).
-        sine: The sine of the angle between the two, computed as the share of the accumulated gradient's norm that
-            lies off the one-batch gradient's direction (``nan``: from ``cosine``, which float arithmetic resolves only
-            to ~1e-8, so a sine to ~1e-4).
+        sine: The sine of the angle between the two, as the share of the accumulated gradient's norm off the one-batch
+            gradient's direction (``nan``: from ``cosine``, which resolves a sine only to ~1e-4).
         backward: The backward passes the comparison made (2, or 3 when the rounding was measured).
     """
 
@@ -144,8 +133,8 @@ class Equivalence:
 
     @property
     def averaged_sum(self) -> bool:
-        """Whether the accumulated gradient is the one-batch gradient divided by the window's size: a summed loss
-        averaged over the window, a consistent choice (unless the loss was normalised over the window already)."""
+        """Whether the accumulated gradient is a summed loss averaged over the window's size, consistently (unless the
+        loss was normalised over the window already)."""
         return self.divided_by_window and not self.window_normalised
 
     @property
@@ -210,7 +199,6 @@ def _compared(
     windows: int,
     backward: int,
 ) -> Equivalence:
-    """The two gradients compared against the tolerances of their measured ``spread`` (zeros: the least)."""
     tolerance, per_tensor = tolerances(one, spread, dtype)
     size = math.hypot(*norms(acc, exact=True))
     cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
@@ -222,8 +210,8 @@ def _compared(
 
 
 def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: TrainingState) -> bool:
-    """Whether the loss of ``batch`` changes with the random state (a VAE's noise): its window's micro-batches and the
-    one batch would then draw different numbers, and their gradients differ by that. Two forwards, no gradient."""
+    """Whether the loss of ``batch`` changes with the random state (a VAE's noise), which the window and the one batch
+    would draw otherwise. Two forwards, no gradient."""
     values = []
     for seed in (0, 1):
         state.before_evaluation()
@@ -239,10 +227,9 @@ def _draws_randomness(model: nn.Module, batch: Any, loss_fn: LossFn, state: Trai
 
 
 def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtype) -> tuple[float, list[float]]:
-    """The relative differences of the two gradients that their rounding allows, of the whole and per tensor: each is
-    off by about the measured ``spread`` of the one-batch gradient (see the module doc), so
-    :func:`~.verdict.floor_multiple` times twice that, relative to the one-batch gradient's norm, and never less than
-    :data:`ROUNDING_MULTIPLE` units of ``dtype``'s epsilon."""
+    """The relative differences of the two gradients their rounding allows, of the whole and per tensor: each is off by
+    about the measured ``spread``, so :func:`~.verdict.floor_multiple` times twice that, relative to the one-batch
+    gradient's norm, and at least :data:`ROUNDING_MULTIPLE` units of ``dtype``'s epsilon."""
     least = ROUNDING_MULTIPLE * torch.finfo(dtype).eps
     bound = 2 * floor_multiple(dtype)
     sizes = norms(list(one), exact=True)
@@ -258,16 +245,12 @@ def compare_accumulation(
     window_normalised: bool | Callable[[], bool] = False,
 ) -> tuple[Equivalence | None, list[Note]]:
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
-    eager backward passes (the window, the one batch), in eval mode, and a third (the one batch at three times the
-    loss) only when they differ by more than the least tolerance: the tolerance is then measured, as the applied check
-    measures its floor only when a probe needs it (:mod:`.lazy_floor`).
+    eager backward passes, and a third (the one batch at three times the loss) measuring the tolerance only when they
+    differ by more than the least one. ``window_normalised`` (a function asked only when the accumulated gradient is
+    the one-batch one divided by the window's size): that division is a second normalisation, warned of.
 
-    ``window_normalised`` (or a function that says so, asked only when the accumulated gradient is the one-batch one
-    divided by the window's size): each micro-batch's loss is already divided by the window's count, so that division
-    is no summed loss averaged but a second normalisation, warned of.
-
-    Returns the comparison (``None`` when the batches cannot be joined or the loss refuses the result) and its notes:
-    the figures (code ``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
+    Returns the comparison (``None`` when the batches cannot be joined or the loss refuses them) and its notes: the
+    figures (``"accumulation-equivalence"``), and a warning (``"accumulation-unequal"``) when they differ."""
     model, batches, params, state = setting.model, setting.batches, setting.params, setting.state
     loss_fn = setting.loss_fn
     try:
@@ -323,7 +306,6 @@ def compare_accumulation(
 
 
 def _unequal(found: Equivalence) -> str:
-    """The warning of a window whose accumulated gradient is not its one-batch gradient: what the scale says."""
     said = (
         f"the accumulated gradient is {found.scale:.4g}x the gradient of the window's samples taken as one batch "
         f"(cosine {found.cosine:.6g}): "

@@ -1,22 +1,33 @@
 """The window's gradient computed again along other paths: what a noise floor and an attribution compare.
 
-Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), with the
-random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions:
+Each function runs one forward and one ``torch.autograd.grad`` of the window's loss (leaving ``.grad`` alone), the
+random states replayed and the buffers restored by the check's :class:`TrainingState`, under chosen conditions: eager
+float32 (:func:`eager_gradient`, or with a 16-bit autocast path's rounding emulated), on float64 copies with the
+parameters' gradient hooks applied (:func:`float64_gradient`), or on the training's own path
+with one element of it switched off or the loss scaled (:func:`path_gradient`).
 
-* :func:`eager_gradient`: today's recomputation, eager float32, outside autocast, full-precision kernels;
-* :func:`emulated_gradient`: the same with the rounding of a 16-bit autocast path (:mod:`.rounding`);
-* :func:`float64_gradient`: on float64 copies of the parameters, buffers and inputs, the gradient hooks of the
-  parameters applied as autograd applies them to the float32 parameters;
-* :func:`path_gradient`: on the training's own path, as the loop runs its forward (its autocast context, its compiled
-  code), or with one element of the path switched off (``compiled=False``: compiled code run eagerly), or of the loss
-  scaled by a factor (the same gradient, rounded otherwise).
+Under DDP (a ``group``) every result is the mean over the ranks by a plain all-reduce of gradwatch's own: the
+training's reduction (and its communication hooks) is what the ``"reduction"`` attribution leaves out. Under FSDP2
+each result is this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot
+differentiate with respect to a shard); :func:`float64_gradient` is not available there (FSDP gathers parameters in
+their own dtype).
 
-Under DDP (a ``group``) every result is the mean over the ranks, as DDP's all-reduce averages gradients, but reduced
-by a plain all-reduce of gradwatch's own: the training's reduction (and its communication hooks) is what the
-``"reduction"`` attribution leaves out. Under FSDP2 (a sharded check, :mod:`gradwatch.engine.distributed`) each result
-is this rank's shard of the mean, reduced by FSDP's own reduce-scatter in ``backward`` (autograd cannot differentiate
-with respect to a shard), so there the reduction is part of every recomputation; :func:`float64_gradient` is not
-available (FSDP gathers parameters in their own dtype).
+**A 16-bit autocast path's rounding** (:class:`AutocastRounding`): a correct bf16-autocast gradient differs from the
+exact derivative by its rounding, a wrong one by its bug; the check needs to know how far a *correct* one is off
+without asking the path's own kernels, which are what is checked. In the spirit of flash-attention's tests (a kernel's
+error judged against a same-precision PyTorch reference's), :class:`AutocastRounding` builds that reference from
+float32 kernels the float32 checks vouch for: below autograd (a ``TorchDispatchMode``, which sees the backward's
+operations too) it rounds values to the autocast dtype where autocast would hold them in 16 bits:
+
+* the operands and results of the operations autocast runs in 16 bits (matrix products, convolutions and their
+  backward, attention);
+* the results of operations on such 16-bit values (activations, dropout, norms, their backward), except where a
+  float32 tensor takes part in an elementwise operation (type promotion makes the result float32, as under autocast)
+  and except the losses autocast runs in float32.
+
+Its formulas are float32 autograd's (a backward wrong only under autocast is not in it) and its rounding autocast's,
+so its distance from the float32 gradient is the noise floor of a correct gradient on the path. Where it cannot tell (a
+mixed-dtype norm's weight gradient) it rounds, which can only raise the floor.
 """
 
 from __future__ import annotations
@@ -28,8 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
-from gradwatch.engine.applied.rounding import AutocastRounding
 from gradwatch.engine.distributed import collective as sharding
 from gradwatch.engine.distributed.parameters import sharded_backward
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
@@ -47,6 +60,105 @@ from gradwatch.engine.function.state import TrainingState
 
 Gradient = list[Tensor]
 """One tensor per checked parameter (zeros where autograd gave none)."""
+
+_aten = torch.ops.aten
+_LOWER_PRECISION = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.convolution,
+                    _aten.convolution_backward, _aten._scaled_dot_product_flash_attention_for_cpu,
+                    _aten._scaled_dot_product_flash_attention_for_cpu_backward}  # fmt: skip
+"""The operations autocast runs in 16 bits, as the dispatcher sees them below autograd (``linear`` and ``matmul``
+decompose into the matrix products; convolutions of every dimension into ``convolution``)."""
+
+_FLOAT32 = {_aten.nll_loss_forward, _aten.nll_loss2d_forward, _aten.mse_loss, _aten.l1_loss, _aten.smooth_l1_loss,
+            _aten.huber_loss, _aten.binary_cross_entropy, _aten.binary_cross_entropy_with_logits, _aten.kl_div,
+            _aten._log_softmax, _aten._softmax}  # fmt: skip
+"""Losses (and the softmaxes they start with) that autocast computes in float32."""
+
+_PROMOTING = {_aten.add, _aten.sub, _aten.mul, _aten.div, _aten.where, _aten.addcmul, _aten.addcdiv, _aten.lerp,
+              _aten.maximum, _aten.minimum, _aten.cat, _aten.stack}  # fmt: skip
+"""Operations whose result is float32 as soon as one float32 tensor (not a 0-dim scalar) takes part."""
+
+
+def _floats(values: Any, found: list[Tensor] | None = None) -> list[Tensor]:
+    """The floating tensors among ``values`` (an operation's arguments or results), in ``tree_flatten``'s order: walked
+    by hand through tuples, lists and dicts, pytree's walk for anything else (for every operation, pytree's walk cost
+    more than the operation)."""
+    found = [] if found is None else found
+    if isinstance(values, Tensor):
+        if values.is_floating_point():
+            found.append(values)
+    elif isinstance(values, (tuple, list)):
+        for value in values:
+            _floats(value, found)
+    elif isinstance(values, dict):
+        for value in values.values():
+            _floats(value, found)
+    elif not isinstance(values, _ATOMS) and values is not None:
+        found += [v for v in tree_flatten(values)[0] if isinstance(v, Tensor) and v.is_floating_point()]
+    return found
+
+
+def _mapped(function: Any, values: Any) -> Any:
+    """``tree_map(function, values)``, by hand through plain tuples, lists and dicts (see :func:`_floats`)."""
+    if isinstance(values, Tensor):
+        return function(values)
+    kind = type(values)
+    if kind is tuple or kind is list:
+        return kind(_mapped(function, value) for value in values)
+    if kind is dict:
+        return {key: _mapped(function, value) for key, value in values.items()}
+    if values is None or isinstance(values, _ATOMS):
+        return values
+    return tree_map(function, values)
+
+
+_ATOMS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class AutocastRounding(TorchDispatchMode):
+    """Emulates the rounding of autocast to ``dtype`` (``torch.bfloat16`` or ``torch.float16``) on float32 kernels."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.low: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """The tensors autocast would hold in ``dtype``."""
+
+    def _round(self, value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dtype in (torch.float32, torch.float64):
+            rounded = value.to(self.dtype).to(value.dtype)
+            self.low[rounded] = True
+            return rounded
+        return value
+
+    def _held_low(self, func: Any, args: Any) -> bool:
+        floats = _floats(args)
+        if not floats:
+            return False
+        if func.overloadpacket in _PROMOTING:
+            return all(t in self.low or t.dim() == 0 for t in floats) and any(t in self.low for t in floats)
+        return floats[0] in self.low
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in _LOWER_PRECISION:
+            args, kwargs = _mapped(self._round, (args, kwargs))
+            return _mapped(self._round, func(*args, **kwargs))
+        if packet in _FLOAT32 or not self._held_low(func, (args, kwargs)):
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable:  # in place: round the mutated tensors where they are
+            for tensor in _floats(out):
+                tensor.copy_(tensor.to(self.dtype))
+                self.low[tensor] = True
+            return out
+        return _mapped(self._round, out)
 
 
 def _gradient(
@@ -83,6 +195,15 @@ def _gradient(
     return value, rank_mean(grads, group)
 
 
+def rank_means(values: list[float], group: Any) -> list[float]:
+    """``values`` averaged over the ranks of ``group`` in float64 (as they are without one)."""
+    if group is None or not values:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return (tensor / dist.get_world_size(group)).tolist()
+
+
 def rank_mean(grads: Gradient, group: Any) -> Gradient:
     """The mean over the ranks of ``group`` (a plain all-reduce); ``grads`` without one."""
     if group is None:
@@ -98,13 +219,10 @@ def rank_mean(grads: Gradient, group: Any) -> Gradient:
 
 @contextlib.contextmanager
 def exact_conditions(ieee: bool = True) -> Iterator[list[tuple[str, torch.dtype]]]:
-    """The conditions of the check's own evaluations: outside autocast (also where the loss enters it: a forward that
-    Accelerate wrapped in autocast), full-precision float32 kernels, compiled code run eagerly. Unlike a recomputed
-    check's, dropout is left exactly as training calls it (the check evaluates points one by one, never in vectorised
-    passes), so that it draws the training's masks; activation checkpoints run non-reentrant (a reentrant one refuses
-    ``torch.autograd.grad``). Yields the autocast regions the loss tried to enter meanwhile
-    (:func:`~gradwatch.engine.function.conditions.autocast_held_off`). Not ``ieee``: float32 kernels as training set
-    them (TF32 where it is on: :mod:`.reduced_float32`)."""
+    """The conditions of the check's own evaluations: outside autocast (also where the loss enters it), full-precision
+    float32 kernels (not ``ieee``: as training set them, TF32 where it is on), compiled code run eagerly, activation
+    checkpoints non-reentrant; dropout left as training calls it, so that it draws the training's masks. Yields the
+    autocast regions the loss tried to enter (:func:`~gradwatch.engine.function.conditions.autocast_held_off`)."""
     with (
         autocast_held_off() as entered,
         full_float32_precision() if ieee else contextlib.nullcontext(),
@@ -124,27 +242,13 @@ def eager_gradient(
     group: Any = None,
     scale: float = 1.0,
     ieee: bool = True,
+    emulated: torch.dtype | None = None,
 ) -> Gradient:
-    """Eager float32 autograd of the window's loss, outside autocast (today's recomputation, on the whole window); with
-    a ``scale``, of the loss times it, divided by it (the same gradient, rounded otherwise); not ``ieee``, with the
-    float32 kernels training's settings choose (TF32)."""
-    with exact_conditions(ieee):
+    """Eager float32 autograd of the window's loss, outside autocast; with a ``scale``, of the loss times it, divided by
+    it (the same gradient, rounded otherwise); not ``ieee``, with the float32 kernels training's settings choose;
+    ``emulated``, with the storage rounding of autocast to that dtype (:class:`AutocastRounding`)."""
+    with exact_conditions(ieee), AutocastRounding(emulated) if emulated else contextlib.nullcontext():
         return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)[1]
-
-
-def emulated_gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    dtype: torch.dtype,
-    group: Any = None,
-) -> Gradient:
-    """Eager float32 autograd with the storage rounding of autocast to ``dtype`` (see :mod:`.rounding`)."""
-    with exact_conditions(), AutocastRounding(dtype):
-        return _gradient(model, batches, loss_fn, params, state, group=group)[1]
 
 
 def float64_gradient(
@@ -156,8 +260,8 @@ def float64_gradient(
     *,
     group: Any = None,
 ) -> Gradient:
-    """Eager autograd on float64 storage. The parameters' own gradient hooks (``param.register_hook``) are applied to
-    the result, as autograd applies them to the parameters' gradient: a hook is part of the gradient being checked."""
+    """Eager autograd on float64 storage, the parameters' own gradient hooks (``param.register_hook``) applied to the
+    result: a hook is part of the gradient being checked."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
         wrt = [substitute_of(p, substitutes) for p in params]
@@ -180,11 +284,9 @@ def path_gradient(
     group: Any = None,
     scale: float = 1.0,
 ) -> tuple[float, Gradient]:
-    """The window's loss and its autograd gradient as the training computes them (``loss_fn`` enters the path's context
-    per micro-batch), with compiled code run eagerly if not ``compiled``, every autocast region held off if not
-    ``autocast``; with a ``scale``, the gradient of the loss
-    times it, divided by it (the same gradient, rounded otherwise on a 16-bit path: see
-    :func:`~gradwatch.engine.applied.verdict.floors`)."""
+    """The window's loss and gradient as the training computes them, compiled code run eagerly if not ``compiled``,
+    every autocast region held off if not ``autocast``; with a ``scale``, the gradient of the loss times it, divided by
+    it (rounded otherwise on a 16-bit path: :func:`~.verdict.floors`)."""
     with contextlib.ExitStack() as stack:
         if not compiled:
             stack.enter_context(compiler_disabled())

@@ -1,45 +1,54 @@
 """The applied check's measurement plan, inside its session (:func:`measure_window`): the window's loss and eager
 gradient (the ranks' mean under DDP), the training's path run again where it differs from eager float32 or must be
-inferred (:mod:`.autocast_path`), the path's noise floor (:mod:`.verdict`, up front or when a probe needs it:
-:mod:`.lazy_floor`), the probes (:mod:`.probes`) and a failure's attribution (:mod:`.attribution`)."""
+inferred (:mod:`.autocast_path`), the path's noise floor (:mod:`.verdict`), the probes (:mod:`.probes`) and a
+failure's attribution (:mod:`.attribution`).
+
+**The float32 floor, measured only when a probe needs it.** On a float32 (or float64) path a tensor's floor is the
+larger of the storage rounding ``u · ‖g_T‖`` and the distance of the eager gradient from a float64 one, which costs a
+float64 forward and backward of the window (on a CPU float64 convolution, about three training steps). The verdict is
+monotone in the floor and the storage rounding is a lower bound of it, so probes that all agree against the storage
+rounding alone agree against the measured floor too: the float64 backward (:func:`float64_rounding`) is made only when
+a probe does not agree at first, and the probes are judged again against it. A 16-bit path measures its floor up front:
+its storage rounding is far below what a correct gradient of the path is off by.
+
+**A TF32 path** (:func:`tf32_floors`): on Ampere and later GPUs float32 matmuls run in TF32 where
+``torch.backends.cuda.matmul.fp32_precision`` (or ``torch.set_float32_matmul_precision("high")``) says so, and cuDNN
+convolutions and RNNs do by default in torch 2.13: about 1e-3 relative error against IEEE float32's 1e-7. The check's
+own recomputations run in IEEE float32 (:func:`~.gradients.exact_conditions`), so a floor measured there would call
+every healthy TF32 step a failure. Where the settings the check found
+(:attr:`~gradwatch.engine.results.report.CheckReport.numerics`) run a path of the model's device in TF32, the floor is
+the distance of the gradient under training's settings from the IEEE float32 one (one backward more, with a note). A
+wrong backward is as wrong in TF32 as in IEEE float32, and a 3% error stands far above a 1e-3 floor.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from gradwatch.engine.applied import autocast_path, lazy_floor
+from gradwatch.engine.applied import autocast_path
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
-from gradwatch.engine.applied.closer_look import deferred
-from gradwatch.engine.applied.measured import calm
-from gradwatch.engine.applied.path import PathSetting
-from gradwatch.engine.applied.plan import AppliedPlan
-from gradwatch.engine.applied.probes import Measured, measure, unresolved_note
-from gradwatch.engine.applied.reduced_float32 import tf32_floors
-from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors
+from gradwatch.engine.applied.measured import Rounding, calm
+from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.probes import Measured, deferred, measure, unresolved_note
+from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors, storage_rounding
 from gradwatch.engine.applied.window import unrecorded_randomness
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.memory import learn_activations
+from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
 from gradwatch.engine.results.kinds import Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-
-
-def rank_mean(value: float, group: Any) -> float:
-    """The mean of ``value`` over the ranks of ``group`` (``value`` without one)."""
-    if group is None:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, group=group)
-    return float(tensor.item()) / dist.get_world_size(group)
+from gradwatch.errors import own_error
 
 
 class WindowEvaluator(LossEvaluator):
@@ -48,13 +57,12 @@ class WindowEvaluator(LossEvaluator):
     group: Any = None
 
     def loss(self) -> float:
-        return rank_mean(super().loss(), self.group)
+        return recompute.rank_means([super().loss()], self.group)[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AppliedOutcome(Outcome):
-    """What the measuring part of an applied check produced, besides what every check's does: the finished probes
-    with what an attribution needs of them, the attribution of a failure, the backward passes spent and the floors."""
+    """What the measuring part of an applied check produced, besides what every check's does."""
 
     measured: list[Measured]
     attribution: Attribution | None
@@ -64,8 +72,8 @@ class AppliedOutcome(Outcome):
 
 @dataclasses.dataclass
 class _Path:
-    """The training's path as the measurements found it: its setting and plan (an autocast path inferred replaces
-    both), the path's own gradient where it was computed, and the backward passes spent."""
+    """The training's path as the measurements found it (an autocast path inferred replaces setting and plan), its own
+    gradient where computed, and the backward passes spent."""
 
     setting: PathSetting
     plan: AppliedPlan
@@ -86,11 +94,8 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     learn_activations(setting.model, evaluator.saved_elements * itemsize, window)  # the next check's peak
     if _not_the_trained_function(setting, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
-    params = setting.params
-    eager = recompute.rank_mean(
-        [g if g is not None else torch.zeros_like(p) for g, p in zip(reference.param_grads, params, strict=True)],
-        setting.group,
-    )
+    grads = zip(reference.param_grads, setting.params, strict=True)
+    eager = recompute.rank_mean([g if g is not None else torch.zeros_like(p) for g, p in grads], setting.group)
     if not _path_reproduces(path, reference.loss, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
     _infer_autocast(path, eager, evaluator.notes)
@@ -102,15 +107,13 @@ def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
     measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, provisional=lazy)
     if measured_floors is None and not calm(measured) and not deferred(evaluator.notes):  # a probe the storage
         # rounding alone leaves uncalm (a first check whose combined probes agree leaves that to a later one)
-        measured_floors, rounding = lazy_floor.float64_rounding(setting, eager, plan.applied, evaluator.notes)
+        measured_floors, rounding = float64_rounding(setting, eager, plan.applied, evaluator.notes)
         path.backward += 1 if measured_floors else 0
         floor_values = floors(measured_floors, applied_norms, plan.path_dtype)
         measured = measure(evaluator, plan, floor_values, reference.loss, screens=screens, rounding=rounding)
     failing = [m for m in measured if m.probe.verdict == "fail"]
-    floor_note = lazy_floor.floor_note(
-        plan.path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None
-    )
-    evaluator.notes.extend([floor_note, *unresolved_note(measured, evaluator.value_dtype)])
+    said = floor_note(plan.path_dtype, floor_values, applied_norms, plan.multiple, measured_floors is not None)
+    evaluator.notes.extend([said, *unresolved_note(measured, evaluator.value_dtype)])
     attribution = attribute(setting, plan, eager, failing, floor_values, path.again) if failing else None
     if attribution is not None and attribution.fault in ("precision", "unknown") and setting.autocast is not None:
         tensors = sorted({i for m in failing for i in m.tensors})
@@ -160,9 +163,8 @@ def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
     own = autocast_path.own_autocast(entered, device)
     if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
         setting.autocast, path.plan = own, autocast_path.replanned(path.plan, own)
-        said = autocast_path.own_note(own, device)
-        evaluator.notes.append(said)
-    return dataclasses.replace(reference, loss=rank_mean(reference.loss, setting.group))
+        evaluator.notes.append(autocast_path.own_note(own, device))
+    return dataclasses.replace(reference, loss=recompute.rank_means([reference.loss], setting.group)[0])
 
 
 def _not_the_trained_function(setting: PathSetting, notes: list[Note]) -> bool:
@@ -187,7 +189,7 @@ def _path_reproduces(path: _Path, loss: float, notes: list[Note]) -> bool:
     if setting.autocast is None and not setting.compiled:
         return True
     path_loss, path.again = setting.gradient()
-    path_loss = rank_mean(path_loss, setting.group)
+    path_loss = recompute.rank_means([path_loss], setting.group)[0]
     path.backward += 1
     if abs(path_loss - loss) <= center_tolerance(loss, dtype, dtype):
         return True
@@ -215,14 +217,12 @@ def _infer_autocast(path: _Path, eager: list[Tensor], notes: list[Note]) -> None
         assert inferred.setting.autocast is not None
         path.setting, path.again = inferred.setting, inferred.gradient
         path.plan = autocast_path.replanned(path.plan, inferred.setting.autocast)
-        said = inferred.note
-        notes.append(said)
+        notes.append(inferred.note)
 
 
 def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> list[list[float]] | None:
     """The distances the path's floor is measured from up front (:func:`~.verdict.floors`): a 16-bit autocast path's,
-    a sharded float32 path's backward spread, a TF32 path's; ``None`` where the floor waits for a probe that needs it
-    (:mod:`.lazy_floor`)."""
+    a sharded float32 path's backward spread, a TF32 path's; ``None`` where it waits for a probe that needs it."""
     setting = path.setting
     if setting.autocast is not None:
         assert path.again is not None
@@ -232,6 +232,66 @@ def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> lis
     if sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
         path.backward += 1
         return [distances(eager, setting.eager(scale=SPREAD_SCALE))]
-    found = tf32_floors(setting, eager, notes)  # a TF32 path's floor now (.reduced_float32)
+    found = tf32_floors(setting, eager, notes)  # a TF32 path's floor now
     path.backward += found is not None
     return found
+
+
+def float64_rounding(
+    setting: PathSetting, eager: Sequence[Tensor], applied: Sequence[Tensor], notes: list[Note]
+) -> tuple[list[list[float]], Rounding | None]:
+    """The distance of the ``eager`` gradient from the float64 one per tensor (one float64 backward), as
+    :func:`~.verdict.floors` takes it, and with the ``applied`` gradient the parts of a probe's discrepancy known
+    without a probe (:class:`~.measured.Rounding`). For a model without float64 kernels (Triton, fused CUDA kernels),
+    with a note, the float32 backward's own rounding instead (its spread at 3x the loss), and no known parts."""
+    try:
+        exact = setting.float64()
+    except Exception as error:
+        if own_error(error):  # a bug of gradwatch's own is not a model without float64 kernels
+            raise
+        text = f"no float64 gradient ({type(error).__name__}: {error}): the float32 noise floor is its backward's own"
+        notes.append(Note(NoteCode.APPLIED_FLOOR, f"{text} rounding (the spread at {SPREAD_SCALE:g}x the loss)"))
+        scaled = setting.eager(scale=SPREAD_SCALE)
+        return [distances(list(eager), list(scaled))], None
+    rounding = None
+    if applied:
+        pairs = list(zip(eager, exact, applied, strict=True))
+        rounding = Rounding([float(dot(e.double() - x.double(), a)) for e, x, a in pairs],
+                            [float(dot(a.double() - e.double(), a)) for e, _, a in pairs])  # fmt: skip
+    return [distances(list(eager), exact)], rounding
+
+
+def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence[float], multiple: float,
+               measured: bool) -> Note:  # fmt: skip
+    """The note that says which floor the probes were judged against."""
+    dtype = str(path_dtype).removeprefix("torch.")
+    relative = math.hypot(*floors) / max(math.hypot(*norms), 1e-300)
+    rounding = storage_rounding(path_dtype)
+    if not measured:
+        return Note(
+            NoteCode.APPLIED_FLOOR,
+            f"noise floor of the {dtype} path not measured: every probe agreed within {multiple:g}x its storage "
+            f"rounding ({rounding:.3g} of ‖g‖) plus its own noise, below any floor a measurement could give",
+        )
+    return Note(
+        NoteCode.APPLIED_FLOOR,
+        f"noise floor of the {dtype} path: {relative:.3g} of ‖g‖ (storage rounding alone {rounding:.3g}); a probe "
+        f"fails beyond {multiple:g}x the floor plus its own noise",
+    )
+
+
+def tf32_floors(setting: PathSetting, eager: Sequence[Tensor], notes: list[Note]) -> list[list[float]] | None:
+    """The measured distances :func:`~.verdict.floors` takes for a float32 path that runs in TF32 under training's
+    settings, with a note; ``None`` (no backward) where no path of the device does."""
+    paths = setting.session.numerics.reduced_on(autocast_path.device_type(setting.params))
+    if not paths:
+        return None
+    again = setting.eager(ieee=False)
+    notes.append(
+        Note(
+            NoteCode.APPLIED_FLOOR,
+            f"training runs float32 {', '.join(paths)} in TF32 (torch.backends): the float32 path's noise floor is "
+            "measured as training computes it, the gradient under those settings against IEEE float32's",
+        )
+    )
+    return [distances(list(eager), again)]

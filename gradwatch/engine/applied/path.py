@@ -1,15 +1,16 @@
-"""The facts of one accumulation window, as the applied check runs its path again: :class:`PathSetting`.
+"""The facts of one accumulation window, as the applied check runs its path again (:class:`PathSetting`), and what its
+probes are asked to do (:class:`AppliedPlan`).
 
 Every step of an applied check (its floor, the probes' window loss, the one-batch comparison, the attribution) needs
-the same facts about the window: its micro-batches with their random states, how the loop combines their losses, the
-context the forward ran in, the DDP group, the loop's loss scale. They travel as this one object, which also runs the
-window's gradient again along the paths those steps compare (:mod:`.gradients`).
+the same facts about the window; they travel as one object, which also runs the window's gradient again along the
+paths those steps compare (:mod:`.gradients`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -20,17 +21,17 @@ from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
+from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.session import CheckSession
 
 
 @dataclass(kw_only=True)
 class PathSetting:
-    """The training's path, as the check can run it again (see :func:`~.attribution.attribute`): in the check's
-    ``session`` (its model, checked parameters and training state), the window's micro-batches with their random
-    states and how the loop combines their losses, the context the forward ran in (``autocast``: its dtype;
-    ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients present
-    when the window began, the loop's loss scale, and the cap on a formula fault's culprit search."""
+    """The training's path, as the check can run it again: the check's ``session``, the window's micro-batches with
+    their random states and how the loop combines their losses, the context the forward ran in (``autocast``: its
+    dtype; ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients
+    present when the window began, the loop's loss scale, and the cap on a formula fault's culprit search."""
 
     session: CheckSession
     batches: list[Any]
@@ -64,26 +65,57 @@ class PathSetting:
 
     def gradient(self, *, with_path: bool = True, compiled: bool = True, scale: float = 1.0) -> tuple[float, Gradient]:
         """The window's loss and gradient on the training's path (:func:`~.gradients.path_gradient`), without the
-        path's context unless ``with_path`` (nor any autocast the forward enters itself, as a forward Accelerate wrapped
-        does), its compiled code run eagerly unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own
-        scale."""
+        path's context (nor any autocast the forward enters itself) unless ``with_path``, compiled code run eagerly
+        unless ``compiled``, the loss scaled by ``scale`` on top of the loop's own scale."""
         return gradients.path_gradient(self.model, self.batches, self.window(with_path), self.params, self.state,
                                        compiled=compiled, autocast=with_path, group=self.group,
                                        scale=scale * self.loss_scale)  # fmt: skip
 
-    def eager(self, *, scale: float = 1.0, ieee: bool = True) -> Gradient:
-        """Eager float32 autograd of the window's loss outside the path's context
-        (:func:`~.gradients.eager_gradient`)."""
+    def eager(self, *, scale: float = 1.0, ieee: bool = True, emulated: torch.dtype | None = None) -> Gradient:
+        """:func:`~.gradients.eager_gradient` of the window's loss."""
         return gradients.eager_gradient(self.model, self.batches, self.window(with_path=False), self.params,
-                                        self.state, group=self.group, scale=scale, ieee=ieee)  # fmt: skip
-
-    def emulated(self, dtype: torch.dtype) -> Gradient:
-        """Eager float32 autograd with autocast's rounding to ``dtype`` emulated
-        (:func:`~.gradients.emulated_gradient`)."""
-        return gradients.emulated_gradient(self.model, self.batches, self.window(with_path=False), self.params,
-                                           self.state, dtype=dtype, group=self.group)  # fmt: skip
+                                        self.state, group=self.group, scale=scale, ieee=ieee,
+                                        emulated=emulated)  # fmt: skip
 
     def float64(self) -> Gradient:
-        """Eager autograd of the window's loss on float64 storage (:func:`~.gradients.float64_gradient`)."""
+        """:func:`~.gradients.float64_gradient` of the window's loss."""
         return gradients.float64_gradient(self.model, self.batches, self.window(with_path=False), self.params,
                                           self.state, group=self.group)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedPlan:
+    """What the probes of an applied check are asked to do: the gradient they measure and how they judge it.
+
+    Attributes:
+        names: The checked parameters' names.
+        applied: The applied gradient, one tensor per checked parameter (this rank's rows of it when sharded).
+        native: The parameters' dtype (the most precise of them).
+        path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
+        multiple: How many noise floors of the path a gradient may be off.
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
+            call for them (see :mod:`.measured`; every tensor once a probe fails).
+        rotation: Which turn of tensors this check probes.
+        eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
+            applied gradient is further from it than its floor allows is probed (:func:`~.measured.off_eager`).
+        closer_look: ``False``: the check stops after its combined probes when they all agree, leaving the float64
+            floor, groups and tensor probes to a later check (a watch's first applied check: :mod:`.probes`).
+        float64: ``False``: the probes run natively (float64 reductions) without trying float64 first (a watch whose
+            earlier applied check's float64 probes ran out of memory: :class:`~gradwatch.watch.lessons.Lessons`).
+    """
+
+    names: list[str]
+    applied: list[Tensor]
+    native: torch.dtype
+    path_dtype: torch.dtype
+    multiple: float
+    tensor_probes: int
+    rotation: int
+    eager: list[Tensor] | None = None
+    closer_look: bool = True
+    float64: bool = True
+
+    @cached_property
+    def applied_norms(self) -> list[float]:
+        """``‖g_T‖`` of each tensor of ``applied``, accumulated in float64, computed once."""
+        return norms(self.applied, exact=True)

@@ -7,11 +7,20 @@ Two combined probes vouch for every tensor in four loss evaluations (besides the
   scale) moves in full;
 * the **tensors** probe along ``Σ_T ĝ_T / √N``, each tensor's own normalised gradient with equal weight, which a
   fault in one tensor moves by ``1/√N`` of that tensor's relative error, however small its share of ``‖g‖``
-  (:mod:`.combined`).
+  (:mod:`.measured`).
 
-Tensors they leave unvouched are probed in groups (:func:`~.combined.vouching_groups`), and the rest one by one along
+Tensors they leave unvouched are probed in groups (:func:`~.measured.vouching_groups`), and the rest one by one along
 their own ``ĝ_T``, in turn; so is every tensor when a combined probe does not agree well within its tolerance
-(:data:`~.combined.CLOSER_LOOK`), and every one at once when one fails, so that the report names the tensors at fault.
+(:data:`~.measured.CLOSER_LOOK`), and every one at once when one fails, so that the report names the tensors at fault.
+
+**The closer look** (the float64 floor measured lazily, the group and tensor probes) is three quarters of a healthy
+first check on the CIFAR CNN of ``benchmarks/overhead.py`` (20 training steps of 30). A check planned without it
+(:attr:`~.path.AppliedPlan.closer_look` ``False``: a watch's first, which no budget bounds) stops after the combined
+probes when every one **agrees** and no tensor's known rounding is beyond half its own tolerance
+(:meth:`~.measured.Rounding.beyond`): the verdict is theirs (the measured floor only widens every tolerance), and the
+note :data:`~gradwatch.engine.results.notes.NoteCode.APPLIED_CLOSER_LOOK_DEFERRED` says what was looked at, for the
+watch to make a full check when its budget affords one (:meth:`gradwatch.watch.cadence.Cadence.owe`). A combined probe
+that does not agree is never left: a real fault fails at this check as it would have.
 
 Each probe's directions and steps: :mod:`.directions`; its stencils, from a screen on, are the ladder's
 (:mod:`gradwatch.engine.probing.ladder`), judged against the path's floor (:class:`~.verdict.FloorJudge`), on the
@@ -20,18 +29,27 @@ window's measuring service (:mod:`.window_points`).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from gradwatch.engine.applied.closer_look import deferred_note, waits
-from gradwatch.engine.applied.combined import tensors_to_probe, unvouched, vouching_groups
 from gradwatch.engine.applied.directions import AppliedProbes
-from gradwatch.engine.applied.gradients import exact_conditions
-from gradwatch.engine.applied.measured import Measured, Rounding, calm, off_eager, vouchers
-from gradwatch.engine.applied.plan import AppliedPlan
+from gradwatch.engine.applied.gradients import exact_conditions, rank_means
+from gradwatch.engine.applied.measured import (
+    CLOSER_LOOK,
+    Measured,
+    Rounding,
+    calm,
+    off_eager,
+    tensors_to_probe,
+    unvouched,
+    vouchers,
+    vouching_groups,
+)
+from gradwatch.engine.applied.path import AppliedPlan
 from gradwatch.engine.applied.window_points import WindowMeasurements
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.complex_params import autograd_tensor
@@ -55,20 +73,6 @@ from gradwatch.errors import NotReproducibleError, passes_fallbacks
 __all__ = ["AppliedProbes", "Measured", "measure", "unresolved_note"]
 
 
-@dataclass(frozen=True)
-class _Pass:
-    """One pass of the probes: the floors they are judged against, around the window's ``loss``, with the screens of
-    an earlier pass over the same point, whether the floors are provisional, and the measured rounding (see
-    :func:`measure`)."""
-
-    plan: AppliedPlan
-    floors: list[float]
-    loss: float
-    screens: dict[Any, Any]
-    provisional: bool
-    rounding: Rounding | None
-
-
 def measure(
     evaluator: LossEvaluator,
     plan: AppliedPlan,
@@ -82,21 +86,22 @@ def measure(
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
 
-    ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.lazy_floor`): the probes stop at the first
+    ``provisional``: the ``floors`` are a lower bound of the floor (:mod:`.measurement`): the probes stop at the first
     screen that does not agree, or after the combined probes when one does not agree within
-    :data:`~.combined.CLOSER_LOOK`. ``screens`` (a dict) collects the centre and the screens of one pass for another
-    over the same point (with the measured floor), which evaluates them again only if they are not there.
-    ``rounding``: per tensor, the measured rounding's part along its applied gradient (:class:`AppliedProbes`), which
-    a closer look discounts (:mod:`.measured`)."""
+    :data:`~.measured.CLOSER_LOOK`. ``screens`` collects the centre and the screens of one pass for another over the
+    same point, which evaluates them again only if they are not there. ``rounding``: per tensor, the measured
+    rounding's part along its applied gradient, which a closer look discounts (:mod:`.measured`)."""
     named = list(evaluator.params)
     elements = sum(p.numel() for _, p in named)
-    probing = _Pass(plan, floors, loss, screens if screens is not None else {}, provisional, rounding)
+    screens = screens if screens is not None else {}
+    probes_at = functools.partial(_probes_at, evaluator, plan, floors, loss, screens=screens, provisional=provisional,
+                                  rounding=rounding)  # fmt: skip
     with exact_conditions():
         wanted = resolve_precision("auto", plan.native, elements) == "float64"
         unaffordable = float64_unaffordable(evaluator.model, evaluator) if wanted and plan.float64 else ""
-        # the ranks of a group evaluate alike, or their collectives stop matching
+        # the ranks of a group evaluate alike, or their collectives stop matching: float64 only if every rank can
         group = getattr(evaluator, "group", None)
-        float64 = wanted and not _on_every_rank(not plan.float64 or bool(unaffordable), group)
+        float64 = wanted and not rank_means([float(not plan.float64 or bool(unaffordable))], group)[0] > 0
         evaluator.probed_in = "native"
         if float64 and sharding_active() is not None:
             text = "float64 probes are not made on shards (FSDP gathers parameters in their own dtype)"
@@ -104,18 +109,18 @@ def measure(
         elif wanted and not float64:  # not tried: estimated before, or an earlier check's lesson (the watch says it)
             text = unaffordable or ("" if not plan.float64 else "another rank of the check cannot afford float64")
             evaluator.notes += [Note(NoteCode.MEMORY_NATIVE, f"probes run natively: {text}")] if text else []
-        elif float64 and "quantised" not in probing.screens:  # (a second pass over a quantised float64 loss)
+        elif float64 and "quantised" not in screens:  # (a second pass over a quantised float64 loss)
             try:
                 with float64_storage(evaluator.model, _moved(evaluator.model, named)) as substitutes:
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    found = _probes_at(evaluator, probing, torch.float64)
+                    found = probes_at(torch.float64)
                     quantised = _quantised(evaluator, found, plan.applied, loss)
                     if quantised is None:
                         evaluator.probed_in = "float64"
                         return found
                     evaluator.notes.append(Note(NoteCode.APPLIED_NATIVE, f"probes run natively: {quantised}"))
-                    probing.screens["quantised"] = quantised
+                    screens["quantised"] = quantised
             except Exception as error:  # no float64 kernel, a tensor made in float32 inside, no memory for float64
                 out_of_memory = is_out_of_memory(error)
                 if passes_fallbacks(error) and not out_of_memory:
@@ -131,17 +136,7 @@ def measure(
             finally:
                 evaluator.params = named
                 evaluator.use_native_inputs()
-        return _probes_at(evaluator, probing, plan.native)
-
-
-def _on_every_rank(flag: bool, group: Any) -> bool:
-    """Whether ``flag`` is true on any rank of the DDP ``group`` (``flag`` itself without one): a decision on one
-    rank's free memory or lessons taken by all."""
-    if group is None:
-        return flag
-    agreed = torch.tensor([float(flag)], dtype=torch.float64)
-    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(agreed.item())
+        return probes_at(plan.native)
 
 
 FLOAT64_NOISE = 1e-6
@@ -152,13 +147,11 @@ FLOAT64_NOISE = 1e-6
 def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[torch.Tensor], loss: float) -> str | None:
     """Why the float64 evaluations computed in a lower precision somewhere (a kernel that accepts float64 and computes
     float32, which :class:`~gradwatch.engine.function.fidelity.Float64Fidelity` cannot see), or ``None``; tested only
-    where the loss's value is float64 and a probe's noise is beyond float64's. The loss is measured along the applied
-    gradient, as the descent probe measured it, at steps whose predicted change is
-    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of the loss (far below a float32 ulp), ``s`` and
-    ``s / 2``: a float64 function's central differences there are the descent probe's own within
-    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT` (whatever the gradient: a wrong one, a
-    straight-through estimator's, differs from both alike); a function rounded to float32 on the way moves by whole
-    float32 ulps there, or not at all."""
+    where the loss's value is float64 and a probe's noise is beyond float64's. Along the applied gradient, at steps
+    ``s`` and ``s / 2`` predicted to move the loss by :data:`~gradwatch.engine.recomputed.faithfulness.FINE_CHANGE` of
+    it (far below a float32 ulp), a float64 function's central differences are the descent probe's own within
+    :data:`~gradwatch.engine.recomputed.faithfulness.FINE_AGREEMENT`, whatever the gradient; a function rounded to
+    float32 on the way moves by whole float32 ulps there, or not at all."""
     descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
     noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
     slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
@@ -196,17 +189,25 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
 
 
 def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set[int] | None:
-    """The parameters that get a float64 copy: all of them, unless the model is beyond the float64 limit (a LoRA
-    adapter on a billion frozen parameters), where only the checked ones do and the rest are cast where used
-    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`), without a float64 copy of the whole model."""
+    """The parameters that get a float64 copy: all, unless the model is beyond the float64 limit (a LoRA adapter on a
+    billion frozen parameters), where only the checked ones do and the rest are cast where used
+    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`)."""
     elements = sum(p.numel() for p in model.parameters() if p.is_floating_point() or p.is_complex())
     return {id(autograd_tensor(p)) for _, p in named} if elements > AUTO_FLOAT64_ELEMENTS else None
 
 
-def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -> list[Measured]:
-    plan, floors, loss, screens = probing.plan, probing.floors, probing.loss, probing.screens
-    rounding = probing.rounding
-    pending = compute == torch.float64 and compute not in screens  # (see the module doc)
+def _probes_at(
+    evaluator: LossEvaluator,
+    plan: AppliedPlan,
+    floors: list[float],
+    loss: float,
+    compute: torch.dtype,
+    *,
+    screens: dict[Any, Any],
+    provisional: bool,
+    rounding: Rounding | None,
+) -> list[Measured]:
+    pending = compute == torch.float64 and compute not in screens  # (see :mod:`.window_points`)
     if compute not in screens and not pending:
         screens[compute] = evaluator.loss()
     center = screens.get(compute, screens.get("pair", loss))
@@ -219,10 +220,10 @@ def _probes_at(evaluator: LossEvaluator, probing: _Pass, compute: torch.dtype) -
     if plan.eager is not None:  # a 16-bit path: each tensor's applied gradient against eager's, at its own floor
         beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))
     discount = rounding.explained(beyond) if rounding else None  # (.measured)
-    probes = AppliedProbes(measurements, plan, [p for _, p in evaluator.params], floors,
-                           provisional=probing.provisional, rounding=discount)  # fmt: skip
+    probes = AppliedProbes(measurements, plan, [p for _, p in evaluator.params], floors, provisional=provisional,
+                           rounding=discount)  # fmt: skip
     try:
-        return _probed(probes, probing, beyond)
+        return _probed(probes, beyond)
     except NotReproducibleError as error:
         return _not_reproducible(evaluator, error.center, loss)
 
@@ -239,12 +240,12 @@ def _not_reproducible(evaluator: LossEvaluator, center: float, loss: float) -> l
     return []
 
 
-def _probed(probes: AppliedProbes, probing: _Pass, beyond: list[int]) -> list[Measured]:
-    plan, floors, provisional = probing.plan, probing.floors, probing.provisional
+def _probed(probes: AppliedProbes, beyond: list[int]) -> list[Measured]:
+    plan, floors, provisional = probes.plan, probes.floors, probes.provisional
     measured = [m for m in (probes.descent(), probes.balanced(), *probes.every_check()) if m is not None]
     if not plan.closer_look and not beyond and waits(measured, probes.grad_norms, floors, plan.multiple):
         note = deferred_note(measured, plan.names, probes.grad_norms, floors, plan.multiple, provisional=provisional)
-        probes.measurements.evaluator.notes.append(note)  # a series' first check: its closer look waits (.closer_look)
+        probes.measurements.evaluator.notes.append(note)  # a series' first check: its closer look waits
         return measured
     if provisional and not calm(measured):
         return measured
@@ -270,9 +271,51 @@ def _probed(probes: AppliedProbes, probing: _Pass, beyond: list[int]) -> list[Me
     return measured
 
 
+def waits(measured: Sequence[Measured], grad_norms: Sequence[float], floors: Sequence[float], multiple: float) -> bool:
+    """Whether a check planned without its closer look stops after the combined probes ``measured``: every one agrees,
+    and the closer look would do something (a discrepancy above :data:`~.measured.CLOSER_LOOK`, tensors unvouched)."""
+    if not measured or any(m.probe.verdict != "ok" for m in measured):
+        return False
+    uneasy = any(not m.closer <= CLOSER_LOOK for m in measured)
+    return uneasy or bool(unvouched(vouchers(measured), grad_norms, floors, multiple))
+
+
+def deferred_note(
+    measured: Sequence[Measured],
+    names: Sequence[str],
+    grad_norms: Sequence[float],
+    floors: Sequence[float],
+    multiple: float,
+    *,
+    provisional: bool,
+) -> Note:
+    """What a check that left its closer look (:func:`waits`) looked at and what it did not."""
+    worst = max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan)
+    left = unvouched(vouchers(measured), grad_norms, floors, multiple)
+    shown = ", ".join(names[i] for i in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+    kinds = " and ".join(dict.fromkeys(str(m.probe.kind) for m in measured))
+    floor = "the storage rounding alone (float64 floor not measured)" if provisional else "the measured floor"
+    vouching = (
+        f"they vouch for every tensor at its own probe's resolution except {len(left)} of {len(names)} ({shown})"
+        if left
+        else f"they vouch for all {len(names)} tensors at their own probes' resolution"
+    )
+    return Note(
+        NoteCode.APPLIED_CLOSER_LOOK_DEFERRED,
+        f"the run's first applied check made its {kinds} probes only: they agree within their tolerance (largest "
+        f"discrepancy {worst:.2f} of it) at {floor}; {vouching}; no tensor was probed one by one. The closer look "
+        f"(float64 floor, tensor probes) is made at a later check, when the budget (max_overhead) affords it",
+    )
+
+
+def deferred(notes: Sequence[Note]) -> bool:
+    """Whether a check's ``notes`` say it left its closer look for later."""
+    return any(getattr(n, "code", None) == NoteCode.APPLIED_CLOSER_LOOK_DEFERRED for n in notes)
+
+
 def unresolved_note(measured: list[Measured], value_dtype: torch.dtype) -> list[Note]:
-    """A note naming the probes that could not resolve the gradient (reason ``unresolved``: a central difference whose
-    noise is comparable to the slope it measures), with what would resolve them; none when every probe resolved."""
+    """A note naming the probes that could not resolve the gradient (reason ``unresolved``), with what would resolve
+    them; none when every probe resolved."""
     unresolved = [m.probe for m in measured if m.probe.reason == "unresolved"]
     if not unresolved:
         return []

@@ -1,24 +1,21 @@
 """The verdict of an applied check, calibrated to the precision of the training's path.
 
 A probe moves the parameters along a unit direction ``d`` and measures the window loss's derivative ``D`` by central
-differences, precisely (float64 storage, or float64 reductions): its own error ``n`` is the stencil's (see
-:mod:`gradwatch.engine.numerics.assessment`). The applied gradient predicts ``a = g·d``. A correct gradient of the
-path still differs from the exact derivative by its rounding, which depends on the path: float32 autograd, bf16
-autocast. That rounding is measured, not assumed (:func:`floors`), per tensor ``T``, as the largest of:
+differences (float64 storage, or float64 reductions), with the stencil's own error ``n``
+(:mod:`gradwatch.engine.numerics.assessment`). The applied gradient predicts ``a = g·d``. A correct gradient of the
+path differs from the exact derivative by its rounding, which is measured, not assumed (:func:`floors`), per tensor
+``T``, as the largest of:
 
 * the **forward's and formulas' rounding**: the distance ``‖g_lo,T − g_hi,T‖`` between a trusted gradient in the
-  path's precision and one in a higher precision (for a 16-bit autocast path, float32 autograd with autocast's rounding
-  emulated, :mod:`.rounding`, against plain float32 autograd; for a float32 path, float32 autograd against float64);
-* on a 16-bit path, the **backward kernels' own rounding** (a reduction accumulated in 16 bits inside a norm's
-  backward, which no emulation on float32 kernels reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's
-  gradient of the loss and of three times the loss, which the same kernels round differently. A fault that scales a
-  gradient is the same in both and cancels out of the spread, so it cannot hide itself in the floor;
+  path's precision and a more precise one (16-bit autocast emulated, :mod:`.gradients`, against float32; float32
+  against float64);
+* on a 16-bit path, the **backward kernels' own rounding** (a 16-bit reduction inside a norm's backward, which no
+  emulation reproduces): the spread ``‖g_1,T − g_3,T / 3‖`` between the path's gradient of the loss and of three times
+  the loss, which the same kernels round otherwise (a fault that scales a gradient cancels out of it);
 * the rounding of storing the gradient in the path's dtype, ``u · ‖g_T‖``.
 
-By Cauchy-Schwarz the error of a gradient that far off along any unit direction within ``T`` is at most that
-distance.
-
-The applied gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
+By Cauchy-Schwarz a gradient that far off errs by at most that along any unit direction within ``T``. The applied
+gradient fails along ``d`` when ``|a − D|`` exceeds :data:`FLOOR_MULTIPLE` times the floor along ``d`` plus
 :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times ``n``, and the discrepancy reproduces at an independent
 second step. The multiple is ``torch.compile``'s accuracy rule (an optimized gradient may be 2x, in 16 bits 3x, as far
 from float64 as eager's), the same spirit as flash-attention's "at most 2x the error of a same-precision reference".
@@ -58,7 +55,7 @@ def floor_multiple(dtype: torch.dtype) -> float:
 
 
 def storage_rounding(dtype: torch.dtype) -> float:
-    """The unit roundoff of ``dtype``: no gradient computed in it is closer to the derivative than that, relatively."""
+    """The unit roundoff of ``dtype``: no gradient stored in it is relatively closer to the derivative."""
     return machine_epsilon(dtype) / 2
 
 
@@ -67,9 +64,8 @@ SPREAD_SCALE = 3.0
 
 
 def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
-    """``‖a_T − b_T‖`` per tensor, accumulated in float64. Two gradients of float32 or less are subtracted in float32
-    (exact where they are within a factor of two of each other, as gradients compared here are; elsewhere the
-    difference rounds to 6e-8 of itself): no float64 copy of a gradient is made, which a GPU's memory may not hold."""
+    """``‖a_T − b_T‖`` per tensor, accumulated in float64. Gradients of float32 or less are subtracted in float32 (exact
+    within a factor of two of each other, as compared gradients are): no float64 copy, which a GPU may not hold."""
     return norms([_difference(x, y) for x, y in zip(a, b, strict=True)], exact=True)
 
 
@@ -95,13 +91,12 @@ within this share of the tolerance's floor part at the storage rounding (a lower
 
 
 def float64_step(step: float, least: float, rounding: float) -> float:
-    """The step of a float64 probe of a lower-precision gradient: ``step`` (``ε^(1/3)``, the optimum of a smooth
-    loss's two-point difference) made up to :data:`FINER_STEPS` times finer while the screen's assumed noise,
-    ``rounding / h`` (``rounding``: one loss evaluation's assumed round-off plus its quantum), stays within
-    :data:`NOISE_SHARE` of ``least``, the tolerance's floor part at the storage rounding (``multiple · u · Σ_T w_T
-    ‖g_T‖²`` along ``Σ_T w_T g_T``). A large model crosses many ReLU kinks at ``ε^(1/3)``, and their error shrinks with
-    the step: a 26M GPT's screens read up to 1e-6 of ``‖g‖`` off there, ten times its float32 floor (which called for
-    the float64 floor and full stencils), 2e-8 at a tenth of the step."""
+    """The step of a float64 probe of a lower-precision gradient: ``step`` (``ε^(1/3)``) made up to
+    :data:`FINER_STEPS` times finer while the screen's assumed noise ``rounding / h`` (one evaluation's assumed
+    round-off plus its quantum) stays within :data:`NOISE_SHARE` of ``least``, the tolerance's floor part at the
+    storage rounding (``multiple · u · Σ_T w_T ‖g_T‖²`` along ``Σ_T w_T g_T``). A large model crosses many ReLU kinks at
+    ``ε^(1/3)``, whose error shrinks with the step: a 26M GPT's screens read up to 1e-6 of ``‖g‖`` off there, ten times
+    its float32 floor, 2e-8 at a tenth of the step."""
     if not step > 0 or not rounding > 0 or not math.isfinite(least):
         return step
     room = NOISE_SHARE * least / (SIGNIFICANCE * rounding / step)
@@ -110,17 +105,14 @@ def float64_step(step: float, least: float, rounding: float) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class Judged(Assessment):
-    """A stencil's measurement (:class:`~gradwatch.engine.numerics.assessment.Assessment`) judged against the path's
-    floor (:func:`judge`: its verdict and reason), with the tolerance it was held against and its ``excess`` over it
-    (above 1 fails)."""
+    """A stencil's measurement judged against the path's floor (:func:`judge`), with the tolerance it was held against
+    and its ``excess`` over it (above 1 fails)."""
 
     tolerance: float = math.nan
     excess: float = math.nan
 
 
 def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: float) -> Judged:
-    """Judge one stencil's measurement of the applied gradient against the path's floor along its direction."""
-
     def judged(verdict: str, reason: str, tolerance: float, excess: float) -> Judged:
         fields = (assessment.numeric, assessment.discrepancy, assessment.noise, assessment.scale)
         return Judged(*fields, verdict, reason, loss_noise=assessment.loss_noise, tolerance=tolerance, excess=excess)
@@ -146,17 +138,16 @@ def judge(assessment: Assessment, stencil: Stencil, floor: float, multiple: floa
 
 
 def resolves(assessment: Assessment, stencil: Stencil) -> bool:
-    """Whether a probe's central difference resolves the slope it measures: its noise, :data:`SIGNIFICANCE` times
-    over, within :data:`~gradwatch.engine.numerics.assessment.RESOLUTION` of the slope (as for a recomputed probe's
-    ``"ok"``). A probe whose noise is comparable to the slope (a loss rounded to float32 on the way, measured at a step
-    made for float64) "agrees" with any gradient within that noise, a 50% wrong one included: it says nothing."""
+    """Whether a probe's noise, :data:`SIGNIFICANCE` times over, is within
+    :data:`~gradwatch.engine.numerics.assessment.RESOLUTION` of its slope (as for a recomputed probe's ``"ok"``): one
+    whose noise is comparable to the slope (a loss rounded to float32 on the way) "agrees" with a 50% wrong gradient."""
     scale = max(abs(stencil.analytic), abs(assessment.numeric))
     return SIGNIFICANCE * assessment.noise <= RESOLUTION * scale
 
 
 def confirmed(first: Judged, second: Judged) -> bool:
-    """Whether a failure at one step stands at an independent second step: it fails there too, by the same amount
-    (within :data:`~gradwatch.engine.numerics.assessment.AGREEMENT`); kinks and round-off do not reproduce."""
+    """Whether a failure stands at an independent second step: it fails there by the same amount (within
+    :data:`~gradwatch.engine.numerics.assessment.AGREEMENT`); kinks and round-off do not reproduce."""
     if first.verdict != "fail" or second.verdict != "fail":
         return False
     spread = abs(first.discrepancy - second.discrepancy)
@@ -172,14 +163,12 @@ def relative_floor(descent: Probe | None) -> float:
 
 class FloorJudge:
     """The applied check's judge for the ladder (:class:`~gradwatch.engine.probing.judges.Judge`): each probe against
-    the path's floor along its direction (``task.floor``), ``multiple`` times, plus its own noise (:func:`judge`).
+    ``multiple`` times the path's floor along its direction (``task.floor``) plus its own noise (:func:`judge`).
 
-    A screen borrows the round-off of one loss evaluation the window's measurements assume (float64) or the descent
-    probe's first full stencil measured (natively): ``measurements.loss_noise``. ``provisional``: the floors are a
-    lower bound (:mod:`.lazy_floor`), and a screen that does not agree is not completed (the check measures the floor
-    and probes again). A failure stands only where it reproduces at the second step (:func:`confirmed`) and the point
-    is no tie of the loss; no undecided probe is measured again (the probes already run on float64 storage where the
-    model allows it)."""
+    A screen borrows ``measurements.loss_noise``, the round-off of one loss evaluation (assumed in float64, measured
+    natively by the descent probe's first full stencil). ``provisional``: the floors are a lower bound
+    (:mod:`.measurement`), and a screen that does not agree is not completed. A failure stands only where it
+    reproduces at the second step (:func:`confirmed`) at no tie of the loss; no undecided probe is measured again."""
 
     def __init__(self, measurements: WindowMeasurements, multiple: float, *, provisional: bool) -> None:
         self.measurements = measurements

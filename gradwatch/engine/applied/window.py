@@ -1,14 +1,11 @@
 """The loss of an accumulation window, as one function, and what a loop records to check the gradient it applies.
 
-The optimizer applies the gradient of the window's loss: every micro-batch of the window, each forward with the random
-state it ran with (dropout masks), combined as the loop combines them (Lightning divides each micro-batch's loss by
-``accumulate_grad_batches`` and sums: the mean over a full window). :func:`window_loss` turns the user's
-``loss_fn(model, batch)`` into that one function of the parameters, ``loss(model, batches)``, which the engine's
-evaluator treats like any loss of one batch (its floating inputs are all the micro-batches' floating tensors).
-
-:class:`AppliedWindow` is what a loop keeps while a window runs: references to its micro-batches (no copies) and the
-random state before each, plus a cheap fingerprint of the gradients present when the window began (a loop that forgot
-to zero them leaves them in the applied gradient).
+The optimizer applies the gradient of the window's loss: every micro-batch, each forward with the random state it ran
+with (dropout masks), combined as the loop combines them. :func:`window_loss` turns the user's ``loss_fn(model,
+batch)`` into that one function of the parameters, ``loss(model, batches)``, which the engine's evaluator treats like
+any loss of one batch. :class:`AppliedWindow` is what a loop keeps while a window runs: references to its
+micro-batches, the random state before each, and a fingerprint of the gradients present when the window began (a loop
+that forgot to zero them leaves them in the applied gradient).
 """
 
 from __future__ import annotations
@@ -39,11 +36,6 @@ PathContext = Callable[[], contextlib.AbstractContextManager[Any]]
 """A factory of the context the training's forward runs in, e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``."""
 
 
-def no_context() -> contextlib.AbstractContextManager[Any]:
-    """The path of a loop that runs its forward as it is (no autocast)."""
-    return contextlib.nullcontext()
-
-
 def combined(losses: list[Tensor], combine: Combine) -> Tensor:
     """The window's loss from its micro-batch losses (16-bit losses are combined in float32, as backward sees them)."""
     losses = [loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss for loss in losses]
@@ -68,9 +60,9 @@ def window_loss(
 ) -> LossFn:
     """``loss(model, batches)``: the window's combined loss, each micro-batch's forward run with its own random state
     (``None``: as the generators are) inside ``path()`` when given. A generator of :data:`SLOW_GENERATORS` that no
-    micro-batch's forward advanced in the first completed evaluation is not set again: the loss does not draw from
-    it (torch's generators, which a loss may read and put back itself, are set every time)."""
-    context = path or no_context
+    forward advanced in the first evaluation is not set again (torch's, which a loss may read and put back itself,
+    are set every time)."""
+    context = path or contextlib.nullcontext
     undrawn: set[str] | None = None  # known after the first evaluation
 
     def loss(model: nn.Module, batches: Any) -> Tensor:
@@ -92,9 +84,8 @@ def window_loss(
 
 
 def unrecorded_randomness(state: TrainingState, rng_states: Sequence[dict[str, Any] | None], notes: list[Note]) -> bool:
-    """Whether the window's loss draws random numbers (dropout) that no recorded state replays (``rng_states`` all
-    ``None``), with a note then: the check would draw other masks than training did, and measure another function
-    than the one training differentiated (a correct gradient failed). Known after the check's first evaluation."""
+    """Whether the window's loss draws random numbers (dropout) that no recorded state replays, with a note then: the
+    check would measure another function than training differentiated. Known after the check's first evaluation."""
     if not state.draws_random or any(s is not None for s in rng_states):
         return False
     text = (
@@ -108,7 +99,7 @@ def unrecorded_randomness(state: TrainingState, rng_states: Sequence[dict[str, A
 
 def single_loss(loss_fn: LossFn, state: dict[str, Any] | None, path: PathContext | None) -> LossFn:
     """The loss of one micro-batch of the window (its random state replayed), as ``loss(model, batch)``."""
-    context = path or no_context
+    context = path or contextlib.nullcontext
 
     def loss(model: nn.Module, batch: Any) -> Tensor:
         if state is not None:
@@ -129,15 +120,14 @@ def _autocast_region() -> tuple[str, torch.dtype] | None:
     return None
 
 
-def _autocast_context(device: str, dtype: torch.dtype) -> PathContext:
+def autocast_context(device: str, dtype: torch.dtype) -> PathContext:
     return lambda: torch.autocast(device, dtype=dtype)
 
 
 @dataclass(frozen=True)
 class Checksums:
-    """Per-tensor fingerprints of gradients: the float64 sum, sum of absolute values and sum of squares of each (three
-    numbers a tensor, one host transfer): enough to tell ranks that hold different gradients apart, and a leftover
-    gradient from its copy."""
+    """Per-tensor fingerprints of gradients: the float64 sum, sum of absolute values and sum of squares of each (one
+    host transfer): enough to tell ranks that hold different gradients apart, and a leftover gradient from its copy."""
 
     sums: tuple[tuple[float, float, float], ...]
 
@@ -235,11 +225,11 @@ class AppliedWindow:
         model = model if model is not None else self.model
         if model is None:
             raise ValueError("AppliedWindow.check: `model` must be given when the window was made without one")
-        from gradwatch.engine.applied.step_hooks import recurring
+        from gradwatch.engine.applied.attribution import recurring
 
         region = self.autocast if options.get("path") is None else None
         if region is not None:
-            options["path"] = _autocast_context(*region)
+            options["path"] = autocast_context(*region)
         report = check_applied_gradient(
             model, self.batches, loss_fn, rng_states=self.rng_states, start=self.start, **options
         )
@@ -256,8 +246,8 @@ class AppliedWindow:
 def applied_gradients(
     trainable: list[tuple[str, nn.Parameter]], given: Mapping[str, Tensor] | Sequence[Tensor] | None
 ) -> list[Tensor | None]:
-    """The gradient to check of each trainable parameter: its ``.grad``, or what ``given`` holds for it (by name or in
-    order), validated against the parameters."""
+    """Each trainable parameter's gradient to check: its ``.grad``, or what ``given`` holds for it (by name or in
+    order)."""
     if given is None:
         return [p.grad for _, p in trainable]
     if isinstance(given, Mapping):
@@ -273,20 +263,19 @@ def applied_gradients(
     return list[Tensor | None](given)
 
 
-def disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
-    """The ranks whose gradient checksums differ from rank 0's."""
-    mine = Checksums.of(applied)
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    return [rank for rank, sums in enumerate(every) if rank and sums != every[0]]
-
-
-def ranks_with_other_parameters(named: Sequence[tuple[str, Tensor]], group: Any) -> list[int]:
-    """The ranks whose checked parameters (their names and shapes) differ from rank 0's: a model split across the ranks
-    by hand (hand-written tensor or pipeline parallelism, no library that says how), not replicas of one model as under
-    DDP. Values are not compared: replicas whose values drifted apart (a rank that applied another gradient) are
-    still replicas, checked as such. One gather, every rank."""
-    mine = tuple((name, tuple(p.shape)) for name, p in named)
+def _unlike_rank_0(mine: Any, group: Any) -> list[int]:
+    """The ranks whose ``mine`` differs from rank 0's (one gather, every rank)."""
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
     return [rank for rank, found in enumerate(every) if rank and found != every[0]]
+
+
+def disagreeing_ranks(applied: list[Tensor], group: Any) -> list[int]:
+    """The ranks whose gradient checksums differ from rank 0's."""
+    return _unlike_rank_0(Checksums.of(applied), group)
+
+
+def ranks_with_other_parameters(named: Sequence[tuple[str, Tensor]], group: Any) -> list[int]:
+    """The ranks whose checked parameters (names and shapes) differ from rank 0's: a model split across the ranks by
+    hand, not replicas as under DDP. Values are not compared: replicas whose values drifted apart are still replicas."""
+    return _unlike_rank_0(tuple((name, tuple(p.shape)) for name, p in named), group)

@@ -1,22 +1,16 @@
-"""The measuring service of an applied check: the window's loss at the points of its probes,
-:class:`WindowMeasurements`.
+"""The measuring service of an applied check, :class:`WindowMeasurements`: the check's
+:class:`~gradwatch.engine.measuring.points.Measurements` with what a window adds.
 
-It is the check's :class:`~gradwatch.engine.measuring.points.Measurements` with two things a window adds:
-
-* **screens kept for a second pass**: a check whose floor is measured only when a probe needs it (:mod:`.lazy_floor`)
-  probes the same point twice, against two floors; the second pass takes the first one's screens (by probe and step)
-  and evaluates none of them again;
-* **the centre evaluated only when a stencil needs it**: a float64 pass evaluates no loss at the unperturbed point up
-  front. A screen's central difference does not use it (the centre cancels out of ``(φ(h) − φ(−h)) / 2h``), and the
-  first screen's mean ``(φ(h) + φ(−h)) / 2 = φ(0) + O(h²)`` stands in for it where it is used: the window's
-  reproducibility (against the differentiated loss within :func:`~gradwatch.engine.numerics.steps.center_tolerance`,
-  a hundred times wider than the ``h²`` term at these steps) and a screen's rounding quantum. The loss at the centre
-  itself is evaluated only when a stencil needs it: a full stencil (its fourth difference), a screen whose two points
-  are equal (flat or not), or a pair mean beyond that tolerance (the centre then decides, as it always did).
-
-It also holds the round-off of one loss evaluation the screens borrow: known for float64 evaluations (``ε₆₄ · |L|``,
-:data:`ROUNDING_ULPS` times over), measured natively by the descent probe's full stencil
-(:class:`~gradwatch.engine.applied.verdict.FloorJudge`).
+* **Screens kept for a second pass**: a check whose floor is measured only when a probe needs it (:mod:`.measurement`)
+  probes the same point twice; the second pass takes the first one's screens (by probe and step).
+* **The centre evaluated only when a stencil needs it**: a float64 pass evaluates no loss at the unperturbed point up
+  front. It cancels out of a screen's central difference, and the first screen's mean ``(φ(h) + φ(−h)) / 2 = φ(0) +
+  O(h²)`` stands in for it in the window's reproducibility test (within
+  :func:`~gradwatch.engine.numerics.steps.center_tolerance`, a hundred times wider than the ``h²`` term) and a
+  screen's rounding quantum. The centre itself is evaluated for a full stencil, a screen whose two points are equal,
+  or a pair mean beyond that tolerance (the centre then decides, as it always did).
+* **The round-off of one loss evaluation** the screens borrow: ``ε₆₄ · |L|`` :data:`ROUNDING_ULPS` times over in
+  float64, measured natively by the descent probe's full stencil (:class:`~.verdict.FloorJudge`).
 """
 
 from __future__ import annotations
@@ -35,9 +29,8 @@ from gradwatch.engine.numerics.steps import center_tolerance, machine_epsilon
 from gradwatch.errors import NotReproducibleError
 
 ROUNDING_ULPS = 8.0
-"""The round-off of one float64 loss evaluation, in units of its last place: the noise a screen assumes before any
-full stencil has measured it (float64 round-off lies orders of magnitude below every tolerance of a float32 or 16-bit
-gradient, so the figure only needs to be generous)."""
+"""The round-off of one float64 loss evaluation, in units of its last place, that a screen assumes (generous: float64
+round-off lies orders of magnitude below every tolerance of a float32 or 16-bit gradient)."""
 
 
 class WindowMeasurements(Measurements):
@@ -45,12 +38,11 @@ class WindowMeasurements(Measurements):
 
     Args:
         evaluator: The window's evaluator (on float64 storage for float64 probes).
-        center: The loss at the unperturbed point, as far as it is known (see ``pending``).
+        center: The loss at the unperturbed point, as far as it is known.
         reference: The window's loss as it was differentiated: the magnitude the float64 round-off assumes (the same
-            in every pass, so that a second pass takes the same steps), and what the centre must reproduce.
+            in every pass, which then takes the same steps), and what the centre must reproduce.
         native_dtype: The parameters' dtype.
-        pending: ``center`` is not the loss at the centre yet: the first screen's mean stands in for it, and a stencil
-            that needs it evaluates it.
+        pending: ``center`` is not the loss at the centre yet (the first screen's mean stands in for it).
         screens: The screens of an earlier pass over the same point, by probe and step, with the centre as far as it
             was known (filled in for a later pass).
     """
@@ -73,17 +65,14 @@ class WindowMeasurements(Measurements):
         # before any evaluation on float64 storage, its values are taken to be float64 (:meth:`_centred` checks)
         unknown = pending and "pair" not in screens
         self.assumed_epsilon = machine_epsilon(torch.float64) if unknown else self.value_epsilon
-        """The machine epsilon of the loss's values as far as it is known: what the steps and the assumed round-off
-        use."""
+        """The machine epsilon of the loss's values as far as it is known."""
         self.loss_noise = (
             ROUNDING_ULPS * self.assumed_epsilon * abs(reference) if self.compute_dtype == torch.float64 else math.inf
         )
-        """The round-off of one loss evaluation, in loss units (see the module doc; ``inf`` until the descent probe
-        measures it natively)."""
+        """The round-off of one loss evaluation (``inf`` until the descent probe measures it natively)."""
 
     def screen(self, direction: Direction, step: float, key: Hashable = None) -> Stencil:
-        """A screen kept from an earlier pass, or measured now around the centre as far as it is known
-        (:meth:`_centred`) and kept."""
+        """A screen kept from an earlier pass, or measured now (:meth:`_centred`) and kept."""
         kept = (key, step, self.compute_dtype)
         if kept not in self.screens:
             self.screens[kept] = self._centred(super().screen(direction, step))
@@ -102,9 +91,8 @@ class WindowMeasurements(Measurements):
         return Stencil(stencil.step, self.center, stencil.analytic, stencil.points)
 
     def _centred(self, screen: Stencil) -> Stencil:
-        """``screen`` around the centre as far as it is known: the first screen's mean stands in for the loss at the
-        centre while that is pending, or the loss there where the mean is not close enough to the differentiated
-        loss, or where the two points are equal (a flat screen is told by the centre)."""
+        """``screen`` around the centre as far as it is known: the first screen's mean while the centre is pending, else
+        the loss there where the mean does not reproduce the differentiated loss or the two points are equal."""
         if not self.pending:
             return screen
         if "pair" not in self.screens:

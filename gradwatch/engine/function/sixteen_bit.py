@@ -4,7 +4,7 @@ storage: the reference a pure-16-bit model's noise floor is measured with.
 A correct bf16 gradient differs from the exact derivative by its rounding; a wrong one by its bug too. To tell them
 apart a check must know how far a *correct* gradient of that precision is off, and it cannot ask the model's own
 16-bit kernels, which are what is being checked. As the applied check does for autocast
-(:mod:`gradwatch.engine.applied.rounding`), :class:`SixteenBitRounding` builds a same-precision reference from kernels
+(:mod:`gradwatch.engine.applied.gradients`), :class:`SixteenBitRounding` builds a same-precision reference from kernels
 the float32 and float64 checks vouch for: below autograd (a ``TorchDispatchMode``: the backward's operations are seen
 as well as the forward's), every floating result of a non-mutating operation is rounded to the 16-bit dtype, as a
 model whose every tensor is 16-bit holds it. It rounds more than the model does (the float32 losses and softmaxes a
