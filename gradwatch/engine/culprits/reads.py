@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from gradwatch.engine.function.dataflow import top_level_tensors
+from gradwatch.engine.function.modes import OperationMode
 
 _NOT_READS = {Tensor.detach, torch.detach, Tensor.data.__get__, Tensor.grad.__get__}  # type: ignore[attr-defined,union-attr]
 """Operations that return a parameter's tensor without passing its gradient on."""
 
 
-class ParameterReads(TorchFunctionMode):
+class ParameterReads(OperationMode):
     """Notes, for each trainable parameter an operation reads as itself (not displaced by the recording), which module
     was running innermost: ``readers[name]``.
 
@@ -45,14 +45,7 @@ class ParameterReads(TorchFunctionMode):
         float64 storage or a substitution, the tensors the forward will read)."""
         self._names = {id(p): name for name, p in model.named_parameters() if p.is_floating_point() and p.requires_grad}
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
         result = func(*args, **kwargs)
         running = self._running() if self._names and func not in _NOT_READS else None

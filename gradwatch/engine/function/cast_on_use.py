@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from gradwatch.engine.function.modes import OperationMode
 
-class CastOnUse(TorchFunctionMode):
+
+class CastOnUse(OperationMode):
     """Casts the tensors of ``cast`` wherever an operation receives them.
 
     Args:
@@ -38,14 +39,7 @@ class CastOnUse(TorchFunctionMode):
             return value.detach().to(self._cast[id(value)])
         return value
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(func, "__name__", "") == "__get__":  # an attribute: cast only what holds the tensor's values
             result = func(*args, **kwargs)
             owner = args[0] if args else None

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from gradwatch.engine.function.modes import OperationMode
 
 _DETACHES = {Tensor.detach, torch.detach, Tensor.detach_, Tensor.data.__get__}  # type: ignore[attr-defined]
 
@@ -74,7 +75,7 @@ def top_level_tensors(values: Any) -> list[Tensor]:
     return found
 
 
-class ReferenceFlow(TorchFunctionMode):
+class ReferenceFlow(OperationMode):
     """Records which of the input leaves ``leaves`` (path to tensor) a ``detach`` inside the loss cuts off, and the
     first operation vmap would refuse on a value computed from what the probes move (see the module doc).
 
@@ -95,14 +96,7 @@ class ReferenceFlow(TorchFunctionMode):
         """The first operation vmap would refuse, in words (``"nonzero()"``), or ``None``."""
         self._derived: dict[int, weakref.ref[Tensor]] = {}  # weak: a freed tensor's id may come back for another
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         cutting = func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad
         cutting = cutting and not self._held()
         if cutting and len(self.detached) < len(self._wanted):

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.engine.results.notes import Note, NoteCode
 
 _RANDOM_FACTORIES = {torch.randn, torch.rand, torch.normal}
@@ -51,7 +51,7 @@ def _is_float64(value: object) -> bool:
     return isinstance(value, Tensor) and value.dtype == torch.float64
 
 
-class Float64Fidelity(TorchFunctionMode):
+class Float64Fidelity(OperationMode):
     """Keeps a float64 evaluation of a ``native_dtype`` model the model's own function (see the module doc).
 
     Args:
@@ -78,14 +78,8 @@ class Float64Fidelity(TorchFunctionMode):
             for what in sorted(self.acted & set(codes))
         ]
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = dict(kwargs)
         if func in _DOWNCASTS and args and _is_float64(args[0]):
             self.acted.add("casts")
             return args[0]

@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import HeldValuesError
 
@@ -290,29 +290,28 @@ class HeldDetaches:
         return func(*args, **kwargs)
 
 
+_DISPATCH = ("torch.", "gradwatch.engine.function.modes", __name__)
+"""The modules a ``detach`` passes through to reach :class:`_HeldMode` (none of this module's own reaches it: a mode
+is off while it handles an operation)."""
+
+
 def _checks_own() -> bool:
     """Whether the ``detach`` being dispatched was called by the check's own code (the culprit search's hooks on the
-    model's modules), not by the loss: the first caller outside torch is in :mod:`gradwatch.engine`."""
-    frame: FrameType | None = sys._getframe(2)  # the caller of __torch_function__
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+    model's modules), not by the loss: the first caller outside :data:`_DISPATCH` is in :mod:`gradwatch.engine`."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_DISPATCH):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("gradwatch.engine.")
 
 
-class _HeldMode(TorchFunctionMode):
+class _HeldMode(OperationMode):
     """Sends the ``detach`` calls of the loss to its :class:`HeldDetaches`."""
 
     def __init__(self, held: HeldDetaches) -> None:
         super().__init__()
         self._held = held
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in _DETACHES and not _checks_own():
-            return self._held.detach(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+            return self._held.detach(func, args, kwargs)
+        return func(*args, **kwargs)

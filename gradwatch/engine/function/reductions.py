@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from gradwatch.engine.function.modes import OperationMode
 
 # (elementwise terms, denominator) for a loss call; the denominator is None for a plain sum.
 _Terms = tuple[Tensor, Tensor | float | None]
@@ -127,7 +128,7 @@ def _reduce(terms: Tensor, denominator: Tensor | float | None) -> Tensor:
     return total if denominator is None else total / denominator
 
 
-class Float64Reductions(TorchFunctionMode):
+class Float64Reductions(OperationMode):
     """A torch function mode that accumulates full reductions and loss reductions in float64 (see the module doc).
 
     Args:
@@ -140,14 +141,7 @@ class Float64Reductions(TorchFunctionMode):
         self.verify = verify
         self.mismatch: str | None = None
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rule = _RULES.get(func)
         found = rule(func, args, kwargs) if rule is not None else None
         if found is None:

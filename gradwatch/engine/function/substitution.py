@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.errors import OutsideTreeError
 
 _Slot = tuple[dict[str, Any], str, Tensor]
@@ -72,7 +72,7 @@ def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
     return slots
 
 
-class OriginalsWatch(TorchFunctionMode):
+class OriginalsWatch(OperationMode):
     """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
     substitution replaced) while the module tree holds their substitutes."""
 
@@ -80,14 +80,7 @@ class OriginalsWatch(TorchFunctionMode):
         super().__init__()
         self._originals = originals
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
