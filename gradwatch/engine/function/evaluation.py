@@ -130,21 +130,31 @@ class LossEvaluator:
         self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
 
     @contextlib.contextmanager
-    def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
-        """One forward pass evaluating the loss at ``points`` points (one, if it raises), the random state replayed."""
-        self.state.before_evaluation()
-        self.n_passes += 1
-        self.n_forward += 1
-        fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
-        with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
-            yield
-        self.n_forward += points - 1
-        if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
-            # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
-            # otherwise (it would only cost its dispatch)
-            self._fidelity_settled = True
-            self._fidelity = fidelity if fidelity.acted else None
-            self.notes += fidelity.notes()
+    def _evaluation(self, grad: bool, points: int = 1, differentiated: bool = False) -> Iterator[None]:
+        """One pass evaluating the loss at ``points`` points (one, if it raises): the inputs reset, the random state
+        replayed, and what the loss changed undone afterwards (after the backward pass of a ``differentiated`` one:
+        BatchNorm keeps its buffers for it)."""
+        self._reset_inputs()
+        completed = False
+        try:
+            self.state.before_evaluation()
+            self.n_passes += 1
+            self.n_forward += 1
+            fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
+            with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
+                yield
+            self.n_forward += points - 1
+            if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
+                # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
+                # otherwise (it would only cost its dispatch)
+                self._fidelity_settled = True
+                self._fidelity = fidelity if fidelity.acted else None
+                self.notes += fidelity.notes()
+            if differentiated:
+                self.state.skip_unused_generators()
+            completed = True
+        finally:
+            self.state.after_evaluation(completed)
 
     def reference(self, with_inputs: bool = True, vectorising: bool = True) -> Reference:
         """Loss and autograd gradient at the current point.
@@ -178,44 +188,36 @@ class LossEvaluator:
         return self._reference(with_inputs=False, vectorising=vectorising)
 
     def _reference(self, with_inputs: bool, vectorising: bool = True) -> Reference:
-        self._reset_inputs()
         leaves = (
             {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
         )
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
-        completed = False
         watch = ReferenceFlow(leaves, self.held.in_scope)
         counted = torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda tensor: tensor)
-        try:
-            with self._evaluation(grad=True):
-                with contextlib.ExitStack() as stack:  # the forward alone
-                    for context in (counted, watch) if vectorising or with_inputs else ():
-                        stack.enter_context(context)
-                    stack.enter_context(self.held.evaluating())
-                    loss = as_scalar_loss(self.loss_fn(self.model, batch))
-                wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
-                if not loss.requires_grad:
-                    raise ValueError(
-                        "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
-                        "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
-                    )
-                collective = sharding.active()
-                with self.held.differentiating():
-                    if collective is None:
-                        value = float(loss.detach())
-                        grads: list[Tensor | None] = loss_gradient(loss, wrt)
-                    else:
-                        params = [p for _, p in self.params]
-                        value, sharded = sharded_backward(collective, self.model, loss, params, leaves)
-                        grads = list(sharded)
-                self.n_backward += 1
-                self.held.differentiated()
-            self.state.skip_unused_generators()
-            completed = True
-        finally:
-            # after the backward: BatchNorm keeps its buffers for the backward pass
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=True, differentiated=True):
+            with contextlib.ExitStack() as stack:  # the forward alone
+                for context in (counted, watch) if vectorising or with_inputs else ():
+                    stack.enter_context(context)
+                stack.enter_context(self.held.evaluating())
+                loss = as_scalar_loss(self.loss_fn(self.model, batch))
+            wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
+            if not loss.requires_grad:
+                raise ValueError(
+                    "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
+                    "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
+                )
+            collective = sharding.active()
+            with self.held.differentiating():
+                if collective is None:
+                    value = float(loss.detach())
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
+                else:
+                    params = [p for _, p in self.params]
+                    value, sharded = sharded_backward(collective, self.model, loss, params, leaves)
+                    grads = list(sharded)
+            self.n_backward += 1
+            self.held.differentiated()
         n_params = len(self.params)
         grads = [dense(grad) for grad in grads]
         grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
@@ -234,22 +236,15 @@ class LossEvaluator:
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
         """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
         ``created()`` after the forward: zero leaves hooks add to activations; ``None`` for one the loss ignores)."""
-        self._reset_inputs()
-        completed = False
-        try:
-            with self._evaluation(grad=True):
-                with self.held.evaluating():
-                    loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
-                wanted = list(created())
-                needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
-                with self.held.differentiating():
-                    found = gradient(loss, needed)
-                self.n_backward += 1
-                self.held.differentiated()
-            self.state.skip_unused_generators()
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=True, differentiated=True):
+            with self.held.evaluating():
+                loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+            wanted = list(created())
+            needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
+            with self.held.differentiating():
+                found = gradient(loss, needed)
+            self.n_backward += 1
+            self.held.differentiated()
         by_identity = {id(t): g for t, g in zip(needed, found, strict=True)}
         grads = [by_identity.get(id(t)) for t in wanted]
         return float(loss.detach()), [None if g is None else dense(g) for g in grads]
@@ -280,14 +275,8 @@ class LossEvaluator:
             with substituted(model, moved), OriginalsWatch(originals), self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
-        self._reset_inputs()
-        completed = False
-        try:
-            with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
-                values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
+            values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
         self.value_dtype = values.dtype
         return [self.held.value_of(value) for value in values.detach().double().tolist()]
 
@@ -348,16 +337,10 @@ class LossEvaluator:
             return value
 
     def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
-        self._reset_inputs()
-        completed = False
-        try:
-            watch = self.watch or contextlib.nullcontext()
-            grad = self._grad_mode_evaluations if grad is None else grad
-            with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
-                value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        watch = self.watch or contextlib.nullcontext()
+        grad = self._grad_mode_evaluations if grad is None else grad
+        with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
+            value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
         self.value_dtype = value.dtype
         return sharding.global_loss(self.held.value_of(float(value.detach().double())))
 
