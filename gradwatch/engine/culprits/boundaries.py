@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.culprits.words import LOSS
 from gradwatch.engine.results.kinds import ProbeKind
@@ -34,18 +35,14 @@ def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
         if not faulty(site, ProbeKind.ACTIVATION) and any(faulty(site, place) for place in INWARD)
     ]
     if wrong_inside:
-        innermost = [s for s in wrong_inside if not any(_within(o.name, s.name) for o in wrong_inside if o is not s)]
+        innermost = [s for s in wrong_inside if not any(within(o.name, s.name) for o in wrong_inside if o is not s)]
         first = min(innermost, key=lambda s: s.order)
-        outer = [s for s in wrong_inside if s is not first and _within(first.name, s.name)]
+        outer = [s for s in wrong_inside if s is not first and within(first.name, s.name)]
         outer.sort(key=lambda s: -len(s.name))
         return [first.name, *(s.name for s in outer)]
     if any(faulty(site, place) for site in sites.values() for place in (ProbeKind.ACTIVATION, *INWARD)):
         return [LOSS]
     return []
-
-
-def _within(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name.startswith(ancestor + ".")
 
 
 def described(name: str, sites: Mapping[str, Site]) -> str:

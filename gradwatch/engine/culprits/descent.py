@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
+from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.culprits.words import CulpritWords, Localization
 from gradwatch.engine.probing.search_budget import SearchBudget
@@ -205,12 +206,15 @@ class Descent(CulpritWords):
         the parameter outside the modules."""
         if not site.children or not self._holds_failing_parameters(site):
             return False
-        inside = [s for s in self.sites.values() if s is not site and _within(s.name, site.name)]
+        owners = self._owners([s for s in self.sites.values() if s is not site and within(s.name, site.name)])
+        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
+
+    def _owners(self, inside: list[Site]) -> list[Site]:
+        """The modules among ``inside`` that own a failing parameter, the last called first."""
         owned = {f"{s.name}.{n}" if s.name else n: s for s in inside for n in s.parameters}
-        owners = sorted(
+        return sorted(
             {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
         )
-        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
 
     def _holds_failing_parameters(self, site: Site) -> bool:
         prefix = f"{site.name}." if site.name else ""
@@ -258,11 +262,7 @@ class Descent(CulpritWords):
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
-        inside = [site for site in self.sites.values() if node is None or _within(site.name, node.name)]
-        owned = {f"{site.name}.{n}" if site.name else n: site for site in inside for n in site.parameters}
-        owners = sorted(
-            {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
-        )
+        owners = self._owners([s for s in self.sites.values() if node is None or within(s.name, node.name)])
         for owner in owners:
             if self._parameters_wrong(owner) and self._verdict(owner, "activation") in ("ok", None):
                 self.path.append(owner)
@@ -381,7 +381,3 @@ class Descent(CulpritWords):
             self.found.notes.append(
                 Note(NoteCode.CULPRIT_UNDECIDED, "culprit search stopped: a probe inside it could not decide")
             )
-
-
-def _within(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")

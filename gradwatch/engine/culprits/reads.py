@@ -63,7 +63,8 @@ class ParameterReads(OperationMode):
         return result
 
 
-def _within(name: str, ancestor: str) -> bool:
+def within(name: str, ancestor: str) -> bool:
+    """Whether the module ``name`` is ``ancestor`` or inside it."""
     return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")
 
 
@@ -77,7 +78,7 @@ def direct_reads(readers: Mapping[str, set[str]], running: set[str]) -> dict[str
         owner = name.rpartition(".")[0]
         if owner in running:
             continue
-        holders = [m for m in running if _within(owner, m) and all(_within(r, m) for r in modules)]
+        holders = [m for m in running if within(owner, m) and all(within(r, m) for r in modules)]
         if not holders:
             continue
         reader = max(holders, key=len)

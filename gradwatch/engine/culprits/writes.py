@@ -80,7 +80,6 @@ class _Saved:
         self.writers: dict[int, str] = {}
         self.watched = watched
         self.stack: list[str] = []
-        self.forward_done = False
 
     def running(self) -> str:
         return self.stack[-1] if self.stack else LOSS
@@ -147,7 +146,6 @@ def _run(model: nn.Module, evaluator: LossEvaluator, saved: _Saved) -> None:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), _hooked(model, saved):
             loss = original(module, batch)
         saved.event(LOSS)  # what the loss's own code wrote after the last module ran
-        saved.forward_done = True
         return loss
 
     evaluator.loss_fn = audited

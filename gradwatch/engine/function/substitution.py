@@ -60,18 +60,6 @@ def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterato
             table[name] = original
 
 
-def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
-    """Every parameter and buffer slot of the model (``(id(module), "param"/"buffer", name)`` to the tensor it holds):
-    what a check must leave exactly as it found it."""
-    slots: dict[tuple[int, str, str], Tensor] = {}
-    for module in model.modules():
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    slots[(id(module), kind, name)] = tensor
-    return slots
-
-
 class OriginalsWatch(OperationMode):
     """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
     substitution replaced) while the module tree holds their substitutes."""
