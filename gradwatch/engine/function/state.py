@@ -34,7 +34,9 @@ class _SavedBuffer:
     value: Tensor
 
 
-def _capture_rng() -> dict[str, Any]:
+def capture_rng() -> dict[str, Any]:
+    """The state of every global random generator (torch CPU and CUDA, Python's ``random``, NumPy's), as a
+    :class:`TrainingState` saves it: what a loop records before a micro-batch so a check can replay its dropout."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -44,15 +46,16 @@ def _capture_rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
-    """Set the generators of ``state`` (only those named in ``generators``, if given)."""
+def set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
+    """Set every global random generator to ``state`` (from :func:`capture_rng`); only those named in
+    ``generators``, if given."""
     for name, value in state.items():
         if generators is None or name in generators:
             _SETTERS[name](value)
 
 
-def _unchanged(name: str, saved: Any) -> bool:
-    """Whether generator ``name`` is still in the ``saved`` state."""
+def unchanged(name: str, saved: Any) -> bool:
+    """Whether the global generator ``name`` (a key of :func:`capture_rng`'s state) is still in the ``saved`` state."""
     if name == "python":
         return random.getstate() == saved
     if name == "numpy":
@@ -87,7 +90,7 @@ class TrainingState:
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        self._rng = _capture_rng()
+        self._rng = capture_rng()
         self._replayed = set(self._rng)  # the generators replay_rng sets
         self._modes = [(module, module.training) for module in model.modules()]
         self._grads = [(p, p.grad) for p in model.parameters()]
@@ -118,7 +121,7 @@ class TrainingState:
     def replay_rng(self) -> None:
         """Reset the random generators to their captured state (all of them, or after :meth:`skip_unused_generators`
         those the loss draws from)."""
-        _set_rng(self._rng, self._replayed)
+        set_rng(self._rng, self._replayed)
 
     def skip_unused_generators(self) -> None:
         """After an evaluation: stop replaying the generators it left untouched (the loss does not draw from them).
@@ -126,7 +129,7 @@ class TrainingState:
         Setting NumPy's global state costs ~70 µs, as much as a small model's forward; most losses draw from torch's
         generator alone. :meth:`restore` still resets every generator.
         """
-        self._replayed = {name for name in self._replayed if not _unchanged(name, self._rng[name])}
+        self._replayed = {name for name in self._replayed if not unchanged(name, self._rng[name])}
 
     @property
     def draws_random(self) -> bool:
@@ -187,27 +190,10 @@ class TrainingState:
             module.training = training
         for parameter, grad in self._grads:
             parameter.grad = grad
-        _set_rng(self._rng)
+        set_rng(self._rng)
         if errors:
             raise errors[0]
 
     def unrestorable(self) -> list[str]:
         """What the loss changed that could not be put back, named."""
         return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()
-
-
-def capture_rng() -> dict[str, Any]:
-    """The state of every global random generator (torch CPU and CUDA, Python's ``random``, NumPy's), as a
-    :class:`TrainingState` saves it: what a loop records before a micro-batch so a check can replay its dropout."""
-    return _capture_rng()
-
-
-def set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
-    """Set every global random generator to ``state`` (from :func:`capture_rng`); only those named in
-    ``generators``, if given."""
-    _set_rng(state, generators)
-
-
-def unchanged(name: str, saved: Any) -> bool:
-    """Whether the global generator ``name`` (a key of :func:`capture_rng`'s state) is still in the ``saved`` state."""
-    return _unchanged(name, saved)
