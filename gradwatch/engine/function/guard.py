@@ -30,6 +30,7 @@ import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 
 MODULE_DICTS = (
@@ -323,11 +324,11 @@ class ModelGuard:
         """What a report says of the loss's changes to the model, known after the check."""
         if not self.changed:
             return []
-        shown = ", ".join(self.changed[:6]) + (f" and {len(self.changed) - 6} more" if len(self.changed) > 6 else "")
         return [
             Note(
                 NoteCode.MODEL_EDITED,
-                f"the loss changes the model itself ({shown}); gradwatch put it back after every evaluation",
+                f"the loss changes the model itself ({listed(self.changed, 6)}); gradwatch put it back after every "
+                "evaluation",
             )
         ]
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.guard import MODULE_DICTS
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import RestoreError
 
@@ -173,7 +174,7 @@ class Sandbox:
             return [
                 Note(
                     NoteCode.STATE_UNRESTORED,
-                    f"the loss changed {_listed(list(unrestorable))} in place, which gradwatch kept no copy of and "
+                    f"the loss changed {listed(list(unrestorable), 6)} in place, which gradwatch kept no copy of and "
                     "could not put back; move that code into `loss_fn=`",
                 )
             ]
@@ -182,7 +183,7 @@ class Sandbox:
         return [
             Note(
                 NoteCode.STATE_RESTORED,
-                f"the loss changes the model's state ({_listed(self.changed)}); gradwatch put it back after every "
+                f"the loss changes the model's state ({listed(self.changed, 6)}); gradwatch put it back after every "
                 "evaluation",
             )
         ]
@@ -202,10 +203,6 @@ def _subtree(path: str, saved: _Saved, visited: set[int]) -> Iterator[tuple[str,
     for child_path, child in saved.children:
         if child.kind != "module":  # modules are walked from the list of modules
             yield from _subtree(child_path, child, visited)
-
-
-def _listed(paths: list[str], limit: int = 6) -> str:
-    return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
 def _kind(value: Any) -> str:

@@ -35,6 +35,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 
 
@@ -82,21 +83,18 @@ class StockSurrogates:
             )
         notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
         if self.weight_norm_names:
-            shown = ", ".join(self.weight_norm_names[:4]) + (
-                f" and {len(self.weight_norm_names) - 4} more" if len(self.weight_norm_names) > 4 else ""
-            )
             notes.append(
                 Note(
                     NoteCode.DORA_NORM,
-                    f"DoRA weight norms of {shown} held constant during the check, as autograd treats them (they are "
-                    "detached by design)",
+                    f"DoRA weight norms of {listed(self.weight_norm_names)} held constant during the check, as "
+                    "autograd treats them (they are detached by design)",
                 )
             )
         if self.fake_quantisers and self.quantisers_off:
             notes.append(
                 Note(
                     NoteCode.FAKE_QUANTISATION,
-                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): checked as their straight-through "
+                    f"fake quantisation enabled ({listed(self.fake_quantisers)}): checked as their straight-through "
                     "gradient differentiates them, as the identity (the float function they round); the estimators "
                     "themselves are not checked, the batch's inputs not probed",
                 )
@@ -105,16 +103,12 @@ class StockSurrogates:
             notes.append(
                 Note(
                     NoteCode.FAKE_QUANTISATION,
-                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): the loss is piecewise "
+                    f"fake quantisation enabled ({listed(self.fake_quantisers)}): the loss is piecewise "
                     "constant upstream of them and their gradient a straight-through estimator; the batch's inputs "
                     "are not probed",
                 )
             )
         return notes
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _fake_quantising(module: nn.Module) -> bool:
