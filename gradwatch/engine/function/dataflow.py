@@ -47,7 +47,7 @@ _DATA_DEPENDENT = {
 
 
 def _reached_leaves(tensor: Tensor, wanted: Mapping[int, str]) -> set[str]:
-    """The paths of the ``wanted`` leaves (by ``id``) that ``tensor`` depends on through autograd's graph."""
+    """The paths of the ``wanted`` leaves (by ``id``) ``tensor`` depends on through autograd."""
     if id(tensor) in wanted:
         return {wanted[id(tensor)]}
     found: set[str] = set()
@@ -79,11 +79,9 @@ class ReferenceFlow(OperationMode):
     """Records which of the input leaves ``leaves`` (path to tensor) a ``detach`` inside the loss cuts off, and the
     first operation vmap would refuse on a value computed from what the probes move (see the module doc).
 
-    Only tensors that require grad are followed back for a detach; a detach of an activation that depends on
-    parameters alone (a GAN's ``fake.detach()``) walks the graph once and finds nothing. A detach whose value the
-    check holds (``held()`` true while it is made: :mod:`.held`) cuts nothing: the gradient of an input it reaches is
-    the derivative of the function the check evaluates. Values computed from the
-    parameters are those that require grad, and the integer and boolean tensors computed from them (a router's
+    A detach is followed back only from a tensor that requires grad; one whose value the check holds (``held()``
+    true: :mod:`.held`) cuts nothing, the gradient it leaves being the derivative the check evaluates. Values computed
+    from the parameters are those that require grad and the integer and boolean tensors computed from them (a router's
     ``topk`` indices, ``indices == e``).
     """
 

@@ -65,7 +65,7 @@ class _Detached:
 
 
 class _Depth:
-    """How many forwards of a set of modules are running (hooks count them in and out)."""
+    """How many forwards of a set of modules are running."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -79,9 +79,8 @@ class _Depth:
 
 @contextlib.contextmanager
 def _counted_within(model: nn.Module | None, depth: _Depth) -> Iterator[None]:
-    """Count in ``depth`` the running forwards of every module of ``model`` for the duration: torch's hooks on every
-    module, removed afterwards, so that a loss that calls a submodule directly (``module.net(x)``) is inside the model
-    there too."""
+    """Count in ``depth`` the running forwards of every module of ``model`` for the duration: global module hooks, so
+    that a loss that calls a submodule directly (``module.net(x)``) is inside the model there too."""
     depth.count = 0
     if model is None:
         yield
@@ -109,7 +108,7 @@ def _counted_within(model: nn.Module | None, depth: _Depth) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _counted(modules: Sequence[nn.Module], depth: _Depth) -> Iterator[None]:
-    """Count the running forwards of ``modules`` in ``depth`` for the duration (hooks removed afterwards)."""
+    """Count the running forwards of ``modules`` in ``depth`` for the duration."""
     depth.count = 0
     handles = []
     try:
@@ -123,14 +122,9 @@ def _counted(modules: Sequence[nn.Module], depth: _Depth) -> Iterator[None]:
 
 
 class HeldDetaches:
-    """The values the loss detaches within a scope, recorded in a check's reference pass and held in every other
-    evaluation (see the module doc).
-
-    Args:
-        outside: Hold the detaches made outside the forward of every module of this model (the loss's own); ``None``:
-            none.
-        inside: Hold the detaches made inside the forward of these modules.
-    """
+    """The values the loss detaches outside the forward of every module of the model ``outside`` (the loss's own) and
+    inside the forward of the modules ``inside``, recorded in a check's reference pass and held in every other
+    evaluation (see the module doc)."""
 
     def __init__(self, outside: nn.Module | None = None, inside: Sequence[nn.Module] = ()) -> None:
         self.outside = outside
@@ -150,7 +144,6 @@ class HeldDetaches:
 
     @property
     def active(self) -> bool:
-        """Whether any detach is in scope."""
         return self.outside is not None or bool(self.inside)
 
     @property
@@ -230,7 +223,7 @@ class HeldDetaches:
         return self.mismatch
 
     def value_of(self, loss: float) -> float:
-        """``loss``, or NaN when the evaluation could not be replayed."""
+        """``loss``, NaN when the evaluation could not be replayed."""
         return math.nan if self.finish() is not None else loss
 
     def in_scope(self) -> bool:

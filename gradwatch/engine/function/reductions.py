@@ -2,16 +2,13 @@
 
 A loss that sums 10^4 float32 terms is rounded to float32 at the end: ``ε·|L|`` of noise in every evaluation, which is
 what makes naive float32 gradient checks report 10-100% errors on correct models. Finite differences only need the
-terms a perturbation changes; the others cancel exactly if the sum is accumulated in float64. :class:`Float64Reductions`
-does that: while it is active, a full ``sum``/``mean`` of a low-precision floating tensor, and the ``"sum"``/``"mean"``
-reduction of torch's loss functions, are computed from the same elementwise terms in the native dtype but summed in
-float64, and returned as float64 scalars. Everything else runs unchanged.
-
-The elementwise terms stay exactly what the model computes, so the function evaluated is the model's loss, only
-rounded less. Re-implementing a loss's ``"mean"`` is easy to get subtly wrong (torch divides by the element count for
-some losses and by the sum of weights for others), so the first evaluation of each check runs in verifying mode: each
-intercepted call is also computed natively, and any disagreement beyond float rounding turns the mode off for that
-check.
+terms a perturbation changes; the others cancel exactly if the sum is accumulated in float64. While
+:class:`Float64Reductions` is active, a full ``sum``/``mean`` of a low-precision floating tensor, and the
+``"sum"``/``"mean"`` reduction of torch's loss functions, sum the same elementwise terms (the model's, in its dtype) in
+float64 and return float64 scalars: the model's loss, only rounded less. A loss's ``"mean"`` is easy to get subtly wrong
+(torch divides by the element count for some losses, by the sum of weights for others), so the first evaluation of
+each check also computes every intercepted call natively, and a disagreement beyond rounding turns the mode off for
+that check.
 """
 
 from __future__ import annotations
@@ -129,12 +126,9 @@ def _reduce(terms: Tensor, denominator: Tensor | float | None) -> Tensor:
 
 
 class Float64Reductions(OperationMode):
-    """A torch function mode that accumulates full reductions and loss reductions in float64 (see the module doc).
-
-    Args:
-        verify: Also compute every intercepted call natively and compare. On a disagreement larger than the native
-            dtype's rounding of the sum, the native result is used and :attr:`mismatch` describes the call.
-    """
+    """Accumulates full reductions and loss reductions in float64 (see the module doc); with ``verify``, also computes
+    every intercepted call natively: on a disagreement beyond the native rounding of the sum, the native result is
+    used and :attr:`mismatch` describes the call."""
 
     def __init__(self, verify: bool = False) -> None:
         super().__init__()

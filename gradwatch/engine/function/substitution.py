@@ -5,8 +5,8 @@ marginal-likelihood object holding the model and its likelihood a second time, L
 user's module as ``_forward_module`` and ``_original_module``, weights tied between two modules. Substituting by name
 (``torch.nn.utils.stateless``) visits such a slot once per name: the second visit records the first one's substitute
 as the "original", and the restore leaves it in place. The model then trains on float64 copies, or on a tensor batched
-by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, every slot of it that holds a
-replaced tensor once, and restores them all, in reverse order, even when the body raised.
+by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, each slot holding a replaced
+tensor once, all restored in reverse order.
 
 What holds a parameter outside the module tree (a likelihood object of a Gaussian-process library keeping the model's
 noise parameter, a module registered nowhere under the model) still sees the original: a substituted evaluation is then
@@ -29,8 +29,7 @@ _Slot = tuple[dict[str, Any], str, Tensor]
 
 
 def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
-    """Every ``(module._parameters or module._buffers, name, tensor)`` of the model's modules (each module object
-    once) whose tensor is one of ``wanted``."""
+    """Every slot of the model's modules (each module object once) whose tensor is one of ``wanted``."""
     found: list[_Slot] = []
     for module in model.modules():  # each module object once, however many names reach it
         for table in (module._parameters, module._buffers):
