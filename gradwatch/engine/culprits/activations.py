@@ -32,9 +32,8 @@ module it proved."""
 
 MAX_EVALUATIONS = 240
 """The most loss evaluations one search spends (a full stencil is 4, a confirmed failure 8): about what the check's
-own probes and confirmations cost, so that a failing check costs at most about twice a check without the search. On a
-large model evaluated point by point a search could otherwise cost minutes; a less specific culprit (the deepest module
-proved when the budget ran out) is preferred to a slow one."""
+own probes cost, so that a failing check costs at most about twice one without the search; a less specific culprit
+(the deepest module proved) is preferred to a search of minutes."""
 
 BORDERLINE = (0.25, 1.25)
 """A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
@@ -75,8 +74,8 @@ class ActivationProbes:
         return self._extra + sum(task.evaluations for task in self.tasks)
 
     def _spend(self) -> None:
-        """Refuse to spend more (:class:`ExhaustedError`) past the search's limit of evaluations, or past its budget's
-        cap once the search narrowed the culprit down since its start (:attr:`may_stop`)."""
+        """Raise :class:`ExhaustedError` past the search's limit of evaluations, or past its budget's cap once the
+        search narrowed the culprit since its start (:attr:`may_stop`)."""
         if self.evaluations >= MAX_EVALUATIONS:
             raise ExhaustedError
         if self.budget is not None and self.budget.exhausted() and self.may_stop():
@@ -84,9 +83,9 @@ class ActivationProbes:
             raise ExhaustedError
 
     def split(self, site: Site, place: str = "module_input") -> str | None:
-        """Whether the failing probe of ``place`` of ``site`` (its input, or its own parameters) fails because of its
-        own backward (``"own"``) or because of the gradient reaching its output (``"downstream"``); ``None`` when that
-        probe did not fail or the split cannot tell (:mod:`.consistency`)."""
+        """Whether the failing probe of ``place`` of ``site`` fails because of its own backward (``"own"``) or of the
+        gradient reaching its output (``"downstream"``); ``None`` when it did not fail or the split cannot tell
+        (:mod:`.consistency`)."""
         wrapped = [site]
         while place in site.same_as_parent and site.parent is not None:
             site = self.sites[site.parent]  # a wrapper: its input probe is its parent's
@@ -109,13 +108,11 @@ class ActivationProbes:
         return share
 
     def _outputs_wrong(self, sites: list[Site], evidence: Assessment) -> None:
-        """Record that the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is
-        its) is wrong: its input or parameter probe failed and its own backward passed on exactly what reached its
-        output (:mod:`.consistency`), so that gradient carries the error, whatever its own probes, blind to it along
-        the directions they took, said. A diluted error (a bug in the mid block of a diffusers UNet, a small share of
-        the gradient at the block before it) passes the output probes and is magnified by the block's backward (its
-        norms remove the gradient's dominant component): taken as right there, the block was searched and a module
-        inside it named, upstream of the bug. The evidence recorded is the failing probe's."""
+        """Record the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is its)
+        wrong, with the failing probe's evidence: its input or parameter probe failed and its own backward passed on
+        what reached its output (:mod:`.consistency`), whatever its output probes said. A diluted error passes them and
+        is magnified by the module's backward (its norms remove the gradient's dominant component): taken as right, the
+        module was searched and one inside it named, upstream of the bug."""
         fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
         wrong = Assessment(*fields, "fail", "discrepancy", loss_noise=evidence.loss_noise)
         for site in sites:
@@ -200,10 +197,9 @@ class ActivationProbes:
         return next(r for r in results if r.verdict != "ok")
 
     def _focus(self, site: Site, count: int) -> list[bool]:
-        """Which of the site's recorded parameter tensors a ``module_params`` probe displaces: the failing parameters
-        among them, where there are any (else all). Displaced with the module's correct parameters, a wrong one's error
-        is diluted by their share of the gradient: a 1% error in an LSTM's ``weight_hh_l0`` was 0.05% of the gradient
-        of its four parameters, under the float32 tolerance, and the search concluded they were right."""
+        """Which of the site's recorded parameter tensors a ``module_params`` probe displaces: the failing ones, where
+        there are any (else all). Displaced with the correct ones, a wrong one's error is diluted (a 1% error in an
+        LSTM's ``weight_hh_l0`` was 0.05% of the gradient of its four parameters, under the float32 tolerance)."""
         names = [f"{site.name}.{n}" if site.name else n for n in site.parameters]
         if not names or count % len(names):
             return [True] * count
