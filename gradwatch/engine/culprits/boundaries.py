@@ -27,8 +27,7 @@ PlaceTest = Callable[[Site, str], bool]
 
 def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
     """The innermost module whose output gradient is healthy and whose input or parameter gradient is ``faulty``, then
-    the modules containing it that do too, most specific first; ``[LOSS]`` where only modules' outputs are faulty;
-    ``[]`` where nothing is."""
+    the modules containing it that are alike, most specific first; ``[LOSS]`` where only outputs are; else ``[]``."""
     wrong_inside = [
         site
         for site in sites.values()

@@ -44,9 +44,9 @@ kernel's reordered sums); a backward that ignores its upstream gradient is off b
 
 
 class CustomBackwards:
-    """``loss_fn`` as it is, noting whether the graph of the loss it returns holds a backward that is not one of
-    PyTorch's own formulas (:attr:`found`: the node's class name, ``None`` while none was seen). Only the first few
-    graphs are walked (the reference's), each at most :data:`MOST_NODES` nodes."""
+    """``loss_fn`` as it is, noting in :attr:`found` the class name of a backward in the graph of the loss it returns
+    that is not one of PyTorch's own formulas (``None`` while none was seen). Only the first :attr:`SCANS` graphs are
+    walked (the reference's), each at most :data:`MOST_NODES` nodes."""
 
     SCANS = 3
 
@@ -87,9 +87,9 @@ def _custom_node(root: Any) -> str | None:
 def latent_upstream_bug(
     model: nn.Module, evaluator: LossEvaluator, reference_grads: Sequence[Tensor | None]
 ) -> Note | None:
-    """A note naming the module whose backward ignores its upstream gradient (see the module doc), or ``None`` where
-    the gradient of the loss scaled by :data:`SCALE` is that many times ``reference_grads`` (the evaluator's
-    parameters' gradient at the point). ``evaluator`` must be on the native parameters and inputs."""
+    """A note naming the module whose backward ignores its upstream gradient, or ``None`` where the gradient of the
+    loss scaled by :data:`SCALE` is that many times ``reference_grads``. ``evaluator`` must be on the native
+    parameters and inputs."""
     wrt = [autograd_tensor(p) for _, p in evaluator.params]
     original = evaluator.loss_fn
     try:
@@ -123,8 +123,7 @@ def _scaled(loss_fn: Any) -> Any:
 
 
 def _relative_offs(found: Sequence[Tensor | None], expected: Sequence[Tensor | None]) -> list[float]:
-    """Per tensor, ``‖found − expected‖ / ‖expected‖`` (0 where both are missing or zero, infinite where only one
-    is)."""
+    """Per tensor, ``‖found − expected‖ / ‖expected‖`` (0 where both are missing or zero, infinite where one is)."""
     offs = []
     for got, want in zip(found, expected, strict=True):
         if got is None and want is None:

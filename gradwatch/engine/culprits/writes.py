@@ -67,9 +67,9 @@ def _storage(tensor: Tensor) -> int | None:
 
 class _Saved:
     """The saved-tensor hooks of one run: every saved tensor with its checksum and the module running at its saving;
-    with ``watched`` (indices of saved tensors), those checked at every module hook. Tensors in the storage of the
-    model's buffers are left out: a module may update its own buffers in place (BatchNorm's running statistics, which
-    its backward saves but reads only in eval mode, change at its next call)."""
+    the ``watched`` ones (by index) checked at every module hook. Tensors in the storage of the model's buffers are
+    left out: a module may update its own in place (BatchNorm's running statistics, saved but read only in eval
+    mode)."""
 
     def __init__(self, buffers: frozenset[int], watched: frozenset[int] = frozenset()) -> None:
         self.buffers = buffers
@@ -156,8 +156,8 @@ def _run(model: nn.Module, evaluator: LossEvaluator, saved: _Saved) -> None:
 
 
 def writes_behind_autograds_back(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
-    """The first saved tensor the loss changes behind autograd's back, with the module that wrote it (see the module
-    doc), or ``None``. ``evaluator`` must be on the native parameters and inputs."""
+    """The first saved tensor the loss changes behind autograd's back, with the module that wrote it, or ``None``.
+    ``evaluator`` must be on the native parameters and inputs."""
     buffers = frozenset(s for s in (_storage(b) for b in model.buffers()) if s is not None)
     first = _Saved(buffers)
     _run(model, evaluator, first)
