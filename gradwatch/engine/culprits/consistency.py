@@ -26,8 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
-from gradwatch.engine.culprits.sites import Displacements, Site
-from gradwatch.engine.function.batch import map_tensors
+from gradwatch.engine.culprits.sites import Displacements, Site, floating
 
 OWN, DOWNSTREAM = "own", "downstream"
 
@@ -43,13 +42,8 @@ def _pushed_forward(
     ``place``, over ``2·step``; ``None`` when they do not match the recorded ones."""
     captured: list[list[Tensor]] = []
 
-    def keep(_path: str, tensor: Tensor) -> Tensor:
-        if tensor.is_floating_point():
-            captured[-1].append(tensor.detach())
-        return tensor
-
     def capture(_module: Any, _args: Any, output: Any) -> None:
-        map_tensors(output, "", keep)
+        captured[-1] += [t.detach() for t in floating(output)]
 
     displacements = Displacements(site, place, components)
     with displacements.installed():

@@ -83,7 +83,8 @@ class Site:
         return bool(self.gradients.get(place))
 
 
-def _floating(obj: Any) -> list[Tensor]:
+def floating(obj: Any) -> list[Tensor]:
+    """The floating tensors in ``obj``, in traversal order."""
     found: list[Tensor] = []
 
     def collect(_path: str, tensor: Tensor) -> Tensor:
@@ -175,14 +176,14 @@ class _Recorder:
         if site.parent is not None and site.parent not in self._stack:
             site.strays = True
         self._stack.append(name)
-        raw = {id(t) for t in _floating((args, kwargs))}
+        raw = {id(t) for t in floating((args, kwargs))}
         self._mark_call(site, "module_input")
         self._mark_call(site, "module_params")
         args, kwargs = map_tensors(
             (args, kwargs), "", lambda _p, t: self._leaf(name, "module_input", t) if t.is_floating_point() else t
         )
         if first:
-            received = _floating((args, kwargs))
+            received = floating((args, kwargs))
             self._held += received
             self._received[name] = {id(t) for t in received}
             if site.parent is not None and raw and raw == self._received.get(site.parent):
@@ -212,13 +213,13 @@ class _Recorder:
         self._open.pop().close()
         self._stack.pop()
         site = self.sites[name]
-        raw = {id(t) for t in _floating(output)}
+        raw = {id(t) for t in floating(output)}
         self._mark_call(site, "activation")
         output = map_tensors(
             output, "", lambda _p, t: self._leaf(name, "activation", t) if t.is_floating_point() else t
         )
         if site.calls == 1:
-            returned = _floating(output)
+            returned = floating(output)
             self._held += returned
             self._returned[name] = {id(t) for t in returned}
             for child in site.children:  # a wrapper that returns its child's output unchanged
