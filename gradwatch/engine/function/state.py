@@ -78,15 +78,11 @@ class TrainingState:
     """The random states, buffers, ``.grad`` tensors, modes and user state of a model, saved so a check can leave no
     trace.
 
-    Use :meth:`capture` before the first evaluation, :meth:`before_evaluation` before every evaluation (it replays the
-    random state, so each one draws the same dropout masks), :meth:`after_evaluation` after every evaluation, and
-    :meth:`restore` once at the end, in a ``finally`` block. What the loss changes in the module tree besides
-    parameters and buffers (lists, counters, caches, metric states) is the :attr:`sandbox`'s; what it does to the
-    model's parameters and structure the :attr:`guard`'s; to the optimizers, the :attr:`optimizers`'.
-
-    While the state is captured, every parameter's ``.grad`` is detached (set to ``None``) and held here; the very same
-    tensor objects are put back by :meth:`restore`. Nothing a loss function does during the check (even calling
-    ``backward()``) can therefore change them.
+    Use :meth:`capture` before the first evaluation, :meth:`before_evaluation` and :meth:`after_evaluation` around
+    every evaluation, and :meth:`restore` once at the end, in a ``finally`` block. The rest of the module tree is the
+    :attr:`sandbox`'s, the model's parameters and structure the :attr:`guard`'s, the optimizers the
+    :attr:`optimizers`'. Every parameter's ``.grad`` is held here (set to ``None`` meanwhile) and the very same tensor
+    put back: nothing the loss does during the check (even ``backward()``) can change them.
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
@@ -138,11 +134,8 @@ class TrainingState:
         return bool(self._replayed)
 
     def restore_buffers(self) -> None:
-        """Undo any change to the buffers (BatchNorm running statistics, counters, caches) since the capture.
-
-        Every buffer is copied back: version counters cannot tell which changed, because BatchNorm's CPU kernel updates
-        its running statistics in place without bumping them.
-        """
+        """Undo any change to the buffers since the capture: every one is copied back (BatchNorm's CPU kernel updates
+        its running statistics without bumping their version counters)."""
         with torch.no_grad():
             for saved in self._buffers:
                 if getattr(saved.module, saved.name, None) is not saved.tensor:
@@ -150,11 +143,8 @@ class TrainingState:
                 saved.tensor.copy_(saved.value)
 
     def after_evaluation(self, completed: bool = True) -> None:
-        """Undo what one evaluation changed: buffers, and the user state the loss changes (see :class:`Sandbox`).
-
-        The first completed evaluation shows what the loss changes; later ones restore just that. After an evaluation
-        that raised, everything is restored, as it may have stopped anywhere.
-        """
+        """Undo what one evaluation changed: buffers, and the user state the loss changes (:class:`Sandbox`): after the
+        first completed one, just what it changed; after one that raised, everything."""
         self.restore_buffers()
         self.guard.after_evaluation()
         if not completed:
@@ -178,8 +168,7 @@ class TrainingState:
         raise LossCallsBackwardError(loss_calls_backward(f"the parameters' .grad changed while it was evaluated{also}"))
 
     def restore(self) -> None:
-        """Put back random states, buffers, ``.grad`` tensors, train/eval modes and user state exactly as captured;
-        all of them, even when restoring one raises (the error is raised afterwards)."""
+        """Put everything back exactly as captured, all of it even when restoring one part raises (raised after)."""
         errors: list[Exception] = []
         for part in (self.guard.restore, self.optimizers.restore, self.sandbox.restore, self.restore_buffers):
             try:
