@@ -8,12 +8,11 @@ layer after one check, a weight scaled by 1.001 twenty-four times) and survive t
 
 :class:`ModelGuard` saves, when the check starts, the model's structure (each module's class and the dicts
 ``nn.Module`` keeps its parameters, buffers, submodules and hooks in; torch's global module hooks; each parameter's
-``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`).
-The first evaluation of a check is compared with that, in full: what it changed is put back at once and watched; after
-every later evaluation just the watched part is put back, to what it was before that evaluation (gradwatch itself moves
-parameters and swaps float64 copies in between). At the end of the check everything is compared with the start and put
-back. Parameters whose values the loss changes (:attr:`ModelGuard.edited`) cannot be probed (the function of them the
-loss evaluates is not the one autograd differentiates): the check leaves them out, with a note.
+``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`). What the first evaluation
+changed is put back at once and watched; after every later one just the watched part is put back, to what it was
+before that evaluation (gradwatch moves parameters and swaps float64 copies in between); at the end, everything.
+Parameters whose values the loss changes (:attr:`ModelGuard.edited`) cannot be probed (the loss evaluates another
+function of them than autograd differentiates): the check leaves them out, with a note.
 
 Version counters make the comparison cheap; values are compared bit for bit only where a counter cannot see a change
 (an edit through ``.data``), once after the first evaluation and once at the end.
@@ -62,9 +61,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def plain(function: _F) -> _F:
-    """Run ``function`` without ``__torch_function__``: reading ``requires_grad`` or ``.grad`` of a ``Parameter`` (a
-    tensor subclass) goes through it, and under the check's own function modes (float64 reductions, fidelity) that
-    costs microseconds per attribute: a scan of a model's structure would take longer than its forward."""
+    """Run ``function`` without ``__torch_function__``, which reading an attribute of a ``Parameter`` (a tensor
+    subclass) goes through: under the check's own modes a scan of a model's structure would outlast its forward."""
 
     @functools.wraps(function)
     def unwrapped(*args: Any, **kwargs: Any) -> Any:
@@ -75,10 +73,8 @@ def plain(function: _F) -> _F:
 
 
 class _Slot:
-    """One attribute of one object as it was: a container's items, or a value (a class, a flag).
-
-    Thousands are taken per check (one per container of every module): a plain class with ``__slots__``, its path
-    made only when a change is named."""
+    """One attribute of one object as it was: a container's items, or a value (a class, a flag). Thousands are taken
+    per check: a class with ``__slots__``, its path made only when a change is named."""
 
     __slots__ = ("attribute", "items", "owner", "value", "where")
 
@@ -164,11 +160,7 @@ class _EmptyDicts:
 
 
 class ModelGuard:
-    """The structure and parameter values of a model, saved when a check starts; see the module docstring.
-
-    Args:
-        model: The checked module.
-    """
+    """The structure and parameter values of ``model``, saved when a check starts (see the module doc)."""
 
     @plain
     def __init__(self, model: nn.Module) -> None:

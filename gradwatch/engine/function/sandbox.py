@@ -12,13 +12,10 @@ caches ``self.last_logits``, updates torchmetrics metrics. Parameters, buffers a
 * tensors held by an attribute or a dict entry that the loss changed in place (a metric's ``self.tp += tp``), from a
   copy taken beforehand (up to :data:`COPY_LIMIT` elements in all).
 
-What it cannot put back (a global, a file, an object of the user's own class changed in place, a tensor kept in a list
-and changed in place) :meth:`Sandbox.unrestorable` names where it can see it; the README asks users to move such code
-into ``loss_fn=``.
-
-Side effects are detected, not guessed: :meth:`Sandbox.settle` compares the tree with the snapshot after the first
-evaluation, and from then on the sandbox restores just what changed after every evaluation (so that every evaluation
-computes the same function) and everything at the end of the check.
+What it cannot put back (a global, a file, an object of the user's own class or a tensor kept in a list changed in
+place) :meth:`Sandbox.unrestorable` names where it can see it. Side effects are detected, not guessed:
+:meth:`Sandbox.settle` compares the tree with the snapshot after the first evaluation; from then on just what changed
+is restored after every evaluation (each then computes the same function), and everything at the end of the check.
 """
 
 from __future__ import annotations
@@ -63,12 +60,8 @@ class _Saved:
 
 
 class Sandbox:
-    """The user state of a module tree, saved so that a check leaves no trace in it.
-
-    Args:
-        model: The module whose tree the loss may change.
-        exclude: ``id``\\ s of tensors to leave alone (parameters and buffers, which ``TrainingState`` restores).
-    """
+    """The user state of the tree of ``model``, saved so that a check leaves no trace in it; the tensors of ``exclude``
+    (by ``id``: parameters and buffers, which ``TrainingState`` restores) are left alone."""
 
     def __init__(self, model: nn.Module, exclude: set[int]) -> None:
         self._exclude = exclude
@@ -126,8 +119,8 @@ class Sandbox:
     # ---- restoring ------------------------------------------------------------------------------------------------
 
     def settle(self) -> list[str]:
-        """After the first evaluation: record what it changed (:attr:`changed`), put it back, and from then on watch
-        just that. Returns :attr:`changed`."""
+        """After the first evaluation: record what it changed (:attr:`changed`, returned), put it back, and from then
+        on watch just that."""
         changed = [(path, saved) for path, saved in self._walk() if _differs(saved)]
         self._watched = [saved for _, saved in changed]
         self.changed = [path for path, saved in changed for path in _describe(path, saved)]
@@ -168,8 +161,8 @@ class Sandbox:
         return [path for path, saved in walked if saved.kind == "tensor" and saved.copy is None and _differs(saved)]
 
     def notes(self, unrestorable: Sequence[str]) -> list[Note]:
-        """What a report says of the loss's side effects: what it changes (known after the first evaluation), and
-        what of it could not be put back (``unrestorable``, known after the check)."""
+        """What a report says of the loss's side effects, or of what of them could not be put back
+        (``unrestorable``)."""
         if unrestorable:
             return [
                 Note(
