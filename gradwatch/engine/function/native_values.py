@@ -30,14 +30,14 @@ from torch import Tensor, nn
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 
 OWN_ROUNDING = 4.0
-"""How far a module's native output may be from its precise output on the same inputs, relative to the precise one
-(root-mean-square), in units of the native dtype's machine epsilon, to be replayed. Measured on small 16-bit models
-(convolutions, BatchNorm, a decoder's norms and projections): at most 0.75 units with every upstream error included."""
+"""How far a replayed module's native output may be from its precise output on the same inputs (relative, RMS), in
+units of the native dtype's epsilon. Small 16-bit models (convolutions, BatchNorm, a decoder's norms and projections)
+measured at most 0.75, every upstream error included."""
 
 
 @contextlib.contextmanager
 def _forward_hooks(hooks: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
-    """Each ``(module, hook)`` registered as a forward hook for the duration, removed afterwards."""
+    """Each ``(module, hook)`` registered as a forward hook for the duration."""
     handles = [module.register_forward_hook(hook) for module, hook in hooks]
     try:
         yield
@@ -61,10 +61,10 @@ class NativeValues:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Record every 16-bit tensor a leaf module returns during the forwards of the block. A module that computes in
-        float32 inside a 16-bit model (a sinusoidal time embedding, a head cast with ``.float()``) is left to float64:
-        its float32 rounding moves no kink a 16-bit one would, and an ill-conditioned float32 operation (the sine of a
-        timestep near 1000) is further from float64 than 4 units of float32, without a bug."""
+        """Record every 16-bit tensor a leaf module returns during the block. A module computing in float32 inside a
+        16-bit model (a sinusoidal time embedding) is left to float64: its rounding moves no kink a 16-bit one would,
+        and an ill-conditioned float32 operation (the sine of a timestep near 1000) is further from float64 than 4
+        units, without a bug."""
         self.outputs = {}
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
@@ -77,8 +77,8 @@ class NativeValues:
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
-        """Make every leaf module's output in the block's forward the recorded native value (the gradient flowing
-        through the precise output), module by module and call by call."""
+        """Make every leaf module's output in the block the recorded native value (the gradient flowing through the
+        precise output), call by call."""
         calls: dict[int, int] = {}
 
         def replay(name: str, module: nn.Module, output: Any) -> Any:

@@ -119,11 +119,7 @@ class _SavedOptimizer:
 
 
 class OptimizerGuard:
-    """The optimizers a check protects, saved when it starts; see the module docstring.
-
-    Args:
-        optimizers: The optimizers whose state the loss may change.
-    """
+    """The ``optimizers`` whose state the loss may change, saved when a check starts (see the module doc)."""
 
     def __init__(self, optimizers: Sequence[Optimizer]) -> None:
         self._saved = {id(o): _SavedOptimizer.take(o, f"optimizers[{i}]") for i, o in enumerate(optimizers)}
@@ -140,7 +136,7 @@ class OptimizerGuard:
         self.stepped.append(type(optimizer).__name__)
 
     def restore(self) -> None:
-        """Put every saved optimizer back and stop watching steps; all of them, the first error raised afterwards."""
+        """Put every saved optimizer back (all of them, the first error raised after) and stop watching steps."""
         self._handle.remove()
         errors = []
         for saved in self._saved.values():

@@ -8,11 +8,10 @@ twin is that place: the same modules (their code, names and hooks) on float32 co
 its inputs promoted alike (:func:`promoted_batch`); the 16-bit values are exact in float32, so the twin computes the
 model's function with float32 arithmetic, and a backward formula that is wrong there is wrong in the model.
 
-The twin shares nothing that a check changes with the model: its parameters and buffers are its own tensors, each module
-is a shallow copy with its own containers (hooks a search registers on the twin stay off the model). Hooks registered on
-the model's parameters themselves (``param.register_hook``) are not carried over: a fault living in one is not found
-on the twin (the search then names nothing rather than a wrong module). It costs a float32 copy of the model's
-parameters for the duration of a search.
+The twin shares nothing a check changes with the model: its parameters and buffers are its own tensors, each module a
+shallow copy with its own containers. Hooks on the model's parameters (``param.register_hook``) are not carried over:
+a fault in one is not found on the twin (the search names nothing rather than a wrong module). It costs a float32 copy
+of the parameters for the duration of a search.
 """
 
 from __future__ import annotations
