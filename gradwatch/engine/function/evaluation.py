@@ -41,11 +41,8 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 @dataclass(frozen=True)
 class Reference:
-    """The loss and its autograd gradient at the unperturbed point.
-
-    ``param_grads[i]`` is ``None`` when parameter ``i`` received no gradient (not used by the loss, or detached);
-    ``input_grads`` holds only the inputs that received one.
-    """
+    """The loss and its autograd gradient at the unperturbed point: ``param_grads[i]`` ``None`` where parameter ``i``
+    received none; ``input_grads`` only the inputs that received one."""
 
     loss: float
     param_grads: list[Tensor | None]
@@ -53,22 +50,14 @@ class Reference:
 
 
 class LossEvaluator:
-    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters and the floating inputs.
+    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters ``params`` (``(name,
+    parameter)`` pairs) and the floating inputs, under the captured training ``state``. Use it inside
+    :func:`probe_conditions`.
 
-    Parameters are perturbed in place by the caller (and restored by it); floating inputs are perturbed through the
-    working copies in :attr:`inputs`, which the loss sees in place of the batch's own tensors, so the caller's batch is
-    never modified. Use it inside :func:`probe_conditions`.
-
-    Args:
-        model: The module whose parameters are probed.
-        batch: The batch, passed through to ``loss_fn`` with its floating tensors replaced by working copies.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``.
-        params: The ``(name, parameter)`` pairs to differentiate.
-        state: The captured training state; its random state is replayed before every evaluation and its buffers are
-            restored after every evaluation.
-        float64_reductions: Accumulate the loss's final reductions in float64 in the gradient-free evaluations.
-        held: The values the loss detaches that every evaluation after the first reference holds at that reference's
-            (:mod:`.held`); none by default.
+    Parameters are perturbed in place by the caller (and restored by it); floating inputs through the working copies in
+    :attr:`inputs`, which the loss sees in place of the batch's own tensors. ``float64_reductions``: accumulate the
+    loss's final reductions in float64 in the gradient-free evaluations. ``held``: the values the loss detaches that
+    every evaluation after the first reference holds at that reference's (:mod:`.held`); none by default.
     """
 
     def __init__(
@@ -157,11 +146,8 @@ class LossEvaluator:
             self.state.after_evaluation(completed)
 
     def reference(self, with_inputs: bool = True, vectorising: bool = True) -> Reference:
-        """Loss and autograd gradient at the current point.
-
-        With ``with_inputs`` the gradient with respect to the floating inputs is computed too; if the loss function
-        cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
-        an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
+        """Loss and autograd gradient at the current point, with ``with_inputs`` with respect to the floating inputs too
+        (where the loss cannot be differentiated with respect to them, the parameters' alone, with a note).
         ``vectorising=False``: no vectorised pass follows, so neither the dataflow watch nor the saved count runs."""
         for path in opaque_parts(self._batch) if with_inputs else ():
             self.notes.append(
@@ -259,10 +245,8 @@ class LossEvaluator:
         """The loss at ``points`` points in one forward pass, vectorised with ``torch.func.vmap``.
 
         ``param_stacks`` (by parameter name) and ``input_stacks`` (by input path) hold the tensors that differ between
-        the points, one slice per point along a new leading dimension; every other tensor is shared. Random draws are
-        shared by all points (``randomness="same"``) and replayed as in every evaluation, so each point sees the
-        dropout masks an evaluation on its own would. BatchNorm layers in training mode run without updating their
-        running statistics, which their output does not depend on (vmap cannot update one buffer from many points).
+        the points, one slice per point along a new leading dimension. Random draws are shared by all points
+        (``randomness="same"``) and replayed, so each point sees the dropout masks an evaluation on its own would.
         Raises whatever vmap or the loss raises on code it cannot vectorise.
         """
         model, loss_fn = self.model, self.loss_fn
@@ -281,12 +265,9 @@ class LossEvaluator:
         return [self.held.value_of(value) for value in values.detach().double().tolist()]
 
     def loss(self) -> float:
-        """The loss at the current (possibly perturbed) point, without building a graph.
-
-        The first call of a check verifies the float64 reductions against the native ones; if they disagree (or the
-        model fails with them) they are switched off for the rest of the check, a note says why, and the loss is
-        evaluated again natively.
-        """
+        """The loss at the current point, without building a graph. The first call of a check verifies the float64
+        reductions against the native ones; where they disagree (or the model fails with them) they are switched off
+        for the rest of the check, with a note, and the loss is evaluated again natively."""
         if not self.float64_reductions or self._float64_inputs:
             # on float64 storage every sum is float64 already: the mode would only cost its per-operation dispatch
             return self._forward(contextlib.nullcontext())
@@ -356,8 +337,7 @@ class LossEvaluator:
 
     @contextlib.contextmanager
     def moved_inputs(self, moved: dict[str, Tensor]) -> Iterator[None]:
-        """Evaluate at other floating inputs for the duration (``moved``, by path, in the inputs' own dtype): the
-        working copies, native or float64, are made from them; the batch's own inputs afterwards."""
+        """Evaluate at other floating inputs (``moved``, by path, in the inputs' own dtype) for the duration."""
         saved = self._native
         self._native = {**saved, **moved}
         self._use_inputs(self._native)

@@ -12,12 +12,10 @@ differ on purpose:
   4.3): the norm moves with the adapter when the loss is evaluated again, not for autograd.
 
 A finite difference of the loss as written measures neither gradient. :class:`HeldDetaches` makes a check evaluate
-the function autograd differentiated: in the reference pass it records the value of each ``detach`` within its scope
-(``Tensor.detach``, ``torch.detach``), in call order; in every other evaluation the same call returns the recorded
-value instead (cast to the dtype the evaluation computes in: float64 probes hold the reference's values, rounded as
-the reference computed them). The detached values then stay constant while the parameters move, as they are for
-autograd. A detach of a tensor that did not require grad in the reference pass depends on no parameter and is not
-replaced.
+the function autograd differentiated: the reference pass records the value of each ``detach`` within its scope, in
+call order; in every other evaluation the same call returns the recorded value (in the evaluation's dtype), constant
+while the parameters move, as for autograd. A detach of a tensor that did not require grad in the reference pass
+depends on no parameter and is not replaced.
 
 The scope is explicit, never the whole loss by default: an accidental ``detach`` that gives a parameter exactly no
 gradient must still fail a check, and held it would read as a flat loss agreeing with a zero gradient.
@@ -27,11 +25,10 @@ gradient must still fail a check, and held it would read as a flat loss agreeing
   (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
 * ``inside``: the detaches made inside the forward of given modules (DoRA's, :mod:`.surrogates`).
 
-A loss that detaches tensors in another order, or of another shape or kind, than in the reference pass cannot be
-replayed: the evaluation's value is then not a number (the probe ends ``inconclusive``, reason ``"nonfinite"``, never
-``"fail"``) and a note says why. A backward pass recomputes the forward of activation checkpoints: there a detach
-inside ``inside`` modules returns the value the forward returned for the same argument. The check's own detaches
-during the loss (the culprit search's hooks on the model's modules) are never held.
+A loss that detaches tensors in another order, shape or kind than in the reference pass cannot be replayed: the
+evaluation's value is then NaN (the probe ends ``inconclusive``, reason ``"nonfinite"``, never ``"fail"``), with a
+note. In an activation checkpoint's recomputation a detach inside ``inside`` modules returns what the forward returned
+for the same argument. The check's own detaches during the loss (the culprit search's hooks) are never held.
 """
 
 from __future__ import annotations
@@ -153,8 +150,8 @@ class HeldDetaches:
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Around one call of the loss: record its detaches if no reference pass completed yet, else replay them.
-        Call :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other call."""
+        """Around one call of the loss: record its detaches until a reference pass completed, else replay them; then
+        :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other."""
         if not self.active:
             yield
             return
@@ -184,11 +181,7 @@ class HeldDetaches:
 
     def differentiated(self) -> None:
         """After a differentiated evaluation that completed: the first keeps what it recorded (with a note when it
-        holds anything); a later one must have replayed every value.
-
-        Raises:
-            HeldValuesError: A later one detached other tensors than the reference pass.
-        """
+        holds anything); a later one must have replayed every value, else :class:`HeldValuesError`."""
         if not self._recording:
             if self.finish() is not None:
                 raise HeldValuesError(f"the values the loss detaches could not be held: {self.mismatch}")

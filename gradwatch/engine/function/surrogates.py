@@ -45,8 +45,8 @@ class StockSurrogates:
 
     Attributes:
         power_iterations: The modules whose spectral norm runs without power iteration during a check.
-        exempt: For parameters some of whose coordinates get a zero gradient by design, by parameter name, a boolean
-            mask of those coordinates (the padding row of an embedding).
+        exempt: By parameter name, a mask of the coordinates that get a zero gradient by design (an embedding's
+            padding row).
         unprobed: Parameters whose whole gradient is deliberately not the derivative (by name, with why).
     """
 
@@ -174,8 +174,8 @@ def as_autograd_sees_them(found: StockSurrogates) -> Iterator[None]:
 @contextlib.contextmanager
 def quantisers_as_identity(found: StockSurrogates) -> Iterator[None]:
     """When :attr:`~StockSurrogates.quantisers_off`, run the fake quantisers of ``found`` as the identity for the
-    duration (an instance attribute shadowing their ``forward``; entered before the check captures the model's state,
-    which it then holds as it is), then put back exactly what was there."""
+    duration (an instance attribute shadowing their ``forward``; entered before the check captures the model's
+    state)."""
     quantisers = found.quantiser_modules if found.quantisers_off else []
     saved = [(module, vars(module).get("forward")) for module in quantisers]
     for module in quantisers:
