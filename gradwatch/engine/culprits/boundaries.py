@@ -1,12 +1,10 @@
 """The module at which autograd's gradient turns from healthy to faulty, read off the gradients at every module's
-boundary (:func:`~.sites.record_sites`: its outputs, its inputs as it receives them, its own parameters) without a
-probe: for faults a single backward shows, where no finite difference is needed to tell (a non-finite gradient, a
+boundary (:func:`~.sites.record_sites`) without a probe, for faults a single backward shows (a non-finite gradient, a
 gradient that does not scale with its upstream gradient).
 
 The error flows backwards: a module whose output gradient is healthy and whose input or parameter gradient is not
-holds the fault, in its own code or in a module inside it; of those, the innermost is named, followed by the ones
-containing it. Where no module's output gradient is healthy while some gradient is faulty, the loss function's own
-code (after or outside every module) is, and :data:`~.descent.LOSS` is named.
+holds the fault; the innermost is named, then the ones containing it. Where no module's output gradient is healthy
+while some gradient is faulty, the loss's own code is (:data:`~.words.LOSS`).
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ displace three places of a site, each seen by that module alone:
   same tensor fed elsewhere is untouched);
 * ``"module_params"``: its own parameters (not its children's), displaced during its own forward only.
 
-:func:`record_sites` runs the loss once with autograd and a zero leaf added at every place of every module, so that one
-backward pass gives the gradient autograd computes at each of them (a parameter's gradient hooks applied, as training
-applies them). :class:`Displacements` then adds ``offset × v`` at the places a probe moves, for the loss evaluations
-of a central difference. Every hook is removed when the recording or the displacement ends, whatever happens.
+:func:`record_sites` runs the loss once with a zero leaf added at every place of every module, so that one backward
+pass gives autograd's gradient at each (a parameter's gradient hooks applied, as in training). :class:`Displacements`
+then adds ``offset × v`` at the places a probe moves. Every hook is removed when the recording or the displacement
+ends, whatever happens.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Site:
             not depend on it through autograd).
         scales: By place, the norm of the displaced tensors, which the probe's step is relative to.
         same_as_parent: The places that hold exactly the parent's tensors (a wrapper whose forward only calls this
-            module): their probes would measure the parent's again.
+            module), whose probes would be the parent's.
     """
 
     name: str
@@ -65,9 +65,8 @@ class Site:
     scales: dict[str, float] = field(default_factory=dict)
     same_as_parent: set[str] = field(default_factory=set)
     parameters: list[str] = field(default_factory=list)
-    """The attribute names of its own trainable floating parameters (``"weight"``, ``"bias"``), in order, then those of
-    the parameters of modules inside it that its forward reads directly, their owner never called
-    (``"lora_A.default.weight"``: :mod:`.reads`)."""
+    """The names of its own trainable floating parameters (``"weight"``), then of those inside it its forward reads
+    directly, their owner never called (``"lora_A.default.weight"``: :mod:`.reads`)."""
     last_call: dict[str, int] = field(default_factory=dict)
     """By place, the position in :attr:`gradients` of the first tensor of the last call."""
     strays: bool = False

@@ -6,12 +6,10 @@ backward of the operation that saved it computes from the changed values, and th
 wrong, while every formula on its own is right. A culprit search would name the first module whose gradient turns
 wrong, the victim, not the module that wrote.
 
-:func:`writes_behind_autograds_back` runs the loss once more (one forward and backward) with
-``torch.autograd.graph.saved_tensors_hooks``: each saved tensor's checksum is taken when it is saved and again when the
-backward reads it. Where one differs, a second run checks those tensors again at every module's forward pre- and
-post-hook, and the module running between the last check that found the tensor as saved and the first that found it
-changed is the writer (the loss function's own code where no module was running; a backward, where the forward left
-it unchanged).
+:func:`writes_behind_autograds_back` runs the loss once more under saved-tensor hooks that take each saved tensor's
+checksum when it is saved and when the backward reads it. Where one differs, a second run checks those tensors at every
+module's forward hooks: the module running when one changed is the writer (the loss's own code where none was; a
+backward, where the forward left it unchanged).
 """
 
 from __future__ import annotations
