@@ -36,10 +36,9 @@ own probes cost, so that a failing check costs at most about twice one without t
 (the deepest module proved) is preferred to a search of minutes."""
 
 BORDERLINE = (0.25, 1.25)
-"""A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
-this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
-upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
-historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
+"""A place whose probes agree within this fraction of the tolerance is right, one whose probe fails by more than this
+multiple of it wrong; in between (a correct module's float32 rounding, a bug diluted on its way upstream) the search
+stops at the deepest module proven rather than guess (an RMSNorm bug near the tolerance named a correct layer)."""
 
 
 class ActivationProbes:
@@ -125,8 +124,8 @@ class ActivationProbes:
         return self._measured.get((site.name, place))
 
     def verdict(self, site: Site, place: str) -> Assessment | None:
-        """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
-        when there is nothing to displace."""
+        """The probe of ``place`` of ``site`` (the parent's where these are its tensors); ``None`` with nothing to
+        displace."""
         key = (site.name, place)
         if key in self._measured:
             return self._measured[key]
@@ -140,9 +139,8 @@ class ActivationProbes:
         return result
 
     def _measure(self, site: Site, place: str) -> Assessment | None:
-        """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
-        it, such as a dropped projection term) and along a random direction (which sees that error); the place is
-        wrong if either fails, right if both agree."""
+        """Two probes of the place: along autograd's gradient (the best signal, blind to an error orthogonal to it,
+        such as a dropped projection term) and along a random direction; wrong if either fails, right if both agree."""
         self._spend()
         if len(self.tasks) >= MAX_PROBES:
             raise ExhaustedError

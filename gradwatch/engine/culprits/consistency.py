@@ -8,11 +8,10 @@ attention's query, key and value projections), a bug in one is a tiny share of `
 while the norm's backward, which removes ``a_out``'s dominant component, lets it through to its input at full size
 (judged by the two probes, a correct norm was named for a bug in a LoRA layer after it).
 
-The test here needs no probe of the output: the displacement ``h·u`` of the input moves the module's output by
-``J·u`` (the derivative of its forward), and its backward is right exactly when ``a_in·u = a_out·(J·u)``. ``J·u`` is
-measured as a central difference of the module's own outputs (two loss evaluations at each of two steps, which also
-bound its truncation error). The input probe's discrepancy ``D = a_in·u − numeric`` then splits into the module's own
-share ``C = a_in·u − a_out·(J·u)`` and the rest, which the output's gradient carries.
+The test here needs no probe of the output: displacing the input by ``h·u`` moves the module's output by ``J·u`` (the
+derivative of its forward), and its backward is right exactly when ``a_in·u = a_out·(J·u)``. ``J·u`` is a central
+difference of the module's own outputs at two steps (which bound its truncation error). The input probe's discrepancy
+``D = a_in·u − numeric`` splits into the module's own share ``C = a_in·u − a_out·(J·u)`` and the output gradient's.
 
 A failing probe of the module's own parameters splits the same way, ``J`` then the derivative of its output with
 respect to them: a norm inside a block whose output probes missed a diluted error has a wrong weight gradient only
@@ -32,7 +31,7 @@ OWN, DOWNSTREAM = "own", "downstream"
 
 SHARE = 0.25
 """How far from 1 (own) or 0 (downstream) the module's share ``C/D`` may be, its truncation error included, for the
-split to decide; in between it is undecided."""
+split to decide."""
 
 
 def _pushed_forward(

@@ -6,14 +6,13 @@ losses, accumulation, loss scaling), its gradient is wrong and the probes fail w
 search. As the last operation of an unweighted loss its upstream gradient is exactly 1 and the gradient training uses
 is right: no probe can fail, yet the bug is one loss weight away.
 
-A backward is linear in its upstream gradient, so the gradient of ``2 · loss`` is exactly twice the gradient of the
-loss (a power of two: every rounding scales with it). PyTorch's own backward formulas are; only a backward someone
-wrote may not be: a custom ``autograd.Function`` or a C++ extension's autograd node, which :class:`CustomBackwards`
-looks for in the reference's graph (a walk of its nodes, no evaluation). Where the graph holds one,
-:func:`latent_upstream_bug` differentiates the scaled copy once (one forward and backward); where its gradient is
-not twice the reference's, the gradients at every module's boundary for both copies (:func:`~.sites.record_sites`)
-name the module whose output gradient doubles and whose input gradient does not (:mod:`.boundaries`). It warns, in a
-note and a ``UserWarning``: the gradient training uses is right, the verdict stands.
+A backward is linear in its upstream gradient, so the gradient of ``2 · loss`` is exactly twice the loss's (a power of
+two: every rounding scales with it). Only a backward someone wrote may not be: a custom ``autograd.Function`` or a C++
+extension's node, which :class:`CustomBackwards` looks for in the reference's graph. Where the graph holds one,
+:func:`latent_upstream_bug` differentiates the scaled copy once; where its gradient is not twice the reference's, the
+gradients at every module's boundary for both copies name the module whose output gradient doubles and whose input
+gradient does not (:mod:`.boundaries`). It warns (a note, a ``UserWarning``): training's gradient is right, the verdict
+stands.
 """
 
 from __future__ import annotations
