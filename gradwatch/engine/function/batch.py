@@ -3,11 +3,9 @@
 A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples, dataclasses and records: objects with
 tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' batches are (torch_geometric's
 ``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
-reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
-tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
-batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a
-torch_geometric ``Batch`` is cut into its first graphs instead). Objects holding tensors that none of these describe
-are :func:`opaque_parts`: a check names them in a note.
+reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), as input probes are reported. Integer and boolean tensors
+(token ids, masks) are left alone, except by :func:`leading_slice`. Objects holding tensors that none of these
+describe are :func:`opaque_parts`: a check names them in a note.
 """
 
 from __future__ import annotations
@@ -133,8 +131,8 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
 
 
 def _graphs(obj: object) -> int | None:
-    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``:
-    ``to_data_list`` and ``from_data_list``), else ``None``."""
+    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``), else
+    ``None``."""
     if not (_is_record(obj) and callable(getattr(obj, "to_data_list", None))):
         return None
     if not callable(getattr(type(obj), "from_data_list", None)):

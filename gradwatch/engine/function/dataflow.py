@@ -1,16 +1,14 @@
 """What the reference pass learns about the loss's dataflow: inputs it detaches, values it reads out of the graph.
 
-Input probes make the batch's floating tensors require grad for the reference pass. That is only sound when the loss
-does not look: a metric library that asserts ``not target.requires_grad`` refuses it (the check then differentiates no
-input, with a note), and a loss that detaches an input (a gradient penalty's ``interpolates.detach()``, a PDE
-residual's ``x.detach().requires_grad_()``) computes a gradient with respect to it that is deliberately not its
-derivative. :class:`ReferenceFlow`, active during the reference pass, finds the inputs a ``detach`` reaches, and those
-are not probed (a note names them).
+Input probes make the batch's floating tensors require grad for the reference pass. A loss that detaches an input (a
+gradient penalty's ``interpolates.detach()``, a PDE residual's ``x.detach().requires_grad_()``) computes a gradient
+with respect to it that is deliberately not its derivative: :class:`ReferenceFlow`, active during the reference pass,
+finds the inputs a ``detach`` reaches, which are not probed (a note names them).
 
 The same pass tells whether ``torch.func.vmap`` can evaluate the loss at many points at once: a loss that turns a value
-computed from the parameters into Python (``float(x)``, ``x.item()``, ``if x.any():``) or into a data-dependent shape
-(``mask.nonzero()``: a mixture of experts' routing) cannot be vectorised. Knowing it from the reference pass spares the
-check a vectorised pass that would fail; its points are evaluated one by one from the start.
+computed from the parameters into Python (``x.item()``, ``if x.any():``) or into a data-dependent shape
+(``mask.nonzero()``: a mixture of experts' routing) cannot be vectorised, and its points are evaluated one by one from
+the start.
 """
 
 from __future__ import annotations

@@ -41,12 +41,9 @@ def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
 
 @contextlib.contextmanager
 def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterator[None]:
-    """Let ``model`` see ``replacements[id(t)]`` wherever it holds the parameter or buffer ``t``, for the duration.
-
-    The module tree's tables are changed directly (no ``__setattr__``, so a plain tensor may stand in for a
-    ``Parameter``), and each slot gets exactly the object it held back: the same ``Parameter``, ``.grad``, hooks and
-    gradient accumulator.
-    """
+    """Let ``model`` see ``replacements[id(t)]`` wherever it holds the parameter or buffer ``t``, for the duration: the
+    tables are changed directly (a plain tensor may stand in for a ``Parameter``), and each slot gets exactly the
+    object it held back."""
     slots = _slots(model, replacements)
     done: list[_Slot] = []
     try:
