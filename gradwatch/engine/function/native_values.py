@@ -9,13 +9,11 @@ BatchNorm bias was 1.26% off the exact one there, its emulated rounding 0.03% of
 
 :class:`NativeValues` records the output of every leaf module in the model's own forward (during a native backward the
 check makes anyway), and :meth:`NativeValues.replayed` makes a precise forward take those values at every leaf module's
-output (``o + (native - o).detach()``: the native forward's value, the precise formula's gradient). Its gradient is the
-precise one at the native forward's decisions at module boundaries (which units a ReLU passes, which element a pool
-picks), 1.25% off the exact one in the case above. The backward formulas stay precise, so a backward that is wrong only
-for 16-bit inputs is not in it. A module whose native output is further from its precise output, on the same replayed
-inputs, than :data:`OWN_ROUNDING` units of its dtype (relative, root-mean-square) is not replayed: that is more than
-the rounding of its result (an ill-conditioned operation, or a forward wrong in 16 bits), and it must not widen the
-floor.
+output (``o + (native - o).detach()``): the precise gradient at the native forward's decisions (which units a ReLU
+passes, which element a pool picks), 1.25% off the exact one above. The backward formulas stay precise, so a backward
+wrong only for 16-bit inputs is not in it. A module whose native output is further from its precise output than
+:data:`OWN_ROUNDING` allows is not replayed: that is more than the rounding of its result (an ill-conditioned
+operation, or a forward wrong in 16 bits), and must not widen the floor.
 """
 
 from __future__ import annotations

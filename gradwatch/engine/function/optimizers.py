@@ -1,13 +1,12 @@
 """Optimizer state a loss touches during a check, put back.
 
-A loss that steps an optimizer (``opt.zero_grad(); loss.backward(); opt.step()`` inside ``loss_fn``) or changes its
-hyperparameters (an LR schedule stepped in ``training_step``) would leave the optimizer as no run without the check
-would have it. :class:`OptimizerGuard` saves, when a check starts, the optimizers it is given (``check_gradients(...,
-optimizers=...)``; the Lightning callback gives the trainer's): their parameter groups (hyperparameters included), which
-parameters have state, each state entry's values and the version counters of its tensors. It also watches every
-``Optimizer.step`` in the process for the duration (torch's global step pre-hook): an optimizer stepped during the
-check, given or not, has its state tensors copied before its first step, so that the step can be undone. A state tensor
-changed in place outside ``step`` (seen by its version counter) has no copy: it is named, not put back.
+A loss that steps an optimizer (``opt.step()`` inside ``loss_fn``) or changes its hyperparameters (an LR schedule
+stepped in ``training_step``) would leave the optimizer as no run without the check would have it.
+:class:`OptimizerGuard` saves, when a check starts, the optimizers it is given (``optimizers=``; the Lightning callback
+gives the trainer's): their parameter groups, which parameters have state, each state entry and its tensors' version
+counters. It watches every ``Optimizer.step`` in the process for the duration: an optimizer stepped during the check,
+given or not, has its state tensors copied before its first step, which is then undone. A state tensor changed in
+place outside ``step`` has no copy: it is named, not put back.
 """
 
 from __future__ import annotations

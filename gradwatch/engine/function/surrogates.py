@@ -10,18 +10,16 @@ differentiates.
   gradient by design. Its coordinates are not probed (:attr:`StockSurrogates.exempt`).
 * ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
   design; the weight is not probed.
-* Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, fused or not, with fake quantisation
-  enabled: quantisation-aware training): the loss is piecewise constant in everything upstream of a quantiser, whose
-  gradient is a straight-through estimator by design. A recomputed check (:attr:`StockSurrogates.quantisers_off`) runs
-  the quantisers as the identity, which is what their straight-through backward differentiates: the rest of the model
-  (every backward formula, every parameter) is checked on the float function the quantisers round, and concludes; the
-  estimators themselves are not checked, and the batch's inputs are not probed. The applied check, which holds
-  training's own gradient against the loss, keeps them on: that gradient is the estimators'.
-* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``DoraLinearLayer``, ``DoraEmbeddingLayer`` and convolution variants,
-  recognised by name and their ``get_weight_norm``) divides the adapted weight by its column norm, detached (the DoRA
-  paper, section 4.3): the gradient treats the norm as a constant, the forward does not. During a check the values
-  those modules detach are held at the reference's (:mod:`.held`, scoped to those modules alone), so the check
-  differentiates what autograd does and a wrong backward of the adapter still fails.
+* Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, enabled: quantisation-aware training): the
+  loss is piecewise constant upstream of a quantiser, whose gradient is a straight-through estimator by design. A
+  recomputed check (:attr:`StockSurrogates.quantisers_off`) runs the quantisers as the identity, which their backward
+  differentiates: the rest of the model is checked on the float function they round; the estimators are not checked,
+  the batch's inputs not probed. The applied check, which holds training's own gradient against the loss, keeps them
+  on: that gradient is the estimators'.
+* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``Dora*Layer`` modules, recognised by name and ``get_weight_norm``)
+  divides the adapted weight by its column norm, detached (the DoRA paper, section 4.3). During a check the values
+  those modules detach are held at the reference's (:mod:`.held`, scoped to them), so the check differentiates what
+  autograd does and a wrong backward of the adapter still fails.
 
 :func:`find_stock_surrogates` says what a model has, with the note a report gives once.
 """

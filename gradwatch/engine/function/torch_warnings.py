@@ -6,11 +6,10 @@ inside a loss, a custom operator registered without its backward) as if it were 
 it. This may lead to silently incorrect behavior" (ms-swift #9778). Such a warning is a finding of the check, not
 noise: :func:`incorrect_gradient_notes` turns every distinct one raised during a check into a note naming the operator.
 
-Python shows a warning once per place (the ``__warningregistry__`` of the module it is attributed to): by the time a
-check runs, training's own first backward has usually shown it, and the check's evaluations would raise nothing.
-:func:`torch_registries_cleared` empties the registries of PyTorch's own modules (where the C++ warnings of the
-autograd engine are attributed) for the duration and puts back exactly what they held: the check sees the warnings
-again, and training, after it, shows what it would have shown without the check.
+Python shows a warning once per place (the ``__warningregistry__`` of the module it is attributed to): training's first
+backward has usually shown it before a check runs. :func:`torch_registries_cleared` empties the registries of
+PyTorch's own modules (where the autograd engine's C++ warnings are attributed) for the duration and puts back exactly
+what they held: the check sees the warnings again, and training after it shows what it would have without the check.
 """
 
 from __future__ import annotations
