@@ -24,13 +24,8 @@ from gradwatch.engine.function.torch_warnings import torch_registries_cleared
 
 # torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
 _PRECISION_SETTINGS = (
-    ("cuda", "matmul"),
-    ("cudnn", "conv"),
-    ("cudnn", "rnn"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "rnn"),
-)
+    ("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn")
+)  # fmt: skip
 
 
 @contextlib.contextmanager

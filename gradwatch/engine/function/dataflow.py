@@ -25,22 +25,12 @@ from gradwatch.engine.function.modes import OperationMode
 _DETACHES = {Tensor.detach, torch.detach, Tensor.detach_, Tensor.data.__get__}  # type: ignore[attr-defined]
 
 _DATA_DEPENDENT = {
-    Tensor.item: "item()",
-    Tensor.tolist: "tolist()",
-    Tensor.numpy: "numpy()",
-    Tensor.__bool__: "bool()",
-    Tensor.__float__: "float()",
-    Tensor.__int__: "int()",
-    Tensor.__index__: "an index",
-    torch.nonzero: "nonzero()",
-    Tensor.nonzero: "nonzero()",
-    torch.argwhere: "argwhere()",
-    torch.masked_select: "masked_select()",
-    Tensor.masked_select: "masked_select()",
-    torch.unique: "unique()",
-    Tensor.unique: "unique()",
+    Tensor.item: "item()", Tensor.tolist: "tolist()", Tensor.numpy: "numpy()", Tensor.__bool__: "bool()",
+    Tensor.__float__: "float()", Tensor.__int__: "int()", Tensor.__index__: "an index", torch.nonzero: "nonzero()",
+    Tensor.nonzero: "nonzero()", torch.argwhere: "argwhere()", torch.masked_select: "masked_select()",
+    Tensor.masked_select: "masked_select()", torch.unique: "unique()", Tensor.unique: "unique()",
     torch.unique_consecutive: "unique_consecutive()",
-}
+}  # fmt: skip
 """Operations vmap refuses on a batched tensor: a value read into Python, or a shape that depends on the values."""
 
 

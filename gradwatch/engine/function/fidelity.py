@@ -34,13 +34,8 @@ from gradwatch.engine.results.notes import Note, NoteCode
 _RANDOM_FACTORIES = {torch.randn, torch.rand, torch.normal}
 _RANDOM_LIKE = {torch.randn_like, torch.rand_like}
 _RANDOM_IN_PLACE = {
-    Tensor.normal_,
-    Tensor.uniform_,
-    Tensor.exponential_,
-    Tensor.cauchy_,
-    Tensor.log_normal_,
-    Tensor.geometric_,
-}
+    Tensor.normal_, Tensor.uniform_, Tensor.exponential_, Tensor.cauchy_, Tensor.log_normal_, Tensor.geometric_
+}  # fmt: skip
 _DOWNCASTS = {Tensor.float: torch.float32, Tensor.half: torch.float16, Tensor.bfloat16: torch.bfloat16}
 _LOWER = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -157,17 +152,9 @@ class Float64Fidelity(OperationMode):
 
 
 _DEFAULT_DTYPE_FACTORIES = {
-    torch.zeros,
-    torch.ones,
-    torch.full,
-    torch.empty,
-    torch.arange,
-    torch.linspace,
-    torch.logspace,
-    torch.eye,
-    torch.tensor,
-    torch.as_tensor,
-}
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace, torch.logspace, torch.eye,
+    torch.tensor, torch.as_tensor,
+}  # fmt: skip
 """Functions that, without a ``dtype``, create floating tensors in the default dtype (float32): promoted during a
 float64 evaluation."""
 

@@ -33,22 +33,11 @@ from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 
 MODULE_DICTS = (
-    "_parameters",
-    "_buffers",
-    "_modules",
-    "_non_persistent_buffers_set",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks", "_backward_hooks",
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
-)
+)  # fmt: skip
 """The containers ``nn.Module`` keeps its structure in (the rest of a module's state is the sandbox's)."""
 
 GLOBAL_HOOKS = tuple(name for name in dir(torch_module) if name.startswith("_global_") and name.endswith("hooks"))

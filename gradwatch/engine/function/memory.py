@@ -27,19 +27,10 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import CheckOutOfMemoryError
 
 __all__ = [
-    "CheckOutOfMemoryError",
-    "MemoryEstimate",
-    "affordable_samples",
-    "backed_off",
-    "check_peak",
-    "ending_check_when_out_of_memory",
-    "free_memory",
-    "is_out_of_memory",
-    "learn_activations",
-    "release_memory",
-    "set_free_memory_probe",
-    "surviving_out_of_memory",
-]
+    "CheckOutOfMemoryError", "MemoryEstimate", "affordable_samples", "backed_off", "check_peak",
+    "ending_check_when_out_of_memory", "free_memory", "is_out_of_memory", "learn_activations", "release_memory",
+    "set_free_memory_probe", "surviving_out_of_memory",
+]  # fmt: skip
 
 HEADROOM = 0.8
 """The share of the free memory a check plans to use: the rest is left for the allocator's fragmentation and for the

@@ -63,16 +63,8 @@ class _SavedOptimizer:
             for key, value in vars(optimizer).items()
             if isinstance(value, (bool, int, float, str)) or value is None
         }
-        return cls(
-            optimizer,
-            name,
-            groups,
-            [list(group.items()) for group in groups],
-            [list(group["params"]) for group in groups],
-            entries,
-            versions=versions,
-            attributes=attributes,
-        )
+        items, params = [list(group.items()) for group in groups], [list(group["params"]) for group in groups]
+        return cls(optimizer, name, groups, items, params, entries, versions=versions, attributes=attributes)
 
     def copy_state(self) -> None:
         """Copy the state tensors, once (before a step)."""

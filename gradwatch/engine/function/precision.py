@@ -56,13 +56,8 @@ ResolvedPrecision = Literal["native", "float64"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
 
 _PROMOTED = {
-    torch.float16: torch.float64,
-    torch.bfloat16: torch.float64,
-    torch.float32: torch.float64,
-    torch.float64: torch.float64,
-    torch.complex32: torch.complex128,
-    torch.complex64: torch.complex128,
-    torch.complex128: torch.complex128,
+    **dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64), torch.float64),
+    **dict.fromkeys((torch.complex32, torch.complex64, torch.complex128), torch.complex128),
 }
 """The dtype a float64 evaluation gives a parameter, buffer or input of each dtype: complex ones become complex128."""
 

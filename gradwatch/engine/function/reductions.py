@@ -101,23 +101,13 @@ def _class_loss(func: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict
 
 
 _RULES: dict[Callable[..., Any], _Rule] = {
-    torch.sum: _full_reduction,
-    Tensor.sum: _full_reduction,
-    torch.mean: _full_reduction,
-    Tensor.mean: _full_reduction,
-    F.mse_loss: _elementwise_loss,
-    F.l1_loss: _elementwise_loss,
-    F.smooth_l1_loss: _elementwise_loss,
-    F.huber_loss: _elementwise_loss,
-    F.binary_cross_entropy: _elementwise_loss,
-    F.binary_cross_entropy_with_logits: _elementwise_loss,
-    F.soft_margin_loss: _elementwise_loss,
-    F.poisson_nll_loss: _elementwise_loss,
-    F.gaussian_nll_loss: _elementwise_loss,
-    F.kl_div: _kl_div,
-    F.cross_entropy: _class_loss,
-    F.nll_loss: _class_loss,
-}
+    **dict.fromkeys((torch.sum, Tensor.sum, torch.mean, Tensor.mean), _full_reduction),
+    **dict.fromkeys((
+        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss, F.gaussian_nll_loss,
+    ), _elementwise_loss),
+    F.kl_div: _kl_div, F.cross_entropy: _class_loss, F.nll_loss: _class_loss,
+}  # fmt: skip
 
 
 def _reduce(terms: Tensor, denominator: Tensor | float | None) -> Tensor:
