@@ -1,10 +1,9 @@
 """The precision probes evaluate the loss in: the model's own dtype, or float64.
 
-Finite differences lose about half the digits of the dtype they are computed in. In float32 a well-chosen probe
-still resolves relative errors of ~1e-5, but a 16-bit model (``precision="bf16-true"``) leaves ~1e-2 at best, far
-from a 1% error. Evaluating the perturbed losses in float64 removes the numerical noise almost entirely, at the price
-of float64 kernels (about 2x slower on CPUs and data-centre GPUs, far slower on consumer GPUs; a few operations have no
-float64 kernel at all) and of a float64 copy of the parameters and buffers during the check.
+Finite differences lose about half the digits of the dtype they are computed in: ~1e-5 left in float32, ~1e-2 at best
+for a 16-bit model, far from a 1% error. Float64 removes the numerical noise almost entirely, at the price of float64
+kernels (about 2x slower on CPUs and data-centre GPUs, far slower on consumer GPUs, missing for a few operations) and a
+float64 copy of the parameters and buffers during the check.
 
 ``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
 parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`), fits in the device's free memory
@@ -15,8 +14,8 @@ round-off still negligible, so a healthy check ends after its screens instead of
 cost no more than float32 ones. Larger models are probed natively, the few probes whose native stencils could not
 decide measured again in float64.
 
-The analytic gradient is never taken from the float64 version: it is the gradient training uses, computed in the
-model's own dtype, with its hooks. Only the finite differences move to float64.
+The analytic gradient is never the float64 version's: it is the one training uses, in the model's own dtype, with its
+hooks.
 """
 
 from __future__ import annotations

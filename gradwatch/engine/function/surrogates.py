@@ -1,15 +1,12 @@
 """Stock layers whose gradient is deliberately not the derivative of their forward, checked on the function autograd
 differentiates.
 
-* ``spectral_norm`` (``torch.nn.utils.parametrizations.spectral_norm`` and the older ``torch.nn.utils.spectral_norm``)
-  in training mode runs a power-iteration step inside forward and treats its vectors ``u``, ``v`` as constants: the
-  gradient is that of ``W / (uᵀWv)`` at fixed ``u``, ``v``, not of the forward, whose vectors move with ``W``. During a
-  check they run as in evaluation mode: no iteration, the vectors as the check found them, constants to autograd and
-  to the finite differences alike.
-* ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``padding_idx``: the padding row is used by forward but gets a zero
-  gradient by design. Its coordinates are not probed (:attr:`StockSurrogates.exempt`).
-* ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
-  design; the weight is not probed.
+* ``spectral_norm`` (both torch's) in training mode runs a power-iteration step inside forward and treats its vectors
+  ``u``, ``v`` as constants: the gradient is that of ``W / (uᵀWv)`` at fixed ``u``, ``v``. During a check they run as
+  in evaluation mode: no iteration, the vectors constants to autograd and to the finite differences alike.
+* ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``padding_idx``: the padding row gets a zero gradient by design and is
+  not probed (:attr:`StockSurrogates.exempt`).
+* ``nn.Embedding(scale_grad_by_freq=True)`` divides each row's gradient by its count in the batch: not probed.
 * Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, enabled: quantisation-aware training): the
   loss is piecewise constant upstream of a quantiser, whose gradient is a straight-through estimator by design. A
   recomputed check (:attr:`StockSurrogates.quantisers_off`) runs the quantisers as the identity, which their backward
