@@ -14,7 +14,7 @@ backward, where the forward left it unchanged).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -104,31 +104,24 @@ class _Saved:
             if _checksum(self.tensors[index]) != self.sums[index]:
                 self.writers[index] = running_before
 
+    def enter(self, name: str) -> None:
+        self.event(self.running())
+        self.stack.append(name)
+
+    def leave(self, name: str) -> None:
+        self.event(self.running())
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
 
 @contextmanager
 def _hooked(model: nn.Module, saved: _Saved) -> Iterator[None]:
     handles = []
-
-    def before(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            saved.event(saved.running())
-            saved.stack.append(name)
-
-        return hook
-
-    def after(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            saved.event(saved.running())
-            if saved.stack and saved.stack[-1] == name:
-                saved.stack.pop()
-
-        return hook
-
     try:
         if saved.watched:
             for name, module in model.named_modules():
-                handles.append(module.register_forward_pre_hook(before(name)))
-                handles.append(module.register_forward_hook(after(name)))
+                handles.append(module.register_forward_pre_hook(lambda *_, name=name: saved.enter(name)))
+                handles.append(module.register_forward_hook(lambda *_, name=name: saved.leave(name)))
         yield
     finally:
         for handle in handles:
