@@ -20,12 +20,18 @@ import library_models as lm
 from gradwatch import CheckReport, check_gradients
 from gradwatch.engine.function.batch import floating_tensors, leading_slice, opaque_parts, replace_tensors
 from gradwatch.engine.function.complex_params import checked_gradient, checked_view
-from gradwatch.engine.function.substitution import tensor_slots
 from gradwatch.engine.results.notes import NoteCode
 
 
 def _slots(model: nn.Module) -> dict[tuple[int, str, str], tuple[int, torch.dtype]]:
-    return {key: (id(t), t.dtype) for key, t in tensor_slots(model).items()}
+    """Every parameter and buffer slot of the model, with the tensor it holds: what a check must leave as it found."""
+    return {
+        (id(module), kind, name): (id(t), t.dtype)
+        for module in model.modules()
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers))
+        for name, t in table.items()
+        if t is not None
+    }
 
 
 def _noted(report: CheckReport, code: NoteCode) -> list[str]:

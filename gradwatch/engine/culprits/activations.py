@@ -32,15 +32,13 @@ module it proved."""
 
 MAX_EVALUATIONS = 240
 """The most loss evaluations one search spends (a full stencil is 4, a confirmed failure 8): about what the check's
-own probes and confirmations cost, so that a failing check costs at most about twice a check without the search. On a
-large model evaluated point by point a search could otherwise cost minutes; a less specific culprit (the deepest module
-proved when the budget ran out) is preferred to a slow one."""
+own probes cost, so that a failing check costs at most about twice one without the search; a less specific culprit
+(the deepest module proved) is preferred to a search of minutes."""
 
 BORDERLINE = (0.25, 1.25)
-"""A place whose probes agree to within this fraction of the tolerance is right, one whose probe fails by more than
-this multiple of it is wrong; in between (a correct module's float32 rounding, a bug's effect diluted on its way
-upstream) the evidence cannot steer the search, which stops at the deepest module proven rather than guess: a
-historical RMSNorm bug near the float32 tolerance named a correct layer when probes at the boundary decided."""
+"""A place whose probes agree within this fraction of the tolerance is right, one whose probe fails by more than this
+multiple of it wrong; in between (a correct module's float32 rounding, a bug diluted on its way upstream) the search
+stops at the deepest module proven rather than guess (an RMSNorm bug near the tolerance named a correct layer)."""
 
 
 class ActivationProbes:
@@ -75,8 +73,8 @@ class ActivationProbes:
         return self._extra + sum(task.evaluations for task in self.tasks)
 
     def _spend(self) -> None:
-        """Refuse to spend more (:class:`ExhaustedError`) past the search's limit of evaluations, or past its budget's
-        cap once the search narrowed the culprit down since its start (:attr:`may_stop`)."""
+        """Raise :class:`ExhaustedError` past the search's limit of evaluations, or past its budget's cap once the
+        search narrowed the culprit since its start (:attr:`may_stop`)."""
         if self.evaluations >= MAX_EVALUATIONS:
             raise ExhaustedError
         if self.budget is not None and self.budget.exhausted() and self.may_stop():
@@ -84,9 +82,9 @@ class ActivationProbes:
             raise ExhaustedError
 
     def split(self, site: Site, place: str = "module_input") -> str | None:
-        """Whether the failing probe of ``place`` of ``site`` (its input, or its own parameters) fails because of its
-        own backward (``"own"``) or because of the gradient reaching its output (``"downstream"``); ``None`` when that
-        probe did not fail or the split cannot tell (:mod:`.consistency`)."""
+        """Whether the failing probe of ``place`` of ``site`` fails because of its own backward (``"own"``) or of the
+        gradient reaching its output (``"downstream"``); ``None`` when it did not fail or the split cannot tell
+        (:mod:`.consistency`)."""
         wrapped = [site]
         while place in site.same_as_parent and site.parent is not None:
             site = self.sites[site.parent]  # a wrapper: its input probe is its parent's
@@ -109,13 +107,11 @@ class ActivationProbes:
         return share
 
     def _outputs_wrong(self, sites: list[Site], evidence: Assessment) -> None:
-        """Record that the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is
-        its) is wrong: its input or parameter probe failed and its own backward passed on exactly what reached its
-        output (:mod:`.consistency`), so that gradient carries the error, whatever its own probes, blind to it along
-        the directions they took, said. A diluted error (a bug in the mid block of a diffusers UNet, a small share of
-        the gradient at the block before it) passes the output probes and is magnified by the block's backward (its
-        norms remove the gradient's dominant component): taken as right there, the block was searched and a module
-        inside it named, upstream of the bug. The evidence recorded is the failing probe's."""
+        """Record the gradient at the output of each of ``sites`` (a module and the wrappers whose input probe is its)
+        wrong, with the failing probe's evidence: its input or parameter probe failed and its own backward passed on
+        what reached its output (:mod:`.consistency`), whatever its output probes said. A diluted error passes them and
+        is magnified by the module's backward (its norms remove the gradient's dominant component): taken as right, the
+        module was searched and one inside it named, upstream of the bug."""
         fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
         wrong = Assessment(*fields, "fail", "discrepancy", loss_noise=evidence.loss_noise)
         for site in sites:
@@ -128,8 +124,8 @@ class ActivationProbes:
         return self._measured.get((site.name, place))
 
     def verdict(self, site: Site, place: str) -> Assessment | None:
-        """The probe of ``place`` of ``site``: measured (or taken from the parent whose tensors these are); ``None``
-        when there is nothing to displace."""
+        """The probe of ``place`` of ``site`` (the parent's where these are its tensors); ``None`` with nothing to
+        displace."""
         key = (site.name, place)
         if key in self._measured:
             return self._measured[key]
@@ -143,9 +139,8 @@ class ActivationProbes:
         return result
 
     def _measure(self, site: Site, place: str) -> Assessment | None:
-        """Two probes of the place: along autograd's gradient there (the best signal, blind to an error orthogonal to
-        it, such as a dropped projection term) and along a random direction (which sees that error); the place is
-        wrong if either fails, right if both agree."""
+        """Two probes of the place: along autograd's gradient (the best signal, blind to an error orthogonal to it,
+        such as a dropped projection term) and along a random direction; wrong if either fails, right if both agree."""
         self._spend()
         if len(self.tasks) >= MAX_PROBES:
             raise ExhaustedError
@@ -200,10 +195,9 @@ class ActivationProbes:
         return next(r for r in results if r.verdict != "ok")
 
     def _focus(self, site: Site, count: int) -> list[bool]:
-        """Which of the site's recorded parameter tensors a ``module_params`` probe displaces: the failing parameters
-        among them, where there are any (else all). Displaced with the module's correct parameters, a wrong one's error
-        is diluted by their share of the gradient: a 1% error in an LSTM's ``weight_hh_l0`` was 0.05% of the gradient
-        of its four parameters, under the float32 tolerance, and the search concluded they were right."""
+        """Which of the site's recorded parameter tensors a ``module_params`` probe displaces: the failing ones, where
+        there are any (else all). Displaced with the correct ones, a wrong one's error is diluted (a 1% error in an
+        LSTM's ``weight_hh_l0`` was 0.05% of the gradient of its four parameters, under the float32 tolerance)."""
         names = [f"{site.name}.{n}" if site.name else n for n in site.parameters]
         if not names or count % len(names):
             return [True] * count

@@ -1,18 +1,17 @@
 """The module at which autograd's gradient turns from healthy to faulty, read off the gradients at every module's
-boundary (:func:`~.sites.record_sites`: its outputs, its inputs as it receives them, its own parameters) without a
-probe: for faults a single backward shows, where no finite difference is needed to tell (a non-finite gradient, a
+boundary (:func:`~.sites.record_sites`) without a probe, for faults a single backward shows (a non-finite gradient, a
 gradient that does not scale with its upstream gradient).
 
 The error flows backwards: a module whose output gradient is healthy and whose input or parameter gradient is not
-holds the fault, in its own code or in a module inside it; of those, the innermost is named, followed by the ones
-containing it. Where no module's output gradient is healthy while some gradient is faulty, the loss function's own
-code (after or outside every module) is, and :data:`~.descent.LOSS` is named.
+holds the fault; the innermost is named, then the ones containing it. Where no module's output gradient is healthy
+while some gradient is faulty, the loss's own code is (:data:`~.words.LOSS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.culprits.words import LOSS
 from gradwatch.engine.results.kinds import ProbeKind
@@ -26,26 +25,21 @@ PlaceTest = Callable[[Site, str], bool]
 
 def turning_point(sites: Mapping[str, Site], faulty: PlaceTest) -> list[str]:
     """The innermost module whose output gradient is healthy and whose input or parameter gradient is ``faulty``, then
-    the modules containing it that do too, most specific first; ``[LOSS]`` where only modules' outputs are faulty;
-    ``[]`` where nothing is."""
+    the modules containing it that are alike, most specific first; ``[LOSS]`` where only outputs are; else ``[]``."""
     wrong_inside = [
         site
         for site in sites.values()
         if not faulty(site, ProbeKind.ACTIVATION) and any(faulty(site, place) for place in INWARD)
     ]
     if wrong_inside:
-        innermost = [s for s in wrong_inside if not any(_within(o.name, s.name) for o in wrong_inside if o is not s)]
+        innermost = [s for s in wrong_inside if not any(within(o.name, s.name) for o in wrong_inside if o is not s)]
         first = min(innermost, key=lambda s: s.order)
-        outer = [s for s in wrong_inside if s is not first and _within(first.name, s.name)]
+        outer = [s for s in wrong_inside if s is not first and within(first.name, s.name)]
         outer.sort(key=lambda s: -len(s.name))
         return [first.name, *(s.name for s in outer)]
     if any(faulty(site, place) for site in sites.values() for place in (ProbeKind.ACTIVATION, *INWARD)):
         return [LOSS]
     return []
-
-
-def _within(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name.startswith(ancestor + ".")
 
 
 def described(name: str, sites: Mapping[str, Site]) -> str:

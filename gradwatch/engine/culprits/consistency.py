@@ -2,18 +2,16 @@
 
 A probe of a module's input place displaces its input by ``h·u`` and compares autograd's input gradient ``a_in``
 (the module's backward applied to the gradient ``a_out`` at its output) with the loss's finite difference. When it
-fails, either the module's backward is wrong, or ``a_out`` is. A probe of the output place tells them apart only when
-the error's share of ``a_out`` shows along the directions it probes: where the output feeds several modules (a norm
-feeding an attention's query, key and value projections), a bug in one of them is a tiny share of ``a_out`` and the
-output probe passes, while the module's backward, which removes ``a_out``'s dominant component (a norm's), lets the
-same error through to its input at full size. Judged by the two probes alone, a correct norm was named for a bug in a
-LoRA layer after it.
+fails, either the module's backward is wrong, or ``a_out`` is. A probe of the output tells them apart only when the
+error's share of ``a_out`` shows along its directions: where the output feeds several modules (a norm feeding an
+attention's query, key and value projections), a bug in one is a tiny share of ``a_out`` and the output probe passes,
+while the norm's backward, which removes ``a_out``'s dominant component, lets it through to its input at full size
+(judged by the two probes, a correct norm was named for a bug in a LoRA layer after it).
 
-The test here needs no probe of the output: the displacement ``h·u`` of the input moves the module's output by
-``J·u`` (the derivative of its forward), and its backward is right exactly when ``a_in·u = a_out·(J·u)``. ``J·u`` is
-measured as a central difference of the module's own outputs (two loss evaluations at each of two steps, which also
-bound its truncation error). The input probe's discrepancy ``D = a_in·u − numeric`` then splits into the module's own
-share ``C = a_in·u − a_out·(J·u)`` and the rest, which the output's gradient carries.
+The test here needs no probe of the output: displacing the input by ``h·u`` moves the module's output by ``J·u`` (the
+derivative of its forward), and its backward is right exactly when ``a_in·u = a_out·(J·u)``. ``J·u`` is a central
+difference of the module's own outputs at two steps (which bound its truncation error). The input probe's discrepancy
+``D = a_in·u − numeric`` splits into the module's own share ``C = a_in·u − a_out·(J·u)`` and the output gradient's.
 
 A failing probe of the module's own parameters splits the same way, ``J`` then the derivative of its output with
 respect to them: a norm inside a block whose output probes missed a diluted error has a wrong weight gradient only
@@ -27,31 +25,24 @@ from typing import Any
 
 from torch import Tensor
 
-from gradwatch.engine.culprits.sites import Displacements, Site
-from gradwatch.engine.function.batch import map_tensors
+from gradwatch.engine.culprits.sites import Displacements, Site, floating
 
 OWN, DOWNSTREAM = "own", "downstream"
 
 SHARE = 0.25
 """How far from 1 (own) or 0 (downstream) the module's share ``C/D`` may be, its truncation error included, for the
-split to decide; in between it is undecided."""
+split to decide."""
 
 
 def _pushed_forward(
     site: Site, place: str, components: list[Tensor], step: float, evaluate: Callable[[], float]
 ) -> list[Tensor] | None:
-    """The module's floating outputs, every call's in order, moved by ``+step`` minus moved by ``−step`` along the
-    direction ``components`` of ``place`` (its input or its own parameters), over ``2·step``; ``None`` when the outputs
-    do not match the recorded ones."""
+    """The module's floating outputs (every call's, in order) at ``+step`` minus at ``−step`` along ``components`` of
+    ``place``, over ``2·step``; ``None`` when they do not match the recorded ones."""
     captured: list[list[Tensor]] = []
 
-    def keep(_path: str, tensor: Tensor) -> Tensor:
-        if tensor.is_floating_point():
-            captured[-1].append(tensor.detach())
-        return tensor
-
     def capture(_module: Any, _args: Any, output: Any) -> None:
-        map_tensors(output, "", keep)
+        captured[-1] += [t.detach() for t in floating(output)]
 
     displacements = Displacements(site, place, components)
     with displacements.installed():
@@ -80,10 +71,9 @@ def own_share(
     *,
     place: str = "module_input",
 ) -> str | None:
-    """Whether a failing probe of ``place`` of ``site`` (its input or its own parameters, along ``components``,
-    autograd's derivative ``analytic``, the loss's ``numeric``, measured at ``step``) fails because of the module's own
-    backward (:data:`OWN`) or because of the gradient at its output (:data:`DOWNSTREAM`); ``None`` when it cannot tell
-    (see the module doc). Costs four loss evaluations through ``evaluate``."""
+    """Whether a failing probe of ``place`` of ``site`` (along ``components``, autograd's derivative ``analytic``, the
+    loss's ``numeric``, at ``step``) fails because of the module's own backward (:data:`OWN`) or of the gradient at
+    its output (:data:`DOWNSTREAM`); ``None`` when it cannot tell. Costs four loss evaluations through ``evaluate``."""
     discrepancy = analytic - numeric
     if discrepancy == 0.0:
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
+from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.culprits.words import CulpritWords, Localization
 from gradwatch.engine.probing.search_budget import SearchBudget
@@ -55,9 +56,8 @@ class Descent(CulpritWords):
 
     def _resume(self) -> Site | None:
         """Where the search starts: inside the deepest module an earlier check's search proved to hold the bug, if it
-        still proves it (its output gradient right, the bug inside it by its own probes), else from the loss (among the
-        candidates left there, if the earlier search had proved no module yet). The cap cannot stop the proof: it
-        stops a search only once it narrowed the culprit further than where it started."""
+        still proves it, else from the loss (among the candidates left there, if the earlier search proved no module).
+        The cap cannot stop the proof: it stops a search only once it narrowed the culprit further than it started."""
         within = self.budget.within if self.budget is not None else ()
         start = None
         self.probes.may_stop = lambda: False
@@ -73,8 +73,8 @@ class Descent(CulpritWords):
         return start
 
     def _narrowed_since_start(self) -> bool:
-        """Whether the search narrowed the culprit further than where this check's search started: a module more
-        proved to hold the bug, or fewer candidates left inside the deepest one."""
+        """Whether the search narrowed the culprit since this check's search started: a module more proved to hold the
+        bug, or fewer candidates left inside the deepest one."""
         path = tuple(s.name for s in self.path)
         if len(path) != len(self._start[0]):
             return len(path) > len(self._start[0])
@@ -205,23 +205,24 @@ class Descent(CulpritWords):
         the parameter outside the modules."""
         if not site.children or not self._holds_failing_parameters(site):
             return False
-        inside = [s for s in self.sites.values() if s is not site and _within(s.name, site.name)]
+        owners = self._owners([s for s in self.sites.values() if s is not site and within(s.name, site.name)])
+        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
+
+    def _owners(self, inside: list[Site]) -> list[Site]:
+        """The modules among ``inside`` that own a failing parameter, the last called first."""
         owned = {f"{s.name}.{n}" if s.name else n: s for s in inside for n in s.parameters}
-        owners = sorted(
+        return sorted(
             {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
         )
-        return any(self._verdict(owner, "module_params") == "fail" for owner in owners[:2])
 
     def _holds_failing_parameters(self, site: Site) -> bool:
         prefix = f"{site.name}." if site.name else ""
         return any(name.startswith(prefix) for name in self.failing_params)
 
     def _boundary(self, children: list[Site], node: Site | None = None) -> tuple[int, bool]:
-        """The first child from which on every output gradient is right (the error flows backwards): a binary search
-        over the children whose probes decide, passing over the undecided ones; and whether it is settled (``False``
-        where the boundary lies among undecided children, the first child known right returned). A resumed search
-        starts from the range an earlier check's search narrowed the boundary to (the first child it found right, the
-        children before the range it found wrong; the children at the boundary are measured again as it is named)."""
+        """The first child from which on every output gradient is right: a binary search over the children whose probes
+        decide; and whether it is settled (``False`` where the boundary lies among undecided children, the first child
+        known right returned). A resumed search starts from the range an earlier check's search narrowed it to."""
         low, high = self._resumed_range(children, node)
         undecided: set[int] = set()
         while low < high:
@@ -241,9 +242,8 @@ class Descent(CulpritWords):
         return low, True
 
     def _resumed_range(self, children: list[Site], node: Site | None) -> tuple[int, int]:
-        """The range of ``children`` (the node's chain) the boundary lies in: all of them, or, once, where an earlier
-        search left it (none of them where it left only the node's sources: every output gradient along the chain was
-        wrong)."""
+        """The range of the node's chain the boundary lies in: all of it, or, once, where an earlier search left it
+        (empty where it left only the node's sources)."""
         narrowed, self._narrowed = self._narrowed, ()
         if not narrowed:
             return 0, len(children)
@@ -258,11 +258,7 @@ class Descent(CulpritWords):
 
     def _parameters_only(self, node: Site | None) -> None:
         """No gradient through the modules is wrong: look at the owners of the failing parameters."""
-        inside = [site for site in self.sites.values() if node is None or _within(site.name, node.name)]
-        owned = {f"{site.name}.{n}" if site.name else n: site for site in inside for n in site.parameters}
-        owners = sorted(
-            {owned[p].name: owned[p] for p in self.failing_params if p in owned}.values(), key=lambda s: -s.order
-        )
+        owners = self._owners([s for s in self.sites.values() if node is None or within(s.name, node.name)])
         for owner in owners:
             if self._parameters_wrong(owner) and self._verdict(owner, "activation") in ("ok", None):
                 self.path.append(owner)
@@ -302,8 +298,7 @@ class Descent(CulpritWords):
             self._culprit(node, self._own_words(node, " outside its submodules"))
 
     def _leaf_parameters_wrong(self, site: Site) -> bool:
-        """Whether ``site`` has no child and a probe of its own failing parameters, displaced during its forward only,
-        fails."""
+        """Whether ``site`` has no child and a probe of its own failing parameters fails."""
         owns = not site.children and self._holds_failing_parameters(site)
         return owns and self._parameters_wrong(site)
 
@@ -312,24 +307,20 @@ class Descent(CulpritWords):
         return self._leaf_parameters_wrong(site) and self.probes.split(site, "module_params") == OWN
 
     def _parameters_wrong(self, owner: Site) -> bool:
-        """Whether the probe of ``owner``'s own parameters, displaced during its forward only, fails, and not merely
-        because the gradient reaching its output is wrong (:mod:`.consistency`; that gradient is then recorded
-        wrong)."""
+        """Whether the probe of ``owner``'s own parameters fails, and not merely because the gradient reaching its
+        output is wrong (:mod:`.consistency`; that gradient is then recorded wrong)."""
         return (
             self._verdict(owner, "module_params") == "fail" and self.probes.split(owner, "module_params") != DOWNSTREAM
         )
 
     def _sweep(self, node: Site | None) -> Site | None:
         """The first module inside ``node``, breadth first along the calls, whose output gradient is right and whose
-        input gradient is wrong (or a parameter inside it, as its own module uses it): the bug is inside it. Where the
-        descent cannot decide, the error's share of a gradient many modules feed (the input of an attention, whose
-        query, key and value projections all pass gradients to it) is too small to steer it, while the input gradient
-        of the module with the bug, as that module alone passes it, holds the error undiluted: a 3% error in a LoRA
-        layer's input gradient is 0.03% of its decoder layer's input gradient, and about 1% of the layer's own. The
-        modules inside a victim (its output gradient measured wrong) are passed over where they run only during its one
-        call: their backward cannot have made that gradient wrong, and their probes would spend the budget upstream of
-        the bug (a LoRA layer's error near the tolerance was named only as the whole model, its budget spent inside
-        the decoder layer before the one holding it)."""
+        input gradient is wrong (or a parameter inside it, as its own module uses it): the bug is inside it. The error's
+        share of a gradient many modules feed is too small to steer the descent, while the input gradient of the module
+        with the bug holds it undiluted (a 3% error in a LoRA layer's input gradient: 0.03% of its decoder layer's,
+        about 1% of the layer's own). The modules inside a victim (its output gradient measured wrong) that run only
+        during its one call are passed over: their backward cannot have made that gradient wrong, and probing them
+        spent the budget upstream of the bug."""
         level = node.children if node is not None else [n for n, s in self.sites.items() if s.parent is None]
         while level:
             victims = set()
@@ -364,10 +355,9 @@ class Descent(CulpritWords):
 
     def _stop(self, node: Site | None, first: Site | None = None) -> None:
         """A probe the descent needs could not decide: go on from a module inside the node that proves the bug inside
-        it by its own probes (:meth:`_sweep`), or name the deepest module proven, if any. ``first`` (a child whose
-        output gradient is right, the child before it wrong, its own input probe undecided: the boundary) is swept
-        before the rest, a module inside it proving the bug inside itself proving it inside ``first`` too; swept with
-        the rest, the budget went to the victims upstream (a UNet above the float64 limit: the model named)."""
+        it by its own probes (:meth:`_sweep`), or name the deepest module proven, if any. ``first`` (the boundary: a
+        child whose output gradient is right, the child before it wrong, its input probe undecided) is swept first:
+        swept with the rest, the budget went to the victims upstream."""
         for start, entered in ([(first, [first])] if first is not None else []) + [(node, [])]:
             inside = self._sweep(start)
             if inside is not None:
@@ -381,7 +371,3 @@ class Descent(CulpritWords):
             self.found.notes.append(
                 Note(NoteCode.CULPRIT_UNDECIDED, "culprit search stopped: a probe inside it could not decide")
             )
-
-
-def _within(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")

@@ -1,12 +1,11 @@
 """Parameters a module's forward reads directly, through no call of the module that owns them.
 
-A LoRA variant reads its adapter's weights in the layer's own forward (``F.linear(x, self.lora_A["default"].weight)``,
-or a fused kernel given ``self.lora_A[name].weight``) and never calls the ``lora_A`` module; a tied or fused head does
-the same with another module's weight. The owner never runs, so a culprit search that displaces a module's parameters
-during its own forward only cannot place a wrong gradient of those weights: it belongs to the module whose forward
-reads them. :class:`ParameterReads`, active during the first recording of the sites, notes which module is running
-(the innermost) when an operation reads such a parameter; :func:`direct_reads` turns that into the parameters each
-module's forward reads, named relative to it, which the recording then displaces as that module's own.
+A LoRA variant reads its adapter's weights in the layer's own forward (``F.linear(x, self.lora_A["default"].weight)``)
+and never calls the ``lora_A`` module; a tied or fused head does the same with another module's weight. A culprit
+search that displaces a module's parameters during its own forward cannot place a wrong gradient of those: it belongs
+to the module whose forward reads them. :class:`ParameterReads`, active during the first recording of the sites,
+notes the innermost module running when an operation reads such a parameter; :func:`direct_reads` turns that into the
+parameters each module's forward reads, relative to it, which the recording then displaces as that module's own.
 """
 
 from __future__ import annotations
@@ -17,22 +16,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from gradwatch.engine.function.dataflow import top_level_tensors
+from gradwatch.engine.function.modes import OperationMode
 
 _NOT_READS = {Tensor.detach, torch.detach, Tensor.data.__get__, Tensor.grad.__get__}  # type: ignore[attr-defined,union-attr]
 """Operations that return a parameter's tensor without passing its gradient on."""
 
 
-class ParameterReads(TorchFunctionMode):
-    """Notes, for each trainable parameter an operation reads as itself (not displaced by the recording), which module
-    was running innermost: ``readers[name]``.
-
-    Args:
-        running: The name of the innermost module whose call is being recorded, ``None`` outside every recorded call
-            (the loss's own code, a call with gradients off, a recomputation during the backward pass).
-    """
+class ParameterReads(OperationMode):
+    """Notes in ``readers[name]``, for each trainable parameter an operation reads as itself, the innermost module
+    running (``running()``: ``None`` outside every recorded call)."""
 
     def __init__(self, running: Callable[[], str | None]) -> None:
         super().__init__()
@@ -41,18 +35,10 @@ class ParameterReads(TorchFunctionMode):
         self.readers: dict[str, set[str]] = {}
 
     def watch(self, model: nn.Module) -> None:
-        """The parameters to look for: the model's trainable floating ones, as its modules hold them now (under
-        float64 storage or a substitution, the tensors the forward will read)."""
+        """Look for the model's trainable floating parameters, as its modules hold them now."""
         self._names = {id(p): name for name, p in model.named_parameters() if p.is_floating_point() and p.requires_grad}
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         grad = torch.is_grad_enabled()
         result = func(*args, **kwargs)
         running = self._running() if self._names and func not in _NOT_READS else None
@@ -70,21 +56,21 @@ class ParameterReads(TorchFunctionMode):
         return result
 
 
-def _within(name: str, ancestor: str) -> bool:
+def within(name: str, ancestor: str) -> bool:
+    """Whether the module ``name`` is ``ancestor`` or inside it."""
     return ancestor == "" or name == ancestor or name.startswith(f"{ancestor}.")
 
 
 def direct_reads(readers: Mapping[str, set[str]], running: set[str]) -> dict[str, list[str]]:
     """By module name, the parameters its forward reads directly, relative to it (``"lora_A.default.weight"``): each
-    parameter whose owning module never ran (``running`` holds the modules that did), given to the innermost running
-    module that holds both the parameter and every module that read it. A parameter whose owner ran is used through it
-    (or outside it, which the search names as such) and is left out."""
+    one whose owner is not among the modules that ran (``running``), given to the innermost one that ran and holds
+    both the parameter and every module that read it."""
     found: dict[str, list[str]] = {}
     for name, modules in readers.items():
         owner = name.rpartition(".")[0]
         if owner in running:
             continue
-        holders = [m for m in running if _within(owner, m) and all(_within(r, m) for r in modules)]
+        holders = [m for m in running if within(owner, m) and all(within(r, m) for r in modules)]
         if not holders:
             continue
         reader = max(holders, key=len)

@@ -1,15 +1,13 @@
 """Name the module whose backward is wrong: a search along the modules the loss runs, on failing checks only.
 
 A wrong backward makes every gradient upstream of it wrong, so a failing check's probes name the victims. The culprit
-is the module at which the gradient turns wrong: autograd's gradient with respect to its output is right, and the one
-it passes to its inputs (or gives its own parameters) is not. Activation probes (:mod:`.sites`) measure exactly that,
-one place of one module at a time, with the verdict discipline of every probe (full stencils, a failure confirmed at a
-second step).
+is the module at which the gradient turns wrong: its output gradient right, the one it passes to its inputs (or gives
+its own parameters) not. Activation probes (:mod:`.sites`) measure that, one place of one module at a time, with the
+verdict discipline of every probe.
 
-The search descends the call tree, from the loss down (:func:`localize`). At each module whose output gradient is right
-and whose input gradient is wrong, its children are taken in the order the forward ran them; the gradient at their
-outputs is wrong up to some child and right from the next on (the error flows backwards), so a binary search over the
-children finds the boundary in a logarithmic number of probes:
+The search descends the call tree from the loss (:func:`localize`). At each module whose output gradient is right and
+whose input gradient is wrong, the gradient at its children's outputs, in the order the forward ran them, is wrong up to
+some child and right from the next on (the error flows backwards): a binary search finds the boundary:
 
 * the first child whose output gradient is right, but whose input gradient is wrong, contains the bug: descend into it;
 * if its input gradient is right too, the gradient turns wrong between two children, in the module's own code (a
@@ -22,13 +20,12 @@ children finds the boundary in a logarithmic number of probes:
   parameter whose module never runs (a LoRA variant reads ``lora_A[...].weight`` in the layer's own forward) counts as
   a parameter of the module whose forward reads it (:mod:`.reads`).
 
-A module is proved to hold the bug by its input gradient only when the failure is its own: its backward disagrees with
-its forward along the probed direction (:mod:`.consistency`), not merely passes on a wrong gradient its output probe
-was too weak to see. Conversely, when the split finds the failure downstream's, the gradient at the module's output is
-wrong, whatever its output probes (blind to a diluted error along the two directions they take) said: the module is a
-victim, and the boundary lies after it. Where a probe the descent needs cannot decide (a bug's share of a gradient
-many modules feed), the modules inside the deepest one proved are probed, breadth first, for one that proves the bug
-inside it by its own input gradient (``Descent._sweep`` in :mod:`.descent`).
+A module is proved to hold the bug by its input gradient only when its backward disagrees with its forward along the
+probed direction (:mod:`.consistency`), not merely passes on a wrong gradient its output probe was too weak to see;
+when that split finds the failure downstream's, the module is a victim whatever its output probes said, and the
+boundary lies after it. Where a probe the descent needs cannot decide (a bug's share of a gradient many modules feed),
+the modules inside the deepest one proved are probed, breadth first, for one that proves the bug inside it by its own
+input gradient (``Descent._sweep`` in :mod:`.descent`).
 
 ``report.culprits`` lists the culprit and the modules proven to contain it, most specific first.
 """
@@ -71,8 +68,8 @@ def localize(
     budget: SearchBudget | None = None,
 ) -> Localization | None:
     """Search for the culprit of a failing check (see the module doc); ``None`` when the check did not fail on a
-    gradient probe. ``evaluator`` must be on the native parameters and inputs; it is again afterwards. ``budget``: the
-    cap on what the search spends and where an earlier check's search left off (:mod:`.budget`)."""
+    gradient probe. ``evaluator`` is on the native parameters and inputs, before and after. ``budget``: the cap on
+    what the search spends and where an earlier check's search left off."""
     failing = [
         t
         for t in tasks
@@ -132,8 +129,8 @@ def localize(
 
 
 def _written(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
-    """The module that wrote behind autograd's back, if one did (the writer, not the first victim, is at fault);
-    ``None`` also when the loss refuses saved-tensor hooks: the search goes on without them."""
+    """The module that wrote behind autograd's back (the writer, not the first victim, is at fault), ``None`` where none
+    did or the loss refuses saved-tensor hooks."""
     try:
         return writes_behind_autograds_back(model, evaluator)
     except Exception as error:
@@ -143,8 +140,8 @@ def _written(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
 
 
 def _sites(model: nn.Module, evaluator: LossEvaluator, found: Localization) -> dict[str, Site] | None:
-    """The modules the loss runs, recorded with hooks; ``None``, with a note in ``found``, when the loss cannot run
-    with hooks on its modules."""
+    """The modules the loss runs (:func:`record_sites`); ``None``, with a note in ``found``, when it refuses the
+    hooks."""
     try:
         return record_sites(model, evaluator)
     except Exception as error:

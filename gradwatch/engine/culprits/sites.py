@@ -9,10 +9,10 @@ displace three places of a site, each seen by that module alone:
   same tensor fed elsewhere is untouched);
 * ``"module_params"``: its own parameters (not its children's), displaced during its own forward only.
 
-:func:`record_sites` runs the loss once with autograd and a zero leaf added at every place of every module, so that one
-backward pass gives the gradient autograd computes at each of them (a parameter's gradient hooks applied, as training
-applies them). :class:`Displacements` then adds ``offset × v`` at the places a probe moves, for the loss evaluations
-of a central difference. Every hook is removed when the recording or the displacement ends, whatever happens.
+:func:`record_sites` runs the loss once with a zero leaf added at every place of every module, so that one backward
+pass gives autograd's gradient at each (a parameter's gradient hooks applied, as in training). :class:`Displacements`
+then adds ``offset × v`` at the places a probe moves. Every hook is removed when the recording or the displacement
+ends, whatever happens.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Site:
             not depend on it through autograd).
         scales: By place, the norm of the displaced tensors, which the probe's step is relative to.
         same_as_parent: The places that hold exactly the parent's tensors (a wrapper whose forward only calls this
-            module): their probes would measure the parent's again.
+            module), whose probes would be the parent's.
     """
 
     name: str
@@ -65,9 +65,8 @@ class Site:
     scales: dict[str, float] = field(default_factory=dict)
     same_as_parent: set[str] = field(default_factory=set)
     parameters: list[str] = field(default_factory=list)
-    """The attribute names of its own trainable floating parameters (``"weight"``, ``"bias"``), in order, then those of
-    the parameters of modules inside it that its forward reads directly, their owner never called
-    (``"lora_A.default.weight"``: :mod:`.reads`)."""
+    """The names of its own trainable floating parameters (``"weight"``), then of those inside it its forward reads
+    directly, their owner never called (``"lora_A.default.weight"``: :mod:`.reads`)."""
     last_call: dict[str, int] = field(default_factory=dict)
     """By place, the position in :attr:`gradients` of the first tensor of the last call."""
     strays: bool = False
@@ -83,7 +82,8 @@ class Site:
         return bool(self.gradients.get(place))
 
 
-def _floating(obj: Any) -> list[Tensor]:
+def floating(obj: Any) -> list[Tensor]:
+    """The floating tensors in ``obj``, in traversal order."""
     found: list[Tensor] = []
 
     def collect(_path: str, tensor: Tensor) -> Tensor:
@@ -124,8 +124,8 @@ class _Recorder:
         self._modes: list[str] = []  # for each open call: "record", "skip" (left alone) or "replay"
         self.grads: list[Tensor | None] = []  # by leaf, autograd's gradient (after the recording's backward pass)
         self.done = False
-        """Set once the forward pass has run: activation checkpointing runs modules again during the backward pass,
-        to recompute what it did not keep, and those calls are replayed, not recorded (see :meth:`_replay`)."""
+        """Set once the forward pass has run: the calls of activation checkpointing's recomputation in the backward
+        pass are replayed, not recorded (:meth:`_replay`)."""
 
     def created(self) -> list[Tensor]:
         """The leaves the forward pass added; the recording ends there."""
@@ -145,12 +145,10 @@ class _Recorder:
     def _replay(obj: Any) -> Any:
         """``obj`` with a fresh zero leaf added to each floating tensor, as the forward added its recorded ones.
 
-        Activation checkpointing recomputes a block in the backward pass and requires the recomputation to save the
-        tensors the forward saved: a constant the block makes (PEFT DoRA's ``torch.eye``) required grad in the
-        forward, the recording's leaf added to it, and must in the recomputation too, or torch refuses it ("a
-        different number of tensors was saved"). The gradients flow through the forward's leaves; these get none, and
-        the values are the forward's (``t + 0``, as there). A module's parameters need no replay: the recording
-        displaces only those that require grad already."""
+        Activation checkpointing requires its recomputation in the backward pass to save the tensors the forward saved:
+        a constant the block makes (PEFT DoRA's ``torch.eye``) required grad in the forward, the recording's leaf added
+        to it, and must here too ("a different number of tensors was saved"). These leaves get no gradient; parameters
+        need no replay (only those that require grad already are displaced)."""
         return map_tensors(
             obj, "", lambda _p, t: t + torch.zeros_like(t, requires_grad=True) if t.is_floating_point() else t
         )
@@ -177,14 +175,14 @@ class _Recorder:
         if site.parent is not None and site.parent not in self._stack:
             site.strays = True
         self._stack.append(name)
-        raw = {id(t) for t in _floating((args, kwargs))}
+        raw = {id(t) for t in floating((args, kwargs))}
         self._mark_call(site, "module_input")
         self._mark_call(site, "module_params")
         args, kwargs = map_tensors(
             (args, kwargs), "", lambda _p, t: self._leaf(name, "module_input", t) if t.is_floating_point() else t
         )
         if first:
-            received = _floating((args, kwargs))
+            received = floating((args, kwargs))
             self._held += received
             self._received[name] = {id(t) for t in received}
             if site.parent is not None and raw and raw == self._received.get(site.parent):
@@ -214,13 +212,13 @@ class _Recorder:
         self._open.pop().close()
         self._stack.pop()
         site = self.sites[name]
-        raw = {id(t) for t in _floating(output)}
+        raw = {id(t) for t in floating(output)}
         self._mark_call(site, "activation")
         output = map_tensors(
             output, "", lambda _p, t: self._leaf(name, "activation", t) if t.is_floating_point() else t
         )
         if site.calls == 1:
-            returned = _floating(output)
+            returned = floating(output)
             self._held += returned
             self._returned[name] = {id(t) for t in returned}
             for child in site.children:  # a wrapper that returns its child's output unchanged
@@ -235,10 +233,9 @@ class _Recorder:
 
 
 def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
-    """Every module the loss's forward runs, with autograd's gradient at each of its places (see the module doc), from
-    one forward and backward pass on the evaluator's (native) parameters (two where a module's forward reads parameters
-    of a module it never calls: the second displaces them as that module's). Modules are keyed by name, in call
-    order."""
+    """Every module the loss's forward runs, by name in call order, with autograd's gradient at each of its places,
+    from one forward and backward pass on the evaluator's native parameters (two where a module's forward reads
+    parameters of a module it never calls: the second displaces them as that module's)."""
     recorder = _record(model, evaluator, None)
     reads = direct_reads(recorder.watch.readers, set(recorder.sites))
     return _sites(_record(model, evaluator, reads) if reads else recorder)
@@ -291,19 +288,15 @@ def _sites(recorder: _Recorder) -> dict[str, Site]:
 
 
 def _parameter_hooks(params: list[tuple[str, Tensor]]) -> list[list[Any]]:
-    """The gradient hooks registered on each parameter (``register_hook``), which autograd runs on the parameter's
-    total gradient in training: a bug living in such a hook belongs to the module that owns the parameter."""
+    """The gradient hooks registered on each parameter (``register_hook``), which autograd runs on its total gradient
+    in training: a bug in one belongs to the module owning the parameter."""
     return [list((getattr(param, "_backward_hooks", None) or {}).values()) for _, param in params]
 
 
 class Displacements:
-    """Hooks that add ``offset × v`` at one place of one site during the loss evaluations of a probe.
-
-    Args:
-        site: The site to displace.
-        place: One of :data:`PLACES`.
-        direction: ``v``, one tensor per displaced tensor in call order (as in :attr:`Site.gradients`).
-    """
+    """Hooks that add ``offset × direction`` at ``place`` (one of :data:`PLACES`) of ``site`` during the loss
+    evaluations of a probe; ``direction`` holds one tensor per displaced tensor in call order (as
+    :attr:`Site.gradients`)."""
 
     def __init__(self, site: Site, place: str, direction: list[Tensor]) -> None:
         self.site = site
@@ -348,7 +341,7 @@ class Displacements:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Displacements]:
-        """The hooks on the site's module for the duration; removed (and any open substitution closed) on leaving."""
+        """The hooks on the site's module for the duration."""
         module = self.site.module
         self._handles = [
             module.register_forward_pre_hook(self._before, with_kwargs=True),

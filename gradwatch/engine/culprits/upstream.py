@@ -6,14 +6,13 @@ losses, accumulation, loss scaling), its gradient is wrong and the probes fail w
 search. As the last operation of an unweighted loss its upstream gradient is exactly 1 and the gradient training uses
 is right: no probe can fail, yet the bug is one loss weight away.
 
-A backward is linear in its upstream gradient, so the gradient of ``2 · loss`` is exactly twice the gradient of the
-loss (a power of two: every rounding scales with it). PyTorch's own backward formulas are; only a backward someone
-wrote may not be: a custom ``autograd.Function`` or a C++ extension's autograd node, which :class:`CustomBackwards`
-looks for in the reference's graph (a walk of its nodes, no evaluation). Where the graph holds one,
-:func:`latent_upstream_bug` differentiates the scaled copy once (one forward and backward); where its gradient is
-not twice the reference's, the gradients at every module's boundary for both copies (:func:`~.sites.record_sites`)
-name the module whose output gradient doubles and whose input gradient does not (:mod:`.boundaries`). It warns, in a
-note and a ``UserWarning``: the gradient training uses is right, the verdict stands.
+A backward is linear in its upstream gradient, so the gradient of ``2 · loss`` is exactly twice the loss's (a power of
+two: every rounding scales with it). Only a backward someone wrote may not be: a custom ``autograd.Function`` or a C++
+extension's node, which :class:`CustomBackwards` looks for in the reference's graph. Where the graph holds one,
+:func:`latent_upstream_bug` differentiates the scaled copy once; where its gradient is not twice the reference's, the
+gradients at every module's boundary for both copies name the module whose output gradient doubles and whose input
+gradient does not (:mod:`.boundaries`). It warns (a note, a ``UserWarning``): training's gradient is right, the verdict
+stands.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ kernel's reordered sums); a backward that ignores its upstream gradient is off b
 
 
 class CustomBackwards:
-    """``loss_fn`` as it is, noting whether the graph of the loss it returns holds a backward that is not one of
-    PyTorch's own formulas (:attr:`found`: the node's class name, ``None`` while none was seen). Only the first few
-    graphs are walked (the reference's), each at most :data:`MOST_NODES` nodes."""
+    """``loss_fn`` as it is, noting in :attr:`found` the class name of a backward in the graph of the loss it returns
+    that is not one of PyTorch's own formulas (``None`` while none was seen). Only the first :attr:`SCANS` graphs are
+    walked (the reference's), each at most :data:`MOST_NODES` nodes."""
 
     SCANS = 3
 
@@ -87,9 +86,9 @@ def _custom_node(root: Any) -> str | None:
 def latent_upstream_bug(
     model: nn.Module, evaluator: LossEvaluator, reference_grads: Sequence[Tensor | None]
 ) -> Note | None:
-    """A note naming the module whose backward ignores its upstream gradient (see the module doc), or ``None`` where
-    the gradient of the loss scaled by :data:`SCALE` is that many times ``reference_grads`` (the evaluator's
-    parameters' gradient at the point). ``evaluator`` must be on the native parameters and inputs."""
+    """A note naming the module whose backward ignores its upstream gradient, or ``None`` where the gradient of the
+    loss scaled by :data:`SCALE` is that many times ``reference_grads``. ``evaluator`` must be on the native
+    parameters and inputs."""
     wrt = [autograd_tensor(p) for _, p in evaluator.params]
     original = evaluator.loss_fn
     try:
@@ -123,8 +122,7 @@ def _scaled(loss_fn: Any) -> Any:
 
 
 def _relative_offs(found: Sequence[Tensor | None], expected: Sequence[Tensor | None]) -> list[float]:
-    """Per tensor, ``‖found − expected‖ / ‖expected‖`` (0 where both are missing or zero, infinite where only one
-    is)."""
+    """Per tensor, ``‖found − expected‖ / ‖expected‖`` (0 where both are missing or zero, infinite where one is)."""
     offs = []
     for got, want in zip(found, expected, strict=True):
         if got is None and want is None:

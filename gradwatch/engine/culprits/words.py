@@ -38,8 +38,8 @@ class Localization:
 
 
 class CulpritWords:
-    """The sentences of :class:`~gradwatch.engine.culprits.descent.Descent`, which gives the probes, the path proved
-    and what it found, and the verdicts of the places it measured."""
+    """The sentences of :class:`~gradwatch.engine.culprits.descent.Descent`, which gives the probes, the path proved,
+    what it found and its verdicts."""
 
     probes: ActivationProbes
     path: list[Site]
@@ -54,8 +54,7 @@ class CulpritWords:
         raise NotImplementedError
 
     def _stopped(self) -> None:
-        """The search ran out (its cap, or its limits of probes and evaluations): the deepest module proved named, and
-        a note of where it stopped."""
+        """The search ran out (its cap, or its limits): the deepest module proved named, with a note."""
         spent = f"{len(self.probes.tasks)} activation probes, {self.probes.evaluations} loss evaluations"
         if self.probes.capped:
             steps = f"{self.budget.steps:g} training steps" if self.budget is not None and self.budget.steps else "cap"

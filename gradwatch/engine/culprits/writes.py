@@ -6,17 +6,15 @@ backward of the operation that saved it computes from the changed values, and th
 wrong, while every formula on its own is right. A culprit search would name the first module whose gradient turns
 wrong, the victim, not the module that wrote.
 
-:func:`writes_behind_autograds_back` runs the loss once more (one forward and backward) with
-``torch.autograd.graph.saved_tensors_hooks``: each saved tensor's checksum is taken when it is saved and again when the
-backward reads it. Where one differs, a second run checks those tensors again at every module's forward pre- and
-post-hook, and the module running between the last check that found the tensor as saved and the first that found it
-changed is the writer (the loss function's own code where no module was running; a backward, where the forward left
-it unchanged).
+:func:`writes_behind_autograds_back` runs the loss once more under saved-tensor hooks that take each saved tensor's
+checksum when it is saved and when the backward reads it. Where one differs, a second run checks those tensors at every
+module's forward hooks: the module running when one changed is the writer (the loss's own code where none was; a
+backward, where the forward left it unchanged).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -67,9 +65,9 @@ def _storage(tensor: Tensor) -> int | None:
 
 class _Saved:
     """The saved-tensor hooks of one run: every saved tensor with its checksum and the module running at its saving;
-    with ``watched`` (indices of saved tensors), those checked at every module hook. Tensors in the storage of the
-    model's buffers are left out: a module may update its own buffers in place (BatchNorm's running statistics, which
-    its backward saves but reads only in eval mode, change at its next call)."""
+    the ``watched`` ones (by index) checked at every module hook. Tensors in the storage of the model's buffers are
+    left out: a module may update its own in place (BatchNorm's running statistics, saved but read only in eval
+    mode)."""
 
     def __init__(self, buffers: frozenset[int], watched: frozenset[int] = frozenset()) -> None:
         self.buffers = buffers
@@ -80,7 +78,6 @@ class _Saved:
         self.writers: dict[int, str] = {}
         self.watched = watched
         self.stack: list[str] = []
-        self.forward_done = False
 
     def running(self) -> str:
         return self.stack[-1] if self.stack else LOSS
@@ -107,31 +104,24 @@ class _Saved:
             if _checksum(self.tensors[index]) != self.sums[index]:
                 self.writers[index] = running_before
 
+    def enter(self, name: str) -> None:
+        self.event(self.running())
+        self.stack.append(name)
+
+    def leave(self, name: str) -> None:
+        self.event(self.running())
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+
 
 @contextmanager
 def _hooked(model: nn.Module, saved: _Saved) -> Iterator[None]:
     handles = []
-
-    def before(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            saved.event(saved.running())
-            saved.stack.append(name)
-
-        return hook
-
-    def after(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            saved.event(saved.running())
-            if saved.stack and saved.stack[-1] == name:
-                saved.stack.pop()
-
-        return hook
-
     try:
         if saved.watched:
             for name, module in model.named_modules():
-                handles.append(module.register_forward_pre_hook(before(name)))
-                handles.append(module.register_forward_hook(after(name)))
+                handles.append(module.register_forward_pre_hook(lambda *_, name=name: saved.enter(name)))
+                handles.append(module.register_forward_hook(lambda *_, name=name: saved.leave(name)))
         yield
     finally:
         for handle in handles:
@@ -147,7 +137,6 @@ def _run(model: nn.Module, evaluator: LossEvaluator, saved: _Saved) -> None:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), _hooked(model, saved):
             loss = original(module, batch)
         saved.event(LOSS)  # what the loss's own code wrote after the last module ran
-        saved.forward_done = True
         return loss
 
     evaluator.loss_fn = audited
@@ -158,8 +147,8 @@ def _run(model: nn.Module, evaluator: LossEvaluator, saved: _Saved) -> None:
 
 
 def writes_behind_autograds_back(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
-    """The first saved tensor the loss changes behind autograd's back, with the module that wrote it (see the module
-    doc), or ``None``. ``evaluator`` must be on the native parameters and inputs."""
+    """The first saved tensor the loss changes behind autograd's back, with the module that wrote it, or ``None``.
+    ``evaluator`` must be on the native parameters and inputs."""
     buffers = frozenset(s for s in (_storage(b) for b in model.buffers()) if s is not None)
     first = _Saved(buffers)
     _run(model, evaluator, first)

@@ -1,8 +1,7 @@
 """A loss that calls ``backward()`` itself, said in gradwatch's words.
 
 gradwatch differentiates the loss ``loss_fn`` returns (``torch.autograd.grad``, which leaves ``.grad`` alone). A loss
-that runs ``backward()`` first (or steps an optimizer: ``zero_grad``, ``backward``, ``step``) frees the graph and writes
-``.grad``; torch would say "Trying to backward through the graph a second time". The check ends instead with a
+that runs ``backward()`` first (or steps an optimizer) frees the graph and writes ``.grad``: the check ends with a
 :class:`LossCallsBackwardError` naming ``loss_fn``, after everything the loss changed was put back
 (:class:`~gradwatch.engine.function.state.TrainingState` sees a ``.grad`` appear; :func:`loss_gradient` a freed graph).
 
@@ -43,8 +42,8 @@ def gradient(loss: Tensor, wrt: list[Tensor]) -> tuple[Tensor | None, ...]:
 
 
 def loss_gradient(loss: Tensor, wrt: list[Tensor]) -> list[Tensor | None]:
-    """The gradient of the loss (``None`` for a tensor the loss made not require grad); a graph the loss already ran
-    backward through is said in gradwatch's words."""
+    """The gradient of the loss (``None`` for a tensor the loss made not require grad), a freed graph said in
+    gradwatch's words."""
     differentiable = [t for t in wrt if t.requires_grad]
     try:
         found = iter(gradient(loss, differentiable))

@@ -3,11 +3,9 @@
 A batch may be a tensor or any nesting of tuples, lists, dicts, namedtuples, dataclasses and records: objects with
 tensor attributes and a ``.to()``/``.apply()`` protocol, as graph libraries' batches are (torch_geometric's
 ``Data``/``Batch``: ``batch.x``, ``batch.edge_index``). Each floating tensor is named by the path a user would type to
-reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), which is how input probes are reported. Integer and boolean
-tensors (token ids, masks) are left alone, except by :func:`leading_slice`, which cuts every per-sample tensor of a
-batch down to its first samples (not inside records: a graph batch's node and edge tensors are not per-sample; a
-torch_geometric ``Batch`` is cut into its first graphs instead). Objects holding tensors that none of these describe
-are :func:`opaque_parts`: a check names them in a note.
+reach it (``batch[0]``, ``batch['x']``, ``batch.pixels``), as input probes are reported. Integer and boolean tensors
+(token ids, masks) are left alone, except by :func:`leading_slice`. Objects holding tensors that none of these
+describe are :func:`opaque_parts`: a check names them in a note.
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ def _map_record(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor]) -> Any
 
 
 def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor], records: bool = True) -> Any:
-    """Return ``obj`` with every tensor ``t`` at ``path`` replaced by ``fn(path, t)``; containers are copied only
-    where something below them changed, so untouched parts of the batch keep their identity. Records (graph batches)
-    are traversed unless ``records`` is false."""
+    """``obj`` with every tensor ``t`` at ``path`` replaced by ``fn(path, t)``, containers copied only where something
+    below them changed; records (graph batches) traversed unless ``records`` is false."""
     if isinstance(obj, Tensor):
         return fn(path, obj)
     if not records and _is_record(obj):
@@ -106,10 +103,7 @@ def map_tensors(obj: Any, path: str, fn: Callable[[str, Tensor], Tensor], record
 
 
 def floating_tensors(batch: Any) -> dict[str, Tensor]:
-    """The floating-point tensors of ``batch``, keyed by path, in traversal order.
-
-    A tensor that appears twice (the same object under two paths) is listed once, under its first path.
-    """
+    """The floating-point tensors of ``batch``, keyed by path, in traversal order (one under two paths: the first)."""
     found: dict[str, Tensor] = {}
     seen: set[int] = set()
 
@@ -124,11 +118,8 @@ def floating_tensors(batch: Any) -> dict[str, Tensor]:
 
 
 def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
-    """A copy of ``batch`` in which the tensor at each path of ``replacements`` is swapped for the given one.
-
-    The original batch is not modified. Paths are those of :func:`floating_tensors`. A tensor object listed under one
-    path is replaced wherever it appears, so a batch that reuses one tensor twice stays consistent.
-    """
+    """A copy of ``batch`` with the tensor at each path of ``replacements`` (:func:`floating_tensors`' paths) swapped
+    for the given one, wherever that tensor object appears."""
     if not replacements:
         return batch
     originals = floating_tensors(batch)
@@ -140,8 +131,8 @@ def replace_tensors(batch: Any, replacements: Mapping[str, Tensor]) -> Any:
 
 
 def _graphs(obj: object) -> int | None:
-    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``:
-    ``to_data_list`` and ``from_data_list``), else ``None``."""
+    """The number of graphs of a graph batch that can be cut into its first graphs (torch_geometric's ``Batch``), else
+    ``None``."""
     if not (_is_record(obj) and callable(getattr(obj, "to_data_list", None))):
         return None
     if not callable(getattr(type(obj), "from_data_list", None)):
@@ -182,11 +173,8 @@ def _graph_batches(obj: Any) -> list[int]:
 
 
 def batch_size(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the most common first dimension of its tensors, a graph batch counting its
-    graphs (``None`` without any).
-
-    Ties go to the larger size: a batch of 8 images with 8 labels and a 3-element class weight has 8 samples.
-    """
+    """The number of samples in ``batch``: the most common first dimension of its tensors, the larger on a tie, a
+    graph batch counting its graphs (``None`` without any)."""
     sizes = _sizes(batch)
     if not sizes:
         return None
@@ -194,13 +182,10 @@ def batch_size(batch: Any) -> int | None:
 
 
 def leading_slice(batch: Any, size: int) -> Any:
-    """``batch`` with every tensor whose first dimension is the batch size cut to its first ``size`` entries, and every
-    graph batch of that many graphs cut to its first ``size`` graphs.
-
-    Tensors of any dtype are cut (labels go with their inputs); other tensors and objects are kept, and so are the
-    tensors inside records, whose node and edge dimensions are not per-sample. The slices are views, so nothing is
-    copied (but for graph batches, rebuilt from their first graphs). The batch itself is returned when it has no more
-    than ``size`` samples.
+    """``batch`` with every tensor whose first dimension is the batch size (of any dtype: labels go with their inputs)
+    cut to its first ``size`` entries, as views, and every graph batch of that many graphs rebuilt from its first
+    ``size``. Tensors inside records (their node and edge dimensions are not per-sample) are kept; the batch itself
+    when it has no more than ``size`` samples.
     """
     full = batch_size(batch)
     if full is None or full <= size:
@@ -236,8 +221,8 @@ def complex_inputs(batch: Any) -> list[str]:
 
 
 def opaque_parts(batch: Any) -> list[str]:
-    """The paths of objects in ``batch`` that hold tensors as attributes but are neither containers nor records: their
-    tensors are neither probed nor promoted to float64."""
+    """The paths of objects in ``batch`` that hold tensors as attributes but are neither containers nor records (their
+    tensors are not probed)."""
     found: list[str] = []
 
     def visit(obj: Any, path: str) -> None:

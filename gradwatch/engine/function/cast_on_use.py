@@ -1,14 +1,12 @@
 """Float64 evaluation of a large model without a float64 copy of it: parameters cast to float64 where an operation uses
 them, one at a time.
 
-:func:`~gradwatch.engine.function.precision.float64_storage` gives every parameter a float64 substitute for the
-duration: twice the float32 parameters held at once, which beyond the float64 limit (a model ``precision="auto"``
-probes natively) is what a check must not add to a training step's memory. A float64 re-measurement of a few
-undecided probes moves only the tensors those probes move; the others only need to *read* as float64.
-:class:`CastOnUse`, active during such an evaluation, hands every operation that receives one of those parameters its
-float64 cast instead: the cast lives while the operation runs (gradient-free evaluations keep nothing for a backward),
-so at most a few parameters are held in float64 at once. An attribute read that returns the parameter's values (``.T``,
-``.mT``, ``.data``) is cast too; ``.shape``, ``.dtype`` and the like pass through.
+A float64 substitute for every parameter (:func:`~gradwatch.engine.function.precision.float64_storage`) doubles the
+float32 parameters held, which beyond the float64 limit a check must not add to a training step's memory. A float64
+re-measurement of a few undecided probes moves only their tensors; the others need only *read* as float64.
+:class:`CastOnUse` hands every operation that receives one of them its float64 cast instead, which lives while the
+operation runs (gradient-free evaluations keep nothing for a backward). An attribute read that returns the parameter's
+values (``.T``, ``.mT``, ``.data``) is cast too; ``.shape``, ``.dtype`` and the like pass through.
 """
 
 from __future__ import annotations
@@ -18,16 +16,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from gradwatch.engine.function.modes import OperationMode
 
-class CastOnUse(TorchFunctionMode):
-    """Casts the tensors of ``cast`` wherever an operation receives them.
 
-    Args:
-        cast: The dtype each tensor is read in (float64, or complex128 for a complex one), keyed by ``id(tensor)``.
-    """
+class CastOnUse(OperationMode):
+    """Casts the tensors of ``cast`` (by ``id``: the dtype each is read in, float64 or complex128) wherever an operation
+    receives them."""
 
     def __init__(self, cast: Mapping[int, torch.dtype]) -> None:
         super().__init__()
@@ -38,14 +34,7 @@ class CastOnUse(TorchFunctionMode):
             return value.detach().to(self._cast[id(value)])
         return value
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(func, "__name__", "") == "__get__":  # an attribute: cast only what holds the tensor's values
             result = func(*args, **kwargs)
             owner = args[0] if args else None

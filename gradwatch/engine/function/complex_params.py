@@ -44,9 +44,8 @@ def stored_value(tensor: Tensor, value: Tensor) -> Tensor:
 
 
 def with_parameter_hooks(tensor: Tensor, grad: Tensor) -> Tensor:
-    """``grad`` (the gradient of a checked tensor, computed on a copy of its parameter: float64 storage) with the hooks
-    registered on the parameter (``register_hook``) applied, as autograd applies them to the parameter's own gradient;
-    a complex parameter's hooks take and give its complex gradient."""
+    """``grad`` (a checked tensor's, computed on a copy of its parameter: float64 storage) with the parameter's
+    ``register_hook`` hooks applied, as autograd applies them (a complex parameter's to its complex gradient)."""
     hooks = list((getattr(autograd_tensor(tensor), "_backward_hooks", None) or {}).values())
     if not hooks:
         return grad

@@ -24,13 +24,8 @@ from gradwatch.engine.function.torch_warnings import torch_registries_cleared
 
 # torch >= 2.9 configures float32 matmul/conv precision per backend; older versions only have the TF32 switches.
 _PRECISION_SETTINGS = (
-    ("cuda", "matmul"),
-    ("cudnn", "conv"),
-    ("cudnn", "rnn"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "rnn"),
-)
+    ("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn")
+)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -68,15 +63,13 @@ def autocast_disabled() -> Iterator[None]:
 
 @contextlib.contextmanager
 def autocast_held_off() -> Iterator[list[tuple[str, torch.dtype]]]:
-    """Leave any surrounding autocast region and keep every ``torch.autocast`` entered meanwhile off (a model's
-    ``forward`` wrapped in autocast, an ``accelerator.autocast()`` inside the loss), for the duration; yields the list
-    of the regions the code tried to enable meanwhile, as ``(device type, dtype)``: what the training's path runs
-    under without anyone saying so (a model that enters autocast in its own ``forward``).
+    """Leave any surrounding autocast region and keep every ``torch.autocast`` entered meanwhile off (a ``forward``
+    wrapped in autocast, an ``accelerator.autocast()`` in the loss); yields the regions the code tried to enable, as
+    ``(device type, dtype)``: what the training's path runs under without anyone saying so.
 
-    ``torch.autocast.__enter__`` is swapped on the class (its CUDA and CPU subclasses call it): each region entered
-    meanwhile is entered disabled, and left as torch leaves any region, restoring the state it found. The instance's own
-    setting is untouched (Accelerate keeps one instance for every call of the forward). Other threads entering autocast
-    during a check get it disabled too.
+    ``torch.autocast.__enter__`` is swapped on the class (its CUDA and CPU subclasses call it): each region is entered
+    disabled and left as torch leaves any. The instance's own setting is untouched (Accelerate keeps one instance for
+    every call of the forward). Other threads entering autocast during a check get it disabled too.
     """
     autocast = torch.amp.autocast_mode.autocast
     enter = autocast.__enter__
@@ -116,11 +109,10 @@ def reentrant_checkpoints_run_non_reentrant() -> Iterator[None]:
     """Run the activation checkpoints of the loss (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, as
     Hugging Face models use with ``gradient_checkpointing_kwargs={"use_reentrant": True}``) non-reentrant.
 
-    A reentrant checkpoint runs its recomputation as a nested ``backward()`` and refuses ``torch.autograd.grad``
-    ("incompatible with .grad()"), which a check needs: it must leave ``.grad`` and the accumulation hooks alone. Both
-    variants compute the same function and, by torch's contract, the same gradient (random states replayed alike);
-    only their memory differs. ``checkpoint`` looks ``CheckpointFunction`` up in its module at each call, where it is
-    swapped for the duration.
+    A reentrant checkpoint refuses ``torch.autograd.grad`` ("incompatible with .grad()"), which a check needs to leave
+    ``.grad`` and the accumulation hooks alone. Both variants compute the same function and, by torch's contract, the
+    same gradient; only their memory differs. ``checkpoint`` looks ``CheckpointFunction`` up in its module at each
+    call, where it is swapped for the duration.
     """
     original = checkpoint.CheckpointFunction
     checkpoint.CheckpointFunction = _ReentrantAsNonReentrant  # type: ignore[misc,assignment]
@@ -134,12 +126,10 @@ def reentrant_checkpoints_run_non_reentrant() -> Iterator[None]:
 def compiler_disabled() -> Iterator[None]:
     """Run code compiled with ``torch.compile`` eagerly (``torch.compiler.set_stance("force_eager")``, torch >= 2.6).
 
-    A check evaluates the loss on other shapes (a slice of the batch), dtypes (float64), grad modes and under
-    ``vmap``: through the training's compiled code, each would compile a new graph, and a new shape can even turn the
-    training's graph into a dynamic-shape one that computes slightly different numbers. Eagerly, the training's
-    compiled graphs and caches are left exactly as they are. Nothing to do in a process that never imported
-    ``torch._dynamo`` (``torch.compile`` does): no code there is compiled, and ``set_stance`` would import it, seconds
-    that the first check of a run would pay (3.7 s on this CPU, 30 times an applied check of a small CNN).
+    A check evaluates the loss on other shapes, dtypes, grad modes and under ``vmap``: through the training's compiled
+    code each would compile a new graph, and a new shape can turn the training's graph into a dynamic-shape one that
+    computes slightly different numbers. Nothing to do in a process that never imported ``torch._dynamo``: nothing is
+    compiled there, and ``set_stance`` would import it (3.7 s on this CPU, 30 times an applied check of a small CNN).
     """
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None or "torch._dynamo" not in sys.modules:
@@ -154,9 +144,8 @@ def warnings_withheld() -> Iterator[list[str]]:
     """Keep the warnings raised during a check from being shown; yields the list their messages are collected in.
 
     The loss runs dozens of times in a check, in float64 and under ``vmap``, which warn of things training never does
-    (functorch's "no batching rule" performance warnings, say). Only ``warnings.showwarning`` is swapped: the warning
-    filters are left alone, so the ``once`` registries of the user's modules are not reset by the check (changing the
-    filters would, and training would show its warnings again).
+    (functorch's "no batching rule"). Only ``warnings.showwarning`` is swapped: changing the filters would reset the
+    ``once`` registries of the user's modules, and training would show its warnings again.
     """
     withheld: list[str] = []
     shown = warnings.showwarning
@@ -182,12 +171,11 @@ def dropout_on_contiguous_inputs() -> Iterator[None]:
     """Let the dropout functions of ``torch.nn.functional`` draw their masks in the order of their input's elements,
     not of its memory, for the duration.
 
-    Dropout fills its mask in memory order: on a transposed input (the output of ``nn.MultiheadAttention`` with
-    ``batch_first=True``, for several samples) an evaluation on its own and a vectorised pass, whose batched tensors
-    lie otherwise in memory, would draw the same numbers into different elements, and compute two functions. On a
-    contiguous copy of the input both draw alike. The functions are swapped in ``torch.nn.functional``, where
-    ``nn.Dropout`` and the attention code look them up at every call, and put back afterwards; an input already
-    contiguous is passed as it is (``inplace=True`` keeps its meaning there).
+    Dropout fills its mask in memory order: on a transposed input (``nn.MultiheadAttention``'s output with
+    ``batch_first=True``) an evaluation on its own and a vectorised pass, whose batched tensors lie otherwise in memory,
+    would draw the same numbers into different elements. The functions are swapped in ``torch.nn.functional``, where
+    ``nn.Dropout`` and the attention code look them up at every call; an input already contiguous is passed as it is
+    (``inplace=True`` keeps its meaning there).
     """
     saved = {name: getattr(F, name) for name in _DROPOUTS}
 

@@ -13,10 +13,9 @@ import torch
 from torch import Tensor, nn
 
 PARAMETER_COPY_LIMIT = 2**26
-"""The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change of a
-parameter by the loss is seen by its version counter after the first evaluation; the values it had before that one
-change cannot be put back, and the report names them in
-:attr:`~gradwatch.engine.results.report.CheckReport.unrestored`."""
+"""The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change by the
+loss is seen by the version counter after the first evaluation; the values before it cannot be put back, and the
+report names them in :attr:`~gradwatch.engine.results.report.CheckReport.unrestored`."""
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
@@ -58,8 +57,8 @@ class SavedParameter:
 
 
 class FlatCopies:
-    """Copies of the parameters, one flat buffer per dtype and device (up to :data:`PARAMETER_COPY_LIMIT` elements):
-    copied and compared in a few operations rather than a few per parameter. Sets each copied parameter's ``copy``."""
+    """Copies of the parameters (up to :data:`PARAMETER_COPY_LIMIT` elements), one flat buffer per dtype and device;
+    sets each copied parameter's ``copy``."""
 
     def __init__(self, parameters: list[SavedParameter]) -> None:
         groups: dict[tuple[torch.dtype, torch.device], list[SavedParameter]] = {}

@@ -1,16 +1,14 @@
 """What the reference pass learns about the loss's dataflow: inputs it detaches, values it reads out of the graph.
 
-Input probes make the batch's floating tensors require grad for the reference pass. That is only sound when the loss
-does not look: a metric library that asserts ``not target.requires_grad`` refuses it (the check then differentiates no
-input, with a note), and a loss that detaches an input (a gradient penalty's ``interpolates.detach()``, a PDE
-residual's ``x.detach().requires_grad_()``) computes a gradient with respect to it that is deliberately not its
-derivative. :class:`ReferenceFlow`, active during the reference pass, finds the inputs a ``detach`` reaches, and those
-are not probed (a note names them).
+Input probes make the batch's floating tensors require grad for the reference pass. A loss that detaches an input (a
+gradient penalty's ``interpolates.detach()``, a PDE residual's ``x.detach().requires_grad_()``) computes a gradient
+with respect to it that is deliberately not its derivative: :class:`ReferenceFlow`, active during the reference pass,
+finds the inputs a ``detach`` reaches, which are not probed (a note names them).
 
 The same pass tells whether ``torch.func.vmap`` can evaluate the loss at many points at once: a loss that turns a value
-computed from the parameters into Python (``float(x)``, ``x.item()``, ``if x.any():``) or into a data-dependent shape
-(``mask.nonzero()``: a mixture of experts' routing) cannot be vectorised. Knowing it from the reference pass spares the
-check a vectorised pass that would fail; its points are evaluated one by one from the start.
+computed from the parameters into Python (``x.item()``, ``if x.any():``) or into a data-dependent shape
+(``mask.nonzero()``: a mixture of experts' routing) cannot be vectorised, and its points are evaluated one by one from
+the start.
 """
 
 from __future__ import annotations
@@ -21,32 +19,23 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from gradwatch.engine.function.modes import OperationMode
 
 _DETACHES = {Tensor.detach, torch.detach, Tensor.detach_, Tensor.data.__get__}  # type: ignore[attr-defined]
 
 _DATA_DEPENDENT = {
-    Tensor.item: "item()",
-    Tensor.tolist: "tolist()",
-    Tensor.numpy: "numpy()",
-    Tensor.__bool__: "bool()",
-    Tensor.__float__: "float()",
-    Tensor.__int__: "int()",
-    Tensor.__index__: "an index",
-    torch.nonzero: "nonzero()",
-    Tensor.nonzero: "nonzero()",
-    torch.argwhere: "argwhere()",
-    torch.masked_select: "masked_select()",
-    Tensor.masked_select: "masked_select()",
-    torch.unique: "unique()",
-    Tensor.unique: "unique()",
+    Tensor.item: "item()", Tensor.tolist: "tolist()", Tensor.numpy: "numpy()", Tensor.__bool__: "bool()",
+    Tensor.__float__: "float()", Tensor.__int__: "int()", Tensor.__index__: "an index", torch.nonzero: "nonzero()",
+    Tensor.nonzero: "nonzero()", torch.argwhere: "argwhere()", torch.masked_select: "masked_select()",
+    Tensor.masked_select: "masked_select()", torch.unique: "unique()", Tensor.unique: "unique()",
     torch.unique_consecutive: "unique_consecutive()",
-}
+}  # fmt: skip
 """Operations vmap refuses on a batched tensor: a value read into Python, or a shape that depends on the values."""
 
 
 def _reached_leaves(tensor: Tensor, wanted: Mapping[int, str]) -> set[str]:
-    """The paths of the ``wanted`` leaves (by ``id``) that ``tensor`` depends on through autograd's graph."""
+    """The paths of the ``wanted`` leaves (by ``id``) ``tensor`` depends on through autograd."""
     if id(tensor) in wanted:
         return {wanted[id(tensor)]}
     found: set[str] = set()
@@ -74,15 +63,13 @@ def top_level_tensors(values: Any) -> list[Tensor]:
     return found
 
 
-class ReferenceFlow(TorchFunctionMode):
+class ReferenceFlow(OperationMode):
     """Records which of the input leaves ``leaves`` (path to tensor) a ``detach`` inside the loss cuts off, and the
     first operation vmap would refuse on a value computed from what the probes move (see the module doc).
 
-    Only tensors that require grad are followed back for a detach; a detach of an activation that depends on
-    parameters alone (a GAN's ``fake.detach()``) walks the graph once and finds nothing. A detach whose value the
-    check holds (``held()`` true while it is made: :mod:`.held`) cuts nothing: the gradient of an input it reaches is
-    the derivative of the function the check evaluates. Values computed from the
-    parameters are those that require grad, and the integer and boolean tensors computed from them (a router's
+    A detach is followed back only from a tensor that requires grad; one whose value the check holds (``held()``
+    true: :mod:`.held`) cuts nothing, the gradient it leaves being the derivative the check evaluates. Values computed
+    from the parameters are those that require grad and the integer and boolean tensors computed from them (a router's
     ``topk`` indices, ``indices == e``).
     """
 
@@ -95,14 +82,7 @@ class ReferenceFlow(TorchFunctionMode):
         """The first operation vmap would refuse, in words (``"nonzero()"``), or ``None``."""
         self._derived: dict[int, weakref.ref[Tensor]] = {}  # weak: a freed tensor's id may come back for another
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         cutting = func in _DETACHES and args and isinstance(args[0], Tensor) and args[0].requires_grad
         cutting = cutting and not self._held()
         if cutting and len(self.detached) < len(self._wanted):

@@ -41,11 +41,8 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 @dataclass(frozen=True)
 class Reference:
-    """The loss and its autograd gradient at the unperturbed point.
-
-    ``param_grads[i]`` is ``None`` when parameter ``i`` received no gradient (not used by the loss, or detached);
-    ``input_grads`` holds only the inputs that received one.
-    """
+    """The loss and its autograd gradient at the unperturbed point: ``param_grads[i]`` ``None`` where parameter ``i``
+    received none; ``input_grads`` only the inputs that received one."""
 
     loss: float
     param_grads: list[Tensor | None]
@@ -53,22 +50,14 @@ class Reference:
 
 
 class LossEvaluator:
-    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters and the floating inputs.
+    """Evaluates ``loss_fn(model, batch)`` as one deterministic function of the parameters ``params`` (``(name,
+    parameter)`` pairs) and the floating inputs, under the captured training ``state``. Use it inside
+    :func:`probe_conditions`.
 
-    Parameters are perturbed in place by the caller (and restored by it); floating inputs are perturbed through the
-    working copies in :attr:`inputs`, which the loss sees in place of the batch's own tensors, so the caller's batch is
-    never modified. Use it inside :func:`probe_conditions`.
-
-    Args:
-        model: The module whose parameters are probed.
-        batch: The batch, passed through to ``loss_fn`` with its floating tensors replaced by working copies.
-        loss_fn: ``loss_fn(model, batch) -> scalar Tensor``.
-        params: The ``(name, parameter)`` pairs to differentiate.
-        state: The captured training state; its random state is replayed before every evaluation and its buffers are
-            restored after every evaluation.
-        float64_reductions: Accumulate the loss's final reductions in float64 in the gradient-free evaluations.
-        held: The values the loss detaches that every evaluation after the first reference holds at that reference's
-            (:mod:`.held`); none by default.
+    Parameters are perturbed in place by the caller (and restored by it); floating inputs through the working copies in
+    :attr:`inputs`, which the loss sees in place of the batch's own tensors. ``float64_reductions``: accumulate the
+    loss's final reductions in float64 in the gradient-free evaluations. ``held``: the values the loss detaches that
+    every evaluation after the first reference holds at that reference's (:mod:`.held`); none by default.
     """
 
     def __init__(
@@ -130,28 +119,35 @@ class LossEvaluator:
         self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
 
     @contextlib.contextmanager
-    def _evaluation(self, grad: bool, points: int = 1) -> Iterator[None]:
-        """One forward pass evaluating the loss at ``points`` points (one, if it raises), the random state replayed."""
-        self.state.before_evaluation()
-        self.n_passes += 1
-        self.n_forward += 1
-        fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
-        with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
-            yield
-        self.n_forward += points - 1
-        if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
-            # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
-            # otherwise (it would only cost its dispatch)
-            self._fidelity_settled = True
-            self._fidelity = fidelity if fidelity.acted else None
-            self.notes += fidelity.notes()
+    def _evaluation(self, grad: bool, points: int = 1, differentiated: bool = False) -> Iterator[None]:
+        """One pass evaluating the loss at ``points`` points (one, if it raises): the inputs reset, the random state
+        replayed, and what the loss changed undone afterwards (after the backward pass of a ``differentiated`` one:
+        BatchNorm keeps its buffers for it)."""
+        self._reset_inputs()
+        completed = False
+        try:
+            self.state.before_evaluation()
+            self.n_passes += 1
+            self.n_forward += 1
+            fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
+            with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
+                yield
+            self.n_forward += points - 1
+            if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
+                # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
+                # otherwise (it would only cost its dispatch)
+                self._fidelity_settled = True
+                self._fidelity = fidelity if fidelity.acted else None
+                self.notes += fidelity.notes()
+            if differentiated:
+                self.state.skip_unused_generators()
+            completed = True
+        finally:
+            self.state.after_evaluation(completed)
 
     def reference(self, with_inputs: bool = True, vectorising: bool = True) -> Reference:
-        """Loss and autograd gradient at the current point.
-
-        With ``with_inputs`` the gradient with respect to the floating inputs is computed too; if the loss function
-        cannot be differentiated with respect to its inputs (it modifies them in place, or uses an operation without
-        an input derivative), the parameters' gradient is computed alone and a note says why input probes are skipped.
+        """Loss and autograd gradient at the current point, with ``with_inputs`` with respect to the floating inputs too
+        (where the loss cannot be differentiated with respect to them, the parameters' alone, with a note).
         ``vectorising=False``: no vectorised pass follows, so neither the dataflow watch nor the saved count runs."""
         for path in opaque_parts(self._batch) if with_inputs else ():
             self.notes.append(
@@ -178,44 +174,36 @@ class LossEvaluator:
         return self._reference(with_inputs=False, vectorising=vectorising)
 
     def _reference(self, with_inputs: bool, vectorising: bool = True) -> Reference:
-        self._reset_inputs()
         leaves = (
             {path: tensor.detach().requires_grad_(True) for path, tensor in self.inputs.items()} if with_inputs else {}
         )
         batch = replace_tensors(self._batch, leaves) if with_inputs else self._working_batch
         self.saved_elements = 0
-        completed = False
         watch = ReferenceFlow(leaves, self.held.in_scope)
         counted = torch.autograd.graph.saved_tensors_hooks(self._count_saved, lambda tensor: tensor)
-        try:
-            with self._evaluation(grad=True):
-                with contextlib.ExitStack() as stack:  # the forward alone
-                    for context in (counted, watch) if vectorising or with_inputs else ():
-                        stack.enter_context(context)
-                    stack.enter_context(self.held.evaluating())
-                    loss = as_scalar_loss(self.loss_fn(self.model, batch))
-                wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
-                if not loss.requires_grad:
-                    raise ValueError(
-                        "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
-                        "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
-                    )
-                collective = sharding.active()
-                with self.held.differentiating():
-                    if collective is None:
-                        value = float(loss.detach())
-                        grads: list[Tensor | None] = loss_gradient(loss, wrt)
-                    else:
-                        params = [p for _, p in self.params]
-                        value, sharded = sharded_backward(collective, self.model, loss, params, leaves)
-                        grads = list(sharded)
-                self.n_backward += 1
-                self.held.differentiated()
-            self.state.skip_unused_generators()
-            completed = True
-        finally:
-            # after the backward: BatchNorm keeps its buffers for the backward pass
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=True, differentiated=True):
+            with contextlib.ExitStack() as stack:  # the forward alone
+                for context in (counted, watch) if vectorising or with_inputs else ():
+                    stack.enter_context(context)
+                stack.enter_context(self.held.evaluating())
+                loss = as_scalar_loss(self.loss_fn(self.model, batch))
+            wrt = [autograd_tensor(p) for _, p in self.params] + list(leaves.values())
+            if not loss.requires_grad:
+                raise ValueError(
+                    "loss_fn returned a tensor that does not require grad: the loss does not depend on any "
+                    "trainable parameter or floating input through autograd (computed under torch.no_grad()?)"
+                )
+            collective = sharding.active()
+            with self.held.differentiating():
+                if collective is None:
+                    value = float(loss.detach())
+                    grads: list[Tensor | None] = loss_gradient(loss, wrt)
+                else:
+                    params = [p for _, p in self.params]
+                    value, sharded = sharded_backward(collective, self.model, loss, params, leaves)
+                    grads = list(sharded)
+            self.n_backward += 1
+            self.held.differentiated()
         n_params = len(self.params)
         grads = [dense(grad) for grad in grads]
         grads[:n_params] = [checked_gradient(p, g) for (_, p), g in zip(self.params, grads, strict=False)]
@@ -234,22 +222,15 @@ class LossEvaluator:
     def gradients_wrt(self, created: Callable[[], Sequence[Tensor]]) -> tuple[float, list[Tensor | None]]:
         """The loss at the current point and its gradient with respect to tensors the forward pass creates (read by
         ``created()`` after the forward: zero leaves hooks add to activations; ``None`` for one the loss ignores)."""
-        self._reset_inputs()
-        completed = False
-        try:
-            with self._evaluation(grad=True):
-                with self.held.evaluating():
-                    loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
-                wanted = list(created())
-                needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
-                with self.held.differentiating():
-                    found = gradient(loss, needed)
-                self.n_backward += 1
-                self.held.differentiated()
-            self.state.skip_unused_generators()
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=True, differentiated=True):
+            with self.held.evaluating():
+                loss = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
+            wanted = list(created())
+            needed = [t for t in wanted if t.requires_grad] if loss.requires_grad else []
+            with self.held.differentiating():
+                found = gradient(loss, needed)
+            self.n_backward += 1
+            self.held.differentiated()
         by_identity = {id(t): g for t, g in zip(needed, found, strict=True)}
         grads = [by_identity.get(id(t)) for t in wanted]
         return float(loss.detach()), [None if g is None else dense(g) for g in grads]
@@ -264,10 +245,8 @@ class LossEvaluator:
         """The loss at ``points`` points in one forward pass, vectorised with ``torch.func.vmap``.
 
         ``param_stacks`` (by parameter name) and ``input_stacks`` (by input path) hold the tensors that differ between
-        the points, one slice per point along a new leading dimension; every other tensor is shared. Random draws are
-        shared by all points (``randomness="same"``) and replayed as in every evaluation, so each point sees the
-        dropout masks an evaluation on its own would. BatchNorm layers in training mode run without updating their
-        running statistics, which their output does not depend on (vmap cannot update one buffer from many points).
+        the points, one slice per point along a new leading dimension. Random draws are shared by all points
+        (``randomness="same"``) and replayed, so each point sees the dropout masks an evaluation on its own would.
         Raises whatever vmap or the loss raises on code it cannot vectorise.
         """
         model, loss_fn = self.model, self.loss_fn
@@ -280,24 +259,15 @@ class LossEvaluator:
             with substituted(model, moved), OriginalsWatch(originals), self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
-        self._reset_inputs()
-        completed = False
-        try:
-            with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
-                values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
+            values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
         self.value_dtype = values.dtype
         return [self.held.value_of(value) for value in values.detach().double().tolist()]
 
     def loss(self) -> float:
-        """The loss at the current (possibly perturbed) point, without building a graph.
-
-        The first call of a check verifies the float64 reductions against the native ones; if they disagree (or the
-        model fails with them) they are switched off for the rest of the check, a note says why, and the loss is
-        evaluated again natively.
-        """
+        """The loss at the current point, without building a graph. The first call of a check verifies the float64
+        reductions against the native ones; where they disagree (or the model fails with them) they are switched off
+        for the rest of the check, with a note, and the loss is evaluated again natively."""
         if not self.float64_reductions or self._float64_inputs:
             # on float64 storage every sum is float64 already: the mode would only cost its per-operation dispatch
             return self._forward(contextlib.nullcontext())
@@ -348,16 +318,10 @@ class LossEvaluator:
             return value
 
     def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
-        self._reset_inputs()
-        completed = False
-        try:
-            watch = self.watch or contextlib.nullcontext()
-            grad = self._grad_mode_evaluations if grad is None else grad
-            with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
-                value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
-            completed = True
-        finally:
-            self.state.after_evaluation(completed)
+        watch = self.watch or contextlib.nullcontext()
+        grad = self._grad_mode_evaluations if grad is None else grad
+        with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
+            value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
         self.value_dtype = value.dtype
         return sharding.global_loss(self.held.value_of(float(value.detach().double())))
 
@@ -373,8 +337,7 @@ class LossEvaluator:
 
     @contextlib.contextmanager
     def moved_inputs(self, moved: dict[str, Tensor]) -> Iterator[None]:
-        """Evaluate at other floating inputs for the duration (``moved``, by path, in the inputs' own dtype): the
-        working copies, native or float64, are made from them; the batch's own inputs afterwards."""
+        """Evaluate at other floating inputs (``moved``, by path, in the inputs' own dtype) for the duration."""
         saved = self._native
         self._native = {**saved, **moved}
         self._use_inputs(self._native)

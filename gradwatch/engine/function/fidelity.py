@@ -1,7 +1,7 @@
 """Float64 evaluation of a lower-precision model that computes the same function, only more precisely.
 
-Float64 probes evaluate a float32 model on float64 copies of its parameters and inputs. Two habits of real models make
-that another function:
+Float64 probes evaluate a float32 model on float64 copies of its parameters and inputs. Three habits of real models
+make that another function:
 
 * **Casts down inside the model.** Hugging Face causal LMs compute their loss on ``logits.float()`` and their softmax
   in float32: on float64 storage the loss is float32 again, probes' steps of 6e-6 vanish in its rounding, and every
@@ -13,13 +13,11 @@ that another function:
   (a VAE's reparameterisation), diffusion noise, ``fractional_max_pool``'s samples: from the same random state, float64
   draws are other numbers than float32 draws.
 
-:class:`Float64Fidelity`, active during float64 evaluations, keeps casts from float64 to a lower floating dtype at
-float64 (``.float()``, ``.to(torch.float32)``, ``dtype=torch.float32`` arguments), promotes the floating tensors
-factories create in the default dtype to float64 (the same numbers, in float64), computes an operation writing into a
-float64 ``out=`` buffer (one such a factory made) from its lower-precision inputs in float64, and makes random draws in
-the model's own dtype before casting them to float64, so that they are the numbers training draws. Its first
-evaluation of a check tells whether the loss does either (:attr:`Float64Fidelity.acted`); when it does not, it is not
-used again, and costs nothing.
+:class:`Float64Fidelity`, active during float64 evaluations, keeps such casts at float64 (``.float()``,
+``.to(torch.float32)``, ``dtype=torch.float32``), promotes what factories create in the default dtype to float64 (and
+computes an operation writing into such a float64 ``out=`` buffer in float64), and makes random draws in the model's own
+dtype before casting them, the numbers training draws. When its first evaluation of a check changed nothing
+(:attr:`Float64Fidelity.acted`) it is not used again.
 """
 
 from __future__ import annotations
@@ -29,20 +27,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.engine.results.notes import Note, NoteCode
 
 _RANDOM_FACTORIES = {torch.randn, torch.rand, torch.normal}
 _RANDOM_LIKE = {torch.randn_like, torch.rand_like}
 _RANDOM_IN_PLACE = {
-    Tensor.normal_,
-    Tensor.uniform_,
-    Tensor.exponential_,
-    Tensor.cauchy_,
-    Tensor.log_normal_,
-    Tensor.geometric_,
-}
+    Tensor.normal_, Tensor.uniform_, Tensor.exponential_, Tensor.cauchy_, Tensor.log_normal_, Tensor.geometric_
+}  # fmt: skip
 _DOWNCASTS = {Tensor.float: torch.float32, Tensor.half: torch.float16, Tensor.bfloat16: torch.bfloat16}
 _LOWER = {torch.float32, torch.float16, torch.bfloat16}
 
@@ -51,12 +44,9 @@ def _is_float64(value: object) -> bool:
     return isinstance(value, Tensor) and value.dtype == torch.float64
 
 
-class Float64Fidelity(TorchFunctionMode):
-    """Keeps a float64 evaluation of a ``native_dtype`` model the model's own function (see the module doc).
-
-    Args:
-        native_dtype: The dtype the model's parameters train in: random draws are made in it.
-    """
+class Float64Fidelity(OperationMode):
+    """Keeps a float64 evaluation of a model whose parameters train in ``native_dtype`` (random draws are made in it)
+    the model's own function (see the module doc)."""
 
     def __init__(self, native_dtype: torch.dtype) -> None:
         super().__init__()
@@ -65,8 +55,7 @@ class Float64Fidelity(TorchFunctionMode):
         """What it changed so far: ``"casts"`` and/or ``"random draws"``."""
 
     def notes(self) -> list[Note]:
-        """What a report says of what it changed: a note for casts kept at float64, one for random draws made in the
-        native dtype; none for factories."""
+        """The notes of what it changed: casts kept, random draws made natively (none for factories)."""
         native = str(self.native_dtype).removeprefix("torch.")
         kept = {
             "casts": "its casts to a lower precision were kept at float64",
@@ -78,14 +67,8 @@ class Float64Fidelity(TorchFunctionMode):
             for what in sorted(self.acted & set(codes))
         ]
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        kwargs = dict(kwargs)
         if func in _DOWNCASTS and args and _is_float64(args[0]):
             self.acted.add("casts")
             return args[0]
@@ -109,16 +92,15 @@ class Float64Fidelity(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _promoted(self, created: Any) -> Any:
-        """A tensor a factory made in the default dtype (``torch.full((t, t), float("-inf"))``, a causal mask built
-        in forward), as float64: the numbers training creates, in the precision of the rest of the evaluation."""
+        """A tensor a factory made in the default dtype (a causal mask built in forward), as float64."""
         if isinstance(created, Tensor) and created.dtype in _LOWER and created.dtype == torch.get_default_dtype():
             self.acted.add("factories")
             return created.to(torch.float64)
         return created
 
     def _to(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``x.to(torch.float32)``, ``x.to(other)``, ``x.to(device, torch.float32)``, ``x.type(torch.float32)``: kept at
-        float64 (the device and other arguments still apply)."""
+        """``x.to(torch.float32)``, ``x.to(other)``, ``x.to(device, torch.float32)``, ``x.type(torch.float32)`` kept at
+        float64, their other arguments applied."""
         rest = list(args[1:])
         for i, value in enumerate(rest):
             if value in _LOWER:
@@ -170,20 +152,12 @@ class Float64Fidelity(TorchFunctionMode):
 
 
 _DEFAULT_DTYPE_FACTORIES = {
-    torch.zeros,
-    torch.ones,
-    torch.full,
-    torch.empty,
-    torch.arange,
-    torch.linspace,
-    torch.logspace,
-    torch.eye,
-    torch.tensor,
-    torch.as_tensor,
-}
-"""Functions that, without a ``dtype``, create floating tensors in the default dtype (float32) whatever the model's
-tensors are; during a float64 evaluation their floating results are promoted (their integer results are kept)."""
+    torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.linspace, torch.logspace, torch.eye,
+    torch.tensor, torch.as_tensor,
+}  # fmt: skip
+"""Functions that, without a ``dtype``, create floating tensors in the default dtype (float32): promoted during a
+float64 evaluation."""
 
 _FACTORIES = _DEFAULT_DTYPE_FACTORIES | {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like}
 """Functions that create a tensor of the ``dtype`` they are given: asked for float32 during a float64 evaluation, they
-create float64, so that the computation they feed stays float64."""
+create float64."""

@@ -8,12 +8,11 @@ layer after one check, a weight scaled by 1.001 twenty-four times) and survive t
 
 :class:`ModelGuard` saves, when the check starts, the model's structure (each module's class and the dicts
 ``nn.Module`` keeps its parameters, buffers, submodules and hooks in; torch's global module hooks; each parameter's
-``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`).
-The first evaluation of a check is compared with that, in full: what it changed is put back at once and watched; after
-every later evaluation just the watched part is put back, to what it was before that evaluation (gradwatch itself moves
-parameters and swaps float64 copies in between). At the end of the check everything is compared with the start and put
-back. Parameters whose values the loss changes (:attr:`ModelGuard.edited`) cannot be probed (the function of them the
-loss evaluates is not the one autograd differentiates): the check leaves them out, with a note.
+``requires_grad``, storage and tensor hooks) and a copy of its parameters (:mod:`.copies`). What the first evaluation
+changed is put back at once and watched; after every later one just the watched part is put back, to what it was
+before that evaluation (gradwatch moves parameters and swaps float64 copies in between); at the end, everything.
+Parameters whose values the loss changes (:attr:`ModelGuard.edited`) cannot be probed (the loss evaluates another
+function of them than autograd differentiates): the check leaves them out, with a note.
 
 Version counters make the comparison cheap; values are compared bit for bit only where a counter cannot see a change
 (an edit through ``.data``), once after the first evaluation and once at the end.
@@ -30,25 +29,15 @@ import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
 
 from gradwatch.engine.function.copies import FlatCopies, SavedParameter, local_tensor, same_bits
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 
 MODULE_DICTS = (
-    "_parameters",
-    "_buffers",
-    "_modules",
-    "_non_persistent_buffers_set",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks", "_backward_hooks",
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
-)
+)  # fmt: skip
 """The containers ``nn.Module`` keeps its structure in (the rest of a module's state is the sandbox's)."""
 
 GLOBAL_HOOKS = tuple(name for name in dir(torch_module) if name.startswith("_global_") and name.endswith("hooks"))
@@ -61,9 +50,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def plain(function: _F) -> _F:
-    """Run ``function`` without ``__torch_function__``: reading ``requires_grad`` or ``.grad`` of a ``Parameter`` (a
-    tensor subclass) goes through it, and under the check's own function modes (float64 reductions, fidelity) that
-    costs microseconds per attribute: a scan of a model's structure would take longer than its forward."""
+    """Run ``function`` without ``__torch_function__``, which reading an attribute of a ``Parameter`` (a tensor
+    subclass) goes through: under the check's own modes a scan of a model's structure would outlast its forward."""
 
     @functools.wraps(function)
     def unwrapped(*args: Any, **kwargs: Any) -> Any:
@@ -74,10 +62,8 @@ def plain(function: _F) -> _F:
 
 
 class _Slot:
-    """One attribute of one object as it was: a container's items, or a value (a class, a flag).
-
-    Thousands are taken per check (one per container of every module): a plain class with ``__slots__``, its path
-    made only when a change is named."""
+    """One attribute of one object as it was: a container's items, or a value (a class, a flag). Thousands are taken
+    per check: a class with ``__slots__``, its path made only when a change is named."""
 
     __slots__ = ("attribute", "items", "owner", "value", "where")
 
@@ -163,11 +149,7 @@ class _EmptyDicts:
 
 
 class ModelGuard:
-    """The structure and parameter values of a model, saved when a check starts; see the module docstring.
-
-    Args:
-        model: The checked module.
-    """
+    """The structure and parameter values of ``model``, saved when a check starts (see the module doc)."""
 
     @plain
     def __init__(self, model: nn.Module) -> None:
@@ -323,11 +305,11 @@ class ModelGuard:
         """What a report says of the loss's changes to the model, known after the check."""
         if not self.changed:
             return []
-        shown = ", ".join(self.changed[:6]) + (f" and {len(self.changed) - 6} more" if len(self.changed) > 6 else "")
         return [
             Note(
                 NoteCode.MODEL_EDITED,
-                f"the loss changes the model itself ({shown}); gradwatch put it back after every evaluation",
+                f"the loss changes the model itself ({listed(self.changed, 6)}); gradwatch put it back after every "
+                "evaluation",
             )
         ]
 

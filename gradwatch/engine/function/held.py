@@ -12,12 +12,10 @@ differ on purpose:
   4.3): the norm moves with the adapter when the loss is evaluated again, not for autograd.
 
 A finite difference of the loss as written measures neither gradient. :class:`HeldDetaches` makes a check evaluate
-the function autograd differentiated: in the reference pass it records the value of each ``detach`` within its scope
-(``Tensor.detach``, ``torch.detach``), in call order; in every other evaluation the same call returns the recorded
-value instead (cast to the dtype the evaluation computes in: float64 probes hold the reference's values, rounded as
-the reference computed them). The detached values then stay constant while the parameters move, as they are for
-autograd. A detach of a tensor that did not require grad in the reference pass depends on no parameter and is not
-replaced.
+the function autograd differentiated: the reference pass records the value of each ``detach`` within its scope, in
+call order; in every other evaluation the same call returns the recorded value (in the evaluation's dtype), constant
+while the parameters move, as for autograd. A detach of a tensor that did not require grad in the reference pass
+depends on no parameter and is not replaced.
 
 The scope is explicit, never the whole loss by default: an accidental ``detach`` that gives a parameter exactly no
 gradient must still fail a check, and held it would read as a flat loss agreeing with a zero gradient.
@@ -27,11 +25,10 @@ gradient must still fail a check, and held it would read as a flat loss agreeing
   (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
 * ``inside``: the detaches made inside the forward of given modules (DoRA's, :mod:`.surrogates`).
 
-A loss that detaches tensors in another order, or of another shape or kind, than in the reference pass cannot be
-replayed: the evaluation's value is then not a number (the probe ends ``inconclusive``, reason ``"nonfinite"``, never
-``"fail"``) and a note says why. A backward pass recomputes the forward of activation checkpoints: there a detach
-inside ``inside`` modules returns the value the forward returned for the same argument. The check's own detaches
-during the loss (the culprit search's hooks on the model's modules) are never held.
+A loss that detaches tensors in another order, shape or kind than in the reference pass cannot be replayed: the
+evaluation's value is then NaN (the probe ends ``inconclusive``, reason ``"nonfinite"``, never ``"fail"``), with a
+note. In an activation checkpoint's recomputation a detach inside ``inside`` modules returns what the forward returned
+for the same argument. The check's own detaches during the loss (the culprit search's hooks) are never held.
 """
 
 from __future__ import annotations
@@ -47,8 +44,8 @@ from typing import Any
 import torch
 import torch.nn.modules.module as torch_module
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import HeldValuesError
 
@@ -65,7 +62,7 @@ class _Detached:
 
 
 class _Depth:
-    """How many forwards of a set of modules are running (hooks count them in and out)."""
+    """How many forwards of a set of modules are running."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -79,9 +76,8 @@ class _Depth:
 
 @contextlib.contextmanager
 def _counted_within(model: nn.Module | None, depth: _Depth) -> Iterator[None]:
-    """Count in ``depth`` the running forwards of every module of ``model`` for the duration: torch's hooks on every
-    module, removed afterwards, so that a loss that calls a submodule directly (``module.net(x)``) is inside the model
-    there too."""
+    """Count in ``depth`` the running forwards of every module of ``model`` for the duration: global module hooks, so
+    that a loss that calls a submodule directly (``module.net(x)``) is inside the model there too."""
     depth.count = 0
     if model is None:
         yield
@@ -109,7 +105,7 @@ def _counted_within(model: nn.Module | None, depth: _Depth) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _counted(modules: Sequence[nn.Module], depth: _Depth) -> Iterator[None]:
-    """Count the running forwards of ``modules`` in ``depth`` for the duration (hooks removed afterwards)."""
+    """Count the running forwards of ``modules`` in ``depth`` for the duration."""
     depth.count = 0
     handles = []
     try:
@@ -123,14 +119,9 @@ def _counted(modules: Sequence[nn.Module], depth: _Depth) -> Iterator[None]:
 
 
 class HeldDetaches:
-    """The values the loss detaches within a scope, recorded in a check's reference pass and held in every other
-    evaluation (see the module doc).
-
-    Args:
-        outside: Hold the detaches made outside the forward of every module of this model (the loss's own); ``None``:
-            none.
-        inside: Hold the detaches made inside the forward of these modules.
-    """
+    """The values the loss detaches outside the forward of every module of the model ``outside`` (the loss's own) and
+    inside the forward of the modules ``inside``, recorded in a check's reference pass and held in every other
+    evaluation (see the module doc)."""
 
     def __init__(self, outside: nn.Module | None = None, inside: Sequence[nn.Module] = ()) -> None:
         self.outside = outside
@@ -150,7 +141,6 @@ class HeldDetaches:
 
     @property
     def active(self) -> bool:
-        """Whether any detach is in scope."""
         return self.outside is not None or bool(self.inside)
 
     @property
@@ -160,8 +150,8 @@ class HeldDetaches:
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Around one call of the loss: record its detaches if no reference pass completed yet, else replay them.
-        Call :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other call."""
+        """Around one call of the loss: record its detaches until a reference pass completed, else replay them; then
+        :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other."""
         if not self.active:
             yield
             return
@@ -191,11 +181,7 @@ class HeldDetaches:
 
     def differentiated(self) -> None:
         """After a differentiated evaluation that completed: the first keeps what it recorded (with a note when it
-        holds anything); a later one must have replayed every value.
-
-        Raises:
-            HeldValuesError: A later one detached other tensors than the reference pass.
-        """
+        holds anything); a later one must have replayed every value, else :class:`HeldValuesError`."""
         if not self._recording:
             if self.finish() is not None:
                 raise HeldValuesError(f"the values the loss detaches could not be held: {self.mismatch}")
@@ -230,7 +216,7 @@ class HeldDetaches:
         return self.mismatch
 
     def value_of(self, loss: float) -> float:
-        """``loss``, or NaN when the evaluation could not be replayed."""
+        """``loss``, NaN when the evaluation could not be replayed."""
         return math.nan if self.finish() is not None else loss
 
     def in_scope(self) -> bool:
@@ -290,29 +276,28 @@ class HeldDetaches:
         return func(*args, **kwargs)
 
 
+_DISPATCH = ("torch.", "gradwatch.engine.function.modes", __name__)
+"""The modules a ``detach`` passes through to reach :class:`_HeldMode` (none of this module's own reaches it: a mode
+is off while it handles an operation)."""
+
+
 def _checks_own() -> bool:
     """Whether the ``detach`` being dispatched was called by the check's own code (the culprit search's hooks on the
-    model's modules), not by the loss: the first caller outside torch is in :mod:`gradwatch.engine`."""
-    frame: FrameType | None = sys._getframe(2)  # the caller of __torch_function__
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch."):
+    model's modules), not by the loss: the first caller outside :data:`_DISPATCH` is in :mod:`gradwatch.engine`."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_DISPATCH):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("gradwatch.engine.")
 
 
-class _HeldMode(TorchFunctionMode):
+class _HeldMode(OperationMode):
     """Sends the ``detach`` calls of the loss to its :class:`HeldDetaches`."""
 
     def __init__(self, held: HeldDetaches) -> None:
         super().__init__()
         self._held = held
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func in _DETACHES and not _checks_own():
-            return self._held.detach(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+            return self._held.detach(func, args, kwargs)
+        return func(*args, **kwargs)

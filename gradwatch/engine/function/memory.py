@@ -2,14 +2,11 @@
 
 Training on a GPU is sized to fill the card, and a check holds more than a training step: a float64 copy of the
 parameters it probes and float64 activations (4x bf16's) of its probe batch, times the points of a vectorised pass. So
-before its probes a check estimates its peak (:func:`check_peak`: rough, and stated in its note) and compares it with
-the device's free memory (:func:`free_memory`: ``torch.cuda.mem_get_info`` on CUDA, the accelerator's equivalent, or a
-probe given to :func:`set_free_memory_probe` where neither exists); where float64 would not fit the probes run natively,
-with a note. An out-of-memory error raised inside a check anyway (:func:`is_out_of_memory`: ``torch.OutOfMemoryError``
-or an allocator's ``RuntimeError``) ends the check, never the run: the evaluator turns it into
-:class:`CheckOutOfMemoryError`, which every fallback lets through, the session puts the training state back, what
-the check allocated is freed (:func:`release_memory`) and the report is ``"inconclusive"`` with the reason, from which
-the next check learns to run cheaper (:func:`backed_off`).
+a check estimates its peak (:func:`check_peak`, rough) against the device's free memory (:func:`free_memory`) and
+probes natively, with a note, where float64 would not fit. An out-of-memory error inside a check anyway ends the
+check, never the run: it becomes a :class:`CheckOutOfMemoryError`, which every fallback lets through, the training
+state is put back, what the check allocated is freed (:func:`release_memory`) and the report is ``"inconclusive"``,
+from which the next check learns to run cheaper (:func:`backed_off`).
 """
 
 from __future__ import annotations
@@ -30,19 +27,10 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import CheckOutOfMemoryError
 
 __all__ = [
-    "CheckOutOfMemoryError",
-    "MemoryEstimate",
-    "affordable_samples",
-    "backed_off",
-    "check_peak",
-    "ending_check_when_out_of_memory",
-    "free_memory",
-    "is_out_of_memory",
-    "learn_activations",
-    "release_memory",
-    "set_free_memory_probe",
-    "surviving_out_of_memory",
-]
+    "CheckOutOfMemoryError", "MemoryEstimate", "affordable_samples", "backed_off", "check_peak",
+    "ending_check_when_out_of_memory", "free_memory", "is_out_of_memory", "learn_activations", "release_memory",
+    "set_free_memory_probe", "surviving_out_of_memory",
+]  # fmt: skip
 
 HEADROOM = 0.8
 """The share of the free memory a check plans to use: the rest is left for the allocator's fragmentation and for the
@@ -85,9 +73,9 @@ def ending_check_when_out_of_memory() -> Iterator[None]:
 
 @contextlib.contextmanager
 def surviving_out_of_memory(precision: str | None, device: torch.device | None) -> Iterator[list[Note]]:
-    """End a check that runs out of memory inside, instead of the run: the error is caught (any other goes on), the
-    list yielded gets the note that says so, and what the check allocated is freed once the error is gone. Enter it
-    outside the context that puts the training state back, so that the state is back before."""
+    """End a check that runs out of memory inside, instead of the run: the error is caught, the list yielded gets the
+    note that says so, and what the check allocated is freed. Enter it outside the context that puts the training
+    state back."""
     ran_out: list[Note] = []
     try:
         yield ran_out
@@ -132,10 +120,9 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def release_memory(device: torch.device | None, error: BaseException | None = None) -> None:
-    """Free what a check that ran out of memory left allocated: its tensors (once unreferenced) and the caching
-    allocator's blocks they held, so that training's next step finds the memory it had. The frames of ``error``'s
-    traceback (and of the errors it was raised from) are cleared first: they hold the check's tensors, which would
-    otherwise wait for the garbage collector's next pass while training's next step runs out of memory."""
+    """Free what a check that ran out of memory left allocated, and the caching allocator's blocks it held, for
+    training's next step. The frames of ``error``'s traceback (and of the errors it was raised from) are cleared first:
+    they hold the check's tensors."""
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
@@ -146,15 +133,10 @@ def release_memory(device: torch.device | None, error: BaseException | None = No
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """A check's estimated peak beyond what training holds, in bytes, for float64 probes and native ones.
-
-    Attributes:
-        float64: Float64 copies of the parameters and buffers, float64 inputs and the float64 activations of one
-            evaluation of the probe batch (counted as the tensors autograd saved in the reference, at 8 bytes each).
-        native: The native probes' peak: the activations of one evaluation in the parameters' own dtype and a
-            displaced copy of the largest tensor.
-        free: The bytes free on the device (``None``: unknown).
-    """
+    """A check's estimated peak beyond what training holds, in bytes: ``float64`` (float64 copies of the parameters,
+    buffers and inputs, and the activations autograd saved in the reference at 8 bytes each), ``native`` (those
+    activations in the parameters' dtype and a displaced copy of the largest tensor), and the bytes ``free`` on the
+    device (``None``: unknown)."""
 
     float64: int
     native: int
@@ -174,8 +156,8 @@ class MemoryEstimate:
 
 def check_peak(params: Sequence[Tensor], buffers: Sequence[Tensor], inputs: Sequence[Tensor], saved_elements: int,
                native_itemsize: int, device: torch.device) -> MemoryEstimate:  # fmt: skip
-    """The estimate of a check's peak (see :class:`MemoryEstimate`): a check's own tensors are the copies of what it
-    probes and the activations of its probe batch; the gradients and the training state it keeps are training's."""
+    """The estimate of a check's peak (:class:`MemoryEstimate`): the copies of what it probes and the activations of
+    its probe batch (the gradients and the training state it keeps are training's)."""
     copies = 8 * sum(t.numel() for t in [*params, *buffers, *inputs] if t.is_floating_point())
     activations = 8 * saved_elements
     largest = max((t.numel() for t in params), default=0)
@@ -186,9 +168,8 @@ def check_peak(params: Sequence[Tensor], buffers: Sequence[Tensor], inputs: Sequ
 def backed_off(
     precision: str, *, float64_reductions: bool, vectorize: bool, probe_batch_size: int | None, samples: int | None
 ) -> dict[str, Any]:
-    """The settings the check after one that ran out of memory takes, one step cheaper: native probes if they were
-    float64, else native reductions, else no vectorised passes, else half the probe batch (``{}``: nothing left to give
-    up)."""
+    """The settings of the check after one that ran out of memory, one step cheaper: native probes, else native
+    reductions, else no vectorised passes, else half the probe batch (``{}``: nothing left to give up)."""
     if precision == "float64":
         return {"precision": "native"}
     if float64_reductions:
@@ -202,8 +183,8 @@ def backed_off(
 
 
 def learn_activations(model: nn.Module, saved_bytes: int, samples: int | None) -> None:
-    """Remember what a reference pass of ``model`` on ``samples`` samples saved for its backward (``saved_bytes``),
-    from which a later check of it estimates its peak before starting (:func:`affordable_samples`)."""
+    """Remember the bytes a reference pass of ``model`` on ``samples`` samples saved for its backward
+    (:func:`affordable_samples`)."""
     if samples:
         _PER_SAMPLE[model] = saved_bytes / samples
 
@@ -212,10 +193,9 @@ def affordable_samples(model: nn.Module, params: Sequence[Tensor], wanted: int, 
     """The most samples, up to ``wanted``, a check of ``model`` can evaluate at once within :data:`HEADROOM` of the
     device's free memory, and why fewer (``""``: all of them fit, or the free memory is unknown).
 
-    A check holds a copy of the parameters it probes (to put them back exactly) and their reference gradient besides
-    the activations of its evaluation, estimated per sample from the model's last reference pass (before the first,
-    the copies alone are counted). 0 when fewer than ``fewest`` fit (the check is postponed): 1 for a recomputed
-    check, the whole window for an applied one, whose window cannot shrink."""
+    A check holds a copy of the parameters it probes and their reference gradient besides the activations of its
+    evaluation, estimated per sample from the model's last reference pass. 0 when fewer than ``fewest`` fit (the check
+    is postponed): 1 for a recomputed check, the whole window for an applied one."""
     per_sample = _PER_SAMPLE.get(model, 0.0)  # unknown before the model's first reference: the copies alone
     device = next((p.device for p in params), None)
     free = free_memory(device) if device is not None else None

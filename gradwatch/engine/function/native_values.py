@@ -9,13 +9,11 @@ BatchNorm bias was 1.26% off the exact one there, its emulated rounding 0.03% of
 
 :class:`NativeValues` records the output of every leaf module in the model's own forward (during a native backward the
 check makes anyway), and :meth:`NativeValues.replayed` makes a precise forward take those values at every leaf module's
-output (``o + (native - o).detach()``: the native forward's value, the precise formula's gradient). Its gradient is the
-precise one at the native forward's decisions at module boundaries (which units a ReLU passes, which element a pool
-picks), 1.25% off the exact one in the case above. The backward formulas stay precise, so a backward that is wrong only
-for 16-bit inputs is not in it. A module whose native output is further from its precise output, on the same replayed
-inputs, than :data:`OWN_ROUNDING` units of its dtype (relative, root-mean-square) is not replayed: that is more than
-the rounding of its result (an ill-conditioned operation, or a forward wrong in 16 bits), and it must not widen the
-floor.
+output (``o + (native - o).detach()``): the precise gradient at the native forward's decisions (which units a ReLU
+passes, which element a pool picks), 1.25% off the exact one above. The backward formulas stay precise, so a backward
+wrong only for 16-bit inputs is not in it. A module whose native output is further from its precise output than
+:data:`OWN_ROUNDING` allows is not replayed: that is more than the rounding of its result (an ill-conditioned
+operation, or a forward wrong in 16 bits), and must not widen the floor.
 """
 
 from __future__ import annotations
@@ -30,14 +28,14 @@ from torch import Tensor, nn
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 
 OWN_ROUNDING = 4.0
-"""How far a module's native output may be from its precise output on the same inputs, relative to the precise one
-(root-mean-square), in units of the native dtype's machine epsilon, to be replayed. Measured on small 16-bit models
-(convolutions, BatchNorm, a decoder's norms and projections): at most 0.75 units with every upstream error included."""
+"""How far a replayed module's native output may be from its precise output on the same inputs (relative, RMS), in
+units of the native dtype's epsilon. Small 16-bit models (convolutions, BatchNorm, a decoder's norms and projections)
+measured at most 0.75, every upstream error included."""
 
 
 @contextlib.contextmanager
 def _forward_hooks(hooks: list[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
-    """Each ``(module, hook)`` registered as a forward hook for the duration, removed afterwards."""
+    """Each ``(module, hook)`` registered as a forward hook for the duration."""
     handles = [module.register_forward_hook(hook) for module, hook in hooks]
     try:
         yield
@@ -61,10 +59,10 @@ class NativeValues:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Record every 16-bit tensor a leaf module returns during the forwards of the block. A module that computes in
-        float32 inside a 16-bit model (a sinusoidal time embedding, a head cast with ``.float()``) is left to float64:
-        its float32 rounding moves no kink a 16-bit one would, and an ill-conditioned float32 operation (the sine of a
-        timestep near 1000) is further from float64 than 4 units of float32, without a bug."""
+        """Record every 16-bit tensor a leaf module returns during the block. A module computing in float32 inside a
+        16-bit model (a sinusoidal time embedding) is left to float64: its rounding moves no kink a 16-bit one would,
+        and an ill-conditioned float32 operation (the sine of a timestep near 1000) is further from float64 than 4
+        units, without a bug."""
         self.outputs = {}
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
@@ -77,8 +75,8 @@ class NativeValues:
 
     @contextlib.contextmanager
     def replayed(self) -> Iterator[None]:
-        """Make every leaf module's output in the block's forward the recorded native value (the gradient flowing
-        through the precise output), module by module and call by call."""
+        """Make every leaf module's output in the block the recorded native value (the gradient flowing through the
+        precise output), call by call."""
         calls: dict[int, int] = {}
 
         def replay(name: str, module: nn.Module, output: Any) -> Any:

@@ -1,13 +1,12 @@
 """Optimizer state a loss touches during a check, put back.
 
-A loss that steps an optimizer (``opt.zero_grad(); loss.backward(); opt.step()`` inside ``loss_fn``) or changes its
-hyperparameters (an LR schedule stepped in ``training_step``) would leave the optimizer as no run without the check
-would have it. :class:`OptimizerGuard` saves, when a check starts, the optimizers it is given (``check_gradients(...,
-optimizers=...)``; the Lightning callback gives the trainer's): their parameter groups (hyperparameters included), which
-parameters have state, each state entry's values and the version counters of its tensors. It also watches every
-``Optimizer.step`` in the process for the duration (torch's global step pre-hook): an optimizer stepped during the
-check, given or not, has its state tensors copied before its first step, so that the step can be undone. A state tensor
-changed in place outside ``step`` (seen by its version counter) has no copy: it is named, not put back.
+A loss that steps an optimizer (``opt.step()`` inside ``loss_fn``) or changes its hyperparameters (an LR schedule
+stepped in ``training_step``) would leave the optimizer as no run without the check would have it.
+:class:`OptimizerGuard` saves, when a check starts, the optimizers it is given (``optimizers=``; the Lightning callback
+gives the trainer's): their parameter groups, which parameters have state, each state entry and its tensors' version
+counters. It watches every ``Optimizer.step`` in the process for the duration: an optimizer stepped during the check,
+given or not, has its state tensors copied before its first step, which is then undone. A state tensor changed in
+place outside ``step`` has no copy: it is named, not put back.
 """
 
 from __future__ import annotations
@@ -64,16 +63,8 @@ class _SavedOptimizer:
             for key, value in vars(optimizer).items()
             if isinstance(value, (bool, int, float, str)) or value is None
         }
-        return cls(
-            optimizer,
-            name,
-            groups,
-            [list(group.items()) for group in groups],
-            [list(group["params"]) for group in groups],
-            entries,
-            versions=versions,
-            attributes=attributes,
-        )
+        items, params = [list(group.items()) for group in groups], [list(group["params"]) for group in groups]
+        return cls(optimizer, name, groups, items, params, entries, versions=versions, attributes=attributes)
 
     def copy_state(self) -> None:
         """Copy the state tensors, once (before a step)."""
@@ -119,11 +110,7 @@ class _SavedOptimizer:
 
 
 class OptimizerGuard:
-    """The optimizers a check protects, saved when it starts; see the module docstring.
-
-    Args:
-        optimizers: The optimizers whose state the loss may change.
-    """
+    """The ``optimizers`` whose state the loss may change, saved when a check starts (see the module doc)."""
 
     def __init__(self, optimizers: Sequence[Optimizer]) -> None:
         self._saved = {id(o): _SavedOptimizer.take(o, f"optimizers[{i}]") for i, o in enumerate(optimizers)}
@@ -140,7 +127,7 @@ class OptimizerGuard:
         self.stepped.append(type(optimizer).__name__)
 
     def restore(self) -> None:
-        """Put every saved optimizer back and stop watching steps; all of them, the first error raised afterwards."""
+        """Put every saved optimizer back (all of them, the first error raised after) and stop watching steps."""
         self._handle.remove()
         errors = []
         for saved in self._saved.values():

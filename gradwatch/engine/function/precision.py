@@ -1,24 +1,21 @@
 """The precision probes evaluate the loss in: the model's own dtype, or float64.
 
-Finite differences lose about half the digits of the dtype they are computed in. In float32 a well-chosen probe
-still resolves relative errors of ~1e-5, but a 16-bit model (``precision="bf16-true"``) leaves ~1e-2 at best, far
-from a 1% error. Evaluating the perturbed losses in float64 removes the numerical noise almost entirely, at the price
-of float64 kernels (about 2x slower on CPUs and data-centre GPUs, far slower on consumer GPUs; a few operations have no
-float64 kernel at all) and of a float64 copy of the parameters and buffers during the check.
+Finite differences lose about half the digits of the dtype they are computed in: ~1e-5 left in float32, ~1e-2 at best
+for a 16-bit model, far from a 1% error. Float64 removes the numerical noise almost entirely, at the price of float64
+kernels (about 2x slower on CPUs and data-centre GPUs, far slower on consumer GPUs, missing for a few operations) and a
+float64 copy of the parameters and buffers during the check.
 
 ``precision="auto"`` probes in float64 every model that is not float64 already, as long as the float64 copy of its
 parameters stays small (:data:`AUTO_FLOAT64_ELEMENTS`), fits in the device's free memory
 (:mod:`~gradwatch.engine.function.memory`) and float64 is not priced out on the device (:data:`FLOAT64_SLOWDOWN_LIMIT`).
-Native float32 probes cannot tell a 1e-3 error from noise on a
-network full of kinks (ReLU, max-pool): their steps must be large to beat round-off, and large steps cross kinks. In
-float64 the steps are thousands of times smaller (see :func:`gradwatch.engine.numerics.steps.relative_step`) and
-round-off is still negligible, so a healthy check ends after its screens instead of escalating, which is why float64
-probes cost no more than float32 ones on a CPU. Larger models are probed natively, with the few probes whose native
-stencils could not decide (a discrepancy beyond the tolerance that round-off or kinks kept from being resolved) measured
-again in float64.
+Native float32 probes cannot tell a 1e-3 error from noise on a network full of kinks (ReLU, max-pool): their steps
+must be large to beat round-off, and large steps cross kinks. In float64 the steps are thousands of times smaller and
+round-off still negligible, so a healthy check ends after its screens instead of escalating: on a CPU float64 probes
+cost no more than float32 ones. Larger models are probed natively, the few probes whose native stencils could not
+decide measured again in float64.
 
-The analytic gradient is never taken from the float64 version: it is the gradient training uses, computed in the
-model's own dtype, with its hooks. Only the finite differences move to float64.
+The analytic gradient is never the float64 version's: it is the one training uses, in the model's own dtype, with its
+hooks.
 """
 
 from __future__ import annotations
@@ -58,13 +55,8 @@ ResolvedPrecision = Literal["native", "float64"]
 PRECISIONS: tuple[Precision, ...] = ("auto", "native", "float64")
 
 _PROMOTED = {
-    torch.float16: torch.float64,
-    torch.bfloat16: torch.float64,
-    torch.float32: torch.float64,
-    torch.float64: torch.float64,
-    torch.complex32: torch.complex128,
-    torch.complex64: torch.complex128,
-    torch.complex128: torch.complex128,
+    **dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64), torch.float64),
+    **dict.fromkeys((torch.complex32, torch.complex64, torch.complex128), torch.complex128),
 }
 """The dtype a float64 evaluation gives a parameter, buffer or input of each dtype: complex ones become complex128."""
 
@@ -73,8 +65,8 @@ AUTO_FLOAT64_ELEMENTS = 2**25
 
 
 def resolve_precision(precision: Precision, parameter_dtype: torch.dtype, parameter_elements: int) -> ResolvedPrecision:
-    """What ``precision`` means for a model with ``parameter_elements`` floating parameter elements, the least precise
-    of them in ``parameter_dtype``."""
+    """What ``precision`` means for a model of ``parameter_elements`` floating parameter elements, the least precise in
+    ``parameter_dtype``."""
     if parameter_dtype == torch.float64:
         return "native"
     if precision == "auto":
@@ -84,19 +76,15 @@ def resolve_precision(precision: Precision, parameter_dtype: torch.dtype, parame
 
 @contextlib.contextmanager
 def float64_storage(model: nn.Module, moved: Collection[int] | None = None) -> Iterator[dict[int, Tensor]]:
-    """Evaluate ``model`` on float64 copies of its floating parameters and buffers, then put everything back.
+    """Evaluate ``model`` on float64 copies of its floating parameters and buffers, then put everything back; yields
+    the float64 substitute of each parameter, by ``id(parameter)``: probes perturb those.
 
-    Parameters are substituted, not converted: the module sees float64 tensors in their place for the duration, while
-    the ``Parameter`` objects, their ``.grad``, their hooks and the gradient accumulators that DDP and optimizers hook
-    into are never touched (changing a parameter's dtype in place would reset its accumulator and silently unhook
-    DDP's gradient reduction). Buffers, which have no accumulator, get float64 storage and their own back afterwards.
-
-    With ``moved`` (the ``id`` of the parameters probes will move), only those get a float64 substitute; the others are
-    cast to float64 where an operation uses them (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`), so that
-    a large model is evaluated in float64 without a float64 copy of it. Gradient-free evaluations only.
-
-    Yields:
-        The float64 substitute of each parameter (of each moved one), keyed by ``id(parameter)``: probes perturb those.
+    Parameters are substituted, not converted: the ``Parameter`` objects, their ``.grad``, hooks and the gradient
+    accumulators DDP and optimizers hook into are never touched (changing a parameter's dtype in place would reset its
+    accumulator and silently unhook DDP's gradient reduction). Buffers get float64 storage and their own back after.
+    With ``moved`` (the ``id`` of the parameters probes will move), only those get a substitute; the others are cast
+    where an operation uses them (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`). Gradient-free
+    evaluations only.
     """
     by_identity: dict[int, Tensor] = {}
     cast: dict[int, torch.dtype] = {}
@@ -126,9 +114,8 @@ _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def exact_source(tensor: Tensor) -> Tensor | None:
-    """The parameter a float64 substitute was copied from, whose values (exact in float64) a probe restores the
-    substitute from instead of keeping a float64 copy of its own; ``None`` for any other tensor. The parameter is not
-    moved while the model evaluates on its substitute."""
+    """The parameter a float64 substitute was copied from (unmoved meanwhile), from which a probe restores the
+    substitute instead of keeping a float64 copy; ``None`` for any other tensor."""
     source = _SOURCES.get(tensor)
     return source if source is not None and source.shape == tensor.shape else None
 
@@ -153,16 +140,13 @@ a GEMM-bound model costs under one step on a CPU, ~5 steps on an H100 or A100 (f
 def probe_precision(
     model: nn.Module, evaluator: LossEvaluator, mode: str, *, step_seconds: float = math.nan
 ) -> Iterator[tuple[str, float]]:
-    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision actually used and the loss
-    of the trial evaluation in float64 (NaN if none), which the probes take as their centre.
+    """Evaluate the probes on float64 storage if ``mode`` asks for it; yields the precision used and the loss of the
+    trial evaluation in float64 (NaN if none), the probes' centre.
 
-    Falls back to the native precision, with a note, when the loss does not run in float64 (an operation without a
-    float64 kernel, a tensor created in float32 inside the model), when float64 would not fit in the device's free
-    memory (:mod:`~gradwatch.engine.function.memory`: estimated before, or an out-of-memory error in the copy or the
-    trial) and, given ``step_seconds`` (``precision="auto"``: the time of the reference pass, a native forward and
-    backward of the probe batch, a training step's work), when the trial costs more than
-    :data:`FLOAT64_SLOWDOWN_LIMIT` of those on this device. The evaluator is back on the native parameters and inputs
-    afterwards.
+    Falls back to the native precision, with a note, when the loss does not run in float64, when float64 would not fit
+    in the device's free memory (estimated, or an out-of-memory error in the copy or the trial) and, given
+    ``step_seconds`` (``precision="auto"``: the time of the native reference pass), when the trial costs more than
+    :data:`FLOAT64_SLOWDOWN_LIMIT` of those. The evaluator is back on the native parameters and inputs afterwards.
     """
     if mode != "float64":
         yield "native", math.nan
@@ -240,20 +224,17 @@ def refusing_module(model: nn.Module, error: BaseException) -> type[nn.Module] |
 
 def _on_any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank the check runs in lockstep with (a sharded check's, a tensor-parallel
-    model's mesh), ``flag`` itself in a check of one process: a decision on a rank's own timing or free memory must be
-    the same on every rank, or one rank evaluates the loss once more than the others and their collectives no longer
-    match."""
+    model's mesh): a decision on a rank's own timing or free memory must be the same on every rank, or their
+    collectives no longer match."""
     return tensor_parallel.any_replica(any_rank([flag])[0])
 
 
 _TOO_SLOW: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakKeyDictionary()
-"""The models whose float64 evaluation was timed too slow against a native one, with what was measured: their later
-checks are not timed again (a float64 trial on such a device costs more than the rest of a check)."""
+"""The models whose float64 evaluation was timed too slow, with the device and what was measured: not timed again."""
 
 
 def float64_unaffordable(model: nn.Module, evaluator: LossEvaluator) -> str:
-    """Why float64 probes would not fit in the device's free memory (``""``: they would), by the estimate of
-    :func:`~gradwatch.engine.function.memory.check_peak`."""
+    """Why float64 probes would not fit in the device's free memory (``""``: they would)."""
     params = [p for _, p in evaluator.params]
     if not params:
         return ""
@@ -265,7 +246,7 @@ def float64_unaffordable(model: nn.Module, evaluator: LossEvaluator) -> str:
 
 
 def _timed(evaluate: Callable[[], float]) -> tuple[float, float]:
-    """``evaluate()`` and the seconds it took (the device synchronised, so that its kernels are counted)."""
+    """``evaluate()`` and the seconds it took, its kernels included."""
     _synchronize()
     started = time.perf_counter()
     value = evaluate()

@@ -2,16 +2,13 @@
 
 A loss that sums 10^4 float32 terms is rounded to float32 at the end: ``ε·|L|`` of noise in every evaluation, which is
 what makes naive float32 gradient checks report 10-100% errors on correct models. Finite differences only need the
-terms a perturbation changes; the others cancel exactly if the sum is accumulated in float64. :class:`Float64Reductions`
-does that: while it is active, a full ``sum``/``mean`` of a low-precision floating tensor, and the ``"sum"``/``"mean"``
-reduction of torch's loss functions, are computed from the same elementwise terms in the native dtype but summed in
-float64, and returned as float64 scalars. Everything else runs unchanged.
-
-The elementwise terms stay exactly what the model computes, so the function evaluated is the model's loss, only
-rounded less. Re-implementing a loss's ``"mean"`` is easy to get subtly wrong (torch divides by the element count for
-some losses and by the sum of weights for others), so the first evaluation of each check runs in verifying mode: each
-intercepted call is also computed natively, and any disagreement beyond float rounding turns the mode off for that
-check.
+terms a perturbation changes; the others cancel exactly if the sum is accumulated in float64. While
+:class:`Float64Reductions` is active, a full ``sum``/``mean`` of a low-precision floating tensor, and the
+``"sum"``/``"mean"`` reduction of torch's loss functions, sum the same elementwise terms (the model's, in its dtype) in
+float64 and return float64 scalars: the model's loss, only rounded less. A loss's ``"mean"`` is easy to get subtly wrong
+(torch divides by the element count for some losses, by the sum of weights for others), so the first evaluation of
+each check also computes every intercepted call natively, and a disagreement beyond rounding turns the mode off for
+that check.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+
+from gradwatch.engine.function.modes import OperationMode
 
 # (elementwise terms, denominator) for a loss call; the denominator is None for a plain sum.
 _Terms = tuple[Tensor, Tensor | float | None]
@@ -103,23 +101,13 @@ def _class_loss(func: Callable[..., Tensor], args: tuple[Any, ...], kwargs: dict
 
 
 _RULES: dict[Callable[..., Any], _Rule] = {
-    torch.sum: _full_reduction,
-    Tensor.sum: _full_reduction,
-    torch.mean: _full_reduction,
-    Tensor.mean: _full_reduction,
-    F.mse_loss: _elementwise_loss,
-    F.l1_loss: _elementwise_loss,
-    F.smooth_l1_loss: _elementwise_loss,
-    F.huber_loss: _elementwise_loss,
-    F.binary_cross_entropy: _elementwise_loss,
-    F.binary_cross_entropy_with_logits: _elementwise_loss,
-    F.soft_margin_loss: _elementwise_loss,
-    F.poisson_nll_loss: _elementwise_loss,
-    F.gaussian_nll_loss: _elementwise_loss,
-    F.kl_div: _kl_div,
-    F.cross_entropy: _class_loss,
-    F.nll_loss: _class_loss,
-}
+    **dict.fromkeys((torch.sum, Tensor.sum, torch.mean, Tensor.mean), _full_reduction),
+    **dict.fromkeys((
+        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits, F.soft_margin_loss, F.poisson_nll_loss, F.gaussian_nll_loss,
+    ), _elementwise_loss),
+    F.kl_div: _kl_div, F.cross_entropy: _class_loss, F.nll_loss: _class_loss,
+}  # fmt: skip
 
 
 def _reduce(terms: Tensor, denominator: Tensor | float | None) -> Tensor:
@@ -127,27 +115,17 @@ def _reduce(terms: Tensor, denominator: Tensor | float | None) -> Tensor:
     return total if denominator is None else total / denominator
 
 
-class Float64Reductions(TorchFunctionMode):
-    """A torch function mode that accumulates full reductions and loss reductions in float64 (see the module doc).
-
-    Args:
-        verify: Also compute every intercepted call natively and compare. On a disagreement larger than the native
-            dtype's rounding of the sum, the native result is used and :attr:`mismatch` describes the call.
-    """
+class Float64Reductions(OperationMode):
+    """Accumulates full reductions and loss reductions in float64 (see the module doc); with ``verify``, also computes
+    every intercepted call natively: on a disagreement beyond the native rounding of the sum, the native result is
+    used and :attr:`mismatch` describes the call."""
 
     def __init__(self, verify: bool = False) -> None:
         super().__init__()
         self.verify = verify
         self.mismatch: str | None = None
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rule = _RULES.get(func)
         found = rule(func, args, kwargs) if rule is not None else None
         if found is None:

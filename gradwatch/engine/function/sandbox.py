@@ -12,13 +12,10 @@ caches ``self.last_logits``, updates torchmetrics metrics. Parameters, buffers a
 * tensors held by an attribute or a dict entry that the loss changed in place (a metric's ``self.tp += tp``), from a
   copy taken beforehand (up to :data:`COPY_LIMIT` elements in all).
 
-What it cannot put back (a global, a file, an object of the user's own class changed in place, a tensor kept in a list
-and changed in place) :meth:`Sandbox.unrestorable` names where it can see it; the README asks users to move such code
-into ``loss_fn=``.
-
-Side effects are detected, not guessed: :meth:`Sandbox.settle` compares the tree with the snapshot after the first
-evaluation, and from then on the sandbox restores just what changed after every evaluation (so that every evaluation
-computes the same function) and everything at the end of the check.
+What it cannot put back (a global, a file, an object of the user's own class or a tensor kept in a list changed in
+place) :meth:`Sandbox.unrestorable` names where it can see it. Side effects are detected, not guessed:
+:meth:`Sandbox.settle` compares the tree with the snapshot after the first evaluation; from then on just what changed
+is restored after every evaluation (each then computes the same function), and everything at the end of the check.
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.guard import MODULE_DICTS
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import RestoreError
 
@@ -62,12 +60,8 @@ class _Saved:
 
 
 class Sandbox:
-    """The user state of a module tree, saved so that a check leaves no trace in it.
-
-    Args:
-        model: The module whose tree the loss may change.
-        exclude: ``id``\\ s of tensors to leave alone (parameters and buffers, which ``TrainingState`` restores).
-    """
+    """The user state of the tree of ``model``, saved so that a check leaves no trace in it; the tensors of ``exclude``
+    (by ``id``: parameters and buffers, which ``TrainingState`` restores) are left alone."""
 
     def __init__(self, model: nn.Module, exclude: set[int]) -> None:
         self._exclude = exclude
@@ -125,8 +119,8 @@ class Sandbox:
     # ---- restoring ------------------------------------------------------------------------------------------------
 
     def settle(self) -> list[str]:
-        """After the first evaluation: record what it changed (:attr:`changed`), put it back, and from then on watch
-        just that. Returns :attr:`changed`."""
+        """After the first evaluation: record what it changed (:attr:`changed`, returned), put it back, and from then
+        on watch just that."""
         changed = [(path, saved) for path, saved in self._walk() if _differs(saved)]
         self._watched = [saved for _, saved in changed]
         self.changed = [path for path, saved in changed for path in _describe(path, saved)]
@@ -167,13 +161,13 @@ class Sandbox:
         return [path for path, saved in walked if saved.kind == "tensor" and saved.copy is None and _differs(saved)]
 
     def notes(self, unrestorable: Sequence[str]) -> list[Note]:
-        """What a report says of the loss's side effects: what it changes (known after the first evaluation), and
-        what of it could not be put back (``unrestorable``, known after the check)."""
+        """What a report says of the loss's side effects, or of what of them could not be put back
+        (``unrestorable``)."""
         if unrestorable:
             return [
                 Note(
                     NoteCode.STATE_UNRESTORED,
-                    f"the loss changed {_listed(list(unrestorable))} in place, which gradwatch kept no copy of and "
+                    f"the loss changed {listed(list(unrestorable), 6)} in place, which gradwatch kept no copy of and "
                     "could not put back; move that code into `loss_fn=`",
                 )
             ]
@@ -182,7 +176,7 @@ class Sandbox:
         return [
             Note(
                 NoteCode.STATE_RESTORED,
-                f"the loss changes the model's state ({_listed(self.changed)}); gradwatch put it back after every "
+                f"the loss changes the model's state ({listed(self.changed, 6)}); gradwatch put it back after every "
                 "evaluation",
             )
         ]
@@ -202,10 +196,6 @@ def _subtree(path: str, saved: _Saved, visited: set[int]) -> Iterator[tuple[str,
     for child_path, child in saved.children:
         if child.kind != "module":  # modules are walked from the list of modules
             yield from _subtree(child_path, child, visited)
-
-
-def _listed(paths: list[str], limit: int = 6) -> str:
-    return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
 def _kind(value: Any) -> str:

@@ -2,15 +2,13 @@
 storage: the reference a pure-16-bit model's noise floor is measured with.
 
 A correct bf16 gradient differs from the exact derivative by its rounding; a wrong one by its bug too. To tell them
-apart a check must know how far a *correct* gradient of that precision is off, and it cannot ask the model's own
-16-bit kernels, which are what is being checked. As the applied check does for autocast
-(:mod:`gradwatch.engine.applied.gradients`), :class:`SixteenBitRounding` builds a same-precision reference from kernels
-the float32 and float64 checks vouch for: below autograd (a ``TorchDispatchMode``: the backward's operations are seen
-as well as the forward's), every floating result of a non-mutating operation is rounded to the 16-bit dtype, as a
-model whose every tensor is 16-bit holds it. It rounds more than the model does (the float32 losses and softmaxes a
-16-bit model often computes after ``.float()``, the float32 accumulators of its reductions): its distance from the
-precise gradient can only overstate the floor, never hide a fault behind it. Its formulas are the precise storage's, so
-a backward that is wrong only for 16-bit inputs (a custom kernel's 16-bit branch) is not in it.
+apart a check must know how far a *correct* gradient of that precision is off, without asking the model's own 16-bit
+kernels, which are what is being checked. As the applied check does for autocast
+(:mod:`gradwatch.engine.applied.gradients`), :class:`SixteenBitRounding` rounds, below autograd (the backward's
+operations too), every floating result of a non-mutating operation of kernels the float32 and float64 checks vouch for
+to the 16-bit dtype. It rounds more than the model does (its float32 losses, softmaxes and accumulators): its distance
+from the precise gradient can only overstate the floor. Its formulas are the precise storage's, so a backward wrong
+only for 16-bit inputs (a custom kernel's 16-bit branch) is not in it.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 class SixteenBitRounding(TorchDispatchMode):
-    """Rounds the float32 and float64 results of every non-mutating operation to ``dtype`` (see the module doc).
-
-    Args:
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
-    """
+    """Rounds the float32 and float64 results of every non-mutating operation to ``dtype`` (bfloat16 or float16)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()

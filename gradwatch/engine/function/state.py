@@ -34,7 +34,9 @@ class _SavedBuffer:
     value: Tensor
 
 
-def _capture_rng() -> dict[str, Any]:
+def capture_rng() -> dict[str, Any]:
+    """The state of every global random generator (torch CPU and CUDA, Python's ``random``, NumPy's), as a
+    :class:`TrainingState` saves it: what a loop records before a micro-batch so a check can replay its dropout."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -44,15 +46,16 @@ def _capture_rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
-    """Set the generators of ``state`` (only those named in ``generators``, if given)."""
+def set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
+    """Set every global random generator to ``state`` (from :func:`capture_rng`); only those named in
+    ``generators``, if given."""
     for name, value in state.items():
         if generators is None or name in generators:
             _SETTERS[name](value)
 
 
-def _unchanged(name: str, saved: Any) -> bool:
-    """Whether generator ``name`` is still in the ``saved`` state."""
+def unchanged(name: str, saved: Any) -> bool:
+    """Whether the global generator ``name`` (a key of :func:`capture_rng`'s state) is still in the ``saved`` state."""
     if name == "python":
         return random.getstate() == saved
     if name == "numpy":
@@ -75,19 +78,15 @@ class TrainingState:
     """The random states, buffers, ``.grad`` tensors, modes and user state of a model, saved so a check can leave no
     trace.
 
-    Use :meth:`capture` before the first evaluation, :meth:`before_evaluation` before every evaluation (it replays the
-    random state, so each one draws the same dropout masks), :meth:`after_evaluation` after every evaluation, and
-    :meth:`restore` once at the end, in a ``finally`` block. What the loss changes in the module tree besides
-    parameters and buffers (lists, counters, caches, metric states) is the :attr:`sandbox`'s; what it does to the
-    model's parameters and structure the :attr:`guard`'s; to the optimizers, the :attr:`optimizers`'.
-
-    While the state is captured, every parameter's ``.grad`` is detached (set to ``None``) and held here; the very same
-    tensor objects are put back by :meth:`restore`. Nothing a loss function does during the check (even calling
-    ``backward()``) can therefore change them.
+    Use :meth:`capture` before the first evaluation, :meth:`before_evaluation` and :meth:`after_evaluation` around
+    every evaluation, and :meth:`restore` once at the end, in a ``finally`` block. The rest of the module tree is the
+    :attr:`sandbox`'s, the model's parameters and structure the :attr:`guard`'s, the optimizers the
+    :attr:`optimizers`'. Every parameter's ``.grad`` is held here (set to ``None`` meanwhile) and the very same tensor
+    put back: nothing the loss does during the check (even ``backward()``) can change them.
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
-        self._rng = _capture_rng()
+        self._rng = capture_rng()
         self._replayed = set(self._rng)  # the generators replay_rng sets
         self._modes = [(module, module.training) for module in model.modules()]
         self._grads = [(p, p.grad) for p in model.parameters()]
@@ -118,7 +117,7 @@ class TrainingState:
     def replay_rng(self) -> None:
         """Reset the random generators to their captured state (all of them, or after :meth:`skip_unused_generators`
         those the loss draws from)."""
-        _set_rng(self._rng, self._replayed)
+        set_rng(self._rng, self._replayed)
 
     def skip_unused_generators(self) -> None:
         """After an evaluation: stop replaying the generators it left untouched (the loss does not draw from them).
@@ -126,7 +125,7 @@ class TrainingState:
         Setting NumPy's global state costs ~70 µs, as much as a small model's forward; most losses draw from torch's
         generator alone. :meth:`restore` still resets every generator.
         """
-        self._replayed = {name for name in self._replayed if not _unchanged(name, self._rng[name])}
+        self._replayed = {name for name in self._replayed if not unchanged(name, self._rng[name])}
 
     @property
     def draws_random(self) -> bool:
@@ -135,11 +134,8 @@ class TrainingState:
         return bool(self._replayed)
 
     def restore_buffers(self) -> None:
-        """Undo any change to the buffers (BatchNorm running statistics, counters, caches) since the capture.
-
-        Every buffer is copied back: version counters cannot tell which changed, because BatchNorm's CPU kernel updates
-        its running statistics in place without bumping them.
-        """
+        """Undo any change to the buffers since the capture: every one is copied back (BatchNorm's CPU kernel updates
+        its running statistics without bumping their version counters)."""
         with torch.no_grad():
             for saved in self._buffers:
                 if getattr(saved.module, saved.name, None) is not saved.tensor:
@@ -147,11 +143,8 @@ class TrainingState:
                 saved.tensor.copy_(saved.value)
 
     def after_evaluation(self, completed: bool = True) -> None:
-        """Undo what one evaluation changed: buffers, and the user state the loss changes (see :class:`Sandbox`).
-
-        The first completed evaluation shows what the loss changes; later ones restore just that. After an evaluation
-        that raised, everything is restored, as it may have stopped anywhere.
-        """
+        """Undo what one evaluation changed: buffers, and the user state the loss changes (:class:`Sandbox`): after the
+        first completed one, just what it changed; after one that raised, everything."""
         self.restore_buffers()
         self.guard.after_evaluation()
         if not completed:
@@ -175,8 +168,7 @@ class TrainingState:
         raise LossCallsBackwardError(loss_calls_backward(f"the parameters' .grad changed while it was evaluated{also}"))
 
     def restore(self) -> None:
-        """Put back random states, buffers, ``.grad`` tensors, train/eval modes and user state exactly as captured;
-        all of them, even when restoring one raises (the error is raised afterwards)."""
+        """Put everything back exactly as captured, all of it even when restoring one part raises (raised after)."""
         errors: list[Exception] = []
         for part in (self.guard.restore, self.optimizers.restore, self.sandbox.restore, self.restore_buffers):
             try:
@@ -187,27 +179,10 @@ class TrainingState:
             module.training = training
         for parameter, grad in self._grads:
             parameter.grad = grad
-        _set_rng(self._rng)
+        set_rng(self._rng)
         if errors:
             raise errors[0]
 
     def unrestorable(self) -> list[str]:
         """What the loss changed that could not be put back, named."""
         return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()
-
-
-def capture_rng() -> dict[str, Any]:
-    """The state of every global random generator (torch CPU and CUDA, Python's ``random``, NumPy's), as a
-    :class:`TrainingState` saves it: what a loop records before a micro-batch so a check can replay its dropout."""
-    return _capture_rng()
-
-
-def set_rng(state: dict[str, Any], generators: Collection[str] | None = None) -> None:
-    """Set every global random generator to ``state`` (from :func:`capture_rng`); only those named in
-    ``generators``, if given."""
-    _set_rng(state, generators)
-
-
-def unchanged(name: str, saved: Any) -> bool:
-    """Whether the global generator ``name`` (a key of :func:`capture_rng`'s state) is still in the ``saved`` state."""
-    return _unchanged(name, saved)

@@ -5,8 +5,8 @@ marginal-likelihood object holding the model and its likelihood a second time, L
 user's module as ``_forward_module`` and ``_original_module``, weights tied between two modules. Substituting by name
 (``torch.nn.utils.stateless``) visits such a slot once per name: the second visit records the first one's substitute
 as the "original", and the restore leaves it in place. The model then trains on float64 copies, or on a tensor batched
-by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, every slot of it that holds a
-replaced tensor once, and restores them all, in reverse order, even when the body raised.
+by ``vmap``. :func:`substituted` swaps by identity instead: every module object once, each slot holding a replaced
+tensor once, all restored in reverse order.
 
 What holds a parameter outside the module tree (a likelihood object of a Gaussian-process library keeping the model's
 noise parameter, a module registered nowhere under the model) still sees the original: a substituted evaluation is then
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.errors import OutsideTreeError
 
 _Slot = tuple[dict[str, Any], str, Tensor]
@@ -29,8 +29,7 @@ _Slot = tuple[dict[str, Any], str, Tensor]
 
 
 def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
-    """Every ``(module._parameters or module._buffers, name, tensor)`` of the model's modules (each module object
-    once) whose tensor is one of ``wanted``."""
+    """Every slot of the model's modules (each module object once) whose tensor is one of ``wanted``."""
     found: list[_Slot] = []
     for module in model.modules():  # each module object once, however many names reach it
         for table in (module._parameters, module._buffers):
@@ -42,12 +41,9 @@ def _slots(model: nn.Module, wanted: Mapping[int, Tensor]) -> list[_Slot]:
 
 @contextlib.contextmanager
 def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterator[None]:
-    """Let ``model`` see ``replacements[id(t)]`` wherever it holds the parameter or buffer ``t``, for the duration.
-
-    The module tree's tables are changed directly (no ``__setattr__``, so a plain tensor may stand in for a
-    ``Parameter``), and each slot gets exactly the object it held back: the same ``Parameter``, ``.grad``, hooks and
-    gradient accumulator.
-    """
+    """Let ``model`` see ``replacements[id(t)]`` wherever it holds the parameter or buffer ``t``, for the duration: the
+    tables are changed directly (a plain tensor may stand in for a ``Parameter``), and each slot gets exactly the
+    object it held back."""
     slots = _slots(model, replacements)
     done: list[_Slot] = []
     try:
@@ -60,19 +56,7 @@ def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterato
             table[name] = original
 
 
-def tensor_slots(model: nn.Module) -> dict[tuple[int, str, str], Tensor]:
-    """Every parameter and buffer slot of the model (``(id(module), "param"/"buffer", name)`` to the tensor it holds):
-    what a check must leave exactly as it found it."""
-    slots: dict[tuple[int, str, str], Tensor] = {}
-    for module in model.modules():
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    slots[(id(module), kind, name)] = tensor
-    return slots
-
-
-class OriginalsWatch(TorchFunctionMode):
+class OriginalsWatch(OperationMode):
     """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
     substitution replaced) while the module tree holds their substitutes."""
 
@@ -80,14 +64,7 @@ class OriginalsWatch(TorchFunctionMode):
         super().__init__()
         self._originals = originals
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):

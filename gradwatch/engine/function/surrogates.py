@@ -1,27 +1,22 @@
 """Stock layers whose gradient is deliberately not the derivative of their forward, checked on the function autograd
 differentiates.
 
-* ``spectral_norm`` (``torch.nn.utils.parametrizations.spectral_norm`` and the older ``torch.nn.utils.spectral_norm``)
-  in training mode runs a power-iteration step inside forward and treats its vectors ``u``, ``v`` as constants: the
-  gradient is that of ``W / (uᵀWv)`` at fixed ``u``, ``v``, not of the forward, whose vectors move with ``W``. During a
-  check they run as in evaluation mode: no iteration, the vectors as the check found them, constants to autograd and
-  to the finite differences alike.
-* ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``padding_idx``: the padding row is used by forward but gets a zero
-  gradient by design. Its coordinates are not probed (:attr:`StockSurrogates.exempt`).
-* ``nn.Embedding(scale_grad_by_freq=True)``: the gradient of each row is divided by the row's count in the batch by
-  design; the weight is not probed.
-* Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, fused or not, with fake quantisation
-  enabled: quantisation-aware training): the loss is piecewise constant in everything upstream of a quantiser, whose
-  gradient is a straight-through estimator by design. A recomputed check (:attr:`StockSurrogates.quantisers_off`) runs
-  the quantisers as the identity, which is what their straight-through backward differentiates: the rest of the model
-  (every backward formula, every parameter) is checked on the float function the quantisers round, and concludes; the
-  estimators themselves are not checked, and the batch's inputs are not probed. The applied check, which holds
-  training's own gradient against the loss, keeps them on: that gradient is the estimators'.
-* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``DoraLinearLayer``, ``DoraEmbeddingLayer`` and convolution variants,
-  recognised by name and their ``get_weight_norm``) divides the adapted weight by its column norm, detached (the DoRA
-  paper, section 4.3): the gradient treats the norm as a constant, the forward does not. During a check the values
-  those modules detach are held at the reference's (:mod:`.held`, scoped to those modules alone), so the check
-  differentiates what autograd does and a wrong backward of the adapter still fails.
+* ``spectral_norm`` (both torch's) in training mode runs a power-iteration step inside forward and treats its vectors
+  ``u``, ``v`` as constants: the gradient is that of ``W / (uᵀWv)`` at fixed ``u``, ``v``. During a check they run as
+  in evaluation mode: no iteration, the vectors constants to autograd and to the finite differences alike.
+* ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``padding_idx``: the padding row gets a zero gradient by design and is
+  not probed (:attr:`StockSurrogates.exempt`).
+* ``nn.Embedding(scale_grad_by_freq=True)`` divides each row's gradient by its count in the batch: not probed.
+* Fake quantisation (``torch.ao.quantization``'s ``FakeQuantize`` modules, enabled: quantisation-aware training): the
+  loss is piecewise constant upstream of a quantiser, whose gradient is a straight-through estimator by design. A
+  recomputed check (:attr:`StockSurrogates.quantisers_off`) runs the quantisers as the identity, which their backward
+  differentiates: the rest of the model is checked on the float function they round; the estimators are not checked,
+  the batch's inputs not probed. The applied check, which holds training's own gradient against the loss, keeps them
+  on: that gradient is the estimators'.
+* DoRA (PEFT's ``LoraConfig(use_dora=True)``: its ``Dora*Layer`` modules, recognised by name and ``get_weight_norm``)
+  divides the adapted weight by its column norm, detached (the DoRA paper, section 4.3). During a check the values
+  those modules detach are held at the reference's (:mod:`.held`, scoped to them), so the check differentiates what
+  autograd does and a wrong backward of the adapter still fails.
 
 :func:`find_stock_surrogates` says what a model has, with the note a report gives once.
 """
@@ -35,6 +30,7 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gradwatch.engine.function.values import listed
 from gradwatch.engine.results.notes import Note, NoteCode
 
 
@@ -44,8 +40,8 @@ class StockSurrogates:
 
     Attributes:
         power_iterations: The modules whose spectral norm runs without power iteration during a check.
-        exempt: For parameters some of whose coordinates get a zero gradient by design, by parameter name, a boolean
-            mask of those coordinates (the padding row of an embedding).
+        exempt: By parameter name, a mask of the coordinates that get a zero gradient by design (an embedding's
+            padding row).
         unprobed: Parameters whose whole gradient is deliberately not the derivative (by name, with why).
     """
 
@@ -82,21 +78,18 @@ class StockSurrogates:
             )
         notes += [Note(NoteCode.NOT_PROBED, f"{name} not probed: {why}") for name, why in self.unprobed.items()]
         if self.weight_norm_names:
-            shown = ", ".join(self.weight_norm_names[:4]) + (
-                f" and {len(self.weight_norm_names) - 4} more" if len(self.weight_norm_names) > 4 else ""
-            )
             notes.append(
                 Note(
                     NoteCode.DORA_NORM,
-                    f"DoRA weight norms of {shown} held constant during the check, as autograd treats them (they are "
-                    "detached by design)",
+                    f"DoRA weight norms of {listed(self.weight_norm_names)} held constant during the check, as "
+                    "autograd treats them (they are detached by design)",
                 )
             )
         if self.fake_quantisers and self.quantisers_off:
             notes.append(
                 Note(
                     NoteCode.FAKE_QUANTISATION,
-                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): checked as their straight-through "
+                    f"fake quantisation enabled ({listed(self.fake_quantisers)}): checked as their straight-through "
                     "gradient differentiates them, as the identity (the float function they round); the estimators "
                     "themselves are not checked, the batch's inputs not probed",
                 )
@@ -105,16 +98,12 @@ class StockSurrogates:
             notes.append(
                 Note(
                     NoteCode.FAKE_QUANTISATION,
-                    f"fake quantisation enabled ({_listed(self.fake_quantisers)}): the loss is piecewise "
+                    f"fake quantisation enabled ({listed(self.fake_quantisers)}): the loss is piecewise "
                     "constant upstream of them and their gradient a straight-through estimator; the batch's inputs "
                     "are not probed",
                 )
             )
         return notes
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _fake_quantising(module: nn.Module) -> bool:
@@ -180,8 +169,8 @@ def as_autograd_sees_them(found: StockSurrogates) -> Iterator[None]:
 @contextlib.contextmanager
 def quantisers_as_identity(found: StockSurrogates) -> Iterator[None]:
     """When :attr:`~StockSurrogates.quantisers_off`, run the fake quantisers of ``found`` as the identity for the
-    duration (an instance attribute shadowing their ``forward``; entered before the check captures the model's state,
-    which it then holds as it is), then put back exactly what was there."""
+    duration (an instance attribute shadowing their ``forward``; entered before the check captures the model's
+    state)."""
     quantisers = found.quantiser_modules if found.quantisers_off else []
     saved = [(module, vars(module).get("forward")) for module in quantisers]
     for module in quantisers:

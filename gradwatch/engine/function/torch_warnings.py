@@ -6,11 +6,10 @@ inside a loss, a custom operator registered without its backward) as if it were 
 it. This may lead to silently incorrect behavior" (ms-swift #9778). Such a warning is a finding of the check, not
 noise: :func:`incorrect_gradient_notes` turns every distinct one raised during a check into a note naming the operator.
 
-Python shows a warning once per place (the ``__warningregistry__`` of the module it is attributed to): by the time a
-check runs, training's own first backward has usually shown it, and the check's evaluations would raise nothing.
-:func:`torch_registries_cleared` empties the registries of PyTorch's own modules (where the C++ warnings of the
-autograd engine are attributed) for the duration and puts back exactly what they held: the check sees the warnings
-again, and training, after it, shows what it would have shown without the check.
+Python shows a warning once per place (the ``__warningregistry__`` of the module it is attributed to): training's first
+backward has usually shown it before a check runs. :func:`torch_registries_cleared` empties the registries of
+PyTorch's own modules (where the autograd engine's C++ warnings are attributed) for the duration and puts back exactly
+what they held: the check sees the warnings again, and training after it shows what it would have without the check.
 """
 
 from __future__ import annotations
@@ -36,11 +35,8 @@ _OF_ITS_KIND = ("silently incorrect", "incorrect gradient", "gradients will be i
 @contextlib.contextmanager
 def torch_registries_cleared(warned: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """Empty the warning registries of PyTorch's modules for the duration (see the module doc), then put back what
-    each held, so that a warning shown once in training is raised again during a check and no more afterwards.
-
-    ``warned()``, asked on leaving, says whether any warning was shown meanwhile (``warnings.showwarning`` called):
-    a registry gains an entry only for a warning it then shows, so when none was, the registries emptied are put back
-    and the others left as they are, without reading every module of PyTorch again."""
+    each held. ``warned()``, asked on leaving, says whether any warning was shown meanwhile: a registry gains an entry
+    only for a warning it shows, so when none was, the other registries need not be read again."""
     saved: dict[str, tuple[dict[Any, Any], dict[Any, Any]]] = {}
     for name, registry in _torch_registries():
         saved[name] = registry, dict(registry)
@@ -58,11 +54,9 @@ def torch_registries_cleared(warned: Callable[[], bool] = lambda: True) -> Itera
 
 
 def _torch_registries() -> list[tuple[str, dict[Any, Any]]]:
-    """The warning registry of each of PyTorch's modules that has one, by module name. A registry lives in the
-    module's globals (where :func:`warnings.warn` puts it), so it is read from the module's ``__dict__``: a plain
-    attribute lookup would raise and catch an ``AttributeError`` for each of the thousand modules without one, or run
-    a module's own ``__getattr__``. The lookups run in one ``map`` (a thousand of them, each check), and only the
-    registries that hold something are returned: an empty one has nothing to save or to clear."""
+    """The warning registry of each of PyTorch's modules that holds something, by module name. Read from the
+    module's ``__dict__`` in one ``map``: an attribute lookup would raise and catch an ``AttributeError`` for each of
+    the thousand modules without one, or run a module's own ``__getattr__``."""
     names, namespaces = _torch_namespaces()
     found = list(map(dict.get, namespaces, repeat("__warningregistry__")))
     held = compress(zip(names, found, strict=True), found)
@@ -75,10 +69,9 @@ _namespaces: tuple[tuple[int, str | None], tuple[str, ...], tuple[dict[str, Any]
 
 
 def _torch_namespaces() -> tuple[tuple[str, ...], tuple[dict[str, Any], ...]]:
-    """The names and globals of PyTorch's imported modules. Finding them reads every module of ``sys.modules`` (a few
-    thousand with ``transformers``: milliseconds, twice a check, against a check of a small model of a few), so they
-    are kept while ``sys.modules`` holds as many names and the same last one: an import appends its module's name at
-    the end of that dict, so a module imported since (or removed and imported again) changes the key."""
+    """The names and globals of PyTorch's imported modules, kept while ``sys.modules`` (a few thousand with
+    ``transformers``: milliseconds to read) holds as many names and the same last one: an import appends its module's
+    name at the end, so one imported since (or removed and imported again) changes the key."""
     global _namespaces
     modules = sys.modules
     key = (len(modules), next(reversed(modules), None))
@@ -99,8 +92,7 @@ def _is_torch(name: str) -> bool:
 
 def incorrect_gradient_notes(withheld: Iterable[str]) -> list[Note]:
     """A note for each distinct warning among ``withheld`` (``"Category: message"``) in which PyTorch says a gradient
-    may be silently incorrect: naming the operator without an autograd kernel, or quoting the warning's first
-    sentence."""
+    may be silently incorrect, naming the operator or quoting the first sentence."""
     operators: list[str] = []
     others: list[str] = []
     for message in withheld:

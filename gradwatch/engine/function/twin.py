@@ -8,11 +8,10 @@ twin is that place: the same modules (their code, names and hooks) on float32 co
 its inputs promoted alike (:func:`promoted_batch`); the 16-bit values are exact in float32, so the twin computes the
 model's function with float32 arithmetic, and a backward formula that is wrong there is wrong in the model.
 
-The twin shares nothing that a check changes with the model: its parameters and buffers are its own tensors, each module
-is a shallow copy with its own containers (hooks a search registers on the twin stay off the model). Hooks registered on
-the model's parameters themselves (``param.register_hook``) are not carried over: a fault living in one is not found
-on the twin (the search then names nothing rather than a wrong module). It costs a float32 copy of the model's
-parameters for the duration of a search.
+The twin shares nothing a check changes with the model: its parameters and buffers are its own tensors, each module a
+shallow copy with its own containers. Hooks on the model's parameters (``param.register_hook``) are not carried over:
+a fault in one is not found on the twin (the search names nothing rather than a wrong module). It costs a float32 copy
+of the parameters for the duration of a search.
 """
 
 from __future__ import annotations
@@ -20,14 +19,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
 from gradwatch.engine.function.guard import MODULE_DICTS
-
-SIXTEEN_BITS = (torch.bfloat16, torch.float16)
-
+from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 
 TWIN_NOTE = (
     "the culprit search ran on a float32 twin of the 16-bit model (the same modules on float32 copies of its "
@@ -37,11 +33,11 @@ TWIN_NOTE = (
 
 def is_sixteen_bit(model: nn.Module) -> bool:
     """Whether any trainable parameter of ``model`` is bfloat16 or float16."""
-    return any(p.requires_grad and p.dtype in SIXTEEN_BITS for p in model.parameters())
+    return any(p.requires_grad and p.dtype in SIXTEEN_BIT for p in model.parameters())
 
 
 def _promoted(tensor: Tensor) -> Tensor:
-    return tensor.detach().float() if tensor.dtype in SIXTEEN_BITS else tensor.detach().clone()
+    return tensor.detach().float() if tensor.dtype in SIXTEEN_BIT else tensor.detach().clone()
 
 
 def float32_twin(model: nn.Module) -> nn.Module:
@@ -77,5 +73,5 @@ def float32_twin(model: nn.Module) -> nn.Module:
 
 def promoted_batch(batch: Any) -> Any:
     """``batch`` with its 16-bit floating tensors promoted to float32 (the others as they are)."""
-    found = {path: t.float() for path, t in floating_tensors(batch).items() if t.dtype in SIXTEEN_BITS}
+    found = {path: t.float() for path, t in floating_tensors(batch).items() if t.dtype in SIXTEEN_BIT}
     return replace_tensors(batch, found) if found else batch

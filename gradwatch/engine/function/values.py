@@ -10,6 +10,11 @@ def first_line(error: BaseException) -> str:
     return str(error).split("\n", 1)[0][:200]
 
 
+def listed(names: list[str], limit: int = 4) -> str:
+    """The first ``limit`` of ``names``, joined, and how many more there are."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def dense(grad: Tensor | None) -> Tensor | None:
     """A gradient as a dense tensor: a sparse one (``nn.Embedding(sparse=True)``) is checked like any other, coordinates
     it leaves out being exactly zero."""

@@ -37,10 +37,9 @@ def flat_linear() -> Iterator[None]:
     a vectorised pass.
 
     Under ``vmap``, a linear layer whose weight differs between points and whose input has several leading dimensions
-    (attention's ``(length, batch, width)``) is computed by broadcasting the weight over those dimensions: a copy of the
-    weight per row. With the input flattened to ``(rows, width)`` it is one batched matrix product. Same function,
-    rounded alike to within a few units of float64 (the pass's reproduction of the centre checks that); the 64-token
-    GPT of the cost benchmark evaluates a 2-sample probe batch's points 5x faster.
+    is computed by broadcasting the weight over them: a copy of the weight per row. Flattened to ``(rows, width)`` it
+    is one batched matrix product, rounded alike to within a few units of float64 (the pass's reproduction of the
+    centre checks that): 5x faster on the 64-token GPT of the cost benchmark.
     """
     linear = F.linear
 
