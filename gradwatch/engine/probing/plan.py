@@ -69,7 +69,7 @@ class ProbePlan:
     @property
     def seed(self) -> str:
         """The seed of the check's random choices beyond the portfolio (a shifted point): its seed and step."""
-        return f"{self.portfolio.seed}:{self.portfolio.step}"
+        return f"{self.portfolio.probes.seed}:{self.portfolio.step}"
 
     def ladder(self, measurements: Measurements, reference_loss: float) -> Ladder:
         """The escalation ladder of these probes over ``measurements`` around the reference loss."""

@@ -45,31 +45,25 @@ from gradwatch.engine.probing.sampling import generator, rotating_window, sample
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind
 from gradwatch.engine.results.report import DESCENT_TARGET
+from gradwatch.engine.settings import ProbeSettings
 
 
 @dataclass(frozen=True)
 class PortfolioSettings:
-    """How many probes of each kind a check makes, and which turn it is.
+    """How many probes of each kind a check makes (``probes``: its tensor, random, parameter and input probes and the
+    seed), and which turn it is.
 
     Attributes:
-        tensor_probes: Tensors probed along their own gradient (in turn).
-        random_probes: Tensors probed along a random direction (in turn), besides every tensor without a gradient.
-        param_probes: Coordinate probes on parameters, stratified by tensor.
-        input_probes: The input direction, then single input coordinates (0: no input probe).
-        seed: Seed of the sampling.
-        step: The training step, which with ``seed`` draws coordinates and directions.
+        probes: The check's settings (with ``input_probes=0`` where its inputs are not probed).
+        step: The training step, which with the seed draws coordinates and directions.
         rotation: Which window of tensors the probes cover.
         focus: Parameters probed along their gradient in this check besides the tensors whose turn it is.
         exempt: Coordinates not to probe, by parameter name (a boolean mask): those whose gradient is zero by design
             (an embedding's padding row).
     """
 
-    tensor_probes: int
-    random_probes: int
-    param_probes: int
-    input_probes: int
+    probes: ProbeSettings
     _: dataclasses.KW_ONLY
-    seed: int
     step: int
     rotation: int
     focus: tuple[str, ...]
@@ -127,7 +121,7 @@ class Portfolio:
         # (an exactly constant output, computed as 7e-8 by float32 autograd), it is judged against this, not itself.
         size = self.param_scale * math.sqrt(sum(self.numels)) or 1.0
         self.loss_floor = self.negligible * abs(reference.loss) / size
-        self.rng = generator(settings.seed, settings.step)
+        self.rng = generator(settings.probes.seed, settings.step)
         self.exempt = {i: settings.exempt[name] for i, (name, _) in enumerate(self.params) if name in settings.exempt}
 
     # ---- what a check makes ---------------------------------------------------------------------------------------
@@ -168,11 +162,11 @@ class Portfolio:
         """The screening probes of a check: tensors in turn, cover probes over every other tensor with a gradient,
         random directions (first where a gradient is missing), parameter coordinates, the input direction (unless it is
         the anchor) and input coordinates."""
-        settings = self.settings
+        settings, probes = self.settings, self.settings.probes
         count = len(self.params)
         pending: list[ProbeTask | None] = []
         with_gradient = [i for i in range(count) if self.tensor_grad_norms[i] > 0]
-        window = rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation)
+        window = rotating_window(len(with_gradient), probes.tensor_probes, settings.rotation)
         turn = [with_gradient[i] for i in window]
         focused = [i for i, (name, _) in enumerate(self.params) if name in settings.focus]
         probed = dict.fromkeys(turn + focused)
@@ -183,11 +177,11 @@ class Portfolio:
             self.tensor_grad_norms, rest, floor, self.rtol, self.rng)]  # fmt: skip
         missing = [i for i in range(count) if self.missing[i]]
         others = [i for i in range(count) if not self.missing[i]]
-        chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
-        chosen += [others[i] for i in rotating_window(len(others), settings.random_probes, settings.rotation + 1)]
+        chosen = [missing[i] for i in rotating_window(len(missing), max(probes.random_probes, 4), settings.rotation)]
+        chosen += [others[i] for i in rotating_window(len(others), probes.random_probes, settings.rotation + 1)]
         pending += [self._random_probe(i) for i in chosen]
         shapes = [tuple(global_shape(p)) for _, p in self.params]
-        for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
+        for coordinate in sample_coordinates(shapes, probes.param_probes, self.rng, settings.rotation):
             pending.append(self._coordinate_probe(ProbeKind.PARAM, coordinate.tensor, coordinate.index))
         if input_direction:
             pending.append(self._input_direction())
@@ -285,7 +279,7 @@ class Portfolio:
         grads = self.reference.input_grads
         nonzero = any_rank([bool(g.any()) for g in grads.values()])
         paths = [path for path, moved in zip(grads, nonzero, strict=True) if moved]
-        if not paths or self.settings.input_probes == 0:
+        if not paths or self.settings.probes.input_probes == 0:
             return None
         tensors = [self.evaluator.inputs[path] for path in paths]
         components = [grads[path] for path in paths]
@@ -354,7 +348,7 @@ class Portfolio:
         grads = self.reference.input_grads
         inputs = [self.evaluator.inputs[path] for path in grads]
         coordinates = sample_coordinates(
-            [tuple(x.shape) for x in inputs], self.settings.input_probes - 1, self.rng, self.settings.rotation
+            [tuple(x.shape) for x in inputs], self.settings.probes.input_probes - 1, self.rng, self.settings.rotation
         )
         return [self._input_coordinate(c.tensor, c.index) for c in coordinates]
 

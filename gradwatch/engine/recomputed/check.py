@@ -183,11 +183,7 @@ def _check(
     session.leading += focus_notes
     plan = ProbePlan(
         portfolio=PortfolioSettings(
-            tensor_probes=settings.tensor_probes,
-            random_probes=settings.random_probes,
-            param_probes=settings.param_probes,
-            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
-            seed=settings.seed,
+            dataclasses.replace(settings, input_probes=0) if surrogates.fake_quantisers else settings,
             step=session.step,
             rotation=session.step if rotation is None else rotation,
             focus=focus,
@@ -295,7 +291,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
         started = time.perf_counter()
         evaluator, reference, probe_batch = reference_on_a_slice(
-            session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+            session, batch, custom, with_inputs=plan.portfolio.probes.input_probes > 0, notes=notes
         )
         evaluator.loss_fn = loss_fn
         reference_seconds = time.perf_counter() - started  # a training step's work on the probe batch
