@@ -148,7 +148,7 @@ def _probe_with_inputs_if_accepted(
                     "are probed",
                 )
             )
-    settings = dataclasses.replace(plan.portfolio, input_probes=0)
+    settings = dataclasses.replace(plan.portfolio, probes=dataclasses.replace(plan.portfolio.probes, input_probes=0))
     without = dataclasses.replace(reference, input_grads={})
     return _probe(evaluator, without, grad_norms, center, dataclasses.replace(plan, portfolio=settings))
 
