@@ -33,14 +33,15 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
-from gradwatch.engine.distributed import tensor_parallel
+from gradwatch.engine.distributed import SHARDED_NOTE, tensor_parallel
+from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.whole import on_whole_parameters
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import affordable_samples, learn_activations, surviving_out_of_memory
-from gradwatch.engine.function.precision import resolve_precision
+from gradwatch.engine.function.precision import ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
@@ -61,7 +62,6 @@ from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
-from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -178,7 +178,7 @@ def _check(
     mode = resolve_precision(settings.precision, dtype, floating_elements)
     vectorize = settings.vectorize
     if session.collective is not None:
-        sharding_notes, mode, vectorize = sharded_settings(session.collective, mode)
+        sharding_notes, mode, vectorize = _sharded_settings(session.collective, mode)
         session.leading += sharding_notes
     session.leading += focus_notes
     plan = ProbePlan(
@@ -236,6 +236,23 @@ def _check(
     for latent in report.noted(NoteCode.UPSTREAM_IGNORED):  # right as training weights it: a warning, no verdict
         warnings.warn(f"gradwatch: {latent}", UserWarning, stacklevel=4)
     return report
+
+
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
+    """A sharded check's (FSDP2, tensor parallelism) notes, precision and vectorisation: native probes of the global
+    loss, one point per forward pass, every rank in lockstep."""
+    notes = [
+        Note(
+            NoteCode.SHARDED,
+            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+            "forward pass; no input coordinate probes and no culprit search",
+        )
+    ]
+    if mode == "float64":
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
+    return notes, "native", False
 
 
 def _culprits_of_twin(
