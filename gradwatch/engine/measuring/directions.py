@@ -12,7 +12,7 @@ Perturbed values are always restored by copying the saved originals back, inside
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,20 @@ class Displacement:
     predicted: float
 
 
-class CoordinateDirection:
+class _Moving:
+    """What every direction derives from its :meth:`moving`."""
+
+    def moving(self) -> AbstractContextManager[Callable[[float], Displacement]]:
+        raise NotImplementedError
+
+    @contextmanager
+    def displaced(self, offset: float) -> Iterator[Displacement]:
+        """Move by ``offset`` along the direction (rounded to the dtype); yield the displacement obtained."""
+        with self.moving() as move:
+            yield move(offset)
+
+
+class CoordinateDirection(_Moving):
     """One coordinate ``tensor[index]``; its analytic derivative is ``gradient``. In a sharded check ``index`` is
     global and ``tensor`` a shard: the rank that holds the coordinate moves it, the others move nothing.
 
@@ -72,12 +85,6 @@ class CoordinateDirection:
     def tensors(self) -> list[Tensor]:
         """The tensor the direction moves, as a list (like :attr:`VectorDirection.tensors`)."""
         return [self.tensor]
-
-    @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        """Set the coordinate to ``value + offset`` as represented in its dtype; yield the displacement obtained."""
-        with self.moving() as move:
-            yield move(offset)
 
     @contextmanager
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
@@ -126,7 +133,7 @@ class CoordinateDirection:
             self._after_write()
 
 
-class VectorDirection:
+class VectorDirection(_Moving):
     """Several tensors moved together along ``v = coefficient · (weight_T · component_T)_T``, a unit vector over all of
     them.
 
@@ -190,12 +197,6 @@ class VectorDirection:
         self.tensors = [replacements.get(id(t), t) for t in self.tensors]
         self._origin = None
         self._components_cast = None
-
-    @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
-        with self.moving() as move:
-            yield move(offset)
 
     @contextmanager
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
@@ -307,7 +308,7 @@ def _origin_of(tensor: Tensor, large: bool) -> Tensor:
     return source.detach() if source is not None else tensor.detach().clone()
 
 
-class HookedDirection:
+class HookedDirection(_Moving):
     """A displacement that only the forward pass sees: a module's output, its inputs as the module receives them, or
     its parameters during its own call (see :mod:`gradwatch.engine.culprits`). The direction is a unit vector; hooks
     the owner installed add ``offset ×`` it where it applies, and :meth:`moving` sets the offset they read.
@@ -333,11 +334,6 @@ class HookedDirection:
             yield move
         finally:
             self._set_offset(0.0)
-
-    @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        with self.moving() as move:
-            yield move(offset)
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """Nothing to substitute: the hooks displace whatever tensors the forward computes."""
