@@ -61,15 +61,9 @@ def group_size(rtol: float) -> int:
 def cover_groups(
     grad_norms: Sequence[float], candidates: Sequence[int], floor: float, rtol: float, rng: random.Random
 ) -> list[CoverGroup]:
-    """Split ``candidates`` (tensors with a non-zero gradient) at random into groups, and weigh each group's tensors.
-
-    Args:
-        grad_norms: Each tensor's gradient norm.
-        candidates: The tensors to cover.
-        floor: ``ν‖g‖``: a tensor's norm below it is taken as it (its contribution shrinks in proportion).
-        rtol: The check's relative tolerance.
-        rng: The check's generator (the same groups on every process).
-    """
+    """``candidates`` (tensors with a non-zero gradient) split at random (``rng``: the same groups on every process)
+    into groups for tolerance ``rtol``, each tensor weighed by its gradient norm; a norm below ``floor`` (``ν‖g‖``) is
+    taken as it."""
     if not candidates:
         return []
     count = min(MOST_COVER_PROBES, math.ceil(len(candidates) / group_size(rtol)))

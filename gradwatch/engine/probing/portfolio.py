@@ -71,17 +71,10 @@ class PortfolioSettings:
 
 
 class Portfolio:
-    """The probes of one check, sized from its reference gradient.
-
-    Args:
-        evaluator: The check's evaluator; its parameters (float64 substitutes for float64 probes) and working inputs
-            are what the probes move.
-        reference: The loss and autograd's gradients at the checked point.
-        grad_norms: The float64 norm of each parameter's gradient (0 for a parameter without one).
-        settings: How many probes, and which turn.
-        native_dtype: The dtype of the gradient being checked.
-        rtol: The check's relative tolerance, which sizes the cover probes' groups (by default the dtype's).
-    """
+    """The probes of one check, sized from its ``reference`` (the loss and autograd's gradients at the checked point)
+    and ``grad_norms`` (the float64 norm of each parameter's gradient, 0 without one): they move the ``evaluator``'s
+    parameters (float64 substitutes for float64 probes) and working inputs. ``native_dtype`` is the checked gradient's;
+    ``rtol``, the check's tolerance, sizes the cover probes' groups (by default the dtype's)."""
 
     def __init__(
         self,
@@ -124,19 +117,15 @@ class Portfolio:
         self.rng = generator(settings.probes.seed, settings.step)
         self.exempt = {i: settings.exempt[name] for i, (name, _) in enumerate(self.params) if name in settings.exempt}
 
-    # ---- what a check makes ---------------------------------------------------------------------------------------
-
     def anchor(self) -> ProbeTask | None:
-        """The probe whose full stencil sets the check's noise: the descent probe, or the input direction when no
-        parameter received a gradient, or, when nothing received a non-zero gradient, a random direction over every
-        parameter (a flat loss confirms the zero gradient, a moving one shows it is missing); ``None`` without
-        parameters."""
+        """The probe whose full stencil sets the check's noise: the descent probe, else the input direction (no
+        parameter received a gradient), else a random direction over every parameter (nothing received a non-zero one: a
+        flat loss confirms the zero gradient, a moving one shows it missing); ``None`` without parameters."""
         return self._descent() or self._input_direction() or self._random_anchor()
 
     def replica(self, task: ProbeTask, evaluator: LossEvaluator, reference: Reference) -> ProbeTask:
-        """The same probe at another point: the same unit direction, moving the tensors the evaluator uses there (after
-        a shift of the point, or on other storage), with the analytic derivative of the gradient ``reference`` holds
-        there."""
+        """The same probe at another point (shifted, or on other storage): the same unit direction over the tensors
+        ``evaluator`` uses there, with the analytic derivative of ``reference``'s gradient."""
         tensors, grads = [], []
         for moved in task.moves:
             if isinstance(moved, int):
@@ -159,9 +148,9 @@ class Portfolio:
         )
 
     def screens(self, input_direction: bool) -> list[ProbeTask]:
-        """The screening probes of a check: tensors in turn, cover probes over every other tensor with a gradient,
-        random directions (first where a gradient is missing), parameter coordinates, the input direction (unless it is
-        the anchor) and input coordinates."""
+        """The screening probes: tensors in turn, cover probes over the other tensors with a gradient, random directions
+        (first where a gradient is missing), parameter coordinates, the input direction (unless it is the anchor) and
+        input coordinates."""
         settings, probes = self.settings, self.settings.probes
         count = len(self.params)
         pending: list[ProbeTask | None] = []
@@ -190,8 +179,7 @@ class Portfolio:
 
     def every_check(self) -> list[ProbeTask | None]:
         """The probes of the kinds every check makes, recomputed and applied: one from the method each row of the kinds
-        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make.
-        An applied check takes the probe of a direction along the gradient in each tensor it moves."""
+        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make."""
         return [getattr(self, row.made_by)() for row in PROBE_KINDS.values() if row.made_by]
 
     def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
@@ -210,11 +198,7 @@ class Portfolio:
                     replacements.append(replacement)
         return replacements
 
-    # ---- the probes -----------------------------------------------------------------------------------------------
-
-    def _relative_step(self, dtype: torch.dtype, direction: bool = True) -> float:
-        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` along a ``direction`` over many
-        coordinates or at one coordinate (see :func:`relative_step`)."""
+    def _relative_step(self, dtype: torch.dtype, direction: bool = True) -> float:  # along many coordinates, or one
         return relative_step(dtype, self.native_dtype, direction=direction)
 
     def _tensor_scale(self, i: int) -> float:
@@ -239,8 +223,8 @@ class Portfolio:
         )
 
     def _cover_probe(self, group: CoverGroup) -> ProbeTask:
-        """Along ``d = Σ_T w_T g_T`` over the group's tensors (see :mod:`.cover`), judged against the size of its
-        tensors' contributions rather than its balanced slope."""
+        """Along ``d = Σ_T w_T g_T`` over the group's tensors (:mod:`.cover`), judged against their contributions' size
+        rather than its balanced slope."""
         tensors = list(group.tensors)
         direction = VectorDirection(
             [self.params[i][1] for i in tensors],
