@@ -47,18 +47,10 @@ def _screen_significance(task: ProbeTask) -> float:
 
 
 class Ladder:
-    """Measures probes and escalates those that need it (see the module doc).
-
-    Args:
-        measurements: The check's measuring service.
-        judge: What each stencil means (:mod:`.judges`); by default the relative tolerance ``rtol`` (or each probe's
-            own, from ``tolerances``).
-        rtol: The relative tolerance of the check.
-        native_dtype: The dtype of the gradient being checked.
-        reference_loss: The loss autograd computed (a float64 re-measurement must reproduce it).
-        float64_refinement: Whether undecided native probes are measured again in float64.
-        tolerances: Each probe's own tolerance, from a noise floor measured per tensor (``None``: ``rtol`` for all).
-    """
+    """Measures probes over ``measurements`` and escalates those that need it (see the module doc). ``judge`` says what
+    each stencil means (:mod:`.judges`), by default the check's ``rtol`` (or each probe's own, from ``tolerances``);
+    ``native_dtype`` is the checked gradient's; a float64 re-measurement (``float64_refinement``, of undecided native
+    probes) must reproduce ``reference_loss``."""
 
     def __init__(
         self,
@@ -83,8 +75,7 @@ class Ladder:
         """The round-off of one loss evaluation, in loss units, as the anchor's full stencil measured it."""
 
     def first_round(self, anchor: ProbeTask, screens: Sequence[ProbeTask]) -> None:
-        """Measure the anchor's full stencil, then screen (and escalate) every screen; all their points are evaluated
-        ahead, together, where points are vectorised."""
+        """Measure the anchor's full stencil, then screen (and escalate) every screen, all their points ahead."""
         self._prefetch([(anchor, FULL_OFFSETS)] + [(task, PAIR_OFFSETS) for task in screens])
         self._full(anchor)
         assert anchor.result is not None
@@ -148,21 +139,14 @@ class Ladder:
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
         )
 
-    def rtol_of(self, task: ProbeTask) -> float:
-        """The tolerance ``task`` is judged with: its own where the check has one per tensor, else the check's."""
-        return task_rtol(task, self.rtol, self.tolerances)
-
-    # ---- the rungs ------------------------------------------------------------------------------------------------
-
     def _screen(self, task: ProbeTask) -> None:
         task.evaluations += len(PAIR_OFFSETS)
         task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
         task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
 
     def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
-        """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead and together
-        where points are vectorised: for probes whose screens would borrow a noise estimate the check does not have
-        (the same probes at another point)."""
+        """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead: for probes
+        whose screens would borrow a noise estimate the check does not have (the same probes at another point)."""
         self._prefetch([(task, FULL_OFFSETS) for task in tasks])
         for task in tasks:
             self._full(task)
@@ -181,7 +165,7 @@ class Ladder:
             task.step,
             center=self.measurements.center,
             scale=result.scale,
-            rtol=self.rtol_of(task),
+            rtol=task_rtol(task, self.rtol, self.tolerances),
             compute_epsilon=machine_epsilon(self.measurements.compute_dtype),
         )
         if finer is not None:
@@ -203,8 +187,6 @@ class Ladder:
         second = self._stencil(task, confirming, FULL_OFFSETS)
         task.result = self.judge.confirm(task, first, second, self.measurements)
         task.step = confirming
-
-    # ---- measuring ------------------------------------------------------------------------------------------------
 
     def _points(self, task: ProbeTask, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
         task.evaluations += len(offsets)

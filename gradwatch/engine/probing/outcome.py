@@ -19,8 +19,7 @@ from gradwatch.engine.results.search_progress import SearchProgress
 
 
 def overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
+    """ "fail" if any probe failed; "ok" if a probe of the whole gradient or of a tensor agreed; else "inconclusive"."""
     if any(p.verdict == Verdict.FAIL for p in probes):
         return Verdict.FAIL
     whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
@@ -43,8 +42,8 @@ class Outcome:
     culprit_search: SearchProgress | None = None
 
     def report_fields(self) -> dict[str, Any]:
-        """The fields of the check's report this outcome gives (:meth:`CheckSession.report
-        <gradwatch.engine.session.CheckSession.report>`): verdict, probes, loss, notes, forward passes, culprits."""
+        """The fields of the check's report (:meth:`CheckSession.report <gradwatch.engine.session.CheckSession.report>`)
+        this outcome gives."""
         return {
             "verdict": overall_verdict(self.probes),
             "probes": self.probes,

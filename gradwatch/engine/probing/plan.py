@@ -24,8 +24,7 @@ from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbePlan:
-    """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in,
-    and how they are judged.
+    """What the probes of a check are asked to do.
 
     Attributes:
         portfolio: Which probes, how many, in which turn.
@@ -72,7 +71,6 @@ class ProbePlan:
         return f"{self.portfolio.probes.seed}:{self.portfolio.step}"
 
     def ladder(self, measurements: Measurements, reference_loss: float) -> Ladder:
-        """The escalation ladder of these probes over ``measurements`` around the reference loss."""
         return Ladder(
             measurements,
             rtol=self.rtol,
@@ -82,6 +80,5 @@ class ProbePlan:
             tolerances=self.tolerances,
         )
 
-    def rtol_of(self, task: ProbeTask) -> float:
-        """The tolerance ``task`` is judged with (see :attr:`tolerances`)."""
+    def rtol_of(self, task: ProbeTask) -> float:  # see `tolerances`
         return task_rtol(task, self.rtol, self.tolerances)
