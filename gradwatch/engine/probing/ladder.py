@@ -40,7 +40,8 @@ FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
 
 
-def _screen_significance(task: ProbeTask) -> float:
+def significance(task: ProbeTask) -> float:
+    """How many times its noise the discrepancy of the task's last result is."""
     result = task.result
     assert result is not None
     return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
@@ -91,7 +92,7 @@ class Ladder:
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
         left: list[ProbeTask] = []
         if most is not None and len(suspects) > most:
-            suspects.sort(key=_screen_significance, reverse=True)
+            suspects.sort(key=significance, reverse=True)
             suspects, left = suspects[:most], suspects[most:]
             for task in left:
                 result = task.result

@@ -3,9 +3,9 @@ derivative, and from the rounding of a correct formula.
 
 A discrepancy that the ladder confirmed at a second step along the same line can still be no bug:
 
-* **A kink exactly at the point.** At a tie the loss has a left and a right derivative, and a central difference does
-  not measure autograd's choice: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the
-  failure again at a shifted point, where a tie no longer is.
+* **A kink exactly at the point** (a tie), where a central difference does not measure autograd's choice of one-sided
+  derivative: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the failure again away
+  from it.
 * **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
   derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
   such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
@@ -187,8 +187,8 @@ def hooked_reference(reference: Reference, native_params: Sequence[tuple[str, Te
 
 
 def _agrees(task: ProbeTask, precise: float) -> bool:
-    """Whether float64 autograd (``precise``) agrees with the task's float64 numeric within float64's tolerance and
-    the numeric's own noise: the formula is right in float64."""
+    """Whether float64 autograd (``precise``) agrees with the task's float64 numeric within float64's tolerance and the
+    numeric's noise."""
     result = task.result
     assert result is not None
     allowed = max(relative_tolerance(torch.float64) * result.scale, SIGNIFICANCE * result.noise)
@@ -196,8 +196,7 @@ def _agrees(task: ProbeTask, precise: float) -> bool:
 
 
 def _mark_imprecise(task: ProbeTask, fail_on_imprecise: bool) -> None:
-    """The formula is right, its native evaluation is not precise enough: ``ok`` (``fail`` with ``fail_on_imprecise``)
-    with reason ``"imprecise"``."""
+    """A right formula imprecise natively: ``ok`` (``fail`` with ``fail_on_imprecise``), reason ``"imprecise"``."""
     result = task.result
     assert result is not None
     verdict = "fail" if fail_on_imprecise else "ok"
