@@ -39,6 +39,12 @@ from gradwatch.errors import passes_fallbacks
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
 
+LOCALIZED_AT_MOST = 8
+"""After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
+significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
+(full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
+search, not the list of victims, says where the bug is."""
+
 
 def significance(task: ProbeTask) -> float:
     """How many times its noise the discrepancy of the task's last result is."""

@@ -44,18 +44,20 @@ def compiled_parts(model: nn.Module) -> list[str]:
     """The parts of ``model`` that ``torch.compile`` compiled: modules wrapped by it or compiled in place
     (``module.compile()``), and methods replaced by compiled ones (a LightningModule passed to ``Trainer.fit`` as
     ``torch.compile(module)``); ``[]`` for an eager model."""
-    parts = []
+    parts: list[str] = []
     for name, module in model.named_modules():
         label = name or type(module).__name__
-        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
-            parts.append(label)
-            continue
-        parts += [
-            f"{label}.{attribute}"
-            for attribute, value in vars(module).items()
-            if callable(value) and hasattr(value, "_torchdynamo_orig_callable")
-        ]
+        parts += [label] if _wrapped(module) else [f"{label}.{method}" for method in _compiled_methods(module)]
     return parts
+
+
+def _wrapped(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` wraps ``module`` or compiled it in place."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _compiled_methods(module: nn.Module) -> list[str]:
+    return [a for a, value in vars(module).items() if callable(value) and hasattr(value, "_torchdynamo_orig_callable")]
 
 
 def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[str], str]:
@@ -66,18 +68,10 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
     failing = [p for p in probes if p.kind == ProbeKind.COMPILED and p.verdict == "fail"]
     if not failing:
         return [], ""
-    compiled = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module).__name__ == "OptimizedModule"
-        or getattr(module, "_compiled_call_impl", None) is not None
-        or any(callable(v) and hasattr(v, "_torchdynamo_orig_callable") for v in vars(module).values())
-    ]
+    compiled = [name for name, module in model.named_modules() if _wrapped(module) or _compiled_methods(module)]
     # a wrong compiled backward makes the gradients upstream of it wrong too, outside the compiled module: the compiled
     # modules holding a failing tensor are the suspects, and their innermost common ancestor the culprit
-    holding = [n for n, _ in compiled if any(p.target.startswith(f"{n}.") or not n for p in failing)] or [
-        n for n, _ in compiled
-    ]
+    holding = [n for n in compiled if any(p.target.startswith(f"{n}.") or not n for p in failing)] or compiled
     if not holding:
         return [], ""
     name = _common_ancestor(holding)
@@ -116,11 +110,9 @@ def compiled_probes(
     *,
     notes: list[Note],
 ) -> list[Probe]:
-    """Compare the gradient training's compiled graph gives on ``batch`` with eager autograd's (see the module doc).
-
-    Returns one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every
-    tensor agrees; ``[]``, with a note, when the comparison could not be made.
-    """
+    """The gradient training's compiled graph gives on ``batch`` compared with eager autograd's (see the module doc):
+    one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every tensor
+    agrees; ``[]``, with a note, when the comparison could not be made."""
     if not hasattr(torch.compiler, "set_stance"):
         notes.append(
             Note(

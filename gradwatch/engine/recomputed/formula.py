@@ -39,7 +39,7 @@ from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
 from gradwatch.engine.numerics.norms import norms
-from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST, Ladder
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -47,10 +47,6 @@ from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import passes_fallbacks
-
-LOCALIZED_AT_MOST = 8
-"""As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
-that look wrong on a screen are measured further."""
 
 FORMULA_SUSPICION = 1e-6
 """The relative discrepancy above which a passing float32 probe measured in float64 has its formula checked in
@@ -95,24 +91,16 @@ def _confirmed(
     tasks: Sequence[ProbeTask],
     suspects: Sequence[ProbeTask],
     plan: ProbePlan,
-) -> Localization | None:
-    """:func:`confirm_formula` once it has suspects."""
+) -> Localization | None:  # confirm_formula once it has suspects
     with _on_float64(evaluator, any(task.kind.traits.moves_inputs for task in suspects)) as reference:
         replicas = [portfolio.replica(task, evaluator, reference) for task in suspects]
         pairs = zip(suspects, replicas, strict=True)
         wrong = [(task, replica) for task, replica in pairs if _formula_off(task, replica)]
         if not wrong:
             return None
-        precise = dataclasses.replace(
-            plan,
-            rtol=FORMULA_SUSPICION,
-            native_dtype=torch.float64,
-            float64_refinement=False,
-            precision="native",
-            measure_floor=False,
-            measured_floor=False,
-            check_formula=False,
-        )
+        precise = dataclasses.replace(plan, rtol=FORMULA_SUSPICION, native_dtype=torch.float64, precision="native",
+                                      float64_refinement=False, measure_floor=False, measured_floor=False,
+                                      check_formula=False)  # fmt: skip
         grads = [
             g if g is not None else p.new_zeros(())
             for (_, p), g in zip(evaluator.params, reference.param_grads, strict=True)

@@ -18,6 +18,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.numerics.steps import least_precise
+from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -32,12 +33,6 @@ from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import Probe
 from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.engine.unreached import unreached_note
-
-LOCALIZED_AT_MOST = 8
-"""After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
-significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
-(full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
-search, not the list of victims, says where the bug is."""
 
 
 @dataclasses.dataclass(frozen=True)
