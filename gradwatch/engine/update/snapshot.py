@@ -80,7 +80,6 @@ def update_tensors(
 
 
 def _copied(value: Any) -> Any:
-    """A state entry, kept: a tensor cloned (detached), anything else deep-copied."""
     if isinstance(value, Tensor):
         return value.detach().clone()
     return copy.deepcopy(value)
@@ -103,8 +102,8 @@ class KeptParameter:
         param: The parameter itself (read after the step).
         before: Its values before the step.
         grad: The verified gradient, before the loop clipped it.
-        state: The optimizer's state for it, kept (tensors cloned).
-        hyper: Its param group's hyperparameters before the step (without ``params``).
+        state: The optimizer's state for it (tensors cloned).
+        hyper: Its param group's hyperparameters (without ``params``).
         group: The index of its param group.
         shares: By rank, the ``(start, count)`` of the flattened tensor that rank updates, when sharded (else ``()``).
     """
@@ -179,7 +178,7 @@ class UpdateSnapshot:
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:
-        """This snapshot with the clip the loop declared after it was taken (``None``: leave it)."""
+        """With the clip the loop declared after the snapshot was taken (``None``: none)."""
         if max_norm is None:
             return self
         return dataclasses.replace(self, max_norm=float(max_norm))
