@@ -30,23 +30,18 @@ class Assessment:
     """What one stencil says about one derivative.
 
     Attributes:
-        numeric: The finite-difference derivative.
-        discrepancy: ``numeric − analytic``.
-        noise: The estimated error of ``numeric`` (round-off, truncation, jitter), in derivative units.
-        scale: The denominator of the relative error: ``max(|analytic|, |numeric|)``, floored.
         verdict: ``"ok"``, ``"fail"``, ``"inconclusive"``, or ``"suspect"`` for a screen that needs the full stencil.
             A ``"fail"`` here is a candidate until confirmed.
-        reason: See :attr:`gradwatch.engine.results.report.Probe.reason`.
         loss_noise: ``noise`` in loss units (times the step): what other probes of the check may borrow as the
             round-off of one loss evaluation.
     """
 
-    numeric: float
-    discrepancy: float
-    noise: float
-    scale: float
+    numeric: float  # the finite-difference derivative
+    discrepancy: float  # numeric − analytic
+    noise: float  # the estimated error of numeric (round-off, truncation, jitter), in derivative units
+    scale: float  # the relative error's denominator: max(|analytic|, |numeric|), floored
     verdict: str
-    reason: str
+    reason: str  # see results.report.Probe.reason
     _: KW_ONLY
     loss_noise: float = 0.0
 

@@ -38,19 +38,12 @@ MOST_COVER_PROBES = 8
 
 @dataclass(frozen=True)
 class CoverGroup:
-    """One cover probe's tensors and their weights.
-
-    Attributes:
-        tensors: Positions of the tensors in the check's parameters.
-        weights: The factor on each tensor's gradient in the (unnormalised) direction: ``s_T · a_T / ‖g_T‖``.
-        norm: ``‖d‖ = √(Σ a_T²)``.
-        contributions: ``√(Σ c_T²)``: what the slope along ``d`` is judged against.
-    """
+    """One cover probe's tensors (positions in the check's parameters) and their weights."""
 
     tensors: tuple[int, ...]
-    weights: tuple[float, ...]
-    norm: float
-    contributions: float
+    weights: tuple[float, ...]  # the factor on each tensor's gradient in the unnormalised direction: s_T · a_T / ‖g_T‖
+    norm: float  # ‖d‖ = √(Σ a_T²)
+    contributions: float  # √(Σ c_T²): what the slope along d is judged against
 
 
 def group_size(rtol: float) -> int:

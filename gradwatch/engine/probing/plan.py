@@ -27,13 +27,6 @@ class ProbePlan:
     """What the probes of a check are asked to do.
 
     Attributes:
-        portfolio: Which probes, how many, in which turn.
-        rtol: The relative tolerance they are judged with.
-        native_dtype: The parameters' dtype (the least precise of them).
-        float64_refinement: Whether undecided native probes are measured again in float64.
-        vectorize: Whether points may be evaluated together in vectorised passes.
-        fail_on_imprecise: Whether a native gradient off by more than ``rtol`` only by its rounding fails.
-        precision: The precision the probes are asked for (``"native"`` or ``"float64"``).
         measure_floor: Whether a 16-bit model's tolerance is measured on its path (no ``rtol`` given; see
             :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`).
         measured_floor: Whether ``rtol`` is that measured tolerance: it then already is the rounding a correct gradient
@@ -50,13 +43,13 @@ class ProbePlan:
             loss; :mod:`.search_budget`).
     """
 
-    portfolio: PortfolioSettings
+    portfolio: PortfolioSettings  # which probes, how many, in which turn
     rtol: float
-    native_dtype: torch.dtype
-    float64_refinement: bool
-    vectorize: bool
-    fail_on_imprecise: bool
-    precision: ResolvedPrecision = "native"
+    native_dtype: torch.dtype  # the parameters' (the least precise of them)
+    float64_refinement: bool  # whether undecided native probes are measured again in float64
+    vectorize: bool  # whether points may be evaluated together in vectorised passes
+    fail_on_imprecise: bool  # whether a native gradient off by more than rtol only by its rounding fails
+    precision: ResolvedPrecision = "native"  # what the probes are asked for
     measure_floor: bool = False
     measured_floor: bool = False
     check_formula: bool = False

@@ -1,17 +1,15 @@
 """One gradient check of a model on a batch: :func:`check_gradients`.
 
 The check is a measurement plan run in a check session (:mod:`.session`: the parameters, the state captured and put
-back, the notes and the report, as for every check) and orchestrates the engine's parts, each in a module of its own:
+back, the notes and the report, as for every check) over the engine's parts:
 
 1. the **reference** (:mod:`.reference`): the loss and autograd's gradient on the first samples of the batch, and the
    test that the loss evaluated again there is the same function;
-2. the **portfolio** (:mod:`.probing.portfolio`): which probes the check makes (descent, tensors, random directions,
-   coordinates, inputs), sized from the reference gradient;
-3. the **ladder** (:mod:`.probing.ladder`): how each probe is measured and escalated, from a two-point screen up to a
-   confirmed failure, so that a healthy model costs a fixed, small number of loss evaluations and a broken one what it
-   takes to be sure;
-4. the **measuring service** (:mod:`.measuring.points`): the loss at the points the probes ask for, evaluated together
-   in vectorised passes where it can (:mod:`.measuring.vectorized`);
+2. the **portfolio** (:mod:`.probing.portfolio`): which probes, sized from the reference gradient;
+3. the **ladder** (:mod:`.probing.ladder`): how each probe escalates from a two-point screen to a confirmed failure, so
+   that a healthy model costs a fixed, small number of loss evaluations and a broken one what it takes to be sure;
+4. the **measuring service** (:mod:`.measuring.points`): the loss at the points the probes ask for, in vectorised
+   passes where it can (:mod:`.measuring.vectorized`);
 5. the **loss as a deterministic function** (:mod:`.function`): random states replayed, buffers restored, float64
    storage and reductions, probe conditions.
 

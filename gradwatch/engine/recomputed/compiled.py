@@ -1,22 +1,18 @@
 """The gradient of a compiled model, as training computes it: compared with eager autograd's.
 
 A check evaluates the loss on a slice of the batch, in float64, without autograd and under ``vmap``: through code
-compiled with ``torch.compile`` each of these would compile a new graph, and a new shape can turn the training's graph
-into a dynamic-shape one that computes slightly different numbers. So every evaluation of a check runs compiled code
-eagerly (:func:`~gradwatch.engine.function.conditions.compiler_disabled`), and the probes check eager autograd's
-gradient against finite differences.
+compiled with ``torch.compile`` each would compile a new graph, and a new shape can make the training's graph a
+dynamic-shape one with slightly different numbers. So every evaluation of a check runs compiled code eagerly
+(:func:`~gradwatch.engine.function.conditions.compiler_disabled`), and the probes check eager autograd's gradient.
 
-That alone would hide a bug in a compiled backward. :func:`compiled_probes` closes the gap: on the whole batch, the
-shapes training compiled its graph for, it computes the gradient once through the training's own compiled graph
-(refusing to recompile: ``torch.compiler.set_stance("fail_on_recompile")``) and once eagerly, under the same global
-settings, and compares them tensor by tensor. A compiled gradient that differs from eager autograd's beyond the
-tolerance fails, as a ``"compiled"`` probe; eager autograd's is the one the other probes check against finite
-differences.
+That alone would hide a bug in a compiled backward. :func:`compiled_probes` computes the gradient on the whole batch
+(the shapes training compiled for) once through the training's own compiled graph (refusing to recompile:
+``torch.compiler.set_stance("fail_on_recompile")``) and once eagerly, under the same global settings, and compares
+them tensor by tensor: a compiled gradient beyond the tolerance fails, as a ``"compiled"`` probe.
 
 Cost: two forward and backward passes on the whole batch, about two training steps, per check of a compiled model.
 When the compiled graph cannot be called without recompiling (mixed-precision autocast, a batch of another shape) or
-computes another loss than eager code (random draws: inductor's dropout draws other masks than eager dropout), the
-comparison is skipped with a note.
+computes another loss than eager code (inductor's dropout draws other masks), the comparison is skipped with a note.
 """
 
 from __future__ import annotations

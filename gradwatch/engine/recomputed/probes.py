@@ -37,27 +37,16 @@ from gradwatch.engine.unreached import unreached_note
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredProbes:
-    """What :func:`measured_probes` found.
-
-    Attributes:
-        probes: The finished probes.
-        precision: The precision they were measured in (``"native"`` or ``"float64"``).
-        vectorized: Whether points were evaluated in vectorised passes (``None``: not tried).
-        surrogates: Deliberate surrogate gradients recognised, in words, with the ``ignore=`` pattern for each.
-        culprits: The module whose backward is wrong and the modules containing it, most specific first
-            (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words.
-        rtol: The tolerance the probes were judged with (measured for a 16-bit model: :mod:`.sixteen_bit_floor`).
-    """
+    """What :func:`measured_probes` found."""
 
     probes: list[Probe]
-    precision: str
-    vectorized: bool | None
-    surrogates: tuple[str, ...]
-    culprits: list[str]
+    precision: str  # what they were measured in
+    vectorized: bool | None  # whether points were evaluated in vectorised passes (None: not tried)
+    surrogates: tuple[str, ...]  # deliberate surrogate gradients recognised, in words, with an ignore= pattern each
+    culprits: list[str]  # the module whose backward is wrong and the modules containing it, most specific first
     culprit_message: str
     _: dataclasses.KW_ONLY
-    rtol: float
+    rtol: float  # what the probes were judged with (measured for a 16-bit model: .sixteen_bit_floor)
     culprit_search: SearchProgress | None = None
 
 

@@ -1,20 +1,17 @@
 """Gradients that are deliberately not the derivative, told by their signature in a check's probes.
 
-Some user code trains on a gradient that is not the derivative of its loss on purpose:
-
 * a **straight-through estimator** (a fake quantiser ``w + (round(w) - w).detach()``, ``sign`` with an identity
   backward): the loss is piecewise constant in the tensor, so every probe of it reads a flat loss while autograd gives
-  it a gradient. Piecewise constant, not constant: at a coarse step (:data:`COARSE_STEP` of the tensor's size) the
-  loss moves. A gradient for a tensor the loss does not depend on at all is no estimator but a bug, and stays one.
+  it a gradient; at a coarse step (:data:`COARSE_STEP` of the tensor's size) the loss moves. A gradient for a tensor
+  the loss does not depend on at all is no estimator but a bug, and stays one.
 * a **stop-gradient** (``.detach()``, ``torch.no_grad()``, an integer cast on the tensor's path; a target network, a
-  frozen branch): autograd gives the tensor exactly no gradient along every direction probed while the loss moves with
-  it. An accidental detach looks the same, so these probes still fail.
+  frozen branch): autograd gives the tensor no gradient along every direction probed while the loss moves with it. An
+  accidental detach looks the same, so these probes still fail.
 
-:func:`straight_through` and :func:`stop_gradients` find them among a check's probes. The probes of a straight-through
-tensor end inconclusive with reason ``"surrogate"``, and so does the descent probe when its failure is exactly the share
-of the predicted decrease those tensors account for (``‖g_T‖² / ‖g‖``). Each finding is said in words, with the
-``ignore=`` pattern that exempts the tensors (:func:`ignore_patterns`); a report lists them in ``surrogates``, and
-failure messages show them.
+:func:`straight_through` and :func:`stop_gradients` find them. The probes of a straight-through tensor end
+inconclusive with reason ``"surrogate"``, and so does the descent probe when its failure is exactly those tensors'
+share of the predicted decrease (``‖g_T‖² / ‖g‖``). Each finding is said in words, with the ``ignore=`` pattern that
+exempts the tensors (:func:`ignore_patterns`), in the report's ``surrogates`` and failure messages.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ class Reference:
 
     Attributes:
         name: What the report names it (``"torch.optim.AdamW"``, ``"Muon (Keller Jordan)"``).
-        rule: The update rule (:mod:`gradwatch.engine.update.algorithms`).
         hyper: The group's hyperparameters as the rule reads them (a decoupled-decay flag made explicit).
         variants: Settings added to ``hyper`` for the floor's re-runs in the optimizer's dtype, the floor the largest
             of their distances from the reference (Muon's two orders of operations); one empty one for the others.

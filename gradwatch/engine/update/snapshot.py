@@ -95,28 +95,17 @@ def _state(param: Tensor, holder: Tensor, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class KeptParameter:
-    """One checked parameter as it was before the step.
-
-    Attributes:
-        name: Its name in ``named_parameters()``.
-        param: The parameter itself (read after the step).
-        before: Its values before the step.
-        grad: The verified gradient, before the loop clipped it.
-        state: The optimizer's state for it (tensors cloned).
-        hyper: Its param group's hyperparameters (without ``params``).
-        group: The index of its param group.
-        shares: By rank, the ``(start, count)`` of the flattened tensor that rank updates, when sharded (else ``()``).
-    """
+    """One checked parameter as it was before the step."""
 
     name: str
-    param: Tensor
+    param: Tensor  # the parameter itself (read after the step)
     before: Tensor
-    grad: Tensor
-    state: Mapping[str, Any]
-    hyper: Mapping[str, Any]
+    grad: Tensor  # the verified gradient, before the loop clipped it
+    state: Mapping[str, Any]  # the optimizer's state for it (tensors cloned)
+    hyper: Mapping[str, Any]  # its param group's hyperparameters (without params)
     _: KW_ONLY
-    group: int
-    shares: tuple[tuple[int, int], ...] = ()
+    group: int  # the index of its param group
+    shares: tuple[tuple[int, int], ...] = ()  # by rank, the (start, count) of the flattened tensor it updates, sharded
 
 
 @dataclass(frozen=True)
@@ -124,21 +113,17 @@ class UpdateSnapshot:
     """What an update check keeps before the step (see the module doc).
 
     Attributes:
-        optimizer: The optimizer about to step (the one holding the state, through any wrapper).
-        kept: The checked parameters.
-        norm: The global norm of the verified gradient (over every tensor the loop clips), for the declared clip.
         max_norm: The clip the loop declared (``None``: none): the gradient it steps with is the verified one times
             ``min(1, max_norm / (norm + 1e-6))``.
-        previous: By name, the gradient of the step before, when kept: a step taken with it is named.
         numerics: The settings that change the numbers (TF32, reduced-precision reductions, ...) as the step ran under
             them, recorded on the update check's report as on the other checks'.
     """
 
-    optimizer: Any
+    optimizer: Any  # the one holding the state, through any wrapper
     kept: tuple[KeptParameter, ...]
-    norm: float = 0.0
+    norm: float = 0.0  # the verified gradient's global norm (over every tensor the loop clips), for the declared clip
     max_norm: float | None = None
-    previous: Mapping[str, Tensor] = field(default_factory=dict)
+    previous: Mapping[str, Tensor] = field(default_factory=dict)  # by name, the step before's gradient, when kept
     numerics: Numerics = field(default_factory=current_numerics)
 
     @classmethod
