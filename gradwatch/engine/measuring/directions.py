@@ -132,21 +132,15 @@ class VectorDirection(_Moving):
     them (the descent probe: ``components`` the gradients, ``coefficient = 1/‖g‖``; a cover probe: weighted gradients,
     no copy of them); the analytic slope is ``g · v``.
 
-    While it moves the tensors it holds one copy of their original values, so that every restore is an exact copy, and
-    its components in the tensors' dtypes. A direction over more than :data:`KEPT_COPY_ELEMENTS` elements frees both
-    when the move ends (:meth:`moving`), so that the probes of a large model hold one such copy at a time, not one each
-    (on a model probed in float64 each is twice the float32 parameters), and restores a float64 substitute from its
-    parameter; a smaller one keeps them for its next move.
+    While it moves the tensors it holds a copy of their original values (every restore is an exact copy) and its
+    components in the tensors' dtypes. Over more than :data:`KEPT_COPY_ELEMENTS` elements it frees both when the move
+    ends (:meth:`moving`), so that a large model's probes hold one such copy at a time (in float64 each is twice the
+    float32 parameters), and restores a float64 substitute from its parameter; a smaller one keeps them.
 
-    Args:
-        tensors: The tensors to move (parameters, or working inputs of the evaluator).
-        components: The direction, one tensor per entry of ``tensors`` (scaled by ``coefficient``).
-        grads: Autograd's gradient for each tensor.
-        coefficient: The factor that makes ``components`` a unit vector.
-        after_write: As for :class:`CoordinateDirection`.
-        components_norm: ``‖components‖``, accumulated in float64, when known; when ``components`` is ``grads`` it
-            gives the analytic slope ``coefficient · ‖g‖²`` without another pass over the gradients.
-        weights: A factor per tensor on its component (``None``: 1 for each).
+    ``tensors`` are parameters or working inputs of the evaluator, ``grads`` autograd's gradient of each, ``weights`` a
+    factor per tensor on its component (``None``: 1), ``after_write`` as for :class:`CoordinateDirection`.
+    ``components_norm``: ``‖components‖`` in float64, when known; when ``components`` is ``grads`` it gives the analytic
+    slope ``coefficient · ‖g‖²`` without another pass over the gradients.
     """
 
     def __init__(

@@ -51,22 +51,14 @@ from gradwatch.engine.settings import ProbeSettings
 @dataclass(frozen=True)
 class PortfolioSettings:
     """How many probes of each kind a check makes (``probes``: its tensor, random, parameter and input probes and the
-    seed), and which turn it is.
+    seed), and which turn it is."""
 
-    Attributes:
-        probes: The check's settings (with ``input_probes=0`` where its inputs are not probed).
-        step: The training step, which with the seed draws coordinates and directions.
-        rotation: Which window of tensors the probes cover.
-        focus: Parameters probed along their gradient in this check besides the tensors whose turn it is.
-        exempt: Coordinates not to probe, by parameter name (a boolean mask): those whose gradient is zero by design
-            (an embedding's padding row).
-    """
-
-    probes: ProbeSettings
+    probes: ProbeSettings  # the check's settings (with input_probes=0 where its inputs are not probed)
     _: dataclasses.KW_ONLY
-    step: int
-    rotation: int
-    focus: tuple[str, ...]
+    step: int  # the training step, which with the seed draws coordinates and directions
+    rotation: int  # which window of tensors the probes cover
+    focus: tuple[str, ...]  # parameters probed along their gradient besides the tensors whose turn it is
+    # coordinates not to probe, by parameter name (a boolean mask): their gradient is zero by design (a padding row)
     exempt: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
 
