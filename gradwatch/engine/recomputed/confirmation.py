@@ -1,7 +1,6 @@
 """Before a probe fails: the two confirmations that tell a wrong backward from a point where the loss has no
-derivative, and from the rounding of a correct formula.
-
-A discrepancy that the ladder confirmed at a second step along the same line can still be no bug:
+derivative, and from the rounding of a correct formula. A discrepancy the ladder confirmed at a second step along the
+same line can still be no bug:
 
 * **A kink exactly at the point** (a tie), where a central difference does not measure autograd's choice of one-sided
   derivative: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the failure again away
@@ -10,14 +9,13 @@ A discrepancy that the ladder confirmed at a second step along the same line can
   derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
   such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
   :func:`confirm_precision` computes the gradient in float64 along the same direction: if float64 autograd agrees with
-  the float64 finite difference, the formula is right in float64. The probe is then measured once more in the native
-  precision: if the native gradient agrees with the native finite difference, float64 computed another function and the
-  native verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more reliable
-  than its gradient) the size of the error decides, measured against the norm of the gradient over what the probe moves
-  (a random direction's small slope would inflate it): beyond :data:`IMPRECISION_LIMIT` times the tolerance the backward
-  is wrong in the native dtype only (a kernel specialised by dtype) and the failure stands; within it only float32's
-  rounding is left and the probe ends ``ok`` with reason ``"imprecise"`` (``fail_on_imprecise=True`` fails it instead),
-  its ``rel_error`` the precision lost.
+  the float64 finite difference, the formula is right in float64. The probe is then measured once more natively: if
+  the native gradient agrees with the native finite difference, float64 computed another function and the native
+  verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more reliable than its
+  gradient) the error's size decides, against the norm of the gradient over what the probe moves (a random direction's
+  small slope would inflate it): beyond :data:`IMPRECISION_LIMIT` times the tolerance the backward is wrong in the
+  native dtype only (a kernel specialised by dtype) and the failure stands; within it the probe ends ``ok`` with reason
+  ``"imprecise"`` (``fail_on_imprecise=True`` fails it), its ``rel_error`` the precision lost.
 
 Both run only on probes that failed, so a healthy check pays nothing for them.
 """

@@ -7,16 +7,16 @@ passes, even where float64 probes measure the discrepancy thousands of times abo
 apart: rounding is float32's, a wrong formula is wrong in float64 too.
 
 :func:`confirm_formula` takes, in a check whose float64 probes all passed, the probes whose discrepancy is significant
-(beyond :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times their noise) and above
-:data:`FORMULA_SUSPICION`, and computes the gradient along them in float64 (one float64 forward and backward for all).
-Where float64 autograd agrees with the float64 finite difference, the float32 gradient is only rounded: the probe stays
-``ok``. Where it disagrees by about what the float32 gradient does (the same formula's error, not another float64
-function), the probe is measured as a float64 model's would be, on the float64 copy, against float64 autograd, judged
-with :data:`FORMULA_SUSPICION` as its tolerance: a full stencil, a confirming one at a second step, a shifted point
-where the loss has a kink (:mod:`.shifted`). A failure that stands fails the probe; as after any failure, the tensors
-not probed yet are screened (there, along their float64 gradients), and the culprit search runs on the float64 copy,
-where the bug's diluted effect on module gradients stands far above float64's rounding. The tensor probes that fail
-there are reported with the search's probes.
+(:data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times their noise) and above :data:`FORMULA_SUSPICION`,
+and computes the gradient along them in float64 (one float64 forward and backward for all). Where float64 autograd
+agrees with the float64 finite difference, the float32 gradient is only rounded: the probe stays ``ok``. Where it
+disagrees by about what the float32 gradient does (the same formula's error, not another float64 function), the probe
+is measured as a float64 model's would be, on the float64 copy, against float64 autograd, with
+:data:`FORMULA_SUSPICION` as its tolerance: a full stencil, a confirming one, a shifted point where the loss has a
+kink (:mod:`.shifted`). A failure that stands fails the probe; as after any failure, the tensors not probed yet are
+screened (along their float64 gradients), and the culprit search runs on the float64 copy, where the bug's diluted
+effect on module gradients stands far above float64's rounding; the tensor probes failing there are reported with the
+search's probes.
 
 Healthy checks pay one float64 forward and backward where a probe crosses the threshold (float32 rounding of a large
 summed loss often does), and nothing more.
