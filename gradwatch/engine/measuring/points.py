@@ -145,13 +145,9 @@ class Measurements:
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()
                 if abs(self.center - reference_loss) > center_tolerance(reference_loss, native_dtype, torch.float64):
-                    self.evaluator.notes.append(
-                        Note(
-                            NoteCode.NO_FLOAT64_REMEASUREMENT,
-                            f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
-                            f"{reference_loss:.9g} natively",
-                        )
-                    )
+                    self.evaluator.notes.append(Note(NoteCode.NO_FLOAT64_REMEASUREMENT, (
+                        f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
+                        f"{reference_loss:.9g} natively")))  # fmt: skip
                     yield None
                 else:
                     yield substitutes

@@ -135,12 +135,8 @@ class Ladder:
         except Exception as error:
             if passes_fallbacks(error):
                 raise
-            notes.append(
-                Note(
-                    NoteCode.NO_FLOAT64_REMEASUREMENT,
-                    f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})",
-                )
-            )
+            notes.append(Note(NoteCode.NO_FLOAT64_REMEASUREMENT, (
+                f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")))  # fmt: skip
             return
         notes.append(
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")

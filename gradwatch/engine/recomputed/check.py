@@ -334,13 +334,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         replicas = disagreeing_replicas(probe_batch, params, grad_norms, plan.rtol, evaluator.notes)
         probes = probes or replicas
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
-            evaluator.notes.append(
-                Note(
-                    NoteCode.LOSS_NEAR_ZERO,
-                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                    f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.LOSS_NEAR_ZERO, (
+                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach "
+                f"{plan.rtol:.0%}")))  # fmt: skip
         elif not probes:
             measured = measured_probes(evaluator, reference, grad_norms, plan)
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized

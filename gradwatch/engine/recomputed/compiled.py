@@ -110,12 +110,8 @@ def compiled_probes(
     one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every tensor
     agrees; ``[]``, with a note, when the comparison could not be made."""
     if not hasattr(torch.compiler, "set_stance"):
-        notes.append(
-            Note(
-                NoteCode.COMPILED_UNSUPPORTED,
-                "the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_UNSUPPORTED, (
+            "the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)")))  # fmt: skip
         return []
     tensors = [p for _, p in params]
     try:
@@ -125,25 +121,17 @@ def compiled_probes(
         if passes_fallbacks(error):
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
-        notes.append(
-            Note(
-                NoteCode.COMPILED_WOULD_RECOMPILE,
-                "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph "
-                f"on this batch would recompile it ({type(error).__name__}: {first_line})",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_WOULD_RECOMPILE, (
+            "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph "
+            f"on this batch would recompile it ({type(error).__name__}: {first_line})")))  # fmt: skip
         return []
     with compiler_disabled():
         eager_loss, eager = _gradient(model, batch, loss_fn, tensors, state)
     if abs(compiled_loss - eager_loss) > REPRODUCIBILITY_TOLERANCE * abs(eager_loss) + 1e-30:
-        notes.append(
-            Note(
-                NoteCode.COMPILED_LOSS_DIFFERS,
-                "the compiled gradient was not compared with eager autograd's: the compiled loss "
-                f"({compiled_loss:.9g}) is not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks "
-                "differ from eager ones",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_LOSS_DIFFERS, (
+            "the compiled gradient was not compared with eager autograd's: the compiled loss "
+            f"({compiled_loss:.9g}) is not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks "
+            "differ from eager ones")))  # fmt: skip
         return []
     return _compare([name for name, _ in params], compiled, eager, rtol)
 

@@ -121,31 +121,19 @@ def confirm_precision(
             _mark_imprecise(task, fail_on_imprecise)
     dtype = str(native_dtype).removeprefix("torch.")
     if unreproduced:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNREPRODUCED,
-                f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
-                f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another "
-                "function)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNREPRODUCED, (
+            f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
+            f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another "
+            "function)")))  # fmt: skip
     if right:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNFAITHFUL_THERE,
-                f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
-                f"function there (its slope differs from the {dtype} one)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNFAITHFUL_THERE, (
+            f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
+            f"function there (its slope differs from the {dtype} one)")))  # fmt: skip
     if beyond:
-        evaluator.notes.append(
-            Note(
-                NoteCode.IMPRECISE_BEYOND_ROUNDING,
-                f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference "
-                f"but the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct "
-                f"formula explains (a backward wrong in {dtype} only?)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.IMPRECISE_BEYOND_ROUNDING, (
+            f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference "
+            f"but the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct "
+            f"formula explains (a backward wrong in {dtype} only?)")))  # fmt: skip
 
 
 def _measured_natively(

@@ -75,13 +75,9 @@ def confirm_formula(
     except Exception as error:  # the probes' verdicts stand as measured
         if passes_fallbacks(error):
             raise
-        evaluator.notes.append(
-            Note(
-                NoteCode.FORMULA_UNCHECKED,
-                f"no float64 check of the formula along {', '.join(dict.fromkeys(t.target for t in suspects))}: the "
-                f"loss raised {type(error).__name__} ({error})",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FORMULA_UNCHECKED, (
+            f"no float64 check of the formula along {', '.join(dict.fromkeys(t.target for t in suspects))}: the "
+            f"loss raised {type(error).__name__} ({error})")))  # fmt: skip
         return None
 
 

@@ -77,12 +77,8 @@ def measured_probes(
         except UnfaithfulFloat64Error as error:
             unfaithful = str(error)
     if unfaithful is not None:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNFAITHFUL,
-                f"probes run in the native precision: float64 evaluates another function ({unfaithful})",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNFAITHFUL, (
+            f"probes run in the native precision: float64 evaluates another function ({unfaithful})")))  # fmt: skip
         precision, plan = "native", fixed  # native 16-bit probes resolve no measured floor
         tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
             evaluator, reference, grad_norms, math.nan, plan
@@ -124,14 +120,10 @@ def _probe_with_inputs_if_accepted(
         except InputsRefusedError as refused:
             del evaluator.notes[noted:]  # the attempt's notes (a vectorised pass the refusal made fail) do not hold
             evaluator.inputs_refused = True
-            evaluator.notes.append(
-                Note(
-                    NoteCode.INPUTS_REFUSED,
-                    f"input probes skipped: the loss refuses displaced inputs ({refused}), as it does for an input "
-                    "that is also its target (in [0, 1] for binary_cross_entropy), a probability or a mask; parameters "
-                    "are probed",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.INPUTS_REFUSED, (
+                f"input probes skipped: the loss refuses displaced inputs ({refused}), as it does for an input "
+                "that is also its target (in [0, 1] for binary_cross_entropy), a probability or a mask; parameters "
+                "are probed")))  # fmt: skip
     settings = dataclasses.replace(plan.portfolio, probes=dataclasses.replace(plan.portfolio.probes, input_probes=0))
     without = dataclasses.replace(reference, input_grads={})
     return _probe(evaluator, without, grad_norms, center, dataclasses.replace(plan, portfolio=settings))
@@ -151,23 +143,15 @@ def _probe(
     ladder = plan.ladder(measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:
-        evaluator.notes.append(
-            Note(
-                NoteCode.NOTHING_TO_PROBE,
-                "no probe made: the model has no parameter to check and no input with a gradient",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.NOTHING_TO_PROBE, (
+            "no probe made: the model has no parameter to check and no input with a gradient")))  # fmt: skip
         return [], None, None
     screens = portfolio.screens(input_direction=not anchor.kind.traits.moves_inputs)
     unrestorable = evaluator.state.sandbox.unrestorable()
     if plan.vectorize and unrestorable:
         # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
-        evaluator.notes.append(
-            Note(
-                NoteCode.IN_PLACE_UNVECTORISED,
-                f"points evaluated one by one: the loss changes {unrestorable[0]} in place",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.IN_PLACE_UNVECTORISED, (
+            f"points evaluated one by one: the loss changes {unrestorable[0]} in place")))  # fmt: skip
     elif plan.vectorize:
         measurements.start_vectorizing()
     ladder.first_round(anchor, screens)
@@ -177,14 +161,10 @@ def _probe(
         extra = portfolio.localization(done)
         left = ladder.screen_and_escalate(extra, most=LOCALIZED_AT_MOST)
         if left:
-            evaluator.notes.append(
-                Note(
-                    NoteCode.LOCALIZATION_BUDGET,
-                    f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
-                    f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
-                    f"only the {LOCALIZED_AT_MOST} most significant were",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.LOCALIZATION_BUDGET, (
+                f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
+                f"only the {LOCALIZED_AT_MOST} most significant were")))  # fmt: skip
         ladder.remeasure_in_float64(extra)
         done += extra
     replacements = portfolio.replacements(done)

@@ -69,12 +69,8 @@ def reference_on_a_slice(
             if passes_fallbacks(error):
                 raise
             refused = True
-            notes.append(
-                Note(
-                    NoteCode.SLICE_REFUSED,
-                    f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})",
-                )
-            )
+            notes.append(Note(NoteCode.SLICE_REFUSED, (
+                f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")))  # fmt: skip
     if refused:
         notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
     evaluator = LossEvaluator(
@@ -99,14 +95,10 @@ def without_edited(
         return params, reference
     names = [name for i, (name, _) in enumerate(params) if i not in keep]
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    evaluator.notes.append(
-        Note(
-            NoteCode.EDITED_NOT_PROBED,
-            f"not probed: {shown}, which the loss changes itself (in place, rebound or requires_grad toggled), so the "
-            "function of them it evaluates is not the one autograd differentiates; gradwatch put them back after every "
-            "evaluation",
-        )
-    )
+    evaluator.notes.append(Note(NoteCode.EDITED_NOT_PROBED, (
+        f"not probed: {shown}, which the loss changes itself (in place, rebound or requires_grad toggled), so the "
+        "function of them it evaluates is not the one autograd differentiates; gradwatch put them back after every "
+        "evaluation")))  # fmt: skip
     params = [params[i] for i in keep]
     evaluator.params = params
     return params, dataclasses.replace(reference, param_grads=[reference.param_grads[i] for i in keep])
@@ -141,21 +133,13 @@ def reproduced_center(
             if abs(native - expected) > tolerance:
                 if compute_dtype == torch.float64 != native_dtype:
                     raise UnfaithfulFloat64Error(f"its loss is {center:.9g} there, {expected:.9g} in training")
-                evaluator.notes.append(
-                    Note(
-                        NoteCode.NOT_REPRODUCIBLE,
-                        f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
-                        f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
-                        "cannot replay",
-                    )
-                )
+                evaluator.notes.append(Note(NoteCode.NOT_REPRODUCIBLE, (
+                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
+                    f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
+                    "cannot replay")))  # fmt: skip
                 return None
-            evaluator.notes.append(
-                Note(
-                    NoteCode.AUTOGRAD_RECORDING,
-                    "evaluations run with autograd recording: the loss differs under torch.no_grad()",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.AUTOGRAD_RECORDING, (
+                "evaluations run with autograd recording: the loss differs under torch.no_grad()")))  # fmt: skip
         center = evaluator.loss()
     return center, _jitter(evaluator, center)
 

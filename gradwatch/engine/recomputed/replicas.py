@@ -87,12 +87,9 @@ def disagreeing_replicas(
                                 step=0.0, reason=Reason.DISCREPANCY))  # fmt: skip
     if probes:
         shown = ", ".join(p.target for p in probes[:6]) + (f" and {len(probes) - 6} more" if len(probes) > 6 else "")
-        notes.append(
-            Note(
-                NoteCode.REPLICAS_DISAGREE,
-                f"no probe made: rank(s) {sorted(ranks)} hold other values or compute another gradient (norms more "
-                f"than {rtol:.2g} apart) of {shown} than rank {replicas[0]}, on the same batch (tensor parallel: a "
-                "replicated parameter is updated alike on every rank of its group unless its gradients differed)",
-            )
-        )
+        notes.append(Note(NoteCode.REPLICAS_DISAGREE, (
+            f"no probe made: rank(s) {sorted(ranks)} hold other values or compute another gradient (norms more "
+            f"than {rtol:.2g} apart) of {shown} than rank {replicas[0]}, on the same batch (tensor parallel: a "
+            "replicated parameter is updated alike on every rank of its group unless its gradients "
+            "differed)")))  # fmt: skip
     return probes

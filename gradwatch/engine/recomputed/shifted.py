@@ -83,13 +83,9 @@ def confirm_at_a_shifted_point(
             return
         rest = failing[start + len(batch) :]
         if any(task.failed for task in batch) and rest:
-            evaluator.notes.append(
-                Note(
-                    NoteCode.SHIFT_BUDGET,
-                    f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
-                    f"{sum(task.failed for task in batch)} most significant failure(s) stood there",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.SHIFT_BUDGET, (
+                f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
+                f"{sum(task.failed for task in batch)} most significant failure(s) stood there")))  # fmt: skip
             return
 
 

@@ -170,15 +170,11 @@ class SixteenBitFloor:
         rtol = max(min(fixed, max(per_tensor, default=least)), least)
         low, high = min(per_tensor, default=rtol), max(per_tensor, default=rtol)
         middle = statistics.median(per_tensor) if per_tensor else rtol
-        self.notes.append(
-            Note(
-                NoteCode.SIXTEEN_BIT_FLOOR,
-                f"{_name(dtype)} parameters: tolerances per tensor from the noise floor measured on the model, "
-                f"{FLOOR_MULTIPLE:g}x each tensor's: {low:.3g} to {high:.3g} (median {middle:.3g}; the fixed "
-                f"{_name(dtype)} tolerance {fixed:g} holds for inputs); a probe over several tensors is judged against "
-                "their floors together",
-            )
-        )
+        self.notes.append(Note(NoteCode.SIXTEEN_BIT_FLOOR, (
+            f"{_name(dtype)} parameters: tolerances per tensor from the noise floor measured on the model, "
+            f"{FLOOR_MULTIPLE:g}x each tensor's: {low:.3g} to {high:.3g} (median {middle:.3g}; the fixed "
+            f"{_name(dtype)} tolerance {fixed:g} holds for inputs); a probe over several tensors is judged against "
+            "their floors together")))  # fmt: skip
         return dataclasses.replace(self.plan, rtol=rtol, measured_floor=True, tolerances=tolerances)
 
     def _other_realizations(self, dtype: torch.dtype) -> list[list[float]]:
@@ -210,13 +206,9 @@ class SixteenBitFloor:
 
     def _fixed(self, why: str) -> ProbePlan:
         dtype = self.plan.native_dtype
-        self.notes.append(
-            Note(
-                NoteCode.SIXTEEN_BIT_FLOOR,
-                f"{_name(dtype)} parameters: the fixed tolerance {self.plan.rtol:.3g}, no floor measured ({why}"
-                f"{self.error})",
-            )
-        )
+        self.notes.append(Note(NoteCode.SIXTEEN_BIT_FLOOR, (
+            f"{_name(dtype)} parameters: the fixed tolerance {self.plan.rtol:.3g}, no floor measured ({why}"
+            f"{self.error})")))  # fmt: skip
         return self.plan
 
     def _guarded(self, measure: Callable[[], list[Tensor] | None]) -> list[Tensor] | None:
