@@ -268,11 +268,8 @@ def _culprits_of_twin(
     except Exception as error:  # the verdict stands; the model's own search with it
         if passes_fallbacks(error):
             raise
-        session.trailing.append(
-            Note(
-                NoteCode.CULPRIT_ABANDONED, f"no float32 twin search: its check raised {type(error).__name__} ({error})"
-            )
-        )
+        text = f"no float32 twin search: its check raised {type(error).__name__} ({error})"
+        session.trailing.append(Note(NoteCode.CULPRIT_ABANDONED, text))
         return own
     if found.verdict != Verdict.FAIL:
         return own

@@ -153,11 +153,11 @@ def _refused(step: int, text: str, code: NoteCode = NoteCode.LOSS_COLLECTIVES) -
 
 
 def _together(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, split: bool, **check: Any) -> CheckReport:
-    """This step's gradient recomputed on every rank (averaged as DDP averages it, or each rank's own part's where
-    the model is ``split`` by hand) against the ranks' losses, every rank evaluating them together at the same points
-    (:func:`~gradwatch.check_applied_gradient` with ``group``); no culprit search (it would differentiate a rank's own
-    loss). ``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
-    probe options apply."""
+    """This step's gradient recomputed on every rank (averaged as DDP averages it, or each rank's own part's where the
+    model is ``split`` by hand) against the ranks' losses, every rank evaluating them together at the same points
+    (:func:`~gradwatch.check_applied_gradient` with ``group``), without a culprit search (it would differentiate a
+    rank's own loss); of ``check``, :func:`~gradwatch.check_gradients`'s keyword arguments, the step, the optimizers and
+    the probe options apply."""
     from gradwatch.engine.applied.check import check_applied_gradient  # here: it imports check_gradients, decorated
 
     step = int(check.get("step", 0))
@@ -176,9 +176,8 @@ def _together(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, split: 
 
 
 def split_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, **check: Any) -> CheckReport:
-    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): this
-    step's gradient recomputed on every rank, each its own part's, against the sum of the ranks' losses, every rank
-    evaluating it together as the applied check of such a model does."""
+    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): each
+    rank's own part's gradient against the sum of the ranks' losses, as the applied check of such a model does."""
     return _together(model, batch, loss_fn, group, True, **check)
 
 

@@ -53,9 +53,9 @@ class MeasuredProbes:
 def measured_probes(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], plan: ProbePlan
 ) -> MeasuredProbes:
-    """The check's probes, measured in the precision the ``plan`` asks for (again natively, with a note, when the
-    float64 evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate
-    gradients recognised (:mod:`gradwatch.engine.recomputed.signatures`)."""
+    """The check's probes, measured in the precision the ``plan`` asks for (natively again, with a note, where float64
+    is not the model's function), their failures confirmed, deliberate surrogate gradients recognised
+    (:mod:`.signatures`)."""
     model = evaluator.model
     floor, fixed = None, plan
     if wanted(plan, evaluator.params):
@@ -111,8 +111,8 @@ def measured_probes(
 def _probe_with_inputs_if_accepted(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
 ) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
-    """:func:`_probe`; when the loss refuses displaced inputs (an input that is also a target in [0, 1], a mask), the
-    probes again without input probes, with a note: the refusal costs the input probes, never the check."""
+    """:func:`_probe`, again without input probes (with a note) when the loss refuses displaced inputs (an input that is
+    also a target in [0, 1], a mask): the refusal costs the input probes, never the check."""
     if not evaluator.inputs_refused:
         noted = len(evaluator.notes)
         try:
@@ -132,8 +132,8 @@ def _probe_with_inputs_if_accepted(
 def _probe(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
 ) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
-    """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
-    replacements of coordinates that crossed a kink. Returns the probes, their portfolio and their measurements."""
+    """The check's probes (the portfolio's anchor and screens up the ladder, the tensors after a failure, the
+    replacements of coordinates that crossed a kink), their portfolio and their measurements."""
     compute_dtype = least_precise([p.dtype for _, p in evaluator.params])
     reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
     if reproduced is None:
