@@ -6,10 +6,9 @@ verified gradient (before the loop clips it) and of the optimizer's state for it
 group's hyperparameters as they are before the step (a learning-rate scheduler changes them after). Nothing of the
 optimizer itself is touched: its state is read, never written.
 
-:func:`update_tensors` chooses the tensors as the applied check chooses those it probes one by one: a few in turn over
-a series of checks (``rotation``), always with a matrix among them when the optimizer updates one (Muon's update is a
-function of the whole matrix), tensors too large to copy and step on one device cheaply left out while smaller ones
-remain.
+:func:`update_tensors` chooses them as the applied check chooses those it probes one by one: a few in turn over a series
+of checks (``rotation``), a matrix among them when the optimizer updates one (Muon's update is a function of the whole
+matrix), tensors too large to copy and step on one device cheaply left out while smaller ones remain.
 
 Under sharding (FSDP2's ``DTensor`` parameters and state, DeepSpeed ZeRO's fp32 partitions) only the checked
 tensors and their state are gathered whole (:mod:`gradwatch.engine.distributed.whole`, a collective: every rank takes
@@ -55,9 +54,9 @@ def update_tensors(
     optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0,
     graded: Collection[str] | None = None,
 ) -> list[tuple[str, Tensor]]:  # fmt: skip
-    """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
-    updates (any, for ``None``) that have a gradient (a ``.grad``, or a name in ``graded``: the gradients an engine
-    keeps elsewhere), in turn from the ``rotation``-th, a matrix among them (see the module doc)."""
+    """The ``count`` of ``named`` (the checked parameters) an update check compares, in turn from the ``rotation``-th:
+    those ``optimizer`` updates (any, for ``None``) that have a gradient (a ``.grad``, or a name in ``graded``: the
+    gradients an engine keeps elsewhere), a matrix among them (see the module doc)."""
     updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
     candidates = [
         (n, p)
