@@ -27,7 +27,6 @@ import torch
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
 from gradwatch.engine.probing.judges import Judge, Tolerance
@@ -101,10 +100,7 @@ class Ladder:
             suspects.sort(key=significance, reverse=True)
             suspects, left = suspects[:most], suspects[most:]
             for task in left:
-                result = task.result
-                assert result is not None
-                fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-                task.result = Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)
+                task.mark("inconclusive", "unresolved")
         self._prefetch([(task, HALF_OFFSETS) for task in suspects])
         for task in suspects:
             self._full(task)

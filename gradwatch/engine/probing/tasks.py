@@ -7,7 +7,7 @@ escalates them, and the check turns each into the :class:`~gradwatch.engine.resu
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
@@ -55,6 +55,11 @@ class ProbeTask:
     def failed(self) -> bool:
         """Whether the probe's last result is a failure."""
         return self.result is not None and self.result.verdict == "fail"
+
+    def mark(self, verdict: str, reason: str) -> None:
+        """Give the last result another verdict and reason, its measurements as they are."""
+        assert self.result is not None
+        self.result = replace(self.result, verdict=verdict, reason=reason)
 
     def probe(self) -> Probe:
         """The finished probe, as reported."""

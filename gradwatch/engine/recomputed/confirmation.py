@@ -118,7 +118,7 @@ def confirm_precision(
             beyond.append(task.target)
             limit = max(limit, multiple * plan.rtol_of(task))
         else:
-            _mark_imprecise(task, fail_on_imprecise)
+            task.mark("fail" if fail_on_imprecise else "ok", "imprecise")  # a right formula, imprecise natively
     dtype = str(native_dtype).removeprefix("torch.")
     if unreproduced:
         evaluator.notes.append(Note(NoteCode.FLOAT64_UNREPRODUCED, (
@@ -179,12 +179,3 @@ def _agrees(task: ProbeTask, precise: float) -> bool:
     assert result is not None
     allowed = max(relative_tolerance(torch.float64) * result.scale, SIGNIFICANCE * result.noise)
     return abs(precise - result.numeric) <= allowed
-
-
-def _mark_imprecise(task: ProbeTask, fail_on_imprecise: bool) -> None:
-    """A right formula imprecise natively: ``ok`` (``fail`` with ``fail_on_imprecise``), reason ``"imprecise"``."""
-    result = task.result
-    assert result is not None
-    verdict = "fail" if fail_on_imprecise else "ok"
-    task.result = Assessment(result.numeric, result.discrepancy, result.noise, result.scale, verdict, "imprecise",
-                             loss_noise=result.loss_noise)  # fmt: skip

@@ -37,7 +37,7 @@ from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST, Ladder
 from gradwatch.engine.probing.plan import ProbePlan
@@ -122,7 +122,7 @@ def _confirmed(
         if not confirmed:
             return None
         for task, _ in confirmed:
-            _fail(task)
+            task.mark("fail", "discrepancy")
         note = _note(confirmed)
         evaluator.notes.append(note)
         located = [task for task in extra if task.failed]
@@ -196,13 +196,6 @@ def _on_float64(evaluator: LossEvaluator, with_inputs: bool) -> Iterator[Referen
         finally:
             evaluator.params = native_params
             evaluator.use_native_inputs()
-
-
-def _fail(task: ProbeTask) -> None:
-    result = task.result
-    assert result is not None
-    fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-    task.result = Assessment(*fields, "fail", "discrepancy", loss_noise=result.loss_noise)
 
 
 def _note(confirmed: Sequence[tuple[ProbeTask, ProbeTask]]) -> Note:

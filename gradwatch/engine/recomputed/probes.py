@@ -90,8 +90,10 @@ def measured_probes(
     progress = None
     if portfolio is not None:
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
-        if any(task.failed for task in tasks):
-            _confirm_failures(evaluator, tasks, portfolio, plan, precision)
+        if any(task.failed for task in tasks):  # float64 autograd must disagree too, and at a shifted point
+            if precision == "float64":
+                confirm_precision(evaluator, portfolio, tasks, plan)
+            confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, precision)
         # a formula fault within the tolerance is searched for on the float64 copy it was confirmed on
         found = confirm_formula(evaluator, portfolio, tasks, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
@@ -171,17 +173,6 @@ def _probe(
     ladder.screen_and_escalate(replacements)
     done += replacements
     return done, portfolio, measurements
-
-
-def _confirm_failures(
-    evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: ProbePlan, mode: str
-) -> None:
-    """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
-    only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
-    :mod:`gradwatch.engine.recomputed.confirmation`. ``mode`` is the precision the probes were measured in."""
-    if mode == "float64":
-        confirm_precision(evaluator, portfolio, tasks, plan)
-    confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, mode)
 
 
 def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:

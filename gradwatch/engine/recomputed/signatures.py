@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import measure
-from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.assessment import SIGNIFICANCE
 from gradwatch.engine.numerics.norms import norm
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.portfolio import Portfolio
@@ -60,7 +60,7 @@ def straight_through(
         return []
     for i in found:
         for task in by_tensor[i]:
-            _mark(task)
+            task.mark("inconclusive", "surrogate")
     _explain_descent(tasks, portfolio, found, rtol)
     names = [name for name, _ in evaluator.params]
     tensors = [names[i] for i in found]
@@ -129,13 +129,6 @@ def _moves_coarsely(evaluator: LossEvaluator, portfolio: Portfolio, i: int) -> b
     return math.isfinite(change) and change > max(MOVED * predicted, rounding)
 
 
-def _mark(task: ProbeTask) -> None:
-    result = task.result
-    assert result is not None
-    fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-    task.result = Assessment(*fields, "inconclusive", "surrogate", loss_noise=result.loss_noise)
-
-
 def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: Sequence[int], rtol: float) -> None:
     """Mark the failing descent probe inconclusive if the straight-through tensors' share of its predicted decrease
     is all it is missing."""
@@ -146,7 +139,7 @@ def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: 
     share = sum(portfolio.tensor_grad_norms[i] ** 2 for i in tensors) / slope if slope else 0.0
     result = descent.result
     if abs(result.numeric - (slope - share)) <= max(SIGNIFICANCE * result.noise, rtol * result.scale):
-        _mark(descent)
+        descent.mark("inconclusive", "surrogate")
 
 
 def ignore_patterns(tensors: Sequence[str], names: Sequence[str]) -> list[str]:
