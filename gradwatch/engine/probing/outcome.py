@@ -1,9 +1,7 @@
-"""What the measuring part of a check produced, and the verdict of its probes: one record and one rule for both the
-recomputed and the applied check.
-
-Each check's measurement plan ends in an :class:`Outcome` (the recomputed check's adds its probe batch, precision and
-tolerance; the applied check's its floors and attribution), and its report takes the common fields from
-:meth:`Outcome.report_fields`, the verdict from :func:`overall_verdict`.
+"""What the measuring part of a check produced (:class:`Outcome`), and the verdict of its probes
+(:func:`overall_verdict`): one record and one rule for the recomputed and the applied check, whose measurement plans
+extend the record (a probe batch, precision and tolerance; floors and attribution) and take their report's common fields
+from :meth:`Outcome.report_fields`.
 """
 
 from __future__ import annotations

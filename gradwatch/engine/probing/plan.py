@@ -1,9 +1,7 @@
 """What the probes of a recomputed check are asked to do, as one object: :class:`ProbePlan`.
 
-The check (:mod:`gradwatch.engine.recomputed.check`) makes it once from its settings and the model; the probes
-(:mod:`gradwatch.engine.recomputed.probes`), their confirmations (:mod:`gradwatch.engine.recomputed.confirmation`,
-:mod:`gradwatch.engine.recomputed.shifted`) and the culprit search take it whole, with the ladder it builds for any
-measurements (:meth:`ProbePlan.ladder`), rather than its parts one by one.
+The check (:mod:`gradwatch.engine.recomputed.check`) makes it once; the probes, their confirmations and the culprit
+search take it whole, with the ladder it builds for any measurements (:meth:`ProbePlan.ladder`).
 """
 
 from __future__ import annotations

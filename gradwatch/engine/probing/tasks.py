@@ -1,7 +1,6 @@
-"""A probe while it is being measured: what it moves, at which step, and what its stencils have said so far.
-
-The portfolio (:mod:`.portfolio`) creates :class:`ProbeTask` objects, the ladder (:mod:`.ladder`) measures and
-escalates them, and the check turns each into the :class:`~gradwatch.engine.results.report.Probe` users see.
+"""A probe while it is being measured (:class:`ProbeTask`): what it moves, at which step, and what its stencils have
+said so far. The portfolio (:mod:`.portfolio`) creates them, the ladder (:mod:`.ladder`) measures and escalates them,
+and the check turns each into the :class:`~gradwatch.engine.results.report.Probe` users see.
 """
 
 from __future__ import annotations
