@@ -14,6 +14,7 @@ from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.settings import ProbeSettings
 
 
 class WithUnusedLayer(nn.Module):
@@ -26,16 +27,15 @@ class WithUnusedLayer(nn.Module):
         return self.body(x)
 
 
-def _portfolio(**settings: int) -> tuple[Portfolio, LossEvaluator, Reference]:
+def _portfolio(rotation: int = 0, **settings: int) -> tuple[Portfolio, LossEvaluator, Reference]:
     torch.manual_seed(0)
     model = WithUnusedLayer()
     params = list(model.named_parameters())
     evaluator = LossEvaluator(model, classification_batch(), cross_entropy_loss, params, TrainingState.capture(model))
     reference = evaluator.reference()
     grads = [g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)]
-    options = {"tensor_probes": 2, "random_probes": 1, "param_probes": 3, "input_probes": 2, "rotation": 0}
-    options.update(settings)
-    chosen = PortfolioSettings(seed=0, step=0, focus=(), **options)
+    options = {"tensor_probes": 2, "random_probes": 1, "param_probes": 3, "input_probes": 2} | settings
+    chosen = PortfolioSettings(ProbeSettings(**options), step=0, rotation=rotation, focus=())
     return Portfolio(evaluator, reference, norms(grads, exact=True), chosen, torch.float32), evaluator, reference
 
 

@@ -32,6 +32,7 @@ from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind, Reason
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import DESCENT_TARGET, Probe
+from gradwatch.engine.settings import ProbeSettings
 
 
 class AppliedProbes:
@@ -150,7 +151,7 @@ class AppliedProbes:
         if not any(row.made_by for row in PROBE_KINDS.values()):
             return []
         reference = Reference(self.measurements.reference, list(self.grads), {})
-        settings = PortfolioSettings(0, 0, 0, 0, seed=0, step=0, rotation=0, focus=())
+        settings = PortfolioSettings(ProbeSettings(0, 0, 0, 0), step=0, rotation=0, focus=())
         portfolio = Portfolio(self.measurements.evaluator, reference, self.grad_norms, settings, self.native_dtype)
         found: list[Measured | None] = []
         for task in portfolio.every_check():

@@ -12,7 +12,7 @@ Perturbed values are always restored by copying the saved originals back, inside
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -37,16 +37,24 @@ class Displacement:
     predicted: float
 
 
-class CoordinateDirection:
-    """One coordinate ``tensor[index]``; its analytic derivative is ``gradient``. In a sharded check ``index`` is
-    global and ``tensor`` a shard: the rank that holds the coordinate moves it, the others move nothing.
+class _Moving:
+    """What every direction derives from its :meth:`moving`."""
 
-    Args:
-        tensor: A parameter, or a working input of the evaluator.
-        index: The coordinate.
-        gradient: The analytic derivative at that coordinate (0 when autograd gave none).
-        after_write: Called after every write to ``tensor`` (the evaluator tracks in-place changes of its inputs).
-    """
+    def moving(self) -> AbstractContextManager[Callable[[float], Displacement]]:
+        raise NotImplementedError
+
+    @contextmanager
+    def displaced(self, offset: float) -> Iterator[Displacement]:
+        """Move by ``offset`` along the direction (rounded to the dtype); yield the displacement obtained."""
+        with self.moving() as move:
+            yield move(offset)
+
+
+class CoordinateDirection(_Moving):
+    """One coordinate ``tensor[index]`` of a parameter or a working input, whose analytic derivative is ``gradient``
+    (0 when autograd gave none); ``after_write`` is called after every write (the evaluator tracks in-place changes
+    of its inputs). In a sharded check ``index`` is global and ``tensor`` a shard: the rank that holds the coordinate
+    moves it, the others move nothing."""
 
     def __init__(
         self,
@@ -70,19 +78,12 @@ class CoordinateDirection:
 
     @property
     def tensors(self) -> list[Tensor]:
-        """The tensor the direction moves, as a list (like :attr:`VectorDirection.tensors`)."""
         return [self.tensor]
 
     @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        """Set the coordinate to ``value + offset`` as represented in its dtype; yield the displacement obtained."""
-        with self.moving() as move:
-            yield move(offset)
-
-    @contextmanager
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
-        """Yield ``move(offset)``, which sets the coordinate to ``value + offset`` and returns the displacement
-        obtained; the value is restored once, on leaving."""
+        """Yield ``move(offset)``, which sets the coordinate to ``value + offset`` and returns the displacement;
+        restored on leaving."""
 
         def move(offset: float) -> Displacement:
             moved, displacement = self._moved(offset)
@@ -126,31 +127,20 @@ class CoordinateDirection:
             self._after_write()
 
 
-class VectorDirection:
+class VectorDirection(_Moving):
     """Several tensors moved together along ``v = coefficient · (weight_T · component_T)_T``, a unit vector over all of
-    them.
+    them (the descent probe: ``components`` the gradients, ``coefficient = 1/‖g‖``; a cover probe: weighted gradients,
+    no copy of them); the analytic slope is ``g · v``.
 
-    The descent probe moves every parameter along ``ĝ`` (``components`` the gradients, ``coefficient = 1/‖g‖``); a
-    tensor probe moves one parameter along its own ``g_T/‖g_T‖``; a cover probe moves a group of parameters along their
-    gradients, each weighted so that it contributes equally to the slope (``weights``, no copy of the gradients); a
-    random probe along a random unit vector; the input probe moves the floating inputs along their gradient. The
-    analytic slope is ``g · v``.
+    While it moves the tensors it holds a copy of their original values (every restore is an exact copy) and its
+    components in the tensors' dtypes. Over more than :data:`KEPT_COPY_ELEMENTS` elements it frees both when the move
+    ends (:meth:`moving`), so that a large model's probes hold one such copy at a time (in float64 each is twice the
+    float32 parameters), and restores a float64 substitute from its parameter; a smaller one keeps them.
 
-    While it moves the tensors it holds one copy of their original values, so that every restore is an exact copy, and
-    its components in the tensors' dtypes. A direction over more than :data:`KEPT_COPY_ELEMENTS` elements frees both
-    when the move ends (:meth:`moving`), so that the probes of a large model hold one such copy at a time, not one each
-    (on a model probed in float64 each is twice the float32 parameters), and restores a float64 substitute from its
-    parameter; a smaller one keeps them for its next move.
-
-    Args:
-        tensors: The tensors to move (parameters, or working inputs of the evaluator).
-        components: The direction, one tensor per entry of ``tensors`` (scaled by ``coefficient``).
-        grads: Autograd's gradient for each tensor.
-        coefficient: The factor that makes ``components`` a unit vector.
-        after_write: Called after every write (the evaluator tracks in-place changes of its inputs).
-        components_norm: ``‖components‖``, accumulated in float64, when known; when ``components`` is ``grads`` it
-            gives the analytic slope ``coefficient · ‖g‖²`` without another pass over the gradients.
-        weights: A factor per tensor on its component (``None``: 1 for each).
+    ``tensors`` are parameters or working inputs of the evaluator, ``grads`` autograd's gradient of each, ``weights`` a
+    factor per tensor on its component (``None``: 1), ``after_write`` as for :class:`CoordinateDirection`.
+    ``components_norm``: ``‖components‖`` in float64, when known; when ``components`` is ``grads`` it gives the analytic
+    slope ``coefficient · ‖g‖²`` without another pass over the gradients.
     """
 
     def __init__(
@@ -186,21 +176,15 @@ class VectorDirection:
         self._after_write = after_write
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
-        """Move, from now on, the tensor standing in for each of ours (keyed by ``id``), e.g. its float64 copy."""
+        """As :meth:`CoordinateDirection.substitute`, for each tensor."""
         self.tensors = [replacements.get(id(t), t) for t in self.tensors]
         self._origin = None
         self._components_cast = None
 
     @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        """Move every tensor by ``offset · v`` (rounded to its dtype); yield the displacement obtained."""
-        with self.moving() as move:
-            yield move(offset)
-
-    @contextmanager
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
         """Yield ``move(offset)``, which moves every tensor to ``origin + offset · v`` (rounded to its dtype) and
-        returns the displacement obtained; the tensors are restored once, on leaving (each move overwrites them)."""
+        returns the displacement; restored on leaving."""
         # a float64 substitute is restored from its parameter (exact in float64): no float64 copy of the model kept
         if self._origin is None:
             self._origin = [_origin_of(t, self._large) for t in self.tensors]
@@ -230,9 +214,8 @@ class VectorDirection:
     """:meth:`displace_rows` writes every element of its rows."""
 
     def displace_rows(self, offsets: Sequence[float], rows: Mapping[int, Tensor]) -> list[Displacement]:
-        """Write the tensors moved by each ``offset · v`` into one row of ``rows[id(tensor)]`` (float64, stacked along a
-        new leading dimension, one per offset), instead of moving the tensors: one broadcast operation per tensor for
-        all offsets. The displacements are taken as intended (see :meth:`_move_as_intended`)."""
+        """As :meth:`CoordinateDirection.displace_rows` (float64 rows), one broadcast operation per tensor for all
+        offsets; the displacements taken as intended (:meth:`_move_as_intended`)."""
         factors = torch.tensor(
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
@@ -245,7 +228,6 @@ class VectorDirection:
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
-        """The components in the dtypes of the tensors they move (cast once per move)."""
         if self._components_cast is None:
             self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
         return self._components_cast
@@ -290,7 +272,6 @@ class VectorDirection:
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
-        """``‖v‖²``, computed once."""
         if self._norm_squared is None:
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
@@ -307,15 +288,10 @@ def _origin_of(tensor: Tensor, large: bool) -> Tensor:
     return source.detach() if source is not None else tensor.detach().clone()
 
 
-class HookedDirection:
-    """A displacement that only the forward pass sees: a module's output, its inputs as the module receives them, or
-    its parameters during its own call (see :mod:`gradwatch.engine.culprits`). The direction is a unit vector; hooks
-    the owner installed add ``offset ×`` it where it applies, and :meth:`moving` sets the offset they read.
-
-    Args:
-        analytic: Autograd's derivative along the direction.
-        set_offset: Sets the offset the hooks add (0 turns them off).
-    """
+class HookedDirection(_Moving):
+    """A displacement only the forward pass sees (a module's output, its inputs, or its parameters during its own call:
+    :mod:`gradwatch.engine.culprits`), along a unit vector the owner's hooks add ``offset ×`` of; ``set_offset`` sets
+    the offset they read (0 turns them off), ``analytic`` is autograd's derivative along it."""
 
     def __init__(self, analytic: float, set_offset: Callable[[float], None]) -> None:
         self.analytic = analytic
@@ -323,7 +299,7 @@ class HookedDirection:
 
     @contextmanager
     def moving(self) -> Iterator[Callable[[float], Displacement]]:
-        """Yield ``move(offset)``, which makes the hooks add ``offset ×`` the direction; off again on leaving."""
+        """Yield ``move(offset)``, which makes the hooks add ``offset ×`` the direction; off on leaving."""
 
         def move(offset: float) -> Displacement:
             self._set_offset(offset)
@@ -334,15 +310,8 @@ class HookedDirection:
         finally:
             self._set_offset(0.0)
 
-    @contextmanager
-    def displaced(self, offset: float) -> Iterator[Displacement]:
-        with self.moving() as move:
-            yield move(offset)
-
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """Nothing to substitute: the hooks displace whatever tensors the forward computes."""
 
 
 Direction = CoordinateDirection | VectorDirection | HookedDirection
-
-"""A direction any probe moves along."""

@@ -29,11 +29,8 @@ Request = tuple[Direction, float, Sequence[float]]
 
 
 def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
-    """Evaluate the loss at ``offset × step`` along ``direction`` for each of ``offsets``, one point at a time.
-
-    Raises:
-        InputsRefusedError: ``direction`` moves inputs and the loss raised there.
-    """
+    """The loss at ``offset × step`` along ``direction`` for each of ``offsets``, one point at a time; an
+    :class:`InputsRefusedError` where ``direction`` moves inputs and the loss raises there."""
     inputs = {id(tensor) for tensor in evaluator.inputs.values()}
     moves_inputs = any(id(tensor) in inputs for tensor in getattr(direction, "tensors", ()))  # activations: none
     points = []
@@ -52,13 +49,9 @@ def measure(evaluator: LossEvaluator, direction: Direction, step: float, offsets
 
 
 class Measurements:
-    """The loss at the points of a check's probes, around one centre.
-
-    Args:
-        evaluator: The check's evaluator (on float64 storage for float64 probes).
-        center: The loss at the unperturbed point, in the precision the probes evaluate it in.
-        jitter: How much two evaluations of the centre differ (non-deterministic kernels), in loss units.
-    """
+    """The loss at the points of a check's probes around ``center``, the loss at the unperturbed point in the
+    probes' precision, with the ``evaluator`` (on float64 storage for float64 probes); ``jitter``: how much two
+    evaluations of the centre differ (non-deterministic kernels), in loss units."""
 
     def __init__(self, evaluator: LossEvaluator, center: float, jitter: float = 0.0) -> None:
         self.evaluator = evaluator
@@ -83,7 +76,7 @@ class Measurements:
         return None if self.vectorized is None else self.vectorized.outcome
 
     def start_vectorizing(self) -> None:
-        """Evaluate points ahead in vectorised passes from now on, if the loss allows it (see :func:`obstacle`)."""
+        """Evaluate points ahead in vectorised passes from now on, if the loss allows it (:func:`obstacle`)."""
         if self.evaluator.grad_mode:
             return
         reason = obstacle(self.evaluator)
@@ -94,8 +87,7 @@ class Measurements:
             self.evaluator.notes.append(Note(reason.code, f"points evaluated one by one: {reason}"))
 
     def prefetch(self, requests: Sequence[Request]) -> None:
-        """Evaluate ahead, together, the requested points that are not known yet, when the check evaluates points in
-        vectorised passes; nothing otherwise."""
+        """Evaluate the requested points not known yet ahead, together, when the check vectorises."""
         if self.vectorized is None or not self.vectorized.usable:
             return
         wanted = [
@@ -111,8 +103,7 @@ class Measurements:
                 self._ahead[key] = result
 
     def points(self, direction: Direction, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
-        """The loss at ``offset × step`` along ``direction`` for each offset: evaluated ahead if it was, else now, one
-        point at a time."""
+        """The loss at ``offset × step`` along ``direction`` for each offset: evaluated ahead, else now."""
         known = {
             offset: self._ahead.pop(key) for offset in offsets if (key := (direction, step, offset)) in self._ahead
         }
@@ -140,16 +131,11 @@ class Measurements:
     def in_float64(
         self, reference_loss: float, native_dtype: torch.dtype, moved: Collection[int] = ()
     ) -> Iterator[dict[int, Tensor] | None]:
-        """Evaluate on float64 storage for the duration (see :func:`float64_storage`), around the float64 centre.
-
-        A model beyond the float64 limit (:data:`AUTO_FLOAT64_ELEMENTS`) gets float64 substitutes only for ``moved``
-        (the ``id`` of the parameters the probes move), the rest cast where used: no float64 copy of the whole model.
-
-        Yields the float64 substitute of each parameter, keyed by ``id(parameter)``, for the probes to move; or
-        ``None``, with a note, when the float64 loss at the centre is not the ``reference_loss`` autograd computed in
-        ``native_dtype`` (the float64 evaluation is then another function). The centre, the compute dtype and the
-        evaluator's inputs are put back afterwards.
-        """
+        """Evaluate on float64 storage for the duration (:func:`float64_storage`), around the float64 centre; beyond
+        :data:`AUTO_FLOAT64_ELEMENTS` only ``moved`` (the ``id`` of the parameters the probes move) get float64
+        substitutes, the rest cast where used. Yields the substitutes by ``id(parameter)``, or ``None``, with a note,
+        when the float64 centre is not the ``reference_loss`` autograd computed in ``native_dtype`` (another function).
+        The centre, the compute dtype and the evaluator's inputs are put back afterwards."""
         native_center, native_dtype_used = self.center, self.compute_dtype
         try:
             model = self.evaluator.model
@@ -159,13 +145,9 @@ class Measurements:
                 self.evaluator.use_float64_inputs()
                 self.center = self.evaluator.loss()
                 if abs(self.center - reference_loss) > center_tolerance(reference_loss, native_dtype, torch.float64):
-                    self.evaluator.notes.append(
-                        Note(
-                            NoteCode.NO_FLOAT64_REMEASUREMENT,
-                            f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
-                            f"{reference_loss:.9g} natively",
-                        )
-                    )
+                    self.evaluator.notes.append(Note(NoteCode.NO_FLOAT64_REMEASUREMENT, (
+                        f"no float64 re-measurement: the loss is {self.center:.9g} in float64, "
+                        f"{reference_loss:.9g} natively")))  # fmt: skip
                     yield None
                 else:
                     yield substitutes

@@ -57,7 +57,6 @@ MEMORY = 2**28
 Move = tuple[CoordinateDirection | VectorDirection, float]
 """A point of a vectorised pass: a direction that writes stacked rows (hooked directions are evaluated one by one)
 and the offset along it."""
-"""A point: a direction and the offset along it."""
 
 
 def memory_budget(params: Sequence[Tensor]) -> int:
@@ -110,14 +109,10 @@ class VectorizedLoss:
         return results
 
     def _passes(self, moves: Sequence[Move]) -> list[list[int]]:
-        """Group the points into passes that fit the memory budget.
-
-        Points that move the whole network (several parameter tensors, as the descent probe does, or an input) go
-        together, apart from the points that move one parameter tensor: in passes of their own, the latter batch only
-        the layers from the first tensor they move on. Those are taken in the order of the parameters and, on a model
-        whose points have :data:`SPLIT_ACTIVATIONS` or more, split in two passes (see :meth:`_halves`), so that the
-        later pass batches fewer layers. Points that do not fit a pass of their own, and passes of fewer than
-        :data:`MIN_POINTS`, are left out.
+        """The points in passes that fit the memory budget: those that move the whole network (several parameter
+        tensors, or an input) apart from those that move one parameter tensor, which then batch only the layers from
+        that tensor on; the latter in the order of the parameters, split in two (:meth:`_halves`) from
+        :data:`SPLIT_ACTIVATIONS`. Points that fit no pass, and passes of fewer than :data:`MIN_POINTS`, are left out.
         """
         whole: list[int] = []
         single: list[int] = []
@@ -134,17 +129,13 @@ class VectorizedLoss:
         return [group for group in passes if len(group) >= MIN_POINTS]
 
     def _halves(self, group: list[int], moves: Sequence[Move]) -> list[list[int]]:
-        """One-tensor points, in the order of their tensors, as two passes split between two tensors near the middle;
-        as one pass if a half would have fewer than :data:`MIN_POINTS`.
-
-        The later pass batches only the layers from its first tensor on, and the earlier pass does not batch them for
-        the later pass's points. Measured on the overhead benchmark's models (16 points, CPU, 2.5 and 8 MB of float64
-        activations per point): one check took 27.6 ms (CNN) and 58.4 ms (GPT) with one pass for them, 23.7 and 57.5
-        ms with two, and more again with three or four, whose fixed costs (the layers before the first moved tensor,
-        computed once per pass, and the pass's own overhead) outweigh what they save. The detection benchmark's models
-        (0.06-0.3 MB per point) gained nothing from two passes, and the smallest lost up to 1.3 ms: hence
-        :data:`SPLIT_ACTIVATIONS`.
-        """
+        """One-tensor points, in the order of their tensors, as two passes split between two tensors near the middle
+        (one pass if a half would have fewer than :data:`MIN_POINTS`), so that the later batches fewer layers. Measured
+        on the overhead benchmark's models (16 points, CPU, 2.5 and 8 MB of float64 activations per point): one check
+        took 27.6 ms (CNN) and 58.4 ms (GPT) with one pass for them, 23.7 and 57.5 ms with two, and more again with
+        three or four, whose fixed costs (the layers before the first moved tensor, computed once per pass, and the
+        pass's own overhead) outweigh what they save. The detection benchmark's models (0.06-0.3 MB per point) gained
+        nothing from two passes, and the smallest lost up to 1.3 ms: hence :data:`SPLIT_ACTIVATIONS`."""
         positions = [self._positions[id(moves[i][0].tensors[0])] for i in group]
         cuts = [
             k
@@ -211,12 +202,8 @@ class VectorizedLoss:
 
 def _stacks(moves: Sequence[Move], first_slot: int) -> tuple[dict[int, Tensor], list[Displacement]]:
     """Each tensor the points move, stacked along a new leading dimension with one row per point from ``first_slot``
-    on (rows before it and rows of points that do not move the tensor hold its own values), and each point's
-    displacement.
-
-    Consecutive points of one direction write their rows in one operation per tensor; only rows that no direction
-    writes whole are filled with copies, a block at a time.
-    """
+    on (the other rows hold its own values), and each point's displacement. Consecutive points of one direction write
+    their rows in one operation per tensor; only rows no direction writes whole are filled with copies."""
     # (direction, offsets, first row) of consecutive points
     runs: list[tuple[CoordinateDirection | VectorDirection, list[float], int]] = []
     for slot, (direction, offset) in enumerate(moves, start=first_slot):

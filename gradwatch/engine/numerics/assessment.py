@@ -30,23 +30,18 @@ class Assessment:
     """What one stencil says about one derivative.
 
     Attributes:
-        numeric: The finite-difference derivative.
-        discrepancy: ``numeric − analytic``.
-        noise: The estimated error of ``numeric`` (round-off, truncation, jitter), in derivative units.
-        scale: The denominator of the relative error: ``max(|analytic|, |numeric|)``, floored.
         verdict: ``"ok"``, ``"fail"``, ``"inconclusive"``, or ``"suspect"`` for a screen that needs the full stencil.
             A ``"fail"`` here is a candidate until confirmed.
-        reason: See :attr:`gradwatch.engine.results.report.Probe.reason`.
         loss_noise: ``noise`` in loss units (times the step): what other probes of the check may borrow as the
             round-off of one loss evaluation.
     """
 
-    numeric: float
-    discrepancy: float
-    noise: float
-    scale: float
+    numeric: float  # the finite-difference derivative
+    discrepancy: float  # numeric − analytic
+    noise: float  # the estimated error of numeric (round-off, truncation, jitter), in derivative units
+    scale: float  # the relative error's denominator: max(|analytic|, |numeric|), floored
     verdict: str
-    reason: str
+    reason: str  # see results.report.Probe.reason
     _: KW_ONLY
     loss_noise: float = 0.0
 
@@ -76,12 +71,9 @@ def _quantum(stencil: Stencil, value_epsilon: float) -> float:
 
 
 def screen(stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: float, loss_noise: float) -> Assessment:
-    """Judge a two-point screen, whose noise is not measured but borrowed: ``loss_noise`` is the round-off of one loss
-    evaluation as the check's full stencils measured it.
-
-    Agreement within ``rtol`` is "ok" when the borrowed noise resolves it, "inconclusive" otherwise; a discrepancy
-    beyond ``rtol`` is "suspect" and must be measured with a full stencil before anything is concluded from it.
-    """
+    """Judge a two-point screen, whose noise is borrowed (``loss_noise``: the round-off of one loss evaluation as the
+    check's full stencils measured it): agreement within ``rtol`` is "ok" when that noise resolves it, else
+    "inconclusive"; a discrepancy beyond ``rtol`` is "suspect", for a full stencil to decide."""
     if not stencil.finite:
         return _nonfinite(stencil)
     if stencil.flat:
@@ -108,17 +100,11 @@ def _fields(assessment: Assessment) -> tuple[float, float, float, float]:
 def assess(
     stencil: Stencil, *, rtol: float, scale_floor: float, value_epsilon: float, jitter: float = 0.0
 ) -> Assessment:
-    """Judge a full four-point stencil, against the error it measures for itself.
-
-    Args:
-        stencil: The loss values of the probe.
-        rtol: Relative tolerance: smaller discrepancies are accepted even when significant.
-        scale_floor: Lower bound of the relative error's denominator, so that a derivative whose true value is zero
-            does not read as a 100% error.
-        value_epsilon: Machine epsilon of the dtype the loss values were delivered in; their quantisation is the
-            smallest error any probe can have.
-        jitter: How much two evaluations of the same loss differ (non-deterministic kernels), in loss units.
-    """
+    """Judge a full four-point stencil against the error it measures for itself: smaller discrepancies than ``rtol`` are
+    accepted even when significant; ``scale_floor`` bounds the relative error's denominator from below (a derivative
+    whose true value is zero does not read as a 100% error); the loss values' quantisation at ``value_epsilon`` (their
+    dtype's) is the smallest error any probe can have; ``jitter``: how much two evaluations of the loss differ
+    (non-deterministic kernels), in loss units."""
     analytic = stencil.analytic
     if not stencil.finite:
         return _nonfinite(stencil)
@@ -160,11 +146,9 @@ def undecided(assessment: Assessment, rtol: float) -> bool:
 
 
 def confirm(first: Assessment, second: Assessment) -> Assessment:
-    """Combine a first full stencil with an independent second one at a smaller step.
-
-    The discrepancy stands only if the second stencil finds it too, of the same size (within :data:`AGREEMENT`): a wrong
-    gradient is wrong by the same amount at any step, while round-off and kinks are not reproducible. If the second
-    stencil agrees with autograd instead, its "ok" stands; anything else is inconclusive.
+    """A first full stencil combined with an independent second one at a smaller step: the discrepancy stands only if
+    the second finds it too, of the same size (within :data:`AGREEMENT`), as a wrong gradient is wrong by the same
+    amount at any step while round-off and kinks do not reproduce; a second "ok" stands; anything else is inconclusive.
     """
     if second.verdict == "fail":
         spread = abs(first.discrepancy - second.discrepancy)

@@ -16,6 +16,7 @@ below a max-pool's first index), so only the shape of the jump is used.
 from __future__ import annotations
 
 import sys
+from typing import TypeGuard
 
 from gradwatch.engine.numerics.assessment import SIGNIFICANCE
 from gradwatch.engine.numerics.stencil import Stencil
@@ -23,9 +24,8 @@ from gradwatch.engine.numerics.stencil import Stencil
 SMOOTH_RATIO = (1.5, 2.5)
 """The range of the ratio of the one-sided jumps at ``h`` and ``h/2`` that marks a smooth point: curvature makes the
 right and left difference quotients differ by about ``φ''·h`` (ratio 2), a kink by the same amount at any step (ratio
-1), round-off by more at the smaller step. A discrepancy at a smooth point has no tie to explain it: it stands even
-where a shifted point agrees, since a backward can be wrong exactly at a special point of a smooth loss (logit 0, an
-exact zero factor, a sample exactly on a border)."""
+1), round-off by more at the smaller step. A discrepancy at a smooth point has no tie to explain it (see the module
+doc)."""
 
 
 def one_sided_jumps(stencil: Stencil) -> tuple[float, float]:
@@ -39,12 +39,16 @@ def one_sided_jumps(stencil: Stencil) -> tuple[float, float]:
     return jumps[0], jumps[1]
 
 
+def _measurable(stencil: Stencil | None) -> TypeGuard[Stencil]:
+    return stencil is not None and stencil.full and stencil.finite and all(p.along != 0.0 for p in stencil.points)
+
+
 def smooth_at_the_point(stencil: Stencil | None) -> bool:
     """Whether the loss is smooth at the point along the stencil's direction: the jump between the one-sided
     difference quotients halves with the step (:data:`SMOOTH_RATIO`), as curvature makes it, and is well above the
     stencil's round-off; at a tie (a kink at the point) it stays the same at both steps. A stencil that cannot tell
     (round-off, a partial stencil) counts as a tie."""
-    if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
+    if not _measurable(stencil):
         return False
     at_h, at_half = one_sided_jumps(stencil)
     noise = abs(stencil.odd_residual)
@@ -68,7 +72,7 @@ def at_a_tie(stencil: Stencil | None, value_epsilon: float = sys.float_info.epsi
     alone makes of each jump (:func:`jump_rounding`): on a loss that is nearly linear along the probe, the jumps are a
     few ulps of the loss over the step, the same at both steps by chance, and a wrong gradient there (say one scaled
     by 1.5) would otherwise read as a tie."""
-    if stencil is None or not stencil.full or not stencil.finite or any(p.along == 0.0 for p in stencil.points):
+    if not _measurable(stencil):
         return False
     at_h, at_half = one_sided_jumps(stencil)
     noise = abs(stencil.odd_residual)

@@ -44,13 +44,10 @@ _RELIABLE_NORMS = (1e-15, 1e15)
 
 
 def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
-    """The Euclidean norm of each tensor, with one host transfer per device.
-
-    Norms that set step sizes and scales are precise enough accumulated in the tensors' own dtype (16-bit ones in
-    float32), except that float32 cannot square values below ~1e-19 or above ~1e19: a norm outside
-    :data:`_RELIABLE_NORMS` (a tiny late-training gradient, an exactly zero one, an overflow) is computed again in
-    float64. With ``exact`` every norm is accumulated in float64, as the analytic slope along a gradient needs.
-    """
+    """The Euclidean norm of each tensor, with one host transfer per device: accumulated in the tensors' own dtype
+    (16-bit ones in float32), precise enough for steps and scales, except outside :data:`_RELIABLE_NORMS` (a tiny
+    late-training gradient, an exactly zero one, an overflow), computed again in float64; with ``exact`` all in float64,
+    as the analytic slope along a gradient needs."""
     if not tensors:
         return []
     if active() is not None:
@@ -65,7 +62,6 @@ def norms(tensors: Sequence[Tensor], *, exact: bool = False) -> list[float]:
 
 
 def _local_norms(tensors: Sequence[Tensor], exact: bool) -> list[float]:
-    """The norm of each tensor on this process."""
     groups: dict[torch.device, list[int]] = {}
     for i, tensor in enumerate(tensors):
         groups.setdefault(tensor.device, []).append(i)

@@ -22,14 +22,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Point:
-    """One evaluation of a probe: the loss at nominal offset ``offset × h`` along the direction.
-
-    Attributes:
-        offset: The nominal position in units of the step ``h`` (``±1`` or ``±0.5``).
-        value: The loss there.
-        along: The displacement actually obtained along the direction.
-        predicted: Autograd's first-order prediction ``g·δ`` of the loss change for that displacement.
-    """
+    """One evaluation of a probe: the loss ``value`` at nominal ``offset × h`` (``±1`` or ``±0.5``) along the direction,
+    the displacement ``along`` it actually obtained, and autograd's first-order prediction ``g·δ`` of the loss change
+    for it (``predicted``)."""
 
     offset: float
     value: float
@@ -46,14 +41,9 @@ HALF_OFFSETS = (0.5, -0.5)
 
 @dataclass(frozen=True)
 class Stencil:
-    """The loss along one direction at ``±h`` (a screen) or at ``±h`` and ``±h/2`` (a full stencil).
-
-    Attributes:
-        step: The nominal step ``h``.
-        center: The loss at the origin.
-        analytic: Autograd's derivative along the direction.
-        points: The evaluations, ``±h`` first.
-    """
+    """The loss along one direction at ``±h`` (a screen) or at ``±h`` and ``±h/2`` (a full stencil): ``points``, ``±h``
+    first, around the ``center`` loss, with ``step`` the nominal ``h`` and autograd's derivative along the direction,
+    ``analytic``."""
 
     step: float
     center: float

@@ -26,7 +26,7 @@ def least_precise(dtypes: Iterable[torch.dtype]) -> torch.dtype:
 
 
 def most_precise(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype of smallest machine epsilon among ``dtypes`` (float32 if there is none)."""
+    """The dtype of smallest machine epsilon among ``dtypes`` (float32 if none)."""
     return min(dtypes, key=machine_epsilon, default=torch.float32)
 
 
@@ -72,12 +72,10 @@ from rounding and makes no probe."""
 
 
 def gradient_tolerance(rtol: float, loss: float, dtype: torch.dtype) -> float:
-    """``rtol``, raised to what autograd's rounding in ``dtype`` allows for a loss of this size (see
-    :data:`ANALYTIC_ROUNDING`).
-
-    A loss of exactly zero is not the memorised sample's ``1 - p``: where ``p`` rounds to 1 its gradient rounds to
-    exactly zero too, and an empty batch or a loss crossing zero has a gradient as precise as any other; ``rtol``.
-    """
+    """``rtol``, raised to what autograd's rounding in ``dtype`` allows for a loss of this size
+    (:data:`ANALYTIC_ROUNDING`); for a loss of exactly zero ``rtol`` itself: it is not the memorised sample's ``1 - p``
+    (where ``p`` rounds to 1 its gradient rounds to exactly zero too), and an empty batch or a loss crossing zero has a
+    gradient as precise as any other."""
     if loss == 0.0:
         return rtol
     return max(rtol, ANALYTIC_ROUNDING * machine_epsilon(dtype) / abs(loss))
@@ -117,12 +115,9 @@ def relative_step(dtype: torch.dtype, gradient_dtype: torch.dtype | None = None,
 
 
 def finer_step(step: float, *, center: float, scale: float, rtol: float, compute_epsilon: float) -> float | None:
-    """The step to measure an undecided probe again at, or ``None`` if round-off leaves no room below ``step``.
-
-    As small as :data:`FINER_STEP` allows, but no smaller than where round-off of values computed with
-    ``compute_epsilon`` would approach ``rtol · scale`` (with :data:`ROUNDOFF_MARGIN`). In float64 there is room for
-    the full ``h / 64``; in float32 often little or none, which is what the float64 re-measurement is for.
-    """
+    """The step to measure an undecided probe again at: as small as :data:`FINER_STEP` allows, but not where round-off
+    of values computed with ``compute_epsilon`` would approach ``rtol · scale`` (with :data:`ROUNDOFF_MARGIN`); ``None``
+    if that leaves no room below ``step`` (in float32 often: what the float64 re-measurement is for)."""
     finest = ROUNDOFF_MARGIN * compute_epsilon * max(abs(center), 1e-30) / (rtol * scale) if scale > 0 else math.inf
     finer = max(step * FINER_STEP, finest)
     return finer if finer <= step / 2 else None
@@ -142,12 +137,9 @@ smaller differences of that kind cannot produce a failure either, as they do not
 
 def center_tolerance(loss: float, native_dtype: torch.dtype, compute_dtype: torch.dtype) -> float:
     """How far the loss at the unperturbed point, evaluated in ``compute_dtype``, may be from the reference ``loss``
-    autograd computed in ``native_dtype``, in loss units.
-
-    In the gradient's own dtype, the two compute the same thing and differ by little more than rounding. In float64
-    they differ by the reference's whole rounding error, which for a loss near zero (a memorised sample's
-    cross-entropy, 3e-4) is about its float32 epsilon in absolute terms, not relative to the loss.
-    """
+    autograd computed in ``native_dtype``, in loss units: in the same dtype by little more than rounding; in float64 by
+    the reference's whole rounding error, for a loss near zero (a memorised sample's cross-entropy, 3e-4) about its
+    float32 epsilon in absolute terms."""
     native_epsilon = machine_epsilon(native_dtype)
     loss = abs(loss)
     if compute_dtype == native_dtype:

@@ -38,19 +38,12 @@ MOST_COVER_PROBES = 8
 
 @dataclass(frozen=True)
 class CoverGroup:
-    """One cover probe's tensors and their weights.
-
-    Attributes:
-        tensors: Positions of the tensors in the check's parameters.
-        weights: The factor on each tensor's gradient in the (unnormalised) direction: ``s_T · a_T / ‖g_T‖``.
-        norm: ``‖d‖ = √(Σ a_T²)``.
-        contributions: ``√(Σ c_T²)``: what the slope along ``d`` is judged against.
-    """
+    """One cover probe's tensors (positions in the check's parameters) and their weights."""
 
     tensors: tuple[int, ...]
-    weights: tuple[float, ...]
-    norm: float
-    contributions: float
+    weights: tuple[float, ...]  # the factor on each tensor's gradient in the unnormalised direction: s_T · a_T / ‖g_T‖
+    norm: float  # ‖d‖ = √(Σ a_T²)
+    contributions: float  # √(Σ c_T²): what the slope along d is judged against
 
 
 def group_size(rtol: float) -> int:
@@ -61,15 +54,9 @@ def group_size(rtol: float) -> int:
 def cover_groups(
     grad_norms: Sequence[float], candidates: Sequence[int], floor: float, rtol: float, rng: random.Random
 ) -> list[CoverGroup]:
-    """Split ``candidates`` (tensors with a non-zero gradient) at random into groups, and weigh each group's tensors.
-
-    Args:
-        grad_norms: Each tensor's gradient norm.
-        candidates: The tensors to cover.
-        floor: ``ν‖g‖``: a tensor's norm below it is taken as it (its contribution shrinks in proportion).
-        rtol: The check's relative tolerance.
-        rng: The check's generator (the same groups on every process).
-    """
+    """``candidates`` (tensors with a non-zero gradient) split at random (``rng``: the same groups on every process)
+    into groups for tolerance ``rtol``, each tensor weighed by its gradient norm; a norm below ``floor`` (``ν‖g‖``) is
+    taken as it."""
     if not candidates:
         return []
     count = min(MOST_COVER_PROBES, math.ceil(len(candidates) / group_size(rtol)))

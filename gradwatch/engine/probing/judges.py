@@ -50,8 +50,7 @@ class Tolerance:
         self.rtol = rtol
         self.tolerances = tolerances
 
-    def rtol_of(self, task: ProbeTask) -> float:
-        """The tolerance ``task`` is judged with: its own where the check has one per tensor, else the check's."""
+    def rtol_of(self, task: ProbeTask) -> float:  # its tensor's own where the check has one per tensor
         return task_rtol(task, self.rtol, self.tolerances)
 
     def screen(self, task: ProbeTask, stencil: Stencil, measurements: Measurements, loss_noise: float) -> Assessment:

@@ -27,7 +27,6 @@ import torch
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
 from gradwatch.engine.probing.judges import Judge, Tolerance
@@ -39,26 +38,25 @@ from gradwatch.errors import passes_fallbacks
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
 
+LOCALIZED_AT_MOST = 8
+"""After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
+significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
+(full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
+search, not the list of victims, says where the bug is."""
 
-def _screen_significance(task: ProbeTask) -> float:
+
+def significance(task: ProbeTask) -> float:
+    """How many times its noise the discrepancy of the task's last result is."""
     result = task.result
     assert result is not None
     return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
 
 
 class Ladder:
-    """Measures probes and escalates those that need it (see the module doc).
-
-    Args:
-        measurements: The check's measuring service.
-        judge: What each stencil means (:mod:`.judges`); by default the relative tolerance ``rtol`` (or each probe's
-            own, from ``tolerances``).
-        rtol: The relative tolerance of the check.
-        native_dtype: The dtype of the gradient being checked.
-        reference_loss: The loss autograd computed (a float64 re-measurement must reproduce it).
-        float64_refinement: Whether undecided native probes are measured again in float64.
-        tolerances: Each probe's own tolerance, from a noise floor measured per tensor (``None``: ``rtol`` for all).
-    """
+    """Measures probes over ``measurements`` and escalates those that need it (see the module doc). ``judge`` says what
+    each stencil means (:mod:`.judges`), by default the check's ``rtol`` (or each probe's own, from ``tolerances``);
+    ``native_dtype`` is the checked gradient's; a float64 re-measurement (``float64_refinement``, of undecided native
+    probes) must reproduce ``reference_loss``."""
 
     def __init__(
         self,
@@ -83,8 +81,7 @@ class Ladder:
         """The round-off of one loss evaluation, in loss units, as the anchor's full stencil measured it."""
 
     def first_round(self, anchor: ProbeTask, screens: Sequence[ProbeTask]) -> None:
-        """Measure the anchor's full stencil, then screen (and escalate) every screen; all their points are evaluated
-        ahead, together, where points are vectorised."""
+        """Measure the anchor's full stencil, then screen (and escalate) every screen, all their points ahead."""
         self._prefetch([(anchor, FULL_OFFSETS)] + [(task, PAIR_OFFSETS) for task in screens])
         self._full(anchor)
         assert anchor.result is not None
@@ -100,13 +97,10 @@ class Ladder:
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
         left: list[ProbeTask] = []
         if most is not None and len(suspects) > most:
-            suspects.sort(key=_screen_significance, reverse=True)
+            suspects.sort(key=significance, reverse=True)
             suspects, left = suspects[:most], suspects[most:]
             for task in left:
-                result = task.result
-                assert result is not None
-                fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-                task.result = Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)
+                task.mark("inconclusive", "unresolved")
         self._prefetch([(task, HALF_OFFSETS) for task in suspects])
         for task in suspects:
             self._full(task)
@@ -137,22 +131,12 @@ class Ladder:
         except Exception as error:
             if passes_fallbacks(error):
                 raise
-            notes.append(
-                Note(
-                    NoteCode.NO_FLOAT64_REMEASUREMENT,
-                    f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})",
-                )
-            )
+            notes.append(Note(NoteCode.NO_FLOAT64_REMEASUREMENT, (
+                f"no float64 re-measurement: the loss raised {type(error).__name__} ({error})")))  # fmt: skip
             return
         notes.append(
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
         )
-
-    def rtol_of(self, task: ProbeTask) -> float:
-        """The tolerance ``task`` is judged with: its own where the check has one per tensor, else the check's."""
-        return task_rtol(task, self.rtol, self.tolerances)
-
-    # ---- the rungs ------------------------------------------------------------------------------------------------
 
     def _screen(self, task: ProbeTask) -> None:
         task.evaluations += len(PAIR_OFFSETS)
@@ -160,9 +144,8 @@ class Ladder:
         task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
 
     def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
-        """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead and together
-        where points are vectorised: for probes whose screens would borrow a noise estimate the check does not have
-        (the same probes at another point)."""
+        """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead: for probes
+        whose screens would borrow a noise estimate the check does not have (the same probes at another point)."""
         self._prefetch([(task, FULL_OFFSETS) for task in tasks])
         for task in tasks:
             self._full(task)
@@ -181,7 +164,7 @@ class Ladder:
             task.step,
             center=self.measurements.center,
             scale=result.scale,
-            rtol=self.rtol_of(task),
+            rtol=task_rtol(task, self.rtol, self.tolerances),
             compute_epsilon=machine_epsilon(self.measurements.compute_dtype),
         )
         if finer is not None:
@@ -203,8 +186,6 @@ class Ladder:
         second = self._stencil(task, confirming, FULL_OFFSETS)
         task.result = self.judge.confirm(task, first, second, self.measurements)
         task.step = confirming
-
-    # ---- measuring ------------------------------------------------------------------------------------------------
 
     def _points(self, task: ProbeTask, step: float, offsets: Sequence[float]) -> tuple[Point, ...]:
         task.evaluations += len(offsets)

@@ -1,9 +1,7 @@
-"""What the measuring part of a check produced, and the verdict of its probes: one record and one rule for both the
-recomputed and the applied check.
-
-Each check's measurement plan ends in an :class:`Outcome` (the recomputed check's adds its probe batch, precision and
-tolerance; the applied check's its floors and attribution), and its report takes the common fields from
-:meth:`Outcome.report_fields`, the verdict from :func:`overall_verdict`.
+"""What the measuring part of a check produced (:class:`Outcome`), and the verdict of its probes
+(:func:`overall_verdict`): one record and one rule for the recomputed and the applied check, whose measurement plans
+extend the record (a probe batch, precision and tolerance; floors and attribution) and take their report's common fields
+from :meth:`Outcome.report_fields`.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from gradwatch.engine.results.search_progress import SearchProgress
 
 
 def overall_verdict(probes: Sequence[Probe]) -> Verdict:
-    """ "fail" if any probe failed; "ok" if a probe of the gradient as a whole or of a tensor agreed; else
-    "inconclusive"."""
+    """ "fail" if any probe failed; "ok" if a probe of the whole gradient or of a tensor agreed; else "inconclusive"."""
     if any(p.verdict == Verdict.FAIL for p in probes):
         return Verdict.FAIL
     whole = [p for p in probes if p.index is None and (p.kind.traits.vouches or p.target == DESCENT_TARGET)]
@@ -43,8 +40,8 @@ class Outcome:
     culprit_search: SearchProgress | None = None
 
     def report_fields(self) -> dict[str, Any]:
-        """The fields of the check's report this outcome gives (:meth:`CheckSession.report
-        <gradwatch.engine.session.CheckSession.report>`): verdict, probes, loss, notes, forward passes, culprits."""
+        """The fields of the check's report (:meth:`CheckSession.report <gradwatch.engine.session.CheckSession.report>`)
+        this outcome gives."""
         return {
             "verdict": overall_verdict(self.probes),
             "probes": self.probes,

@@ -1,9 +1,7 @@
 """What the probes of a recomputed check are asked to do, as one object: :class:`ProbePlan`.
 
-The check (:mod:`gradwatch.engine.recomputed.check`) makes it once from its settings and the model; the probes
-(:mod:`gradwatch.engine.recomputed.probes`), their confirmations (:mod:`gradwatch.engine.recomputed.confirmation`,
-:mod:`gradwatch.engine.recomputed.shifted`) and the culprit search take it whole, with the ladder it builds for any
-measurements (:meth:`ProbePlan.ladder`), rather than its parts one by one.
+The check (:mod:`gradwatch.engine.recomputed.check`) makes it once; the probes, their confirmations and the culprit
+search take it whole, with the ladder it builds for any measurements (:meth:`ProbePlan.ladder`).
 """
 
 from __future__ import annotations
@@ -24,17 +22,9 @@ from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProbePlan:
-    """What the probes of a check are asked to do: the portfolio's sizes and turn, the precision they are measured in,
-    and how they are judged.
+    """What the probes of a check are asked to do.
 
     Attributes:
-        portfolio: Which probes, how many, in which turn.
-        rtol: The relative tolerance they are judged with.
-        native_dtype: The parameters' dtype (the least precise of them).
-        float64_refinement: Whether undecided native probes are measured again in float64.
-        vectorize: Whether points may be evaluated together in vectorised passes.
-        fail_on_imprecise: Whether a native gradient off by more than ``rtol`` only by its rounding fails.
-        precision: The precision the probes are asked for (``"native"`` or ``"float64"``).
         measure_floor: Whether a 16-bit model's tolerance is measured on its path (no ``rtol`` given; see
             :mod:`gradwatch.engine.recomputed.sixteen_bit_floor`).
         measured_floor: Whether ``rtol`` is that measured tolerance: it then already is the rounding a correct gradient
@@ -51,13 +41,13 @@ class ProbePlan:
             loss; :mod:`.search_budget`).
     """
 
-    portfolio: PortfolioSettings
+    portfolio: PortfolioSettings  # which probes, how many, in which turn
     rtol: float
-    native_dtype: torch.dtype
-    float64_refinement: bool
-    vectorize: bool
-    fail_on_imprecise: bool
-    precision: ResolvedPrecision = "native"
+    native_dtype: torch.dtype  # the parameters' (the least precise of them)
+    float64_refinement: bool  # whether undecided native probes are measured again in float64
+    vectorize: bool  # whether points may be evaluated together in vectorised passes
+    fail_on_imprecise: bool  # whether a native gradient off by more than rtol only by its rounding fails
+    precision: ResolvedPrecision = "native"  # what the probes are asked for
     measure_floor: bool = False
     measured_floor: bool = False
     check_formula: bool = False
@@ -69,10 +59,9 @@ class ProbePlan:
     @property
     def seed(self) -> str:
         """The seed of the check's random choices beyond the portfolio (a shifted point): its seed and step."""
-        return f"{self.portfolio.seed}:{self.portfolio.step}"
+        return f"{self.portfolio.probes.seed}:{self.portfolio.step}"
 
     def ladder(self, measurements: Measurements, reference_loss: float) -> Ladder:
-        """The escalation ladder of these probes over ``measurements`` around the reference loss."""
         return Ladder(
             measurements,
             rtol=self.rtol,
@@ -82,6 +71,5 @@ class ProbePlan:
             tolerances=self.tolerances,
         )
 
-    def rtol_of(self, task: ProbeTask) -> float:
-        """The tolerance ``task`` is judged with (see :attr:`tolerances`)."""
+    def rtol_of(self, task: ProbeTask) -> float:  # see `tolerances`
         return task_rtol(task, self.rtol, self.tolerances)

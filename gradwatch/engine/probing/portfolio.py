@@ -45,49 +45,28 @@ from gradwatch.engine.probing.sampling import generator, rotating_window, sample
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind
 from gradwatch.engine.results.report import DESCENT_TARGET
+from gradwatch.engine.settings import ProbeSettings
 
 
 @dataclass(frozen=True)
 class PortfolioSettings:
-    """How many probes of each kind a check makes, and which turn it is.
+    """How many probes of each kind a check makes (``probes``: its tensor, random, parameter and input probes and the
+    seed), and which turn it is."""
 
-    Attributes:
-        tensor_probes: Tensors probed along their own gradient (in turn).
-        random_probes: Tensors probed along a random direction (in turn), besides every tensor without a gradient.
-        param_probes: Coordinate probes on parameters, stratified by tensor.
-        input_probes: The input direction, then single input coordinates (0: no input probe).
-        seed: Seed of the sampling.
-        step: The training step, which with ``seed`` draws coordinates and directions.
-        rotation: Which window of tensors the probes cover.
-        focus: Parameters probed along their gradient in this check besides the tensors whose turn it is.
-        exempt: Coordinates not to probe, by parameter name (a boolean mask): those whose gradient is zero by design
-            (an embedding's padding row).
-    """
-
-    tensor_probes: int
-    random_probes: int
-    param_probes: int
-    input_probes: int
+    probes: ProbeSettings  # the check's settings (with input_probes=0 where its inputs are not probed)
     _: dataclasses.KW_ONLY
-    seed: int
-    step: int
-    rotation: int
-    focus: tuple[str, ...]
+    step: int  # the training step, which with the seed draws coordinates and directions
+    rotation: int  # which window of tensors the probes cover
+    focus: tuple[str, ...]  # parameters probed along their gradient besides the tensors whose turn it is
+    # coordinates not to probe, by parameter name (a boolean mask): their gradient is zero by design (a padding row)
     exempt: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
 
 class Portfolio:
-    """The probes of one check, sized from its reference gradient.
-
-    Args:
-        evaluator: The check's evaluator; its parameters (float64 substitutes for float64 probes) and working inputs
-            are what the probes move.
-        reference: The loss and autograd's gradients at the checked point.
-        grad_norms: The float64 norm of each parameter's gradient (0 for a parameter without one).
-        settings: How many probes, and which turn.
-        native_dtype: The dtype of the gradient being checked.
-        rtol: The check's relative tolerance, which sizes the cover probes' groups (by default the dtype's).
-    """
+    """The probes of one check, sized from its ``reference`` (the loss and autograd's gradients at the checked point)
+    and ``grad_norms`` (the float64 norm of each parameter's gradient, 0 without one): they move the ``evaluator``'s
+    parameters (float64 substitutes for float64 probes) and working inputs. ``native_dtype`` is the checked gradient's;
+    ``rtol``, the check's tolerance, sizes the cover probes' groups (by default the dtype's)."""
 
     def __init__(
         self,
@@ -127,22 +106,18 @@ class Portfolio:
         # (an exactly constant output, computed as 7e-8 by float32 autograd), it is judged against this, not itself.
         size = self.param_scale * math.sqrt(sum(self.numels)) or 1.0
         self.loss_floor = self.negligible * abs(reference.loss) / size
-        self.rng = generator(settings.seed, settings.step)
+        self.rng = generator(settings.probes.seed, settings.step)
         self.exempt = {i: settings.exempt[name] for i, (name, _) in enumerate(self.params) if name in settings.exempt}
 
-    # ---- what a check makes ---------------------------------------------------------------------------------------
-
     def anchor(self) -> ProbeTask | None:
-        """The probe whose full stencil sets the check's noise: the descent probe, or the input direction when no
-        parameter received a gradient, or, when nothing received a non-zero gradient, a random direction over every
-        parameter (a flat loss confirms the zero gradient, a moving one shows it is missing); ``None`` without
-        parameters."""
+        """The probe whose full stencil sets the check's noise: the descent probe, else the input direction (no
+        parameter received a gradient), else a random direction over every parameter (nothing received a non-zero one: a
+        flat loss confirms the zero gradient, a moving one shows it missing); ``None`` without parameters."""
         return self._descent() or self._input_direction() or self._random_anchor()
 
     def replica(self, task: ProbeTask, evaluator: LossEvaluator, reference: Reference) -> ProbeTask:
-        """The same probe at another point: the same unit direction, moving the tensors the evaluator uses there (after
-        a shift of the point, or on other storage), with the analytic derivative of the gradient ``reference`` holds
-        there."""
+        """The same probe at another point (shifted, or on other storage): the same unit direction over the tensors
+        ``evaluator`` uses there, with the analytic derivative of ``reference``'s gradient."""
         tensors, grads = [], []
         for moved in task.moves:
             if isinstance(moved, int):
@@ -165,14 +140,14 @@ class Portfolio:
         )
 
     def screens(self, input_direction: bool) -> list[ProbeTask]:
-        """The screening probes of a check: tensors in turn, cover probes over every other tensor with a gradient,
-        random directions (first where a gradient is missing), parameter coordinates, the input direction (unless it is
-        the anchor) and input coordinates."""
-        settings = self.settings
+        """The screening probes: tensors in turn, cover probes over the other tensors with a gradient, random directions
+        (first where a gradient is missing), parameter coordinates, the input direction (unless it is the anchor) and
+        input coordinates."""
+        settings, probes = self.settings, self.settings.probes
         count = len(self.params)
         pending: list[ProbeTask | None] = []
         with_gradient = [i for i in range(count) if self.tensor_grad_norms[i] > 0]
-        window = rotating_window(len(with_gradient), settings.tensor_probes, settings.rotation)
+        window = rotating_window(len(with_gradient), probes.tensor_probes, settings.rotation)
         turn = [with_gradient[i] for i in window]
         focused = [i for i, (name, _) in enumerate(self.params) if name in settings.focus]
         probed = dict.fromkeys(turn + focused)
@@ -183,11 +158,11 @@ class Portfolio:
             self.tensor_grad_norms, rest, floor, self.rtol, self.rng)]  # fmt: skip
         missing = [i for i in range(count) if self.missing[i]]
         others = [i for i in range(count) if not self.missing[i]]
-        chosen = [missing[i] for i in rotating_window(len(missing), max(settings.random_probes, 4), settings.rotation)]
-        chosen += [others[i] for i in rotating_window(len(others), settings.random_probes, settings.rotation + 1)]
+        chosen = [missing[i] for i in rotating_window(len(missing), max(probes.random_probes, 4), settings.rotation)]
+        chosen += [others[i] for i in rotating_window(len(others), probes.random_probes, settings.rotation + 1)]
         pending += [self._random_probe(i) for i in chosen]
         shapes = [tuple(global_shape(p)) for _, p in self.params]
-        for coordinate in sample_coordinates(shapes, settings.param_probes, self.rng, settings.rotation):
+        for coordinate in sample_coordinates(shapes, probes.param_probes, self.rng, settings.rotation):
             pending.append(self._coordinate_probe(ProbeKind.PARAM, coordinate.tensor, coordinate.index))
         if input_direction:
             pending.append(self._input_direction())
@@ -196,8 +171,7 @@ class Portfolio:
 
     def every_check(self) -> list[ProbeTask | None]:
         """The probes of the kinds every check makes, recomputed and applied: one from the method each row of the kinds
-        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make.
-        An applied check takes the probe of a direction along the gradient in each tensor it moves."""
+        table names (:attr:`~gradwatch.engine.results.kinds.KindTraits.made_by`), ``None`` where it has none to make."""
         return [getattr(self, row.made_by)() for row in PROBE_KINDS.values() if row.made_by]
 
     def localization(self, done: Sequence[ProbeTask]) -> list[ProbeTask]:
@@ -216,11 +190,7 @@ class Portfolio:
                     replacements.append(replacement)
         return replacements
 
-    # ---- the probes -----------------------------------------------------------------------------------------------
-
-    def _relative_step(self, dtype: torch.dtype, direction: bool = True) -> float:
-        """The step, relative to the magnitude moved, of a probe evaluated in ``dtype`` along a ``direction`` over many
-        coordinates or at one coordinate (see :func:`relative_step`)."""
+    def _relative_step(self, dtype: torch.dtype, direction: bool = True) -> float:  # along many coordinates, or one
         return relative_step(dtype, self.native_dtype, direction=direction)
 
     def _tensor_scale(self, i: int) -> float:
@@ -245,8 +215,8 @@ class Portfolio:
         )
 
     def _cover_probe(self, group: CoverGroup) -> ProbeTask:
-        """Along ``d = Σ_T w_T g_T`` over the group's tensors (see :mod:`.cover`), judged against the size of its
-        tensors' contributions rather than its balanced slope."""
+        """Along ``d = Σ_T w_T g_T`` over the group's tensors (:mod:`.cover`), judged against their contributions' size
+        rather than its balanced slope."""
         tensors = list(group.tensors)
         direction = VectorDirection(
             [self.params[i][1] for i in tensors],
@@ -285,7 +255,7 @@ class Portfolio:
         grads = self.reference.input_grads
         nonzero = any_rank([bool(g.any()) for g in grads.values()])
         paths = [path for path, moved in zip(grads, nonzero, strict=True) if moved]
-        if not paths or self.settings.input_probes == 0:
+        if not paths or self.settings.probes.input_probes == 0:
             return None
         tensors = [self.evaluator.inputs[path] for path in paths]
         components = [grads[path] for path in paths]
@@ -354,7 +324,7 @@ class Portfolio:
         grads = self.reference.input_grads
         inputs = [self.evaluator.inputs[path] for path in grads]
         coordinates = sample_coordinates(
-            [tuple(x.shape) for x in inputs], self.settings.input_probes - 1, self.rng, self.settings.rotation
+            [tuple(x.shape) for x in inputs], self.settings.probes.input_probes - 1, self.rng, self.settings.rotation
         )
         return [self._input_coordinate(c.tensor, c.index) for c in coordinates]
 

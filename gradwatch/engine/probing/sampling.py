@@ -9,6 +9,7 @@ distributed run probes the same coordinates.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,13 +53,10 @@ def sample_coordinates(
     rng: random.Random,
     rotation: int,
 ) -> list[Coordinate]:
-    """Choose ``count`` coordinates among tensors of the given ``shapes``, stratified by tensor.
-
-    With at least as many probes as tensors, every tensor gets ``count // n`` probes and the window of ``count % n``
-    tensors starting at ``rotation × count`` gets one more. With fewer, that window of ``count`` tensors gets one each.
-    Empty tensors are skipped. Coordinates within one tensor are distinct while the tensor has enough elements.
-    """
-    sizes = [_numel(shape) for shape in shapes]
+    """``count`` coordinates among tensors of the given ``shapes``, stratified: each of the ``n`` non-empty tensors gets
+    ``count // n`` and the window of ``count % n`` tensors from ``rotation × count`` one more; distinct within a tensor
+    while it has enough elements."""
+    sizes = [math.prod(shape) for shape in shapes]
     candidates = [i for i, size in enumerate(sizes) if size > 0]
     if count <= 0 or not candidates:
         return []
@@ -87,10 +85,3 @@ def _redistribute_surplus(per_tensor: dict[int, int], sizes: Sequence[int]) -> N
         for tensor in roomy[:surplus]:
             per_tensor[tensor] += 1
             surplus -= 1
-
-
-def _numel(shape: Sequence[int]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

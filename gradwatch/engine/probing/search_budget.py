@@ -1,21 +1,19 @@
 """What a failing check's culprit search may spend, and where it starts: :class:`SearchBudget`.
 
-A search costs loss evaluations in proportion to the depth of the model's call tree and the breadth of its levels; on
-a large model evaluated point by point it ran for minutes while training waited. A series of checks
-(:class:`~gradwatch.GradientWatch`) therefore gives each failing check's search a cap, in training steps of the run:
-when it runs out, the verdict stands (the gradient is wrong), the report names the deepest module proved to hold the
-bug and the candidates left inside it (:class:`~gradwatch.engine.results.search_progress.SearchProgress`), and the next
-failing check resumes there (``within``, ``candidates``): it proves the module still holds the bug (its output gradient
-right, its input gradient wrong by its own backward) and goes on from the candidates left, so that a bug is localised
-over a few checks, each bounded. After a complete search the next failing check resumes inside the culprit it named,
-which it proves again for a fraction of a whole search.
+A search costs loss evaluations in proportion to the depth and breadth of the model's call tree; on a large model
+evaluated point by point it ran for minutes while training waited. A series of checks
+(:class:`~gradwatch.GradientWatch`) therefore caps each failing check's search, in training steps of the run: when it
+runs out, the verdict stands, the report names the deepest module proved to hold the bug and the candidates left inside
+it (:class:`~gradwatch.engine.results.search_progress.SearchProgress`), and the next failing check resumes there
+(``within``, ``candidates``): it proves the module still holds the bug and goes on from the candidates left, so that a
+bug is localised over a few bounded checks. After a complete search the next failing check resumes inside the culprit it
+named, which it proves again for a fraction of a whole search.
 
-The cap stops a search only once it narrowed the culprit further than where it started (a module more proved to hold
-the bug, fewer candidates left inside it), so that a search spread over checks ends even where one step of it costs
-more than the cap. A one-shot :func:`~gradwatch.check_gradients` searches to the end (the search's own limits of probes
-and evaluations, :mod:`gradwatch.engine.culprits.activations`) unless given a budget.
-
-The clock is injected (``clock``), so that a test can spend a budget by counting, never by wall time.
+The cap stops a search only once it narrowed the culprit further than where it started (a module more, or fewer
+candidates), so that a search spread over checks ends even where one step of it costs more than the cap. A one-shot
+:func:`~gradwatch.check_gradients` searches to the end (the search's own limits,
+:mod:`gradwatch.engine.culprits.activations`) unless given a budget. The clock is injected (``clock``), so that a test
+spends a budget by counting, never by wall time.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""A probe while it is being measured: what it moves, at which step, and what its stencils have said so far.
-
-The portfolio (:mod:`.portfolio`) creates :class:`ProbeTask` objects, the ladder (:mod:`.ladder`) measures and
-escalates them, and the check turns each into the :class:`~gradwatch.engine.results.report.Probe` users see.
+"""A probe while it is being measured (:class:`ProbeTask`): what it moves, at which step, and what its stencils have
+said so far. The portfolio (:mod:`.portfolio`) creates them, the ladder (:mod:`.ladder`) measures and escalates them,
+and the check turns each into the :class:`~gradwatch.engine.results.report.Probe` users see.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 from gradwatch.engine.measuring.directions import Direction
 from gradwatch.engine.numerics.assessment import Assessment
@@ -21,21 +20,8 @@ class ProbeTask:
     """A probe being measured.
 
     Attributes:
-        kind: See :class:`~gradwatch.engine.results.kinds.ProbeKind`.
-        target: The parameter name, input path or ``"*"`` the probe reports.
-        index: The coordinate, or ``None`` for a direction.
-        direction: What the probe moves.
-        step: The current finite-difference step along the direction.
-        scale_floor: The smallest denominator of its relative error (see
-            :func:`~gradwatch.engine.numerics.assessment.assess`).
-        tensor: The position of the probed parameter (or input) in the check's list, ``-1`` for the whole network.
-        missing: The parameter received no gradient from autograd: a failure then reads ``"missing"``.
-        stencil: The last stencil measured.
-        result: What the last stencil said.
-        initial_step: The step the probe started with.
-        evaluations: Loss evaluations the probe spent so far.
         moves: What the direction moves, as positions in the check's parameters (``int``) and input paths (``str``):
-            how the same probe is made again at another point (see :meth:`Portfolio.replica
+            how the same probe is made again at another point (:meth:`Portfolio.replica
             <gradwatch.engine.probing.portfolio.Portfolio.replica>`).
         rtol: The probe's own tolerance where the check has one per tensor (:mod:`.tolerances`), once resolved;
             ``None``: the check's.
@@ -44,18 +30,18 @@ class ProbeTask:
     """
 
     kind: ProbeKind
-    target: str
-    index: tuple[int, ...] | None
+    target: str  # the parameter name, input path or "*" the probe reports
+    index: tuple[int, ...] | None  # the coordinate, None for a direction
     direction: Direction
-    step: float
-    scale_floor: float
+    step: float  # the current finite-difference step along the direction
+    scale_floor: float  # the smallest denominator of its relative error (numerics.assessment.assess)
     _: KW_ONLY
-    tensor: int = -1
-    missing: bool = False
-    stencil: Stencil | None = None
+    tensor: int = -1  # the position of the probed parameter (or input) in the check's list, -1 for the whole network
+    missing: bool = False  # autograd gave the parameter no gradient: a failure then reads "missing"
+    stencil: Stencil | None = None  # the last stencil measured, and what it said
     result: Assessment | None = None
     initial_step: float = 0.0
-    evaluations: int = 0
+    evaluations: int = 0  # loss evaluations spent so far
     moves: tuple[int | str, ...] = ()
     rtol: float | None = None
     floor: float = math.nan
@@ -68,6 +54,11 @@ class ProbeTask:
     def failed(self) -> bool:
         """Whether the probe's last result is a failure."""
         return self.result is not None and self.result.verdict == "fail"
+
+    def mark(self, verdict: str, reason: str) -> None:
+        """Give the last result another verdict and reason, its measurements as they are."""
+        assert self.result is not None
+        self.result = replace(self.result, verdict=verdict, reason=reason)
 
     def probe(self) -> Probe:
         """The finished probe, as reported."""

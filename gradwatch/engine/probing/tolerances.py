@@ -23,7 +23,6 @@ A probe of anything else (inputs, activations) keeps the single tolerance.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from functools import cached_property
 
@@ -37,18 +36,9 @@ from gradwatch.engine.probing.tasks import ProbeTask
 
 @dataclass(frozen=True)
 class TensorTolerances:
-    """The tolerances of the probes of one check from a noise floor measured per tensor (see the module doc).
-
-    Attributes:
-        floors: Per checked parameter, how far a correct gradient of it is off (a norm, in gradient units).
-        grad_norms: Per checked parameter, the norm of its gradient.
-        multiple: How many floors a gradient may be off.
-        lowest: The least tolerance (float32's).
-        highest: The most.
-        loss: The reference loss (a loss near zero raises every tolerance).
-        dtype: The gradient's dtype.
-        negligible: ``ν``, the fraction of ``‖g‖`` below which a tensor's gradient counts as that fraction.
-    """
+    """The tolerances of one check's probes (see the module doc) from ``floors``, per checked parameter how far a
+    correct gradient of it is off (a norm), and its ``grad_norms``: ``multiple`` floors, between ``lowest`` (float32's)
+    and ``highest``, raised for a ``loss`` near zero in ``dtype``; ``negligible`` is ``ν``."""
 
     floors: tuple[float, ...]
     grad_norms: tuple[float, ...]
@@ -90,16 +80,11 @@ class TensorTolerances:
         direction = task.direction
         if not isinstance(direction, VectorDirection) or len(direction.components) != len(tensors):
             return None
-        factors = direction.weights or [1.0] * len(tensors)
-        parts = [abs(direction.coefficient * w) * n for w, n in zip(factors, _norms(direction), strict=True)]
+        factors, sizes = direction.weights or [1.0] * len(tensors), norms(direction.components, exact=True)
+        parts = [abs(direction.coefficient * w) * n for w, n in zip(factors, sizes, strict=True)]
         bound = sum(p * self.allowed[i] for p, i in zip(parts, tensors, strict=True))
         scale = max(abs(direction.analytic), task.scale_floor)
         return self._bounded(bound / scale) if scale > 0 else self.highest
-
-
-def _norms(direction: VectorDirection) -> Sequence[float]:
-    """The norm of each of the direction's components (its gradients' norms when it is along them)."""
-    return norms(direction.components, exact=True)
 
 
 def task_rtol(task: ProbeTask, default: float, tolerances: TensorTolerances | None) -> float:

@@ -1,17 +1,15 @@
 """One gradient check of a model on a batch: :func:`check_gradients`.
 
 The check is a measurement plan run in a check session (:mod:`.session`: the parameters, the state captured and put
-back, the notes and the report, as for every check) and orchestrates the engine's parts, each in a module of its own:
+back, the notes and the report, as for every check) over the engine's parts:
 
 1. the **reference** (:mod:`.reference`): the loss and autograd's gradient on the first samples of the batch, and the
    test that the loss evaluated again there is the same function;
-2. the **portfolio** (:mod:`.probing.portfolio`): which probes the check makes (descent, tensors, random directions,
-   coordinates, inputs), sized from the reference gradient;
-3. the **ladder** (:mod:`.probing.ladder`): how each probe is measured and escalated, from a two-point screen up to a
-   confirmed failure, so that a healthy model costs a fixed, small number of loss evaluations and a broken one what it
-   takes to be sure;
-4. the **measuring service** (:mod:`.measuring.points`): the loss at the points the probes ask for, evaluated together
-   in vectorised passes where it can (:mod:`.measuring.vectorized`);
+2. the **portfolio** (:mod:`.probing.portfolio`): which probes, sized from the reference gradient;
+3. the **ladder** (:mod:`.probing.ladder`): how each probe escalates from a two-point screen to a confirmed failure, so
+   that a healthy model costs a fixed, small number of loss evaluations and a broken one what it takes to be sure;
+4. the **measuring service** (:mod:`.measuring.points`): the loss at the points the probes ask for, in vectorised
+   passes where it can (:mod:`.measuring.vectorized`);
 5. the **loss as a deterministic function** (:mod:`.function`): random states replayed, buffers restored, float64
    storage and reductions, probe conditions.
 
@@ -33,12 +31,13 @@ from typing_extensions import Unpack
 
 from gradwatch.engine import validation as validate
 from gradwatch.engine.culprits.upstream import CustomBackwards, latent_upstream_bug
-from gradwatch.engine.distributed import tensor_parallel
+from gradwatch.engine.distributed import SHARDED_NOTE, tensor_parallel
+from gradwatch.engine.distributed.collective import Collective
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.conditions import autocast_disabled, probe_conditions
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.memory import affordable_samples, learn_activations, surviving_out_of_memory
-from gradwatch.engine.function.precision import resolve_precision
+from gradwatch.engine.function.precision import ResolvedPrecision, resolve_precision
 from gradwatch.engine.function.sixteen_bit import SIXTEEN_BIT
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
 from gradwatch.engine.numerics.norms import norms
@@ -59,7 +58,6 @@ from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
 from gradwatch.engine.recomputed.replicas import disagreeing_replicas
-from gradwatch.engine.recomputed.sharded import sharded_settings
 from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -176,16 +174,12 @@ def _check(
     mode = resolve_precision(settings.precision, dtype, floating_elements)
     vectorize = settings.vectorize
     if session.collective is not None:
-        sharding_notes, mode, vectorize = sharded_settings(session.collective, mode)
+        sharding_notes, mode, vectorize = _sharded_settings(session.collective, mode)
         session.leading += sharding_notes
     session.leading += focus_notes
     plan = ProbePlan(
         portfolio=PortfolioSettings(
-            tensor_probes=settings.tensor_probes,
-            random_probes=settings.random_probes,
-            param_probes=settings.param_probes,
-            input_probes=0 if surrogates.fake_quantisers else settings.input_probes,
-            seed=settings.seed,
+            dataclasses.replace(settings, input_probes=0) if surrogates.fake_quantisers else settings,
             step=session.step,
             rotation=session.step if rotation is None else rotation,
             focus=focus,
@@ -240,6 +234,23 @@ def _check(
     return report
 
 
+def _sharded_settings(collective: Collective, mode: ResolvedPrecision) -> tuple[list[Note], ResolvedPrecision, bool]:
+    """A sharded check's (FSDP2, tensor parallelism) notes, precision and vectorisation: native probes of the global
+    loss, one point per forward pass, every rank in lockstep."""
+    notes = [
+        Note(
+            NoteCode.SHARDED,
+            f"{SHARDED_NOTE} {collective.world} ranks: the global loss (the mean of the ranks' losses) along global "
+            "directions, each rank moving its own shards and inputs; probes in the native precision, one point per "
+            "forward pass; no input coordinate probes and no culprit search",
+        )
+    ]
+    if mode == "float64":
+        why = "FSDP gathers parameters in their own dtype"
+        notes.append(Note(NoteCode.SHARDED_NATIVE, f"float64 probes are not made on shards ({why})"))
+    return notes, "native", False
+
+
 def _culprits_of_twin(
     session: CheckSession, batch: Any, loss_fn: LossFn, own: tuple[list[str], str, SearchProgress | None],
     search_budget: SearchBudget | None,
@@ -255,11 +266,8 @@ def _culprits_of_twin(
     except Exception as error:  # the verdict stands; the model's own search with it
         if passes_fallbacks(error):
             raise
-        session.trailing.append(
-            Note(
-                NoteCode.CULPRIT_ABANDONED, f"no float32 twin search: its check raised {type(error).__name__} ({error})"
-            )
-        )
+        text = f"no float32 twin search: its check raised {type(error).__name__} ({error})"
+        session.trailing.append(Note(NoteCode.CULPRIT_ABANDONED, text))
         return own
     if found.verdict != Verdict.FAIL:
         return own
@@ -293,7 +301,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         custom = CustomBackwards(loss_fn)  # a backward someone wrote in the reference's graph (for its linearity)
         started = time.perf_counter()
         evaluator, reference, probe_batch = reference_on_a_slice(
-            session, batch, custom, with_inputs=plan.portfolio.input_probes > 0, notes=notes
+            session, batch, custom, with_inputs=plan.portfolio.probes.input_probes > 0, notes=notes
         )
         evaluator.loss_fn = loss_fn
         reference_seconds = time.perf_counter() - started  # a training step's work on the probe batch
@@ -321,13 +329,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         replicas = disagreeing_replicas(probe_batch, params, grad_norms, plan.rtol, evaluator.notes)
         probes = probes or replicas
         if not probes and plan.rtol > max(asked, UNCHECKABLE_TOLERANCE):
-            evaluator.notes.append(
-                Note(
-                    NoteCode.LOSS_NEAR_ZERO,
-                    f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
-                    f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach {plan.rtol:.0%}",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.LOSS_NEAR_ZERO, (
+                f"no probe made: the loss ({reference.loss:.3g}) is so close to zero that the rounding of its "
+                f"{str(plan.native_dtype).removeprefix('torch.')} gradient alone may reach "
+                f"{plan.rtol:.0%}")))  # fmt: skip
         elif not probes:
             measured = measured_probes(evaluator, reference, grad_norms, plan)
             probes, used_precision, vectorized = measured.probes, measured.precision, measured.vectorized

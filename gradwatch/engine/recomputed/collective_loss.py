@@ -2,27 +2,22 @@
 metric) on ranks that hold replicas of one model (DDP, bare or wrapped): the global loss, evaluated by every rank
 together.
 
-Under DDP each process checks its own batch shard: its own loss, its own probe points, its own decisions. A loss with
-collectives inside breaks both halves of that. The gradient a rank's backward computes is not the derivative of its own
-loss (a gather's backward adds the other ranks' losses' share of this rank's embeddings), so a correct layer fails; and
-each rank's probes, decided on its own numbers, run the collectives in a different order from the others', which can
-hang. So :func:`check_gradients <gradwatch.check_gradients>` counts the collectives of the default process group while
-the per-rank check runs (:class:`CollectiveCounter`, :func:`in_lockstep_for_collective_losses`): they are the same on
-every rank in the first evaluation; if the loss issued any, every rank abandons the
-per-rank check at its next evaluation (or at its end), the ranks agree on it in one reduction, and the check becomes
-:func:`global_check`: this step's gradient recomputed on every rank and averaged as DDP averages it, against central
-differences of the mean of the ranks' losses, every evaluation on every rank in lockstep at the same probe point
-(:func:`gradwatch.check_applied_gradient` with the process group, whose decisions rest on numbers the same on every
-rank). A gradient right for the local loss and wrong for the global one fails. Ranks that hold other parameters (a
-model split by hand) are checked there as :func:`split_check` checks them: each rank's own part's gradient against
-the sum of the ranks' losses. A rank whose check raised after the loss's collectives (or
-whose gradient raised in the global check) makes every rank's check end: it raises, the others report
-``inconclusive`` with the reason.
+Under DDP each process checks its own batch shard. A loss with collectives breaks that: a rank's gradient is not the
+derivative of its own loss (a gather's backward adds the other ranks' share of this rank's embeddings), so a correct
+layer fails; and each rank's probes, decided on its own numbers, run the collectives in a different order, which can
+hang. So :func:`check_gradients <gradwatch.check_gradients>` counts the default process group's collectives while the
+per-rank check runs (:class:`CollectiveCounter`, :func:`in_lockstep_for_collective_losses`); if the loss issued any
+(the same on every rank in the first evaluation), every rank abandons the per-rank check at its next evaluation (or at
+its end), the ranks agree in one reduction, and the check becomes :func:`global_check`: this step's gradient recomputed
+on every rank and averaged as DDP averages it, against central differences of the mean of the ranks' losses, in
+lockstep (:func:`gradwatch.check_applied_gradient` with the process group). A gradient right for the local loss and
+wrong for the global one fails. A model split by hand is checked as :func:`split_check` checks it: each rank's own
+part's gradient against the sum of the ranks' losses. A rank whose check raised after the loss's collectives makes
+every rank's check end: it raises, the others report ``inconclusive`` with the reason.
 
-Collectives of another process group than the default one are not counted (the per-rank check then runs as before);
-where a process group cannot count its collectives (no sequence numbers), neither; nor where a library lays the
-parameters out (``DTensor`` under FSDP2, whose check evaluates the global loss together already, or tensor parallelism,
-whose check refuses a loss written for the shards; DeepSpeed's engine or ZeRO, whose recomputed check stays per rank).
+Not counted: collectives of another process group; a group without sequence numbers; parameters a library lays out
+(``DTensor`` under FSDP2, whose check is global already; tensor parallelism, whose check refuses a loss written for
+the shards; DeepSpeed's engine or ZeRO, whose recomputed check stays per rank).
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ def _sequence(group: Any) -> int | None:
 
 
 def counted_group(model: nn.Module) -> Any:
-    """The process group whose collectives the per-rank check of ``model`` counts: the default one of a run of several
-    processes, for a model whose parameters are whole, plain tensors (DDP's replicas, the bare module or wrapped in
-    ``DistributedDataParallel``); else ``None``."""
+    """The default process group of a run of several processes, whose collectives the per-rank check of ``model``
+    counts, for a model whose parameters are whole, plain tensors (DDP's replicas, bare or wrapped); else ``None``."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if sharding_active() is not None or zero.is_engine(model) or is_sharded(list(model.named_parameters())):
@@ -107,10 +101,10 @@ class CollectiveCounter:
 def _mean_gradient(
     model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, *, average: bool = True
 ) -> dict[str, torch.Tensor] | None:
-    """The gradient of ``loss_fn`` at the current parameters, drawing from the random state of now, computed on every
-    rank and averaged over ``group`` as DDP averages it (each rank's own without ``average``: a model split by hand);
-    ``.grad``, DDP's reducer and the random state are left as they were. Where it raised on a rank, that rank raises
-    after the reduction and the others get ``None``."""
+    """The gradient of ``loss_fn`` at the current parameters, from the random state of now, on every rank, averaged over
+    ``group`` as DDP averages it (each rank's own without ``average``: a model split by hand); ``.grad``, DDP's reducer
+    and the random state are left as they were. A rank where it raised raises after the reduction; the others get
+    ``None``."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     syncing = getattr(model, "no_sync", None)
     forward_sync = getattr(model, "require_forward_param_sync", None)  # a forward under no_sync clears it
@@ -153,17 +147,17 @@ _RAISED_ELSEWHERE = "the loss calls collectives, and the check raised on another
 
 
 def _refused(step: int, text: str, code: NoteCode = NoteCode.LOSS_COLLECTIVES) -> CheckReport:
-    """The ``inconclusive`` report of a check of a loss with collectives that is not made, saying why."""
+    """The ``inconclusive`` report of a check not made, saying why."""
     return CheckReport(step=step, verdict=Verdict.INCONCLUSIVE, probes=[], loss=math.nan, n_forward=0, n_backward=0,
                        duration_s=0.0, notes=[Note(code, text)])  # fmt: skip
 
 
 def _together(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, split: bool, **check: Any) -> CheckReport:
-    """This step's gradient recomputed on every rank (averaged as DDP averages it, or each rank's own part's where
-    the model is ``split`` by hand) against the ranks' losses, every rank evaluating them together at the same points
-    (:func:`~gradwatch.check_applied_gradient` with ``group``); no culprit search (it would differentiate a rank's own
-    loss). ``check``: :func:`~gradwatch.check_gradients`'s keyword arguments, of which the step, the optimizers and the
-    probe options apply."""
+    """This step's gradient recomputed on every rank (averaged as DDP averages it, or each rank's own part's where the
+    model is ``split`` by hand) against the ranks' losses, every rank evaluating them together at the same points
+    (:func:`~gradwatch.check_applied_gradient` with ``group``), without a culprit search (it would differentiate a
+    rank's own loss); of ``check``, :func:`~gradwatch.check_gradients`'s keyword arguments, the step, the optimizers and
+    the probe options apply."""
     from gradwatch.engine.applied.check import check_applied_gradient  # here: it imports check_gradients, decorated
 
     step = int(check.get("step", 0))
@@ -182,9 +176,8 @@ def _together(model: nn.Module, batch: Any, loss_fn: LossFn, group: Any, split: 
 
 
 def split_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, **check: Any) -> CheckReport:
-    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): this
-    step's gradient recomputed on every rank, each its own part's, against the sum of the ranks' losses, every rank
-    evaluating it together as the applied check of such a model does."""
+    """The recomputed check of a model split across the ranks by hand (:mod:`gradwatch.engine.applied.split`): each
+    rank's own part's gradient against the sum of the ranks' losses, as the applied check of such a model does."""
     return _together(model, batch, loss_fn, group, True, **check)
 
 

@@ -1,22 +1,18 @@
 """The gradient of a compiled model, as training computes it: compared with eager autograd's.
 
 A check evaluates the loss on a slice of the batch, in float64, without autograd and under ``vmap``: through code
-compiled with ``torch.compile`` each of these would compile a new graph, and a new shape can turn the training's graph
-into a dynamic-shape one that computes slightly different numbers. So every evaluation of a check runs compiled code
-eagerly (:func:`~gradwatch.engine.function.conditions.compiler_disabled`), and the probes check eager autograd's
-gradient against finite differences.
+compiled with ``torch.compile`` each would compile a new graph, and a new shape can make the training's graph a
+dynamic-shape one with slightly different numbers. So every evaluation of a check runs compiled code eagerly
+(:func:`~gradwatch.engine.function.conditions.compiler_disabled`), and the probes check eager autograd's gradient.
 
-That alone would hide a bug in a compiled backward. :func:`compiled_probes` closes the gap: on the whole batch, the
-shapes training compiled its graph for, it computes the gradient once through the training's own compiled graph
-(refusing to recompile: ``torch.compiler.set_stance("fail_on_recompile")``) and once eagerly, under the same global
-settings, and compares them tensor by tensor. A compiled gradient that differs from eager autograd's beyond the
-tolerance fails, as a ``"compiled"`` probe; eager autograd's is the one the other probes check against finite
-differences.
+That alone would hide a bug in a compiled backward. :func:`compiled_probes` computes the gradient on the whole batch
+(the shapes training compiled for) once through the training's own compiled graph (refusing to recompile:
+``torch.compiler.set_stance("fail_on_recompile")``) and once eagerly, under the same global settings, and compares
+them tensor by tensor: a compiled gradient beyond the tolerance fails, as a ``"compiled"`` probe.
 
 Cost: two forward and backward passes on the whole batch, about two training steps, per check of a compiled model.
 When the compiled graph cannot be called without recompiling (mixed-precision autocast, a batch of another shape) or
-computes another loss than eager code (random draws: inductor's dropout draws other masks than eager dropout), the
-comparison is skipped with a note.
+computes another loss than eager code (inductor's dropout draws other masks), the comparison is skipped with a note.
 """
 
 from __future__ import annotations
@@ -44,18 +40,20 @@ def compiled_parts(model: nn.Module) -> list[str]:
     """The parts of ``model`` that ``torch.compile`` compiled: modules wrapped by it or compiled in place
     (``module.compile()``), and methods replaced by compiled ones (a LightningModule passed to ``Trainer.fit`` as
     ``torch.compile(module)``); ``[]`` for an eager model."""
-    parts = []
+    parts: list[str] = []
     for name, module in model.named_modules():
         label = name or type(module).__name__
-        if type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None:
-            parts.append(label)
-            continue
-        parts += [
-            f"{label}.{attribute}"
-            for attribute, value in vars(module).items()
-            if callable(value) and hasattr(value, "_torchdynamo_orig_callable")
-        ]
+        parts += [label] if _wrapped(module) else [f"{label}.{method}" for method in _compiled_methods(module)]
     return parts
+
+
+def _wrapped(module: nn.Module) -> bool:
+    """Whether ``torch.compile`` wraps ``module`` or compiled it in place."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _compiled_methods(module: nn.Module) -> list[str]:
+    return [a for a, value in vars(module).items() if callable(value) and hasattr(value, "_torchdynamo_orig_callable")]
 
 
 def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[str], str]:
@@ -66,18 +64,10 @@ def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[st
     failing = [p for p in probes if p.kind == ProbeKind.COMPILED and p.verdict == "fail"]
     if not failing:
         return [], ""
-    compiled = [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module).__name__ == "OptimizedModule"
-        or getattr(module, "_compiled_call_impl", None) is not None
-        or any(callable(v) and hasattr(v, "_torchdynamo_orig_callable") for v in vars(module).values())
-    ]
+    compiled = [name for name, module in model.named_modules() if _wrapped(module) or _compiled_methods(module)]
     # a wrong compiled backward makes the gradients upstream of it wrong too, outside the compiled module: the compiled
     # modules holding a failing tensor are the suspects, and their innermost common ancestor the culprit
-    holding = [n for n, _ in compiled if any(p.target.startswith(f"{n}.") or not n for p in failing)] or [
-        n for n, _ in compiled
-    ]
+    holding = [n for n in compiled if any(p.target.startswith(f"{n}.") or not n for p in failing)] or compiled
     if not holding:
         return [], ""
     name = _common_ancestor(holding)
@@ -116,18 +106,12 @@ def compiled_probes(
     *,
     notes: list[Note],
 ) -> list[Probe]:
-    """Compare the gradient training's compiled graph gives on ``batch`` with eager autograd's (see the module doc).
-
-    Returns one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every
-    tensor agrees; ``[]``, with a note, when the comparison could not be made.
-    """
+    """The gradient training's compiled graph gives on ``batch`` compared with eager autograd's (see the module doc):
+    one ``"compiled"`` probe per tensor whose compiled gradient is off, or one for the whole gradient when every tensor
+    agrees; ``[]``, with a note, when the comparison could not be made."""
     if not hasattr(torch.compiler, "set_stance"):
-        notes.append(
-            Note(
-                NoteCode.COMPILED_UNSUPPORTED,
-                "the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_UNSUPPORTED, (
+            "the compiled gradient was not compared with eager autograd's (needs torch >= 2.6)")))  # fmt: skip
         return []
     tensors = [p for _, p in params]
     try:
@@ -137,25 +121,17 @@ def compiled_probes(
         if passes_fallbacks(error):
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
-        notes.append(
-            Note(
-                NoteCode.COMPILED_WOULD_RECOMPILE,
-                "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph "
-                f"on this batch would recompile it ({type(error).__name__}: {first_line})",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_WOULD_RECOMPILE, (
+            "the compiled gradient was not compared with eager autograd's: calling the training's compiled graph "
+            f"on this batch would recompile it ({type(error).__name__}: {first_line})")))  # fmt: skip
         return []
     with compiler_disabled():
         eager_loss, eager = _gradient(model, batch, loss_fn, tensors, state)
     if abs(compiled_loss - eager_loss) > REPRODUCIBILITY_TOLERANCE * abs(eager_loss) + 1e-30:
-        notes.append(
-            Note(
-                NoteCode.COMPILED_LOSS_DIFFERS,
-                "the compiled gradient was not compared with eager autograd's: the compiled loss "
-                f"({compiled_loss:.9g}) is not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks "
-                "differ from eager ones",
-            )
-        )
+        notes.append(Note(NoteCode.COMPILED_LOSS_DIFFERS, (
+            "the compiled gradient was not compared with eager autograd's: the compiled loss "
+            f"({compiled_loss:.9g}) is not the eager one ({eager_loss:.9g}), as with dropout, whose compiled masks "
+            "differ from eager ones")))  # fmt: skip
         return []
     return _compare([name for name, _ in params], compiled, eager, rtol)
 

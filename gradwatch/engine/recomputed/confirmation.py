@@ -1,23 +1,21 @@
 """Before a probe fails: the two confirmations that tell a wrong backward from a point where the loss has no
-derivative, and from the rounding of a correct formula.
+derivative, and from the rounding of a correct formula. A discrepancy the ladder confirmed at a second step along the
+same line can still be no bug:
 
-A discrepancy that the ladder confirmed at a second step along the same line can still be no bug:
-
-* **A kink exactly at the point.** At a tie the loss has a left and a right derivative, and a central difference does
-  not measure autograd's choice: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the
-  failure again at a shifted point, where a tie no longer is.
+* **A kink exactly at the point** (a tie), where a central difference does not measure autograd's choice of one-sided
+  derivative: :func:`gradwatch.engine.recomputed.shifted.confirm_at_a_shifted_point` measures the failure again away
+  from it.
 * **Float32 rounding of a correct formula.** Float64 probes of a float32 model compare the float32 gradient with the
   derivative of the float64 function. Where float32 rounds a correct formula beyond the tolerance (an ill-conditioned op
   such as ``logcumsumexp`` over a large loss, or a near-tie that float32 breaks the other way than float64),
   :func:`confirm_precision` computes the gradient in float64 along the same direction: if float64 autograd agrees with
-  the float64 finite difference, the formula is right in float64. The probe is then measured once more in the native
-  precision: if the native gradient agrees with the native finite difference, float64 computed another function and the
-  native verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more reliable
-  than its gradient) the size of the error decides, measured against the norm of the gradient over what the probe moves
-  (a random direction's small slope would inflate it): beyond :data:`IMPRECISION_LIMIT` times the tolerance the backward
-  is wrong in the native dtype only (a kernel specialised by dtype) and the failure stands; within it only float32's
-  rounding is left and the probe ends ``ok`` with reason ``"imprecise"`` (``fail_on_imprecise=True`` fails it instead),
-  its ``rel_error`` the precision lost.
+  the float64 finite difference, the formula is right in float64. The probe is then measured once more natively: if
+  the native gradient agrees with the native finite difference, float64 computed another function and the native
+  verdict counts. Otherwise (a native finite difference of an ill-conditioned float32 loss is no more reliable than its
+  gradient) the error's size decides, against the norm of the gradient over what the probe moves (a random direction's
+  small slope would inflate it): beyond :data:`IMPRECISION_LIMIT` times the tolerance the backward is wrong in the
+  native dtype only (a kernel specialised by dtype) and the failure stands; within it the probe ends ``ok`` with reason
+  ``"imprecise"`` (``fail_on_imprecise=True`` fails it), its ``rel_error`` the precision lost.
 
 Both run only on probes that failed, so a healthy check pays nothing for them.
 """
@@ -120,34 +118,22 @@ def confirm_precision(
             beyond.append(task.target)
             limit = max(limit, multiple * plan.rtol_of(task))
         else:
-            _mark_imprecise(task, fail_on_imprecise)
+            task.mark("fail" if fail_on_imprecise else "ok", "imprecise")  # a right formula, imprecise natively
     dtype = str(native_dtype).removeprefix("torch.")
     if unreproduced:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNREPRODUCED,
-                f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
-                f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another "
-                "function)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNREPRODUCED, (
+            f"measured in {dtype} along {', '.join(dict.fromkeys(unreproduced))}: the failure float64 finds there "
+            f"does not reproduce in {dtype}, the precision training computes in (float64 evaluates another "
+            "function)")))  # fmt: skip
     if right:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNFAITHFUL_THERE,
-                f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
-                f"function there (its slope differs from the {dtype} one)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNFAITHFUL_THERE, (
+            f"measured in {dtype} along {', '.join(dict.fromkeys(right))}: float64 evaluates another "
+            f"function there (its slope differs from the {dtype} one)")))  # fmt: skip
     if beyond:
-        evaluator.notes.append(
-            Note(
-                NoteCode.IMPRECISE_BEYOND_ROUNDING,
-                f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference "
-                f"but the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct "
-                f"formula explains (a backward wrong in {dtype} only?)",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.IMPRECISE_BEYOND_ROUNDING, (
+            f"along {', '.join(dict.fromkeys(beyond))}, float64 autograd agrees with the float64 finite difference "
+            f"but the {dtype} gradient is more than {limit:.1%} off: more than {dtype} rounding of a correct "
+            f"formula explains (a backward wrong in {dtype} only?)")))  # fmt: skip
 
 
 def _measured_natively(
@@ -187,19 +173,9 @@ def hooked_reference(reference: Reference, native_params: Sequence[tuple[str, Te
 
 
 def _agrees(task: ProbeTask, precise: float) -> bool:
-    """Whether float64 autograd (``precise``) agrees with the task's float64 numeric within float64's tolerance and
-    the numeric's own noise: the formula is right in float64."""
+    """Whether float64 autograd (``precise``) agrees with the task's float64 numeric within float64's tolerance and the
+    numeric's noise."""
     result = task.result
     assert result is not None
     allowed = max(relative_tolerance(torch.float64) * result.scale, SIGNIFICANCE * result.noise)
     return abs(precise - result.numeric) <= allowed
-
-
-def _mark_imprecise(task: ProbeTask, fail_on_imprecise: bool) -> None:
-    """The formula is right, its native evaluation is not precise enough: ``ok`` (``fail`` with ``fail_on_imprecise``)
-    with reason ``"imprecise"``."""
-    result = task.result
-    assert result is not None
-    verdict = "fail" if fail_on_imprecise else "ok"
-    task.result = Assessment(result.numeric, result.discrepancy, result.noise, result.scale, verdict, "imprecise",
-                             loss_noise=result.loss_noise)  # fmt: skip

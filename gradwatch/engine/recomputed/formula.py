@@ -7,16 +7,16 @@ passes, even where float64 probes measure the discrepancy thousands of times abo
 apart: rounding is float32's, a wrong formula is wrong in float64 too.
 
 :func:`confirm_formula` takes, in a check whose float64 probes all passed, the probes whose discrepancy is significant
-(beyond :data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times their noise) and above
-:data:`FORMULA_SUSPICION`, and computes the gradient along them in float64 (one float64 forward and backward for all).
-Where float64 autograd agrees with the float64 finite difference, the float32 gradient is only rounded: the probe stays
-``ok``. Where it disagrees by about what the float32 gradient does (the same formula's error, not another float64
-function), the probe is measured as a float64 model's would be, on the float64 copy, against float64 autograd, judged
-with :data:`FORMULA_SUSPICION` as its tolerance: a full stencil, a confirming one at a second step, a shifted point
-where the loss has a kink (:mod:`.shifted`). A failure that stands fails the probe; as after any failure, the tensors
-not probed yet are screened (there, along their float64 gradients), and the culprit search runs on the float64 copy,
-where the bug's diluted effect on module gradients stands far above float64's rounding. The tensor probes that fail
-there are reported with the search's probes.
+(:data:`~gradwatch.engine.numerics.assessment.SIGNIFICANCE` times their noise) and above :data:`FORMULA_SUSPICION`,
+and computes the gradient along them in float64 (one float64 forward and backward for all). Where float64 autograd
+agrees with the float64 finite difference, the float32 gradient is only rounded: the probe stays ``ok``. Where it
+disagrees by about what the float32 gradient does (the same formula's error, not another float64 function), the probe
+is measured as a float64 model's would be, on the float64 copy, against float64 autograd, with
+:data:`FORMULA_SUSPICION` as its tolerance: a full stencil, a confirming one, a shifted point where the loss has a
+kink (:mod:`.shifted`). A failure that stands fails the probe; as after any failure, the tensors not probed yet are
+screened (along their float64 gradients), and the culprit search runs on the float64 copy, where the bug's diluted
+effect on module gradients stands far above float64's rounding; the tensor probes failing there are reported with the
+search's probes.
 
 Healthy checks pay one float64 forward and backward where a probe crosses the threshold (float32 rounding of a large
 summed loss often does), and nothing more.
@@ -37,9 +37,9 @@ from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import float64_storage, substitute_of
 from gradwatch.engine.measuring.points import Measurements
-from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.assessment import AGREEMENT, SIGNIFICANCE
 from gradwatch.engine.numerics.norms import norms
-from gradwatch.engine.probing.ladder import Ladder
+from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST, Ladder
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -47,10 +47,6 @@ from gradwatch.engine.recomputed.reference import reproduced_center
 from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import passes_fallbacks
-
-LOCALIZED_AT_MOST = 8
-"""As after any failure (:data:`gradwatch.engine.recomputed.probes.LOCALIZED_AT_MOST`): at most this many of the tensors
-that look wrong on a screen are measured further."""
 
 FORMULA_SUSPICION = 1e-6
 """The relative discrepancy above which a passing float32 probe measured in float64 has its formula checked in
@@ -79,13 +75,9 @@ def confirm_formula(
     except Exception as error:  # the probes' verdicts stand as measured
         if passes_fallbacks(error):
             raise
-        evaluator.notes.append(
-            Note(
-                NoteCode.FORMULA_UNCHECKED,
-                f"no float64 check of the formula along {', '.join(dict.fromkeys(t.target for t in suspects))}: the "
-                f"loss raised {type(error).__name__} ({error})",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FORMULA_UNCHECKED, (
+            f"no float64 check of the formula along {', '.join(dict.fromkeys(t.target for t in suspects))}: the "
+            f"loss raised {type(error).__name__} ({error})")))  # fmt: skip
         return None
 
 
@@ -95,24 +87,16 @@ def _confirmed(
     tasks: Sequence[ProbeTask],
     suspects: Sequence[ProbeTask],
     plan: ProbePlan,
-) -> Localization | None:
-    """:func:`confirm_formula` once it has suspects."""
+) -> Localization | None:  # confirm_formula once it has suspects
     with _on_float64(evaluator, any(task.kind.traits.moves_inputs for task in suspects)) as reference:
         replicas = [portfolio.replica(task, evaluator, reference) for task in suspects]
         pairs = zip(suspects, replicas, strict=True)
         wrong = [(task, replica) for task, replica in pairs if _formula_off(task, replica)]
         if not wrong:
             return None
-        precise = dataclasses.replace(
-            plan,
-            rtol=FORMULA_SUSPICION,
-            native_dtype=torch.float64,
-            float64_refinement=False,
-            precision="native",
-            measure_floor=False,
-            measured_floor=False,
-            check_formula=False,
-        )
+        precise = dataclasses.replace(plan, rtol=FORMULA_SUSPICION, native_dtype=torch.float64, precision="native",
+                                      float64_refinement=False, measure_floor=False, measured_floor=False,
+                                      check_formula=False)  # fmt: skip
         grads = [
             g if g is not None else p.new_zeros(())
             for (_, p), g in zip(evaluator.params, reference.param_grads, strict=True)
@@ -138,7 +122,7 @@ def _confirmed(
         if not confirmed:
             return None
         for task, _ in confirmed:
-            _fail(task)
+            task.mark("fail", "discrepancy")
         note = _note(confirmed)
         evaluator.notes.append(note)
         located = [task for task in extra if task.failed]
@@ -212,13 +196,6 @@ def _on_float64(evaluator: LossEvaluator, with_inputs: bool) -> Iterator[Referen
         finally:
             evaluator.params = native_params
             evaluator.use_native_inputs()
-
-
-def _fail(task: ProbeTask) -> None:
-    result = task.result
-    assert result is not None
-    fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-    task.result = Assessment(*fields, "fail", "discrepancy", loss_noise=result.loss_noise)
 
 
 def _note(confirmed: Sequence[tuple[ProbeTask, ProbeTask]]) -> Note:

@@ -8,11 +8,10 @@ the group; on whole logits every rank counts the whole vocabulary, so the ranks 
 and different gradients of the replicated parameters, although training's gradient is right. Checked on whole
 parameters, such a loss would fail a correct model.
 
-So before a tensor-parallel recomputed check the loss is evaluated once on the shards, as training computes it, and
-once on the whole parameters, every rank together, with the random state replayed and the model's state put back; when
-the two values differ beyond rounding the check is not made: its report is ``"inconclusive"`` with a note
-(``loss-for-shards``) saying why and what checks such a loss instead (the applied check, which compares training's own
-gradient with the loss's derivative). A model that FSDP2 shards as well (a 2-D mesh) is not compared.
+So before a tensor-parallel recomputed check the loss is evaluated on the shards, as training computes it, and on the
+whole parameters, every rank together, the random state replayed and the model's state put back; where the two differ
+beyond rounding the report is ``"inconclusive"`` with a note (``loss-for-shards``) saying why and what checks such a
+loss instead (the applied check). A model that FSDP2 shards as well (a 2-D mesh) is not compared.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ def _value(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any
 
 
 def _fully_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards the model too (a 2-D mesh): its hooks run a forward on the shards only as part of a
-    training step, so the loss is not evaluated outside one there (not compared: the check goes on as before)."""
+    """Whether FSDP2 shards the model too (a 2-D mesh), whose hooks run a forward on the shards only within a training
+    step: not compared."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6
@@ -97,9 +96,8 @@ def refusing_losses_written_for_shards(check: Callable[Options, CheckReport]) ->
             if passes_fallbacks(error):
                 raise
             return check(*args, **kwargs)
-        with tensor_parallel.made_plain(
-            model
-        ):  # one gather of the whole parameters serves the comparison and the check
+        # one gather of the whole parameters serves the comparison and the check
+        with tensor_parallel.made_plain(model):
             on_whole = _value(model, batch, loss_fn)
             if math.isfinite(on_shards) and abs(on_whole - on_shards) <= SAME_LOSS * max(abs(on_shards), 1e-30):
                 report = check(*args, **kwargs)  # on plain parameters now: the check makes nothing whole again

@@ -3,12 +3,11 @@
 ``torch.where`` picks the right forward value but back-propagates through both branches, so ``sqrt(0)`` or
 ``acos(±1)`` in the branch not taken gives ``inf · 0 = NaN`` at the most common input of the domain (kornia's identity
 rotation, #3949). Such a gradient fails the check, never "could not run": :func:`measured_nonfinite` measures the
-central difference of the loss along the first entries where autograd's gradient is not finite (finite there: the
-derivative exists and the gradient is wrong; not finite: the loss itself is not finite around the point, said in a
-note), lists the indices where it happens, and names the module at which the gradient turns non-finite: the one whose
-output gradient is finite and whose input or parameter gradient is not, read off the gradients at every module's
-boundary in one backward (:mod:`gradwatch.engine.culprits.boundaries`). A loss that is not finite at the point itself
-has no derivative to compare: a note says so.
+central difference of the loss along the first non-finite entries (finite: the derivative exists and the gradient is
+wrong; not finite: the loss itself is not finite around the point, said in a note), lists where it happens, and names
+the module at which the gradient turns non-finite (finite output gradient, non-finite input or parameter gradient),
+read off every module's boundary in one backward (:mod:`gradwatch.engine.culprits.boundaries`). A loss that is not
+finite at the point itself has no derivative to compare: a note says so.
 """
 
 from __future__ import annotations

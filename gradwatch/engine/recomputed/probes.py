@@ -18,6 +18,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.numerics.steps import least_precise
+from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -33,45 +34,28 @@ from gradwatch.engine.results.report import Probe
 from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.engine.unreached import unreached_note
 
-LOCALIZED_AT_MOST = 8
-"""After a failure every tensor is screened; at most this many of those that look wrong are measured further, the most
-significant first. A wrong backward deep in a large model makes every tensor upstream of it wrong, and measuring each
-(full stencils, a confirmation) cost a diffusion UNet hundreds of loss evaluations per failing check; the culprit
-search, not the list of victims, says where the bug is."""
-
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredProbes:
-    """What :func:`measured_probes` found.
-
-    Attributes:
-        probes: The finished probes.
-        precision: The precision they were measured in (``"native"`` or ``"float64"``).
-        vectorized: Whether points were evaluated in vectorised passes (``None``: not tried).
-        surrogates: Deliberate surrogate gradients recognised, in words, with the ``ignore=`` pattern for each.
-        culprits: The module whose backward is wrong and the modules containing it, most specific first
-            (:mod:`gradwatch.engine.culprits`).
-        culprit_message: The culprit in words.
-        rtol: The tolerance the probes were judged with (measured for a 16-bit model: :mod:`.sixteen_bit_floor`).
-    """
+    """What :func:`measured_probes` found."""
 
     probes: list[Probe]
-    precision: str
-    vectorized: bool | None
-    surrogates: tuple[str, ...]
-    culprits: list[str]
+    precision: str  # what they were measured in
+    vectorized: bool | None  # whether points were evaluated in vectorised passes (None: not tried)
+    surrogates: tuple[str, ...]  # deliberate surrogate gradients recognised, in words, with an ignore= pattern each
+    culprits: list[str]  # the module whose backward is wrong and the modules containing it, most specific first
     culprit_message: str
     _: dataclasses.KW_ONLY
-    rtol: float
+    rtol: float  # what the probes were judged with (measured for a 16-bit model: .sixteen_bit_floor)
     culprit_search: SearchProgress | None = None
 
 
 def measured_probes(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], plan: ProbePlan
 ) -> MeasuredProbes:
-    """The check's probes, measured in the precision the ``plan`` asks for (again natively, with a note, when the
-    float64 evaluation turns out not to be the model's function), their failures confirmed, and deliberate surrogate
-    gradients recognised (:mod:`gradwatch.engine.recomputed.signatures`)."""
+    """The check's probes, measured in the precision the ``plan`` asks for (natively again, with a note, where float64
+    is not the model's function), their failures confirmed, deliberate surrogate gradients recognised
+    (:mod:`.signatures`)."""
     model = evaluator.model
     floor, fixed = None, plan
     if wanted(plan, evaluator.params):
@@ -93,12 +77,8 @@ def measured_probes(
         except UnfaithfulFloat64Error as error:
             unfaithful = str(error)
     if unfaithful is not None:
-        evaluator.notes.append(
-            Note(
-                NoteCode.FLOAT64_UNFAITHFUL,
-                f"probes run in the native precision: float64 evaluates another function ({unfaithful})",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.FLOAT64_UNFAITHFUL, (
+            f"probes run in the native precision: float64 evaluates another function ({unfaithful})")))  # fmt: skip
         precision, plan = "native", fixed  # native 16-bit probes resolve no measured floor
         tasks, portfolio, measurements = _probe_with_inputs_if_accepted(
             evaluator, reference, grad_norms, math.nan, plan
@@ -110,8 +90,10 @@ def measured_probes(
     progress = None
     if portfolio is not None:
         surrogates += straight_through(evaluator, portfolio, tasks, plan.rtol)
-        if any(task.failed for task in tasks):
-            _confirm_failures(evaluator, tasks, portfolio, plan, precision)
+        if any(task.failed for task in tasks):  # float64 autograd must disagree too, and at a shifted point
+            if precision == "float64":
+                confirm_precision(evaluator, portfolio, tasks, plan)
+            confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, precision)
         # a formula fault within the tolerance is searched for on the float64 copy it was confirmed on
         found = confirm_formula(evaluator, portfolio, tasks, plan, precision)
         surrogates += stop_gradients(evaluator, tasks)
@@ -131,8 +113,8 @@ def measured_probes(
 def _probe_with_inputs_if_accepted(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
 ) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
-    """:func:`_probe`; when the loss refuses displaced inputs (an input that is also a target in [0, 1], a mask), the
-    probes again without input probes, with a note: the refusal costs the input probes, never the check."""
+    """:func:`_probe`, again without input probes (with a note) when the loss refuses displaced inputs (an input that is
+    also a target in [0, 1], a mask): the refusal costs the input probes, never the check."""
     if not evaluator.inputs_refused:
         noted = len(evaluator.notes)
         try:
@@ -140,15 +122,11 @@ def _probe_with_inputs_if_accepted(
         except InputsRefusedError as refused:
             del evaluator.notes[noted:]  # the attempt's notes (a vectorised pass the refusal made fail) do not hold
             evaluator.inputs_refused = True
-            evaluator.notes.append(
-                Note(
-                    NoteCode.INPUTS_REFUSED,
-                    f"input probes skipped: the loss refuses displaced inputs ({refused}), as it does for an input "
-                    "that is also its target (in [0, 1] for binary_cross_entropy), a probability or a mask; parameters "
-                    "are probed",
-                )
-            )
-    settings = dataclasses.replace(plan.portfolio, input_probes=0)
+            evaluator.notes.append(Note(NoteCode.INPUTS_REFUSED, (
+                f"input probes skipped: the loss refuses displaced inputs ({refused}), as it does for an input "
+                "that is also its target (in [0, 1] for binary_cross_entropy), a probability or a mask; parameters "
+                "are probed")))  # fmt: skip
+    settings = dataclasses.replace(plan.portfolio, probes=dataclasses.replace(plan.portfolio.probes, input_probes=0))
     without = dataclasses.replace(reference, input_grads={})
     return _probe(evaluator, without, grad_norms, center, dataclasses.replace(plan, portfolio=settings))
 
@@ -156,8 +134,8 @@ def _probe_with_inputs_if_accepted(
 def _probe(
     evaluator: LossEvaluator, reference: Reference, grad_norms: Sequence[float], center: float, plan: ProbePlan
 ) -> tuple[list[ProbeTask], Portfolio | None, Measurements | None]:
-    """Make the check's probes: the portfolio's anchor and screens up the ladder, the tensors after a failure, and the
-    replacements of coordinates that crossed a kink. Returns the probes, their portfolio and their measurements."""
+    """The check's probes (the portfolio's anchor and screens up the ladder, the tensors after a failure, the
+    replacements of coordinates that crossed a kink), their portfolio and their measurements."""
     compute_dtype = least_precise([p.dtype for _, p in evaluator.params])
     reproduced = reproduced_center(evaluator, reference, center, plan.native_dtype, compute_dtype)
     if reproduced is None:
@@ -167,23 +145,15 @@ def _probe(
     ladder = plan.ladder(measurements, reference.loss)
     anchor = portfolio.anchor()
     if anchor is None:
-        evaluator.notes.append(
-            Note(
-                NoteCode.NOTHING_TO_PROBE,
-                "no probe made: the model has no parameter to check and no input with a gradient",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.NOTHING_TO_PROBE, (
+            "no probe made: the model has no parameter to check and no input with a gradient")))  # fmt: skip
         return [], None, None
     screens = portfolio.screens(input_direction=not anchor.kind.traits.moves_inputs)
     unrestorable = evaluator.state.sandbox.unrestorable()
     if plan.vectorize and unrestorable:
         # what the loss changed in place and cannot be put back would keep the batched tensors of a vectorised pass
-        evaluator.notes.append(
-            Note(
-                NoteCode.IN_PLACE_UNVECTORISED,
-                f"points evaluated one by one: the loss changes {unrestorable[0]} in place",
-            )
-        )
+        evaluator.notes.append(Note(NoteCode.IN_PLACE_UNVECTORISED, (
+            f"points evaluated one by one: the loss changes {unrestorable[0]} in place")))  # fmt: skip
     elif plan.vectorize:
         measurements.start_vectorizing()
     ladder.first_round(anchor, screens)
@@ -193,31 +163,16 @@ def _probe(
         extra = portfolio.localization(done)
         left = ladder.screen_and_escalate(extra, most=LOCALIZED_AT_MOST)
         if left:
-            evaluator.notes.append(
-                Note(
-                    NoteCode.LOCALIZATION_BUDGET,
-                    f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
-                    f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
-                    f"only the {LOCALIZED_AT_MOST} most significant were",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.LOCALIZATION_BUDGET, (
+                f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
+                f"only the {LOCALIZED_AT_MOST} most significant were")))  # fmt: skip
         ladder.remeasure_in_float64(extra)
         done += extra
     replacements = portfolio.replacements(done)
     ladder.screen_and_escalate(replacements)
     done += replacements
     return done, portfolio, measurements
-
-
-def _confirm_failures(
-    evaluator: LossEvaluator, tasks: list[ProbeTask], portfolio: Portfolio, plan: ProbePlan, mode: str
-) -> None:
-    """Before a probe fails: float64 autograd must disagree with the float64 numeric too (else the float32 gradient is
-    only imprecise), and the discrepancy must reproduce at a shifted point (else the point is a tie); see
-    :mod:`gradwatch.engine.recomputed.confirmation`. ``mode`` is the precision the probes were measured in."""
-    if mode == "float64":
-        confirm_precision(evaluator, portfolio, tasks, plan)
-    confirm_at_a_shifted_point(evaluator, portfolio, tasks, plan, mode)
 
 
 def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:

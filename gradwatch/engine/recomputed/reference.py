@@ -41,13 +41,10 @@ close) that float32 autograd's round-off on a bias before it rivals the model's 
 def reference_on_a_slice(
     session: CheckSession, batch: Any, loss_fn: LossFn, *, with_inputs: bool, notes: list[Note]
 ) -> tuple[LossEvaluator, Reference, Any]:
-    """The evaluator and reference gradient of the session's parameters on the first ``probe_batch_size`` samples, or
-    else on the first :data:`BATCH_NORM_SAMPLES`, or else on the whole batch: the first the loss accepts (a note says
-    why); the input gradient too ``with_inputs``.
-
-    One sample is the slice most losses accept and BatchNorm refuses (train-mode statistics need two values per
-    channel); others refuse any slice (a batch-size constant, a tensor of the full size that was not cut).
-    """
+    """The evaluator and reference gradient of the session's parameters (and inputs, ``with_inputs``) on the first
+    ``probe_batch_size`` samples, else the first :data:`BATCH_NORM_SAMPLES`, else the whole batch: the first the loss
+    accepts, a note saying why. BatchNorm refuses one sample (train-mode statistics need two values per channel); some
+    losses refuse any slice (a batch-size constant, a full-size tensor that was not cut)."""
     model, params, state, settings = session.model, session.params, session.state, session.settings
     assert state is not None, "a check's measurements run inside session.measuring()"
     probe_batch_size, float64_reductions = settings.probe_batch_size, settings.float64_reductions
@@ -69,12 +66,8 @@ def reference_on_a_slice(
             if passes_fallbacks(error):
                 raise
             refused = True
-            notes.append(
-                Note(
-                    NoteCode.SLICE_REFUSED,
-                    f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})",
-                )
-            )
+            notes.append(Note(NoteCode.SLICE_REFUSED, (
+                f"the loss raised {type(error).__name__} on the first {size} sample(s) ({error})")))  # fmt: skip
     if refused:
         notes.append(Note(NoteCode.WHOLE_BATCH, "probes use the whole batch"))
     evaluator = LossEvaluator(
@@ -87,26 +80,19 @@ def without_edited(
     evaluator: LossEvaluator, params: list[tuple[str, Tensor]], reference: Reference, edited: set[int]
 ) -> tuple[list[tuple[str, Tensor]], Reference]:
     """The parameters to probe and their reference gradients, without those the loss changes itself (``edited``, by
-    ``id``: values changed in place, rebound, ``requires_grad`` toggled; see :mod:`gradwatch.engine.function.guard`).
-
-    The loss evaluated at a displaced parameter it then changes is a function of that parameter autograd does not
-    differentiate (a clamp or a normalisation applied under ``torch.no_grad()``): probing it would raise false alarms.
-    Every evaluation starts from the parameter's own value, so the function of the other parameters is the same at
-    every evaluation, and they are probed as usual.
-    """
+    ``id``: changed in place, rebound, ``requires_grad`` toggled; :mod:`gradwatch.engine.function.guard`): the loss at a
+    displaced parameter it then changes is a function autograd does not differentiate (a clamp applied under
+    ``torch.no_grad()``), and probing it would raise false alarms. Every evaluation starts from the parameter's own
+    value, so the other parameters are probed as usual."""
     keep = [i for i, (_, p) in enumerate(params) if id(p) not in edited]
     if len(keep) == len(params):
         return params, reference
     names = [name for i, (name, _) in enumerate(params) if i not in keep]
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    evaluator.notes.append(
-        Note(
-            NoteCode.EDITED_NOT_PROBED,
-            f"not probed: {shown}, which the loss changes itself (in place, rebound or requires_grad toggled), so the "
-            "function of them it evaluates is not the one autograd differentiates; gradwatch put them back after every "
-            "evaluation",
-        )
-    )
+    evaluator.notes.append(Note(NoteCode.EDITED_NOT_PROBED, (
+        f"not probed: {shown}, which the loss changes itself (in place, rebound or requires_grad toggled), so the "
+        "function of them it evaluates is not the one autograd differentiates; gradwatch put them back after every "
+        "evaluation")))  # fmt: skip
     params = [params[i] for i in keep]
     evaluator.params = params
     return params, dataclasses.replace(reference, param_grads=[reference.param_grads[i] for i in keep])
@@ -120,15 +106,10 @@ def reproduced_center(
     compute_dtype: torch.dtype,
 ) -> tuple[float, float] | None:
     """The loss at the unperturbed point in the probes' precision (``center``, if already evaluated, else NaN) and the
-    jitter between two evaluations of it; ``None``, with a note, if it is not the reference loss.
-
-    Raises:
-        UnfaithfulFloat64Error: The probes evaluate in float64 a model that trains in a lower precision, and the float64
-            loss is not the reference loss: the check probes natively instead.
-
-    A loss that differs under ``torch.no_grad()`` (kernels or random draws that depend on grad mode) is evaluated with
-    autograd recording from then on, with a note.
-    """
+    jitter between two evaluations of it; ``None``, with a note, if it is not the reference loss; an
+    :class:`UnfaithfulFloat64Error` (the check then probes natively) where float64 probes of a lower-precision model do
+    not reproduce it. A loss that differs under ``torch.no_grad()`` (kernels or draws that depend on grad mode) is
+    evaluated with autograd recording from then on, with a note."""
     expected = reference.loss
     tolerance = center_tolerance(expected, native_dtype, compute_dtype)
     if math.isnan(center):
@@ -141,21 +122,13 @@ def reproduced_center(
             if abs(native - expected) > tolerance:
                 if compute_dtype == torch.float64 != native_dtype:
                     raise UnfaithfulFloat64Error(f"its loss is {center:.9g} there, {expected:.9g} in training")
-                evaluator.notes.append(
-                    Note(
-                        NoteCode.NOT_REPRODUCIBLE,
-                        f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
-                        f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
-                        "cannot replay",
-                    )
-                )
+                evaluator.notes.append(Note(NoteCode.NOT_REPRODUCIBLE, (
+                    f"no probe made: the loss is not reproducible ({expected:.9g} when differentiated, "
+                    f"{native:.9g} when evaluated again with the same random state); it draws randomness gradwatch "
+                    "cannot replay")))  # fmt: skip
                 return None
-            evaluator.notes.append(
-                Note(
-                    NoteCode.AUTOGRAD_RECORDING,
-                    "evaluations run with autograd recording: the loss differs under torch.no_grad()",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.AUTOGRAD_RECORDING, (
+                "evaluations run with autograd recording: the loss differs under torch.no_grad()")))  # fmt: skip
         center = evaluator.loss()
     return center, _jitter(evaluator, center)
 

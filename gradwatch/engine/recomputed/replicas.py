@@ -2,16 +2,15 @@
 parameters must compute the same gradient.
 
 Under tensor parallelism a recomputed check runs on every rank with the model made whole
-(:mod:`gradwatch.engine.distributed.tensor_parallel`); the ranks of a tensor-parallel group compute the same loss on the
-same batch, and a model's own collectives (Megatron-style autograd functions that scatter rows, gather them, or sum a
-replicated parameter's gradient across the group) may still run in its forward and backward. Such ranks stay in
-lockstep only while they take the same decisions, that is while they hold the same parameters and compute the same
-reference gradient. So after the reference every rank compares both with the other ranks that hold the same batch:
+(:mod:`gradwatch.engine.distributed.tensor_parallel`), and a model's own collectives (Megatron-style autograd functions
+that scatter rows, gather them, or sum a replicated parameter's gradient across the group) may still run in its forward
+and backward. Ranks stay in lockstep only while they take the same decisions, so after the reference every rank
+compares its parameters and gradient with the other ranks that hold the same batch:
 
 * a tensor whose gradient norm differs between them by more than the check's tolerance fails on all of them (at least
   one of them is not the derivative);
-* a parameter whose values differ between them fails too: a replicated parameter is updated alike on every rank of
-  its group unless the gradients training applied to it differed (a reduction missed on some rank at an earlier step).
+* a parameter whose values differ fails too: a replicated parameter is updated alike on every rank of its group unless
+  the gradients training applied to it differed (a reduction missed on some rank at an earlier step).
 
 Either way every rank of the group stops probing together; ranks that agree go on.
 """
@@ -88,12 +87,9 @@ def disagreeing_replicas(
                                 step=0.0, reason=Reason.DISCREPANCY))  # fmt: skip
     if probes:
         shown = ", ".join(p.target for p in probes[:6]) + (f" and {len(probes) - 6} more" if len(probes) > 6 else "")
-        notes.append(
-            Note(
-                NoteCode.REPLICAS_DISAGREE,
-                f"no probe made: rank(s) {sorted(ranks)} hold other values or compute another gradient (norms more "
-                f"than {rtol:.2g} apart) of {shown} than rank {replicas[0]}, on the same batch (tensor parallel: a "
-                "replicated parameter is updated alike on every rank of its group unless its gradients differed)",
-            )
-        )
+        notes.append(Note(NoteCode.REPLICAS_DISAGREE, (
+            f"no probe made: rank(s) {sorted(ranks)} hold other values or compute another gradient (norms more "
+            f"than {rtol:.2g} apart) of {shown} than rank {replicas[0]}, on the same batch (tensor parallel: a "
+            "replicated parameter is updated alike on every rank of its group unless its gradients "
+            "differed)")))  # fmt: skip
     return probes

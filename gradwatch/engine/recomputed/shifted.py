@@ -1,5 +1,4 @@
-"""Before a probe fails: is the point a tie? A discrepancy that the ladder confirmed at a second step along the same
-line can still be no bug.
+"""Before a probe fails: is the point a tie (:mod:`.confirmation`)?
 
 At a tie (max-pool windows over an exactly constant background, ReLU at exactly zero, ``grid_sample`` with every sample
 on the grid) the loss has a left and a right derivative; autograd returns one of them (or, through compositions, a
@@ -36,6 +35,7 @@ from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.kinks import smooth_at_the_point
 from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon
+from gradwatch.engine.probing.ladder import significance
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -68,39 +68,25 @@ def confirm_at_a_shifted_point(
 ) -> None:
     """Measure every failing task of the check's ``plan`` again at a shifted point (see the module doc), in the
     precision ``mode`` they were measured in; a failure that does not reproduce becomes inconclusive (``"tie"`` where
-    the probe agrees there, ``"unstable"`` where it cannot tell).
-
-    ``evaluator`` must be on the native parameters and inputs; they are shifted in place and put back exactly. The
-    shift is drawn from the plan's seed and step, so every process of a distributed run shifts alike. Points are
-    evaluated in vectorised passes where the plan allows it and the loss changes nothing in place that cannot be put
-    back.
-    """
+    the probe agrees there, ``"unstable"`` where it cannot tell). The parameters and inputs of ``evaluator`` (native)
+    are shifted in place and put back exactly, the shift drawn from the plan's seed and step (every process of a
+    distributed run shifts alike)."""
     plan = dataclasses.replace(plan, vectorize=plan.vectorize and not evaluator.state.sandbox.unrestorable())
     # an "imprecise" failure (fail_on_imprecise) is rounding, which no other point reproduces: float64 has settled it
     failing = [task for task in tasks if task.failed and task.result is not None and task.result.reason != "imprecise"]
     # the most significant first, a few at a time: one failure that stands fails the check, and a wrong backward
     # upstream of many tensors fails them all (confirming each cost a diffusion UNet minutes per failing check)
-    failing.sort(key=_significance, reverse=True)
+    failing.sort(key=significance, reverse=True)
     for start in range(0, len(failing), CONFIRMED_AT_ONCE):
         batch = failing[start : start + CONFIRMED_AT_ONCE]
         if not _confirm_batch(evaluator, portfolio, batch, plan, mode):
             return
         rest = failing[start + len(batch) :]
         if any(task.failed for task in batch) and rest:
-            evaluator.notes.append(
-                Note(
-                    NoteCode.SHIFT_BUDGET,
-                    f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
-                    f"{sum(task.failed for task in batch)} most significant failure(s) stood there",
-                )
-            )
+            evaluator.notes.append(Note(NoteCode.SHIFT_BUDGET, (
+                f"{len(rest)} more failing probe(s) not measured again at a shifted point: the "
+                f"{sum(task.failed for task in batch)} most significant failure(s) stood there")))  # fmt: skip
             return
-
-
-def _significance(task: ProbeTask) -> float:
-    result = task.result
-    assert result is not None
-    return abs(result.discrepancy) / result.noise if result.noise > 0 else math.inf
 
 
 def _confirm_batch(
@@ -149,8 +135,8 @@ def _confirm_batch(
 
 
 def _shift(tensor: Tensor, generator: torch.Generator, scale: float) -> Tensor:
-    """A random displacement of ``tensor`` of :data:`SHIFT` times its RMS per element (of ``scale``, the parameters'
-    RMS, for a tensor of zeros), in its dtype."""
+    """A random displacement of :data:`SHIFT` times the RMS of ``tensor`` (of ``scale`` for a tensor of zeros), in its
+    dtype."""
     noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64)
     noise.mul_(SHIFT * (rms(tensor) or scale))
     return noise.to(device=tensor.device, dtype=tensor.dtype)
@@ -185,7 +171,6 @@ def _measured_replicas(
 def _judge_elsewhere(task: ProbeTask, replica: ProbeTask, rounding_drawn: bool = False) -> None:
     """Keep the task's failure if its replica at the shifted point fails the same way, reporting the smaller of the
     two discrepancies (a wrong backward at a tie is measured more truly away from it); else make it inconclusive.
-
     ``rounding_drawn``: the gradient is a 16-bit one judged against its measured floor, whose rounding is a draw that
     changes from point to point (where 16 bits move a kink of a ReLU or max-pool, a correct float16 gradient of a
     BatchNorm bias was measured 1.3% off at one point, 0.05% at the next), while a wrong 16-bit kernel is wrong at both:
@@ -196,12 +181,8 @@ def _judge_elsewhere(task: ProbeTask, replica: ProbeTask, rounding_drawn: bool =
     task.evaluations += replica.evaluations
     if second.verdict == "fail" and (second.discrepancy > 0) == (first.discrepancy > 0):
         if second.rel_error < first.rel_error:
-            task.direction, task.step, task.stencil, task.result = (
-                replica.direction,
-                replica.step,
-                replica.stencil,
-                second,
-            )
+            task.direction, task.step = replica.direction, replica.step
+            task.stencil, task.result = replica.stencil, second
         return
     if abs(replica.direction.analytic) < VANISHED * abs(task.direction.analytic):
         return  # the derivative vanished at the shifted point: no evidence either way

@@ -1,20 +1,17 @@
 """Gradients that are deliberately not the derivative, told by their signature in a check's probes.
 
-Some user code trains on a gradient that is not the derivative of its loss on purpose:
-
 * a **straight-through estimator** (a fake quantiser ``w + (round(w) - w).detach()``, ``sign`` with an identity
   backward): the loss is piecewise constant in the tensor, so every probe of it reads a flat loss while autograd gives
-  it a gradient. Piecewise constant, not constant: at a coarse step (:data:`COARSE_STEP` of the tensor's size) the
-  loss moves. A gradient for a tensor the loss does not depend on at all is no estimator but a bug, and stays one.
+  it a gradient; at a coarse step (:data:`COARSE_STEP` of the tensor's size) the loss moves. A gradient for a tensor
+  the loss does not depend on at all is no estimator but a bug, and stays one.
 * a **stop-gradient** (``.detach()``, ``torch.no_grad()``, an integer cast on the tensor's path; a target network, a
-  frozen branch): autograd gives the tensor exactly no gradient along every direction probed while the loss moves with
-  it. An accidental detach looks the same, so these probes still fail.
+  frozen branch): autograd gives the tensor no gradient along every direction probed while the loss moves with it. An
+  accidental detach looks the same, so these probes still fail.
 
-:func:`straight_through` and :func:`stop_gradients` find them among a check's probes. The probes of a straight-through
-tensor end inconclusive with reason ``"surrogate"``, and so does the descent probe when its failure is exactly the share
-of the predicted decrease those tensors account for (``‖g_T‖² / ‖g‖``). Each finding is said in words, with the
-``ignore=`` pattern that exempts the tensors (:func:`ignore_patterns`); a report lists them in ``surrogates``, and
-failure messages show them.
+:func:`straight_through` and :func:`stop_gradients` find them. The probes of a straight-through tensor end
+inconclusive with reason ``"surrogate"``, and so does the descent probe when its failure is exactly those tensors'
+share of the predicted decrease (``‖g_T‖² / ‖g‖``). Each finding is said in words, with the ``ignore=`` pattern that
+exempts the tensors (:func:`ignore_patterns`), in the report's ``surrogates`` and failure messages.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from collections.abc import Sequence
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.measuring.points import measure
-from gradwatch.engine.numerics.assessment import SIGNIFICANCE, Assessment
+from gradwatch.engine.numerics.assessment import SIGNIFICANCE
 from gradwatch.engine.numerics.norms import norm
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.portfolio import Portfolio
@@ -63,7 +60,7 @@ def straight_through(
         return []
     for i in found:
         for task in by_tensor[i]:
-            _mark(task)
+            task.mark("inconclusive", "surrogate")
     _explain_descent(tasks, portfolio, found, rtol)
     names = [name for name, _ in evaluator.params]
     tensors = [names[i] for i in found]
@@ -132,13 +129,6 @@ def _moves_coarsely(evaluator: LossEvaluator, portfolio: Portfolio, i: int) -> b
     return math.isfinite(change) and change > max(MOVED * predicted, rounding)
 
 
-def _mark(task: ProbeTask) -> None:
-    result = task.result
-    assert result is not None
-    fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-    task.result = Assessment(*fields, "inconclusive", "surrogate", loss_noise=result.loss_noise)
-
-
 def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: Sequence[int], rtol: float) -> None:
     """Mark the failing descent probe inconclusive if the straight-through tensors' share of its predicted decrease
     is all it is missing."""
@@ -149,7 +139,7 @@ def _explain_descent(tasks: Sequence[ProbeTask], portfolio: Portfolio, tensors: 
     share = sum(portfolio.tensor_grad_norms[i] ** 2 for i in tensors) / slope if slope else 0.0
     result = descent.result
     if abs(result.numeric - (slope - share)) <= max(SIGNIFICANCE * result.noise, rtol * result.scale):
-        _mark(descent)
+        descent.mark("inconclusive", "surrogate")
 
 
 def ignore_patterns(tensors: Sequence[str], names: Sequence[str]) -> list[str]:

@@ -17,17 +17,14 @@ as the applied check measures its floor (:mod:`gradwatch.engine.applied.verdict`
 By Cauchy-Schwarz, a correct gradient is off along any unit direction within ``T`` by at most that distance. Each probe
 is judged against the floors of the tensors it moves (:class:`~gradwatch.engine.probing.tolerances.TensorTolerances`):
 :data:`FLOOR_MULTIPLE` times the floor of its tensor, or of its tensors together along its direction, at most
-:data:`MOST`. One tolerance for all, three times the largest relative floor capped at the dtype's fixed tolerance,
-reached that cap on a small bf16 CNN in most checks (a convolution's weight gradient before BatchNorm is 5-14% off in
-bf16, its classifier's 0.5%) and let a 5% bug read ``ok``, while on its float16 twin the cap was below what rounding
-that moves a kink does to a correct gradient. The forward's rounding is measured at :data:`REALIZATIONS` more points
-half a unit in the last place away, since one draw of it can be orders of magnitude below another where a kink moves,
-and once more with the native forward's own values at every leaf module's 16-bit output
+:data:`MOST` (one tolerance for all, capped at the dtype's fixed one, let a 5% bug read ``ok`` on a small bf16 CNN and
+was below what a kink moved by rounding does to a correct float16 gradient). The forward's rounding is measured at
+:data:`REALIZATIONS` more points half a unit in the last place away (one draw of it can be orders of magnitude below
+another where a kink moves), and once more with the native forward's own values at every leaf module's 16-bit output
 (:mod:`~gradwatch.engine.function.native_values`: a 16-bit kernel that rounds inside moves kinks that the emulation,
-rounding each result once, does not).
-The check's ``rtol`` is the largest tolerance within the fixed one (the tolerance of the probes of inputs and
-activations, whose floor is not measured). It costs one native backward (of 3x the loss) and seven float64 forwards and
-backwards on the probe batch, made only for 16-bit models probed in float64.
+rounding each result once, does not). The check's ``rtol``, for the probes of inputs and activations, is the largest
+tolerance within the fixed one. It costs one native backward (of 3x the loss) and seven float64 forwards and backwards
+on the probe batch, only for 16-bit models probed in float64.
 """
 
 from __future__ import annotations
@@ -132,8 +129,8 @@ class SixteenBitFloor:
         self.spread = None if scaled is None else _distances(native, scaled)
 
     def plan_on_float64(self) -> ProbePlan:
-        """The plan with its tolerance measured; called with the evaluator on float64 storage. The plan unchanged, with
-        a note, when a measurement could not be made."""
+        """The plan with its tolerance measured (the evaluator on float64 storage); unchanged, with a note, where a
+        measurement could not be made."""
         dtype = self.plan.native_dtype
         if self.spread is None:
             return self._fixed("the model's gradient of 3x the loss is not finite or could not be computed")
@@ -170,15 +167,11 @@ class SixteenBitFloor:
         rtol = max(min(fixed, max(per_tensor, default=least)), least)
         low, high = min(per_tensor, default=rtol), max(per_tensor, default=rtol)
         middle = statistics.median(per_tensor) if per_tensor else rtol
-        self.notes.append(
-            Note(
-                NoteCode.SIXTEEN_BIT_FLOOR,
-                f"{_name(dtype)} parameters: tolerances per tensor from the noise floor measured on the model, "
-                f"{FLOOR_MULTIPLE:g}x each tensor's: {low:.3g} to {high:.3g} (median {middle:.3g}; the fixed "
-                f"{_name(dtype)} tolerance {fixed:g} holds for inputs); a probe over several tensors is judged against "
-                "their floors together",
-            )
-        )
+        self.notes.append(Note(NoteCode.SIXTEEN_BIT_FLOOR, (
+            f"{_name(dtype)} parameters: tolerances per tensor from the noise floor measured on the model, "
+            f"{FLOOR_MULTIPLE:g}x each tensor's: {low:.3g} to {high:.3g} (median {middle:.3g}; the fixed "
+            f"{_name(dtype)} tolerance {fixed:g} holds for inputs); a probe over several tensors is judged against "
+            "their floors together")))  # fmt: skip
         return dataclasses.replace(self.plan, rtol=rtol, measured_floor=True, tolerances=tolerances)
 
     def _other_realizations(self, dtype: torch.dtype) -> list[list[float]]:
@@ -210,13 +203,9 @@ class SixteenBitFloor:
 
     def _fixed(self, why: str) -> ProbePlan:
         dtype = self.plan.native_dtype
-        self.notes.append(
-            Note(
-                NoteCode.SIXTEEN_BIT_FLOOR,
-                f"{_name(dtype)} parameters: the fixed tolerance {self.plan.rtol:.3g}, no floor measured ({why}"
-                f"{self.error})",
-            )
-        )
+        self.notes.append(Note(NoteCode.SIXTEEN_BIT_FLOOR, (
+            f"{_name(dtype)} parameters: the fixed tolerance {self.plan.rtol:.3g}, no floor measured ({why}"
+            f"{self.error})")))  # fmt: skip
         return self.plan
 
     def _guarded(self, measure: Callable[[], list[Tensor] | None]) -> list[Tensor] | None:

@@ -6,10 +6,10 @@ bf16-only RMSNorm, flash attention) makes the float64 loss raise, and the probes
 model's loss is resolved to about 1% at best and its tolerance is the fixed 0.1: a 5% bug in such a kernel's input
 gradient, diluted to 1.7% in the gradient of the parameters below it, passed three checks.
 
-The kernel's own module, alone, is resolved far better: its error is undiluted there, and a finite difference of
-``⟨ḡ, M(x)⟩`` (``ḡ`` the gradient autograd passed to the module's output in the reference pass) rounds only the
-module's own output, each element once, with independent errors that mostly cancel in the sum. So each module of the
-refusing module's class that the loss runs is checked at its first call's native inputs: the directional derivative
+The kernel's own module, alone, is resolved far better: its error is undiluted, and a finite difference of
+``⟨ḡ, M(x)⟩`` (``ḡ`` the gradient its output received in the reference pass) rounds only the module's output, each
+element once, with errors that mostly cancel in the sum. So each module of the refusing class that the loss runs is
+checked at its first call's native inputs: the directional derivative
 of ``⟨ḡ, M(x)⟩`` along the gradient the module's backward passed to its floating inputs (a ``"module_input"`` probe)
 and along the one it gave its own parameters (``"module_params"``), against a Richardson-extrapolated central
 difference at :data:`STEP` (and again at :data:`CONFIRMATION` of it), the displaced points rounded to the module's
@@ -94,9 +94,8 @@ class _Call:
     inputs: list[int]
 
     def output(self, moved: Sequence[Tensor] | None = None, params: Sequence[tuple[Tensor, Tensor]] = ()) -> Tensor:
-        """The module's output with its 16-bit arguments replaced by ``moved`` (or as they were) and each parameter of
-        ``params`` (``(parameter, value)``) holding the value, put back afterwards; its random draws the same at every
-        call."""
+        """The module's output with its 16-bit arguments replaced by ``moved`` and each ``(parameter, value)`` of
+        ``params`` holding the value (put back after), its random draws the same at every call."""
         called = list(self.args)
         for i, tensor in zip(self.inputs, moved if moved is not None else [], strict=False):
             called[i] = tensor

@@ -1,13 +1,13 @@
 """The update rules of the optimizers gradwatch has a reference for, one pure function each: ``rule(param, grad,
 state, hyper, precise=..., dtype=...) -> new param``.
 
-Each computes, out of place, what one step of the optimizer makes of one parameter from its value before the step, the
-gradient it steps with, its state before the step (the tensors the optimizer keeps, as kept before the step; a missing
-entry is the state the optimizer would create at its first step) and its param group's hyperparameters. The arithmetic
-follows the inputs' dtype: float64 inputs give the reference update, inputs in the optimizer's own dtypes give the same
-rule rounded as the optimizer rounds (the check's floor, :mod:`gradwatch.engine.update.check`). ``precise`` says which
-of the two is asked for, for the rules that choose a precision of their own (Muon's Newton-Schulz iteration runs in
-bfloat16); ``dtype`` is the parameter's own dtype, for the rules whose defaults depend on it (Adafactor's ``eps1``).
+Each computes, out of place, what one step of the optimizer makes of one parameter from its value, the gradient it steps
+with, its state before the step (a missing entry is the state the optimizer would create at its first step) and its
+param group's hyperparameters. The arithmetic follows the inputs' dtype: float64 inputs give the reference update,
+inputs in the optimizer's own dtypes give the same rule rounded as the optimizer rounds (the check's floor,
+:mod:`gradwatch.engine.update.check`). ``precise`` says which of the two is asked for, for the rules that choose a
+precision of their own (Muon's Newton-Schulz iteration runs in bfloat16); ``dtype`` is the parameter's own dtype, for
+the rules whose defaults depend on it (Adafactor's ``eps1``).
 
 The rules are written from torch's single-tensor implementations (``torch/optim/sgd.py``, ``adam.py``, ``rmsprop.py``,
 ``_adafactor.py`` in torch 2.13), operation for operation where the rounding matters; the foreach and fused variants

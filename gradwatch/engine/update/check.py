@@ -93,13 +93,8 @@ def _rule_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update
     reference64 = precise(kept.grad.to("cpu", torch.float64) * snapshot.coefficient)
     floor = max(float((update - reference64).norm()) for update in floors)
     iteration = ", its Newton-Schulz iteration in bfloat16" if len(reference.variants) > 1 else ""
-    floor_dtype = str(dtype).removeprefix("torch.")
-    return (
-        precise,
-        reference64,
-        floor,
-        f"{reference.name} in float64 (floor: the same rule in {floor_dtype}{iteration})",
-    )
+    name = f"{reference.name} in float64 (floor: the same rule in {str(dtype).removeprefix('torch.')}{iteration})"
+    return precise, reference64, floor, name
 
 
 def _replay_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update, Tensor, float, str]:

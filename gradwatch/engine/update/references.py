@@ -28,7 +28,6 @@ class Reference:
 
     Attributes:
         name: What the report names it (``"torch.optim.AdamW"``, ``"Muon (Keller Jordan)"``).
-        rule: The update rule (:mod:`gradwatch.engine.update.algorithms`).
         hyper: The group's hyperparameters as the rule reads them (a decoupled-decay flag made explicit).
         variants: Settings added to ``hyper`` for the floor's re-runs in the optimizer's dtype, the floor the largest
             of their distances from the reference (Muon's two orders of operations); one empty one for the others.
@@ -38,10 +37,6 @@ class Reference:
     rule: UpdateRule
     hyper: Mapping[str, Any]
     variants: tuple[Mapping[str, Any], ...] = ({},)
-
-
-def _has(group: Mapping[str, Any], *keys: str) -> bool:
-    return all(key in group for key in keys)
 
 
 def reference_for(optimizer: Any, group: Mapping[str, Any]) -> Reference | None:
@@ -61,20 +56,20 @@ def _by_name(optimizer: Any, kind: str, own: str, group: Mapping[str, Any], hype
     if "muon" in lower:
         if "use_muon" in group and not group["use_muon"]:
             return Reference(f"{own} auxiliary Adam (Keller Jordan's adam_update)", keller_aux_adam, hyper)
-        if _has(group, "ns_coefficients", "ns_steps", "momentum", "lr"):
+        if group.keys() >= {"ns_coefficients", "ns_steps", "momentum", "lr"}:
             return Reference(_named(own, "Muon"), torch_muon, hyper, FLOOR_VARIANTS)
-        if _has(group, "lr", "momentum"):
+        if group.keys() >= {"lr", "momentum"}:
             return Reference(f"{own} (Keller Jordan's muon_update)", keller_muon, hyper, FLOOR_VARIANTS)
         return None
-    if lower in ADAMS and _has(group, "lr", "betas", "eps"):
+    if lower in ADAMS and group.keys() >= {"lr", "betas", "eps"}:
         decoupled = group.get("decoupled_weight_decay", lower.endswith("w"))
         return Reference(_named(own, "AdamW" if decoupled else "Adam"), adam,
                          {**hyper, "decoupled_weight_decay": bool(decoupled)})  # fmt: skip
-    if lower == "sgd" and _has(group, "lr", "momentum", "dampening", "nesterov", "weight_decay"):
+    if lower == "sgd" and group.keys() >= {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
         return Reference(_named(own, "SGD"), sgd, hyper)
-    if lower == "rmsprop" and _has(group, "lr", "alpha", "eps", "centered", "momentum"):
+    if lower == "rmsprop" and group.keys() >= {"lr", "alpha", "eps", "centered", "momentum"}:
         return Reference(_named(own, "RMSprop"), rmsprop, hyper)
-    if lower == "adafactor" and _has(group, "lr", "beta2_decay", "eps", "d"):
+    if lower == "adafactor" and group.keys() >= {"lr", "beta2_decay", "eps", "d"}:
         return Reference(_named(own, "Adafactor"), adafactor, hyper)
     return None
 

@@ -6,10 +6,9 @@ verified gradient (before the loop clips it) and of the optimizer's state for it
 group's hyperparameters as they are before the step (a learning-rate scheduler changes them after). Nothing of the
 optimizer itself is touched: its state is read, never written.
 
-:func:`update_tensors` chooses the tensors as the applied check chooses those it probes one by one: a few in turn over
-a series of checks (``rotation``), always with a matrix among them when the optimizer updates one (Muon's update is a
-function of the whole matrix), tensors too large to copy and step on one device cheaply left out while smaller ones
-remain.
+:func:`update_tensors` chooses them as the applied check chooses those it probes one by one: a few in turn over a series
+of checks (``rotation``), a matrix among them when the optimizer updates one (Muon's update is a function of the whole
+matrix), tensors too large to copy and step on one device cheaply left out while smaller ones remain.
 
 Under sharding (FSDP2's ``DTensor`` parameters and state, DeepSpeed ZeRO's fp32 partitions) only the checked
 tensors and their state are gathered whole (:mod:`gradwatch.engine.distributed.whole`, a collective: every rank takes
@@ -55,9 +54,9 @@ def update_tensors(
     optimizer: Any, named: Sequence[tuple[str, Tensor]], count: int = UPDATE_TENSORS, rotation: int = 0,
     graded: Collection[str] | None = None,
 ) -> list[tuple[str, Tensor]]:  # fmt: skip
-    """Which of ``named`` (the checked parameters, by name) an update check compares: ``count`` of those ``optimizer``
-    updates (any, for ``None``) that have a gradient (a ``.grad``, or a name in ``graded``: the gradients an engine
-    keeps elsewhere), in turn from the ``rotation``-th, a matrix among them (see the module doc)."""
+    """The ``count`` of ``named`` (the checked parameters) an update check compares, in turn from the ``rotation``-th:
+    those ``optimizer`` updates (any, for ``None``) that have a gradient (a ``.grad``, or a name in ``graded``: the
+    gradients an engine keeps elsewhere), a matrix among them (see the module doc)."""
     updated = None if optimizer is None else {id(p) for g in innermost(optimizer).param_groups for p in g["params"]}
     candidates = [
         (n, p)
@@ -80,7 +79,6 @@ def update_tensors(
 
 
 def _copied(value: Any) -> Any:
-    """A state entry, kept: a tensor cloned (detached), anything else deep-copied."""
     if isinstance(value, Tensor):
         return value.detach().clone()
     return copy.deepcopy(value)
@@ -96,28 +94,17 @@ def _state(param: Tensor, holder: Tensor, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class KeptParameter:
-    """One checked parameter as it was before the step.
-
-    Attributes:
-        name: Its name in ``named_parameters()``.
-        param: The parameter itself (read after the step).
-        before: Its values before the step.
-        grad: The verified gradient, before the loop clipped it.
-        state: The optimizer's state for it, kept (tensors cloned).
-        hyper: Its param group's hyperparameters before the step (without ``params``).
-        group: The index of its param group.
-        shares: By rank, the ``(start, count)`` of the flattened tensor that rank updates, when sharded (else ``()``).
-    """
+    """One checked parameter as it was before the step."""
 
     name: str
-    param: Tensor
+    param: Tensor  # the parameter itself (read after the step)
     before: Tensor
-    grad: Tensor
-    state: Mapping[str, Any]
-    hyper: Mapping[str, Any]
+    grad: Tensor  # the verified gradient, before the loop clipped it
+    state: Mapping[str, Any]  # the optimizer's state for it (tensors cloned)
+    hyper: Mapping[str, Any]  # its param group's hyperparameters (without params)
     _: KW_ONLY
-    group: int
-    shares: tuple[tuple[int, int], ...] = ()
+    group: int  # the index of its param group
+    shares: tuple[tuple[int, int], ...] = ()  # by rank, the (start, count) of the flattened tensor it updates, sharded
 
 
 @dataclass(frozen=True)
@@ -125,21 +112,17 @@ class UpdateSnapshot:
     """What an update check keeps before the step (see the module doc).
 
     Attributes:
-        optimizer: The optimizer about to step (the one holding the state, through any wrapper).
-        kept: The checked parameters.
-        norm: The global norm of the verified gradient (over every tensor the loop clips), for the declared clip.
         max_norm: The clip the loop declared (``None``: none): the gradient it steps with is the verified one times
             ``min(1, max_norm / (norm + 1e-6))``.
-        previous: By name, the gradient of the step before, when kept: a step taken with it is named.
         numerics: The settings that change the numbers (TF32, reduced-precision reductions, ...) as the step ran under
             them, recorded on the update check's report as on the other checks'.
     """
 
-    optimizer: Any
+    optimizer: Any  # the one holding the state, through any wrapper
     kept: tuple[KeptParameter, ...]
-    norm: float = 0.0
+    norm: float = 0.0  # the verified gradient's global norm (over every tensor the loop clips), for the declared clip
     max_norm: float | None = None
-    previous: Mapping[str, Tensor] = field(default_factory=dict)
+    previous: Mapping[str, Tensor] = field(default_factory=dict)  # by name, the step before's gradient, when kept
     numerics: Numerics = field(default_factory=current_numerics)
 
     @classmethod
@@ -179,7 +162,7 @@ class UpdateSnapshot:
         return cls(optimizer, tuple(kept), float(norm), max_norm, dict(previous or {}))
 
     def with_clip(self, max_norm: float | None) -> UpdateSnapshot:
-        """This snapshot with the clip the loop declared after it was taken (``None``: leave it)."""
+        """With the clip the loop declared after the snapshot was taken (``None``: none)."""
         if max_norm is None:
             return self
         return dataclasses.replace(self, max_norm=float(max_norm))
