@@ -149,8 +149,7 @@ def applied_scalars(report: CheckReport) -> dict[str, float]:
     :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
     prefix = _applied_prefix(report)
     values = {
-        "verdict": float(VERDICTS.index(report.verdict)),
-        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
+        **_verdict_and_fault(report),
         "descent_ratio": report.descent_ratio,
         "noise_floor": report.noise_floor,
         "floor_excess": report.floor_excess,
@@ -187,14 +186,18 @@ def _applied_prefix(report: CheckReport) -> str:
     return CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
 
 
+def _verdict_and_fault(report: CheckReport) -> dict[str, float]:
+    fault = float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0
+    return {"verdict": float(VERDICTS.index(report.verdict)), "fault": fault}
+
+
 def update_scalars(report: CheckReport) -> dict[str, float]:
     """The numbers logged for an update check, under ``gradwatch/update/``: the verdict, the fault (as for an applied
     check), the largest relative error of an update against its reference, the largest floor (relative to the
     reference's norm), the largest discrepancy in units of its tolerance and the seconds the check took."""
     errors = report.conclusive_rel_errors
     values = {
-        "verdict": float(VERDICTS.index(report.verdict)),
-        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
+        **_verdict_and_fault(report),
         "rel_error_max": max(errors) if errors else math.nan,
         "noise_floor": report.noise_floor,
         "floor_excess": report.floor_excess,
@@ -203,22 +206,11 @@ def update_scalars(report: CheckReport) -> dict[str, float]:
     return {UPDATE_PREFIX + name: float(value) for name, value in values.items() if math.isfinite(value)}
 
 
-def update_records_of(report: CheckReport) -> CheckRecords:
-    """Everything the outputs show of an update check (``report.scope == "update"``): its ``gradwatch/update/*``
-    scalars and, when it failed, its text under :data:`UPDATE_FAILURE_TAG`; no histogram."""
-    return CheckRecords(
-        step=report.step,
-        scalars=update_scalars(report),
-        text=applied_text(report),
-        histograms={},
-        report=report,
-        text_tag=UPDATE_FAILURE_TAG,
-    )
-
-
 def report_records(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:
-    """The records of a report of any kind: :func:`applied_records_of` for an applied check,
-    :func:`update_records_of` for an update check, else :func:`records_of` (with ``overhead``)."""
+    """The records of a report of any kind: :func:`applied_records_of` for an applied check; for an update check its
+    ``gradwatch/update/*`` scalars and, when it failed, its text under :data:`UPDATE_FAILURE_TAG`; else
+    :func:`records_of` (with ``overhead``)."""
     if report.scope == "update":
-        return update_records_of(report)
+        text = applied_text(report)
+        return CheckRecords(report.step, update_scalars(report), text, {}, report, text_tag=UPDATE_FAILURE_TAG)
     return applied_records_of(report) if report.scope == "applied" else records_of(report, overhead)

@@ -42,10 +42,6 @@ class Sink(Protocol):
         """Make what was written durable (called at once after a failing check)."""
 
 
-class ScalarWriterLike(SummaryWriterLike, Protocol):
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> object: ...
-
-
 class SummaryWriterSink:
     """TensorBoard through a ``torch.utils.tensorboard.SummaryWriter`` (or anything with its ``add_*`` methods).
 
