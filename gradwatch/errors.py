@@ -1,11 +1,8 @@
 """Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
 
-For users: :class:`GradientCheckError` (``on_fail="raise"``), :class:`GradientCheckWarning` (a failing or undecided
-check), :class:`UnrestoredStateWarning`, :class:`NoLossToCheckError` (raised by a ``loss_fn`` that has no loss for a
-batch) and the reasons a check ends (:class:`CheckAbandonedError` and its kinds). The others are signals between
-gradwatch's own modules, each named for what it means. The modules that used to define them import them from here, so
-their old import paths still work. :func:`own_error` tells an error of gradwatch's own from one of the code it runs
-(the user's loss, model or optimizer).
+The first are for users, then the reasons a check ends (:class:`CheckAbandonedError` and its kinds), then signals
+between gradwatch's own modules (their old modules import them from here, so old import paths still work).
+:func:`own_error` tells an error of gradwatch's own from one of the code it runs (the user's loss, model or optimizer).
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ class CheckAbandonedError(RuntimeError):
 
 
 class RestoreError(CheckAbandonedError):
-    """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
-    the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
+    """Putting the user's state back failed (never mistaken for an error of the loss)."""
 
 
 class LossCallsBackwardError(CheckAbandonedError, ValueError):
@@ -75,9 +71,8 @@ class LossCallsBackwardError(CheckAbandonedError, ValueError):
 
 
 class CheckOutOfMemoryError(CheckAbandonedError):
-    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on.
-    A :class:`CheckAbandonedError`, so that no fallback of the check (a smaller slice, no vectorised pass, no input
-    probes) tries something else with the memory that is not there."""
+    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on;
+    no fallback of the check tries something else with the memory that is not there."""
 
 
 class PeerFailureError(CheckAbandonedError):

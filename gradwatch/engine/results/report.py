@@ -65,12 +65,9 @@ class Probe:
             non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
         step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
             of the step along it).
-        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"`` (the parameter received
-            no gradient, but the loss depends on it), ``"unresolved"`` (noise too large to tell), ``"kink"`` (the loss
-            is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
-            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step),
-            ``"surrogate"`` (a straight-through estimator: the loss is piecewise constant in the tensor, its gradient
-            deliberately not the derivative; see :attr:`CheckReport.surrogates`) or ``"nonfinite"``.
+        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"``, ``"kink"``,
+            ``"surrogate"`` (a straight-through estimator, see :attr:`CheckReport.surrogates`), ...: a
+            :class:`~gradwatch.engine.results.kinds.Reason`, whose members say what each means.
         evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
             a confirmation at a second step, more when it was measured again in float64.
         floor: Applied checks only: the noise floor of the training's path along the probe's direction, in derivative
