@@ -2,18 +2,12 @@
 
 A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
 and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to see each micro-batch (a shallow copy of
-the inputs, with the ``num_items_in_batch`` the Trainer passed) and ``accelerator.clip_grad_norm_`` to reach the
-accumulated gradient before the Trainer clips it.
-
-* The **applied** check: every micro-batch of a due window goes to ``watch.record``; in the clipping call (before it
-  clips; under DeepSpeed inside the engine's step), ``watch.before_optimizer_step`` checks the gradient the optimizer
-  is about to apply against the window's loss, combined as the Trainer combines it, on its forward's path.
-* The **recomputed** check: at ``on_step_end`` ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the
-  step's first micro-batch at the parameters the step produced.
-
-Outputs go through the watch's sinks, built once per run (:mod:`gradwatch.integrations.trainer_outputs`); the watch's
-state rides in the Trainer's checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's
-metrics) is put back after it (:mod:`.trainer_records`).
+the inputs, with the ``num_items_in_batch`` the Trainer passed), which a due window records for the applied check, and
+``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the engine's
+step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. Outputs go through the watch's
+sinks, built once per run (:mod:`gradwatch.integrations.trainer_outputs`); the watch's state rides in the Trainer's
+checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is put back after it
+(:mod:`.trainer_records`).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +29,6 @@ from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_mi
 from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
 from gradwatch.integrations.trainer_records import records_kept
-from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
 from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.guard import guarded_hook
@@ -45,9 +38,30 @@ from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["STATE_KEY", "GradWatchCallback"]
 
-"""The key of the watch's state in ``TrainerState.stateful_callbacks`` (saved in each checkpoint's
-``trainer_state.json``). Not the callback's class name: with ``restore_callback_states_from_checkpoint=True`` the
-Trainer rebuilds a callback of that name from JSON arguments, which cannot hold the trainer."""
+STATE_KEY = "gradwatch"
+"""The key of the watch's state in ``TrainerState.stateful_callbacks``, which the Trainer saves in each checkpoint's
+``trainer_state.json`` and reads back on ``trainer.train(resume_from_checkpoint=...)``. Not the callback's class name:
+with ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds a callback of that name from JSON arguments,
+which cannot hold the trainer."""
+
+
+def _stateful(state: TrainerState) -> dict[str, Any]:
+    """``state.stateful_callbacks``: a dict of states by name (a list before the Trainer's ``TrainerState`` turns it
+    into one)."""
+    if not isinstance(state.stateful_callbacks, dict):
+        state.stateful_callbacks = {}  # type: ignore[assignment]
+    return cast(dict[str, Any], state.stateful_callbacks)
+
+
+def _saved_state(state: TrainerState) -> dict[str, Any] | None:
+    """The watch's state kept in ``state`` (a checkpoint's, on resume), or ``None`` when it holds none."""
+    saved = _stateful(state).get(STATE_KEY)
+    return saved if isinstance(saved, dict) else None
+
+
+def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
+    """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
+    _stateful(state)[STATE_KEY] = value
 
 
 class GradWatchCallback(TrainerCallback):
@@ -184,20 +198,20 @@ class GradWatchCallback(TrainerCallback):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
-        saved = saved_state(state, STATE_KEY)
+        saved = _saved_state(state)
         if saved is not None:
             self.watch.load_state_dict(saved)
-        keep_state(state, STATE_KEY, self.watch.state_dict())
+        _keep_state(state, self.watch.state_dict())
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     @guarded_hook("GradWatchCallback.on_epoch_end")
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        keep_state(state, STATE_KEY, self.watch.state_dict())  # a checkpoint saved at the epoch's end
+        _keep_state(state, self.watch.state_dict())  # a checkpoint saved at the epoch's end
 
     @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        keep_state(state, STATE_KEY, self.watch.state_dict())  # trainer.save_state() after the run
+        _keep_state(state, self.watch.state_dict())  # trainer.save_state() after the run
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
         if self._engine_hook is not None:
@@ -255,7 +269,7 @@ class GradWatchCallback(TrainerCallback):
             # before the Trainer saves a checkpoint of this step (DefaultFlowCallback, which runs before this callback,
             # asked for one, or for an evaluation that may save the best model), not at every step: a state_dict
             # costs more than the rest of an idle step; the epoch's and the run's ends keep it too
-            keep_state(state, STATE_KEY, self.watch.state_dict())
+            _keep_state(state, self.watch.state_dict())
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 

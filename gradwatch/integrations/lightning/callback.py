@@ -1,19 +1,13 @@
 """``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
 
 A thin adapter over :class:`gradwatch.watch.GradientWatch`, which owns both kinds of check (schedule, budget, state,
-alerts, outputs). It turns Lightning's hooks into the watch's three calls and lends it what only the Trainer knows:
-
-* ``on_train_batch_start``: :meth:`~gradwatch.GradientWatch.record` (the micro-batch and its index);
-* ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed unscale, before
-  clipping): :meth:`~gradwatch.GradientWatch.before_optimizer_step`, with the module's own ``training_step`` as the
-  loss, each micro-batch's loss divided by ``accumulate_grad_batches`` and summed, the precision plugin's forward
-  context as the path, the grad scaler's scale and its skipped steps;
-* ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
-
-Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`, the watch's
-``context``); the records go to every logger, to ``trainer.callback_metrics`` and, on rank 0, to what each logger can
-show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks built once per run; the report
-``maybe_check`` returns goes to the progress bar.
+alerts, outputs). It turns Lightning's hooks into the watch's three calls: ``on_train_batch_start`` records the
+micro-batch and its index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed
+unscale, before clipping) runs the applied check, with the module's own ``training_step`` as the loss (each
+micro-batch's divided by ``accumulate_grad_batches`` and summed), the precision plugin's forward context as the path,
+the grad scaler's scale and its skipped steps; ``on_train_batch_end`` runs the recomputed check. Around every check the
+trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the records go to the loggers through sinks
+built once per run (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`); the report goes to the progress bar.
 """
 
 from __future__ import annotations
