@@ -5,7 +5,7 @@ and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to s
 the inputs, with the ``num_items_in_batch`` the Trainer passed), which a due window records for the applied check, and
 ``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the engine's
 step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. Outputs go through the watch's
-sinks, built once per run (:mod:`gradwatch.integrations.trainer_outputs`); the watch's state rides in the Trainer's
+sinks, built once per run (:func:`run_sinks`); the watch's state rides in the Trainer's
 checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is put back after it
 (:mod:`.trainer_records`).
 """
@@ -25,11 +25,12 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
+from gradwatch.integrations.loggers import logger_sinks, trainer_runs
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
-from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
 from gradwatch.integrations.trainer_records import records_kept
-from gradwatch.outputs.sinks import Sink
+from gradwatch.outputs.sinks import LogCallSink, Sink
+from gradwatch.tensorboard.writer import TRAINER_PREFIX
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
@@ -62,6 +63,48 @@ def _saved_state(state: TrainerState) -> dict[str, Any] | None:
 def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
     """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
     _stateful(state)[STATE_KEY] = value
+
+
+def run_sinks(
+    trainer: Trainer, args: TrainingArguments, state: TrainerState, log: Callable[[dict[str, float | str], int], object]
+) -> list[Sink]:
+    """The sinks of one run, found from the Trainer's own ``report_to`` integrations: on every process the scalars
+    through ``log(values, step)`` (``trainer.log``, which reaches every integration and keeps each process's log
+    history); on the main process what each integration shows besides scalars and the JSON lines record beside its run
+    (:mod:`gradwatch.integrations.loggers`: in a TensorBoard run the histogram and the failure text beside the
+    Trainer's ``train/...`` tags and the record in its directory; for a W&B or MLflow run the record in
+    ``<output_dir>/gradwatch_records/<callback>-<run id>``; otherwise in ``output_dir``)."""
+    sinks: list[Sink] = [LogCallSink(log)]
+    if state.is_world_process_zero:
+        sinks += logger_sinks(trainer_runs(trainer, args), prefix=TRAINER_PREFIX)
+    return sinks
+
+
+class TrainerLog:
+    """Sends a check's values through ``trainer.log`` at the Trainer's step: at once when the Trainer is at that step,
+    else (an applied check, made before its optimizer step) at that step's end (:meth:`flush`)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.pending: list[dict[str, float | str]] = []
+
+    def __call__(self, values: dict[str, float | str], step: int) -> None:
+        if step > self.trainer.state.global_step:
+            self.pending.append(values)
+            return
+        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
+        # the Trainer would skip (and later average over) the loss it logs at this step
+        should_log = self.trainer.control.should_log
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, cast(dict[str, float], values))
+        self.trainer.control.should_log = should_log
+
+    def flush(self) -> None:
+        """Log the values held back for the step that just ended."""
+        pending, self.pending = self.pending, []
+        for values in pending:
+            self(values, self.trainer.state.global_step)
 
 
 class GradWatchCallback(TrainerCallback):
