@@ -34,7 +34,7 @@ from gradwatch.tensorboard.writer import TRAINER_PREFIX
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
-from gradwatch.watch.options import WatchOptions
+from gradwatch.watch.options import WatchedReports, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["STATE_KEY", "GradWatchCallback"]
@@ -47,8 +47,7 @@ which cannot hold the trainer."""
 
 
 def _stateful(state: TrainerState) -> dict[str, Any]:
-    """``state.stateful_callbacks``: a dict of states by name (a list before the Trainer's ``TrainerState`` turns it
-    into one)."""
+    """``state.stateful_callbacks``, a dict of states by name (a list before ``TrainerState`` turns it into one)."""
     if not isinstance(state.stateful_callbacks, dict):
         state.stateful_callbacks = {}  # type: ignore[assignment]
     return cast(dict[str, Any], state.stateful_callbacks)
@@ -107,7 +106,7 @@ class TrainerLog:
             self(values, self.trainer.state.global_step)
 
 
-class GradWatchCallback(TrainerCallback):
+class GradWatchCallback(WatchedReports, TrainerCallback):
     r"""Check, every so often during a ``transformers.Trainer`` run, that the gradients are the derivatives of the loss.
 
     Both kinds of check, on the watch's one schedule and budget. The **applied** check (every ``applied_every_n_steps``
@@ -198,31 +197,6 @@ class GradWatchCallback(TrainerCallback):
     def loss_fn(self) -> LossFn | None:
         """The loss checked instead of ``trainer.compute_loss`` (``None``: the Trainer's own)."""
         return self.watch.loss_fn
-
-    @property
-    def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks of both kinds, oldest first."""
-        return self.watch.reports
-
-    @property
-    def update_reports(self) -> list[CheckReport]:
-        """The reports of this run's update checks (the update the optimizer made of a verified gradient)."""
-        return self.watch.update_reports
-
-    @property
-    def applied_reports(self) -> list[CheckReport]:
-        """The reports of this run's applied checks (and of the clip coefficient), oldest first."""
-        return self.watch.applied_reports
-
-    @property
-    def recomputed_reports(self) -> list[CheckReport]:
-        """The reports of this run's recomputed checks, oldest first."""
-        return self.watch.recomputed_reports
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """See :attr:`gradwatch.GradientWatch.counts` (continued from the checkpoint on resume)."""
-        return self.watch.counts
 
     # --- the Trainer's events --------------------------------------------------------------------------------------
 
@@ -326,10 +300,9 @@ class GradWatchCallback(TrainerCallback):
     # --- the applied check ------------------------------------------------------------------------------------------
 
     def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
-        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next); then,
-        when that check verified the gradient, the check of the clip coefficient (``watch.after_clipping``: the
-        gradient the optimizer steps with is the verified one times ``min(1, max_grad_norm / ‖g‖)``). Not under a grad
-        scaler: the check ran on the scaled gradient, which the clipping call unscales."""
+        """``accelerator.clip_grad_norm_``, after the applied check of the window; then, when that check verified the
+        gradient, the check of the clip coefficient (``watch.after_clipping``). Not under a grad scaler: the check ran
+        on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
         norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)  # training's: not guarded
         try:  # at every step: a guard by try/except (see GradientWatch.absorbs)
@@ -352,8 +325,7 @@ class GradWatchCallback(TrainerCallback):
     @guarded_hook("GradWatchCallback's applied check")
     def _check_applied(self, gradients: Mapping[str, torch.Tensor] | None = None) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` (or the ``gradients``
-        a DeepSpeed engine keeps) before clipping, against the window's loss as the Trainer combines it, on the path
-        its forward ran (its autocast)."""
+        a DeepSpeed engine keeps) before clipping, against the window's loss along the Trainer's path."""
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's

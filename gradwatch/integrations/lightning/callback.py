@@ -20,7 +20,6 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
-from gradwatch.engine import CheckReport
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
@@ -28,7 +27,7 @@ from gradwatch.integrations.lightning.publishing import TrainerSink, publish_das
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
 from gradwatch.watch.hooks import TrainingPath
-from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
+from gradwatch.watch.options import WATCH_OPTIONS, WatchedReports, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -44,7 +43,7 @@ def _distributed(trainer: pl.Trainer) -> bool:
     return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-class GradWatch(Callback):
+class GradWatch(WatchedReports, Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
     At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch (the module's own
@@ -107,31 +106,6 @@ class GradWatch(Callback):
     def watch(self) -> GradientWatch:
         """The watch this callback drives."""
         return self._watch
-
-    @property
-    def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks of both kinds, oldest first (at most ``max_reports``)."""
-        return self._watch.reports
-
-    @property
-    def applied_reports(self) -> list[CheckReport]:
-        """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
-        return self._watch.applied_reports
-
-    @property
-    def update_reports(self) -> list[CheckReport]:
-        """The reports of this run's update checks, oldest first (``scope == "update"``)."""
-        return self._watch.update_reports
-
-    @property
-    def recomputed_reports(self) -> list[CheckReport]:
-        """The reports of this run's recomputed checks, oldest first (``scope == "recomputed"``)."""
-        return self._watch.recomputed_reports
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """See :attr:`gradwatch.GradientWatch.counts`."""
-        return self._watch.counts
 
     @property
     def overhead(self) -> float:
