@@ -49,8 +49,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     ``correct=False`` reproduces a common mistake: differentiating as if ``rms(x)`` did not depend on ``x``. Written as
     ``torch.func`` wants a Function (``forward`` without ``ctx``, ``setup_context``, ``generate_vmap_rule``), so that
-    gradwatch can evaluate its checks' points in vectorised passes.
-    """
+    gradwatch can evaluate its checks' points in vectorised passes."""
 
     generate_vmap_rule = True
 

@@ -3,13 +3,12 @@ applied check verified, compared with a reference update (:mod:`gradwatch.engine
 
 They run at the applied checks' steps, within the same budget (``check_update=False`` turns them off): when
 :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values, the gradient and
-the optimizer state of a few tensors and checks the update from a step post hook on the optimizer, so that a loop
-needs no new line. The optimizer is the one ``before_optimizer_step`` was given (``optimizer=``, or of
-``optimizers=``); without one, torch's global step hooks catch the next step of any optimizer that updates the verified
-tensors; for a DeepSpeed ZeRO engine, its torch optimizer (stepped once per param group, ZeRO-3 sub-group: checked
-after the last). A loop whose optimizer runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step`. The
-hooks are one-shot, removed at the watch's next call (removing a hook while torch runs the hooks would break a loop's
-own hooks after it).
+the optimizer state of a few tensors and checks the update from a step post hook on the optimizer, so that a loop needs
+no new line. The optimizer is the one ``before_optimizer_step`` was given (``optimizer=``, or of ``optimizers=``);
+without one, torch's global step hooks catch the next step of any optimizer that updates the verified tensors; for a
+DeepSpeed ZeRO engine, its torch optimizer (stepped once per param group, ZeRO-3 sub-group: checked after the last). A
+loop whose optimizer runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step`. The hooks are one-shot,
+removed at the watch's next call (removing a hook while torch runs the hooks would break a loop's own hooks after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
 (``max_norm=`` or ``after_clipping``). Before a due step the watch keeps the previous step's gradient of the tensors it

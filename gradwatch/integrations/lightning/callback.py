@@ -26,6 +26,7 @@ from gradwatch.integrations.lightning.manual_step import Earlier, before_update,
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
+from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import TrainingPath
 from gradwatch.watch.options import WATCH_OPTIONS, WatchedReports, WatchOptions
 from gradwatch.watch.watch import GradientWatch
@@ -162,27 +163,16 @@ class GradWatch(WatchedReports, Callback):
         self._watch.start(trainer.global_step)  # restored from the checkpoint when resuming
 
     @override
+    @guarded_hook("GradWatch.on_train_batch_start")
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        try:  # at every step: a guard by try/except, free unless raised (see GradientWatch.absorbs)
-            self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
-            self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
-        except Exception as error:
-            if not self._watch.absorbs("GradWatch.on_train_batch_start", error):
-                raise
+        self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
+        self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
 
     @override
+    @guarded_hook("GradWatch.on_before_optimizer_step")
     def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        try:
-            self._before_optimizer_step(trainer, pl_module, optimizer)
-        except Exception as error:
-            if not self._watch.absorbs("GradWatch.on_before_optimizer_step", error):
-                raise
-
-    def _before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._ordinal += 1

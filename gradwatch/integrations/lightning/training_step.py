@@ -58,10 +58,9 @@ _EXPERIMENT_PREFIXES = ("add_", "log")
 @contextlib.contextmanager
 def loggers_silenced(module: nn.Module) -> Iterator[None]:
     """During a check of ``module`` (a LightningModule in a fit), make its trainer's loggers write nothing:
-    ``training_step`` may call ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself,
-    and the probes' calls are not training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a
-    W&B run) lose their ``add_*`` and ``log*`` methods for the duration; none is created for it. The watch's
-    ``context``."""
+    ``training_step`` may call ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself, and
+    the probes' calls are not training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a W&B
+    run) lose their ``add_*`` and ``log*`` methods for the duration; none is created for it. The watch's ``context``."""
     trainer: pl.Trainer = module.trainer  # type: ignore[assignment]
     with contextlib.ExitStack() as stack:
         for logger in trainer.loggers:
@@ -76,9 +75,8 @@ def loggers_silenced(module: nn.Module) -> Iterator[None]:
 def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
     """A ``loss_fn`` that calls ``module.training_step`` on the batch, with its logging silenced.
 
-    ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return
-    the loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check.
-    """
+    ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return the
+    loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check."""
     extra: list[tuple[int, ...]] = []  # the signature read at the first call, not at every step this loss is built
 
     def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
