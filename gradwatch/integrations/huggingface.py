@@ -111,23 +111,20 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
 
     Both kinds of check, on the watch's one schedule and budget. The **applied** check (every ``applied_every_n_steps``
     optimizer steps, and at ``first_check_step``) checks the accumulated gradient the optimizer is about to apply,
-    before the Trainer clips it, against the loss of the whole accumulation window as the Trainer trains on it (its
-    ``compute_loss`` on each micro-batch, combined as its ``training_step`` combines them, under its autocast); a
-    wrong gradient is named by its fault (``"precision"``: wrong only on the mixed-precision path, ``"accumulation"``,
-    ...). The **recomputed** check (every ``every_n_steps``, and at ``first_check_step``) evaluates the Trainer's own
-    ``compute_loss`` on one micro-batch of the step (the first) with ``num_items_in_batch`` as the Trainer passed it, at
-    the parameters after the step, and names the module whose backward is wrong. Training is left bit for bit as it
-    would be without the callback (parameters, optimizer state, random states, the Trainer's own log entries).
+    before the Trainer clips it, against the loss of the whole window as the Trainer trains on it (its ``compute_loss``
+    on each micro-batch, combined as its ``training_step`` combines them, under its autocast), and names a wrong
+    gradient's fault (``"precision"``, ``"accumulation"``, ...). The **recomputed** check (every ``every_n_steps``, and
+    at ``first_check_step``) evaluates the Trainer's own ``compute_loss`` on the step's first micro-batch, with its
+    ``num_items_in_batch``, at the parameters after the step, and names the module whose backward is wrong. Training is
+    left bit for bit as it would be without the callback (parameters, optimizer and random states, the Trainer's log).
 
-    Each check's records go, as in every loop, to the watch's sinks: the scalars (``gradwatch/verdict``,
-    ``gradwatch/rel_error_max`` and its ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) through
-    ``trainer.log``, so to every ``report_to`` integration, as one entry of ``trainer.state.log_history`` of their own
-    at that step; in a TensorBoard run also the histogram of log10 relative errors and, when a check failed, its text
-    with the culprit (``train/gradwatch/failures``); and one line per check in ``gradwatch.jsonl`` beside the logs (the
-    TensorBoard run's directory, else ``output_dir``), which ``gradwatch report`` reads. Failures warn (a
-    :class:`~gradwatch.GradientCheckWarning` with the culprit), as ``on_fail`` says; ``on_fail="stop"`` stops training
-    at the end of the step. The watch's state (schedule, budget, counters, backoff) is saved in the Trainer's
-    checkpoints and restored by ``trainer.train(resume_from_checkpoint=...)``.
+    Each check's scalars (``gradwatch/verdict``, ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) go
+    through ``trainer.log`` to every ``report_to`` integration, as a ``log_history`` entry of their own; a TensorBoard
+    run also gets the histogram of log10 relative errors and a failing check's text with the culprit
+    (``train/gradwatch/failures``); ``gradwatch.jsonl`` beside the logs (the TensorBoard run's directory, else
+    ``output_dir``) gets one line per check, which ``gradwatch report`` reads. Failures warn (a
+    :class:`~gradwatch.GradientCheckWarning` with the culprit), as ``on_fail`` says. The watch's state (schedule,
+    budget, counters, backoff) is saved in the Trainer's checkpoints and restored by ``resume_from_checkpoint``.
 
     Args:
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
