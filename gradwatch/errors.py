@@ -1,8 +1,9 @@
 """Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
 
-The first are for users, then the reasons a check ends (:class:`CheckAbandonedError` and its kinds), then signals
-between gradwatch's own modules (their old modules import them from here, so old import paths still work).
-:func:`own_error` tells an error of gradwatch's own from one of the code it runs (the user's loss, model or optimizer).
+In order: those for users, the reasons a check ends (:class:`CheckAbandonedError` and its kinds), the signals between
+gradwatch's own modules (their old modules import them from here, so old import paths still work), the command line's,
+and :func:`own_error`, which tells an error of gradwatch's own from one of the code it runs (the user's loss, model or
+optimizer).
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ if TYPE_CHECKING:
 
 ERROR_LIMIT = 20
 """Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
-
-
-# ---- for users -----------------------------------------------------------------------------------------------------
 
 
 class GradientCheckError(RuntimeError):
@@ -53,9 +51,6 @@ class UnsupportedShardingError(ValueError):
     """The model's parameters are distributed in a way gradwatch does not check."""
 
 
-# ---- a check that must end -----------------------------------------------------------------------------------------
-
-
 class CheckAbandonedError(RuntimeError):
     """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
     sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
@@ -87,9 +82,6 @@ class RaisedOnAnotherRankError(RuntimeError):
     """Raised on every process by :func:`~gradwatch.watch.distributed.agree_across_ranks` when the check raised on
     another one (``on_fail="raise"``): the same raise, so it passes every guard (:mod:`gradwatch.watch.guard`) as the
     original does."""
-
-
-# ---- signals between gradwatch's modules ---------------------------------------------------------------------------
 
 
 class UnfaithfulFloat64Error(Exception):
@@ -127,9 +119,6 @@ class NotReproducibleError(Exception):
         self.center = center
 
 
-# ---- the command line ----------------------------------------------------------------------------------------------
-
-
 class ReportInputError(Exception):
     """The log directory or its records cannot give a report (missing, unreadable, malformed, without gradwatch
     data); the message names the path and the reason in one line."""
@@ -138,8 +127,6 @@ class ReportInputError(Exception):
 class MissingExtraError(Exception):
     """An optional dependency is needed and not installed."""
 
-
-# ---- whose error -----------------------------------------------------------------------------------------------------
 
 OWN_ERRORS = (AttributeError, NameError, AssertionError)
 """The programming errors that, raised in gradwatch's own code, are a bug of gradwatch's (a name or attribute that is
