@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from gradwatch.engine import LossFn
-from gradwatch.integrations.lightning.training_step import _logging_silenced, _noop, _silenced
+from gradwatch.integrations.lightning.training_step import _logging_silenced, _replaced, _silenced
 from gradwatch.watch.rewind import Earlier, Rewind, before_update
 
 __all__ = ["Earlier", "before_update", "manual_step_loss"]
@@ -94,20 +94,6 @@ def _stand_ins(module: pl.LightningModule, steps: _Steps) -> Iterator[None]:
             stack.enter_context(_silenced(optimizer, ("zero_grad",)))
             stack.enter_context(_replaced(optimizer, "step", lambda *a, _o=optimizer, **k: steps.step(_o, *a, **k)))
         yield
-
-
-@contextlib.contextmanager
-def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
-    saved = vars(obj).get(name, _noop)
-    had = name in vars(obj)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, saved)
-        else:
-            delattr(obj, name)
 
 
 def manual_step_loss(

@@ -28,24 +28,29 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _silenced(obj: object, names: Iterable[str]) -> Iterator[None]:
-    """Make the methods ``names`` of ``obj`` do nothing (instance attributes shadowing them), then put back exactly
-    what was there."""
-    names = [name for name in names if callable(getattr(obj, name, None))]
-    saved = {name: vars(obj)[name] for name in names if name in vars(obj)}
-    for name in names:
-        setattr(obj, name, _noop)
+def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` (an instance attribute, shadowing a method), then exactly what was there before."""
+    had, saved = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        for name in names:
-            if name in saved:
-                setattr(obj, name, saved[name])
-            else:
-                delattr(obj, name)
+        if had:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
 
 
-def _logging_silenced(module: pl.LightningModule) -> contextlib.AbstractContextManager[None]:
+def _silenced(obj: object, names: Iterable[str]) -> contextlib.ExitStack:
+    """Make the methods ``names`` of ``obj`` do nothing, then put back exactly what was there."""
+    stack = contextlib.ExitStack()
+    for name in names:
+        if callable(getattr(obj, name, None)):
+            stack.enter_context(_replaced(obj, name, _noop))
+    return stack
+
+
+def _logging_silenced(module: pl.LightningModule) -> contextlib.ExitStack:
     """Make ``module.log``/``module.log_dict`` do nothing, so probes do not overwrite the run's real metrics (also
     when they log a torchmetrics object, or with ``sync_dist=True``: no collective runs)."""
     return _silenced(module, ("log", "log_dict"))
