@@ -157,14 +157,11 @@ class CheckReport:
             singled out (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
-        scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
-            gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
-            :data:`Scope`).
+        scope: ``"applied"``, ``"recomputed"`` or ``"update"``: what the check compared (see :data:`Scope`).
         applied: What a check of the applied gradient, of the clip coefficient or of the update found besides its
             probes: the fault and how the verdict was calibrated (an :class:`AppliedFindings`); ``None`` for a
-            recomputed check. Its fields read as the report's own too (``report.fault``, ``report.fault_message``,
-            ``report.noise_floor``, ``report.floor_excess``, ``report.accumulation_scale``,
-            ``report.accumulation_cosine``: their defaults, ``None``, ``""`` or ``nan``, when there are no findings).
+            recomputed check. Its fields read as the report's own too (``report.fault``, ``report.noise_floor``, ...:
+            their defaults, ``None``, ``""`` or ``nan``, without findings).
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -172,9 +169,8 @@ class CheckReport:
             reductions, deterministic algorithms, attention backends, autocast; see
             :mod:`gradwatch.engine.results.numerics`).
         culprit_search: How far a failing check's culprit search got (a
-            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap with the
-            modules proved to hold the bug and the candidates left inside them, where the next check of a series goes
-            on); ``None`` where no search ran.
+            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap where the
+            next check of a series goes on); ``None`` where no search ran.
     """
 
     step: int
