@@ -1,11 +1,9 @@
 """Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
 
-For users: :class:`GradientCheckError` (``on_fail="raise"``), :class:`GradientCheckWarning` (a failing or undecided
-check), :class:`UnrestoredStateWarning`, :class:`NoLossToCheckError` (raised by a ``loss_fn`` that has no loss for a
-batch) and the reasons a check ends (:class:`CheckAbandonedError` and its kinds). The others are signals between
-gradwatch's own modules, each named for what it means. The modules that used to define them import them from here, so
-their old import paths still work. :func:`own_error` tells an error of gradwatch's own from one of the code it runs
-(the user's loss, model or optimizer).
+In order: those for users, the reasons a check ends (:class:`CheckAbandonedError` and its kinds), the signals between
+gradwatch's own modules (their old modules import them from here, so old import paths still work), the command line's,
+and :func:`own_error`, which tells an error of gradwatch's own from one of the code it runs (the user's loss, model or
+optimizer).
 """
 
 from __future__ import annotations
@@ -19,9 +17,6 @@ if TYPE_CHECKING:
 
 ERROR_LIMIT = 20
 """Failing probes listed in the message of a :class:`GradientCheckError` before "... and N more"."""
-
-
-# ---- for users -----------------------------------------------------------------------------------------------------
 
 
 class GradientCheckError(RuntimeError):
@@ -56,9 +51,6 @@ class UnsupportedShardingError(ValueError):
     """The model's parameters are distributed in a way gradwatch does not check."""
 
 
-# ---- a check that must end -----------------------------------------------------------------------------------------
-
-
 class CheckAbandonedError(RuntimeError):
     """The check cannot go on and must end, whatever the loss does: the user's state could not be put back, or under
     sharded training another rank's evaluation failed. The places that fall back when the loss raises (a smaller
@@ -66,8 +58,7 @@ class CheckAbandonedError(RuntimeError):
 
 
 class RestoreError(CheckAbandonedError):
-    """Putting the user's state back failed. Never mistaken for an error of the loss: the places that fall back when
-    the loss raises (a smaller slice, no vectorised pass, no input probes) let it through, and the check ends."""
+    """Putting the user's state back failed (never mistaken for an error of the loss)."""
 
 
 class LossCallsBackwardError(CheckAbandonedError, ValueError):
@@ -75,9 +66,8 @@ class LossCallsBackwardError(CheckAbandonedError, ValueError):
 
 
 class CheckOutOfMemoryError(CheckAbandonedError):
-    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on.
-    A :class:`CheckAbandonedError`, so that no fallback of the check (a smaller slice, no vectorised pass, no input
-    probes) tries something else with the memory that is not there."""
+    """The device ran out of memory during a check's evaluation: the check ends (its report says so), training goes on;
+    no fallback of the check tries something else with the memory that is not there."""
 
 
 class PeerFailureError(CheckAbandonedError):
@@ -92,9 +82,6 @@ class RaisedOnAnotherRankError(RuntimeError):
     """Raised on every process by :func:`~gradwatch.watch.distributed.agree_across_ranks` when the check raised on
     another one (``on_fail="raise"``): the same raise, so it passes every guard (:mod:`gradwatch.watch.guard`) as the
     original does."""
-
-
-# ---- signals between gradwatch's modules ---------------------------------------------------------------------------
 
 
 class UnfaithfulFloat64Error(Exception):
@@ -132,9 +119,6 @@ class NotReproducibleError(Exception):
         self.center = center
 
 
-# ---- the command line ----------------------------------------------------------------------------------------------
-
-
 class ReportInputError(Exception):
     """The log directory or its records cannot give a report (missing, unreadable, malformed, without gradwatch
     data); the message names the path and the reason in one line."""
@@ -143,8 +127,6 @@ class ReportInputError(Exception):
 class MissingExtraError(Exception):
     """An optional dependency is needed and not installed."""
 
-
-# ---- whose error -----------------------------------------------------------------------------------------------------
 
 OWN_ERRORS = (AttributeError, NameError, AssertionError)
 """The programming errors that, raised in gradwatch's own code, are a bug of gradwatch's (a name or attribute that is

@@ -1,16 +1,11 @@
 """The example models of ``gradwatch demo``, trained on synthetic data made on the spot (re-exported by
-``examples/models.py`` for the examples and benchmarks).
-
-* :class:`HealthyClassifier`: an MLP with BatchNorm and Dropout. Its gradients are correct; gradwatch should stay quiet
-  (dropout and BatchNorm are exactly what naive gradient checks trip over).
-* :class:`CustomNormClassifier`: the same with an RMSNorm written as a custom ``torch.autograd.Function``. With
-  ``correct_backward=False`` its hand-written backward treats the RMS as a constant and drops a whole term of the input
-  gradient: a realistic bug, about 1/sqrt(width) of the gradient, that training survives silently and a reader of the
-  code easily misses. gradwatch catches it at the first check.
-* :class:`ScaledGradClassifier`: the healthy classifier with a gradient hook that multiplies one weight's gradient by
-  1.01 (a leftover loss-scale or clipping factor applied to one tensor): the smallest bug of the set.
-* :class:`DetachedPenaltyClassifier`: the healthy classifier with an L2 penalty computed from detached weights. The
-  loss includes the penalty, its gradient does not: every parameter's gradient misses ``2 * l2 * w``.
+``examples/models.py`` for the examples and benchmarks): :class:`HealthyClassifier` (correct gradients: dropout and
+BatchNorm are exactly what naive gradient checks trip over), and three planted bugs. :class:`CustomNormClassifier`'s
+hand-written RMSNorm backward (``correct_backward=False``) treats the RMS as a constant and drops a term of the input
+gradient, about 1/sqrt(width) of it, which training survives silently and a reader easily misses;
+:class:`ScaledGradClassifier` multiplies one weight's gradient by 1.01 (a leftover loss-scale or clipping factor), the
+smallest bug of the set; :class:`DetachedPenaltyClassifier` adds an L2 penalty of detached weights: every parameter's
+gradient misses ``2 * l2 * w``.
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     ``correct=False`` reproduces a common mistake: differentiating as if ``rms(x)`` did not depend on ``x``. Written as
     ``torch.func`` wants a Function (``forward`` without ``ctx``, ``setup_context``, ``generate_vmap_rule``), so that
-    gradwatch can evaluate its checks' points in vectorised passes.
-    """
+    gradwatch can evaluate its checks' points in vectorised passes."""
 
     generate_vmap_rule = True
 

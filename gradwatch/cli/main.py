@@ -1,10 +1,5 @@
-"""The ``gradwatch`` command.
-
-* ``gradwatch demo [--logdir DIR] [--bug NAME]``: train the example models with gradwatch, print the verdicts and the
-  ``tensorboard`` command to look at them (see :mod:`.demo`).
-* ``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR`` (see
-  :mod:`.reporting`).
-"""
+"""The ``gradwatch`` command: its parser (``gradwatch demo``: :mod:`.demo`; ``gradwatch report``: :mod:`.reporting`)
+and its entry point."""
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
 """``gradwatch report LOGDIR [--plot FILE.png]``: summarise the gradwatch records under ``LOGDIR``: the JSON lines
 record every logger's run gets (``gradwatch.jsonl``, :mod:`gradwatch.outputs.reading`).
 
-Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be
-fully read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a
-name that is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch
-data) or the command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked
-nothing). Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record)
-count as checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault;
-so do update checks (``gradwatch/update/*``, ``"scope": "update"``: the update the optimizer made, against a
-reference).
-Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so
-exit 0 means every record was read.
+Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be fully
+read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a name that
+is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch data) or the
+command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked nothing).
+Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record) count as
+checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault; so do
+update checks (``gradwatch/update/*``, ``"scope": "update"``: the update the optimizer made, against a reference). Input
+problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so exit 0 means
+every record was read.
 """
 
 from __future__ import annotations
@@ -300,8 +299,7 @@ def _error(message: str) -> int:
 def report(args: argparse.Namespace) -> int:
     """``gradwatch report``: print the summary of every run under the log directory; exit status as documented.
 
-    The exit status is decided before anything is printed, so a reader that stops early (``| head``) changes nothing.
-    """
+    The exit status is decided before anything is printed, so a reader that stops early (``| head``) changes nothing."""
     try:
         if args.plot is not None:
             _pyplot()  # before reading anything, so a missing extra costs no wait

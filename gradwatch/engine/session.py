@@ -1,21 +1,10 @@
 """What every check does around its measurements: :class:`CheckSession`.
 
-A check of a gradient, recomputed (:func:`~gradwatch.engine.recomputed.check.check_gradients`) or applied
-(:func:`~gradwatch.engine.applied.check.check_applied_gradient`), is a measurement plan run inside one session. The
-session owns what the two have in common, so that they cannot drift apart:
-
-1. the arguments every check takes: the model and loss (validated), the step, the probe options (one
-   :class:`~gradwatch.engine.settings.ProbeSettings`, given whole or one by one) and the optimizers to protect;
-2. which parameters the check probes (:meth:`CheckSession.select`): trainable, not ``ignore``\\ d, not a stock
-   surrogate (:mod:`gradwatch.engine.function.surrogates`), and under FSDP2 this rank's local shards of them, with the
-   collective a sharded check reduces over (:mod:`gradwatch.engine.distributed`);
-3. the measurements' conditions (:meth:`CheckSession.measuring`): the training state captured before and put back
-   after, whatever happens (:class:`~gradwatch.engine.function.state.TrainingState`), the stock surrogates as autograd
-   sees them, the sharded collective and FSDP's lockstep, the warnings the loss raises withheld from the user;
-4. what could not be put back: named in ``report.unrestored`` and in an
-   :class:`~gradwatch.engine.results.report.UnrestoredStateWarning`, with the notes of the sandbox and the guard;
-5. the one :class:`~gradwatch.engine.results.report.CheckReport` (:meth:`CheckSession.report`): the session's notes
-   around the measurements' own, its step, duration, side effects and what it could not restore.
+A recomputed check (:func:`~gradwatch.engine.recomputed.check.check_gradients`) and an applied one
+(:func:`~gradwatch.engine.applied.check.check_applied_gradient`) are each a measurement plan run inside one session,
+which owns what the two have in common so that they cannot drift apart: the validated arguments
+(:meth:`CheckSession.open`), the parameters probed (:meth:`CheckSession.select`), the measurements' conditions and
+what could not be put back (:meth:`CheckSession.measuring`), and the one report (:meth:`CheckSession.report`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The probe options of a check, as one object validated once: :class:`ProbeSettings`.
 
-:func:`gradwatch.check_gradients` and :func:`gradwatch.check_applied_gradient` build it from their keyword arguments
-(or take it whole, ``settings=``); :class:`gradwatch.GradientWatch` and the adapters over it (``GradWatch``, the Hugging
-Face callback) build it once at construction and pass it whole to every check, so that the options are validated,
-documented and defaulted in this one place, the same for every entry point. Those that take them one by one type their
-``**options`` by :class:`ProbeOptions`, the names of its fields.
+Every entry point builds it from its keyword arguments (typed by :class:`ProbeOptions`) or takes it whole
+(``settings=``), so that the options are validated, documented and defaulted in this one place.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ def unreached_note(
     probed: bool = True,
 ) -> list[Note]:
     """The note naming the trainable ``params`` whose gradient in ``grads`` is ``None`` (none when there are none, or
-    when a probe of each failed: the loss depends on it and the failing check says so). ``probed``: whether this
-    check's probes looked at them (the recomputed check's do; the applied check's cannot, having no gradient to
-    compare)."""
+    when a probe of each failed: the loss depends on it and the failing check says so). ``probed``: whether this check's
+    probes looked at them (the recomputed check's do; the applied check's cannot, having no gradient to compare)."""
     failed = {probe.target for probe in probes if probe.verdict == "fail"}
     left = [name for (name, _), grad in zip(params, grads, strict=True) if grad is None and name not in failed]
     if not left:

@@ -2,18 +2,12 @@
 
 A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
 and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to see each micro-batch (a shallow copy of
-the inputs, with the ``num_items_in_batch`` the Trainer passed) and ``accelerator.clip_grad_norm_`` to reach the
-accumulated gradient before the Trainer clips it.
-
-* The **applied** check: every micro-batch of a due window goes to ``watch.record``; in the clipping call (before it
-  clips; under DeepSpeed inside the engine's step), ``watch.before_optimizer_step`` checks the gradient the optimizer
-  is about to apply against the window's loss, combined as the Trainer combines it, on its forward's path.
-* The **recomputed** check: at ``on_step_end`` ``watch.maybe_check`` checks the Trainer's own ``compute_loss`` on the
-  step's first micro-batch at the parameters the step produced.
-
-Outputs go through the watch's sinks, built once per run (:mod:`gradwatch.integrations.trainer_outputs`); the watch's
-state rides in the Trainer's checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's
-metrics) is put back after it (:mod:`.trainer_records`).
+the inputs, with the ``num_items_in_batch`` the Trainer passed), which a due window records for the applied check, and
+``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the engine's
+step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. Outputs go through the watch's
+sinks, built once per run (:func:`run_sinks`); the watch's state rides in the Trainer's
+checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is put back after it
+(:mod:`.trainer_records`).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,47 +25,106 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
+from gradwatch.integrations.loggers import logger_sinks, trainer_runs
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
-from gradwatch.integrations.trainer_outputs import TrainerLog, run_sinks
 from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
 from gradwatch.integrations.trainer_records import records_kept
-from gradwatch.integrations.trainer_state import STATE_KEY, keep_state, saved_state
-from gradwatch.outputs.sinks import Sink
+from gradwatch.outputs.sinks import LogCallSink, Sink
+from gradwatch.tensorboard.writer import TRAINER_PREFIX
 from gradwatch.watch.alerts import GradientCheckWarning
 from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import Agree, Context, Decide
-from gradwatch.watch.options import WatchOptions
+from gradwatch.watch.options import WatchedReports, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["STATE_KEY", "GradWatchCallback"]
 
-"""The key of the watch's state in ``TrainerState.stateful_callbacks`` (saved in each checkpoint's
-``trainer_state.json``). Not the callback's class name: with ``restore_callback_states_from_checkpoint=True`` the
-Trainer rebuilds a callback of that name from JSON arguments, which cannot hold the trainer."""
+STATE_KEY = "gradwatch"
+"""The key of the watch's state in ``TrainerState.stateful_callbacks``, which the Trainer saves in each checkpoint's
+``trainer_state.json`` and reads back on ``trainer.train(resume_from_checkpoint=...)``. Not the callback's class name:
+with ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds a callback of that name from JSON arguments,
+which cannot hold the trainer."""
 
 
-class GradWatchCallback(TrainerCallback):
+def _stateful(state: TrainerState) -> dict[str, Any]:
+    """``state.stateful_callbacks``, a dict of states by name (a list before ``TrainerState`` turns it into one)."""
+    if not isinstance(state.stateful_callbacks, dict):
+        state.stateful_callbacks = {}  # type: ignore[assignment]
+    return cast(dict[str, Any], state.stateful_callbacks)
+
+
+def _saved_state(state: TrainerState) -> dict[str, Any] | None:
+    """The watch's state kept in ``state`` (a checkpoint's, on resume), or ``None`` when it holds none."""
+    saved = _stateful(state).get(STATE_KEY)
+    return saved if isinstance(saved, dict) else None
+
+
+def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
+    """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
+    _stateful(state)[STATE_KEY] = value
+
+
+def run_sinks(
+    trainer: Trainer, args: TrainingArguments, state: TrainerState, log: Callable[[dict[str, float | str], int], object]
+) -> list[Sink]:
+    """The sinks of one run, found from the Trainer's own ``report_to`` integrations: on every process the scalars
+    through ``log(values, step)`` (``trainer.log``, which reaches every integration and keeps each process's log
+    history); on the main process what each integration shows besides scalars and the JSON lines record beside its run
+    (:mod:`gradwatch.integrations.loggers`: in a TensorBoard run the histogram and the failure text beside the
+    Trainer's ``train/...`` tags and the record in its directory; for a W&B or MLflow run the record in
+    ``<output_dir>/gradwatch_records/<callback>-<run id>``; otherwise in ``output_dir``)."""
+    sinks: list[Sink] = [LogCallSink(log)]
+    if state.is_world_process_zero:
+        sinks += logger_sinks(trainer_runs(trainer, args), prefix=TRAINER_PREFIX)
+    return sinks
+
+
+class TrainerLog:
+    """Sends a check's values through ``trainer.log`` at the Trainer's step: at once when the Trainer is at that step,
+    else (an applied check, made before its optimizer step) at that step's end (:meth:`flush`)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.pending: list[dict[str, float | str]] = []
+
+    def __call__(self, values: dict[str, float | str], step: int) -> None:
+        if step > self.trainer.state.global_step:
+            self.pending.append(values)
+            return
+        # Trainer.log clears control.should_log, which the Trainer set for its own entry of this step: put it back, or
+        # the Trainer would skip (and later average over) the loss it logs at this step
+        should_log = self.trainer.control.should_log
+        # The base class's log: a subclass's (TRL's) merges the metrics it gathered since its last entry into any entry
+        # and clears them, so they would move from the Trainer's own entry of this step into gradwatch's.
+        Trainer.log(self.trainer, cast(dict[str, float], values))
+        self.trainer.control.should_log = should_log
+
+    def flush(self) -> None:
+        """Log the values held back for the step that just ended."""
+        pending, self.pending = self.pending, []
+        for values in pending:
+            self(values, self.trainer.state.global_step)
+
+
+class GradWatchCallback(WatchedReports, TrainerCallback):
     r"""Check, every so often during a ``transformers.Trainer`` run, that the gradients are the derivatives of the loss.
 
     Both kinds of check, on the watch's one schedule and budget. The **applied** check (every ``applied_every_n_steps``
     optimizer steps, and at ``first_check_step``) checks the accumulated gradient the optimizer is about to apply,
-    before the Trainer clips it, against the loss of the whole accumulation window as the Trainer trains on it (its
-    ``compute_loss`` on each micro-batch, combined as its ``training_step`` combines them, under its autocast); a
-    wrong gradient is named by its fault (``"precision"``: wrong only on the mixed-precision path, ``"accumulation"``,
-    ...). The **recomputed** check (every ``every_n_steps``, and at ``first_check_step``) evaluates the Trainer's own
-    ``compute_loss`` on one micro-batch of the step (the first) with ``num_items_in_batch`` as the Trainer passed it, at
-    the parameters after the step, and names the module whose backward is wrong. Training is left bit for bit as it
-    would be without the callback (parameters, optimizer state, random states, the Trainer's own log entries).
+    before the Trainer clips it, against the loss of the whole window as the Trainer trains on it (its ``compute_loss``
+    on each micro-batch, combined as its ``training_step`` combines them, under its autocast), and names a wrong
+    gradient's fault (``"precision"``, ``"accumulation"``, ...). The **recomputed** check (every ``every_n_steps``, and
+    at ``first_check_step``) evaluates the Trainer's own ``compute_loss`` on the step's first micro-batch, with its
+    ``num_items_in_batch``, at the parameters after the step, and names the module whose backward is wrong. Training is
+    left bit for bit as it would be without the callback (parameters, optimizer and random states, the Trainer's log).
 
-    Each check's records go, as in every loop, to the watch's sinks: the scalars (``gradwatch/verdict``,
-    ``gradwatch/rel_error_max`` and its ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) through
-    ``trainer.log``, so to every ``report_to`` integration, as one entry of ``trainer.state.log_history`` of their own
-    at that step; in a TensorBoard run also the histogram of log10 relative errors and, when a check failed, its text
-    with the culprit (``train/gradwatch/failures``); and one line per check in ``gradwatch.jsonl`` beside the logs (the
-    TensorBoard run's directory, else ``output_dir``), which ``gradwatch report`` reads. Failures warn (a
-    :class:`~gradwatch.GradientCheckWarning` with the culprit), as ``on_fail`` says; ``on_fail="stop"`` stops training
-    at the end of the step. The watch's state (schedule, budget, counters, backoff) is saved in the Trainer's
-    checkpoints and restored by ``trainer.train(resume_from_checkpoint=...)``.
+    Each check's scalars (``gradwatch/verdict``, ``gradwatch/rel_error_max_log10``, ..., ``gradwatch/overhead``) go
+    through ``trainer.log`` to every ``report_to`` integration, as a ``log_history`` entry of their own; a TensorBoard
+    run also gets the histogram of log10 relative errors and a failing check's text with the culprit
+    (``train/gradwatch/failures``); ``gradwatch.jsonl`` beside the logs (the TensorBoard run's directory, else
+    ``output_dir``) gets one line per check, which ``gradwatch report`` reads. Failures warn (a
+    :class:`~gradwatch.GradientCheckWarning` with the culprit), as ``on_fail`` says. The watch's state (schedule,
+    budget, counters, backoff) is saved in the Trainer's checkpoints and restored by ``resume_from_checkpoint``.
 
     Args:
         trainer: The ``Trainer`` to watch; add the callback to it with ``trainer.add_callback(callback)``.
@@ -142,31 +195,6 @@ class GradWatchCallback(TrainerCallback):
         """The loss checked instead of ``trainer.compute_loss`` (``None``: the Trainer's own)."""
         return self.watch.loss_fn
 
-    @property
-    def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks of both kinds, oldest first."""
-        return self.watch.reports
-
-    @property
-    def update_reports(self) -> list[CheckReport]:
-        """The reports of this run's update checks (the update the optimizer made of a verified gradient)."""
-        return self.watch.update_reports
-
-    @property
-    def applied_reports(self) -> list[CheckReport]:
-        """The reports of this run's applied checks (and of the clip coefficient), oldest first."""
-        return self.watch.applied_reports
-
-    @property
-    def recomputed_reports(self) -> list[CheckReport]:
-        """The reports of this run's recomputed checks, oldest first."""
-        return self.watch.recomputed_reports
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """See :attr:`gradwatch.GradientWatch.counts` (continued from the checkpoint on resume)."""
-        return self.watch.counts
-
     # --- the Trainer's events --------------------------------------------------------------------------------------
 
     @guarded_hook("GradWatchCallback.on_train_begin")
@@ -184,20 +212,20 @@ class GradWatchCallback(TrainerCallback):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
-        saved = saved_state(state, STATE_KEY)
+        saved = _saved_state(state)
         if saved is not None:
             self.watch.load_state_dict(saved)
-        keep_state(state, STATE_KEY, self.watch.state_dict())
+        _keep_state(state, self.watch.state_dict())
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     @guarded_hook("GradWatchCallback.on_epoch_end")
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        keep_state(state, STATE_KEY, self.watch.state_dict())  # a checkpoint saved at the epoch's end
+        _keep_state(state, self.watch.state_dict())  # a checkpoint saved at the epoch's end
 
     @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        keep_state(state, STATE_KEY, self.watch.state_dict())  # trainer.save_state() after the run
+        _keep_state(state, self.watch.state_dict())  # trainer.save_state() after the run
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
         if self._engine_hook is not None:
@@ -255,7 +283,7 @@ class GradWatchCallback(TrainerCallback):
             # before the Trainer saves a checkpoint of this step (DefaultFlowCallback, which runs before this callback,
             # asked for one, or for an evaluation that may save the best model), not at every step: a state_dict
             # costs more than the rest of an idle step; the epoch's and the run's ends keep it too
-            keep_state(state, STATE_KEY, self.watch.state_dict())
+            _keep_state(state, self.watch.state_dict())
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -269,10 +297,9 @@ class GradWatchCallback(TrainerCallback):
     # --- the applied check ------------------------------------------------------------------------------------------
 
     def _clipping(self, parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
-        """``accelerator.clip_grad_norm_``, after the applied check of the window (which the Trainer clips next); then,
-        when that check verified the gradient, the check of the clip coefficient (``watch.after_clipping``: the
-        gradient the optimizer steps with is the verified one times ``min(1, max_grad_norm / ‖g‖)``). Not under a grad
-        scaler: the check ran on the scaled gradient, which the clipping call unscales."""
+        """``accelerator.clip_grad_norm_``, after the applied check of the window; then, when that check verified the
+        gradient, the check of the clip coefficient (``watch.after_clipping``). Not under a grad scaler: the check ran
+        on the scaled gradient, which the clipping call unscales."""
         self._check_applied()
         norm = self._clip_grad_norm(parameters, max_norm, norm_type=norm_type, **kwargs)  # training's: not guarded
         try:  # at every step: a guard by try/except (see GradientWatch.absorbs)
@@ -295,8 +322,7 @@ class GradWatchCallback(TrainerCallback):
     @guarded_hook("GradWatchCallback's applied check")
     def _check_applied(self, gradients: Mapping[str, torch.Tensor] | None = None) -> None:
         """The applied check of the window just run, when one is due: the accumulated ``.grad`` (or the ``gradients``
-        a DeepSpeed engine keeps) before clipping, against the window's loss as the Trainer combines it, on the path
-        its forward ran (its autocast)."""
+        a DeepSpeed engine keeps) before clipping, against the window's loss along the Trainer's path."""
         if not self._in_window:
             return
         self._in_window = False  # the check's own calls of compute_loss are not the window's

@@ -82,9 +82,6 @@ def _note_once(logger: Any, missing: list[str], record: Path) -> None:
     )
 
 
-# --- Lightning's loggers ----------------------------------------------------------------------------------------------
-
-
 def lightning_runs(trainer: Any) -> list[LoggerRun]:
     """The loggers of a Lightning ``Trainer`` (``trainer.loggers``); a logger without a run directory of its own (W&B
     and MLflow share a ``save_dir`` among runs) gets ``gradwatch_records/<logger>-<name>-<version>`` under the
@@ -117,9 +114,6 @@ def _text_call(logger: Any) -> TextCall | None:
             run_id = logger.run_id
             return lambda tag, text, step: client_log_text(run_id, text, f"{tag}/step_{step}.md")
     return None
-
-
-# --- a Hugging Face Trainer's report_to integrations ------------------------------------------------------------------
 
 
 def trainer_runs(trainer: Any, args: Any) -> list[LoggerRun]:

@@ -4,14 +4,12 @@ how its ``training_step`` combines the micro-batch losses (:func:`trainer_combin
 in the window: all of it one :class:`TrainerPath`, which gives the watch a loss and a
 :class:`~gradwatch.watch.hooks.TrainingPath`.
 
-Under mixed precision Accelerate wraps the model's ``forward`` itself in autocast (``model.forward``, with the
-unwrapped one kept as ``model._original_forward``), so every call of the model runs under autocast whatever its
-caller's context: the check's reference evaluations, which must run without it (eager float32: is the formula wrong?
-the path without autocast: is only the low-precision path wrong?), would run under it too. During an applied check
-:class:`TrainerPath` puts the unwrapped ``forward`` on the model, and the path's context puts Accelerate's wrapper back
-for the evaluations on the training's path, so that those run exactly as training did: the forward under autocast,
-its outputs converted to float32, the loss after the forward (a label smoother, a ``compute_loss_func``) outside
-autocast. The model's ``forward`` is its own again when the check ends.
+Under mixed precision Accelerate wraps the model's ``forward`` itself in autocast (the unwrapped one kept as
+``model._original_forward``), so every call of the model would run under autocast, the check's reference evaluations
+too, which must run without it. During an applied check :class:`TrainerPath` puts the unwrapped ``forward`` on the
+model, and the path's context puts Accelerate's wrapper back for the evaluations on the training's path, which then run
+exactly as training did: the forward under autocast, its outputs converted to float32, the loss after the forward (a
+label smoother, a ``compute_loss_func``) outside autocast.
 """
 
 from __future__ import annotations
@@ -41,13 +39,11 @@ __all__ = [
 
 
 def joined_inputs(items: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
-    """A window's recorded items ``(inputs, num_items_in_batch)`` as one, for the comparison of the accumulated
-    gradient with the window's samples taken as one batch: the inputs concatenated (token tensors of different lengths
-    padded, labels with ``-100``: :func:`~gradwatch.engine.applied.equivalence.concatenate`), with the count the
-    Trainer passed, which is the whole window's (its labelled tokens, counted once per window by
-    ``get_batch_samples``): a loss divided by it (transformers' fix of its accumulation bug) is then the same function
-    of the one batch as of the window, and a loss that averages over its own micro-batch is not. ``ValueError`` when
-    the micro-batches were given different counts (a loop that counts per micro-batch)."""
+    """A window's recorded items ``(inputs, num_items_in_batch)`` as one batch, for the accumulation comparison: the
+    inputs concatenated (:func:`~gradwatch.engine.applied.equivalence.concatenate`), with the count the Trainer passed,
+    the whole window's (``get_batch_samples``): a loss divided by it is then the same function of the one batch as of
+    the window, and a loss that averages over its own micro-batch is not. ``ValueError`` when the micro-batches were
+    given different counts (a loop that counts per micro-batch)."""
     count = items[0][1]
     for _, other in items[1:]:
         same = torch.equal(torch.as_tensor(other), torch.as_tensor(count)) if count is not None else other is None
@@ -116,12 +112,10 @@ def scaled_for_window(trainer: Trainer, num_items_in_batch: Any) -> bool:
 
 def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
     """How ``trainer.training_step`` combines a window's micro-batch losses into the gradient: their sum when each is
-    already divided by the window's ``num_items_in_batch`` (a model taking loss kwargs given the count, a
-    ``compute_loss_func``, or ``trainer.loss_is_scaled_for_ga``), else their mean (each divided by the window's
-    micro-batch count); then divided by the accelerator's own accumulation steps (1 as the Trainer sets it up; under
-    DeepSpeed the engine's, which the Trainer's ``scale_wrt_gas=False`` turns off)."""
+    already normalised over the window (:func:`scaled_for_window`), else their mean; then divided by the accelerator's
+    own accumulation steps (1 as the Trainer sets it up; under DeepSpeed none: the Trainer says
+    ``scale_wrt_gas=False``)."""
     scaled = scaled_for_window(trainer, num_items_in_batch)
-    # DeepSpeed divides by its own accumulation steps only where the Trainer does not say scale_wrt_gas=False (it does)
     deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
     divisor = 1 if deepspeed else int(getattr(trainer.accelerator, "gradient_accumulation_steps", 1))
     if divisor == 1:
@@ -136,15 +130,12 @@ def trainer_combine(trainer: Trainer, num_items_in_batch: Any) -> Combine:
 
 def window_share(trainer: Trainer, inputs: Mapping[str, Any], num_items_in_batch: Any) -> float:
     """The weight of one micro-batch's own mean loss in the loss the Trainer differentiates, for a user's ``loss_fn``
-    (``loss_fn(model, inputs)``, never given the window's count) when the Trainer's loss is normalised over the whole
-    window (:func:`scaled_for_window`: the micro-batch losses are summed): the micro-batch's count of labelled items
-    over the window's ``num_items_in_batch``, times the number of processes the Trainer multiplies by when it averages
-    the tokens across devices. The micro-batch's count is the Trainer's own (``shift_labels``, else ``labels[..., 1:]``
-    for a causal LM's shifted loss, else ``labels``; not ``-100``): a loss that is the mean over its micro-batch's
-    labelled tokens (the model's own loss when no count is passed), weighted so, is the window's token mean the
-    Trainer trains on; two such means summed as they are make twice it. ``1.0`` when the inputs carry no labels or the
-    Trainer passed no count (such a loss is taken as normalised over the window already, as a GRPO-style loss divides
-    by the count its inputs carry)."""
+    (never given the window's count) when the Trainer's loss is normalised over the window (:func:`scaled_for_window`):
+    the micro-batch's count of labelled items (``shift_labels``, else ``labels[..., 1:]`` for a causal LM's shifted
+    loss, else ``labels``; not ``-100``) over the window's ``num_items_in_batch``, times the processes the Trainer
+    multiplies by when it averages the tokens across devices. A micro-batch's token mean weighted so is the window's
+    token mean the Trainer trains on. ``1.0`` when the inputs carry no labels or the Trainer passed no count (such a
+    loss is taken as normalised over the window already, as a GRPO-style loss divides by the count its inputs carry)."""
     labels = inputs.get("shift_labels")
     if labels is None:
         labels = inputs.get("labels")
@@ -296,10 +287,8 @@ def divides_by_count(
     context: Callable[[], contextlib.AbstractContextManager[Any]],
 ) -> bool:
     """Whether a Trainer's loss divides by the window's ``num_items_in_batch`` (a DAPO-style loss, a model taking loss
-    kwargs): the loss of ``inputs`` (``loss_with_count(count)(model, inputs)``) given twice the count, as the Trainer's
-    argument or as the inputs' key of that name, is half of it. Such a loss is normalised over the whole window, so a
-    window gradient that is the one-batch one divided by the micro-batch count is a second normalisation. Two forwards
-    without gradient in eval mode, inside ``context()``, the random state and the modules' modes put back."""
+    kwargs): given twice the count (as the Trainer's argument or the inputs' key of that name), the loss of ``inputs``
+    halves. Two forwards without gradient in eval mode, inside ``context()``, the random state and modes put back."""
     if count is None and COUNT_KEY not in inputs:
         return False
     modes = [(module, module.training) for module in model.modules()]

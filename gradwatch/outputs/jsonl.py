@@ -11,15 +11,11 @@ One line per check::
      "surrogates": [], "notes": ["..."], "note_codes": ["whole-batch"], "loss": 0.7, "duration_s": 0.05,
      "scope": ..., "fault": ...}
 
-A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` (JSON has no such numbers), and
-read back as the float. ``scope``, ``fault`` and ``numerics`` are there when the report has them: ``numerics`` is the
-object of :meth:`gradwatch.engine.results.numerics.Numerics.as_dict`, the settings that change the numbers (TF32 per
-path, reduced-precision reductions, deterministic algorithms, attention backends, autocast), shown by
-``gradwatch report`` (:func:`record_numerics`). An applied check
-(``"scope": "applied"``) also has ``fault_message`` (the fault in words, ``null`` when none) and its scalars are the
-``gradwatch/applied/*`` ones; ``gradwatch report`` reads it apart (:func:`parse_applied_record`).
-``note_codes`` holds each note's code (:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes
-without parsing their wording.
+A number that is not finite is written as the string ``"nan"``, ``"inf"`` or ``"-inf"`` and read back as the float.
+``scope``, ``fault`` and ``numerics`` (:meth:`gradwatch.engine.results.numerics.Numerics.as_dict`) are there when the
+report has them. An applied or update check also has ``fault_message`` (``null`` when none), and its scalars are the
+``gradwatch/applied/*`` (``gradwatch/update/*``) ones. ``note_codes`` holds each note's code
+(:class:`gradwatch.engine.results.notes.NoteCode`), for readers that act on notes without parsing their wording.
 """
 
 from __future__ import annotations

@@ -78,17 +78,14 @@ class CheckRecords:
 
     Attributes:
         step: The step the check ran at.
-        scalars: The ``gradwatch/*`` scalars (:meth:`CheckReport.scalars`, ``gradwatch/overhead`` when known, and the
-            log10 of the relative errors, e.g. ``gradwatch/rel_error_max_log10``), finite ones only: a backend never
-            receives a NaN (a check without a descent probe has no descent ratio).
-        text: The failing report in markdown, culprit first
-            (:func:`gradwatch.engine.results.rendering.render_markdown`);
-            ``None`` when no probe failed.
-        histograms: By tag, values to show as a histogram: ``gradwatch/rel_error_log10``, the log10 relative error
-            of every conclusive probe (absent when there is none).
+        scalars: The ``gradwatch/*`` scalars (:func:`scalars_of`), finite ones only: a backend never receives a NaN (a
+            check without a descent probe has no descent ratio).
+        text: The failing report in markdown, culprit first (:func:`render_markdown`); ``None`` when no
+            probe failed.
+        histograms: By tag, values to show as a histogram (``gradwatch/rel_error_log10``: every conclusive probe's).
         report: The report itself, for a backend that records more (the JSON lines record).
-        text_tag: The tag a backend shows the text under: :data:`~gradwatch.tensorboard.writer.FAILURES_TAG` for a
-            recomputed check, :data:`APPLIED_FAILURE_TAG` for an applied one.
+        text_tag: The tag a backend shows the text under (:data:`~gradwatch.tensorboard.writer.FAILURES_TAG`,
+            :data:`APPLIED_FAILURE_TAG`, ...).
         labels: Short strings by tag, for the backends that take text: :data:`FAULT_NAME_TAG`, the fault of a failing
             applied check in words (``"precision"``), beside its numeric code ``gradwatch/applied/fault``.
     """
@@ -123,8 +120,7 @@ def scalars_of(report: CheckReport, overhead: Overhead | float | None = None) ->
 
 
 def records_of(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:
-    """Everything the outputs show of ``report``; ``overhead``: gradwatch's time against the training time so far (an
-    :class:`Overhead`, or the bare fraction of ``gradwatch/overhead``)."""
+    """Everything the outputs show of a recomputed check (``overhead`` as for :func:`scalars_of`)."""
     values = rel_error_log10(report)
     return CheckRecords(
         step=report.step,
@@ -142,15 +138,14 @@ FAULT_NAME_TAG = APPLIED_PREFIX + "fault_name"
 
 
 def applied_scalars(report: CheckReport) -> dict[str, float]:
-    """The numbers logged for an applied check, under ``gradwatch/applied/``: the verdict (0 ok, 1 inconclusive, 2
-    fail), the fault (0 none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the
-    descent ratio, the noise floor along it relative to ``‖g‖``, the largest discrepancy in units of its tolerance, the
-    seconds and loss evaluations the check took. The clip coefficient's check logs its own under
-    :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`, apart from the applied check of the same step."""
+    """The numbers logged for an applied check, under ``gradwatch/applied/`` (the clip coefficient's check under
+    :data:`~gradwatch.tensorboard.writer.CLIPPING_PREFIX`): the verdict (0 ok, 1 inconclusive, 2 fail), the fault (0
+    none, else its position in :data:`~gradwatch.engine.results.report.FAULTS` plus one), the descent ratio, the noise
+    floor along it relative to ``‖g‖``, the largest discrepancy over its tolerance, the check's seconds and loss
+    evaluations."""
     prefix = _applied_prefix(report)
     values = {
-        "verdict": float(VERDICTS.index(report.verdict)),
-        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
+        **_verdict_and_fault(report),
         "descent_ratio": report.descent_ratio,
         "noise_floor": report.noise_floor,
         "floor_excess": report.floor_excess,
@@ -187,14 +182,18 @@ def _applied_prefix(report: CheckReport) -> str:
     return CLIPPING_PREFIX if report.noted(NoteCode.APPLIED_CLIPPING) else APPLIED_PREFIX
 
 
+def _verdict_and_fault(report: CheckReport) -> dict[str, float]:
+    fault = float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0
+    return {"verdict": float(VERDICTS.index(report.verdict)), "fault": fault}
+
+
 def update_scalars(report: CheckReport) -> dict[str, float]:
-    """The numbers logged for an update check, under ``gradwatch/update/``: the verdict, the fault (as for an applied
+    """The numbers logged for an update check, under ``gradwatch/update/``: the verdict and fault (as for an applied
     check), the largest relative error of an update against its reference, the largest floor (relative to the
-    reference's norm), the largest discrepancy in units of its tolerance and the seconds the check took."""
+    reference's norm), the largest discrepancy over its tolerance and the check's seconds."""
     errors = report.conclusive_rel_errors
     values = {
-        "verdict": float(VERDICTS.index(report.verdict)),
-        "fault": float(FAULTS.index(report.fault) + 1) if report.fault is not None else 0.0,
+        **_verdict_and_fault(report),
         "rel_error_max": max(errors) if errors else math.nan,
         "noise_floor": report.noise_floor,
         "floor_excess": report.floor_excess,
@@ -203,22 +202,11 @@ def update_scalars(report: CheckReport) -> dict[str, float]:
     return {UPDATE_PREFIX + name: float(value) for name, value in values.items() if math.isfinite(value)}
 
 
-def update_records_of(report: CheckReport) -> CheckRecords:
-    """Everything the outputs show of an update check (``report.scope == "update"``): its ``gradwatch/update/*``
-    scalars and, when it failed, its text under :data:`UPDATE_FAILURE_TAG`; no histogram."""
-    return CheckRecords(
-        step=report.step,
-        scalars=update_scalars(report),
-        text=applied_text(report),
-        histograms={},
-        report=report,
-        text_tag=UPDATE_FAILURE_TAG,
-    )
-
-
 def report_records(report: CheckReport, overhead: Overhead | float | None = None) -> CheckRecords:
-    """The records of a report of any kind: :func:`applied_records_of` for an applied check,
-    :func:`update_records_of` for an update check, else :func:`records_of` (with ``overhead``)."""
+    """The records of a report of any kind: :func:`applied_records_of` for an applied check; for an update check its
+    ``gradwatch/update/*`` scalars and, when it failed, its text under :data:`UPDATE_FAILURE_TAG`; else
+    :func:`records_of` (with ``overhead``)."""
     if report.scope == "update":
-        return update_records_of(report)
+        text = applied_text(report)
+        return CheckRecords(report.step, update_scalars(report), text, {}, report, text_tag=UPDATE_FAILURE_TAG)
     return applied_records_of(report) if report.scope == "applied" else records_of(report, overhead)

@@ -1,16 +1,7 @@
-"""A sink per output backend: each writes what its backend can show of a check's :class:`CheckRecords`.
-
-* :class:`SummaryWriterSink`: TensorBoard (a ``SummaryWriter``): the histogram of log10 relative errors, the failure
-  text with the culprit and, unless a logger already sends them, the scalars;
-* :class:`TextSink`: any backend with a text call (Weights & Biases' ``log_text``, MLflow's ``log_text``, a Hugging
-  Face ``trainer.log``): the failure text;
-* :class:`JsonLinesSink`: the backend-neutral record (:mod:`.jsonl`), one JSON object per check appended to a file
-  beside the logs, which ``gradwatch report`` reads whatever the logger;
-* :class:`LogCallSink`: a loop's own logging call, ``log(values, step)`` (a Hugging Face ``trainer.log``, which
-  reaches every integration of that loop): the scalars, and the failure text where the backends show strings;
-* :class:`GuardedSink`: any sink whose files may fail (a full disk), warned about once instead of ending the run.
-
-Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol) and its tests.
+"""A sink per output backend, each writing what its backend can show of a check's :class:`CheckRecords`: TensorBoard
+(:class:`SummaryWriterSink`), any backend with a text call (:class:`TextSink`), the backend-neutral JSON lines record
+(:class:`JsonLinesSink`), a loop's own logging call (:class:`LogCallSink`), and any sink whose files may fail
+(:class:`GuardedSink`). Adding a backend is one class here with ``write`` and ``flush`` (the :class:`Sink` protocol).
 """
 
 from __future__ import annotations
@@ -40,10 +31,6 @@ class Sink(Protocol):
 
     def flush(self) -> None:
         """Make what was written durable (called at once after a failing check)."""
-
-
-class ScalarWriterLike(SummaryWriterLike, Protocol):
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> object: ...
 
 
 class SummaryWriterSink:

@@ -1,30 +1,13 @@
 """The gradwatch dashboard: a TensorBoard custom-scalars layout, written once per run.
 
-TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's five sections
-hold one chart per question a reader has about a run:
-
-* **verdict**: 0 ok, 1 inconclusive, 2 fail, of the recomputed and of the applied checks;
-* **relative error band, log10**: the median relative error of the conclusive probes of each check inside a band from
-  the smallest to the largest (tags ``gradwatch/rel_error_median_log10``, ``gradwatch/rel_error_min_log10``,
-  ``gradwatch/rel_error_max_log10``), and the **largest relative error, log10** on its own: a wrong backward lifts it
-  by orders of magnitude, even at checks where most probes agree. TensorBoard's charts have no logarithmic axis, and on
-  a linear one a healthy run (1e-5 to 1e-3) is a flat line at 0 beside a failing run's 1e-1; in log10 they are apart;
-* **descent ratio**: measured over predicted loss decrease along the gradient, 1 when the gradient is right;
-* **probes failing**, **inconclusive**: counts per check;
-* **check seconds**: the wall time of each check, of either kind;
-* **overhead**: gradwatch's share of the training time in percent, apart from the one-time first checks
-  (``gradwatch/overhead_percent``), and the first checks' one-time cost (``gradwatch/first_checks_seconds``);
-* **update checks**: of the update the optimizer made against a reference update (``gradwatch/update/*``, those of
-  :func:`gradwatch.outputs.records.update_scalars`): the verdict, the fault, the largest relative error of an update
-  against its reference, the floor of the optimizer's own rounding, the largest discrepancy over its tolerance and the
-  seconds per check.
-
-Every chart is a Margin chart, the charts of one tag with the value as its own band, because TensorBoard draws a
-line chart of a single point per run as nothing visible (its default scaling drops the points as outliers), and a run
-at the defaults has one check of each kind per 500 steps or fewer. The layout names only fixed scalar tags (those of
-:meth:`gradwatch.engine.results.report.CheckReport.scalars`, their log10 forms, the applied checks', the update
-checks' and the overhead's, which every logger receives), so it does not grow with the model. It is written through
-``add_custom_scalars`` of a ``torch.utils.tensorboard.SummaryWriter``.
+TensorBoard's *Custom Scalars* tab shows the charts of a layout stored in the event files. gradwatch's sections
+(:data:`SECTIONS`) hold one chart per question a reader has about a run: the verdicts of both kinds of check, the
+relative errors in log10 (TensorBoard's charts have no logarithmic axis, and on a linear one a healthy run's 1e-5 to
+1e-3 is a flat line at 0 beside a failing run's 1e-1), the descent ratios and probe counts, the cost, and the update
+checks (:func:`gradwatch.outputs.records.update_scalars`). Every chart is a Margin chart (see :func:`_points`). The
+layout names only fixed scalar tags (those of :meth:`gradwatch.engine.results.report.CheckReport.scalars`, their log10
+forms, the applied checks', the update checks' and the overhead's, which every logger receives), so it does not grow
+with the model.
 """
 
 from __future__ import annotations
@@ -60,10 +43,8 @@ def _points(title: str, tag: str) -> Chart:
     return (title, "Margin", (tag, tag, tag))
 
 
-# The first sections answer "is the gradient right, and how wrong is it": the verdicts of both kinds of check, then
-# the relative errors of each check, which a wrong backward lifts by orders of magnitude even where most probes of its
-# check agree. Every chart is a Margin chart (see _points): one point per run, or a thousand, each is drawn.
-# The order below is the order shown (see layout()).
+# The first sections answer "is the gradient right, and how wrong is it": a wrong backward lifts the largest relative
+# error by orders of magnitude even where most probes of its check agree. The order below is the order shown.
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
     (
         "gradwatch: verdicts (0 ok, 1 inconclusive, 2 fail)",

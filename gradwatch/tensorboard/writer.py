@@ -1,14 +1,10 @@
 """TensorBoard's tags for gradwatch, and the writing of a histogram (:class:`gradwatch.outputs.sinks.SummaryWriterSink`
 writes a check's records through it).
 
-Scalars (:meth:`gradwatch.engine.results.report.CheckReport.scalars`) go through a logger's ``log_metrics`` like any
-other metric; TensorBoard also shows what only it can, through a ``torch.utils.tensorboard.SummaryWriter`` (or anything
-with ``add_histogram`` and ``add_text``). The tags are fixed and few, whatever coordinates were sampled:
-
-* ``gradwatch/rel_error_log10`` (histogram): log10 of the relative error of every conclusive probe;
-* ``gradwatch/failures`` (text): the failing report in markdown
-  (:func:`gradwatch.engine.results.rendering.render_markdown`: the culprit, a table of the failing probes), only when
-  some failed.
+Scalars go through a logger's ``log_metrics`` like any other metric; TensorBoard also shows, through a
+``SummaryWriter`` (or anything with ``add_histogram`` and ``add_text``), the histogram of every conclusive probe's log10
+relative error (:data:`HISTOGRAM_TAG`) and a failing report in markdown (:data:`FAILURES_TAG`:
+:func:`gradwatch.engine.results.rendering.render_markdown`). The tags are fixed and few, whatever was sampled.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """What happens when a check fails: a warning, an exception, a stop request or a user callback.
 
 Warnings are rate-limited with exponential backoff: the 1st, 2nd, 4th, 8th, ... failing check warns, so a bug present
-from step 1 of a week-long run produces a few dozen warnings rather than thousands. Every failing report stays
-available in ``GradientWatch.reports`` (and ``GradWatch.reports``) regardless.
-
-Each failure is shown once: a warning (which Python's ``logging.captureWarnings`` turns into a log record for those
-who want them in their logs), and a log record of level INFO only for the failing checks whose warning the backoff
-withholds (with ``verbose=False``, not even those).
+from step 1 of a week-long run produces a few dozen warnings rather than thousands (every report stays in the watch's
+``reports``). The failing checks whose warning the backoff withholds get a log record (INFO, unless ``verbose=False``).
 """
 
 from __future__ import annotations
@@ -177,12 +173,14 @@ class Remarks:
     def __init__(self, *, verbose: bool = True) -> None:
         self.verbose = verbose
         self._noted: set[str] = set()
-        self._warned_unrestored = False
+        self._said: set[str] = set()  # what was said once already
         self._inconclusive: list[CheckReport] = []  # the inconclusive checks since the last conclusive one
-        self._warned_blind = False
-        self._warned_unequal = False
-        self._warned_weak = False
-        self._warned_unchecked = False
+
+    def _first(self, what: str) -> bool:
+        """Whether ``what`` is said for the first time in the run (it is not said again)."""
+        first = what not in self._said
+        self._said.add(what)
+        return first
 
     def hear(self, report: CheckReport) -> None:
         self._watch_for_blindness(report)
@@ -197,11 +195,9 @@ class Remarks:
                 self._noted.add(finding)
                 warnings.warn(f"gradwatch (step {report.step}): {finding}", GradientCheckWarning, stacklevel=2)
         unequal = report.noted(NoteCode.ACCUMULATION_UNEQUAL)
-        if unequal and not self._warned_unequal:
-            self._warned_unequal = True
+        if unequal and self._first("unequal"):
             warnings.warn(f"gradwatch (step {report.step}): {unequal[0]}", GradientCheckWarning, stacklevel=2)
-        if report.unrestored and not self._warned_unrestored:
-            self._warned_unrestored = True
+        if report.unrestored and self._first("unrestored"):
             warnings.warn(
                 f"gradwatch: at step {report.step} training_step changed {', '.join(report.unrestored)} in place and "
                 "gradwatch could not put it back, so this run is not exactly as it would be without checks; pass "
@@ -212,13 +208,10 @@ class Remarks:
 
     def _watch_for_weakness(self, report: CheckReport) -> None:
         """A verdict weaker than it reads, said once per run as a log record of level WARNING (no failure, so no
-        :class:`GradientCheckWarning`; Python shows it on the console unless logging is set up otherwise): an applied
-        check that passed with a noise floor above :data:`WEAK_FLOOR`, and the first check that left trainable
-        tensors unchecked."""
+        :class:`GradientCheckWarning`; see :class:`Remarks`)."""
         floor = report.noise_floor  # an update check's floor is its reference's rounding, not the path's
         weak = report.scope == "applied" and math.isfinite(floor) and floor > WEAK_FLOOR
-        if not self._warned_weak and report.verdict == "ok" and weak:
-            self._warned_weak = True
+        if report.verdict == "ok" and weak and self._first("weak"):
             passes = f"less than about {3 * floor:.0%} off" if floor < 1 / 3 else "off by as much as its own size"
             log.warning(
                 "gradwatch: the applied check at step %d passed, but weakly: the noise floor of the training's path is "
@@ -229,8 +222,7 @@ class Remarks:
                 passes,
             )
         unchecked = report.noted(NoteCode.APPLIED_UNCHECKED)
-        if unchecked and not self._warned_unchecked:
-            self._warned_unchecked = True
+        if unchecked and self._first("unchecked"):
             log.warning("gradwatch (step %d): the applied check left %s", report.step, unchecked[0])
 
     def _watch_for_blindness(self, report: CheckReport) -> None:
@@ -238,9 +230,8 @@ class Remarks:
             self._inconclusive.clear()
             return
         self._inconclusive.append(report)
-        if len(self._inconclusive) < BLIND_AFTER or self._warned_blind:
+        if len(self._inconclusive) < BLIND_AFTER or not self._first("blind"):
             return
-        self._warned_blind = True
         diagnosis = diagnose(report)
         assert diagnosis is not None
         steps = ", ".join(str(r.step) for r in self._inconclusive)

@@ -1,27 +1,23 @@
 """The accumulation windows a watch records for its applied checks, and what those checks leave for the next calls.
 
-An applied check needs what the loop did before the optimizer step: every micro-batch of the window and the random
-state each forward drew from. :class:`Windows` decides, at the first micro-batch of a window, whether the optimizer
-step the window leads to is due for an applied check and fits the budget (the applied :class:`~.cadence.Cadence`);
-only then does the watch keep the window (:class:`~gradwatch.engine.applied.AppliedWindow`: references to the batches,
-no copies). Every other window costs one integer comparison per micro-batch.
+An applied check needs every micro-batch of the window and the random state each forward drew from. :class:`Windows`
+decides at a window's first micro-batch whether the step it leads to is due and fits the budget (the applied
+:class:`~.cadence.Cadence`); only then is the window kept (:class:`~gradwatch.engine.applied.AppliedWindow`:
+references, no copies). Every other window costs one integer comparison per micro-batch.
 
-Several optimizers (a GAN) each apply their own gradient, of their own loss: a loop records a window per optimizer
-(``key``: the optimizer, so that each window replays the random state its own loss's forward drew from), or one window
-the batch's optimizer steps share (Lightning's manual optimization, whose ``training_step`` is run again from the
-batch's start), checked at each of them. A due step is one whose window crosses a multiple of the cadence: with two
-optimizers, Lightning's windows lead to steps 1, 3, 5, ...
+With several optimizers (a GAN) a loop records a window per optimizer (``key``: each replays the random state its own
+loss's forward drew from), or one window the batch's optimizer steps share (Lightning's manual optimization, whose
+``training_step`` is run again from the batch's start). A due step is one whose window crosses a multiple of the
+cadence: with two optimizers, Lightning's windows lead to steps 1, 3, 5, ...
 
-Several optimizers on one loss (Muon for the matrices and AdamW for the rest, stepping in turn after one backward): the
-windows of the later optimizers were recorded before the earlier ones stepped, so their loss ran at the parameters
-before those steps. When an optimizer steps while windows of other optimizers recorded before are still to be checked,
-:meth:`Windows.stepping` keeps the values its parameters hold before the update, and :meth:`Windows.earlier` gives
-those a later window's check evaluates its loss at (:mod:`.rewind`); a window recorded after a step (a GAN's
-generator, whose loss runs after the discriminator's step) is checked at the parameters as they are.
+With several optimizers on one loss (Muon and AdamW stepping in turn after one backward), the later optimizers'
+windows ran their loss at the parameters before the earlier ones stepped: :meth:`Windows.stepping` keeps the values an
+optimizer's parameters hold before its update while such windows are pending, and :meth:`Windows.earlier` gives them
+to a later window's check (:mod:`.rewind`); a window recorded after a step (a GAN's generator) is checked at the
+parameters as they are.
 
-:class:`Findings` is the one record of what the applied checks found that later calls use: each optimizer's last
-fault (a change of the gradient found at two checks in a row is no one-off) and the gradient the last check verified
-(its norms, which the clip check holds the clipped gradient against).
+:class:`Findings` records what the applied checks found that later calls use: each optimizer's last fault (a change
+found at two checks in a row is no one-off) and the norms of the gradient the last check verified (for the clip check).
 """
 
 from __future__ import annotations

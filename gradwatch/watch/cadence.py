@@ -119,13 +119,12 @@ class Cadence:
         return self.max_overhead is not None and step < self.resume_at
 
     def runs_now(self, step: int, decide: Callable[[int], int]) -> bool:
-        """Whether the check due at ``step`` runs now (it is then no longer pending), or is postponed to fit the
-        budget (it stays pending).
+        """Whether the check due at ``step`` runs now (it is then no longer pending), or is postponed to fit the budget
+        (it stays pending).
 
         ``decide`` turns this process's proposal (0 to check now, else the steps to wait) into the decision every
-        process takes (a broadcast from rank 0 under DDP, the identity otherwise). It is called only at a due step
-        with a budget, and not while a postponement lasts.
-        """
+        process takes (a broadcast from rank 0 under DDP, the identity otherwise). It is called only at a due step with
+        a budget, and not while a postponement lasts."""
         self.last_step = step
         if self.max_overhead is not None:
             if self.postponed_past(step):

@@ -70,10 +70,9 @@ def rank0_decides(wait: int) -> int:
 def agree_across_ranks(report: CheckReport | None, error: Exception | None, step: int) -> CheckReport | None:
     """Gather every process's outcome of the check at ``step``, so all of them record, log and act on the same report.
 
-    Verdicts may differ between processes. The check's report is the most severe one (fail, then inconclusive, then
-    ok; the lowest rank among equals), with a note naming every rank's verdict. If the check raised on any process
-    (``on_fail="raise"``), it raises on all.
-    """
+    Verdicts may differ between processes. The check's report is the most severe one (fail, then inconclusive, then ok;
+    the lowest rank among equals), with a note naming every rank's verdict. If the check raised on any process
+    (``on_fail="raise"``), it raises on all."""
     size = world_size()
     if size == 1:
         return report

@@ -59,9 +59,8 @@ def local_batch_norm(module: nn.Module) -> Iterator[None]:
 
     SyncBatchNorm runs collectives inside forward: synchronized probes would need every process to run exactly the same
     sequence of forwards, while each process's check takes its own data-dependent path (confirmations, retries). Its
-    backward also returns, on each process, the gradient of the sum of all processes' losses, not of the local one.
-    With local statistics each process checks a self-contained function of its own batch, and runs no collective.
-    """
+    backward also returns, on each process, the gradient of the sum of all processes' losses, not of the local one. With
+    local statistics each process checks a self-contained function of its own batch, and runs no collective."""
     patched = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
     saved = [m.__dict__.get("forward") for m in patched]
     for m in patched:

@@ -136,14 +136,13 @@ FLOAT64_RETRY_LIMIT = 64
 
 class Float64Backoff:
     """Whether a watch's next applied check tries float64 probes, after earlier ones ran out of memory (or were
-    estimated not to fit): an applied check that tries float64 and runs out falls back to native probes within
-    itself, but the next one would try again, in vain, every time.
+    estimated not to fit): an applied check that tries float64 and runs out falls back to native probes within itself,
+    but the next one would try again, in vain, every time.
 
     The rule: after the ``n``-th such check in a row, the next ``2**n`` applied checks (2, 4, 8, ... at most
-    :data:`FLOAT64_RETRY_LIMIT`) probe natively without trying float64; then float64 is tried again, or sooner, once
-    the device's free memory at a check is twice what it was when float64 last ran out (memory another part of the
-    program held was freed). A check whose float64 probes fit ends the back-off.
-    """
+    :data:`FLOAT64_RETRY_LIMIT`) probe natively without trying float64; then float64 is tried again, or sooner, once the
+    device's free memory at a check is twice what it was when float64 last ran out (memory another part of the program
+    held was freed). A check whose float64 probes fit ends the back-off."""
 
     def __init__(self) -> None:
         self.misses = 0  # applied checks in a row whose float64 probes did not fit

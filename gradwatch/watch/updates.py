@@ -1,21 +1,18 @@
 """The update checks of a :class:`~gradwatch.GradientWatch`: the update ``optimizer.step()`` makes of the gradient an
 applied check verified, compared with a reference update (:mod:`gradwatch.engine.update`).
 
-It runs wherever the applied check runs, at the same steps and within the same budget (``check_update=False`` turns it
-off): when :meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values, the
-verified gradient and the optimizer's state of a few tensors and checks the update once the optimizer stepped, from a
-step post hook it registers on the optimizer itself, so that a loop needs no new line. The optimizer is the one
-``before_optimizer_step`` was given (``optimizer=``, or the one of ``optimizers=``); without one, the watch hooks the
-next step of any optimizer that updates the verified tensors (torch's global step hooks); for a DeepSpeed ZeRO engine,
-the torch optimizer its ZeRO optimizer steps once per param group (ZeRO-3: sub-group; checked after the last). A loop
-whose optimizer's step runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step` itself. The hooks are
-one-shot: each does nothing after its step and is removed at the watch's next call (removing a hook while torch runs the
-hooks would break a loop with hooks of its own after it).
+They run at the applied checks' steps, within the same budget (``check_update=False`` turns them off): when
+:meth:`~gradwatch.GradientWatch.before_optimizer_step` verified a gradient, the watch keeps the values, the gradient and
+the optimizer state of a few tensors and checks the update from a step post hook on the optimizer, so that a loop needs
+no new line. The optimizer is the one ``before_optimizer_step`` was given (``optimizer=``, or of ``optimizers=``);
+without one, torch's global step hooks catch the next step of any optimizer that updates the verified tensors; for a
+DeepSpeed ZeRO engine, its torch optimizer (stepped once per param group, ZeRO-3 sub-group: checked after the last). A
+loop whose optimizer runs no hooks calls :meth:`~gradwatch.GradientWatch.after_optimizer_step`. The hooks are one-shot,
+removed at the watch's next call (removing a hook while torch runs the hooks would break a loop's own hooks after it).
 
 The gradient the optimizer should step with is the verified one times the coefficient of the clip the loop declared
-(``max_norm=`` to ``before_optimizer_step``, or the ``after_clipping`` call of the step). Before a step due for a
-check, the watch keeps the previous step's gradient of the tensors it will check, so that a step taken with a stale
-gradient is named.
+(``max_norm=`` or ``after_clipping``). Before a due step the watch keeps the previous step's gradient of the tensors it
+will check, so that a step taken with a stale gradient is named.
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from gradwatch.outputs.sinks import Sink
 from gradwatch.watch.alerts import ON_FAIL_CHOICES, GradientCheckWarning, OnFail
 from gradwatch.watch.applied import Findings, Verified, Windows
 from gradwatch.watch.cadence import APPLIED_KEYS, RECOMPUTED_KEYS, Cadence
-from gradwatch.watch.clip_check import clip_check
 from gradwatch.watch.defaults import (
     DEFAULT_APPLIED_EVERY_N_STEPS,
     DEFAULT_EVERY_N_STEPS,
@@ -47,7 +46,7 @@ from gradwatch.watch.defaults import (
 from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
 from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
 from gradwatch.watch.lessons import Lessons
-from gradwatch.watch.optimized import gradients_of, optimizer_argument, updated_parameters
+from gradwatch.watch.optimized import clip_check, gradients_of, optimizer_argument, updated_parameters
 from gradwatch.watch.outcomes import Outcomes
 from gradwatch.watch.overhead import OverheadClock
 from gradwatch.watch.rewind import Earlier, rewound

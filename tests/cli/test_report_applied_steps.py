@@ -1,6 +1,6 @@
 """``gradwatch report`` never hides a failure: a run whose only failure is an applied check, followed at the same
 step by the clip coefficient's ok check, exits 1 and lists both, each with its own verdict. The records are written
-the way the Hugging Face callback writes them (:func:`gradwatch.integrations.trainer_outputs.run_sinks`): the JSON lines
+the way the Hugging Face callback writes them (:func:`gradwatch.integrations.huggingface.run_sinks`): the JSON lines
 record, and the scalars through ``trainer.log``, which the Trainer's TensorBoard callback writes as ``train/<tag>`` at
 the step; read from the record, whether or not the event files lie beside it."""
 

@@ -24,8 +24,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch import GradientCheckWarning  # noqa: E402
 from gradwatch.cli import main  # noqa: E402
 from gradwatch.engine.results.notes import codes  # noqa: E402
-from gradwatch.integrations.huggingface import STATE_KEY, GradWatchCallback  # noqa: E402
-from gradwatch.integrations.trainer_outputs import run_sinks  # noqa: E402
+from gradwatch.integrations.huggingface import (  # noqa: E402
+    STATE_KEY,
+    GradWatchCallback,
+    run_sinks,
+)
 from gradwatch.outputs import JsonLinesSink  # noqa: E402
 
 BUGGY = "model.layers.0.self_attn.o_proj"

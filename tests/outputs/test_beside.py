@@ -127,7 +127,7 @@ def test_a_trainers_tensorboard_run_is_read_from_the_record_beside_its_event_fil
 ) -> None:
     """The tags as a Hugging Face Trainer's TensorBoardCallback writes them (``rewrite_logs``), the text and the
     histogram as the callback writes them beside, all under ``train/``, and the record in the run's directory
-    (:func:`gradwatch.integrations.trainer_outputs.record_directories`): the report sees the check and its culprit."""
+    (:func:`gradwatch.integrations.huggingface.run_sinks`): the report sees the check and its culprit."""
     writer = SummaryWriter(str(tmp_path / "runs" / "Nov26"))
     JsonLinesSink(tmp_path / "runs" / "Nov26" / "gradwatch.jsonl").write(records_of(failing))
     records = records_of(failing)

@@ -88,10 +88,9 @@ def sharded_backward(
 ) -> tuple[float, list[Tensor | None]]:
     """The global loss and its gradient in a sharded check, for the shards and then the input ``leaves``.
 
-    ``backward``, not ``autograd.grad``: FSDP reduces the parameters' gradients onto their shards in its backward
-    hooks (autograd cannot differentiate with respect to a shard directly). The inputs' gradients are divided by the
-    number of ranks: the global loss is the mean of the ranks' losses, as FSDP's averaged gradient says.
-    """
+    ``backward``, not ``autograd.grad``: FSDP reduces the parameters' gradients onto their shards in its backward hooks
+    (autograd cannot differentiate with respect to a shard directly). The inputs' gradients are divided by the number of
+    ranks: the global loss is the mean of the ranks' losses, as FSDP's averaged gradient says."""
     value = global_loss(float(loss.detach()))  # every rank reaches the backward's collectives, or none does
     loss.backward()
     grads = shard_gradients(collective, model, shards)

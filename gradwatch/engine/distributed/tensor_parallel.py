@@ -1,23 +1,20 @@
 """Tensor-parallel models (``torch.distributed.tensor.parallel``: parameters as ``DTensor``\\ s sharded across a mesh,
 inputs and outputs redistributed by module hooks), checked as plain replicated modules.
 
-Under tensor parallelism every rank of the group computes the same loss on the same batch; the parameters are split
-(column- or row-wise) or replicated. A check :func:`made_plain` the model for its duration: each ``DTensor`` parameter
-replaced, in its module, by a plain parameter holding the whole tensor (``full_tensor()``, a collective), and the
-hooks of ``torch.distributed.tensor`` set aside, so that the forward computes the same function on whole tensors, on
-every rank alike. Afterwards the very ``DTensor`` parameters are put back: whatever a check did to the plain copies
-cannot reach them. The gradients of the check are the whole ones (:func:`whole_gradients`): a replicated parameter's
-gradient is this rank's own, so ranks that disagree on it stay visible to the cross-rank comparison of an applied
-check.
+Every rank of the group computes the same loss on the same batch. A check :func:`made_plain` the model for its
+duration: each ``DTensor`` parameter replaced, in its module, by a plain parameter holding the whole tensor
+(``full_tensor()``, a collective), and the hooks of ``torch.distributed.tensor`` set aside, so that the forward
+computes the same function on whole tensors on every rank. Afterwards the very ``DTensor`` parameters are put back,
+out of reach of whatever the check did to the copies. The check's gradients are the whole ones
+(:func:`whole_gradients`): a replicated parameter's is this rank's own, so ranks that disagree on it stay visible to
+an applied check's cross-rank comparison.
 
-Combined with FSDP2 on a second mesh dimension (a 2-D mesh ``("dp", "tp")``, ``fully_shard`` over the tensor-parallel
-plan, as torchtitan composes them) the same holds, with FSDP2's module hooks set aside too: each parameter is gathered
-over both dimensions, every rank computes the loss of its own data-parallel batch (the ranks of a tensor-parallel group
-alike), and the applied check averages the window loss over every rank of the mesh (the ranks of a tensor-parallel
-group count their shared loss alike, so that mean is the data-parallel mean FSDP's gradient differentiates) and
-compares the whole gradients across all of them. FSDP2's hybrid sharding on a 2-D mesh (``Replicate`` and ``Shard(0)``
-placements, no tensor parallelism) goes the same way. FSDP2 alone on a 1-D mesh (parameters sharded by rows) is left
-to :mod:`gradwatch.engine.distributed.parameters`, which probes the shards in place.
+With FSDP2 on a second mesh dimension (``("dp", "tp")``, as torchtitan composes them), and FSDP2's hybrid sharding on
+a 2-D mesh, the same holds with FSDP2's hooks set aside too: each parameter is gathered over both dimensions, every
+rank computes the loss of its own data-parallel batch, and the applied check averages the window loss over every rank
+of the mesh (the data-parallel mean FSDP's gradient differentiates) and compares the whole gradients across all of
+them. FSDP2 alone on a 1-D mesh is left to :mod:`gradwatch.engine.distributed.parameters`, which probes the shards in
+place.
 """
 
 from __future__ import annotations
@@ -46,9 +43,8 @@ _REPLICAS: ContextVar[Any] = ContextVar("gradwatch_tensor_parallel_group", defau
 
 
 def replicas_group() -> Any:
-    """Inside :func:`made_plain`: the process group of every rank of the model's mesh (ranks that compute the same
-    loss on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else
-    ``None``."""
+    """Inside :func:`made_plain`: the process group of every rank of the model's mesh (ranks that compute the same loss
+    on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else ``None``."""
     return _REPLICAS.get()
 
 

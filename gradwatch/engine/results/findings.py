@@ -1,6 +1,5 @@
-"""What a check around the optimizer step found besides its probes: the part of the training's path at fault and how
-its verdict was calibrated (:class:`AppliedFindings`, a report's ``applied``), and the words for that part
-(:data:`Fault`).
+"""What a check around the optimizer step found besides its probes: the part of the training's path at fault and how its
+verdict was calibrated (:class:`AppliedFindings`, a report's ``applied``), and the words for that part (:data:`Fault`).
 
 Plain data, like the rest of :mod:`gradwatch.engine.results`: the applied check (:mod:`gradwatch.engine.applied`), the
 clip coefficient's and the update check (:mod:`gradwatch.engine.update`) fill it in; a recomputed check has none.
@@ -16,22 +15,21 @@ Fault = Literal[
     "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",
     "update", "gradient",
 ]  # fmt: skip
-"""Which part of the training's path an applied gradient that disagrees with the loss went wrong in:
-``"formula"`` (the eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"``
-(right without autocast, wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph),
-``"reduction"`` (the local gradients are right, the cross-rank reduced one is not, or ranks disagree),
-``"accumulation"`` (the window's micro-batch gradients are right, their sum in the applied gradient is not: leftovers
-of an earlier window, a micro-batch counted twice or not at all), ``"transient"`` (the same path computed again gives
-the right gradient: a one-off corruption), ``"modified"`` (the same path computed again gives the right gradient, and
-the change recurs: the optimizer runs step pre-hooks, or the applied check before found the same) or ``"unknown"``;
-``"clipping"`` (the gradient the optimizer steps with is not
-the verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
+"""Which part of the training's path an applied gradient that disagrees with the loss went wrong in: ``"formula"`` (the
+eager float32 recomputation is wrong too: a backward formula, a gradient hook), ``"precision"`` (right without autocast,
+wrong with it), ``"compiled"`` (right eagerly, wrong through the compiled graph), ``"reduction"`` (the local gradients
+are right, the cross-rank reduced one is not, or ranks disagree), ``"accumulation"`` (the window's micro-batch gradients
+are right, their sum in the applied gradient is not: leftovers of an earlier window, a micro-batch counted twice or not
+at all), ``"transient"`` (the same path computed again gives the right gradient: a one-off corruption), ``"modified"``
+(the same path computed again gives the right gradient, and the change recurs: the optimizer runs step pre-hooks, or the
+applied check before found the same) or ``"unknown"``; ``"clipping"`` (the gradient the optimizer steps with is not the
+verified one times ``min(1, max_norm / ‖g‖)`` with ``‖g‖`` its true global norm:
 :func:`~gradwatch.engine.applied.clipping.check_clipping`; for an update check, the update matches the reference from
 the unclipped gradient, or from a gradient that is the verified one scaled otherwise). Update checks
-(:mod:`gradwatch.engine.update`) also name ``"update"`` (the optimizer's update is not its algorithm's from the
-verified gradient and state: a Muon orthogonalising shards, a weight decay applied twice) and ``"gradient"`` (the
-update is the algorithm's from another gradient than the verified one: the previous step's, or one changed between
-the check and the step)."""
+(:mod:`gradwatch.engine.update`) also name ``"update"`` (the optimizer's update is not its algorithm's from the verified
+gradient and state: a Muon orthogonalising shards, a weight decay applied twice) and ``"gradient"`` (the update is the
+algorithm's from another gradient than the verified one: the previous step's, or one changed between the check and the
+step)."""
 
 FAULTS: tuple[Fault, ...] = (
     "formula", "precision", "compiled", "reduction", "accumulation", "transient", "unknown", "clipping", "modified",

@@ -39,28 +39,12 @@ class StrEnum(str, Enum):
 
 
 class ProbeKind(StrEnum):
-    """What a probe moves (:attr:`gradwatch.engine.results.report.Probe.kind`); each kind's properties are its row of
-    :data:`PROBE_KINDS`.
-
-    ``"descent"``: the directional derivative along the normalised gradient ``ĝ`` of all parameters. ``"cover"``:
-    along a group of parameter tensors' gradients, each weighted to contribute equally (target ``"*"``): every tensor
-    is in one group at every recomputed check, so a wrong gradient in any one shows at once (see
-    :mod:`gradwatch.engine.probing.cover`). ``"tensor"``: along one parameter tensor's own normalised gradient.
-    ``"tensors"``: along every parameter tensor's own normalised gradient at once, each with equal weight (applied
-    checks; ``target`` ``"*"``, or a group's first tensor). ``"random"``: along a random unit direction within one
-    parameter tensor. ``"param"``: one coordinate of a parameter. ``"input"``: along the normalised gradient of the
-    batch's floating inputs (``index`` ``None``), or one coordinate of one of them. ``"loss"``: the loss itself,
-    reported only when it is not finite. ``"compiled"``: the gradient of one tensor (or of all, target ``"*"``)
-    through the training's compiled graph (``analytic``, its norm) against eager autograd's (``numeric``, its norm),
-    which the other probes check against finite differences; ``rel_error`` is the norm of their difference relative
-    to the larger (see :mod:`gradwatch.engine.recomputed.compiled`). The culprit search of a failing check
-    (:mod:`gradwatch.engine.culprits`) adds probes of one module (``target`` its name as in ``named_modules()``,
-    ``""`` the model itself), each displacing what that module alone sees along autograd's gradient there:
-    ``"activation"`` its output, ``"module_input"`` its inputs as it receives them, ``"module_params"`` its own
-    parameters during its own forward. ``"update"``: an update check's comparison of the update the optimizer
-    applied to one tensor (``numeric``, its norm) with the reference update (``analytic``, its norm); ``rel_error`` is
-    the norm of their difference relative to the reference's (see :mod:`gradwatch.engine.update`).
-    """
+    """What a probe moves (:attr:`gradwatch.engine.results.report.Probe.kind`); each kind's meaning and properties are
+    its row of :data:`PROBE_KINDS`. The culprit search's kinds (``"activation"``, ``"module_input"``,
+    ``"module_params"``) have as ``target`` a module's name as in ``named_modules()`` (``""``: the model itself); for
+    ``"compiled"`` and ``"update"``, ``analytic`` and ``numeric`` are norms and ``rel_error`` their difference's norm
+    relative to the larger (:mod:`gradwatch.engine.recomputed.compiled`) or to the reference update's
+    (:mod:`gradwatch.engine.update`)."""
 
     DESCENT = "descent"
     COVER = "cover"

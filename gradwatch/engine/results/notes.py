@@ -182,8 +182,7 @@ class Note(str):
     """One remark of a report: its text, as users read it, with a stable :attr:`code`.
 
     A ``str``, so it prints, compares, hashes, joins and serialises as its text (``Note(code, "x") == "x"``); pickles
-    and copies keep the code.
-    """
+    and copies keep the code."""
 
     code: NoteCode
 

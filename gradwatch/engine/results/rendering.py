@@ -1,15 +1,11 @@
 """A failing report in words, in one place: the warning, the exception, the assertion of the test helper, the demo,
-the TensorBoard text, the JSON lines record and the loggers with text support all render it here.
+the TensorBoard text, the JSON lines record and the loggers with text support all render it here, as plain text
+(:func:`render_text`) or markdown (:func:`render_markdown`, which ``gradwatch report`` reads back).
 
 Every form puts the culprit first (the module whose backward is wrong, when the check found it), then the failing
 probes (those that found the discrepancy before the ones of the culprit search), "... and N more" past a limit, the
-surrogate gradients the check recognised and its notes.
-
-* :func:`render_text`: plain text, one probe per line (or an aligned table), for logs, warnings and exceptions;
-* :func:`render_markdown`: a heading, the :data:`CULPRIT_PREFIX` line and a markdown table of every failing probe, for
-  dashboards (``gradwatch report`` reads the table and the culprit line back).
-
-The numbers shown on a log scale (:func:`log10_rel_error`) live here too, so every backend floors them alike.
+surrogate gradients the check recognised and its notes. The numbers shown on a log scale (:func:`log10_rel_error`)
+live here too, so every backend floors them alike.
 """
 
 from __future__ import annotations

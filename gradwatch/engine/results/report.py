@@ -65,12 +65,9 @@ class Probe:
             non-deterministic kernels), in the same units. A screen borrows it from the check's descent probe.
         step: The finite-difference step actually used (in units of the perturbed value; for a direction, the length
             of the step along it).
-        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"`` (the parameter received
-            no gradient, but the loss depends on it), ``"unresolved"`` (noise too large to tell), ``"kink"`` (the loss
-            is not smooth across the step), ``"flat"`` (the loss did not change at all: the step is below the
-            resolution of its float computation), ``"unstable"`` (the discrepancy did not reproduce at a second step),
-            ``"surrogate"`` (a straight-through estimator: the loss is piecewise constant in the tensor, its gradient
-            deliberately not the derivative; see :attr:`CheckReport.surrogates`) or ``"nonfinite"``.
+        reason: Why the verdict is what it is: ``"agrees"``, ``"discrepancy"``, ``"missing"``, ``"kink"``,
+            ``"surrogate"`` (a straight-through estimator, see :attr:`CheckReport.surrogates`), ...: a
+            :class:`~gradwatch.engine.results.kinds.Reason`, whose members say what each means.
         evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
             a confirmation at a second step, more when it was measured again in float64.
         floor: Applied checks only: the noise floor of the training's path along the probe's direction, in derivative
@@ -160,14 +157,11 @@ class CheckReport:
             singled out (:mod:`gradwatch.engine.culprits`).
         culprit_message: The culprit in words: ``"the backward of `blocks[0].norm` (`RMSNorm`) is wrong: its input
             gradient is 2.7% off while its output gradient is right"``.
-        scope: ``"applied"`` for a check of the gradient the optimizer applies, ``"recomputed"`` for a check of
-            gradwatch's own recomputation, ``"update"`` for a check of the update the optimizer made (see
-            :data:`Scope`).
+        scope: ``"applied"``, ``"recomputed"`` or ``"update"``: what the check compared (see :data:`Scope`).
         applied: What a check of the applied gradient, of the clip coefficient or of the update found besides its
             probes: the fault and how the verdict was calibrated (an :class:`AppliedFindings`); ``None`` for a
-            recomputed check. Its fields read as the report's own too (``report.fault``, ``report.fault_message``,
-            ``report.noise_floor``, ``report.floor_excess``, ``report.accumulation_scale``,
-            ``report.accumulation_cosine``: their defaults, ``None``, ``""`` or ``nan``, when there are no findings).
+            recomputed check. Its fields read as the report's own too (``report.fault``, ``report.noise_floor``, ...:
+            their defaults, ``None``, ``""`` or ``nan``, without findings).
         probed_inputs: The paths of the batch's floating inputs the check differentiated and could probe
             (``"batch[0]"``, ``"batch.x"``); the notes say why any other floating input was not (the loss refuses inputs
             that require grad, or detaches them).
@@ -175,9 +169,8 @@ class CheckReport:
             reductions, deterministic algorithms, attention backends, autocast; see
             :mod:`gradwatch.engine.results.numerics`).
         culprit_search: How far a failing check's culprit search got (a
-            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap with the
-            modules proved to hold the bug and the candidates left inside them, where the next check of a series goes
-            on); ``None`` where no search ran.
+            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap where the
+            next check of a series goes on); ``None`` where no search ran.
     """
 
     step: int

@@ -1,19 +1,13 @@
 """``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
 
 A thin adapter over :class:`gradwatch.watch.GradientWatch`, which owns both kinds of check (schedule, budget, state,
-alerts, outputs). It turns Lightning's hooks into the watch's three calls and lends it what only the Trainer knows:
-
-* ``on_train_batch_start``: :meth:`~gradwatch.GradientWatch.record` (the micro-batch and its index);
-* ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed unscale, before
-  clipping): :meth:`~gradwatch.GradientWatch.before_optimizer_step`, with the module's own ``training_step`` as the
-  loss, each micro-batch's loss divided by ``accumulate_grad_batches`` and summed, the precision plugin's forward
-  context as the path, the grad scaler's scale and its skipped steps;
-* ``on_train_batch_end``: :meth:`~gradwatch.GradientWatch.maybe_check`.
-
-Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`, the watch's
-``context``); the records go to every logger, to ``trainer.callback_metrics`` and, on rank 0, to what each logger can
-show (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`), through sinks built once per run; the report
-``maybe_check`` returns goes to the progress bar.
+alerts, outputs). It turns Lightning's hooks into the watch's three calls: ``on_train_batch_start`` records the
+micro-batch and its index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed
+unscale, before clipping) runs the applied check, with the module's own ``training_step`` as the loss (each
+micro-batch's divided by ``accumulate_grad_batches`` and summed), the precision plugin's forward context as the path,
+the grad scaler's scale and its skipped steps; ``on_train_batch_end`` runs the recomputed check. Around every check the
+trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the records go to the loggers through sinks
+built once per run (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`); the report goes to the progress bar.
 """
 
 from __future__ import annotations
@@ -26,15 +20,15 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Unpack, override
 
-from gradwatch.engine import CheckReport
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
 from gradwatch.integrations.lightning.manual_step import Earlier, before_update, manual_step_loss
 from gradwatch.integrations.lightning.publishing import TrainerSink, publish_dashboard, show_in_progress_bar
 from gradwatch.integrations.lightning.training_step import joined_window, loggers_silenced, training_step_loss
 from gradwatch.integrations.loggers import lightning_runs, logger_sinks
+from gradwatch.watch.guard import guarded_hook
 from gradwatch.watch.hooks import TrainingPath
-from gradwatch.watch.options import WATCH_OPTIONS, WatchOptions
+from gradwatch.watch.options import WATCH_OPTIONS, WatchedReports, WatchOptions
 from gradwatch.watch.watch import GradientWatch
 
 __all__ = ["GradWatch"]
@@ -50,7 +44,7 @@ def _distributed(trainer: pl.Trainer) -> bool:
     return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-class GradWatch(Callback):
+class GradWatch(WatchedReports, Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
     At the chosen optimizer steps, gradwatch re-evaluates the loss of the current batch (the module's own
@@ -115,31 +109,6 @@ class GradWatch(Callback):
         return self._watch
 
     @property
-    def reports(self) -> list[CheckReport]:
-        """The reports of this run's checks of both kinds, oldest first (at most ``max_reports``)."""
-        return self._watch.reports
-
-    @property
-    def applied_reports(self) -> list[CheckReport]:
-        """The reports of this run's applied checks, oldest first (``scope == "applied"``)."""
-        return self._watch.applied_reports
-
-    @property
-    def update_reports(self) -> list[CheckReport]:
-        """The reports of this run's update checks, oldest first (``scope == "update"``)."""
-        return self._watch.update_reports
-
-    @property
-    def recomputed_reports(self) -> list[CheckReport]:
-        """The reports of this run's recomputed checks, oldest first (``scope == "recomputed"``)."""
-        return self._watch.recomputed_reports
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """See :attr:`gradwatch.GradientWatch.counts`."""
-        return self._watch.counts
-
-    @property
     def overhead(self) -> float:
         """gradwatch's time so far as a fraction of the training time (measured between training batches)."""
         return self._watch.overhead
@@ -194,27 +163,16 @@ class GradWatch(Callback):
         self._watch.start(trainer.global_step)  # restored from the checkpoint when resuming
 
     @override
+    @guarded_hook("GradWatch.on_train_batch_start")
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        try:  # at every step: a guard by try/except, free unless raised (see GradientWatch.absorbs)
-            self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
-            self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
-        except Exception as error:
-            if not self._watch.absorbs("GradWatch.on_train_batch_start", error):
-                raise
+        self._batch_step, self._ordinal, self._stepped = trainer.global_step + 1, 0, []
+        self._watch.record((batch, batch_idx), model=pl_module, step=self._batch_step)
 
     @override
+    @guarded_hook("GradWatch.on_before_optimizer_step")
     def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        try:
-            self._before_optimizer_step(trainer, pl_module, optimizer)
-        except Exception as error:
-            if not self._watch.absorbs("GradWatch.on_before_optimizer_step", error):
-                raise
-
-    def _before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._ordinal += 1

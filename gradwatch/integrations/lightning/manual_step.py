@@ -1,25 +1,20 @@
 """The loss an optimizer's step applies under Lightning's manual optimization: the step's own loss.
 
-With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to
-``self.manual_backward`` and steps that optimizer. The loss whose gradient optimizer step *k* of a batch applies is
-the sum of the losses ``training_step`` gave ``manual_backward`` since the step before it (or the batch's start),
-those of the step's own ``closure=`` included; a step with none since the step before applies the gradient of the
-same backward as that step (two optimizers on one loss: Muon for the matrices and AdamW for the rest, stepping in turn
-after one ``manual_backward``), and is checked against those losses, computed before the step before it moved its
-parameters. :func:`manual_step_loss` makes it a ``loss_fn``: it runs
-``training_step`` again from the batch's start (the window replays the batch's random state, so every draw, the
-noise of a generator included, is the training's), with the module's optimizers unable to step and
-``manual_backward`` recording its loss instead of differentiating it, and stops at step *k*. Nothing of the training is
-done twice: no ``.grad`` is written, no optimizer steps, no parameter's ``requires_grad`` is toggled
-(``toggle_optimizer`` does nothing: the parameters stay as training has them at this step), gradients are not
-clipped, logging is silenced.
+With several optimizers (a GAN), ``training_step`` computes a loss per optimizer, hands each to ``manual_backward``
+and steps that optimizer. Optimizer step *k* of a batch applies the gradient of the losses given ``manual_backward``
+since the step before it (or the batch's start), its own ``closure=`` included; a step with none since applies the
+same backward as the step before (Muon and AdamW on one loss, stepping in turn), and is checked against those losses
+at the parameters before that step. :func:`manual_step_loss` makes it a ``loss_fn``: it runs ``training_step`` again
+from the batch's start (the window replays the batch's random state, so every draw is the training's) with the
+optimizers unable to step and ``manual_backward`` recording its loss instead of differentiating it, and stops at step
+*k*. Nothing of the training is done twice: no ``.grad`` is written, no optimizer steps, ``toggle_optimizer`` does
+nothing, gradients are not clipped, logging is silenced.
 
 The parameters are as ``training_step`` had them at every point: the callback keeps, at each optimizer step of a
-checked batch, the values of that optimizer's parameters before its update (:data:`Earlier`), and the run again starts
-with every parameter an earlier step of the batch updated at its value before that step, then moves it on at each held
-step, as the update did (:class:`Rewind`, which puts those values in the module's slots, as a check puts its float64
-copies there, and takes them out afterwards: the parameters themselves are never written). A generator's sample made
-before the generator's step and given to the discriminator after it is the training's sample.
+checked batch, the values of that optimizer's parameters before its update (:data:`Earlier`); the run again starts
+with those values and moves them on at each held step (:class:`Rewind`, which puts them in the module's slots as a
+check puts its float64 copies there: the parameters themselves are never written). So a generator's sample made before
+the generator's step and given to the discriminator after it is the training's sample.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from gradwatch.engine import LossFn
-from gradwatch.integrations.lightning.training_step import _logging_silenced, _noop, _silenced
+from gradwatch.integrations.lightning.training_step import _logging_silenced, _replaced, _silenced
 from gradwatch.watch.rewind import Earlier, Rewind, before_update
 
 __all__ = ["Earlier", "before_update", "manual_step_loss"]
@@ -99,20 +94,6 @@ def _stand_ins(module: pl.LightningModule, steps: _Steps) -> Iterator[None]:
             stack.enter_context(_silenced(optimizer, ("zero_grad",)))
             stack.enter_context(_replaced(optimizer, "step", lambda *a, _o=optimizer, **k: steps.step(_o, *a, **k)))
         yield
-
-
-@contextlib.contextmanager
-def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
-    saved = vars(obj).get(name, _noop)
-    had = name in vars(obj)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, saved)
-        else:
-            delattr(obj, name)
 
 
 def manual_step_loss(

@@ -1,20 +1,13 @@
 """Where a check's report goes in a Lightning run: every logger, ``trainer.callback_metrics`` and the progress bar.
 
-The report becomes records once (:func:`gradwatch.outputs.records_of`), and each logger gets what it can show:
-
-* every logger: the ``gradwatch/*`` scalars through ``log_metrics`` (at the trainer's step);
-* ``trainer.callback_metrics``: the same scalars, so ``EarlyStopping(monitor="gradwatch/verdict")`` or a
-  ``ModelCheckpoint`` can act on them (every rank: the ranks agree on the report);
-* on rank 0, what each logger shows besides scalars and the JSON lines record in each logger's run directory
-  (:mod:`gradwatch.integrations.loggers`: TensorBoard's histogram and failure text, W&B's and MLflow's failure text,
-  ``gradwatch.jsonl`` in the run's ``log_dir`` or, for W&B and MLflow, under
-  ``<default_root_dir>/gradwatch_records/``) and, once, the dashboard's layout in each TensorBoard run.
-
-Applied checks (``report.scope == "applied"``) go the same way, their records from
-:func:`gradwatch.outputs.records.applied_records_of`: ``gradwatch/applied/*`` scalars and their text, led by the fault,
-under ``gradwatch/applied/failure``. The sinks are built once per run (:class:`TrainerSink` on every rank, the others
-on rank 0: files and texts are written there only). A logger that cannot show the
-failure text or the histograms gets one info record per run naming where they are instead, never silence.
+The report becomes records once (:func:`gradwatch.outputs.records.report_records`), and each logger gets what it can
+show: every logger the ``gradwatch/*`` scalars through ``log_metrics``; ``trainer.callback_metrics`` the same scalars,
+so ``EarlyStopping(monitor="gradwatch/verdict")`` or a ``ModelCheckpoint`` can act on them (every rank: the ranks agree
+on the report); on rank 0, what each logger shows besides scalars (:mod:`gradwatch.integrations.loggers`) and the JSON
+lines record in each logger's run directory (for W&B and MLflow, under ``<default_root_dir>/gradwatch_records/``) and,
+once, the dashboard's layout in each TensorBoard run. An applied check's records are its ``gradwatch/applied/*``
+scalars and its text, led by the fault, under ``gradwatch/applied/failure``. A logger that cannot show the failure text
+or the histograms gets one info record per run naming where they are instead.
 """
 
 from __future__ import annotations

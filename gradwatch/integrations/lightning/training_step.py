@@ -28,24 +28,29 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def _silenced(obj: object, names: Iterable[str]) -> Iterator[None]:
-    """Make the methods ``names`` of ``obj`` do nothing (instance attributes shadowing them), then put back exactly
-    what was there."""
-    names = [name for name in names if callable(getattr(obj, name, None))]
-    saved = {name: vars(obj)[name] for name in names if name in vars(obj)}
-    for name in names:
-        setattr(obj, name, _noop)
+def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` (an instance attribute, shadowing a method), then exactly what was there before."""
+    had, saved = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        for name in names:
-            if name in saved:
-                setattr(obj, name, saved[name])
-            else:
-                delattr(obj, name)
+        if had:
+            setattr(obj, name, saved)
+        else:
+            delattr(obj, name)
 
 
-def _logging_silenced(module: pl.LightningModule) -> contextlib.AbstractContextManager[None]:
+def _silenced(obj: object, names: Iterable[str]) -> contextlib.ExitStack:
+    """Make the methods ``names`` of ``obj`` do nothing, then put back exactly what was there."""
+    stack = contextlib.ExitStack()
+    for name in names:
+        if callable(getattr(obj, name, None)):
+            stack.enter_context(_replaced(obj, name, _noop))
+    return stack
+
+
+def _logging_silenced(module: pl.LightningModule) -> contextlib.ExitStack:
     """Make ``module.log``/``module.log_dict`` do nothing, so probes do not overwrite the run's real metrics (also
     when they log a torchmetrics object, or with ``sync_dist=True``: no collective runs)."""
     return _silenced(module, ("log", "log_dict"))
@@ -58,10 +63,9 @@ _EXPERIMENT_PREFIXES = ("add_", "log")
 @contextlib.contextmanager
 def loggers_silenced(module: nn.Module) -> Iterator[None]:
     """During a check of ``module`` (a LightningModule in a fit), make its trainer's loggers write nothing:
-    ``training_step`` may call ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself,
-    and the probes' calls are not training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a
-    W&B run) lose their ``add_*`` and ``log*`` methods for the duration; none is created for it. The watch's
-    ``context``."""
+    ``training_step`` may call ``self.logger.log_metrics(...)`` or ``self.logger.experiment.add_image(...)`` itself, and
+    the probes' calls are not training steps. The experiments already created (a TensorBoard ``SummaryWriter``, a W&B
+    run) lose their ``add_*`` and ``log*`` methods for the duration; none is created for it. The watch's ``context``."""
     trainer: pl.Trainer = module.trainer  # type: ignore[assignment]
     with contextlib.ExitStack() as stack:
         for logger in trainer.loggers:
@@ -76,9 +80,8 @@ def loggers_silenced(module: nn.Module) -> Iterator[None]:
 def training_step_loss(module: pl.LightningModule, batch_idx: int) -> LossFn:
     """A ``loss_fn`` that calls ``module.training_step`` on the batch, with its logging silenced.
 
-    ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return
-    the loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check.
-    """
+    ``training_step`` is called as Lightning calls it (with ``batch_idx`` if its signature takes one). It may return the
+    loss tensor or a dict with a ``"loss"`` entry; ``None`` skips the check."""
     extra: list[tuple[int, ...]] = []  # the signature read at the first call, not at every step this loss is built
 
     def loss_fn(_model: nn.Module, batch: Any) -> Tensor:  # called with ``module`` itself
