@@ -163,7 +163,8 @@ def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
     own = autocast_path.own_autocast(entered, device)
     if setting.autocast is None and own is not None:  # the model's own region: the path's precision, said by its code
         setting.autocast, path.plan = own, autocast_path.replanned(path.plan, own)
-        evaluator.notes.append(autocast_path.own_note(own, device))
+        said = autocast_path.own_note(own, device)
+        evaluator.notes.append(said)
     return dataclasses.replace(reference, loss=recompute.rank_means([reference.loss], setting.group)[0])
 
 
@@ -217,7 +218,8 @@ def _infer_autocast(path: _Path, eager: list[Tensor], notes: list[Note]) -> None
         assert inferred.setting.autocast is not None
         path.setting, path.again = inferred.setting, inferred.gradient
         path.plan = autocast_path.replanned(path.plan, inferred.setting.autocast)
-        notes.append(inferred.note)
+        said = inferred.note
+        notes.append(said)
 
 
 def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> list[list[float]] | None:
