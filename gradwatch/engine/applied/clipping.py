@@ -239,15 +239,7 @@ def _validated(step: int, max_norm: float) -> float:
 def _report(step: int, started: float, text: str, fault_message: str) -> CheckReport:
     """A clipping check's report: no probes, the norms in a note, ``fault == "clipping"`` when there is a message."""
     failed = bool(fault_message)
-    return CheckReport(
-        step=step,
-        verdict=Verdict.FAIL if failed else Verdict.OK,
-        probes=[],
-        loss=math.nan,
-        n_forward=0,
-        n_backward=0,
-        duration_s=time.perf_counter() - started,
-        notes=[Note(NoteCode.APPLIED_CLIPPING, text)],
-        scope="applied",
-        applied=AppliedFindings(fault="clipping" if failed else None, fault_message=fault_message),
-    )
+    findings = AppliedFindings(fault="clipping" if failed else None, fault_message=fault_message)
+    return CheckReport(step=step, verdict=Verdict.FAIL if failed else Verdict.OK, probes=[], loss=math.nan, n_forward=0,
+                       n_backward=0, duration_s=time.perf_counter() - started,
+                       notes=[Note(NoteCode.APPLIED_CLIPPING, text)], scope="applied", applied=findings)  # fmt: skip
