@@ -337,19 +337,14 @@ def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: 
     found = recomputed_search(setting, outcome.evaluator.notes)
     surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
     failing_targets = {p.target for p in outcome.probes if p.verdict == "fail"}
-    if failing_targets and failing_targets <= surrogate:
-        probes = [_undecided(p) if p.verdict == "fail" or p.target in surrogate else p for p in outcome.probes]
+    if failing_targets and failing_targets <= surrogate:  # each measured a gradient not the derivative by design
+        probes = [dataclasses.replace(p, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
+                  if p.verdict == "fail" or p.target in surrogate else p for p in outcome.probes]  # fmt: skip
         return dataclasses.replace(outcome, probes=probes, surrogates=found.surrogates, attribution=None)
     if culprit_search:
         return dataclasses.replace(outcome, culprits=found.culprits, culprit_message=found.culprit_message,
                                    culprit_search=found.culprit_search)  # fmt: skip
     return outcome
-
-
-def _undecided(probe: Probe) -> Probe:
-    """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
-    design (``ignore=`` it to leave it out)."""
-    return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
 
 
 def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equivalence | None) -> CheckReport:
