@@ -192,18 +192,9 @@ def check_applied_gradient(
     return _report(session, outcome, equivalence)
 
 
-def _window(
-    session: CheckSession,
-    batches: Sequence[Any],
-    loss_fn: LossFn,
-    *,
-    combine: Combine,
-    rng_states: Sequence[dict[str, Any] | None] | None,
-    path: PathContext | None,
-    group: Any,
-    start: Checksums | None,
-    loss_scale: float,
-) -> PathSetting:
+def _window(session: CheckSession, batches: Sequence[Any], loss_fn: LossFn, *, combine: Combine,
+            rng_states: Sequence[dict[str, Any] | None] | None, path: PathContext | None, group: Any,
+            start: Checksums | None, loss_scale: float) -> PathSetting:  # fmt: skip
     """The window's facts, validated."""
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:

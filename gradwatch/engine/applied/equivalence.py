@@ -193,14 +193,8 @@ def _sine(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     return math.hypot(*off) / max(math.hypot(*norms(acc, exact=True)), 1e-300)
 
 
-def _compared(
-    acc: Sequence[Tensor],
-    one: Sequence[Tensor],
-    spread: Sequence[float],
-    dtype: torch.dtype,
-    windows: int,
-    backward: int,
-) -> Equivalence:
+def _compared(acc: Sequence[Tensor], one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtype, windows: int,
+              backward: int) -> Equivalence:  # fmt: skip
     tolerance, per_tensor = tolerances(one, spread, dtype)
     size = math.hypot(*norms(acc, exact=True))
     cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
