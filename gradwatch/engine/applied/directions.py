@@ -48,16 +48,9 @@ class AppliedProbes:
             float64), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
-    def __init__(
-        self,
-        measurements: WindowMeasurements,
-        plan: AppliedPlan,
-        moved: Sequence[Tensor],
-        floors: Sequence[float],
-        *,
-        provisional: bool = False,
-        rounding: Sequence[float] | None = None,
-    ) -> None:
+    def __init__(self, measurements: WindowMeasurements, plan: AppliedPlan, moved: Sequence[Tensor],
+                 floors: Sequence[float], *, provisional: bool = False,
+                 rounding: Sequence[float] | None = None) -> None:  # fmt: skip
         self.measurements = measurements
         self.plan = plan
         native_dtype = plan.native

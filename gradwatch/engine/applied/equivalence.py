@@ -233,13 +233,9 @@ def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtyp
     return whole, [max(least, bound * d / n) if n > 0 else math.inf for d, n in zip(spread, sizes, strict=True)]
 
 
-def compare_accumulation(
-    setting: PathSetting,
-    names: Sequence[str],
-    *,
-    join: Join | None = None,
-    window_normalised: bool | Callable[[], bool] = False,
-) -> tuple[Equivalence | None, list[Note]]:
+def compare_accumulation(setting: PathSetting, names: Sequence[str], *, join: Join | None = None,
+                         window_normalised: bool | Callable[[], bool] = False,
+                         ) -> tuple[Equivalence | None, list[Note]]:  # fmt: skip
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
     eager backward passes, and a third (the one batch at three times the loss) measuring the tolerance only when they
     differ by more than the least one. ``window_normalised`` (a function asked only when the accumulated gradient is

@@ -130,16 +130,9 @@ def vouching_groups(
     return groups
 
 
-def tensors_to_probe(
-    combined: Sequence[Combined],
-    grad_norms: Sequence[float],
-    floors: Sequence[float],
-    multiple: float,
-    *,
-    tensor_probes: int | None,
-    rotation: int,
-    also: Sequence[int] = (),
-) -> list[int]:
+def tensors_to_probe(combined: Sequence[Combined], grad_norms: Sequence[float], floors: Sequence[float],
+                     multiple: float, *, tensor_probes: int | None, rotation: int,
+                     also: Sequence[int] = ()) -> list[int]:  # fmt: skip
     """Which tensors to probe one by one after the combined probes: every one when one fails; when one does not agree
     within :data:`CLOSER_LOOK`, all, else those none vouches for (:func:`unvouched`), ``tensor_probes`` of them in turn
     (the ``rotation``-th turn; all for ``None``); and every one of ``also`` besides."""

@@ -73,16 +73,9 @@ from gradwatch.errors import NotReproducibleError, passes_fallbacks
 __all__ = ["AppliedProbes", "Measured", "measure", "unresolved_note"]
 
 
-def measure(
-    evaluator: LossEvaluator,
-    plan: AppliedPlan,
-    floors: list[float],
-    loss: float,
-    *,
-    screens: dict[Any, Any] | None = None,
-    provisional: bool = False,
-    rounding: Rounding | None = None,
-) -> list[Measured]:
+def measure(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float, *,
+            screens: dict[Any, Any] | None = None, provisional: bool = False,
+            rounding: Rounding | None = None) -> list[Measured]:  # fmt: skip
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
 
