@@ -60,14 +60,8 @@ class Attribution:
     search_culprit: bool = False
 
 
-def attribute(
-    setting: PathSetting,
-    plan: AppliedPlan,
-    eager: list[Tensor],
-    failing: Sequence[Measured],
-    floors: Sequence[float],
-    again: list[Tensor] | None = None,
-) -> Attribution:
+def attribute(setting: PathSetting, plan: AppliedPlan, eager: list[Tensor], failing: Sequence[Measured],
+              floors: Sequence[float], again: list[Tensor] | None = None) -> Attribution:  # fmt: skip
     """The part of the path at fault (see the module doc) for the ``failing`` probes of ``plan``; ``eager`` is eager
     float32 autograd's window gradient, ``again`` the path's, if the check computed it already."""
 

@@ -142,11 +142,9 @@ def candidates(device: str) -> list[tuple[torch.dtype, PathContext]]:
     """The autocast contexts a forward on ``device`` may have run under, the most common first."""
     if not torch.amp.autocast_mode.is_autocast_available(device):
         return []
-    order: tuple[torch.dtype, ...] = (
-        (torch.float16, torch.bfloat16) if device == "cuda" else (torch.bfloat16, torch.float16)
-    )
+    order = (torch.float16, torch.bfloat16) if device == "cuda" else (torch.bfloat16, torch.float16)
     if device == "cuda" and not torch.cuda.is_bf16_supported():
-        order = (torch.float16,)
+        order = (torch.float16,)  # type: ignore[assignment]
     return [(dtype, autocast_context(device, dtype)) for dtype in order]
 
 

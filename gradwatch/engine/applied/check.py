@@ -198,18 +198,9 @@ def check_applied_gradient(
         return _report(session, outcome, equivalence)
 
 
-def _window(
-    session: CheckSession,
-    batches: Sequence[Any],
-    loss_fn: LossFn,
-    *,
-    combine: Combine,
-    rng_states: Sequence[dict[str, Any] | None] | None,
-    path: PathContext | None,
-    group: Any,
-    start: Checksums | None,
-    loss_scale: float,
-) -> PathSetting:
+def _window(session: CheckSession, batches: Sequence[Any], loss_fn: LossFn, *, combine: Combine,
+            rng_states: Sequence[dict[str, Any] | None] | None, path: PathContext | None, group: Any,
+            start: Checksums | None, loss_scale: float) -> PathSetting:  # fmt: skip
     """The window's facts, validated."""
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:
@@ -344,19 +335,14 @@ def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: 
     found = recomputed_search(setting, outcome.evaluator.notes)
     surrogate = {p.target for p in found.probes if p.reason == Reason.SURROGATE}
     failing_targets = {p.target for p in outcome.probes if p.verdict == "fail"}
-    if failing_targets and failing_targets <= surrogate:
-        probes = [_undecided(p) if p.verdict == "fail" or p.target in surrogate else p for p in outcome.probes]
+    if failing_targets and failing_targets <= surrogate:  # each measured a gradient not the derivative by design
+        probes = [dataclasses.replace(p, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
+                  if p.verdict == "fail" or p.target in surrogate else p for p in outcome.probes]  # fmt: skip
         return dataclasses.replace(outcome, probes=probes, surrogates=found.surrogates, attribution=None)
     if culprit_search:
         return dataclasses.replace(outcome, culprits=found.culprits, culprit_message=found.culprit_message,
                                    culprit_search=found.culprit_search)  # fmt: skip
     return outcome
-
-
-def _undecided(probe: Probe) -> Probe:
-    """A failing probe explained by a straight-through estimator: it measured a gradient that is not the derivative by
-    design (``ignore=`` it to leave it out)."""
-    return dataclasses.replace(probe, verdict=Verdict.INCONCLUSIVE, reason=Reason.SURROGATE)
 
 
 def _report(session: CheckSession, outcome: AppliedOutcome, equivalence: Equivalence | None) -> CheckReport:

@@ -78,17 +78,16 @@ def _tensors(name: str, grads: Mapping[str, Tensor | None] | Sequence[Tensor | N
 
 @dataclass(frozen=True)
 class GradientNorms:
-    """What :func:`check_clipping` needs of a gradient: per tensor its norm (over every shard), the signed sum and the
-    sum of absolute values of this rank's part, and the global norm over every tensor, rank and shard.
+    """What :func:`check_clipping` needs of a gradient.
 
     Attributes:
-        norms: ``‖g_T‖`` per tensor (0 where there is none).
+        norms: ``‖g_T‖`` per tensor over every shard (0 where there is none).
         sums: ``(Σ g_T, Σ |g_T|)`` of this rank's part of each tensor.
-        total: ``‖g‖``, the norm of the whole gradient.
+        total: ``‖g‖``, the norm of the whole gradient over every tensor, rank and shard.
         dtype: The dtype the gradient is held in (its rounding is the check's tolerance).
-        native_total: ``‖g‖`` as ``torch.nn.utils.clip_grad_norm_`` computes it, in the gradient's own dtype (NaN for
-            sharded gradients): on a CPU a float32 norm of a tensor of millions of elements is off by far more than
-            the dtype's epsilon (3e-5 at 2M elements, 3e-3 at 40M, one thread), and a correct loop clips with it.
+        native_total: ``‖g‖`` as ``clip_grad_norm_`` computes it, in the gradient's own dtype (NaN when sharded): a
+            correct loop clips with it, and a CPU float32 norm of millions of elements is off by far more than the
+            dtype's epsilon (3e-5 at 2M elements, 3e-3 at 40M, one thread).
     """
 
     norms: tuple[float, ...]
@@ -100,8 +99,7 @@ class GradientNorms:
     @classmethod
     def of(cls, grads: Mapping[str, Tensor | None] | Sequence[Tensor | None]) -> GradientNorms:
         """The norms of ``grads`` (one entry per parameter, ``None`` for none; under FSDP2 the DTensor gradients,
-        whose norms cover every shard). Under DDP every rank holds the whole reduced gradient: its norm is the global
-        one, as the loop must compute it."""
+        whose norms cover every shard; under DDP the whole reduced gradient, whose norm is the global one)."""
         tensors = _tensors("grads", grads)
         present = [t for t in tensors if t is not None]
         norms = tuple(_norm(t) if t is not None else 0.0 for t in tensors)
@@ -193,10 +191,9 @@ def check_clipping(
 
 
 def check_clip_norm(verified: GradientNorms, used_norm: float, max_norm: float, *, step: int = 0) -> CheckReport:
-    """Check the norm an engine clipped with against the true norm of the gradient the applied check verified: the
-    coefficient ``min(1, max_norm / (used_norm + 1e-6))`` the engine applied must be the one the verified gradient's
-    norm gives (see the module doc). For an engine whose clipped gradient lives in its own partitions (DeepSpeed),
-    where :func:`check_clipping` cannot read it.
+    """Check the coefficient ``min(1, max_norm / (used_norm + 1e-6))`` an engine clipped with against the one the true
+    norm of the verified gradient gives, for an engine whose clipped gradient :func:`check_clipping` cannot read
+    (DeepSpeed's partitions).
 
     Args:
         verified: The :class:`GradientNorms` of the gradient before clipping, as the applied check verified it (the
@@ -239,15 +236,7 @@ def _validated(step: int, max_norm: float) -> float:
 def _report(step: int, started: float, text: str, fault_message: str) -> CheckReport:
     """A clipping check's report: no probes, the norms in a note, ``fault == "clipping"`` when there is a message."""
     failed = bool(fault_message)
-    return CheckReport(
-        step=step,
-        verdict=Verdict.FAIL if failed else Verdict.OK,
-        probes=[],
-        loss=math.nan,
-        n_forward=0,
-        n_backward=0,
-        duration_s=time.perf_counter() - started,
-        notes=[Note(NoteCode.APPLIED_CLIPPING, text)],
-        scope="applied",
-        applied=AppliedFindings(fault="clipping" if failed else None, fault_message=fault_message),
-    )
+    findings = AppliedFindings(fault="clipping" if failed else None, fault_message=fault_message)
+    return CheckReport(step=step, verdict=Verdict.FAIL if failed else Verdict.OK, probes=[], loss=math.nan, n_forward=0,
+                       n_backward=0, duration_s=time.perf_counter() - started,
+                       notes=[Note(NoteCode.APPLIED_CLIPPING, text)], scope="applied", applied=findings)  # fmt: skip

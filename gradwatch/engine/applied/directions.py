@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -48,16 +49,9 @@ class AppliedProbes:
             float64), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
     """
 
-    def __init__(
-        self,
-        measurements: WindowMeasurements,
-        plan: AppliedPlan,
-        moved: Sequence[Tensor],
-        floors: Sequence[float],
-        *,
-        provisional: bool = False,
-        rounding: Sequence[float] | None = None,
-    ) -> None:
+    def __init__(self, measurements: WindowMeasurements, plan: AppliedPlan, moved: Sequence[Tensor],
+                 floors: Sequence[float], *, provisional: bool = False,
+                 rounding: Sequence[float] | None = None) -> None:  # fmt: skip
         self.measurements = measurements
         self.plan = plan
         native_dtype = plan.native
@@ -213,20 +207,11 @@ class AppliedProbes:
         result = task.result
         assert isinstance(result, Judged)
         analytic, numeric = task.direction.analytic, result.numeric
-        probe = Probe(
-            kind=task.kind,
-            target=task.target,
-            index=None,
-            analytic=analytic,
-            numeric=numeric,
-            rel_error=abs(numeric - analytic) / max(abs(numeric), abs(analytic), self.scale_floor),
-            verdict=result.verdict,  # type: ignore[arg-type]
-            noise=result.noise,
-            step=task.step,
-            reason=Reason(result.reason),
-            evaluations=task.evaluations,
-            floor=task.floor,
-        )
+        rel_error = abs(numeric - analytic) / max(abs(numeric), abs(analytic), self.scale_floor)
+        verdict: Any = result.verdict
+        probe = Probe(kind=task.kind, target=task.target, index=None, analytic=analytic, numeric=numeric,
+                      rel_error=rel_error, verdict=verdict, noise=result.noise, step=task.step,
+                      reason=Reason(result.reason), evaluations=task.evaluations, floor=task.floor)  # fmt: skip
         tensors = tuple(i for i in task.moves if isinstance(i, int))
         least = self._least(tensors, weights)
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan

@@ -163,18 +163,20 @@ class Equivalence:
         if self.averaged_sum:
             return False
         off = abs(self.scale - 1) > self.tolerance or not self._parallel
-        return off or any(abs(s - 1) > t for s, t in self._tensors())
+        return off or any(abs(self.tensor_scales[i] - 1) > self._tolerances[i] for i in self._finite)
 
     @property
     def worst(self) -> int | None:
         """The tensor whose scale is furthest from 1 in units of its tolerance (``None`` when none has one)."""
-        found = [i for i, s in enumerate(self.tensor_scales) if math.isfinite(s)]
-        tolerance = self.tensor_tolerances or (self.tolerance,) * len(self.tensor_scales)
-        return max(found, key=lambda i: abs(self.tensor_scales[i] - 1) / tolerance[i], default=None)
+        return max(self._finite, key=lambda i: abs(self.tensor_scales[i] - 1) / self._tolerances[i], default=None)
 
-    def _tensors(self) -> list[tuple[float, float]]:
-        tolerance = self.tensor_tolerances or (self.tolerance,) * len(self.tensor_scales)
-        return [(s, t) for s, t in zip(self.tensor_scales, tolerance, strict=True) if math.isfinite(s)]
+    @property
+    def _finite(self) -> list[int]:
+        return [i for i, s in enumerate(self.tensor_scales) if math.isfinite(s)]
+
+    @property
+    def _tolerances(self) -> tuple[float, ...]:
+        return self.tensor_tolerances or (self.tolerance,) * len(self.tensor_scales)
 
 
 def _scale(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
@@ -191,14 +193,8 @@ def _sine(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     return math.hypot(*off) / max(math.hypot(*norms(acc, exact=True)), 1e-300)
 
 
-def _compared(
-    acc: Sequence[Tensor],
-    one: Sequence[Tensor],
-    spread: Sequence[float],
-    dtype: torch.dtype,
-    windows: int,
-    backward: int,
-) -> Equivalence:
+def _compared(acc: Sequence[Tensor], one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtype, windows: int,
+              backward: int) -> Equivalence:  # fmt: skip
     tolerance, per_tensor = tolerances(one, spread, dtype)
     size = math.hypot(*norms(acc, exact=True))
     cosine = total([dot(a, o) for a, o in zip(acc, one, strict=True)]) / max(
@@ -237,13 +233,9 @@ def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtyp
     return whole, [max(least, bound * d / n) if n > 0 else math.inf for d, n in zip(spread, sizes, strict=True)]
 
 
-def compare_accumulation(
-    setting: PathSetting,
-    names: Sequence[str],
-    *,
-    join: Join | None = None,
-    window_normalised: bool | Callable[[], bool] = False,
-) -> tuple[Equivalence | None, list[Note]]:
+def compare_accumulation(setting: PathSetting, names: Sequence[str], *, join: Join | None = None,
+                         window_normalised: bool | Callable[[], bool] = False,
+                         ) -> tuple[Equivalence | None, list[Note]]:  # fmt: skip
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two
     eager backward passes, and a third (the one batch at three times the loss) measuring the tolerance only when they
     differ by more than the least one. ``window_normalised`` (a function asked only when the accumulated gradient is
@@ -282,19 +274,15 @@ def compare_accumulation(
             module.training = training
     if found.divided_by_window and (window_normalised() if callable(window_normalised) else window_normalised):
         found = dataclasses.replace(found, window_normalised=True)
-    tolerance, per_tensor, tensor_scales = found.tolerance, found.tensor_tolerances, found.tensor_scales
     worst = found.worst
     figures = (
         f"the accumulated gradient of {len(batches)} micro-batches against the window's samples as one batch: scale "
-        f"{found.scale:.6g} along the applied direction, cosine {found.cosine:.6g} (tolerance {tolerance:.2g}, "
+        f"{found.scale:.6g} along the applied direction, cosine {found.cosine:.6g} (tolerance {found.tolerance:.2g}, "
         + ("their measured rounding)" if found.backward > 2 else f"{ROUNDING_MULTIPLE:g} units of {dtype}'s epsilon)")
-        + (
-            f"; per tensor furthest from 1 at {names[worst]}: {tensor_scales[worst]:.6g} (tolerance "
-            f"{per_tensor[worst]:.2g})"
-            if worst is not None
-            else ""
-        )
     )
+    if worst is not None:
+        figures += (f"; per tensor furthest from 1 at {names[worst]}: {found.tensor_scales[worst]:.6g} (tolerance "
+                    f"{found.tensor_tolerances[worst]:.2g})")  # fmt: skip
     notes = [Note(NoteCode.ACCUMULATION_EQUIVALENCE, figures)]
     if found.averaged_sum:
         notes.append(Note(NoteCode.ACCUMULATION_EQUIVALENCE, "the accumulated gradient is the one-batch gradient "

@@ -161,16 +161,8 @@ class AutocastRounding(TorchDispatchMode):
         return _mapped(self._round, out)
 
 
-def _gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    wrt: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    group: Any,
-    scale: float = 1.0,
-) -> tuple[float, Gradient]:
+def _gradient(model: nn.Module, batches: Any, loss_fn: LossFn, wrt: Sequence[Tensor], state: TrainingState, *,
+              group: Any, scale: float = 1.0) -> tuple[float, Gradient]:  # fmt: skip
     completed = False
     found: list[Tensor | None]
     collective = sharding.active()
@@ -232,18 +224,9 @@ def exact_conditions(ieee: bool = True) -> Iterator[list[tuple[str, torch.dtype]
         yield entered
 
 
-def eager_gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    group: Any = None,
-    scale: float = 1.0,
-    ieee: bool = True,
-    emulated: torch.dtype | None = None,
-) -> Gradient:
+def eager_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, *,
+                   group: Any = None, scale: float = 1.0, ieee: bool = True,
+                   emulated: torch.dtype | None = None) -> Gradient:  # fmt: skip
     """Eager float32 autograd of the window's loss, outside autocast; with a ``scale``, of the loss times it, divided by
     it (the same gradient, rounded otherwise); not ``ieee``, with the float32 kernels training's settings choose;
     ``emulated``, with the storage rounding of autocast to that dtype (:class:`AutocastRounding`)."""
@@ -251,15 +234,8 @@ def eager_gradient(
         return _gradient(model, batches, loss_fn, params, state, group=group, scale=scale)[1]
 
 
-def float64_gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    group: Any = None,
-) -> Gradient:
+def float64_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState,
+                     *, group: Any = None) -> Gradient:  # fmt: skip
     """Eager autograd on float64 storage, the parameters' own gradient hooks (``param.register_hook``) applied to the
     result: a hook is part of the gradient being checked."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
@@ -272,18 +248,9 @@ def float64_gradient(
     return rank_mean(hooked, group)
 
 
-def path_gradient(
-    model: nn.Module,
-    batches: Any,
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    state: TrainingState,
-    *,
-    compiled: bool = True,
-    autocast: bool = True,
-    group: Any = None,
-    scale: float = 1.0,
-) -> tuple[float, Gradient]:
+def path_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, *,
+                  compiled: bool = True, autocast: bool = True, group: Any = None,
+                  scale: float = 1.0) -> tuple[float, Gradient]:  # fmt: skip
     """The window's loss and gradient as the training computes them, compiled code run eagerly if not ``compiled``,
     every autocast region held off if not ``autocast``; with a ``scale``, the gradient of the loss times it, divided by
     it (rounded otherwise on a 16-bit path: :func:`~.verdict.floors`)."""

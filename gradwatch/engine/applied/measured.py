@@ -130,16 +130,9 @@ def vouching_groups(
     return groups
 
 
-def tensors_to_probe(
-    combined: Sequence[Combined],
-    grad_norms: Sequence[float],
-    floors: Sequence[float],
-    multiple: float,
-    *,
-    tensor_probes: int | None,
-    rotation: int,
-    also: Sequence[int] = (),
-) -> list[int]:
+def tensors_to_probe(combined: Sequence[Combined], grad_norms: Sequence[float], floors: Sequence[float],
+                     multiple: float, *, tensor_probes: int | None, rotation: int,
+                     also: Sequence[int] = ()) -> list[int]:  # fmt: skip
     """Which tensors to probe one by one after the combined probes: every one when one fails; when one does not agree
     within :data:`CLOSER_LOOK`, all, else those none vouches for (:func:`unvouched`), ``tensor_probes`` of them in turn
     (the ``rotation``-th turn; all for ``None``); and every one of ``also`` besides."""
@@ -252,13 +245,8 @@ class Rounding:
         return [e + (0.0 if i in left else p) for i, (e, p) in enumerate(zip(self.eager, self.path, strict=True))]
 
 
-def off_eager(
-    applied: Sequence[Tensor],
-    eager: Sequence[Tensor],
-    grad_norms: Sequence[float],
-    floors: Sequence[float],
-    multiple: float,
-) -> list[int]:
+def off_eager(applied: Sequence[Tensor], eager: Sequence[Tensor], grad_norms: Sequence[float], floors: Sequence[float],
+              multiple: float) -> list[int]:  # fmt: skip
     """On a 16-bit path, the tensors whose applied gradient is further from eager float32's along ``ĝ_T``,
     ``|(g_T − eager_T) · ĝ_T|``, than :data:`CLOSER_LOOK` of its own probe's tolerance at the floor: a fault in one
     tensor's 16-bit backward shows there whole, where the combined probes sum every tensor's floor. Each is probed on

@@ -93,15 +93,12 @@ class AppliedPlan:
         native: The parameters' dtype (the most precise of them).
         path_dtype: The precision of the training's path (its autocast dtype, else ``native``).
         multiple: How many noise floors of the path a gradient may be off.
-        tensor_probes: Tensors probed along their own applied gradient per check, in turn, when the combined probes
-            call for them (see :mod:`.measured`; every tensor once a probe fails).
+        tensor_probes: Tensors probed along their own applied gradient per check, in turn (:mod:`.measured`).
         rotation: Which turn of tensors this check probes.
         eager: On a 16-bit path, eager float32 autograd's gradient of the window (``None`` otherwise): a tensor whose
             applied gradient is further from it than its floor allows is probed (:func:`~.measured.off_eager`).
-        closer_look: ``False``: the check stops after its combined probes when they all agree, leaving the float64
-            floor, groups and tensor probes to a later check (a watch's first applied check: :mod:`.probes`).
-        float64: ``False``: the probes run natively (float64 reductions) without trying float64 first (a watch whose
-            earlier applied check's float64 probes ran out of memory: :class:`~gradwatch.watch.lessons.Lessons`).
+        closer_look: ``False``: the check stops after its combined probes when they all agree (:mod:`.probes`).
+        float64: ``False``: the probes run natively (float64 reductions) without trying float64 first.
     """
 
     names: list[str]

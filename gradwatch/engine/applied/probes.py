@@ -73,16 +73,9 @@ from gradwatch.errors import NotReproducibleError, passes_fallbacks
 __all__ = ["AppliedProbes", "Measured", "measure", "unresolved_note"]
 
 
-def measure(
-    evaluator: LossEvaluator,
-    plan: AppliedPlan,
-    floors: list[float],
-    loss: float,
-    *,
-    screens: dict[Any, Any] | None = None,
-    provisional: bool = False,
-    rounding: Rounding | None = None,
-) -> list[Measured]:
+def measure(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float, *,
+            screens: dict[Any, Any] | None = None, provisional: bool = False,
+            rounding: Rounding | None = None) -> list[Measured]:  # fmt: skip
     """The probes of ``plan`` around the window's ``loss``, judged against the path's ``floors`` per tensor: on
     float64 storage where the model runs in float64 (else natively, float64 reductions).
 
@@ -196,17 +189,8 @@ def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set
     return {id(autograd_tensor(p)) for _, p in named} if elements > AUTO_FLOAT64_ELEMENTS else None
 
 
-def _probes_at(
-    evaluator: LossEvaluator,
-    plan: AppliedPlan,
-    floors: list[float],
-    loss: float,
-    compute: torch.dtype,
-    *,
-    screens: dict[Any, Any],
-    provisional: bool,
-    rounding: Rounding | None,
-) -> list[Measured]:
+def _probes_at(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float, compute: torch.dtype, *,
+               screens: dict[Any, Any], provisional: bool, rounding: Rounding | None) -> list[Measured]:  # fmt: skip
     pending = compute == torch.float64 and compute not in screens  # (see :mod:`.window_points`)
     if compute not in screens and not pending:
         screens[compute] = evaluator.loss()
@@ -280,15 +264,8 @@ def waits(measured: Sequence[Measured], grad_norms: Sequence[float], floors: Seq
     return uneasy or bool(unvouched(vouchers(measured), grad_norms, floors, multiple))
 
 
-def deferred_note(
-    measured: Sequence[Measured],
-    names: Sequence[str],
-    grad_norms: Sequence[float],
-    floors: Sequence[float],
-    multiple: float,
-    *,
-    provisional: bool,
-) -> Note:
+def deferred_note(measured: Sequence[Measured], names: Sequence[str], grad_norms: Sequence[float],
+                  floors: Sequence[float], multiple: float, *, provisional: bool) -> Note:  # fmt: skip
     """What a check that left its closer look (:func:`waits`) looked at and what it did not."""
     worst = max((m.excess for m in measured if math.isfinite(m.excess)), default=math.nan)
     left = unvouched(vouchers(measured), grad_norms, floors, multiple)

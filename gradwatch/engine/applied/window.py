@@ -41,9 +41,7 @@ def combined(losses: list[Tensor], combine: Combine) -> Tensor:
     losses = [loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss for loss in losses]
     if callable(combine):
         return as_scalar_loss(combine(losses))
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
+    total = sum(losses[1:], losses[0])
     return total / len(losses) if combine == "mean" else total
 
 

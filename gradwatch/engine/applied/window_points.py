@@ -47,16 +47,8 @@ class WindowMeasurements(Measurements):
             was known (filled in for a later pass).
     """
 
-    def __init__(
-        self,
-        evaluator: LossEvaluator,
-        center: float,
-        *,
-        reference: float,
-        native_dtype: torch.dtype,
-        pending: bool,
-        screens: dict[Any, Any],
-    ) -> None:
+    def __init__(self, evaluator: LossEvaluator, center: float, *, reference: float, native_dtype: torch.dtype,
+                 pending: bool, screens: dict[Any, Any]) -> None:  # fmt: skip
         super().__init__(evaluator, center)
         self.reference = reference
         self.native_dtype = native_dtype
