@@ -200,8 +200,8 @@ def global_check(model: nn.Module, batch: Any, loss_fn: LossFn, *, group: Any, i
 
 def in_lockstep_for_collective_losses(check: Callable[Options, CheckReport]) -> Callable[Options, CheckReport]:
     """Make a recomputed check (``check(model, batch, loss_fn, ..., step=...)``) of replicas under a default process
-    group of several ranks count its loss's collectives, and check a loss that runs any as the global loss, every rank
-    together (:func:`global_check`; see the module doc); every other check goes to ``check`` untouched."""
+    group of several ranks count its loss's collectives, and check a loss that runs any as the global loss
+    (:func:`global_check`; see the module doc); every other check goes to ``check`` untouched."""
     signature = inspect.signature(check)
 
     @functools.wraps(check)

@@ -57,10 +57,9 @@ def _compiled_methods(module: nn.Module) -> list[str]:
 
 
 def compiled_culprit(model: nn.Module, probes: Sequence[Probe]) -> tuple[list[str], str]:
-    """The compiled module whose compiled gradient differs from eager autograd's (``"compiled"`` probes failed), with
-    the modules containing it (``""`` for the model itself, as culprits name it); ``([], "")`` when no compiled probe
-    failed. The compiled graph as a whole is named: its failing tensors are victims of a wrong backward somewhere in
-    its code, which the eager search (on eager code) cannot see."""
+    """The compiled module whose compiled gradient differs from eager autograd's (failed ``"compiled"`` probes), with
+    the modules containing it (``""`` for the model), and the message; ``([], "")`` when none failed. The compiled
+    graph as a whole is named: the eager search cannot see into its code."""
     failing = [p for p in probes if p.kind == ProbeKind.COMPILED and p.verdict == "fail"]
     if not failing:
         return [], ""

@@ -1,13 +1,12 @@
 """The single-device replay: the update check of an optimizer gradwatch has no reference rule for (a custom class,
 bitsandbytes', DeepSpeed's own, an Adam that counts steps per group).
 
-The same optimizer class is built anew over a copy of one parameter, with its param group's hyperparameters, given a
-copy of that parameter's state and the gradient the loop should step with, and stepped once on that tensor alone, in
-its own dtype and on its own device: the update the real optimizer made must be that one, up to rounding. The replay
-sees what sharding, partitioning, a gradient other than the verified one or an update made elsewhere does to the update
-of a whole tensor; it cannot see an algorithm that is wrong in itself (it runs the same one), nor anything of an
-optimizer that couples tensors (a global norm over every parameter: the replay sees the checked tensor alone). The
-real optimizer is never touched.
+The same optimizer class is built anew over a copy of one parameter, with its param group's hyperparameters, a copy of
+that parameter's state and the gradient the loop should step with, and stepped once on that tensor alone, in its own
+dtype and device: the real optimizer's update must be that one, up to rounding. The replay sees what sharding,
+partitioning, a gradient other than the verified one or an update made elsewhere does to a whole tensor's update; not
+an algorithm wrong in itself (it runs the same one), nor an optimizer that couples tensors (a global norm over every
+parameter). The real optimizer is never touched.
 """
 
 from __future__ import annotations
