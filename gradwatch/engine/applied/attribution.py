@@ -38,7 +38,6 @@ from gradwatch.engine.applied.measured import Measured
 from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.split import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, single_loss
-from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.distributed.collective import every_rank
 from gradwatch.engine.distributed.zero import ranks_owning_wrong_rows
 from gradwatch.engine.function.twin import TWIN_NOTE, float32_twin, is_sixteen_bit, promoted_batch
@@ -138,7 +137,7 @@ def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], 
             "every rank's own gradient, averaged by a plain all-reduce, is right, while the gradient the training's "
             "cross-rank reduction delivered is not (a communication hook, a missed or corrupted reduction)",
         )
-    collective = sharding_active()
+    collective = setting.session.collective
     if collective is not None:
         ranks = ranks_at_fault(collective, applied, again, [multiple * f for f in floors])
         if 0 < len(ranks) < collective.world:

@@ -29,7 +29,6 @@ from gradwatch.engine.applied.gradients import Gradient
 from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import PathContext, autocast_context
-from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import passes_fallbacks
@@ -113,7 +112,7 @@ def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequen
     within its rounding of 0: a tiny bf16 transformer's ``linear1`` at 30 times its floor at one point, 1.2-1.4 times at
     five shifted ones); a wrong 16-bit kernel is wrong at every point. The parameters are put back bit for bit; on
     shards nothing is tried and the disagreement stands."""
-    if setting.autocast is None or sharding_active() is not None or not tensors:
+    if setting.autocast is None or setting.session.collective is not None or not tensors:
         return True, 0
     params = setting.params
     kept = [p.detach().clone() for p in params]

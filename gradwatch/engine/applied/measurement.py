@@ -39,7 +39,6 @@ from gradwatch.engine.applied.path import AppliedPlan, PathSetting
 from gradwatch.engine.applied.probes import Measured, deferred, measure, unresolved_note
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors, storage_rounding
 from gradwatch.engine.applied.window import unrecorded_randomness
-from gradwatch.engine.distributed.collective import active as sharding_active
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.memory import learn_activations
@@ -231,7 +230,7 @@ def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> lis
         path.plan = dataclasses.replace(path.plan, eager=eager)  # each tensor against eager's (.measured.off_eager)
         path.backward += 2
         return autocast_path.autocast_floors(setting, eager, path.again)
-    if sharding_active() is not None:  # no float64 on shards: the float32 backward's own rounding, as on 16 bits
+    if setting.session.collective is not None:  # no float64 on shards: the float32 backward's own rounding, as 16 bits
         path.backward += 1
         return [distances(eager, setting.eager(scale=SPREAD_SCALE))]
     found = tf32_floors(setting, eager, notes)  # a TF32 path's floor now
