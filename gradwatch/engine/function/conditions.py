@@ -106,13 +106,11 @@ class _ReentrantAsNonReentrant:
 
 @contextlib.contextmanager
 def reentrant_checkpoints_run_non_reentrant() -> Iterator[None]:
-    """Run the activation checkpoints of the loss (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, as
-    Hugging Face models use with ``gradient_checkpointing_kwargs={"use_reentrant": True}``) non-reentrant.
+    """Run the loss's reentrant activation checkpoints (``use_reentrant=True``, as Hugging Face may) non-reentrant.
 
     A reentrant checkpoint refuses ``torch.autograd.grad`` ("incompatible with .grad()"), which a check needs to leave
     ``.grad`` and the accumulation hooks alone. Both variants compute the same function and, by torch's contract, the
-    same gradient; only their memory differs. ``checkpoint`` looks ``CheckpointFunction`` up in its module at each
-    call, where it is swapped for the duration.
+    same gradient. ``CheckpointFunction`` is swapped in its module, where ``checkpoint`` looks it up at each call.
     """
     original = checkpoint.CheckpointFunction
     checkpoint.CheckpointFunction = _ReentrantAsNonReentrant  # type: ignore[misc,assignment]

@@ -120,11 +120,8 @@ class TrainingState:
         set_rng(self._rng, self._replayed)
 
     def skip_unused_generators(self) -> None:
-        """After an evaluation: stop replaying the generators it left untouched (the loss does not draw from them).
-
-        Setting NumPy's global state costs ~70 µs, as much as a small model's forward; most losses draw from torch's
-        generator alone. :meth:`restore` still resets every generator.
-        """
+        """After an evaluation: stop replaying the generators it left untouched (setting NumPy's state costs ~70 µs, a
+        small model's forward); :meth:`restore` still resets every generator."""
         self._replayed = {name for name in self._replayed if not unchanged(name, self._rng[name])}
 
     @property
