@@ -1,10 +1,9 @@
 """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels.
 
-A probe compares autograd's derivative with finite differences of the same function, so the loss must be computed the
-same way at every point, in the weights' own dtype: autocast would round it to 16 bits and TF32 matmuls to 10-bit
-mantissas, far coarser than any step a probe takes. Autocast stays off even where the loss turns it on itself:
-Accelerate (so Hugging Face's ``Trainer`` and the TRL trainers) wraps the model's ``forward`` in ``torch.autocast``
-under mixed precision, and some ``compute_loss`` enter ``accelerator.autocast()``.
+The loss must be computed the same way at every point, in the weights' own dtype: autocast would round it to 16 bits
+and TF32 matmuls to 10-bit mantissas, far coarser than any step a probe takes. Autocast stays off even where the loss
+turns it on itself (Accelerate, so Hugging Face's ``Trainer`` and TRL's, wraps the model's ``forward`` in it under
+mixed precision).
 """
 
 from __future__ import annotations
