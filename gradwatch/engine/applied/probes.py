@@ -184,7 +184,7 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
 def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set[int] | None:
     """The parameters that get a float64 copy: all, unless the model is beyond the float64 limit (a LoRA adapter on a
     billion frozen parameters), where only the checked ones do and the rest are cast where used
-    (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`)."""
+    (:class:`~gradwatch.engine.function.precision.CastOnUse`)."""
     elements = sum(p.numel() for p in model.parameters() if p.is_floating_point() or p.is_complex())
     return {id(autograd_tensor(p)) for _, p in named} if elements > AUTO_FLOAT64_ELEMENTS else None
 

@@ -112,8 +112,7 @@ class ActivationProbes:
         what reached its output (:mod:`.consistency`), whatever its output probes said. A diluted error passes them and
         is magnified by the module's backward (its norms remove the gradient's dominant component): taken as right, the
         module was searched and one inside it named, upstream of the bug."""
-        fields = (evidence.numeric, evidence.discrepancy, evidence.noise, evidence.scale)
-        wrong = Assessment(*fields, "fail", "discrepancy", loss_noise=evidence.loss_noise)
+        wrong = dataclasses.replace(evidence, verdict="fail", reason="discrepancy")
         for site in sites:
             known = self._measured.get((site.name, "activation"))
             if known is None or known.verdict != "fail":
@@ -211,5 +210,4 @@ class ActivationProbes:
         """The result, or, where its error is too near the tolerance to steer the search, an inconclusive one."""
         if clear:
             return result
-        fields = (result.numeric, result.discrepancy, result.noise, result.scale)
-        return Assessment(*fields, "inconclusive", "unresolved", loss_noise=result.loss_noise)
+        return dataclasses.replace(result, verdict="inconclusive", reason="unresolved")

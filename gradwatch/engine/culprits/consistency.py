@@ -14,8 +14,8 @@ difference of the module's own outputs at two steps (which bound its truncation 
 ``D = a_in·u − numeric`` splits into the module's own share ``C = a_in·u − a_out·(J·u)`` and the output gradient's.
 
 A failing probe of the module's own parameters splits the same way, ``J`` then the derivative of its output with
-respect to them: a norm inside a block whose output probes missed a diluted error has a wrong weight gradient only
-because the gradient reaching it is wrong, and is no proof of a bug inside the block.
+respect to them: a norm's weight gradient, wrong only because the gradient reaching it is (an error diluted past its
+block's output probes), proves no bug inside the block.
 """
 
 from __future__ import annotations

@@ -11,14 +11,12 @@ some child and right from the next on (the error flows backwards): a binary sear
 
 * the first child whose output gradient is right, but whose input gradient is wrong, contains the bug: descend into it;
 * if its input gradient is right too, the gradient turns wrong between two children, in the module's own code (a
-  ``.detach()`` or a custom ``autograd.Function`` called in its ``forward``): the module is the culprit;
-* if every child's output gradient is wrong, the module's own code after its last child is; at the top, that is the
-  loss itself (:data:`LOSS`);
-* if no gradient through the children is wrong, only parameters' gradients are: the module owning them is the culprit
-  if a probe of its parameters, displaced during its own forward only, fails (a wrong weight gradient, a gradient hook);
-  if they are right there, the parameters are used outside their modules, by code whose gradient is missing. A
-  parameter whose module never runs (a LoRA variant reads ``lora_A[...].weight`` in the layer's own forward) counts as
-  a parameter of the module whose forward reads it (:mod:`.reads`).
+  ``.detach()`` or a custom ``autograd.Function`` in its ``forward``): the module is the culprit;
+* if every child's output gradient is wrong, the module's own code after its last child is (at the top, :data:`LOSS`);
+* if only parameters' gradients are wrong, the module owning them is the culprit if a probe of its parameters,
+  displaced during its own forward only, fails (a wrong weight gradient, a gradient hook); else the parameters are
+  used outside their modules by code whose gradient is missing. A parameter whose module never runs counts as one of
+  the module whose forward reads it (:mod:`.reads`).
 
 A module is proved to hold the bug by its input gradient only when its backward disagrees with its forward along the
 probed direction (:mod:`.consistency`), not merely passes on a wrong gradient its output probe was too weak to see;

@@ -41,8 +41,7 @@ class Site:
     """One module as the loss's forward runs it.
 
     Attributes:
-        name: As in ``model.named_modules()`` (``""`` for the model itself).
-        module: The module.
+        name: As in ``model.named_modules()`` (``""`` for the model itself), of ``module``.
         order: The position of its first call among all module calls.
         parent: The name of the site whose forward called it first (``None``: the loss function's own code did).
         children: The sites its first call called directly, in order.
@@ -74,7 +73,6 @@ class Site:
 
     @property
     def kind(self) -> str:
-        """The module's class name."""
         return type(self.module).__name__
 
     def probeable(self, place: str) -> bool:

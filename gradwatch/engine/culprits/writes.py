@@ -31,15 +31,9 @@ BACKWARD = "<backward>"
 
 @dataclass(frozen=True)
 class Write:
-    """A saved tensor that changed between its saving and the backward that read it.
-
-    Attributes:
-        writer: The module whose forward ran when it changed (:data:`~.descent.LOSS`: the loss's own code;
-            :data:`BACKWARD`: during the backward pass).
-        saver: The module whose forward ran when it was saved (``LOSS``: the loss's own code).
-        culprits: The writer, then the modules containing it, most specific first.
-        message: The finding in words.
-    """
+    """A saved tensor that changed between its saving and the backward that read it: the module running when it
+    changed (``writer``; :data:`~.words.LOSS`: the loss's own code, :data:`BACKWARD`: the backward pass) and when it was
+    saved (``saver``), the ``culprits`` (the writer, then the modules containing it) and the ``message``."""
 
     writer: str
     saver: str

@@ -1,10 +1,9 @@
 """The conditions every evaluation of a check runs under: outside autocast, with full-precision float32 kernels.
 
-A probe compares autograd's derivative with finite differences of the same function, so the loss must be computed the
-same way at every point, in the weights' own dtype: autocast would round it to 16 bits and TF32 matmuls to 10-bit
-mantissas, far coarser than any step a probe takes. Autocast stays off even where the loss turns it on itself:
-Accelerate (so Hugging Face's ``Trainer`` and the TRL trainers) wraps the model's ``forward`` in ``torch.autocast``
-under mixed precision, and some ``compute_loss`` enter ``accelerator.autocast()``.
+The loss must be computed the same way at every point, in the weights' own dtype: autocast would round it to 16 bits
+and TF32 matmuls to 10-bit mantissas, far coarser than any step a probe takes. Autocast stays off even where the loss
+turns it on itself (Accelerate, so Hugging Face's ``Trainer`` and TRL's, wraps the model's ``forward`` in it under
+mixed precision).
 """
 
 from __future__ import annotations
@@ -106,13 +105,11 @@ class _ReentrantAsNonReentrant:
 
 @contextlib.contextmanager
 def reentrant_checkpoints_run_non_reentrant() -> Iterator[None]:
-    """Run the activation checkpoints of the loss (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, as
-    Hugging Face models use with ``gradient_checkpointing_kwargs={"use_reentrant": True}``) non-reentrant.
+    """Run the loss's reentrant activation checkpoints (``use_reentrant=True``, as Hugging Face may) non-reentrant.
 
     A reentrant checkpoint refuses ``torch.autograd.grad`` ("incompatible with .grad()"), which a check needs to leave
     ``.grad`` and the accumulation hooks alone. Both variants compute the same function and, by torch's contract, the
-    same gradient; only their memory differs. ``checkpoint`` looks ``CheckpointFunction`` up in its module at each
-    call, where it is swapped for the duration.
+    same gradient. ``CheckpointFunction`` is swapped in its module, where ``checkpoint`` looks it up at each call.
     """
     original = checkpoint.CheckpointFunction
     checkpoint.CheckpointFunction = _ReentrantAsNonReentrant  # type: ignore[misc,assignment]

@@ -1,10 +1,9 @@
 """The loss as one deterministic function of the parameters and the batch's floating inputs.
 
-A gradient check compares autograd's derivative of the loss with finite differences of the loss, so every evaluation
-must be the same function: the same dropout masks (random state replayed), the same BatchNorm statistics (buffers
-restored after each forward), no autocast, no TF32 (:mod:`.conditions`). :class:`LossEvaluator` provides the reference
-gradient (one forward and one ``torch.autograd.grad``, which leaves ``.grad`` alone) and cheap gradient-free evaluations
-at perturbed points.
+Every evaluation must be the same function: the same dropout masks (random state replayed), the same BatchNorm
+statistics (buffers restored), no autocast, no TF32 (:mod:`.conditions`). :class:`LossEvaluator` provides the
+reference gradient (``torch.autograd.grad``, which leaves ``.grad`` alone) and gradient-free evaluations at perturbed
+points.
 """
 
 from __future__ import annotations

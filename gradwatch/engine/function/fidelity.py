@@ -3,12 +3,10 @@
 Float64 probes evaluate a float32 model on float64 copies of its parameters and inputs. Three habits of real models
 make that another function:
 
-* **Casts down inside the model.** Hugging Face causal LMs compute their loss on ``logits.float()`` and their softmax
-  in float32: on float64 storage the loss is float32 again, probes' steps of 6e-6 vanish in its rounding, and every
-  probe reads ``flat``.
-* **Tensors created in the default dtype.** ``torch.full((t, t), float("-inf")).triu(1)``, the tutorials' causal mask
-  built in forward, stays float32 beside float64 queries, and a mixed-dtype kernel path (attention with a float32
-  additive mask on CPU) computes another function.
+* **Casts down inside the model.** Hugging Face causal LMs compute their loss on ``logits.float()``: on float64
+  storage the loss is float32 again, and probes' steps of 6e-6 vanish in its rounding (every probe reads ``flat``).
+* **Tensors created in the default dtype.** A causal mask built in forward (``torch.full((t, t), float("-inf"))``)
+  stays float32 beside float64 queries, and a mixed-dtype kernel path computes another function.
 * **Random draws in the input's dtype.** ``torch.randn(..., dtype=x.dtype)`` (GAN latents), ``torch.randn_like(mu)``
   (a VAE's reparameterisation), diffusion noise, ``fractional_max_pool``'s samples: from the same random state, float64
   draws are other numbers than float32 draws.

@@ -84,7 +84,6 @@ class _Slot:
         return self.where if self.attribute == "__class__" else f"{self.where}.{self.attribute}"
 
     def again(self) -> list[_Slot]:
-        """The same attribute as it is now."""
         return [_Slot(self.owner, self.attribute, self.where)]
 
     def differs(self) -> bool:

@@ -1,28 +1,25 @@
 """Values the loss detaches, held at the reference's during a check: the function autograd differentiates.
 
-``x.detach()`` makes autograd treat ``x`` as a constant: the gradient it computes is that of the loss with ``x`` fixed
-at its value at the point. Evaluated again elsewhere, the loss as written lets ``x`` move with the parameters. Most
-detaches keep the two functions' derivatives the same (a target network, a value read for a metric); some make them
-differ on purpose:
+``x.detach()`` makes autograd differentiate the loss with ``x`` fixed at its value at the point, while the loss as
+written, evaluated elsewhere, lets ``x`` move with the parameters. Most detaches keep the two derivatives the same (a
+target network, a value read for a metric); some make them differ on purpose, and a finite difference of the loss as
+written measures neither:
 
-* a **surrogate objective**: the policy loss of GRPO with one optimisation pass per generation (TRL's ``GRPOTrainer``
-  at its defaults) is built on ``exp(logp - logp.detach())``, which is 1 wherever it is evaluated: its value is flat
-  in the parameters while its gradient is the policy gradient;
-* **DoRA** (PEFT's ``use_dora=True``) divides by the norm of the adapted weight, detached (the DoRA paper, section
-  4.3): the norm moves with the adapter when the loss is evaluated again, not for autograd.
+* a **surrogate objective**: GRPO's policy loss with one optimisation pass per generation (TRL's ``GRPOTrainer`` at
+  its defaults) is built on ``exp(logp - logp.detach())``, 1 wherever it is evaluated: flat in the parameters, while
+  its gradient is the policy gradient;
+* **DoRA** (PEFT's ``use_dora=True``) divides by the norm of the adapted weight, detached (the DoRA paper, 4.3).
 
-A finite difference of the loss as written measures neither gradient. :class:`HeldDetaches` makes a check evaluate
-the function autograd differentiated: the reference pass records the value of each ``detach`` within its scope, in
-call order; in every other evaluation the same call returns the recorded value (in the evaluation's dtype), constant
-while the parameters move, as for autograd. A detach of a tensor that did not require grad in the reference pass
-depends on no parameter and is not replaced.
+:class:`HeldDetaches` makes a check evaluate the function autograd differentiated: the reference pass records the
+value of each ``detach`` within its scope, in call order; in every other evaluation the same call returns the recorded
+value (in the evaluation's dtype), constant while the parameters move, as for autograd. A detach of a tensor that did
+not require grad in the reference pass depends on no parameter and is not replaced.
 
 The scope is explicit, never the whole loss by default: an accidental ``detach`` that gives a parameter exactly no
 gradient must still fail a check, and held it would read as a flat loss agreeing with a zero gradient.
 
-* ``outside``: the detaches the loss makes outside the forward of every module of the model (its own objective's,
-  GRPO's), not those inside the model's modules, called through the model or directly
-  (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
+* ``outside``: the detaches the loss makes outside the forward of every module of the model, called through the model
+  or directly (GRPO's objective: :attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`);
 * ``inside``: the detaches made inside the forward of given modules (DoRA's, :mod:`.surrogates`).
 
 A loss that detaches tensors in another order, shape or kind than in the reference pass cannot be replayed: the

@@ -101,9 +101,7 @@ def set_free_memory_probe(probe: FreeMemoryProbe | None) -> FreeMemoryProbe | No
 
 def free_memory(device: torch.device) -> int | None:
     """The bytes free on ``device``: from the probe set with :func:`set_free_memory_probe` if any, else
-    ``torch.cuda.mem_get_info`` on CUDA (free memory plus what PyTorch's caching allocator holds unused), the
-    accelerator's ``mem_get_info`` elsewhere; ``None`` when unknown (the CPU: its memory is the host's, and a check
-    there is bounded only by its own estimate)."""
+    ``mem_get_info`` (on CUDA plus what PyTorch's caching allocator holds unused); ``None`` when unknown (the CPU)."""
     if _probe is not None:
         return _probe(device)
     if device.type == "cuda" and torch.cuda.is_available():

@@ -2,10 +2,10 @@
 model's noise floor that emulating its rounding cannot give.
 
 Emulated rounding (:class:`~gradwatch.engine.function.sixteen_bit.SixteenBitRounding`) rounds each operation's result
-once, as if its kernel computed it exactly. A real 16-bit kernel also rounds inside: float16 BatchNorm on CPU returned
-ReLU inputs of 8e-4 and 9e-4 (exactly) as -8e-5 and -3e-4. Where that moves a value across a kink (a ReLU's zero, a
-pool's tie), a correct gradient loses or gains that unit's whole contribution: the correct float16 gradient of a CNN's
-BatchNorm bias was 1.26% off the exact one there, its emulated rounding 0.03% off, and the check failed it.
+once; a real 16-bit kernel also rounds inside (float16 BatchNorm on CPU returned ReLU inputs of 8e-4 and 9e-4 as -8e-5
+and -3e-4). Moved across a kink, a value takes its unit's whole contribution to the gradient with it: the correct
+float16 gradient of a CNN's BatchNorm bias was 1.26% off the exact one, its emulated rounding 0.03%, and the check
+failed it.
 
 :class:`NativeValues` records the output of every leaf module in the model's own forward (during a native backward the
 check makes anyway), and :meth:`NativeValues.replayed` makes a precise forward take those values at every leaf module's

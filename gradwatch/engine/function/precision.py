@@ -24,20 +24,21 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradwatch.engine.distributed import tensor_parallel
 from gradwatch.engine.distributed.collective import any_rank
-from gradwatch.engine.function.cast_on_use import CastOnUse
 from gradwatch.engine.function.complex_params import autograd_tensor, checked_view, is_real_view
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.memory import check_peak, is_out_of_memory, release_memory
+from gradwatch.engine.function.modes import OperationMode
 from gradwatch.engine.function.substitution import OriginalsWatch, substituted
 from gradwatch.engine.function.values import first_line
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -83,7 +84,7 @@ def float64_storage(model: nn.Module, moved: Collection[int] | None = None) -> I
     accumulators DDP and optimizers hook into are never touched (changing a parameter's dtype in place would reset its
     accumulator and silently unhook DDP's gradient reduction). Buffers get float64 storage and their own back after.
     With ``moved`` (the ``id`` of the parameters probes will move), only those get a substitute; the others are cast
-    where an operation uses them (:class:`~gradwatch.engine.function.cast_on_use.CastOnUse`). Gradient-free
+    where an operation uses them (:class:`CastOnUse`). Gradient-free
     evaluations only.
     """
     by_identity: dict[int, Tensor] = {}
@@ -107,6 +108,43 @@ def float64_storage(model: nn.Module, moved: Collection[int] | None = None) -> I
     finally:
         for buffer, original in reversed(saved):
             buffer.data = original
+
+
+class CastOnUse(OperationMode):
+    """Casts the tensors of ``cast`` (by ``id``: the dtype each is read in, float64 or complex128) wherever an operation
+    receives them: float64 evaluation of a large model without a float64 copy of it.
+
+    A float64 substitute for every parameter (:func:`float64_storage`) doubles the float32 parameters held, which beyond
+    the float64 limit a check must not add to a training step's memory. A float64 re-measurement of a few undecided
+    probes moves only their tensors; the others need only *read* as float64, cast while the operation runs
+    (gradient-free evaluations keep nothing for a backward). An attribute read that returns the parameter's values
+    (``.T``, ``.mT``, ``.data``) is cast too; ``.shape``, ``.dtype`` and the like pass through.
+    """
+
+    def __init__(self, cast: Mapping[int, torch.dtype]) -> None:
+        super().__init__()
+        self._cast = cast
+
+    def _converted(self, value: Any) -> Any:
+        if isinstance(value, Tensor) and id(value) in self._cast:
+            return value.detach().to(self._cast[id(value)])
+        return value
+
+    def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if getattr(func, "__name__", "") == "__get__":  # an attribute: cast only what holds the tensor's values
+            result = func(*args, **kwargs)
+            owner = args[0] if args else None
+            if (
+                isinstance(result, Tensor)
+                and isinstance(owner, Tensor)
+                and id(owner) in self._cast
+                and result.dtype == owner.dtype
+                and result.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
+            ):
+                return result.detach().to(self._cast[id(owner)])
+            return result
+        args, kwargs = tree_map(self._converted, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 _SOURCES: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -1,9 +1,9 @@
 """A sandbox for the user's code during a check: whatever the loss changes in the module tree is put back.
 
-A check calls ``loss_fn`` (``training_step`` in the callback) dozens of times, some of them under ``torch.func.vmap``.
-User code has side effects: it appends the loss to ``self.training_step_outputs``, counts samples in ``self.n_seen``,
-caches ``self.last_logits``, updates torchmetrics metrics. Parameters, buffers and random states are restored by
-:class:`~gradwatch.engine.function.state.TrainingState`; :class:`Sandbox` restores the rest of the module tree:
+A check calls ``loss_fn`` dozens of times, and user code has side effects: it appends the loss to
+``self.training_step_outputs``, counts samples, caches ``self.last_logits``, updates torchmetrics metrics. Beyond the
+parameters, buffers and random states (:class:`~gradwatch.engine.function.state.TrainingState`), :class:`Sandbox`
+restores the rest of the module tree:
 
 * every attribute of every module (``module.__dict__`` without ``nn.Module``'s own bookkeeping), also of modules kept
   in plain lists and dicts (a dict of torchmetrics metrics);

@@ -1,12 +1,11 @@
 """Exact snapshot and restore of everything a gradient check could disturb in a training run.
 
-A check evaluates the loss dozens of times. Each evaluation would otherwise draw fresh dropout masks, update
-BatchNorm running statistics and advance the random number generators. :class:`TrainingState` saves all of that once
-and puts it back bit-exactly: random states (torch CPU and CUDA, Python's ``random``, NumPy's global generator),
-buffers, ``.grad`` tensors and train/eval modes. Parameters are restored by the probes that perturb them, by copying
-saved values back (never by subtracting the step, which float32 does not round-trip). What the loss itself does to the
-model (parameters changed in place, hooks, submodules, ``requires_grad``) is undone by the :class:`ModelGuard`, the
-state of the optimizers it touches by the :class:`OptimizerGuard`, the rest of the module tree by the :class:`Sandbox`.
+Each of a check's dozens of evaluations would otherwise draw fresh dropout masks, update BatchNorm running statistics
+and advance the random generators. :class:`TrainingState` saves the random states (torch CPU and CUDA, Python's
+``random``, NumPy's), buffers, ``.grad`` tensors and train/eval modes once and puts them back bit-exactly. Parameters
+are restored by the probes that perturb them, by copying saved values back (never by subtracting the step, which
+float32 does not round-trip); what the loss does to the model by the :class:`ModelGuard`, to the optimizers by the
+:class:`OptimizerGuard`, to the rest of the module tree by the :class:`Sandbox`.
 """
 
 from __future__ import annotations
@@ -120,11 +119,8 @@ class TrainingState:
         set_rng(self._rng, self._replayed)
 
     def skip_unused_generators(self) -> None:
-        """After an evaluation: stop replaying the generators it left untouched (the loss does not draw from them).
-
-        Setting NumPy's global state costs ~70 µs, as much as a small model's forward; most losses draw from torch's
-        generator alone. :meth:`restore` still resets every generator.
-        """
+        """After an evaluation: stop replaying the generators it left untouched (setting NumPy's state costs ~70 µs, a
+        small model's forward); :meth:`restore` still resets every generator."""
         self._replayed = {name for name in self._replayed if not unchanged(name, self._rng[name])}
 
     @property

@@ -1,12 +1,11 @@
 """A float32 twin of a 16-bit model, on which a culprit search can see what the model's own precision hides.
 
-A recomputed check of a bfloat16 or float16 model compares autograd's 16-bit gradient with the loss, and 16-bit
-arithmetic leaves that gradient ~1e-2 off the derivative: only gross errors can be told from it (the tolerance is 10%
-in bfloat16). An applied check proves a formula fault on float64 probes against a floor it measures, so it sees a 3%
-error; the search for the module at fault must then run where the formula's error stands above the arithmetic's. The
-twin is that place: the same modules (their code, names and hooks) on float32 copies of the parameters and buffers,
-its inputs promoted alike (:func:`promoted_batch`); the 16-bit values are exact in float32, so the twin computes the
-model's function with float32 arithmetic, and a backward formula that is wrong there is wrong in the model.
+16-bit arithmetic leaves autograd's gradient ~1e-2 off the derivative (the tolerance is 10% in bfloat16), while an
+applied check proves a 3% formula fault on float64 probes against a floor it measures: the search for the module at
+fault must run where the formula's error stands above the arithmetic's. The twin is that place: the same modules
+(their code, names and hooks) on float32 copies of the parameters and buffers, its inputs promoted alike
+(:func:`promoted_batch`). The 16-bit values are exact in float32, so a backward formula wrong there is wrong in the
+model.
 
 The twin shares nothing a check changes with the model: its parameters and buffers are its own tensors, each module a
 shallow copy with its own containers. Hooks on the model's parameters (``param.register_hook``) are not carried over:
