@@ -109,9 +109,9 @@ def test_a_bug_of_gradwatchs_own_in_the_culprit_search_propagates(monkeypatch: p
     """A failing check's culprit search turns the loss refusing hooks into a note; a bug of gradwatch's own there is not
     the loss refusing: it propagates out of the check (the watch's guard still keeps a run going)."""
     broken = _gradwatch_function(
-        "def record_sites(model, evaluator):\n    return model.no_such_attribute\n", "record_sites"
+        "def trace_sites(model, evaluator):\n    return model.no_such_attribute\n", "trace_sites"
     )
-    monkeypatch.setattr(search, "record_sites", broken)
+    monkeypatch.setattr(search, "trace_sites", broken)
     with pytest.raises(AttributeError, match="no_such_attribute"):
         check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
 
@@ -120,7 +120,7 @@ def test_the_loss_refusing_hooks_in_the_culprit_search_is_still_a_note(monkeypat
     def refusing(model: Any, evaluator: Any) -> None:  # the user's code raising, as a loss refusing hooks does
         raise AttributeError("the loss's model has no such attribute")
 
-    monkeypatch.setattr(search, "record_sites", refusing)
+    monkeypatch.setattr(search, "trace_sites", refusing)
     report = check_gradients(SeedModel(weight_scale=1.1), seed_batch(), seed_loss)
     assert report.verdict == "fail"
     assert any("no culprit search: the loss cannot run with hooks on its modules" in str(note) for note in report.notes)

@@ -13,7 +13,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.probing.cover import COVER_SENSITIVITY, MOST_COVER_PROBES, cover_groups, group_size
-from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioTurn
 from gradwatch.engine.settings import ProbeSettings
 
 
@@ -50,7 +50,7 @@ def test_a_cover_probe_sees_a_two_percent_error_in_a_tensor_with_a_tiny_share_of
         g if g is not None else torch.zeros_like(p) for (_, p), g in zip(params, reference.param_grads, strict=True)
     ]
     grad_norms = norms(grads, exact=True)
-    settings = PortfolioSettings(ProbeSettings(1, 0, 0, 0), step=0, rotation=0, focus=())
+    settings = PortfolioTurn(ProbeSettings(1, 0, 0, 0), step=0, rotation=0, focus=())
     portfolio = Portfolio(evaluator, reference, grad_norms, settings, torch.float32)
     covers = [task for task in portfolio.screens(input_direction=False) if task.kind == "cover"]
     tensor = next(task.tensor for task in portfolio.screens(input_direction=False) if task.kind == "tensor")

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from gradwatch import check_gradients
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN, own_share
 from gradwatch.engine.culprits.reads import direct_reads
-from gradwatch.engine.culprits.sites import record_sites
+from gradwatch.engine.culprits.sites import trace_sites
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.state import TrainingState
 
@@ -79,7 +79,7 @@ def test_a_parameter_read_by_an_ancestors_forward_is_attributed_to_it() -> None:
 def test_the_sites_displace_the_weights_a_module_reads_as_its_own() -> None:
     model = _adapted_model(1.0, "weight")
     evaluator = LossEvaluator(model, _batch(), _loss, list(model.named_parameters()), TrainingState.capture(model))
-    sites = record_sites(model, evaluator)
+    sites = trace_sites(model, evaluator)
     assert "2.down" not in sites  # never called
     assert "2.up" not in sites
     assert sites["2"].parameters == ["down.weight", "up.weight"]
@@ -151,9 +151,9 @@ def test_a_failing_input_gradient_is_split_between_the_module_and_its_output(mod
         return model(batch).square().sum()
 
     correct, buggy = Fanout(1.0).double(), Fanout(1.03).double()
-    truth = record_sites(correct, LossEvaluator(correct, x, loss, list(correct.named_parameters()), _state(correct)))
+    truth = trace_sites(correct, LossEvaluator(correct, x, loss, list(correct.named_parameters()), _state(correct)))
     evaluator = LossEvaluator(buggy, x, loss, list(buggy.named_parameters()), _state(buggy))
-    site = record_sites(buggy, evaluator)[module]
+    site = trace_sites(buggy, evaluator)[module]
     grads = site.gradients["module_input"]
     size = torch.cat([g.flatten() for g in grads]).norm()
     components = [g / size for g in grads]

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from gradwatch.engine.applied import AppliedWindow
 from gradwatch.engine.applied.measured import Measured, Rounding, calm, explained, vouchers
 from gradwatch.engine.applied.measurement import float64_rounding
-from gradwatch.engine.applied.path import PathSetting
+from gradwatch.engine.applied.path import CheckedWindow
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.results.kinds import ProbeKind, Reason
 from gradwatch.engine.results.report import Probe
@@ -78,7 +78,7 @@ def test_float64_rounding_gives_each_tensors_distance_from_float64_along_the_app
     with CheckSession.open(model, loss_fn, step=0, settings=None, options={}, optimizers=()) as session:
         session.select()
         session.state = TrainingState.capture(model)
-        setting = PathSetting(
+        setting = CheckedWindow(
             session=session, batches=[batch], loss_fn=loss_fn, rng_states=[None], combine="sum", path=None
         )
         notes: list = []

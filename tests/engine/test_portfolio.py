@@ -13,7 +13,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.assessment import Assessment
 from gradwatch.engine.numerics.norms import norms
-from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioTurn
 from gradwatch.engine.settings import ProbeSettings
 
 
@@ -35,7 +35,7 @@ def _portfolio(rotation: int = 0, **settings: int) -> tuple[Portfolio, LossEvalu
     reference = evaluator.reference()
     grads = [g if g is not None else p.new_zeros(()) for (_, p), g in zip(params, reference.param_grads, strict=True)]
     options = {"tensor_probes": 2, "random_probes": 1, "param_probes": 3, "input_probes": 2} | settings
-    chosen = PortfolioSettings(ProbeSettings(**options), step=0, rotation=rotation, focus=())
+    chosen = PortfolioTurn(ProbeSettings(**options), step=0, rotation=rotation, focus=())
     return Portfolio(evaluator, reference, norms(grads, exact=True), chosen, torch.float32), evaluator, reference
 
 

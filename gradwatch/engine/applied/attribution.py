@@ -35,7 +35,7 @@ from torch import Tensor
 
 from gradwatch.engine.applied import gradients
 from gradwatch.engine.applied.measured import Measured
-from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.split import ranks_at_fault
 from gradwatch.engine.applied.window import Checksums, single_loss
 from gradwatch.engine.distributed.collective import every_rank
@@ -59,7 +59,7 @@ class Attribution:
     search_culprit: bool = False
 
 
-def attribute(setting: PathSetting, plan: AppliedPlan, eager: list[Tensor], failing: Sequence[Measured],
+def attribute(setting: CheckedWindow, plan: AppliedPlan, eager: list[Tensor], failing: Sequence[Measured],
               floors: Sequence[float], again: list[Tensor] | None = None) -> Attribution:  # fmt: skip
     """The part of the path at fault (see the module doc) for the ``failing`` probes of ``plan``; ``eager`` is eager
     float32 autograd's window gradient, ``again`` the path's, if the check computed it already."""
@@ -99,7 +99,9 @@ def attribute(setting: PathSetting, plan: AppliedPlan, eager: list[Tensor], fail
     )
 
 
-def _off_the_path(setting: PathSetting, plan: AppliedPlan, again: list[Tensor], floors: Sequence[float]) -> Attribution:
+def _off_the_path(
+    setting: CheckedWindow, plan: AppliedPlan, again: list[Tensor], floors: Sequence[float]
+) -> Attribution:
     """The path recomputes the right gradient: what reached the optimizer was made of something else."""
     applied, multiple = plan.applied, plan.multiple
     residual = [a.double() - b.double() for a, b in zip(applied, again, strict=True)]
@@ -172,7 +174,7 @@ def _leftover(start: Checksums, residual: list[Tensor], floors: Sequence[float],
     return True
 
 
-def _recombination(setting: PathSetting, plan: AppliedPlan, floors: Sequence[float]) -> list[float] | None:
+def _recombination(setting: CheckedWindow, plan: AppliedPlan, floors: Sequence[float]) -> list[float] | None:
     """The weights ``c`` with ``applied ≈ Σ c_i G_i`` over the micro-batch gradients ``G_i`` recomputed on the path,
     if the applied gradient is such a combination within the path's floor; ``None`` otherwise."""
     applied, multiple = plan.applied, plan.multiple
@@ -196,7 +198,7 @@ def _recombination(setting: PathSetting, plan: AppliedPlan, floors: Sequence[flo
     return weights if distance <= multiple * math.hypot(*floors) else None
 
 
-def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
+def recomputed_search(setting: CheckedWindow, notes: list[Note]) -> CheckReport:
     """The recomputed check of the window's first micro-batch (with its random state), for its culprits and
     surrogates. Whatever it raises leaves an empty ``ok`` report and a note: the applied verdict stands without it (an
     abandoned check is raised on)."""
@@ -222,7 +224,7 @@ def recomputed_search(setting: PathSetting, notes: list[Note]) -> CheckReport:
                            duration_s=0.0)  # fmt: skip
 
 
-def nonfinite_fault(setting: PathSetting, applied: list[tuple[str, Tensor]], *, search: bool) -> dict[str, Any]:
+def nonfinite_fault(setting: CheckedWindow, applied: list[tuple[str, Tensor]], *, search: bool) -> dict[str, Any]:
     """The fault of an applied gradient that holds non-finite values, as report fields: where (by tensor and index),
     and, with ``search``, the module at which the gradient turns non-finite and the loss's central differences there,
     from the recomputed check of the window's first micro-batch (:mod:`..recomputed.nonfinite`)."""

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.applied.gradients import Gradient
-from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple, floors
 from gradwatch.engine.applied.window import PathContext, autocast_context
 from gradwatch.engine.numerics.norms import norms
@@ -87,7 +87,7 @@ def replanned(plan: AppliedPlan, dtype: torch.dtype) -> AppliedPlan:
     return dataclasses.replace(plan, path_dtype=dtype, multiple=floor_multiple(dtype))
 
 
-def autocast_floors(setting: PathSetting, eager: Gradient, again: Gradient) -> list[list[float]]:
+def autocast_floors(setting: CheckedWindow, eager: Gradient, again: Gradient) -> list[list[float]]:
     """The measured distances of a 16-bit autocast path's floor (:func:`~.verdict.floors`): the emulated gradient
     against ``eager``, and the path's gradient ``again`` against its gradient of :data:`~.verdict.SPREAD_SCALE` times
     the loss (two backward passes)."""
@@ -104,7 +104,7 @@ SHIFTED_POINTS = 2
 """How many shifted points a 16-bit path's disagreement must recur at to be its kernels' fault."""
 
 
-def disagreement_recurs(setting: PathSetting, plan: AppliedPlan, tensors: Sequence[int]) -> tuple[bool, int]:
+def disagreement_recurs(setting: CheckedWindow, plan: AppliedPlan, tensors: Sequence[int]) -> tuple[bool, int]:
     """Whether a 16-bit autocast path's gradient stays further from eager float32's, in each of ``tensors``, than the
     floor's multiple allows at each of :data:`SHIFTED_POINTS` points, the parameters scaled by ``1 + SHIFT · N(0, 1)``
     element by element (the same draws on every rank), the floor measured again at each; with the backward passes
@@ -151,20 +151,20 @@ def candidates(device: str) -> list[tuple[torch.dtype, PathContext]]:
 class Inferred:
     """What :func:`reproducing_autocast` found (``setting`` ``None``: no autocast path reproduces the gradient)."""
 
-    setting: PathSetting | None
+    setting: CheckedWindow | None
     gradient: Gradient | None
     backward: int
     note: Note | None
 
 
-def reproducing_autocast(setting: PathSetting, applied: Sequence[Tensor], eager: Gradient) -> Inferred:
+def reproducing_autocast(setting: CheckedWindow, applied: Sequence[Tensor], eager: Gradient) -> Inferred:
     """The autocast path among :func:`candidates` whose window gradient reproduces ``applied`` :data:`ADOPTION_RATIO`
     times closer than ``eager`` (the path's gradient without autocast) does, if one does (see the module doc): none
     tried within :data:`SCREEN`, else one backward pass per candidate, stopping at one that reproduces it exactly."""
     device = device_type(setting.params)
     missing = math.hypot(*distances(eager, list(applied)))
     size = math.hypot(*norms(list(applied), exact=True))
-    best: tuple[float, PathSetting, Gradient] | None = None
+    best: tuple[float, CheckedWindow, Gradient] | None = None
     backward = 0
     if missing > SCREEN * size and math.isfinite(missing):
         for dtype, context in candidates(device):

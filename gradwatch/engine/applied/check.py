@@ -29,7 +29,7 @@ from gradwatch.engine.applied.attribution import nonfinite_fault, recomputed_sea
 from gradwatch.engine.applied.autocast_path import path_autocast
 from gradwatch.engine.applied.equivalence import Equivalence, Join, compare_accumulation
 from gradwatch.engine.applied.measurement import AppliedOutcome, measure_window
-from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.split import (
     ShardedWindow,
     SplitModel,
@@ -200,7 +200,7 @@ def check_applied_gradient(
 
 def _window(session: CheckSession, batches: Sequence[Any], loss_fn: LossFn, *, combine: Combine,
             rng_states: Sequence[dict[str, Any] | None] | None, path: PathContext | None, group: Any,
-            start: Checksums | None, loss_scale: float) -> PathSetting:  # fmt: skip
+            start: Checksums | None, loss_scale: float) -> CheckedWindow:  # fmt: skip
     """The window's facts, validated."""
     micro_batches = list(batches) if isinstance(batches, (list, tuple)) else []
     if not micro_batches:
@@ -209,12 +209,12 @@ def _window(session: CheckSession, batches: Sequence[Any], loss_fn: LossFn, *, c
     states = list(rng_states) if rng_states is not None else [None] * len(micro_batches)
     if len(states) != len(micro_batches):
         raise ValueError(f"`rng_states` must have one entry per micro-batch ({len(micro_batches)}); got {len(states)}")
-    return PathSetting(session=session, batches=micro_batches, loss_fn=loss_fn, rng_states=states, combine=combine,
+    return CheckedWindow(session=session, batches=micro_batches, loss_fn=loss_fn, rng_states=states, combine=combine,
                        path=path, group=group, start=start, loss_scale=loss_scale)  # fmt: skip
 
 
 def _selected(
-    setting: PathSetting, gradients: Mapping[str, Tensor] | Sequence[Tensor] | None
+    setting: CheckedWindow, gradients: Mapping[str, Tensor] | Sequence[Tensor] | None
 ) -> tuple[list[str], list[Tensor], ShardedWindow | None]:
     """The names of the parameters checked and their applied gradient (this rank's rows of it when sharded), with the
     leading notes on what is left out; under FSDP2 the sharded window, the DDP group then dropped."""
@@ -245,7 +245,7 @@ def _selected(
     return names, applied, shards
 
 
-def _plan(setting: PathSetting, names: list[str], applied: list[Tensor], rotation: int) -> AppliedPlan:
+def _plan(setting: CheckedWindow, names: list[str], applied: list[Tensor], rotation: int) -> AppliedPlan:
     """The plan of the probes, judged at the floor of the path's precision (its autocast dtype, else the parameters'
     most precise one)."""
     session = setting.session
@@ -259,7 +259,7 @@ def _plan(setting: PathSetting, names: list[str], applied: list[Tensor], rotatio
 
 
 def _refused(
-    setting: PathSetting, plan: AppliedPlan, shards: ShardedWindow | None, *, culprit_search: bool
+    setting: CheckedWindow, plan: AppliedPlan, shards: ShardedWindow | None, *, culprit_search: bool
 ) -> CheckReport | None:
     """The report of a window settled before any probe: ranks whose reduced gradients differ (``"reduction"``), a
     gradient with non-finite values; ``None`` for a window to probe."""
@@ -281,7 +281,7 @@ def _refused(
     return session.report(verdict=Verdict.FAIL, probes=[probe], loss=math.nan, scope="applied", **fields)
 
 
-def _postponed(setting: PathSetting) -> CheckReport | None:
+def _postponed(setting: CheckedWindow) -> CheckReport | None:
     """The report of a check whose window would not fit in the device's free memory (a window cannot shrink); ``None``:
     it fits, or that is unknown, or ranks in lockstep would decide apart."""
     session = setting.session
@@ -297,7 +297,7 @@ def _postponed(setting: PathSetting) -> CheckReport | None:
 
 
 def _split_check(
-    setting: PathSetting, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
+    setting: CheckedWindow, names: list[str], applied: list[Tensor], ranks: list[int], turn: tuple[int, bool]
 ) -> CheckReport:
     """The check of a model split across the ranks by hand, as replicas of every rank's part (:mod:`.split`), with no
     culprit search of one rank's loss (its collectives would wait for the others) and no one-batch comparison. A
@@ -329,7 +329,7 @@ def _failing(report: CheckReport) -> set[str]:
     return {p.target for p in report.probes if p.verdict == Verdict.FAIL}
 
 
-def _searched(setting: PathSetting, outcome: AppliedOutcome, *, culprit_search: bool) -> AppliedOutcome:
+def _searched(setting: CheckedWindow, outcome: AppliedOutcome, *, culprit_search: bool) -> AppliedOutcome:
     """A formula fault's recomputed check of the first micro-batch: the module at fault, or the straight-through
     estimators (surrogates, recognised by their signature) that explain every failure, which is then none."""
     found = recomputed_search(setting, outcome.evaluator.notes)

@@ -28,7 +28,7 @@ from gradwatch.engine.measuring.directions import VectorDirection
 from gradwatch.engine.numerics.norms import norms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
 from gradwatch.engine.probing.ladder import Ladder
-from gradwatch.engine.probing.portfolio import Portfolio, PortfolioSettings
+from gradwatch.engine.probing.portfolio import Portfolio, PortfolioTurn
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind, Reason
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -145,7 +145,7 @@ class AppliedProbes:
         if not any(row.made_by for row in PROBE_KINDS.values()):
             return []
         reference = Reference(self.measurements.reference, list(self.grads), {})
-        settings = PortfolioSettings(ProbeSettings(0, 0, 0, 0), step=0, rotation=0, focus=())
+        settings = PortfolioTurn(ProbeSettings(0, 0, 0, 0), step=0, rotation=0, focus=())
         portfolio = Portfolio(self.measurements.evaluator, reference, self.grad_norms, settings, self.native_dtype)
         found: list[Measured | None] = []
         for task in portfolio.every_check():

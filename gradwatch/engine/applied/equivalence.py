@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients as recompute
-from gradwatch.engine.applied.path import PathSetting
+from gradwatch.engine.applied.path import CheckedWindow
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floor_multiple
 from gradwatch.engine.applied.window import single_loss
 from gradwatch.engine.function.evaluation import LossFn
@@ -233,7 +233,7 @@ def tolerances(one: Sequence[Tensor], spread: Sequence[float], dtype: torch.dtyp
     return whole, [max(least, bound * d / n) if n > 0 else math.inf for d, n in zip(spread, sizes, strict=True)]
 
 
-def compare_accumulation(setting: PathSetting, names: Sequence[str], *, join: Join | None = None,
+def compare_accumulation(setting: CheckedWindow, names: Sequence[str], *, join: Join | None = None,
                          window_normalised: bool | Callable[[], bool] = False,
                          ) -> tuple[Equivalence | None, list[Note]]:  # fmt: skip
     """Compare the window's accumulated gradient with its samples' gradient as one batch (see the module doc): two

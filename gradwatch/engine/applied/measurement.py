@@ -35,7 +35,7 @@ from gradwatch.engine.applied import autocast_path
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
 from gradwatch.engine.applied.measured import Rounding, calm
-from gradwatch.engine.applied.path import AppliedPlan, PathSetting
+from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.probes import Measured, deferred, measure, unresolved_note
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors, storage_rounding
 from gradwatch.engine.applied.window import unrecorded_randomness
@@ -74,13 +74,13 @@ class _Path:
     """The training's path as the measurements found it (an autocast path inferred replaces setting and plan), its own
     gradient where computed, and the backward passes spent."""
 
-    setting: PathSetting
+    setting: CheckedWindow
     plan: AppliedPlan
     again: list[Tensor] | None = None
     backward: int = 1
 
 
-def measure_window(setting: PathSetting, plan: AppliedPlan) -> AppliedOutcome:
+def measure_window(setting: CheckedWindow, plan: AppliedPlan) -> AppliedOutcome:
     """The applied check's measurement plan (see the module doc), inside its session."""
     session = setting.session
     evaluator = WindowEvaluator(setting.model, setting.batches, setting.window(with_path=False), session.params,
@@ -135,7 +135,7 @@ def _crossing(measured: Measured) -> Measured:
     return dataclasses.replace(measured, probe=undecided)
 
 
-def _crossing_text(setting: PathSetting, tensors: list[int]) -> str:
+def _crossing_text(setting: CheckedWindow, tensors: list[int]) -> str:
     names = ", ".join(setting.session.params[i][0] for i in tensors[:4]) + (" and more" if len(tensors) > 4 else "")
     dtype = str(setting.autocast).removeprefix("torch.")
     return (
@@ -167,10 +167,10 @@ def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
     return dataclasses.replace(reference, loss=recompute.rank_means([reference.loss], setting.group)[0])
 
 
-def _not_the_trained_function(setting: PathSetting, notes: list[Note]) -> bool:
+def _not_the_trained_function(setting: CheckedWindow, notes: list[Note]) -> bool:
     """Whether the window's loss evaluated again is not the function training differentiated (with a note): the loss
     edits parameters itself, or draws randomness that was not recorded."""
-    edited = [parameter.path for parameter in setting.state.guard.edited]
+    edited = [parameter.label for parameter in setting.state.guard.edited]
     if edited:  # every evaluation starts where training left the parameters, and the loss moves them from there
         shown = ", ".join(edited[:6]) + (f" and {len(edited) - 6} more" if len(edited) > 6 else "")
         text = (
@@ -239,7 +239,7 @@ def _measured_floors(path: _Path, eager: list[Tensor], notes: list[Note]) -> lis
 
 
 def float64_rounding(
-    setting: PathSetting, eager: Sequence[Tensor], applied: Sequence[Tensor], notes: list[Note]
+    setting: CheckedWindow, eager: Sequence[Tensor], applied: Sequence[Tensor], notes: list[Note]
 ) -> tuple[list[list[float]], Rounding | None]:
     """The distance of the ``eager`` gradient from the float64 one per tensor (one float64 backward), as
     :func:`~.verdict.floors` takes it, and with the ``applied`` gradient the parts of a probe's discrepancy known
@@ -281,7 +281,7 @@ def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence
     )
 
 
-def tf32_floors(setting: PathSetting, eager: Sequence[Tensor], notes: list[Note]) -> list[list[float]] | None:
+def tf32_floors(setting: CheckedWindow, eager: Sequence[Tensor], notes: list[Note]) -> list[list[float]] | None:
     """The measured distances :func:`~.verdict.floors` takes for a float32 path that runs in TF32 under training's
     settings, with a note; ``None`` (no backward) where no path of the device does."""
     paths = setting.session.numerics.reduced_on(autocast_path.device_type(setting.params))

@@ -1,4 +1,4 @@
-"""The facts of one accumulation window, as the applied check runs its path again (:class:`PathSetting`), and what its
+"""The facts of one accumulation window, as the applied check runs its path again (:class:`CheckedWindow`), and what its
 probes are asked to do (:class:`AppliedPlan`).
 
 Every step of an applied check (its floor, the probes' window loss, the one-batch comparison, the attribution) needs
@@ -27,7 +27,7 @@ from gradwatch.engine.session import CheckSession
 
 
 @dataclass(kw_only=True)
-class PathSetting:
+class CheckedWindow:
     """The training's path, as the check can run it again: the check's ``session``, the window's micro-batches with
     their random states and how the loop combines their losses, the context the forward ran in (``autocast``: its
     dtype; ``compiled``: whether the model holds compiled code), the DDP ``group``, the fingerprint of the gradients

@@ -1,5 +1,5 @@
 """The module at which autograd's gradient turns from healthy to faulty, read off the gradients at every module's
-boundary (:func:`~.sites.record_sites`) without a probe, for faults a single backward shows (a non-finite gradient, a
+boundary (:func:`~.sites.trace_sites`) without a probe, for faults a single backward shows (a non-finite gradient, a
 gradient that does not scale with its upstream gradient).
 
 The error flows backwards: a module whose output gradient is healthy and whose input or parameter gradient is not

@@ -34,7 +34,7 @@ class Descent(CulpritWords):
         self.failing_params = failing_params
         self.found = found
         self.budget = budget
-        self.path: list[Site] = []  # modules proven to contain the bug, outermost first
+        self.proven: list[Site] = []  # modules proven to contain the bug, outermost first
         self.passed: set[str] = set()  # modules whose output gradient a split proved wrong: the boundary is after them
         self.resumed = False
         self._narrowed: tuple[str, ...] = budget.candidates if budget is not None else ()  # from an earlier search
@@ -50,7 +50,7 @@ class Descent(CulpritWords):
         except ExhaustedError:
             self._stopped()
         self.found.progress = SearchProgress(
-            complete, tuple(s.name for s in self.path), () if complete else self._candidates(), self.resumed,
+            complete, tuple(s.name for s in self.proven), () if complete else self._candidates(), self.resumed,
             self.probes.evaluations,
         )  # fmt: skip
 
@@ -64,18 +64,18 @@ class Descent(CulpritWords):
         if within and all(name in self.sites for name in within):
             deepest = self.sites[within[-1]]
             if self._still_holds(deepest):
-                self.path, self.resumed, start = [self.sites[name] for name in within], True, deepest
+                self.proven, self.resumed, start = [self.sites[name] for name in within], True, deepest
         if within and not self.resumed:
             self._narrowed = ()
         self.resumed = self.resumed or bool(self._narrowed)
-        self._start = (tuple(s.name for s in self.path), set(self._narrowed or self._candidates()))
+        self._start = (tuple(s.name for s in self.proven), set(self._narrowed or self._candidates()))
         self.probes.may_stop = self._narrowed_since_start
         return start
 
     def _narrowed_since_start(self) -> bool:
         """Whether the search narrowed the culprit since this check's search started: a module more proved to hold the
         bug, or fewer candidates left inside the deepest one."""
-        path = tuple(s.name for s in self.path)
+        path = tuple(s.name for s in self.proven)
         if len(path) != len(self._start[0]):
             return len(path) > len(self._start[0])
         return set(self._candidates()) < self._start[1]
@@ -91,7 +91,7 @@ class Descent(CulpritWords):
     def _candidates(self) -> tuple[str, ...]:
         """Where the bug still lies inside the deepest module proved: the children of its chain the binary search was
         narrowing (all of them before it started), and its sources (looked at after the chain)."""
-        deepest = self.path[-1] if self.path else None
+        deepest = self.proven[-1] if self.proven else None
         chain, sources = self._children(deepest)
         if self._narrowing is not None and self._narrowing[0] is deepest:
             chain = self._narrowing[1]
@@ -139,24 +139,24 @@ class Descent(CulpritWords):
                 if split != OWN:  # the split cannot tell
                     self._stop(node)
                     return
-                self.path.append(child)
+                self.proven.append(child)
                 node = child
                 continue
             source = self._failing_source(sources)
             if source is not None:  # out right, parameters inside wrong, no input gradient to tell by
-                self.path.append(source)
+                self.proven.append(source)
                 node = source
                 continue
             if child is not None and entering in ("ok", "inconclusive") and self._wrong_inside(child):
                 # in and out right, but a gradient to parameters inside it is wrong there: its own code (a custom
                 # Function between two of its children) or a child's
-                self.path.append(child)
+                self.proven.append(child)
                 node = child
                 continue
             if child is not None and entering != "ok" and self._leaf_parameters_wrong(child):
                 # output gradient right, own parameters' gradient wrong as it uses them: the bug is in its backward,
                 # whatever its undecided input gradient says (native probes of a float32-only kernel)
-                self.path.append(child)
+                self.proven.append(child)
                 self._parameters_culprit(child)
                 return
             if child is not None and child.name not in self.passed and self._verdict(child, "activation") == "fail":
@@ -261,7 +261,7 @@ class Descent(CulpritWords):
         owners = self._owners([s for s in self.sites.values() if node is None or within(s.name, node.name)])
         for owner in owners:
             if self._parameters_wrong(owner) and self._verdict(owner, "activation") in ("ok", None):
-                self.path.append(owner)
+                self.proven.append(owner)
                 self._parameters_culprit(owner)
                 return
         fed = [
@@ -361,7 +361,7 @@ class Descent(CulpritWords):
         for start, entered in ([(first, [first])] if first is not None else []) + [(node, [])]:
             inside = self._sweep(start)
             if inside is not None:
-                self.path += [*entered, inside]
+                self.proven += [*entered, inside]
                 # a leaf whose own backward gives its parameters a wrong gradient, its output probes undecided (a
                 # float32-only kernel probed natively) is the culprit
                 (self._parameters_culprit if self._leaf_own_parameters(inside) else self._descend)(inside)

@@ -36,7 +36,7 @@ from torch import nn
 
 from gradwatch.engine.culprits.activations import ActivationProbes
 from gradwatch.engine.culprits.descent import Descent
-from gradwatch.engine.culprits.sites import Site, record_sites
+from gradwatch.engine.culprits.sites import Site, trace_sites
 from gradwatch.engine.culprits.words import LOSS, Localization
 from gradwatch.engine.culprits.writes import Write, writes_behind_autograds_back
 from gradwatch.engine.function.evaluation import LossEvaluator
@@ -138,10 +138,10 @@ def _written(model: nn.Module, evaluator: LossEvaluator) -> Write | None:
 
 
 def _sites(model: nn.Module, evaluator: LossEvaluator, found: Localization) -> dict[str, Site] | None:
-    """The modules the loss runs (:func:`record_sites`); ``None``, with a note in ``found``, when it refuses the
+    """The modules the loss runs (:func:`trace_sites`); ``None``, with a note in ``found``, when it refuses the
     hooks."""
     try:
-        return record_sites(model, evaluator)
+        return trace_sites(model, evaluator)
     except Exception as error:
         if passes_fallbacks(error):
             raise

@@ -9,7 +9,7 @@ displace three places of a site, each seen by that module alone:
   same tensor fed elsewhere is untouched);
 * ``"module_params"``: its own parameters (not its children's), displaced during its own forward only.
 
-:func:`record_sites` runs the loss once with a zero leaf added at every place of every module, so that one backward
+:func:`trace_sites` runs the loss once with a zero leaf added at every place of every module, so that one backward
 pass gives autograd's gradient at each (a parameter's gradient hooks applied, as in training). :class:`Displacements`
 then adds ``offset × v`` at the places a probe moves. Every hook is removed when the recording or the displacement
 ends, whatever happens.
@@ -101,8 +101,8 @@ def _direct_parameters(module: nn.Module) -> dict[str, Tensor]:
     }
 
 
-class _Recorder:
-    """The hooks of :func:`record_sites`: zero leaves added at every place, the call tree written down."""
+class _SiteTracer:
+    """The hooks of :func:`trace_sites`: zero leaves added at every place, the call tree written down."""
 
     def __init__(self, model: nn.Module, reads: dict[str, list[str]] | None = None) -> None:
         self.model = model
@@ -230,42 +230,42 @@ class _Recorder:
         self._held.clear()
 
 
-def record_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
+def trace_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
     """Every module the loss's forward runs, by name in call order, with autograd's gradient at each of its places,
     from one forward and backward pass on the evaluator's native parameters (two where a module's forward reads
     parameters of a module it never calls: the second displaces them as that module's)."""
-    recorder = _record(model, evaluator, None)
-    reads = direct_reads(recorder.watch.readers, set(recorder.sites))
-    return _sites(_record(model, evaluator, reads) if reads else recorder)
+    tracer = _trace(model, evaluator, None)
+    reads = direct_reads(tracer.watch.readers, set(tracer.sites))
+    return _sites(_trace(model, evaluator, reads) if reads else tracer)
 
 
-def _record(model: nn.Module, evaluator: LossEvaluator, reads: dict[str, list[str]] | None) -> _Recorder:
+def _trace(model: nn.Module, evaluator: LossEvaluator, reads: dict[str, list[str]] | None) -> _SiteTracer:
     """One forward and backward pass under the recording's hooks."""
-    recorder = _Recorder(model, reads)
+    tracer = _SiteTracer(model, reads)
     handles = []
     try:
         for name, module in model.named_modules():
             handles.append(
                 module.register_forward_pre_hook(
-                    lambda m, a, k, name=name: recorder.before(name, m, a, k), with_kwargs=True
+                    lambda m, a, k, name=name: tracer.before(name, m, a, k), with_kwargs=True
                 )
             )
-            handles.append(module.register_forward_hook(lambda m, a, o, name=name: recorder.after(name, o)))
-        with recorder.watch if reads is None else contextlib.nullcontext():
-            _, recorder.grads = evaluator.gradients_wrt(recorder.created)
+            handles.append(module.register_forward_hook(lambda m, a, o, name=name: tracer.after(name, o)))
+        with tracer.watch if reads is None else contextlib.nullcontext():
+            _, tracer.grads = evaluator.gradients_wrt(tracer.created)
     finally:
-        recorder.close()
+        tracer.close()
         for handle in handles:
             handle.remove()
-    return recorder
+    return tracer
 
 
-def _sites(recorder: _Recorder) -> dict[str, Site]:
+def _sites(tracer: _SiteTracer) -> dict[str, Site]:
     """The sites of a recording, with the gradient and scale at each of their places."""
-    sites, grads = recorder.sites, recorder.grads
-    hooks_of = _parameter_hooks(recorder.params)
+    sites, grads = tracer.sites, tracer.grads
+    hooks_of = _parameter_hooks(tracer.params)
     param_leaves = iter(hooks_of)
-    for (name, place, leaf), grad in zip(recorder.leaves, grads, strict=True):
+    for (name, place, leaf), grad in zip(tracer.leaves, grads, strict=True):
         if grad is None:
             grad = torch.zeros_like(leaf)
         if place == "module_params":
@@ -273,7 +273,7 @@ def _sites(recorder: _Recorder) -> dict[str, Site]:
                 changed = hook(grad)
                 grad = changed if changed is not None else grad
         sites[name].gradients.setdefault(place, []).append(grad.detach())
-    for (name, place), values in recorder.values.items():
+    for (name, place), values in tracer.values.items():
         sites[name].scales[place] = math.sqrt(sum(float(v.double().square().sum()) for v in values))
     for site in sites.values():
         # the parent's input gradient is the child's only where the parent is a wrapper: its one child, whose output it

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.culprits.boundaries import described, turning_point
-from gradwatch.engine.culprits.sites import Site, record_sites
+from gradwatch.engine.culprits.sites import Site, trace_sites
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.held import HeldValuesError
@@ -138,9 +138,9 @@ def _relative_offs(found: Sequence[Tensor | None], expected: Sequence[Tensor | N
 def _culprit(model: nn.Module, evaluator: LossEvaluator, original: Any) -> str:
     """The module at which the scaled copy's gradient stops being :data:`SCALE` times the loss's, in words."""
     try:
-        plain = record_sites(model, evaluator)
+        plain = trace_sites(model, evaluator)
         evaluator.loss_fn = _scaled(original)
-        scaled = record_sites(model, evaluator)
+        scaled = trace_sites(model, evaluator)
     except Exception as error:  # the loss refuses hooks on its modules: the finding stands without a name
         if passes_fallbacks(error):
             raise

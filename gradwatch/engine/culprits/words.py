@@ -38,11 +38,11 @@ class Localization:
 
 
 class CulpritWords:
-    """The sentences of :class:`~gradwatch.engine.culprits.descent.Descent`, which gives the probes, the path proved,
+    """The sentences of :class:`~gradwatch.engine.culprits.descent.Descent`, which gives the probes, the modules proved,
     what it found and its verdicts."""
 
     probes: ActivationProbes
-    path: list[Site]
+    proven: list[Site]
     found: Localization
 
     budget: SearchBudget | None
@@ -62,8 +62,8 @@ class CulpritWords:
         left = self._candidates()
         listed = ", ".join(f"`{display_name(n)}`" for n in left[:4]) + (", ..." if len(left) > 4 else "")
         after = f"; {len(left)} candidate(s) left: {listed}" if left and self.probes.capped else ""
-        if self.path:
-            deepest = self.path[-1]
+        if self.proven:
+            deepest = self.proven[-1]
             why = f"the search stopped at {'its budget (' + spent + ')' if not self.probes.capped else spent}"
             self._name(deepest, f"{why} inside `{display_name(deepest.name)}`{after}")
         elif self.probes.capped:
@@ -78,8 +78,8 @@ class CulpritWords:
                 code,
                 f"{what}: "
                 + (
-                    f"{named(self.path[-1])} is the deepest module proved to hold the bug"
-                    if self.path
+                    f"{named(self.proven[-1])} is the deepest module proved to hold the bug"
+                    if self.proven
                     else "no module proved to hold the bug"
                 )
                 + after
@@ -137,7 +137,7 @@ class CulpritWords:
 
     def _culprit(self, site: Site | None, message: str) -> None:
         names = [LOSS] if site is None else [site.name]
-        names += [s.name for s in reversed(self.path) if site is None or s.name != site.name]
+        names += [s.name for s in reversed(self.proven) if site is None or s.name != site.name]
         self.found.culprits = names
         self.found.message = message
 

@@ -43,7 +43,7 @@ class SavedParameter:
     """A parameter as the check found it."""
 
     tensor: Tensor
-    path: str
+    label: str
     alias: Tensor  # shares the storage the parameter had (``.data`` rebound is put back to it)
     copy: Tensor | None
     version: int

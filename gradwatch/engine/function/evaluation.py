@@ -27,7 +27,7 @@ from gradwatch.engine.function.held import HeldDetaches
 from gradwatch.engine.function.memory import ending_check_when_out_of_memory
 from gradwatch.engine.function.reductions import Float64Reductions
 from gradwatch.engine.function.state import TrainingState
-from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.function.substitution import OriginalsSeen, substituted
 from gradwatch.engine.function.values import as_scalar_loss, dense, first_line
 from gradwatch.engine.function.vectorizing import flat_linear, running_statistics_frozen
 from gradwatch.engine.results.notes import Note, NoteCode
@@ -98,7 +98,7 @@ class LossEvaluator:
         self.data_dependent: str | None = None
         """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
         self.watch: contextlib.AbstractContextManager[Any] | None = None
-        """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsWatch`)."""
+        """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsSeen`)."""
         self.refused_by: type[nn.Module] | None = None
         """The class of the module whose forward raised in the float64 trial (a kernel refusing float64), if any."""
         self.value_dtype = torch.float32
@@ -255,7 +255,7 @@ class LossEvaluator:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
             originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
-            with substituted(model, moved), OriginalsWatch(originals), self.held.evaluating():
+            with substituted(model, moved), OriginalsSeen(originals), self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
         with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():

@@ -80,7 +80,7 @@ class _Slot:
             self.items = frozenset(value)
 
     @property
-    def path(self) -> str:
+    def label(self) -> str:
         return self.where if self.attribute == "__class__" else f"{self.where}.{self.attribute}"
 
     def again(self) -> list[_Slot]:
@@ -126,7 +126,7 @@ class _EmptyDicts:
         self.dicts = [owner.__dict__[name] for name in names]
 
     @property
-    def path(self) -> str:
+    def label(self) -> str:
         attributes = self.owner.__dict__
         pairs = zip(self.names, self.dicts, strict=True)
         return ", ".join(f"{self.where}.{n}" for n, d in pairs if attributes.get(n) is not d or d) or self.where
@@ -192,7 +192,7 @@ class ModelGuard:
             slots.append(_EmptyDicts(module, [name for name in present if not attributes[name]], where))
             slots.append(_Slot(module, "_is_full_backward_hook", where))
         for saved in self._parameters:
-            slots += [_Slot(saved.tensor, name, saved.path) for name in ("requires_grad", *TENSOR_HOOKS)]
+            slots += [_Slot(saved.tensor, name, saved.label) for name in ("requires_grad", *TENSOR_HOOKS)]
         slots += [_Slot(torch_module, name, "torch.nn.modules.module") for name in GLOBAL_HOOKS]
         return slots
 
@@ -240,7 +240,7 @@ class ModelGuard:
         baseline = self._baseline if self._baseline is not None else self._start
         changed = [slot for slot in baseline if slot.differs()]
         self._watched = changed
-        self.changed = [slot.path for slot in changed]
+        self.changed = [slot.label for slot in changed]
         toggled = {id(slot.owner) for slot in changed if isinstance(slot, _Slot) and slot.attribute == "requires_grad"}
         rebound = {
             id(old)
@@ -261,9 +261,9 @@ class ModelGuard:
             if id(parameter) in moved or values or id(parameter.tensor) in toggled | rebound:
                 self.edited.append(parameter)
                 if id(parameter) in moved or values:
-                    self.changed.append(parameter.path)
+                    self.changed.append(parameter.label)
             if values and parameter.copy is None:
-                self.lost.append(parameter.path)
+                self.lost.append(parameter.label)
                 # from now on, this is the value evaluations start at
                 parameter.copy = local_tensor(parameter.tensor).clone()
         self._put_back_values(differing)
@@ -281,7 +281,7 @@ class ModelGuard:
         """Put the structure and the parameter values back as they were when the check started."""
         for slot in self._start:
             if slot.differs():
-                path = slot.path
+                path = slot.label
                 slot.put_back()
                 if path not in self.changed:
                     self.changed.append(path)
@@ -292,7 +292,7 @@ class ModelGuard:
         lost = [
             p
             for p in self.edited
-            if p.path in self.lost and p.copy is not None and not same_bits(local_tensor(p.tensor), p.copy)
+            if p.label in self.lost and p.copy is not None and not same_bits(local_tensor(p.tensor), p.copy)
         ]
         self._put_back_values(differing | {id(parameter) for parameter in lost})
 

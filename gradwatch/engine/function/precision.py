@@ -39,7 +39,7 @@ from gradwatch.engine.function.complex_params import autograd_tensor, checked_vi
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.memory import check_peak, is_out_of_memory, release_memory
 from gradwatch.engine.function.modes import OperationMode
-from gradwatch.engine.function.substitution import OriginalsWatch, substituted
+from gradwatch.engine.function.substitution import OriginalsSeen, substituted
 from gradwatch.engine.function.values import first_line
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckAbandonedError
@@ -204,7 +204,7 @@ def probe_precision(
                 evaluator.params = [(name, substitute_of(p, substitutes)) for name, p in native_params]
                 evaluator.use_float64_inputs()
                 originals = {key: name for key, name in named.items() if key in substitutes}
-                evaluator.watch = OriginalsWatch(originals)  # the trial alone: a loss using an original does every time
+                evaluator.watch = OriginalsSeen(originals)  # the trial alone: a loss using an original does every time
                 try:
                     trial, seconds = _timed(evaluator.loss)
                 finally:

@@ -10,7 +10,7 @@ tensor once, all restored in reverse order.
 
 What holds a parameter outside the module tree (a likelihood object of a Gaussian-process library keeping the model's
 noise parameter, a module registered nowhere under the model) still sees the original: a substituted evaluation is then
-another function. :class:`OriginalsWatch`, active during a substituted evaluation, tells when the loss uses an original.
+another function. :class:`OriginalsSeen`, active during a substituted evaluation, tells when the loss uses an original.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def substituted(model: nn.Module, replacements: Mapping[int, Tensor]) -> Iterato
             table[name] = original
 
 
-class OriginalsWatch(OperationMode):
+class OriginalsSeen(OperationMode):
     """Raises :class:`OutsideTreeError` when an operation receives one of ``originals`` (by ``id``: the tensors a
     substitution replaced) while the module tree holds their substitutes."""
 

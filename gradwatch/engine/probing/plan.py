@@ -14,7 +14,7 @@ import torch
 from gradwatch.engine.function.precision import ResolvedPrecision
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.probing.ladder import Ladder
-from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.portfolio import PortfolioTurn
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
@@ -41,7 +41,7 @@ class ProbePlan:
             loss; :mod:`.search_budget`).
     """
 
-    portfolio: PortfolioSettings  # which probes, how many, in which turn
+    portfolio: PortfolioTurn  # which probes, how many, in which turn
     rtol: float
     native_dtype: torch.dtype  # the parameters' (the least precise of them)
     float64_refinement: bool  # whether undecided native probes are measured again in float64

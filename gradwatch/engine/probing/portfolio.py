@@ -49,7 +49,7 @@ from gradwatch.engine.settings import ProbeSettings
 
 
 @dataclass(frozen=True)
-class PortfolioSettings:
+class PortfolioTurn:
     """How many probes of each kind a check makes (``probes``: its tensor, random, parameter and input probes and the
     seed), and which turn it is."""
 
@@ -73,7 +73,7 @@ class Portfolio:
         evaluator: LossEvaluator,
         reference: Reference,
         grad_norms: Sequence[float],
-        settings: PortfolioSettings,
+        settings: PortfolioTurn,
         native_dtype: torch.dtype,
         *,
         rtol: float | None = None,

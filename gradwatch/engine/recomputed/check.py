@@ -49,7 +49,7 @@ from gradwatch.engine.numerics.steps import (
 )
 from gradwatch.engine.probing.outcome import Outcome, overall_verdict
 from gradwatch.engine.probing.plan import ProbePlan
-from gradwatch.engine.probing.portfolio import PortfolioSettings
+from gradwatch.engine.probing.portfolio import PortfolioTurn
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.collective_loss import in_lockstep_for_collective_losses
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
@@ -178,7 +178,7 @@ def _check(
         session.leading += sharding_notes
     session.leading += focus_notes
     plan = ProbePlan(
-        portfolio=PortfolioSettings(
+        portfolio=PortfolioTurn(
             dataclasses.replace(settings, input_probes=0) if surrogates.fake_quantisers else settings,
             step=session.step,
             rotation=session.step if rotation is None else rotation,

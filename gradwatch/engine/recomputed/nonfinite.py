@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.culprits.boundaries import described, turning_point
-from gradwatch.engine.culprits.sites import Site, record_sites
+from gradwatch.engine.culprits.sites import Site, trace_sites
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step
@@ -127,7 +127,7 @@ def _culprit(
     (``measured``: the loss's central differences there are finite)."""
     there = "where the loss's central differences are finite" if measured else "(the loss is not finite around it)"
     try:
-        sites = record_sites(model, evaluator)
+        sites = trace_sites(model, evaluator)
     except Exception as error:  # the verdict stands without a name
         if passes_fallbacks(error):
             raise
