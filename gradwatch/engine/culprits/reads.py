@@ -34,7 +34,7 @@ class ParameterReads(OperationMode):
         self._names: dict[int, str] = {}
         self.readers: dict[str, set[str]] = {}
 
-    def watch(self, model: nn.Module) -> None:
+    def observe(self, model: nn.Module) -> None:
         """Look for the model's trainable floating parameters, as its modules hold them now."""
         self._names = {id(p): name for name, p in model.named_parameters() if p.is_floating_point() and p.requires_grad}
 

@@ -107,7 +107,7 @@ class _SiteTracer:
     def __init__(self, model: nn.Module, reads: dict[str, list[str]] | None = None) -> None:
         self.model = model
         self.reads = reads or {}  # by site, the parameters inside it its forward reads directly (relative names)
-        self.watch = ParameterReads(lambda: self._stack[-1] if self._stack and not self.done else None)
+        self.parameter_reads = ParameterReads(lambda: self._stack[-1] if self._stack and not self.done else None)
         self.sites: dict[str, Site] = {}
         self.leaves: list[tuple[str, str, Tensor]] = []  # (site, place, leaf)
         self.params: list[tuple[str, Tensor]] = []  # (site, parameter) of each module_params leaf
@@ -163,7 +163,7 @@ class _SiteTracer:
         site = self.sites.get(name)
         first = site is None
         if not self.sites:
-            self.watch.watch(self.model)
+            self.parameter_reads.observe(self.model)
         if site is None:
             parent = self._stack[-1] if self._stack else None
             site = self.sites[name] = Site(name, module, len(self.sites), parent)
@@ -235,7 +235,7 @@ def trace_sites(model: nn.Module, evaluator: LossEvaluator) -> dict[str, Site]:
     from one forward and backward pass on the evaluator's native parameters (two where a module's forward reads
     parameters of a module it never calls: the second displaces them as that module's)."""
     tracer = _trace(model, evaluator, None)
-    reads = direct_reads(tracer.watch.readers, set(tracer.sites))
+    reads = direct_reads(tracer.parameter_reads.readers, set(tracer.sites))
     return _sites(_trace(model, evaluator, reads) if reads else tracer)
 
 
@@ -251,7 +251,7 @@ def _trace(model: nn.Module, evaluator: LossEvaluator, reads: dict[str, list[str
                 )
             )
             handles.append(module.register_forward_hook(lambda m, a, o, name=name: tracer.after(name, o)))
-        with tracer.watch if reads is None else contextlib.nullcontext():
+        with tracer.parameter_reads if reads is None else contextlib.nullcontext():
             _, tracer.grads = evaluator.gradients_wrt(tracer.created)
     finally:
         tracer.close()
