@@ -81,15 +81,12 @@ class OverheadClock:
         return Overhead(self.fraction, self.steady_fraction, self.first_seconds, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "check_seconds": self.check_seconds,
-            "train_seconds": self.train_seconds,
-            "applied_seconds": self.applied_seconds,
-            "first_seconds": self.first_seconds,
-        }
+        return {name: getattr(self, name) for name in _STATE}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_seconds = float(state.get("check_seconds", 0.0))
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.applied_seconds = float(state.get("applied_seconds", 0.0))
-        self.first_seconds = float(state.get("first_seconds", 0.0))
+        for name in _STATE:
+            setattr(self, name, float(state.get(name, 0.0)))
+
+
+_STATE = ("check_seconds", "train_seconds", "applied_seconds", "first_seconds")
+"""The clock's state a checkpoint carries: its attributes, by name."""
