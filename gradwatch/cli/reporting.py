@@ -2,14 +2,12 @@
 record every logger's run gets (``gradwatch.jsonl``, :mod:`gradwatch.outputs.reading`).
 
 Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be fully
-read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a name that
-is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch data) or the
-command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked nothing).
-Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record) count as
-checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault; so do
-update checks (``gradwatch/update/*``, ``"scope": "update"``: the update the optimizer made, against a reference). Input
-problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so exit 0 means
-every record was read.
+read (a missing, empty or unreadable directory or file, something not a regular file, a name not UTF-8, a corrupt or
+truncated record, an unknown verdict, no gradwatch data) or the command line is wrong, 3 when a run's every check was
+inconclusive (a gate that passed would have checked nothing). Applied and update checks (``"scope"`` in the record)
+count as checks: a failing one exits 1, and each run lists them in sections of their own, failures led by the fault.
+Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so exit
+0 means every record was read.
 """
 
 from __future__ import annotations
