@@ -233,9 +233,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             self._engine_hook = None
         if self._wrapped and "clip_grad_norm_" in vars(self.trainer.accelerator):
             del self.trainer.accelerator.clip_grad_norm_
-        self._wrapped = False
-        self._in_window = False
-        self._kept = None
+        self._wrapped, self._in_window, self._kept = False, False, None
         self.watch.sinks = self._sinks  # the run's writers close with it
 
     @guarded_hook("GradWatchCallback.on_step_begin")
