@@ -140,12 +140,11 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         **options: The options of :class:`~gradwatch.GradientWatch` by name, with its defaults (``every_n_steps``,
             ``first_check_step``, ``applied_every_n_steps``, ``on_fail``, ``loss_fn``, ``max_overhead``,
             ``max_reports``, ``verbose``, ``check_update``), and the probe options (``tensor_probes``, ``precision``,
-            ``ignore``, ...), the fields of :class:`~gradwatch.engine.settings.ProbeSettings`. Here
-            ``loss_fn(model, inputs)`` is checked instead of ``trainer.compute_loss`` (a GRPO-style trainer's own loss
-            is checked with ``hold_detached``: :mod:`gradwatch.integrations.trainer_losses`), ``on_fail="stop"`` stops
-            training at the end of the step, applied checks are not made under FSDP (said once), and
-            ``check_update`` checks the update after ``max_grad_norm``'s clip, from a step hook on the Trainer's
-            optimizer.
+            ``ignore``, ...), the fields of :class:`~gradwatch.engine.settings.ProbeSettings`. Here ``loss_fn(model,
+            inputs)`` is checked instead of ``trainer.compute_loss`` (a GRPO-style trainer's own loss is checked with
+            ``hold_detached``: :mod:`gradwatch.integrations.trainer_losses`), ``on_fail="stop"`` stops training at the
+            end of the step, applied checks are not made under FSDP (said once), and ``check_update`` checks the update
+            after ``max_grad_norm``'s clip, from a step hook on the Trainer's optimizer.
 
     Raises:
         TypeError: An unknown option (named, with the nearest valid name).

@@ -80,8 +80,7 @@ class CheckRecords:
         step: The step the check ran at.
         scalars: The ``gradwatch/*`` scalars (:func:`scalars_of`), finite ones only: a backend never receives a NaN (a
             check without a descent probe has no descent ratio).
-        text: The failing report in markdown, culprit first (:func:`render_markdown`); ``None`` when no
-            probe failed.
+        text: The failing report in markdown, culprit first (:func:`render_markdown`); ``None`` when no probe failed.
         histograms: By tag, values to show as a histogram (``gradwatch/rel_error_log10``: every conclusive probe's).
         report: The report itself, for a backend that records more (the JSON lines record).
         text_tag: The tag a backend shows the text under (:data:`~gradwatch.tensorboard.writer.FAILURES_TAG`,
