@@ -53,12 +53,6 @@ def _stateful(state: TrainerState) -> dict[str, Any]:
     return cast(dict[str, Any], state.stateful_callbacks)
 
 
-def _saved_state(state: TrainerState) -> dict[str, Any] | None:
-    """The watch's state kept in ``state`` (a checkpoint's, on resume), or ``None`` when it holds none."""
-    saved = _stateful(state).get(STATE_KEY)
-    return saved if isinstance(saved, dict) else None
-
-
 def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
     """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
     _stateful(state)[STATE_KEY] = value
@@ -211,8 +205,8 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
-        saved = _saved_state(state)
-        if saved is not None:
+        saved = _stateful(state).get(STATE_KEY)  # a checkpoint's, on resume
+        if isinstance(saved, dict):
             self.watch.load_state_dict(saved)
         _keep_state(state, self.watch.state_dict())
         self.watch.setup(self._model)
