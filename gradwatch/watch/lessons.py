@@ -29,11 +29,8 @@ from gradwatch.watch.defaults import MIN_CULPRIT_SEARCH_SECONDS
 
 
 class Lessons:
-    """The settings the next check runs with (:attr:`active`) and its :attr:`focus`, learnt from the reports.
-
-    Args:
-        settings: The settings the run was given.
-    """
+    """The settings the next check runs with (:attr:`active`, from the run's ``settings``) and its :attr:`focus`,
+    learnt from the reports."""
 
     def __init__(self, settings: ProbeSettings) -> None:
         self.settings = settings

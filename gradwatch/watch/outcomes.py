@@ -30,15 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class Outcomes:
-    """The reports, counters, outputs and alerts of one run's checks.
-
-    Args:
-        on_fail: What a failing check does (see :class:`~.alerts.AlertPolicy`).
-        max_reports: How many reports are kept.
-        verbose: Whether what is no failure is logged (INFO).
-        sinks: Where the records of every check go.
-        on_report: Called with each report after the sinks, before the alerts.
-    """
+    """The reports, counters, outputs and alerts of one run's checks (the arguments are the watch's, of the same
+    names)."""
 
     def __init__(
         self,
