@@ -37,17 +37,11 @@ APPLIED_KEYS = {
 
 
 class Cadence:
-    """The cadence and budget of one kind of check over a run, and what of it a checkpoint carries over.
-
-    Args:
-        kind: ``"recomputed"`` or ``"applied"``, as a postponement's log line names it.
-        every_n_steps: A check is due every this many optimizer steps (``None``: never).
-        first_check_step: Another check is due at this step (``None``: none).
-        max_overhead: The share of the training time every check together may take (``None``: no budget).
-        clock: gradwatch's time against the training's, shared by both kinds.
-        keys: This cadence's state keys, by attribute (:data:`RECOMPUTED_KEYS`, :data:`APPLIED_KEYS`).
-        verbose: Log (INFO) the run's first postponement.
-    """
+    """The cadence and budget of one ``kind`` of check over a run (``"recomputed"`` or ``"applied"``, as a
+    postponement's log line names it), and what of it a checkpoint carries over (``keys``: :data:`RECOMPUTED_KEYS`,
+    :data:`APPLIED_KEYS`). Checks are due every ``every_n_steps`` optimizer steps (``None``: never) and at
+    ``first_check_step``, within ``max_overhead`` (``None``: no budget) of the training time on the ``clock`` both kinds
+    share; ``verbose`` logs (INFO) the run's first postponement."""
 
     def __init__(
         self,
