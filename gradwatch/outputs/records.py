@@ -41,14 +41,10 @@ second check on)."""
 
 @dataclass(frozen=True)
 class Overhead:
-    """gradwatch's time against the training time at a check of a series.
-
-    Attributes:
-        fraction: All of gradwatch's time so far over the training time (:data:`OVERHEAD_TAG`).
-        steady_fraction: The same apart from the first checks (:data:`OVERHEAD_PERCENT_TAG`, in percent).
-        first_seconds: The first checks' time (:data:`FIRST_CHECKS_SECONDS_TAG`).
-        step_seconds: The mean training step's time, ``nan`` while unknown.
-    """
+    """gradwatch's time against the training time at a check of a series: all of it so far over the training time
+    (``fraction``, :data:`OVERHEAD_TAG`), the same apart from the first checks (``steady_fraction``,
+    :data:`OVERHEAD_PERCENT_TAG` in percent), the first checks' time (``first_seconds``,
+    :data:`FIRST_CHECKS_SECONDS_TAG`) and the mean training step's (``step_seconds``, ``nan`` while unknown)."""
 
     fraction: float
     steady_fraction: float = 0.0
