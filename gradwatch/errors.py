@@ -1,9 +1,10 @@
 """Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
 
-In order: those for users, the reasons a check ends (:class:`CheckAbandonedError` and its kinds), the signals between
-gradwatch's own modules (their old modules import them from here, so old import paths still work), the command line's,
-and :func:`own_error`, which tells an error of gradwatch's own from one of the code it runs (the user's loss, model or
-optimizer).
+In order: those for users (:class:`GradientCheckError`, :class:`GradientCheckWarning`, :class:`UnrestoredStateWarning`,
+:class:`NoLossToCheckError`: raised by a ``loss_fn`` that has no loss for a batch), the reasons a check ends
+(:class:`CheckAbandonedError` and its kinds), the signals between gradwatch's own modules (their old modules import them
+from here, so old import paths still work), the command line's, and :func:`own_error`, which tells an error of
+gradwatch's own from one of the code it runs (the user's loss, model or optimizer).
 """
 
 from __future__ import annotations
