@@ -1,9 +1,10 @@
 """Every exception and warning gradwatch defines, in one module, lowest in the layers so that any module may raise them.
 
-In order: those for users, the reasons a check ends (:class:`CheckAbandonedError` and its kinds), the signals between
-gradwatch's own modules (their old modules import them from here, so old import paths still work), the command line's,
-and :func:`own_error`, which tells an error of gradwatch's own from one of the code it runs (the user's loss, model or
-optimizer).
+In order: those for users (:class:`GradientCheckError`, :class:`GradientCheckWarning`, :class:`UnrestoredStateWarning`,
+:class:`NoLossToCheckError`: raised by a ``loss_fn`` that has no loss for a batch), the reasons a check ends
+(:class:`CheckAbandonedError` and its kinds), the signals between gradwatch's own modules (their old modules import them
+from here, so old import paths still work), the command line's, and :func:`own_error`, which tells an error of
+gradwatch's own from one of the code it runs (the user's loss, model or optimizer).
 """
 
 from __future__ import annotations
@@ -136,12 +137,6 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
-def _torch_directory() -> str:
-    import torch  # imported by every caller already
-
-    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
 def own_error(error: BaseException) -> bool:
     """Whether ``error``, caught in gradwatch, is a bug of gradwatch's own rather than a failure of the code a check
     runs: one of :data:`OWN_ERRORS`, raised in gradwatch's code (or in torch's, called from there: an ``nn.Module``
@@ -157,7 +152,9 @@ def own_error(error: BaseException) -> bool:
         name = frame.tb_frame.f_code.co_filename
         files.append(name if name.startswith("<") else os.path.abspath(name))
         frame = frame.tb_next
-    torch_directory = _torch_directory()
+    import torch  # imported by every caller already
+
+    torch_directory = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     ours = [file for file in files if file.startswith(_PACKAGE)]
     innermost = next((file for file in reversed(files) if not file.startswith(torch_directory)), None)
     return bool(ours) and innermost == ours[-1] and all(_neutral(file, torch_directory) for file in files)

@@ -24,12 +24,7 @@ __all__ = ["assert_gradients_ok", "probe_table"]
 
 
 def assert_gradients_ok(
-    model: nn.Module,
-    batch: Any,
-    loss_fn: LossFn,
-    *,
-    allow_inconclusive: bool = True,
-    **check_kwargs: Any,
+    model: nn.Module, batch: Any, loss_fn: LossFn, *, allow_inconclusive: bool = True, **check_kwargs: Any
 ) -> CheckReport:
     """Assert that autograd's gradient of ``loss_fn(model, batch)`` is the derivative of the loss; return the report.
 

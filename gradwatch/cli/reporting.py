@@ -2,14 +2,12 @@
 record every logger's run gets (``gradwatch.jsonl``, :mod:`gradwatch.outputs.reading`).
 
 Exit status: 0 when no failure was recorded, 1 when one was (so it can gate a CI job), 2 when the input cannot be fully
-read (a missing or empty directory, an unreadable directory or file, something that is not a regular file, a name that
-is not UTF-8, a corrupt or truncated record, a verdict that is not ok, inconclusive or fail, no gradwatch data) or the
-command line is wrong, 3 when a run's every check was inconclusive (a gate that passed would have checked nothing).
-Checks of the applied gradient (``gradwatch/applied/*``, ``"scope": "applied"`` in the JSON lines record) count as
-checks: a failing one exits 1, and each run lists them in a section of their own, failures led by the fault; so do
-update checks (``gradwatch/update/*``, ``"scope": "update"``: the update the optimizer made, against a reference). Input
-problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so exit 0 means
-every record was read.
+read (a missing, empty or unreadable directory or file, something not a regular file, a name not UTF-8, a corrupt or
+truncated record, an unknown verdict, no gradwatch data) or the command line is wrong, 3 when a run's every check was
+inconclusive (a gate that passed would have checked nothing). Applied and update checks (``"scope"`` in the record)
+count as checks: a failing one exits 1, and each run lists them in sections of their own, failures led by the fault.
+Input problems are printed one per line, path and reason, never as a traceback; nothing is skipped in silence, so exit
+0 means every record was read.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ def _elide(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | 
     return [*rows[:head], marker, *rows[len(rows) - tail :]]
 
 
-def _first(rows: list[list[str]], max_rows: int, what: str) -> list[list[str] | str]:
+def _first(rows: list[Any], max_rows: int, what: str) -> list[Any]:
     """The first ``max_rows`` rows (0: all) of a ranking, then a line saying how many more there are."""
     if max_rows <= 0 or len(rows) <= max_rows:
         return list(rows)
@@ -84,8 +82,8 @@ def _numerics_lines(run: RunRecord) -> list[str]:
 
 def _culprit_lines(run: RunRecord, max_rows: int) -> list[str]:
     """One line per check that named a culprit, the first ``max_rows`` (0: all), then how many were left out."""
-    rows = [[f"culprit at step {step}: {message}"] for step, message in run.culprits.items()]
-    lines = [row if isinstance(row, str) else row[0] for row in _first(rows, max_rows, "culprit lines")]
+    lines = _first([f"culprit at step {step}: {message}" for step, message in run.culprits.items()], max_rows,
+                   "culprit lines")  # fmt: skip
     return [*lines, ""] if lines else []
 
 
@@ -147,11 +145,11 @@ def _checks_of_the_step(
     counts = {verdict: sum(r.verdict == verdict for r in records) for verdict in ("ok", "inconclusive", "fail")}
     lines = [f"{kind} checks ({what}): {len(records)}, " + ", ".join(f"{n} {v}" for v, n in counts.items())]
     failing = [
-        [f"{r.fault or 'unknown'} fault at step {r.step}: {r.fault_message or '(no message recorded)'}"]
+        f"{r.fault or 'unknown'} fault at step {r.step}: {r.fault_message or '(no message recorded)'}"
         for r in records
         if r.verdict == "fail"
     ]
-    lines += [row if isinstance(row, str) else row[0] for row in _first(failing, max_rows, f"failing {kind} checks")]
+    lines += _first(failing, max_rows, f"failing {kind} checks")
     align = ">" + "".join("<" if column in ("check", "verdict", "fault") else ">" for column in header[1:])
     return [*lines, *_table(header, _elide(rows, max_rows, f"{kind} checks"), align)]
 

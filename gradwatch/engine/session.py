@@ -48,22 +48,13 @@ __all__ = ["CheckSession"]
 
 @dataclasses.dataclass
 class CheckSession:
-    """One check's arguments, parameters, state and notes, from its start to its report (see the module doc).
-
-    Attributes:
-        model: The module checked.
-        step: The training step, recorded on the report.
-        settings: The probe options.
-        optimizers: The optimizers whose state the check puts back if the loss changes it.
-        surrogates: The model's stock surrogate layers.
-        started: When the check started (``time.perf_counter()``).
-        params: The parameters the check probes, by name (after :meth:`select`; local shards when sharded).
-        collective: The collective of a sharded check (``None``: not sharded).
-        leading: Notes a report gives before the measurements' own (sharding, parameters left out).
-        state: The training state, captured while :meth:`measuring`.
-        numerics: The settings that change the numbers, as the check found them (recorded on its report).
-        whole: The model as it was given, made whole (:func:`~gradwatch.engine.distributed.whole.made_whole`).
-    """
+    """One check's arguments, parameters, state and notes, from its start to its report (see the module doc): the
+    validated ``model``, ``step``, ``settings`` and ``optimizers`` (whose state the check puts back), the model's stock
+    ``surrogates``, when it ``started`` (``time.perf_counter()``), the ``params`` it probes (after :meth:`select`; local
+    shards when sharded) and the ``collective`` of a sharded check (``None``: not sharded), the ``leading`` notes a
+    report gives before the measurements' own and the ``trailing`` ones after, the training ``state`` captured while
+    :meth:`measuring`, what it left ``unrestored``, the ``numerics`` it found, and the model made ``whole``
+    (:func:`~gradwatch.engine.distributed.whole.made_whole`)."""
 
     model: nn.Module
     step: int

@@ -41,8 +41,7 @@ class ProbeSettings:
         precision: ``"native"`` evaluates probes in the parameters' dtype, ``"float64"`` on float64 storage of the
             parameters, buffers and inputs (the analytic gradient is still the native one), ``"auto"`` picks float64
             unless the model has more than 2**25 parameter elements, float64 would not fit in the device's free memory
-            or costs more than 10 native reference passes on the device. See
-            :mod:`gradwatch.engine.function.precision`.
+            or costs more than 10 native reference passes on the device. See :mod:`gradwatch.engine.function.precision`.
         ignore: Shell-style patterns (``fnmatch``) of parameter names not to check, e.g. ``["quantizer.*"]`` for a
             straight-through estimator whose gradient is deliberately not the derivative.
         rtol: Relative tolerance; ``None`` picks it from the parameters' dtype (5e-4 for float32, 1e-7 for float64;

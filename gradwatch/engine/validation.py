@@ -97,13 +97,6 @@ def reject_unknown_options(given: Iterable[str], valid: Iterable[str], where: st
     raise TypeError(f"{where} got unknown option(s) {', '.join(parts)}; its options are {', '.join(names)}")
 
 
-def keyword_names(function: Callable[..., object]) -> tuple[str, ...]:
-    """The names ``function`` takes as keywords (``self`` and ``**`` catch-alls left out)."""
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    parameters = inspect.signature(function).parameters.values()
-    return tuple(p.name for p in parameters if p.kind in kinds and p.name != "self")
-
-
 def suggests_options(
     options: type | None = None,
 ) -> Callable[[Callable[Arguments, Result]], Callable[Arguments, Result]]:
@@ -115,7 +108,9 @@ def suggests_options(
     )
 
     def decorate(function: Callable[Arguments, Result]) -> Callable[Arguments, Result]:
-        names = (*keyword_names(function), *keys)
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        parameters = inspect.signature(function).parameters.values()  # self and ** catch-alls left out
+        names = (*(p.name for p in parameters if p.kind in kinds and p.name != "self"), *keys)
         where = f"{function.__qualname__.removesuffix('.__init__')}()"
 
         @functools.wraps(function)

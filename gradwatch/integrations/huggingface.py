@@ -53,12 +53,6 @@ def _stateful(state: TrainerState) -> dict[str, Any]:
     return cast(dict[str, Any], state.stateful_callbacks)
 
 
-def _saved_state(state: TrainerState) -> dict[str, Any] | None:
-    """The watch's state kept in ``state`` (a checkpoint's, on resume), or ``None`` when it holds none."""
-    saved = _stateful(state).get(STATE_KEY)
-    return saved if isinstance(saved, dict) else None
-
-
 def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
     """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
     _stateful(state)[STATE_KEY] = value
@@ -140,12 +134,11 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         **options: The options of :class:`~gradwatch.GradientWatch` by name, with its defaults (``every_n_steps``,
             ``first_check_step``, ``applied_every_n_steps``, ``on_fail``, ``loss_fn``, ``max_overhead``,
             ``max_reports``, ``verbose``, ``check_update``), and the probe options (``tensor_probes``, ``precision``,
-            ``ignore``, ...), the fields of :class:`~gradwatch.engine.settings.ProbeSettings`. Here
-            ``loss_fn(model, inputs)`` is checked instead of ``trainer.compute_loss`` (a GRPO-style trainer's own loss
-            is checked with ``hold_detached``: :mod:`gradwatch.integrations.trainer_losses`), ``on_fail="stop"`` stops
-            training at the end of the step, applied checks are not made under FSDP (said once), and
-            ``check_update`` checks the update after ``max_grad_norm``'s clip, from a step hook on the Trainer's
-            optimizer.
+            ``ignore``, ...), the fields of :class:`~gradwatch.engine.settings.ProbeSettings`. Here ``loss_fn(model,
+            inputs)`` is checked instead of ``trainer.compute_loss`` (a GRPO-style trainer's own loss is checked with
+            ``hold_detached``: :mod:`gradwatch.integrations.trainer_losses`), ``on_fail="stop"`` stops training at the
+            end of the step, applied checks are not made under FSDP (said once), and ``check_update`` checks the update
+            after ``max_grad_norm``'s clip, from a step hook on the Trainer's optimizer.
 
     Raises:
         TypeError: An unknown option (named, with the nearest valid name).
@@ -212,8 +205,8 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
         self.watch.sinks = (*self._sinks, *run_sinks(self.trainer, args, state, self._log))
-        saved = _saved_state(state)
-        if saved is not None:
+        saved = _stateful(state).get(STATE_KEY)  # a checkpoint's, on resume
+        if isinstance(saved, dict):
             self.watch.load_state_dict(saved)
         _keep_state(state, self.watch.state_dict())
         self.watch.setup(self._model)
@@ -233,9 +226,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             self._engine_hook = None
         if self._wrapped and "clip_grad_norm_" in vars(self.trainer.accelerator):
             del self.trainer.accelerator.clip_grad_norm_
-        self._wrapped = False
-        self._in_window = False
-        self._kept = None
+        self._wrapped, self._in_window, self._kept = False, False, None
         self.watch.sinks = self._sinks  # the run's writers close with it
 
     @guarded_hook("GradWatchCallback.on_step_begin")

@@ -1,13 +1,10 @@
 """The loggers of a run, for both adapters: what each shows of a check besides scalars (which reach every logger
 through the loop's own log call), where its run keeps ``gradwatch.jsonl``, and the sinks they get on the main process.
-
-Found by what they offer, without importing wandb, mlflow or transformers: a TensorBoard run (Lightning's
-``TensorBoardLogger``, the Trainer's ``TensorBoardCallback``) gets the histogram and the failure text through its
-``SummaryWriter`` and the record in its directory; Lightning's CSV logger (any logger with a ``log_dir``) the record
-there; W&B and MLflow, whose run folders gradwatch does not write into, the failure text through their own call (under
-Lightning) and the record in ``<root>/gradwatch_records/<logger>-<run>`` (:mod:`gradwatch.outputs.beside`, where
-``gradwatch report`` pointed at their run folder looks). A new logger is a branch of :func:`lightning_runs` or
-:func:`trainer_runs`.
+Found by what they offer, without importing wandb, mlflow or transformers: a TensorBoard run gets the histogram and the
+failure text through its ``SummaryWriter`` and the record in its directory; any logger with a ``log_dir`` (Lightning's
+CSV logger) the record there; W&B and MLflow, whose run folders gradwatch does not write into, the failure text through
+their own call (under Lightning) and the record beside their run (:mod:`gradwatch.outputs.beside`). A new logger is a
+branch of :func:`lightning_runs` or :func:`trainer_runs`.
 """
 
 from __future__ import annotations

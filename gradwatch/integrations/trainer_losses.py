@@ -1,14 +1,12 @@
 """What a check of a Trainer's own ``compute_loss`` must know about the loss it computes.
 
-Most trainers train on the derivative of the value their ``compute_loss`` returns, and a check compares the two as
-they are. A trainer whose loss is a **surrogate objective** does not: GRPO's policy loss with one optimisation pass
-per generation (TRL's default, ``num_iterations=1``) is built on ``exp(logp - logp.detach())``, 1 at every point, so
-its value is flat in the parameters while its gradient is the policy gradient. For such trainers the callback checks
-the function autograd differentiates: the values the loss detaches outside the model's forward are held at the
-reference's (:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`, :mod:`gradwatch.engine.function.held`).
-
-Trainers are recognised by the name of a class in their hierarchy (:data:`SURROGATE_TRAINERS`; subclasses included),
-without importing TRL.
+Most trainers train on the derivative of the value their ``compute_loss`` returns. A trainer whose loss is a
+**surrogate objective** does not: GRPO's policy loss with one optimisation pass per generation (TRL's default,
+``num_iterations=1``) is built on ``exp(logp - logp.detach())``, 1 at every point, so its value is flat in the
+parameters while its gradient is the policy gradient. For such trainers, recognised without importing TRL by the name of
+a class in their hierarchy (:data:`SURROGATE_TRAINERS`), the callback checks the function autograd differentiates: the
+values the loss detaches outside the model's forward are held at the reference's
+(:attr:`~gradwatch.engine.settings.ProbeSettings.hold_detached`, :mod:`gradwatch.engine.function.held`).
 """
 
 from __future__ import annotations

@@ -153,16 +153,10 @@ def window_share(trainer: Trainer, inputs: Mapping[str, Any], num_items_in_batch
 
 
 class TrainerPath:
-    """How a Trainer trains on the window just run, for the applied check of ``model`` (see the module's docstring).
-
-    Args:
-        trainer: The Trainer (its ``compute_loss_context_manager`` and its accelerator's ``autocast``).
-        model: The model checked (``trainer.model``).
-        loss_with_count: ``loss_with_count(num_items_in_batch) -> loss_fn``: the Trainer's own ``compute_loss``.
-        loss_fn: The user's ``loss_fn(model, inputs)`` instead of ``compute_loss``, or ``None``.
-        count: The ``num_items_in_batch`` the Trainer passed with the window's micro-batches.
-        first: The inputs of the window's first micro-batch (``None`` if it recorded none).
-    """
+    """How ``trainer`` trains on the window just run, for the applied check of ``model`` (``trainer.model``; see the
+    module's docstring): ``loss_with_count(num_items_in_batch)`` is its own ``compute_loss`` as a ``loss_fn``,
+    ``loss_fn`` the user's instead (or ``None``), ``count`` the ``num_items_in_batch`` it passed with the window's
+    micro-batches and ``first`` the inputs of the first (``None`` if none was recorded)."""
 
     def __init__(
         self,

@@ -1,12 +1,11 @@
 """What a trainer records as it computes its loss, put back after a check.
 
-A check evaluates the trainer's own ``compute_loss`` dozens of times. TRL's trainers record at each call: ``SFTTrainer``
-appends the batch's entropy and token accuracy to ``trainer._metrics`` and adds its tokens to
-``trainer._total_train_tokens``, GRPO-style trainers fill ``trainer._logs`` with completions; the next ``trainer.log``
-averages and clears what accumulated. Left in place, a check's evaluations would change the values the run logs
-(``num_tokens`` 7260 against 480). :func:`records_kept` saves the trainer's plain records (numbers, strings and
-containers of them: the attributes such stores are made of, whatever the trainer names them) before a check and puts
-back those the check changed, in place, so that anything holding them still holds the same objects.
+A check evaluates the trainer's own ``compute_loss`` dozens of times, and TRL's trainers record at each call
+(``SFTTrainer`` its entropy and token accuracy in ``_metrics`` and its ``_total_train_tokens``, GRPO-style trainers
+completions in ``_logs``), which the next ``trainer.log`` averages: left in place, a check would change the values the
+run logs (``num_tokens`` 7260 against 480). :func:`records_kept` saves the trainer's plain records (numbers, strings and
+containers of them, whatever the trainer names them) before a check and puts back those the check changed, in place,
+so that anything holding them still holds the same objects.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 W&B and MLflow keep a run in a folder of their own (``wandb/run-<time>-<id>``, ``mlruns/<experiment>/<run id>``) that
 gradwatch does not write into (W&B uploads what lands there, MLflow's may be on a server). The adapters write that run's
 ``gradwatch.jsonl`` into ``gradwatch_records/<logger>-...-<run id>/`` under the training's own root folder (Lightning's
-``default_root_dir``, a Hugging Face Trainer's ``output_dir``). ``gradwatch report`` pointed at the run's folder finds
-it there: in a ``gradwatch_records`` folder of one of the run folder's ancestors, or of one of their sub-folders (the
-root folder sits beside ``wandb/`` or ``mlruns/``, e.g. ``./wandb/run-...`` and ``./outputs/gradwatch_records/...``).
+``default_root_dir``, a Trainer's ``output_dir``), where ``gradwatch report`` pointed at the run's folder finds it: in a
+``gradwatch_records`` folder of one of the run folder's ancestors or of their sub-folders (``./wandb/run-...`` and
+``./outputs/gradwatch_records/...``).
 """
 
 from __future__ import annotations

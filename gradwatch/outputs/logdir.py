@@ -1,10 +1,9 @@
 """Finding and opening the files of a log directory so that nothing is skipped in silence.
 
-``Path.rglob`` passes over a directory it may not read, and ``open`` on a FIFO named like a record waits forever.
+``Path.rglob`` passes over a directory it may not read, and ``open`` on a FIFO named like a record waits forever:
 :func:`find_files` walks the directory itself and raises :class:`ReportInputError` for every entry it cannot take into
-account (an unreadable directory, a wanted name that is not a regular file, a name that is not valid UTF-8);
-:func:`open_regular` opens without blocking and refuses anything but a regular file. Every message names the path
-(:func:`shown`) and the reason in one line.
+account, and :func:`open_regular` opens without blocking and refuses anything but a regular file. Every message names
+the path (:func:`shown`) and the reason in one line.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Reading a log directory back for ``gradwatch report``: every ``gradwatch.jsonl`` under it (:mod:`.jsonl`), the
-record every logger's run gets (CSV, TensorBoard, Weights & Biases, MLflow, a Hugging Face Trainer's), and for the
-folder of a W&B or MLflow run, the records beside it (:mod:`.beside`).
-
-A run is a directory holding a ``gradwatch.jsonl``. Every record is read to its end, one line at a time with a
-bounded length, and anything that cannot be read raises :class:`~gradwatch.errors.ReportInputError` with the path and
-the reason: nothing is skipped in silence.
+"""Reading a log directory back for ``gradwatch report``: every ``gradwatch.jsonl`` under it (:mod:`.jsonl`; a run is a
+directory holding one), and for the folder of a W&B or MLflow run, the records beside it (:mod:`.beside`). Every record
+is read to its end, one line at a time with a bounded length, and anything that cannot be read raises
+:class:`~gradwatch.errors.ReportInputError` with the path and the reason: nothing is skipped in silence.
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ class RunRecord:
 
     @property
     def failed(self) -> bool:
-        """Whether a failure was recorded: a failing check, a failing probe, a failing applied check or a failing
-        update check."""
+        """Whether a failure was recorded: a failing check of any kind, or a failing probe."""
         verdicts = [c.verdict for c in self.checks] + [r.verdict for r in (*self.applied, *self.updates)]
         return bool(self.failures) or "fail" in verdicts
 

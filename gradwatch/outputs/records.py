@@ -41,14 +41,10 @@ second check on)."""
 
 @dataclass(frozen=True)
 class Overhead:
-    """gradwatch's time against the training time at a check of a series.
-
-    Attributes:
-        fraction: All of gradwatch's time so far over the training time (:data:`OVERHEAD_TAG`).
-        steady_fraction: The same apart from the first checks (:data:`OVERHEAD_PERCENT_TAG`, in percent).
-        first_seconds: The first checks' time (:data:`FIRST_CHECKS_SECONDS_TAG`).
-        step_seconds: The mean training step's time, ``nan`` while unknown.
-    """
+    """gradwatch's time against the training time at a check of a series: all of it so far over the training time
+    (``fraction``, :data:`OVERHEAD_TAG`), the same apart from the first checks (``steady_fraction``,
+    :data:`OVERHEAD_PERCENT_TAG` in percent), the first checks' time (``first_seconds``,
+    :data:`FIRST_CHECKS_SECONDS_TAG`) and the mean training step's (``step_seconds``, ``nan`` while unknown)."""
 
     fraction: float
     steady_fraction: float = 0.0
@@ -80,8 +76,7 @@ class CheckRecords:
         step: The step the check ran at.
         scalars: The ``gradwatch/*`` scalars (:func:`scalars_of`), finite ones only: a backend never receives a NaN (a
             check without a descent probe has no descent ratio).
-        text: The failing report in markdown, culprit first (:func:`render_markdown`); ``None`` when no
-            probe failed.
+        text: The failing report in markdown, culprit first (:func:`render_markdown`); ``None`` when no probe failed.
         histograms: By tag, values to show as a histogram (``gradwatch/rel_error_log10``: every conclusive probe's).
         report: The report itself, for a backend that records more (the JSON lines record).
         text_tag: The tag a backend shows the text under (:data:`~gradwatch.tensorboard.writer.FAILURES_TAG`,

@@ -96,8 +96,7 @@ class JsonLinesSink:
     fork, and a run killed between checks leaves only whole lines). The directory is created when missing.
 
     Args:
-        path: The file, by convention ``<log_dir>/gradwatch.jsonl``
-            (:data:`~gradwatch.outputs.jsonl.JSONL_NAME`).
+        path: The file, by convention ``<log_dir>/gradwatch.jsonl`` (:data:`~gradwatch.outputs.jsonl.JSONL_NAME`).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

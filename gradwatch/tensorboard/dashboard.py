@@ -20,11 +20,7 @@ from gradwatch.tensorboard.writer import UPDATE_PREFIX
 LAYOUT_TAG = "custom_scalars__config__"
 """The tag under which TensorBoard stores a custom-scalars layout (fixed by TensorBoard)."""
 
-REL_ERROR_TAGS = (
-    "gradwatch/rel_error_median_log10",
-    "gradwatch/rel_error_min_log10",
-    "gradwatch/rel_error_max_log10",
-)
+REL_ERROR_TAGS = ("gradwatch/rel_error_median_log10", "gradwatch/rel_error_min_log10", "gradwatch/rel_error_max_log10")
 """The Margin chart's value, lower and upper tags, in the order TensorBoard expects them: the log10 of the relative
 errors (``gradwatch/rel_error_median`` and so on, floored at -12), logged beside them."""
 

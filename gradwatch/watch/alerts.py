@@ -58,18 +58,11 @@ def failure_message(report: CheckReport, limit: int = DEFAULT_LIMIT) -> str:
 
 
 class AlertPolicy:
-    """Applies ``on_fail`` to failing reports.
-
-    Args:
-        on_fail: ``"warn"``: a :class:`GradientCheckWarning` (rate-limited). ``"raise"``:
-            :class:`~gradwatch.GradientCheckError`. ``"stop"``: warn and ask training to stop. A callable: called
-            with the failing report.
-        failures: The backoff of failure warnings (restored from a checkpoint).
-        errors: The backoff of the warnings for checks that could not run.
-        verbose: Whether a failure or an error whose warning the backoff withholds gets a log record (INFO).
-        shown: Whether this process shows failure warnings. Where every process holds the same report (DDP, FSDP2)
-            only rank 0 shows it, as Lightning's own warnings do; the backoff counts alike everywhere.
-    """
+    """Applies ``on_fail`` (the watch's) to failing reports, with the backoffs of the failure warnings (``failures``,
+    restored from a checkpoint) and of the warnings for checks that could not run (``errors``). ``verbose``: a failure
+    or an error whose warning the backoff withholds gets a log record (INFO). ``shown``: whether this process shows
+    failure warnings (where every process holds the same report, DDP or FSDP2, only rank 0 shows it, as Lightning's own
+    warnings do; the backoff counts alike everywhere)."""
 
     def __init__(
         self,

@@ -35,11 +35,7 @@ from gradwatch.watch.rewind import Earlier, before_update
 
 
 class Windows:
-    """The window being recorded for an applied check (or one per optimizer), on the applied cadence.
-
-    Args:
-        cadence: The applied checks' cadence and budget.
-    """
+    """The window being recorded for an applied check (or one per optimizer), on the applied ``cadence``."""
 
     def __init__(self, cadence: Cadence) -> None:
         self.cadence = cadence

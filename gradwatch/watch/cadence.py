@@ -1,16 +1,15 @@
 """When a watch's checks of one kind are due, and whether the budget affords one now: :class:`Cadence`, one class for
 both kinds (the recomputed checks and the applied ones, with the update checks they lead to) on one clock.
 
-A check is due at each multiple of its cadence (``every_n_steps``) and at the first check's step, among the optimizer
-steps since the last one considered; a due check that does not run (postponed by the budget, or skipped because the
-optimizer skips the step) stays pending until it runs.
+A check is due at each multiple of ``every_n_steps`` and at the first check's step; a due check that does not run
+(postponed by the budget, or its step skipped by the optimizer) stays pending until it runs.
 
-The budget is one rule for both kinds (``max_overhead``, a fraction of the training time, measured by the shared
-:class:`~gradwatch.watch.overhead.OverheadClock`): the first check of a kind always runs, since it measures what one
-costs; a later one runs while gradwatch's time so far, plus what the last check of its kind cost, stays within the
-budget; else it is postponed by the optimizer steps the training needs, at its mean time per step so far, to afford
-it. The postponement is decided once (under DDP by rank 0 for every rank, through the watch's ``decide``) and the
-check asked about again at the step it waits for, not at every step in between.
+The budget (``max_overhead``, a fraction of the training time on the shared
+:class:`~gradwatch.watch.overhead.OverheadClock`) is one rule for both kinds: the first check of a kind always runs, to
+measure what one costs; a later one runs while gradwatch's time so far, plus what the last check of its kind cost, stays
+within it; else it is postponed by the optimizer steps the training needs to afford it at its mean time per step. The
+postponement is decided once (under DDP by rank 0, through the watch's ``decide``) and asked again only at the step it
+waits for.
 """
 
 from __future__ import annotations
@@ -38,17 +37,11 @@ APPLIED_KEYS = {
 
 
 class Cadence:
-    """The cadence and budget of one kind of check over a run, and what of it a checkpoint carries over.
-
-    Args:
-        kind: ``"recomputed"`` or ``"applied"``, as a postponement's log line names it.
-        every_n_steps: A check is due every this many optimizer steps (``None``: never).
-        first_check_step: Another check is due at this step (``None``: none).
-        max_overhead: The share of the training time every check together may take (``None``: no budget).
-        clock: gradwatch's time against the training's, shared by both kinds.
-        keys: This cadence's state keys, by attribute (:data:`RECOMPUTED_KEYS`, :data:`APPLIED_KEYS`).
-        verbose: Log (INFO) the run's first postponement.
-    """
+    """The cadence and budget of one ``kind`` of check over a run (``"recomputed"`` or ``"applied"``, as a
+    postponement's log line names it), and what of it a checkpoint carries over (``keys``: :data:`RECOMPUTED_KEYS`,
+    :data:`APPLIED_KEYS`). Checks are due every ``every_n_steps`` optimizer steps (``None``: never) and at
+    ``first_check_step``, within ``max_overhead`` (``None``: no budget) of the training time on the ``clock`` both kinds
+    share; ``verbose`` logs (INFO) the run's first postponement."""
 
     def __init__(
         self,

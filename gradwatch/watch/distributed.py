@@ -93,13 +93,8 @@ def agree_across_ranks(report: CheckReport | None, error: Exception | None, step
         f"rank {r}: {outcome[0].verdict if outcome[0] else 'skipped'}" for r, outcome in enumerate(outcomes)
     )
     if any(chosen.noted(code) for code in (NoteCode.SHARDED, NoteCode.LOSS_COLLECTIVES, NoteCode.RANKS_SPLIT)):
-        note = Note(
-            NoteCode.RANKS_TOGETHER,
-            f"one check of the global loss, run together by every process ({verdicts}); this report is rank {rank}'s",
-        )
+        code, words = NoteCode.RANKS_TOGETHER, "one check of the global loss, run together by every process"
     else:
-        note = Note(
-            NoteCode.RANKS_SHARDS,
-            f"checked on every process's own batch shard ({verdicts}); this report is rank {rank}'s",
-        )
+        code, words = NoteCode.RANKS_SHARDS, "checked on every process's own batch shard"
+    note = Note(code, f"{words} ({verdicts}); this report is rank {rank}'s")
     return dataclasses.replace(chosen, notes=[*chosen.notes, note])

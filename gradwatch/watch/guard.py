@@ -1,17 +1,16 @@
 """What a watch runs outside a check never ends a run either: :class:`Guard`.
 
-A check is guarded where it runs (:meth:`Outcomes.guarded <gradwatch.watch.outcomes.Outcomes.guarded>`). Around it a
-watch and its adapters run bookkeeping of their own: recording a window (its float64 checksums), the norms the clip
-check keeps, the schedule and budget, the state a checkpoint carries, the sinks, the lessons, the alerts, the loop's
-hooks. Each such call runs inside ``guard(site)``: an error there (an out-of-memory error included) becomes one note
-(:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`, once per site and run
-(and once for the same error met at two sites), and training goes on exactly as it would without gradwatch (these
-calls read training's tensors, never write them).
+A check is guarded where it runs (:meth:`Outcomes.guarded <gradwatch.watch.outcomes.Outcomes.guarded>`). The watch's
+and its adapters' own bookkeeping around it (a window's checksums, the clip check's norms, the schedule, the checkpoint
+state, the sinks, the lessons, the alerts, the loop's hooks) runs inside ``guard(site)``: an error there (out of memory
+included) becomes one note (:attr:`Guard.notes`, code ``watch-error``) and one :class:`~gradwatch.GradientCheckWarning`,
+once per site and run (and once for the same error at two sites), and training goes on exactly as without gradwatch
+(these calls read training's tensors, never write them).
 
-What passes every guard: :class:`~gradwatch.GradientCheckError` (``on_fail="raise"``), ``KeyboardInterrupt`` and
-``SystemExit`` (no ``Exception``), and the errors that are the caller's: bad arguments and the user's own code
-(a ``loss_fn``, an ``on_report``, an ``on_fail`` callable), run through :meth:`Guard.callers`, and an error a check's
-own guard lets through (``on_fail="raise"``), marked by :meth:`Guard.passes`.
+What passes every guard: :class:`~gradwatch.GradientCheckError` (``on_fail="raise"``), what is no ``Exception``
+(``KeyboardInterrupt``, ``SystemExit``), and the caller's errors: bad arguments and the user's own code (``loss_fn``,
+``on_report``, an ``on_fail`` callable) run through :meth:`Guard.callers`, and what a check's own guard lets through,
+marked by :meth:`Guard.passes`.
 """
 
 from __future__ import annotations

@@ -26,17 +26,9 @@ Context = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 class TrainingPath:
     """How a loop turns the micro-batch losses of an accumulation window into the gradient it applies, for the applied
     check (:meth:`~gradwatch.GradientWatch.before_optimizer_step`): one object an adapter builds from what its loop
-    knows, instead of four arguments. The fields are :func:`~gradwatch.engine.applied.check_applied_gradient`'s
-    keyword arguments of the same names, with the same defaults (a plain loop that divides each loss by the number of
-    micro-batches, its forward as it is).
-
-    Attributes:
-        combine: How the micro-batch losses combine: ``"mean"``, ``"sum"`` or ``combine(losses)``.
-        path: A factory of the context the training's forward ran in (autocast), or ``None``.
-        join: ``join(items) -> item``: the window's items as one item of all their samples (``None``: concatenated).
-        window_normalised: Whether each micro-batch's loss is already divided by the whole window's count, or a
-            function that says so (asked only when the window's gradient looks normalised twice).
-    """
+    knows, instead of four arguments. Its fields are the keyword arguments of the same names and defaults of
+    :func:`~gradwatch.engine.applied.check_applied_gradient`, documented there (the defaults: a plain loop that divides
+    each loss by the number of micro-batches, its forward as it is)."""
 
     combine: Combine = "mean"
     path: PathContext | None = None

@@ -1,11 +1,9 @@
 """What a run's recomputed checks teach the next ones: :class:`Lessons`.
 
-The ``ignore`` patterns that match the model (matched once, those that match nothing warned of), the probe slice the
-loss accepts (a loss that refused 2 samples is not asked again), whether it vectorises, and the focus: the tensors
-the last check could not decide or saw fail, probed again at the next check so a wrong gradient found once is
-confirmed at every check, not only when the rotation comes round to it; and where a failing check's culprit search
-stopped at its cap (the modules proved to hold the bug, the candidates left), for the next failing check to go on
-from (:mod:`gradwatch.engine.probing.search_budget`).
+The ``ignore`` patterns that match the model (those that match nothing warned of once), the probe slice the loss
+accepts, whether it vectorises, the focus (the tensors the last check could not decide or saw fail, probed again at the
+next check, so a wrong gradient found once is confirmed at every check), and where a failing check's culprit search
+stopped at its cap, for the next failing check to go on from (:mod:`gradwatch.engine.probing.search_budget`).
 """
 
 from __future__ import annotations
@@ -31,11 +29,8 @@ from gradwatch.watch.defaults import MIN_CULPRIT_SEARCH_SECONDS
 
 
 class Lessons:
-    """The settings the next check runs with (:attr:`active`) and its :attr:`focus`, learnt from the reports.
-
-    Args:
-        settings: The settings the run was given.
-    """
+    """The settings the next check runs with (:attr:`active`, from the run's ``settings``) and its :attr:`focus`,
+    learnt from the reports."""
 
     def __init__(self, settings: ProbeSettings) -> None:
         self.settings = settings

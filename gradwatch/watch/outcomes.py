@@ -30,15 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class Outcomes:
-    """The reports, counters, outputs and alerts of one run's checks.
-
-    Args:
-        on_fail: What a failing check does (see :class:`~.alerts.AlertPolicy`).
-        max_reports: How many reports are kept.
-        verbose: Whether what is no failure is logged (INFO).
-        sinks: Where the records of every check go.
-        on_report: Called with each report after the sinks, before the alerts.
-    """
+    """The reports, counters, outputs and alerts of one run's checks (the arguments are the watch's, of the same
+    names)."""
 
     def __init__(
         self,
@@ -140,28 +133,18 @@ class Outcomes:
                 self.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "checks": self.counts["checks"],
-            "failed_checks": self.counts["failed"],
-            "skipped_checks": self.counts["skipped"],
-            "applied_failed": self.counts["applied_failed"],
-            "update_checks": self.counts["update_checks"],
-            "update_failed": self.counts["update_failed"],
-            "failure_warnings": self.alerts.failures.count,
-            "error_warnings": self.alerts.errors.count,
-        }
+        return {**{key: self.counts[name] for name, key in _SAVED_COUNTS.items()},
+                "failure_warnings": self.alerts.failures.count, "error_warnings": self.alerts.errors.count}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counts["checks"] = int(state.get("checks", 0))
-        self.counts["failed"] = int(state.get("failed_checks", 0))
-        self.counts["skipped"] = int(state.get("skipped_checks", 0))
-        self.counts["applied_checks"] = int(state.get("applied_checks", 0))
-        self.counts["applied_failed"] = int(state.get("applied_failed", 0))
-        self.counts["update_checks"] = int(state.get("update_checks", 0))
-        self.counts["update_failed"] = int(state.get("update_failed", 0))
-        self.alerts = AlertPolicy(
-            self.on_fail,
-            Backoff(int(state.get("failure_warnings", 0))),
-            Backoff(int(state.get("error_warnings", 0))),
-            verbose=self.verbose,
-        )
+        for name, key in {**_SAVED_COUNTS, "applied_checks": "applied_checks"}.items():
+            self.counts[name] = int(state.get(key, 0))
+        failures, errors = (Backoff(int(state.get(key, 0))) for key in ("failure_warnings", "error_warnings"))
+        self.alerts = AlertPolicy(self.on_fail, failures, errors, verbose=self.verbose)
+
+
+_SAVED_COUNTS = {
+    "checks": "checks", "failed": "failed_checks", "skipped": "skipped_checks", "applied_failed": "applied_failed",
+    "update_checks": "update_checks", "update_failed": "update_failed",
+}  # fmt: skip
+"""The counters a checkpoint's state carries, by its key (``applied_checks`` is the applied cadence's own key)."""

@@ -1,13 +1,11 @@
 """gradwatch's own time against the training time, for the ``gradwatch/overhead*`` scalars and the budget
 (:mod:`.cadence`).
 
-The first recomputed check and the first applied check (with the update check it leads to) are made whatever the budget
-(they measure what a check costs): their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share of
-the training time the checks take from then on (:attr:`OverheadClock.steady_fraction`, what the budget keeps near 1%) is
-not drowned by a one-time cost set against the few steps trained so far.
-
-Training time is measured between the ends of consecutive training batches, minus the time the checks took; time
-before the first batch (set-up, a resumed run's restart) does not count.
+The first recomputed and the first applied check (with its update check) are made whatever the budget, to measure what
+a check costs: their time is kept apart (:attr:`OverheadClock.first_seconds`), so that the share the checks take from
+then on (:attr:`OverheadClock.steady_fraction`, what the budget keeps near 1%) is not drowned by a one-time cost.
+Training time is measured between the ends of consecutive training batches, minus the checks' time; time before the
+first batch (set-up, a resumed run's restart) does not count.
 """
 
 from __future__ import annotations
@@ -81,15 +79,12 @@ class OverheadClock:
         return Overhead(self.fraction, self.steady_fraction, self.first_seconds, step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "check_seconds": self.check_seconds,
-            "train_seconds": self.train_seconds,
-            "applied_seconds": self.applied_seconds,
-            "first_seconds": self.first_seconds,
-        }
+        return {name: getattr(self, name) for name in _STATE}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_seconds = float(state.get("check_seconds", 0.0))
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.applied_seconds = float(state.get("applied_seconds", 0.0))
-        self.first_seconds = float(state.get("first_seconds", 0.0))
+        for name in _STATE:
+            setattr(self, name, float(state.get(name, 0.0)))
+
+
+_STATE = ("check_seconds", "train_seconds", "applied_seconds", "first_seconds")
+"""The clock's state a checkpoint carries: its attributes, by name."""

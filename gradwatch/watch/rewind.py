@@ -1,12 +1,10 @@
 """The parameters as they were when a loss's forward ran, for the applied check of a step that applies its gradient
-after other optimizers' steps have moved some of them.
+after other optimizers' steps have moved some of them (one loss and one backward for Muon and AdamW; Lightning's
+manual optimization, whose ``training_step`` may step an optimizer between two losses).
 
-Several optimizers stepping in turn on the gradient of losses computed before some of those steps (one loss and one
-backward for Muon and AdamW; Lightning's manual optimization, whose ``training_step`` may step an optimizer between two
-losses): the check of a later step evaluates its loss at the point its backward ran, not at the parameters the earlier
-steps have moved since. The earlier steps' parameters are copied before each update (:func:`before_update`, an entry
-of :data:`Earlier`) and :class:`Rewind` puts those values in the module's parameter slots while the check's loss runs,
-as a check puts its float64 copies there, and takes them out afterwards: the parameters themselves are never written.
+The earlier steps' parameters are copied before each update (:func:`before_update`, an entry of :data:`Earlier`) and
+:class:`Rewind` puts those values in the module's parameter slots while the check's loss runs, as a check puts its
+float64 copies there, and takes them out afterwards: the parameters themselves are never written.
 """
 
 from __future__ import annotations

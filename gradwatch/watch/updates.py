@@ -72,15 +72,9 @@ def zero_engine(gradients: Any) -> Any:
 
 
 class UpdateChecks:
-    """The update checks of a watch (see the module doc): within the applied checks' cadence and budget, since they
-    are made of the gradients those checks verified.
-
-    Args:
-        outcomes: Where their reports go.
-        lessons: The watch's settings (which parameters are checked).
-        clock: gradwatch's time against the training's.
-        applied: The applied checks' cadence, whose cost includes the update check each leads to.
-    """
+    """The update checks of a watch (see the module doc): within the applied checks' cadence and budget (the
+    ``applied`` cadence's cost includes the update check each applied check leads to), since they are made of the
+    gradients those checks verified; their reports go to ``outcomes``."""
 
     def __init__(self, outcomes: Outcomes, lessons: Lessons, clock: OverheadClock, applied: Cadence) -> None:
         self._outcomes, self._lessons, self._clock, self._applied = outcomes, lessons, clock, applied

@@ -557,8 +557,7 @@ class GradientWatch:
         """Check ``loss_fn(model, batch)`` if a check is due at optimizer step ``step`` and fits the budget.
 
         Args:
-            model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it
-                wraps).
+            model: The module whose trainable floating parameters are checked (a DeepSpeed engine: the module it wraps).
             batch: The step's batch (or one micro-batch of it), as ``loss_fn`` takes it.
             loss_fn: ``loss_fn(model, batch) -> scalar Tensor``; the constructor's when ``None``.
             step: The number of optimizer steps taken so far (1 after the first).

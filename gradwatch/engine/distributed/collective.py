@@ -1,17 +1,16 @@
 """The reductions of a sharded check, and how its ranks stay in lockstep.
 
 Every forward pass of a sharded model runs collectives (FSDP gathers each unit's parameters), so all ranks must run
-the same evaluations in the same order. The engine makes that so by deciding only on numbers that are the same on every
-rank: each sum over parameters (norms, slopes, displacements) is a local partial sum reduced with :func:`summed`, each
-loss the mean of the ranks' losses (:func:`global_loss`).
+the same evaluations in the same order. The engine decides only on numbers that are the same on every rank: each sum
+over parameters is a local partial sum reduced with :func:`summed`, each loss the ranks' mean (:func:`global_loss`).
 
-What no decision can foresee is the user's code raising on one rank only. The protocol: every collective a rank can
-be waiting at inside an evaluation is a 2-element ``[value, failures]`` all-reduce (the loss at its end, and a
-:func:`peers_ok` before each FSDP unit gathers its parameters, installed by :mod:`.parameters`). A rank whose
-evaluation raises sends ``[nan, 1]`` instead (:func:`evaluation`); whichever reduction the others are at then reads a
-failure, and every rank raises :class:`PeerFailureError`, which ends the check everywhere. (Where every rank's
-evaluation raised, each rank raises its own error instead: the engine's fallbacks then run alike on all.) A reduction
-that does not complete within :data:`REDUCTION_TIMEOUT_S` ends the check the same way rather than hang the run.
+What no decision can foresee is the user's code raising on one rank only. Every collective a rank can be waiting at
+inside an evaluation is a 2-element ``[value, failures]`` all-reduce (the loss at its end, and a :func:`peers_ok`
+before each FSDP unit gathers its parameters, installed by :mod:`.parameters`); a rank whose evaluation raises sends
+``[nan, 1]`` instead (:func:`evaluation`), so whichever reduction the others are at reads a failure and every rank
+raises :class:`PeerFailureError`, ending the check everywhere (where every rank's evaluation raised, each raises its own
+error, and the engine's fallbacks run alike on all). A reduction that does not complete within
+:data:`REDUCTION_TIMEOUT_S` ends the check the same way rather than hang the run.
 """
 
 from __future__ import annotations

@@ -112,17 +112,13 @@ def shard_gradients(collective: Collective, model: nn.Module, shards: Sequence[T
     return grads
 
 
-def _sharded_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")]
-
-
 @contextlib.contextmanager
 def lockstep(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """For the duration: before each FSDP unit gathers its parameters, the ranks confirm that no evaluation failed
     (:func:`~gradwatch.engine.distributed.collective.peers_ok`), and after its forward the unit is resharded, so that
     the next evaluation gathers the shards as the probes moved them; afterwards every unit is resharded, also where a
     failed evaluation left one gathered. Nothing if not ``enabled``."""
-    modules = _sharded_modules(model) if enabled else []
+    modules = [m for m in model.modules() if hasattr(m, "reshard") and hasattr(m, "unshard")] if enabled else []
     handles = [m.register_forward_pre_hook(lambda *_: peers_ok(), prepend=True) for m in modules]
     # FSDP keeps the root's parameters gathered after its forward: the next forward would not see its shards move
     handles += [m.register_forward_hook(lambda module, *_: module.reshard()) for m in modules]

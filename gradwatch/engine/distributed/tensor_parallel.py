@@ -94,14 +94,6 @@ def mesh_group(model: nn.Module) -> Any:
     return dist.group.WORLD
 
 
-def _spanning_group(model: nn.Module) -> Any:
-    """:func:`mesh_group`, or ``None`` for a mesh that leaves processes out."""
-    try:
-        return mesh_group(model)
-    except ValueError:
-        return None
-
-
 def whole(tensor: Tensor) -> Tensor:
     """``tensor`` whole (``full_tensor()`` of a ``DTensor``, a collective), ``tensor`` itself otherwise."""
     return tensor.full_tensor().detach() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
@@ -126,7 +118,11 @@ def made_plain(model: nn.Module) -> Iterator[None]:
             if param is not None and _is_dtensor(param):
                 swapped.append((module, name, param))
     plain = [nn.Parameter(whole(param).clone(), requires_grad=param.requires_grad) for _, _, param in swapped]
-    token = _REPLICAS.set(_spanning_group(model) if swapped and dist.is_initialized() else None)
+    group = None
+    if swapped and dist.is_initialized():
+        with contextlib.suppress(ValueError):  # a mesh that leaves processes out: none
+            group = mesh_group(model)
+    token = _REPLICAS.set(group)
     try:
         for (module, name, _), copy in zip(swapped, plain, strict=True):
             module._parameters[name] = copy

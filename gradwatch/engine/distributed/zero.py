@@ -1,16 +1,15 @@
 """DeepSpeed ZeRO's models, recognised by their attributes: gradwatch never imports deepspeed.
 
-Under ZeRO stages 1 and 2 every rank holds every parameter whole (only the optimizer state and, in stage 2, the
-gradients are partitioned), so a model is checked as under DDP: every rank's loss, the gradient the optimizer applies
-(DeepSpeed's ``safe_get_full_grad``) against the mean of the ranks' window losses. Under stage 3 each parameter is a
-flat partition per rank (``param.ds_tensor``; the parameter itself is empty between forwards) that DeepSpeed's module
-hooks gather before each module's forward and backward and release after. A check :func:`gathered` them whole on every
-rank for its duration, with those hooks set aside, so that the model is a plain replicated module while it is probed;
-afterwards the partitions are as they were (DeepSpeed re-partitions a gathered parameter from its partition, which no
-probe touched). Gathering costs one full copy of the model per rank for the duration of a check.
+Under ZeRO stages 1 and 2 every rank holds every parameter whole, so a model is checked as under DDP: every rank's loss,
+the gradient the optimizer applies (DeepSpeed's ``safe_get_full_grad``) against the mean of the ranks' window losses.
+Under stage 3 each parameter is a flat partition per rank (``param.ds_tensor``; the parameter itself is empty between
+forwards) that DeepSpeed's module hooks gather around each module's forward and backward. A check :func:`gathered`
+them whole on every rank for its duration, those hooks set aside, so that the model is a plain replicated module while
+it is probed (one full copy of the model per rank); afterwards DeepSpeed re-partitions them from their partitions,
+which no probe touched.
 
-Whatever the stage, each rank owns (updates) a contiguous range of each flattened parameter: :func:`owned_range`. When
-the applied gradient is wrong only in some ranks' ranges, :func:`ranks_owning_wrong_rows` names those ranks.
+Whatever the stage, each rank owns (updates) a contiguous range of each flattened parameter (:func:`owned_range`);
+when the applied gradient is wrong only in some ranks' ranges, :func:`ranks_owning_wrong_rows` names those ranks.
 """
 
 from __future__ import annotations

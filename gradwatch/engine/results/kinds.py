@@ -4,18 +4,14 @@
 (``Verdict.FAIL == "fail"``, ``f"{ProbeKind.DESCENT}" == "descent"``, JSON writes ``"fail"``), so reports compare,
 print and serialise as they did when these were plain strings.
 
-:data:`PROBE_KINDS` holds each kind's properties (:class:`KindTraits`), read through ``kind.traits``; the engine asks
-them (``task.kind.traits.moves_inputs``) instead of listing kind names, like Lightning's ``EarlyStopping.mode_dict``.
+:data:`PROBE_KINDS` holds each kind's properties (:class:`KindTraits`), read through ``kind.traits``: the engine asks
+them (``task.kind.traits.moves_inputs``) instead of listing kind names.
 
 Adding a probe kind of the parameters is a member of :class:`ProbeKind` (its value is what reports show), its row in
-:data:`PROBE_KINDS`, whose properties say where the rest of the engine takes the new probes in (float64
-re-measurement, the check's verdict, the culprit search, ``focus``, the signatures of surrogate gradients), and one
-method of the portfolio named by the row's ``made_by`` (:meth:`Portfolio.every_check
-<gradwatch.engine.probing.portfolio.Portfolio.every_check>`): both the recomputed and the applied check then make one
-such probe at every check and measure it up the same ladder (``tests/engine/test_new_kind.py`` adds one). Probes of one
-module belong to :mod:`gradwatch.engine.culprits`, comparisons of gradients to
-:mod:`gradwatch.engine.recomputed.compiled`. ``tests/engine/test_kinds.py`` checks that every kind has a row, that no
-other module spells kind names, and that ``docs/kinds-and-notes.md`` lists the row.
+:data:`PROBE_KINDS`, whose properties say where the rest of the engine takes the new probes in, and the portfolio
+method named by the row's ``made_by`` (``docs/kinds-and-notes.md`` says how; ``tests/engine/test_new_kind.py`` adds
+one). ``tests/engine/test_kinds.py`` checks that every kind has a row, that no other module spells kind names, and that
+``docs/kinds-and-notes.md`` lists the row.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The settings that change the numbers a check compares: :class:`Numerics`, recorded on every report.
 
 On a GPU the same model computes different numbers under different global settings: float32 matmuls and convolutions
-in TF32 (10 mantissa bits: about 1e-3 relative error against 1e-7), bf16/fp16 GEMMs reducing in reduced precision,
-nondeterministic kernels that sum in another order at every call, attention backends that differ in their rounding,
-autocast. In torch 2.13 cuDNN convolutions and RNNs run float32 in TF32 by default. A verdict is only understood with
-the settings it was made under, so each :class:`~gradwatch.engine.results.report.CheckReport` carries them
-(``report.numerics``), as training had them when the check started, and the JSON lines record and ``gradwatch report``
-show them. A recomputed check's own evaluations run in IEEE float32 whatever training uses
+in TF32 (about 1e-3 relative error against 1e-7; cuDNN's are on by default in torch 2.13), bf16/fp16 GEMMs reducing in
+reduced precision, nondeterministic kernels, attention backends, autocast. A verdict is only understood with the
+settings it was made under, so each report carries them as training had them when the check started
+(``report.numerics``), and the JSON lines record and ``gradwatch report`` show them. A recomputed check's own
+evaluations run in IEEE float32 whatever training uses
 (:func:`gradwatch.engine.function.conditions.full_float32_precision`): :attr:`Numerics.tf32` says which paths of
 training ran reduced, and the report's note says the check compared IEEE float32 instead.
 """

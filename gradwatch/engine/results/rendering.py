@@ -171,10 +171,6 @@ def render_text(
     return "\n".join(lines)
 
 
-def _escape(cell: str) -> str:
-    return cell.replace("|", "\\|")
-
-
 def render_markdown(report: CheckReport, *, limit: int | None = None) -> str:
     """A failing report as markdown: a heading, the :data:`CULPRIT_PREFIX` line, a table of the failing probes (all of
     them by default) with the columns :data:`MARKDOWN_COLUMNS`, then the surrogate findings and the notes as bullets.
@@ -192,9 +188,9 @@ def render_markdown(report: CheckReport, *, limit: int | None = None) -> str:
     ]
     for probe in shown:
         index = "" if probe.index is None else ", ".join(str(i) for i in probe.index)
-        target = probe.target or "(the model)"
+        target = (probe.target or "(the model)").replace("|", "\\|")
         rows.append(
-            f"| {probe.kind} | `{_escape(target)}` | {index} | {_number(probe.analytic, '.6g')} | "
+            f"| {probe.kind} | `{target}` | {index} | {_number(probe.analytic, '.6g')} | "
             f"{_number(probe.numeric, '.6g')} | {_number(probe.rel_error, '.3g')} | {_number(probe.noise, '.2g')} | "
             f"{probe.reason} |"
         )

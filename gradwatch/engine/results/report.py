@@ -71,9 +71,8 @@ class Probe:
         evaluations: Loss evaluations this probe spent: 2 for a screen that settled it, 4 for a full stencil, 8 with
             a confirmation at a second step, more when it was measured again in float64.
         floor: Applied checks only: the noise floor of the training's path along the probe's direction, in derivative
-            units (how far a correct gradient computed on that path may be off); the probe fails when
-            ``|analytic − numeric|`` exceeds a multiple of it plus the finite difference's own noise. ``None``
-            otherwise.
+            units (how far a correct gradient computed on that path may be off); the probe fails when ``|analytic −
+            numeric|`` exceeds a multiple of it plus the finite difference's own noise. ``None`` otherwise.
     """
 
     kind: ProbeKind

@@ -40,10 +40,6 @@ def _grad_scaler(trainer: pl.Trainer) -> Any:
     return scaler if scaler is not None and hasattr(scaler, "get_scale") else None
 
 
-def _distributed(trainer: pl.Trainer) -> bool:
-    return trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 class GradWatch(WatchedReports, Callback):
     r"""Check, every so often during training, that the gradients autograd computes are the derivatives of the loss.
 
@@ -236,8 +232,9 @@ class GradWatch(WatchedReports, Callback):
         def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             found = not all(bool(torch.isfinite(g).all()) for g in grads)
+            ranks = trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
             # FSDP2: each rank sees its own rows; decide together
-            return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if _distributed(trainer) else found
+            return bool(trainer.strategy.reduce_boolean_decision(found, all=False)) if ranks else found
 
         training = TrainingPath(
             combine=lambda losses: sum(losses[1:], losses[0]) / accumulate,  # Lightning divides, then sums

@@ -97,11 +97,7 @@ def _stand_ins(module: pl.LightningModule, steps: _Steps) -> Iterator[None]:
 
 
 def manual_step_loss(
-    module: pl.LightningModule,
-    batch_idx: int,
-    ordinal: int,
-    optimizer: torch.optim.Optimizer,
-    earlier: Earlier = (),
+    module: pl.LightningModule, batch_idx: int, ordinal: int, optimizer: torch.optim.Optimizer, earlier: Earlier = ()
 ) -> LossFn:
     """A ``loss_fn`` for the applied check of the ``ordinal``-th optimizer step of a batch (1 for the first), which
     steps ``optimizer``, after the batch's ``earlier`` steps: the step's own loss (see the module doc)."""

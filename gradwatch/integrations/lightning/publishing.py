@@ -35,17 +35,13 @@ class TrainerSink:
     def write(self, records: CheckRecords) -> None:
         for logger in self.trainer.loggers:
             logger.log_metrics(records.scalars, step=records.step)
-        feed_callback_metrics(self.trainer, records)
+        # as tensors in callback_metrics (what EarlyStopping and ModelCheckpoint monitor), as LearningRateMonitor does
+        device = self.trainer.strategy.root_device
+        metrics = {tag: torch.tensor(value, device=device) for tag, value in records.scalars.items()}
+        self.trainer.callback_metrics.update(metrics)
 
     def flush(self) -> None:
         """Nothing to do: each logger flushes as it is configured to."""
-
-
-def feed_callback_metrics(trainer: pl.Trainer, records: CheckRecords) -> None:
-    """The scalars as tensors in ``trainer.callback_metrics`` (what ``EarlyStopping`` and ``ModelCheckpoint``
-    monitor), as ``LearningRateMonitor`` does."""
-    device = trainer.strategy.root_device
-    trainer.callback_metrics.update({tag: torch.tensor(value, device=device) for tag, value in records.scalars.items()})
 
 
 def publish_dashboard(trainer: pl.Trainer) -> None:

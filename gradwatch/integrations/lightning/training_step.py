@@ -23,10 +23,6 @@ from gradwatch.watch.hooks import NoLossToCheckError  # training_step returned N
 __all__ = ["NoLossToCheckError", "joined_window", "loggers_silenced", "training_step_loss"]
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 @contextlib.contextmanager
 def _replaced(obj: object, name: str, value: Any) -> Iterator[None]:
     """``obj.name`` is ``value`` (an instance attribute, shadowing a method), then exactly what was there before."""
@@ -46,7 +42,7 @@ def _silenced(obj: object, names: Iterable[str]) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     for name in names:
         if callable(getattr(obj, name, None)):
-            stack.enter_context(_replaced(obj, name, _noop))
+            stack.enter_context(_replaced(obj, name, lambda *args, **kwargs: None))
     return stack
 
 
