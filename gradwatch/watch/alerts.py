@@ -176,8 +176,8 @@ class Remarks:
         return first
 
     def hear(self, report: CheckReport) -> None:
-        self._watch_for_blindness(report)
-        self._watch_for_weakness(report)
+        self._alert_on_blindness(report)
+        self._alert_on_weakness(report)
         for note in report.notes:
             if note not in self._noted:  # a note that comes back at every check is said once
                 self._noted.add(note)
@@ -199,7 +199,7 @@ class Remarks:
                 stacklevel=2,
             )
 
-    def _watch_for_weakness(self, report: CheckReport) -> None:
+    def _alert_on_weakness(self, report: CheckReport) -> None:
         """A verdict weaker than it reads, said once per run as a log record of level WARNING (no failure, so no
         :class:`GradientCheckWarning`; see :class:`Remarks`)."""
         floor = report.noise_floor  # an update check's floor is its reference's rounding, not the path's
@@ -218,7 +218,7 @@ class Remarks:
         if unchecked and self._first("unchecked"):
             log.warning("gradwatch (step %d): the applied check left %s", report.step, unchecked[0])
 
-    def _watch_for_blindness(self, report: CheckReport) -> None:
+    def _alert_on_blindness(self, report: CheckReport) -> None:
         if report.verdict != "inconclusive":
             self._inconclusive.clear()
             return
