@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.engine.distributed.library_hooks import hooks_set_aside
+from gradwatch.engine.distributed import hooks_set_aside
 
 TENSOR_PARALLEL_NOTE = (
     "tensor parallel: the model's DTensor parameters made whole on every rank for the check (its redistributing "
