@@ -10,9 +10,8 @@ from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedErr
 from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
 from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
-from gradwatch.engine.culprits.words import CulpritWords, Localization
+from gradwatch.engine.culprits.words import CulpritWords, Localization, named
 from gradwatch.engine.probing.search_budget import SearchBudget
-from gradwatch.engine.results.naming import named
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.search_progress import SearchProgress
 
