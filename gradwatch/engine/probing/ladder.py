@@ -93,7 +93,9 @@ class Ladder:
         them, the most significant first. Returns the suspects left unmeasured, made inconclusive."""
         self._prefetch([(task, PAIR_OFFSETS) for task in tasks])
         for task in tasks:
-            self._screen(task)
+            task.evaluations += len(PAIR_OFFSETS)
+            task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
+            task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
         left: list[ProbeTask] = []
         if most is not None and len(suspects) > most:
@@ -137,11 +139,6 @@ class Ladder:
         notes.append(
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
         )
-
-    def _screen(self, task: ProbeTask) -> None:
-        task.evaluations += len(PAIR_OFFSETS)
-        task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
-        task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
 
     def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
         """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead: for probes

@@ -28,4 +28,3 @@ def display_name(name: str) -> str:
 def named_module(name: str, kind: str) -> str:
     """A module named with its class, in backticks: ``\\`net[2]\\` (\\`Linear\\`)``."""
     return f"`{display_name(name)}` (`{kind}`)"
-
