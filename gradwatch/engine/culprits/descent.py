@@ -13,7 +13,7 @@ from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.culprits.words import CulpritWords, Localization, named
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import SearchProgress
 
 
 class Descent(CulpritWords):

@@ -11,7 +11,7 @@ from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.naming import display_name, named_module
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import SearchProgress
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""

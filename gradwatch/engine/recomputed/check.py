@@ -61,8 +61,7 @@ from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckReport
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import CheckReport, SearchProgress
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings
