@@ -44,7 +44,8 @@ _REPLICAS: ContextVar[Any] = ContextVar("gradwatch_tensor_parallel_group", defau
 
 def replicas_group() -> Any:
     """Inside :func:`made_plain`: the process group of every rank of the model's mesh (ranks that compute the same loss
-    on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else ``None``."""
+    on the same batch must compute the same gradient:
+    :func:`~gradwatch.engine.recomputed.layout.disagreeing_replicas`); else ``None``."""
     return _REPLICAS.get()
 
 

@@ -53,11 +53,10 @@ from gradwatch.engine.probing.portfolio import PortfolioTurn
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.collective_loss import in_lockstep_for_collective_losses
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
-from gradwatch.engine.recomputed.layout import refusing_losses_written_for_shards
+from gradwatch.engine.recomputed.layout import disagreeing_replicas, refusing_losses_written_for_shards
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
-from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
