@@ -12,10 +12,9 @@ far a correct optimizer's update is from ``u`` by rounding alone. ``Δ`` fails w
 A failing update is explained by the gradients it could have been made from: the verified gradient unclipped while
 the loop declared a clip, or the ``.grad`` the optimizer was given, scaled otherwise (fault ``"clipping"``); the
 gradient of the step before, or a ``.grad`` changed otherwise between the check and the step (``"gradient"``); none
-of them: the optimizer's update itself is wrong (``"update"``). The rule is recognised by the optimizer's class name
-and its param group's keys (duck typing, not inheritance: :func:`reference_for`), so that other libraries' classes for
-the same algorithms (a fused Adam, a Muon with auxiliary Adam groups) are checked against it; an optimizer no rule fits
-is replayed (:mod:`gradwatch.engine.update.replay`), and the report's note says which reference was used.
+of them: the optimizer's update itself is wrong (``"update"``). An optimizer no rule fits
+(:func:`~gradwatch.engine.update.algorithms.reference_for`) is replayed (:mod:`gradwatch.engine.update.replay`), and the
+report's note says which reference was used.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,12 +35,11 @@ from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Fault, Probe
-from gradwatch.engine.update.algorithms import UpdateRule, adafactor, adam, rmsprop, sgd
-from gradwatch.engine.update.muon import FLOOR_VARIANTS, keller_aux_adam, keller_muon, torch_muon
+from gradwatch.engine.update.algorithms import reference_for
 from gradwatch.engine.update.replay import ReplayError, replayed
 from gradwatch.engine.update.snapshot import KeptParameter, UpdateSnapshot
 
-__all__ = ["FLOOR_MULTIPLE", "UNRESOLVED", "Reference", "check_update", "reference_for"]
+__all__ = ["FLOOR_MULTIPLE", "UNRESOLVED", "check_update"]
 
 FLOOR_MULTIPLE = 4.0
 """How many floors ``‖Δ − u‖`` may reach: the optimizer and the floor's re-run round alike but not identically (the
@@ -318,64 +315,3 @@ def check_update(
         applied=AppliedFindings(fault=fault, fault_message=message, noise_floor=max(floors) if floors else math.nan,
                                 floor_excess=max(excess) if excess else math.nan),
     )  # fmt: skip
-
-
-ADAMS = {"adam", "adamw"}
-"""Class names (lower case) of Adams whose update is torch's Adam or AdamW rule, their step count in the state (a
-fused Adam that counts steps per group, as DeepSpeed's do, is replayed instead)."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The rule a param group's update is checked against.
-
-    Attributes:
-        name: What the report names it (``"torch.optim.AdamW"``, ``"Muon (Keller Jordan)"``).
-        hyper: The group's hyperparameters as the rule reads them (a decoupled-decay flag made explicit).
-        variants: Settings added to ``hyper`` for the floor's re-runs in the optimizer's dtype, the floor the largest
-            of their distances from the reference (Muon's two orders of operations); one empty one for the others.
-    """
-
-    name: str
-    rule: UpdateRule
-    hyper: Mapping[str, Any]
-    variants: tuple[Mapping[str, Any], ...] = ({},)
-
-
-def reference_for(optimizer: Any, group: Mapping[str, Any]) -> Reference | None:
-    """The reference rule for ``group`` of ``optimizer`` (its hyperparameters, without ``params``), or ``None``: the
-    first class of its method resolution order whose name and the group's keys fit a rule (a subclass of ``AdamW`` is
-    checked against AdamW's rule: one that changes the update is what the check is for)."""
-    hyper = {key: value for key, value in group.items() if key != "params"}
-    for klass in type(optimizer).__mro__:
-        found = _by_name(optimizer, klass.__name__, type(optimizer).__name__, group, hyper)
-        if found is not None:
-            return found
-    return None
-
-
-def _by_name(optimizer: Any, kind: str, own: str, group: Mapping[str, Any], hyper: dict[str, Any]) -> Reference | None:
-    lower = kind.lower()
-    if "muon" in lower:
-        if "use_muon" in group and not group["use_muon"]:
-            return Reference(f"{own} auxiliary Adam (Keller Jordan's adam_update)", keller_aux_adam, hyper)
-        if group.keys() >= {"ns_coefficients", "ns_steps", "momentum", "lr"}:
-            return Reference(_named(own, "Muon"), torch_muon, hyper, FLOOR_VARIANTS)
-        if group.keys() >= {"lr", "momentum"}:
-            return Reference(f"{own} (Keller Jordan's muon_update)", keller_muon, hyper, FLOOR_VARIANTS)
-        return None
-    if lower in ADAMS and group.keys() >= {"lr", "betas", "eps"}:
-        decoupled = group.get("decoupled_weight_decay", lower.endswith("w"))
-        return Reference(_named(own, "AdamW" if decoupled else "Adam"), adam,
-                         {**hyper, "decoupled_weight_decay": bool(decoupled)})  # fmt: skip
-    if lower == "sgd" and group.keys() >= {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
-        return Reference(_named(own, "SGD"), sgd, hyper)
-    if lower == "rmsprop" and group.keys() >= {"lr", "alpha", "eps", "centered", "momentum"}:
-        return Reference(_named(own, "RMSprop"), rmsprop, hyper)
-    if lower == "adafactor" and group.keys() >= {"lr", "beta2_decay", "eps", "d"}:
-        return Reference(_named(own, "Adafactor"), adafactor, hyper)
-    return None
-
-
-def _named(kind: str, rule: str) -> str:
-    return f"torch.optim.{rule}" if kind == rule else f"{kind} (torch's {rule} rule)"
