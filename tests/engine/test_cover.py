@@ -12,8 +12,8 @@ from deep_models import deep_llama, language_model_loss, token_batches
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.numerics.norms import norms
-from gradwatch.engine.probing.cover import COVER_SENSITIVITY, MOST_COVER_PROBES, cover_groups, group_size
 from gradwatch.engine.probing.portfolio import Portfolio, PortfolioTurn
+from gradwatch.engine.probing.sampling import COVER_SENSITIVITY, MOST_COVER_PROBES, cover_groups, group_size
 from gradwatch.engine.settings import ProbeSettings
 
 

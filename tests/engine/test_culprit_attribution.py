@@ -1,6 +1,6 @@
 """Culprits the search attributes rather than observes: parameters a module's forward reads without calling their
 module (:mod:`gradwatch.engine.culprits.reads`), and a failing input gradient split between a module's own backward
-and the gradient reaching its output (:mod:`gradwatch.engine.culprits.consistency`)."""
+and the gradient reaching its output (:func:`gradwatch.engine.culprits.activations.own_share`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN, own_share
+from gradwatch.engine.culprits.activations import DOWNSTREAM, OWN, own_share
 from gradwatch.engine.culprits.reads import direct_reads
 from gradwatch.engine.culprits.sites import trace_sites
 from gradwatch.engine.function.evaluation import LossEvaluator

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradwatch import check_gradients
-from gradwatch.engine.distributed.library_hooks import defined_in, hooks_set_aside
+from gradwatch.engine.distributed import defined_in, hooks_set_aside
 from gradwatch.engine.distributed.tensor_parallel import is_tensor_parallel
 from gradwatch.engine.distributed.zero import is_engine, owned_range, unwrapped
 

@@ -1,20 +1,18 @@
 """The descent of a culprit search (:mod:`.search`): from the loss down the call tree, one module at a time, each
 step proved by activation probes (:mod:`.activations`); where a probe the descent needs cannot decide, a sweep of the
-modules inside the deepest one proved (their own input probes, split by :mod:`.consistency`); and the words that name
+modules inside the deepest one proved (their own input probes, split by :mod:`.activations`); and the words that name
 the culprit.
 """
 
 from __future__ import annotations
 
-from gradwatch.engine.culprits.activations import ActivationProbes, ExhaustedError
-from gradwatch.engine.culprits.consistency import DOWNSTREAM, OWN
+from gradwatch.engine.culprits.activations import DOWNSTREAM, OWN, ActivationProbes, ExhaustedError
 from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site
-from gradwatch.engine.culprits.words import CulpritWords, Localization
+from gradwatch.engine.culprits.words import CulpritWords, Localization, named
 from gradwatch.engine.probing.search_budget import SearchBudget
-from gradwatch.engine.results.naming import named
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import SearchProgress
 
 
 class Descent(CulpritWords):
@@ -180,7 +178,7 @@ class Descent(CulpritWords):
 
     def _parallel_culprit(self, site: Site) -> bool:
         """Whether a module passes a wrong gradient to its input, its output gradient right and its own backward the
-        cause (:mod:`.consistency`)."""
+        cause (:func:`~.activations.own_share`)."""
         return (
             self._verdict(site, "module_input") == "fail"
             and self._verdict(site, "activation") == "ok"
@@ -303,12 +301,12 @@ class Descent(CulpritWords):
         return owns and self._parameters_wrong(site)
 
     def _leaf_own_parameters(self, site: Site) -> bool:
-        """:meth:`_leaf_parameters_wrong`, its own backward proved the cause (:mod:`.consistency`)."""
+        """:meth:`_leaf_parameters_wrong`, its own backward proved the cause (:func:`~.activations.own_share`)."""
         return self._leaf_parameters_wrong(site) and self.probes.split(site, "module_params") == OWN
 
     def _parameters_wrong(self, owner: Site) -> bool:
         """Whether the probe of ``owner``'s own parameters fails, and not merely because the gradient reaching its
-        output is wrong (:mod:`.consistency`; that gradient is then recorded wrong)."""
+        output is wrong (:func:`~.activations.own_share`; that gradient is then recorded wrong)."""
         return (
             self._verdict(owner, "module_params") == "fail" and self.probes.split(owner, "module_params") != DOWNSTREAM
         )

@@ -19,7 +19,7 @@ some child and right from the next on (the error flows backwards): a binary sear
   the module whose forward reads it (:mod:`.reads`).
 
 A module is proved to hold the bug by its input gradient only when its backward disagrees with its forward along the
-probed direction (:mod:`.consistency`), not merely passes on a wrong gradient its output probe was too weak to see;
+probed direction (:mod:`.activations`), not merely passes on a wrong gradient its output probe was too weak to see;
 when that split finds the failure downstream's, the module is a victim whatever its output probes said, and the
 boundary lies after it. Where a probe the descent needs cannot decide (a bug's share of a gradient many modules feed),
 the modules inside the deepest one proved are probed, breadth first, for one that proves the bug inside it by its own

@@ -263,7 +263,9 @@ def _trace(model: nn.Module, evaluator: LossEvaluator, reads: dict[str, list[str
 def _sites(tracer: _SiteTracer) -> dict[str, Site]:
     """The sites of a recording, with the gradient and scale at each of their places."""
     sites, grads = tracer.sites, tracer.grads
-    hooks_of = _parameter_hooks(tracer.params)
+    # the gradient hooks on each parameter (`register_hook`), which autograd runs on its total gradient in training: a
+    # bug in one belongs to the module owning the parameter
+    hooks_of = [list((getattr(param, "_backward_hooks", None) or {}).values()) for _, param in tracer.params]
     param_leaves = iter(hooks_of)
     for (name, place, leaf), grad in zip(tracer.leaves, grads, strict=True):
         if grad is None:
@@ -283,12 +285,6 @@ def _sites(tracer: _SiteTracer) -> dict[str, Site]:
         if parent is not None and (len(parent.children) != 1 or "activation" not in site.same_as_parent):
             site.same_as_parent.discard("module_input")
     return dict(sorted(sites.items(), key=lambda item: item[1].order))
-
-
-def _parameter_hooks(params: list[tuple[str, Tensor]]) -> list[list[Any]]:
-    """The gradient hooks registered on each parameter (``register_hook``), which autograd runs on its total gradient
-    in training: a bug in one belongs to the module owning the parameter."""
-    return [list((getattr(param, "_backward_hooks", None) or {}).values()) for _, param in params]
 
 
 class Displacements:

@@ -11,26 +11,28 @@ two: every rounding scales with it). Only a backward someone wrote may not be: a
 extension's node, which :class:`CustomBackwards` looks for in the reference's graph. Where the graph holds one,
 :func:`latent_upstream_bug` differentiates the scaled copy once; where its gradient is not twice the reference's, the
 gradients at every module's boundary for both copies name the module whose output gradient doubles and whose input
-gradient does not (:mod:`.boundaries`). It warns (a note, a ``UserWarning``): training's gradient is right, the verdict
-stands.
+gradient does not (:func:`turning_point`, which also finds where a gradient turns non-finite). It warns (a note, a
+``UserWarning``): training's gradient is right, the verdict stands.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.culprits.boundaries import described, turning_point
+from gradwatch.engine.culprits.reads import within
 from gradwatch.engine.culprits.sites import Site, trace_sites
+from gradwatch.engine.culprits.words import LOSS
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.function.held import HeldValuesError
 from gradwatch.engine.function.values import as_scalar_loss
 from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.results.kinds import ProbeKind
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import passes_fallbacks
 
@@ -158,3 +160,35 @@ def _culprit(model: nn.Module, evaluator: LossEvaluator, original: Any) -> str:
 
     names = turning_point(plain, faulty)
     return described(names[0], plain) if names else "a module"
+
+
+INWARD = (ProbeKind.MODULE_INPUT, ProbeKind.MODULE_PARAMS)
+"""The places whose gradient a module's own backward computes from the gradient at its outputs."""
+
+
+def turning_point(sites: Mapping[str, Site], faulty: Callable[[Site, str], bool]) -> list[str]:
+    """The innermost module whose output gradient is healthy and whose input or parameter gradient is ``faulty`` (the
+    error flows backwards), then the modules containing it that are alike, most specific first; ``[LOSS]`` where only
+    outputs are; else ``[]``."""
+    wrong_inside = [
+        site
+        for site in sites.values()
+        if not faulty(site, ProbeKind.ACTIVATION) and any(faulty(site, place) for place in INWARD)
+    ]
+    if wrong_inside:
+        innermost = [s for s in wrong_inside if not any(within(o.name, s.name) for o in wrong_inside if o is not s)]
+        first = min(innermost, key=lambda s: s.order)
+        outer = [s for s in wrong_inside if s is not first and within(first.name, s.name)]
+        outer.sort(key=lambda s: -len(s.name))
+        return [first.name, *(s.name for s in outer)]
+    if any(faulty(site, place) for site in sites.values() for place in (ProbeKind.ACTIVATION, *INWARD)):
+        return [LOSS]
+    return []
+
+
+def described(name: str, sites: Mapping[str, Site]) -> str:
+    """``name`` in words: "`pose` (`Rotation`)", "the model (`Net`)" or "the loss function's own code"."""
+    if name == LOSS:
+        return "the loss function's own code"
+    site = sites[name]
+    return f"`{name}` (`{site.kind}`)" if name else f"the model (`{site.kind}`)"

@@ -9,12 +9,17 @@ from gradwatch.engine.culprits.activations import ActivationProbes
 from gradwatch.engine.culprits.sites import Site
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
-from gradwatch.engine.results.naming import display_name, named
+from gradwatch.engine.results.naming import display_name, named_module
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import SearchProgress
 
 LOSS = "<loss>"
 """The culprit named when the loss function's own code (after the last module, or outside every module) is wrong."""
+
+
+def named(site: Site) -> str:
+    """A site named with its module's class: ``\\`net[2]\\` (\\`Linear\\`)``."""
+    return named_module(site.name, site.kind)
 
 
 @dataclass

@@ -154,13 +154,9 @@ def writes_behind_autograds_back(model: nn.Module, evaluator: LossEvaluator) -> 
     writer = attributed.writers.get(index, BACKWARD)
     saver = attributed.savers[index] if index < len(attributed.savers) else LOSS
     names = dict(model.named_modules())
-    culprits = [writer] if writer in (LOSS, BACKWARD) else _with_ancestors(writer)
+    parts = writer.split(".")  # the writer, then the modules containing it
+    culprits = [writer] if writer in (LOSS, BACKWARD) else [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
     return Write(writer, saver, culprits, _message(writer, saver, names, len(first.changed)))
-
-
-def _with_ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
 
 def _described(name: str, names: dict[str, nn.Module]) -> str:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.engine.distributed.library_hooks import hooks_set_aside
+from gradwatch.engine.distributed import hooks_set_aside
 
 TENSOR_PARALLEL_NOTE = (
     "tensor parallel: the model's DTensor parameters made whole on every rank for the check (its redistributing "
@@ -44,7 +44,8 @@ _REPLICAS: ContextVar[Any] = ContextVar("gradwatch_tensor_parallel_group", defau
 
 def replicas_group() -> Any:
     """Inside :func:`made_plain`: the process group of every rank of the model's mesh (ranks that compute the same loss
-    on the same batch must compute the same gradient: :mod:`gradwatch.engine.recomputed.replicas`); else ``None``."""
+    on the same batch must compute the same gradient:
+    :func:`~gradwatch.engine.recomputed.layout.disagreeing_replicas`); else ``None``."""
     return _REPLICAS.get()
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradwatch.engine.distributed.library_hooks import hooks_set_aside
+from gradwatch.engine.distributed import hooks_set_aside
 
 ZERO3_NOTE = (
     "DeepSpeed ZeRO-3: every partitioned parameter gathered whole on every rank for the check, DeepSpeed's module "

@@ -130,12 +130,11 @@ class VectorizedLoss:
 
     def _halves(self, group: list[int], moves: Sequence[Move]) -> list[list[int]]:
         """One-tensor points, in the order of their tensors, as two passes split between two tensors near the middle
-        (one pass if a half would have fewer than :data:`MIN_POINTS`), so that the later batches fewer layers. Measured
-        on the overhead benchmark's models (16 points, CPU, 2.5 and 8 MB of float64 activations per point): one check
-        took 27.6 ms (CNN) and 58.4 ms (GPT) with one pass for them, 23.7 and 57.5 ms with two, and more again with
-        three or four, whose fixed costs (the layers before the first moved tensor, computed once per pass, and the
-        pass's own overhead) outweigh what they save. The detection benchmark's models (0.06-0.3 MB per point) gained
-        nothing from two passes, and the smallest lost up to 1.3 ms: hence :data:`SPLIT_ACTIVATIONS`."""
+        (one pass if a half would have fewer than :data:`MIN_POINTS`), so that the later batches fewer layers. On the
+        overhead benchmark's models (16 points, CPU, 2.5 and 8 MB of float64 activations per point) a check took 27.6
+        and 58.4 ms in one pass, 23.7 and 57.5 ms in two, more in three or four (each pass's fixed costs outweigh what
+        it saves); the detection benchmark's (0.06-0.3 MB per point) lost up to 1.3 ms: hence :data:`SPLIT_ACTIVATIONS`.
+        """
         positions = [self._positions[id(moves[i][0].tensors[0])] for i in group]
         cuts = [
             k

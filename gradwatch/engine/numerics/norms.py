@@ -67,15 +67,12 @@ def _local_norms(tensors: Sequence[Tensor], exact: bool) -> list[float]:
         groups.setdefault(tensor.device, []).append(i)
     values = [0.0] * len(tensors)
     for positions in groups.values():
-        batch = [_norm_input(tensors[i]) for i in positions]
+        batch = [
+            tensors[i].detach().float() if tensors[i].dtype in _SIXTEEN_BIT else tensors[i].detach() for i in positions
+        ]
         for i, value in zip(positions, torch.stack(_foreach_norm(batch, exact)).tolist(), strict=True):
             values[i] = value
     return values
-
-
-def _norm_input(tensor: Tensor) -> Tensor:
-    tensor = tensor.detach()
-    return tensor.float() if tensor.dtype in _SIXTEEN_BIT else tensor
 
 
 def _foreach_norm(tensors: list[Tensor], exact: bool) -> list[Tensor]:

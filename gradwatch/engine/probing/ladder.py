@@ -11,8 +11,11 @@ Every rung measures more, and only probes that the rung below could not settle c
 5. a probe along a whole direction that stays undecided (kinks, round-off) is measured again at a **finer step**;
 6. a native probe of a model too large for float64 probes that stays undecided is **measured again in float64**.
 
-What each stencil means is the judge's (:mod:`.judges`): a relative tolerance for the recomputed check, the path's
-measured noise floor for the applied one, which also says which undecided probes the last two rungs take.
+What each stencil means is the judge's (:class:`Judge`, the one thing the recomputed and the applied check do
+differently): a relative tolerance above the probe's own error for the recomputed check (:class:`Tolerance`; its own
+per tensor where a 16-bit model's floor was measured, :mod:`.tolerances`), the training path's measured noise floor
+along the probe's direction for the applied one (:class:`gradwatch.engine.applied.verdict.FloorJudge`); the judge also
+says which undecided probes the last two rungs take.
 
 Where the check evaluates points in vectorised passes, each rung asks for all its points at once
 (:meth:`~gradwatch.engine.measuring.points.Measurements.prefetch`) before judging them one by one.
@@ -22,18 +25,78 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from gradwatch.engine.function.complex_params import autograd_tensor
 from gradwatch.engine.measuring.points import Measurements
+from gradwatch.engine.numerics.assessment import Assessment, assess, confirm, screen, undecided
 from gradwatch.engine.numerics.stencil import HALF_OFFSETS, PAIR_OFFSETS, Point, Stencil
 from gradwatch.engine.numerics.steps import CONFIRMATION_STEP, finer_step, machine_epsilon, relative_step
-from gradwatch.engine.probing.judges import Judge, Tolerance
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.probing.tolerances import TensorTolerances, task_rtol
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.errors import passes_fallbacks
+
+
+class Judge(Protocol):
+    """What a probe's stencils say (see the module doc)."""
+
+    def screen(self, task: ProbeTask, stencil: Stencil, measurements: Measurements, loss_noise: float) -> Assessment:
+        """A two-point screen's verdict, its noise borrowed (``loss_noise``: one loss evaluation's round-off); a
+        ``"suspect"`` one is completed into a full stencil."""
+        ...
+
+    def assess(self, task: ProbeTask, stencil: Stencil, measurements: Measurements) -> Assessment:
+        """A full stencil's verdict, against the error it measures for itself; a ``"fail"`` is confirmed."""
+        ...
+
+    def confirm(self, task: ProbeTask, first: Assessment, second: Stencil, measurements: Measurements) -> Assessment:
+        """The verdict of a failing full stencil (``task.stencil``, judged ``first``) with an independent second one at
+        a smaller step."""
+        ...
+
+    def undecided(self, task: ProbeTask, result: Assessment) -> bool:
+        """Whether an inconclusive result hides a discrepancy worth measuring again (at a finer step, in float64)."""
+        ...
+
+
+class Tolerance:
+    """The recomputed check's judge: a probe agrees within the relative tolerance ``rtol`` (or its tensor's own, from
+    ``tolerances``) beyond its own measured error."""
+
+    def __init__(self, rtol: float, tolerances: TensorTolerances | None = None) -> None:
+        self.rtol = rtol
+        self.tolerances = tolerances
+
+    def rtol_of(self, task: ProbeTask) -> float:  # its tensor's own where the check has one per tensor
+        return task_rtol(task, self.rtol, self.tolerances)
+
+    def screen(self, task: ProbeTask, stencil: Stencil, measurements: Measurements, loss_noise: float) -> Assessment:
+        return screen(
+            stencil,
+            rtol=self.rtol_of(task),
+            scale_floor=task.scale_floor,
+            value_epsilon=measurements.value_epsilon,
+            loss_noise=loss_noise + measurements.jitter,
+        )
+
+    def assess(self, task: ProbeTask, stencil: Stencil, measurements: Measurements) -> Assessment:
+        return assess(
+            stencil,
+            rtol=self.rtol_of(task),
+            scale_floor=task.scale_floor,
+            value_epsilon=measurements.value_epsilon,
+            jitter=measurements.jitter,
+        )
+
+    def confirm(self, task: ProbeTask, first: Assessment, second: Stencil, measurements: Measurements) -> Assessment:
+        return confirm(first, self.assess(task, second, measurements))
+
+    def undecided(self, task: ProbeTask, result: Assessment) -> bool:
+        return undecided(result, self.rtol_of(task))
+
 
 FULL_OFFSETS = PAIR_OFFSETS + HALF_OFFSETS
 """The points of a full stencil."""
@@ -93,7 +156,9 @@ class Ladder:
         them, the most significant first. Returns the suspects left unmeasured, made inconclusive."""
         self._prefetch([(task, PAIR_OFFSETS) for task in tasks])
         for task in tasks:
-            self._screen(task)
+            task.evaluations += len(PAIR_OFFSETS)
+            task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
+            task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
         left: list[ProbeTask] = []
         if most is not None and len(suspects) > most:
@@ -137,11 +202,6 @@ class Ladder:
         notes.append(
             Note(NoteCode.REMEASURED_IN_FLOAT64, f"{len(pending)} undecided probe(s) measured again in float64")
         )
-
-    def _screen(self, task: ProbeTask) -> None:
-        task.evaluations += len(PAIR_OFFSETS)
-        task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
-        task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
 
     def measure_fully(self, tasks: Sequence[ProbeTask]) -> None:
         """Measure the tasks with full stencils from the start (and on up the ladder), their points ahead: for probes

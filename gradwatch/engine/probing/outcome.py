@@ -12,8 +12,7 @@ from typing import Any
 
 from gradwatch.engine.function.evaluation import LossEvaluator
 from gradwatch.engine.results.kinds import Verdict
-from gradwatch.engine.results.report import DESCENT_TARGET, Probe
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import DESCENT_TARGET, Probe, SearchProgress
 
 
 def overall_verdict(probes: Sequence[Probe]) -> Verdict:

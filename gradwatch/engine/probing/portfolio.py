@@ -40,8 +40,7 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.measuring.directions import CoordinateDirection, Direction, VectorDirection
 from gradwatch.engine.numerics.norms import norm, norms, rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step, relative_tolerance
-from gradwatch.engine.probing.cover import CoverGroup, cover_groups
-from gradwatch.engine.probing.sampling import generator, rotating_window, sample_coordinates
+from gradwatch.engine.probing.sampling import CoverGroup, cover_groups, generator, rotating_window, sample_coordinates
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.results.kinds import PROBE_KINDS, ProbeKind
 from gradwatch.engine.results.report import DESCENT_TARGET

@@ -4,7 +4,7 @@ A search costs loss evaluations in proportion to the depth and breadth of the mo
 evaluated point by point it ran for minutes while training waited. A series of checks
 (:class:`~gradwatch.GradientWatch`) therefore caps each failing check's search, in training steps of the run: when it
 runs out, the verdict stands, the report names the deepest module proved to hold the bug and the candidates left inside
-it (:class:`~gradwatch.engine.results.search_progress.SearchProgress`), and the next failing check resumes there
+it (:class:`~gradwatch.engine.results.report.SearchProgress`), and the next failing check resumes there
 (``within``, ``candidates``): it proves the module still holds the bug and goes on from the candidates left, so that a
 bug is localised over a few bounded checks. After a complete search the next failing check resumes inside the culprit it
 named, which it proves again for a fraction of a whole search.

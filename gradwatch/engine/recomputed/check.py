@@ -53,16 +53,14 @@ from gradwatch.engine.probing.portfolio import PortfolioTurn
 from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.recomputed.collective_loss import in_lockstep_for_collective_losses
 from gradwatch.engine.recomputed.compiled import compiled_culprit, compiled_parts, compiled_probes
-from gradwatch.engine.recomputed.layout import refusing_losses_written_for_shards
+from gradwatch.engine.recomputed.layout import disagreeing_replicas, refusing_losses_written_for_shards
 from gradwatch.engine.recomputed.nonfinite import measured_nonfinite
 from gradwatch.engine.recomputed.probes import measured_probes
 from gradwatch.engine.recomputed.reference import nonfinite_probes, reference_on_a_slice, without_edited
-from gradwatch.engine.recomputed.replicas import disagreeing_replicas
 from gradwatch.engine.recomputed.sixteen_bit_kernels import kernel_culprit, kernel_probes
 from gradwatch.engine.results.kinds import Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import CheckReport
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import CheckReport, SearchProgress
 from gradwatch.engine.selection import known_focus, refuse_meta, unmatched_patterns
 from gradwatch.engine.session import CheckSession
 from gradwatch.engine.settings import ProbeOptions, ProbeSettings

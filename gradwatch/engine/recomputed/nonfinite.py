@@ -6,8 +6,8 @@ rotation, #3949). Such a gradient fails the check, never "could not run": :func:
 central difference of the loss along the first non-finite entries (finite: the derivative exists and the gradient is
 wrong; not finite: the loss itself is not finite around the point, said in a note), lists where it happens, and names
 the module at which the gradient turns non-finite (finite output gradient, non-finite input or parameter gradient),
-read off every module's boundary in one backward (:mod:`gradwatch.engine.culprits.boundaries`). A loss that is not
-finite at the point itself has no derivative to compare: a note says so.
+read off every module's boundary in one backward (:func:`~gradwatch.engine.culprits.upstream.turning_point`). A loss
+that is not finite at the point itself has no derivative to compare: a note says so.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradwatch.engine.culprits.boundaries import described, turning_point
 from gradwatch.engine.culprits.sites import Site, trace_sites
+from gradwatch.engine.culprits.upstream import described, turning_point
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.numerics.norms import rms
 from gradwatch.engine.numerics.steps import machine_epsilon, relative_step

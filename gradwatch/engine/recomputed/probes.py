@@ -30,8 +30,7 @@ from gradwatch.engine.recomputed.shifted import confirm_at_a_shifted_point
 from gradwatch.engine.recomputed.signatures import stop_gradients, straight_through
 from gradwatch.engine.recomputed.sixteen_bit_floor import SixteenBitFloor, wanted
 from gradwatch.engine.results.notes import Note, NoteCode
-from gradwatch.engine.results.report import Probe
-from gradwatch.engine.results.search_progress import SearchProgress
+from gradwatch.engine.results.report import Probe, SearchProgress
 from gradwatch.engine.unreached import unreached_note
 
 

@@ -130,15 +130,11 @@ def reproduced_center(
             evaluator.notes.append(Note(NoteCode.AUTOGRAD_RECORDING, (
                 "evaluations run with autograd recording: the loss differs under torch.no_grad()")))  # fmt: skip
         center = evaluator.loss()
-    return center, _jitter(evaluator, center)
-
-
-def _jitter(evaluator: LossEvaluator, center: float) -> float:
-    """On devices with non-deterministic kernels, how much a second evaluation of the centre differs from the first."""
+    # on devices with non-deterministic kernels, how much a second evaluation of the centre differs from the first
     tensors = [p for _, p in evaluator.params] + list(evaluator.inputs.values())
     if any(t.device.type != "cpu" for t in tensors) and not torch.are_deterministic_algorithms_enabled():
-        return abs(evaluator.loss() - center)
-    return 0.0
+        return center, abs(evaluator.loss() - center)
+    return center, 0.0
 
 
 def nonfinite_probes(

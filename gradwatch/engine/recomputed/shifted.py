@@ -171,10 +171,10 @@ def _measured_replicas(
 def _judge_elsewhere(task: ProbeTask, replica: ProbeTask, rounding_drawn: bool = False) -> None:
     """Keep the task's failure if its replica at the shifted point fails the same way, reporting the smaller of the
     two discrepancies (a wrong backward at a tie is measured more truly away from it); else make it inconclusive.
-    ``rounding_drawn``: the gradient is a 16-bit one judged against its measured floor, whose rounding is a draw that
-    changes from point to point (where 16 bits move a kink of a ReLU or max-pool, a correct float16 gradient of a
-    BatchNorm bias was measured 1.3% off at one point, 0.05% at the next), while a wrong 16-bit kernel is wrong at both:
-    a failure the shifted point does not reproduce is that draw, smooth point or not."""
+    ``rounding_drawn``: a 16-bit gradient judged against its measured floor, whose rounding is drawn anew at each
+    point (where 16 bits move a ReLU's or max-pool's kink, a correct float16 BatchNorm bias gradient was 1.3% off at one
+    point, 0.05% at the next) while a wrong 16-bit kernel is wrong at both: a failure the shifted point does not
+    reproduce is that draw, smooth point or not."""
     first, second = task.result, replica.result
     assert first is not None
     assert second is not None

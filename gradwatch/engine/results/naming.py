@@ -8,8 +8,6 @@ The names a report keeps for code (:attr:`~gradwatch.engine.results.report.Check
 
 from __future__ import annotations
 
-from typing import Protocol
-
 MODEL_NAME = "<model>"
 """How the model itself is named to a reader."""
 
@@ -30,18 +28,3 @@ def display_name(name: str) -> str:
 def named_module(name: str, kind: str) -> str:
     """A module named with its class, in backticks: ``\\`net[2]\\` (\\`Linear\\`)``."""
     return f"`{display_name(name)}` (`{kind}`)"
-
-
-class NamedModule(Protocol):
-    """A module with its name (a culprit search's site)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def kind(self) -> str: ...
-
-
-def named(module: NamedModule) -> str:
-    """:func:`named_module` of a module with a ``name`` and a ``kind``."""
-    return named_module(module.name, module.kind)

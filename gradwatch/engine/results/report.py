@@ -20,7 +20,6 @@ from gradwatch.engine.results.findings import Fault as Fault
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.numerics import Numerics
-from gradwatch.engine.results.search_progress import SearchProgress
 from gradwatch.errors import CheckAbandonedError as CheckAbandonedError
 from gradwatch.errors import GradientCheckError as GradientCheckError
 from gradwatch.errors import UnrestoredStateWarning as UnrestoredStateWarning
@@ -39,6 +38,35 @@ training's own path computed it (autocast, compiled graph, accumulation, cross-r
 (:func:`~gradwatch.engine.recomputed.check.check_gradients`)."""
 
 _E = TypeVar("_E", bound=Enum)
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """How far a culprit search got (:attr:`CheckReport.culprit_search`), and where a series of checks resumes it
+    (:mod:`gradwatch.engine.probing.search_budget`).
+
+    Attributes:
+        complete: Whether the search ended by its own logic (a culprit named, or no module to single out); ``False``
+            when its cap or its limit of probes stopped it.
+        within: The modules proved to hold the bug, outermost first (where the next search resumes).
+        candidates: The modules inside the deepest of them among which the bug still lies (its children the search was
+            narrowing, in the order the forward runs them); all its children where it had not started narrowing.
+        resumed: Whether the search resumed where an earlier check's stopped.
+        evaluations: The loss evaluations the search spent in this check.
+    """
+
+    complete: bool
+    within: tuple[str, ...] = ()
+    candidates: tuple[str, ...] = ()
+    resumed: bool = False
+    evaluations: int = 0
+
+    def resume_point(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(within, candidates)`` where the next search goes on: inside the deepest module proved, among the
+        candidates left; after a complete search, inside the culprit it named (the next failing check proves it
+        again and names it for a fraction of a whole search, or starts over where it no longer holds the bug)."""
+        return (self.within, ()) if self.complete else (self.within, self.candidates)
+
 
 DESCENT_TARGET = "*"
 """The ``target`` of the descent probe, which moves every trainable parameter at once."""
@@ -168,7 +196,7 @@ class CheckReport:
             reductions, deterministic algorithms, attention backends, autocast; see
             :mod:`gradwatch.engine.results.numerics`).
         culprit_search: How far a failing check's culprit search got (a
-            :class:`~gradwatch.engine.results.search_progress.SearchProgress`: complete, or stopped at its cap where the
+            :class:`SearchProgress`: complete, or stopped at its cap where the
             next check of a series goes on); ``None`` where no search ran.
     """
 
@@ -326,8 +354,7 @@ class CheckReport:
             f"{lead}{scope}step {self.step}: {self.verdict} ({len(self.probes)} probes: {self.count('ok')} ok, "
             f"{self.count('fail')} fail, {self.count('inconclusive')} inconclusive; max rel. error {worst}; "
             f"descent ratio {self.descent_ratio:.6g}; {self.n_forward} loss evaluations in {self.n_passes} forward "
-            f"passes, {self.n_backward} backward, "
-            f"{self.duration_s * 1e3:.0f} ms)"
+            f"passes, {self.n_backward} backward, {self.duration_s * 1e3:.0f} ms)"
         )
 
     def scalars(self) -> dict[str, float]:

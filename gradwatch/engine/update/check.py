@@ -12,8 +12,9 @@ far a correct optimizer's update is from ``u`` by rounding alone. ``Δ`` fails w
 A failing update is explained by the gradients it could have been made from: the verified gradient unclipped while
 the loop declared a clip, or the ``.grad`` the optimizer was given, scaled otherwise (fault ``"clipping"``); the
 gradient of the step before, or a ``.grad`` changed otherwise between the check and the step (``"gradient"``); none
-of them: the optimizer's update itself is wrong (``"update"``). An optimizer gradwatch has no rule for is replayed
-(:mod:`gradwatch.engine.update.replay`), and the report's note says which reference was used.
+of them: the optimizer's update itself is wrong (``"update"``). An optimizer no rule fits
+(:func:`~gradwatch.engine.update.algorithms.reference_for`) is replayed (:mod:`gradwatch.engine.update.replay`), and the
+report's note says which reference was used.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gradwatch.engine.results.findings import AppliedFindings
 from gradwatch.engine.results.kinds import ProbeKind, Reason, Verdict
 from gradwatch.engine.results.notes import Note, NoteCode
 from gradwatch.engine.results.report import CheckReport, Fault, Probe
-from gradwatch.engine.update.references import reference_for
+from gradwatch.engine.update.algorithms import reference_for
 from gradwatch.engine.update.replay import ReplayError, replayed
 from gradwatch.engine.update.snapshot import KeptParameter, UpdateSnapshot
 
@@ -64,10 +65,6 @@ class _Compared:
     source: str
 
 
-def _float64(value: object) -> object:
-    return value.detach().to("cpu", torch.float64) if isinstance(value, Tensor) and value.is_floating_point() else value
-
-
 def _rule_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update, Tensor, float, str] | None:
     """The float64 update from a gradient, the floor (the distance from the reference of the rule re-run in the
     optimizer's dtypes, rounded to the parameter's) and the reference's name; ``None`` when no rule fits (the
@@ -77,7 +74,12 @@ def _rule_updates(snapshot: UpdateSnapshot, kept: KeptParameter) -> tuple[Update
         return None
     dtype = kept.before.dtype
     before64 = kept.before.detach().to("cpu", torch.float64)
-    state64 = {key: _float64(value) for key, value in kept.state.items()}
+    state64 = {
+        key: value.detach().to("cpu", torch.float64)
+        if isinstance(value, Tensor) and value.is_floating_point()
+        else value
+        for key, value in kept.state.items()
+    }
 
     def precise(grad: Tensor) -> Tensor:
         new = reference.rule(before64, grad.to("cpu", torch.float64), state64, reference.hyper, precise=True,
@@ -147,11 +149,6 @@ def _wrong_shares(kept: KeptParameter, compared: _Compared) -> list[int]:
     ranks = [rank for rank, (start, count) in enumerate(kept.shares)
              if count and float(difference[start : start + count].norm()) > compared.probe.noise]  # fmt: skip
     return ranks if len(ranks) < len(kept.shares) else []
-
-
-def _cosine(a: Tensor, b: Tensor) -> float:
-    norms = float(a.norm()) * float(b.norm())
-    return float((a * b).sum()) / norms if norms > 0 else math.nan
 
 
 def _matches(compared: _Compared, grad: Tensor) -> bool:
@@ -290,7 +287,9 @@ def check_update(
         kept, compared = failure
         grads = given or {}
         fault, why = _fault(snapshot, kept, compared, grads.get(kept.name))
-        cosine = _cosine(compared.applied, compared.reference)
+        applied, reference = compared.applied, compared.reference
+        norms = float(applied.norm()) * float(reference.norm())
+        cosine = float((applied * reference).sum()) / norms if norms > 0 else math.nan
         ratio = compared.probe.numeric / compared.probe.analytic if compared.probe.analytic > 0 else math.inf
         message = (
             f"the update of `{kept.name}` is {compared.probe.rel_error:.3g} off the reference ({compared.source}): "
