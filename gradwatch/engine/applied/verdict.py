@@ -162,7 +162,7 @@ def relative_floor(descent: Probe | None) -> float:
 
 
 class FloorJudge:
-    """The applied check's judge for the ladder (:class:`~gradwatch.engine.probing.judges.Judge`): each probe against
+    """The applied check's judge for the ladder (:class:`~gradwatch.engine.probing.ladder.Judge`): each probe against
     ``multiple`` times the path's floor along its direction (``task.floor``) plus its own noise (:func:`judge`).
 
     A screen borrows ``measurements.loss_noise``, the round-off of one loss evaluation (assumed in float64, measured
