@@ -47,15 +47,11 @@ which cannot hold the trainer."""
 
 
 def _stateful(state: TrainerState) -> dict[str, Any]:
-    """``state.stateful_callbacks``, a dict of states by name (a list before ``TrainerState`` turns it into one)."""
+    """``state.stateful_callbacks``, where the Trainer's next checkpoint saves the watch's state (a list before
+    ``TrainerState`` turns it into a dict of states by name)."""
     if not isinstance(state.stateful_callbacks, dict):
         state.stateful_callbacks = {}  # type: ignore[assignment]
     return cast(dict[str, Any], state.stateful_callbacks)
-
-
-def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
-    """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
-    _stateful(state)[STATE_KEY] = value
 
 
 def run_sinks(
@@ -199,8 +195,11 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             # the gradient before the Trainer clips it: the applied check runs first thing in the clipping call
             self._clip_grad_norm = self.trainer.accelerator.clip_grad_norm_
             self.trainer.accelerator.clip_grad_norm_ = self._clipping  # type: ignore[method-assign]
-            self._wrapped = True
-            self._applied_off = self._applied_unreachable(args)
+            self._wrapped, self._applied_off = True, None
+            if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+                self._no_applied(
+                    "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+                )
             if self._applied_off is None and getattr(self.trainer, "is_deepspeed_enabled", False):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
@@ -208,17 +207,17 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         saved = _stateful(state).get(STATE_KEY)  # a checkpoint's, on resume
         if isinstance(saved, dict):
             self.watch.load_state_dict(saved)
-        _keep_state(state, self.watch.state_dict())
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     @guarded_hook("GradWatchCallback.on_epoch_end")
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        _keep_state(state, self.watch.state_dict())  # a checkpoint saved at the epoch's end
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()  # a checkpoint saved at the epoch's end
 
     @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        _keep_state(state, self.watch.state_dict())  # trainer.save_state() after the run
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()  # trainer.save_state() after the run
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
         if self._engine_hook is not None:
@@ -245,11 +244,10 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         if args.max_grad_norm > 0:
             # the Trainer clipped elsewhere (gradients on several device meshes, SageMaker): what the optimizer applies
             # is no longer the window's gradient, and a check of it would be a false alarm
-            self._applied_off = (
+            self._no_applied(
                 "the Trainer clipped the gradient without accelerator.clip_grad_norm_ (gradients on several device "
                 "meshes, or SageMaker model parallelism), so the gradient before clipping cannot be reached"
             )
-            self._say_applied_off()
             self._in_window = False
             self.watch.before_optimizer_step(self._model, no_micro_batch, step=state.global_step + 1, skipped=True)
             return
@@ -274,7 +272,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             # before the Trainer saves a checkpoint of this step (DefaultFlowCallback, which runs before this callback,
             # asked for one, or for an evaluation that may save the best model), not at every step: a state_dict
             # costs more than the rest of an idle step; the epoch's and the run's ends keep it too
-            _keep_state(state, self.watch.state_dict())
+            _stateful(state)[STATE_KEY] = self.watch.state_dict()
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -327,7 +325,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             self.trainer, self._model, self._trainer_loss, self.loss_fn, count=self._window_count,
             first=self._window_first,
         )  # fmt: skip
-        with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
+        with path.unwrapped():
             self.watch.before_optimizer_step(
                 self._model,
                 path.loss,
@@ -338,16 +336,10 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
                 optimizers=optimizers,
             )
 
-    def _applied_unreachable(self, args: TrainingArguments) -> str | None:
-        """Why this run's applied gradient cannot be reached (said once), else ``None``."""
-        if self.watch.applied_every_n_steps is None or not getattr(self.trainer, "is_fsdp_enabled", False):
-            return None
-        self._applied_off = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
-        self._say_applied_off()
-        return self._applied_off
-
-    def _say_applied_off(self) -> None:
-        message = f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on"
+    def _no_applied(self, why: str) -> None:
+        """No applied checks in this run, said once: ``why``."""
+        self._applied_off = why
+        message = f"gradwatch: no applied checks in this run: {why}; the recomputed checks go on"
         warnings.warn(message, GradientCheckWarning, stacklevel=3)
 
     # --- the loss ---------------------------------------------------------------------------------------------------
