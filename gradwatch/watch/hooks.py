@@ -40,11 +40,6 @@ class TrainingPath:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
-def no_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """The default context around a check: none."""
-    return contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def local_batch_norm(module: nn.Module) -> Iterator[None]:
     """Let every ``SyncBatchNorm`` compute its statistics from this process's batch alone during a check.

@@ -44,7 +44,7 @@ from gradwatch.watch.defaults import (
     DEFAULT_PROBE_BATCH_SIZE,
 )
 from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
-from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
+from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.optimized import clip_check, gradients_of, optimizer_argument, updated_parameters
 from gradwatch.watch.outcomes import Outcomes
@@ -181,7 +181,7 @@ class GradientWatch:
         )
         self._decide = decide or rank0_decides
         self._agree = agree or agree_across_ranks
-        self._context = context or no_context
+        self._context = context or contextlib.nullcontext
         self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report)
         self._lessons = Lessons(self.settings)  # what the checks taught the next ones
         self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
