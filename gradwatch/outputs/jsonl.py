@@ -280,18 +280,8 @@ def record_numerics(record: Any) -> str | None:
     return describe_numerics(settings) if isinstance(settings, Mapping) else None
 
 
-def is_applied(record: Any) -> bool:
-    """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
-    return isinstance(record, Mapping) and record.get("scope") == "applied"
-
-
-def is_update(record: Any) -> bool:
-    """Whether a decoded line is an update check's (``"scope": "update"``)."""
-    return isinstance(record, Mapping) and record.get("scope") == "update"
-
-
 def parse_update_record(record: Any) -> AppliedRecord:
-    """One decoded line of an update check (:func:`is_update`), checked as :func:`parse_applied_record` checks an
+    """One decoded line of an update check (``"scope": "update"``), checked as :func:`parse_applied_record` checks an
     applied check's; its scalars are the ``gradwatch/update/*`` ones."""
     parsed = parse_applied_record(record)
     scalars = {tag: value for tag, value in record.get("scalars", {}).items() if tag.startswith(UPDATE_PREFIX)}
@@ -300,7 +290,7 @@ def parse_update_record(record: Any) -> AppliedRecord:
 
 
 def parse_applied_record(record: Any) -> AppliedRecord:
-    """One decoded line of an applied check (:func:`is_applied`): the format, version, step and verdict are checked as
+    """One decoded line of an applied check (``"scope": "applied"``): format, version, step and verdict checked as
     :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.results.report.FAULTS`.
 
     Raises:
