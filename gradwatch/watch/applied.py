@@ -146,12 +146,6 @@ class Findings:
     verified: Verified | None = None
     """The gradient the last check verified, until the clip check of its step takes it."""
 
-    def previous_fault(self, optimizer: Any) -> tuple[int, str | None] | None:
-        return self.faults.get(id(optimizer))
-
-    def found(self, optimizer: Any, step: int, fault: str | None) -> None:
-        self.faults[id(optimizer)] = (step, fault)
-
     def take_verified(self, step: int) -> Verified | None:
         """The gradient verified at ``step`` (forgotten now, whatever its step), else ``None``."""
         verified, self.verified = self.verified, None

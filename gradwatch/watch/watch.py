@@ -742,7 +742,7 @@ class GradientWatch:
             self._say_once("gradient", UNREAD_GRADIENT.format(step=step))
         group = default_group(model) if group == "auto" else group
         started = time.perf_counter()
-        window.last_fault = self._findings.previous_fault(optimizer)  # a fault found again is no one-off
+        window.last_fault = self._findings.faults.get(id(optimizer))  # a fault found again is no one-off
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
@@ -761,7 +761,7 @@ class GradientWatch:
             return None
         if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
             self._applied.owe()
-        self._findings.found(optimizer, step, report.fault)
+        self._findings.faults[id(optimizer)] = (step, report.fault)
         self._lessons.learn_applied(report)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an
