@@ -69,7 +69,11 @@ def trainer_join(trainer: Any) -> Callable[[list[tuple[dict[str, Any], Any]]], t
         halves = [_halves(inputs) for inputs, _ in items]
         first, _ = joined_inputs([(h[0], count) for h, (_, count) in zip(halves, items, strict=True)])
         second, count = joined_inputs([(h[1], count) for h, (_, count) in zip(halves, items, strict=True)])
-        return {key: _rejoined(key, first[key], second[key]) for key in first}, count
+        # a split tensor's first-half rows, then its second-half rows, padded to one length as concatenate pads
+        joined = {
+            key: concatenate([{key: first[key]}, {key: second[key]}])[key] for key in first if second[key] is not None
+        }
+        return {**first, **joined}, count
 
     return join
 
@@ -89,14 +93,6 @@ def _halves(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             first[key], second[key] = value, None
     return first, second
-
-
-def _rejoined(key: str, first: Any, second: Any) -> Any:
-    """A joined tensor's first-half rows then its second-half rows, padded to one length as
-    :func:`~gradwatch.engine.applied.equivalence.concatenate` pads (``ValueError`` where no padding is known)."""
-    if second is None:
-        return first
-    return concatenate([{key: first}, {key: second}])[key]
 
 
 def scaled_for_window(trainer: Trainer, num_items_in_batch: Any) -> bool:

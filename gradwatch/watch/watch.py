@@ -714,7 +714,7 @@ class GradientWatch:
         if window is None or not self._lessons.checkable(model):
             return None
         if skipped() if callable(skipped) else skipped:
-            self._applied.skipped()
+            self._applied.owe()
             if self.verbose:
                 log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
             return None
