@@ -1,13 +1,11 @@
 """``GradWatchCallback``: gradient checks in a Hugging Face ``transformers.Trainer`` run (and the TRL trainers on it).
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
-and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to see each micro-batch (a shallow copy of
-the inputs, with the ``num_items_in_batch`` the Trainer passed), which a due window records for the applied check, and
-``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the engine's
-step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. Outputs go through the watch's
-sinks, built once per run (:func:`run_sinks`); the watch's state rides in the Trainer's
-checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is put back after it
-(:mod:`.trainer_records`).
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: it wraps ``trainer.compute_loss`` to see each micro-batch
+(a shallow copy of the inputs, with the Trainer's ``num_items_in_batch``), which a due window records for the applied
+check, and ``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the
+engine's step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. The watch's state rides
+in the Trainer's checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is
+put back after it (:mod:`.trainer_records`).
 """
 
 from __future__ import annotations
@@ -57,12 +55,9 @@ def _stateful(state: TrainerState) -> dict[str, Any]:
 def run_sinks(
     trainer: Trainer, args: TrainingArguments, state: TrainerState, log: Callable[[dict[str, float | str], int], object]
 ) -> list[Sink]:
-    """The sinks of one run, found from the Trainer's own ``report_to`` integrations: on every process the scalars
-    through ``log(values, step)`` (``trainer.log``, which reaches every integration and keeps each process's log
-    history); on the main process what each integration shows besides scalars and the JSON lines record beside its run
-    (:mod:`gradwatch.integrations.loggers`: in a TensorBoard run the histogram and the failure text beside the
-    Trainer's ``train/...`` tags and the record in its directory; for a W&B or MLflow run the record in
-    ``<output_dir>/gradwatch_records/<callback>-<run id>``; otherwise in ``output_dir``)."""
+    """The sinks of one run, from the Trainer's ``report_to`` integrations: on every process the scalars through
+    ``log(values, step)`` (``trainer.log``, which reaches every integration); on the main process what each integration
+    shows besides scalars and the JSON lines record beside its run (:mod:`gradwatch.integrations.loggers`)."""
     sinks: list[Sink] = [LogCallSink(log)]
     if state.is_world_process_zero:
         sinks += logger_sinks(trainer_runs(trainer, args), prefix=TRAINER_PREFIX)
@@ -70,8 +65,8 @@ def run_sinks(
 
 
 class TrainerLog:
-    """Sends a check's values through ``trainer.log`` at the Trainer's step: at once when the Trainer is at that step,
-    else (an applied check, made before its optimizer step) at that step's end (:meth:`flush`)."""
+    """A check's values through ``trainer.log``: at once, or for an applied check (made before its optimizer step) at
+    that step's end (:meth:`flush`)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer

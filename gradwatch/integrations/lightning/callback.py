@@ -1,13 +1,11 @@
 """``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`, which owns both kinds of check (schedule, budget, state,
-alerts, outputs). It turns Lightning's hooks into the watch's three calls: ``on_train_batch_start`` records the
-micro-batch and its index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed
-unscale, before clipping) runs the applied check, with the module's own ``training_step`` as the loss (each
-micro-batch's divided by ``accumulate_grad_batches`` and summed), the precision plugin's forward context as the path,
-the grad scaler's scale and its skipped steps; ``on_train_batch_end`` runs the recomputed check. Around every check the
-trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the records go to the loggers through sinks
-built once per run (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`); the report goes to the progress bar.
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: ``on_train_batch_start`` records the micro-batch and its
+index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed unscale, before
+clipping) runs the applied check, with the module's own ``training_step`` as the loss (each micro-batch's divided by
+``accumulate_grad_batches`` and summed) on the precision plugin's forward context; ``on_train_batch_end`` runs the
+recomputed check. Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the
+records go to the loggers (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`) and the progress bar.
 """
 
 from __future__ import annotations
