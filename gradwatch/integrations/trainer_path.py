@@ -243,27 +243,6 @@ class TrainerPath:
             self.model.forward = saved  # type: ignore[method-assign]
 
 
-def engine_checks(
-    engine: Any,
-    check: Callable[[Mapping[str, torch.Tensor]], None],
-    clipped: Callable[[float, Callable[[], float | None]], None] | None = None,
-) -> Any:
-    """Under ``Trainer(deepspeed=...)`` the engine steps inside ``accelerator.backward`` and keeps the reduced gradient
-    partitioned, out of each parameter's ``.grad``: ``check(gradients)`` runs at its accumulation boundary, after the
-    reduction and before its clipping, with the full gradients by name (read only when a due check reads them); and
-    ``clipped(max_norm, norm)`` after its step, where it clipped, with a function that reads the norm it clipped with
-    (:func:`~gradwatch.integrations.deepspeed.clipped_norm`). The returned hook's ``remove()`` ends it. Imports
-    DeepSpeed, which such a run has."""
-    from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, clipped_norm
-
-    def after() -> None:
-        max_norm = float(engine.gradient_clipping() or 0.0)
-        if clipped is not None and max_norm > 0:
-            clipped(max_norm, lambda: clipped_norm(engine))
-
-    return before_engine_steps(engine, lambda: check(FullGradients(engine)), after)
-
-
 COUNT_KEY = "num_items_in_batch"
 """Where TRL's GRPO-family trainers keep the window's count of completion tokens in the inputs, besides the Trainer's
 own argument of that name."""
