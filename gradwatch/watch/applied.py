@@ -73,8 +73,7 @@ class Windows:
         return self._open
 
     def record(self, batch: Any, model: nn.Module | None, key: Any = None) -> None:
-        """Keep the micro-batch :meth:`begin` opened the window for, in the window of ``key`` (an optimizer; ``None``:
-        the window every optimizer of the step shares)."""
+        """Keep the micro-batch in the window of ``key`` (an optimizer; ``None``: the step's shared window)."""
         window = self.windows.get(key)
         if window is None:
             window = self.windows[key] = AppliedWindow(model)
