@@ -462,11 +462,11 @@ class GradientWatch:
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
-        if training is not None and (combine, path, join, window_normalised) != ("mean", None, None, False):
+        plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
+        if training is not None and not plain:
             raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
-        if training is None:  # the defaults' one object, not a new one at every step
-            plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
-            training = _PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised)
+        # the defaults' one object, not a new one at every step
+        training = training or (_PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised))
         try:
             if optimizer is None and self._updates.pending is None and self._windows.idle(step):
                 # no window kept for this step, none due after it: the step's bookkeeping alone, as _window() does it
@@ -746,7 +746,7 @@ class GradientWatch:
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **training.arguments(),
+            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **vars(training),
             float64_probes=self._lessons.float64.allows(model),  # not tried again in vain once it ran out of memory
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
