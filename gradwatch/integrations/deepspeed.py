@@ -102,7 +102,7 @@ def before_engine_steps(
     return hook
 
 
-def engine_checks(
+def _engine_checks(
     engine: Any,
     check: Callable[[Mapping[str, Tensor]], None],
     clipped: Callable[[float, Callable[[], float | None]], None],
@@ -150,4 +150,4 @@ def applied_checks_inside_steps(
         with watch.guarded("the DeepSpeed engine's check of its clip norm"):  # the norm read only if a check verified
             watch.after_clipping(module, max_norm, step=int(engine.global_steps) + 1, clipped_with=norm)
 
-    return engine_checks(engine, check, clipped)
+    return _engine_checks(engine, check, clipped)

@@ -23,7 +23,7 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
-from gradwatch.integrations.deepspeed import engine_checks
+from gradwatch.integrations.deepspeed import _engine_checks as engine_checks
 from gradwatch.integrations.loggers import logger_sinks, trainer_runs
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
 from gradwatch.integrations.trainer_path import TrainerPath
