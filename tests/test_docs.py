@@ -19,8 +19,8 @@ import gradwatch
 import gradwatch.cli.demo
 import gradwatch.cli.reporting
 from gradwatch import GradientWatch, GradWatch
+from gradwatch.engine.results.rendering import render_text
 from gradwatch.engine.settings import ProbeSettings
-from gradwatch.watch.alerts import failure_message
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -134,7 +134,7 @@ def test_the_sample_failure_is_the_warning_the_demo_raises(tmp_path: Path) -> No
     reports, _ = gradwatch.cli.demo.train(
         gradwatch.cli.demo.RUNS["rmsnorm"], tmp_path, steps=1, every=50, progress_bar=False
     )
-    warning = failure_message(reports[0]).splitlines()
+    warning = render_text(reports[0]).splitlines()
     sample = _sample_failure()
     assert len(sample) == len(warning)
     for quoted, printed in zip(sample, warning, strict=True):

@@ -1,4 +1,4 @@
-"""The ``gradwatch`` command line: ``gradwatch demo`` (:mod:`.demo`) and ``gradwatch report`` (:mod:`.report`),
+"""The ``gradwatch`` command line: ``gradwatch demo`` (:mod:`.demo`) and ``gradwatch report`` (:mod:`.reporting`),
 dispatched by :func:`main` (:mod:`.main`)."""
 
 from gradwatch.cli.main import main

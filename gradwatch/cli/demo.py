@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gradwatch.cli.reporting import _fmt
 from gradwatch.engine.results.naming import display_name
 from gradwatch.engine.results.rendering import render_text
 from gradwatch.engine.results.report import CheckReport
@@ -114,10 +114,6 @@ def train(
     finally:
         alerts_log.setLevel(level)
     return watch.recomputed_reports, logger.log_dir
-
-
-def _fmt(value: float, spec: str) -> str:
-    return "n/a" if math.isnan(value) else format(value, spec)
 
 
 DEMO_LIMIT = 8

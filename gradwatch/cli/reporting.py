@@ -104,9 +104,7 @@ def _worst_tensors(failures: Sequence[FailureRecord]) -> list[list[str]]:
 
 
 def _applied_lines(run: RunRecord, max_rows: int) -> list[str]:
-    """The applied checks of a run (the gradient the optimizer applied, checked on the training's path, and the clip
-    coefficient's check of the same step): each failing one led by its fault and what named it, then a table of every
-    one, each with its own verdict."""
+    """The applied checks of a run: of the gradient the optimizer applied, and the clip coefficient's of the step."""
     rows = [
         [
             str(a.step),
@@ -124,8 +122,7 @@ def _applied_lines(run: RunRecord, max_rows: int) -> list[str]:
 
 
 def _update_lines(run: RunRecord, max_rows: int) -> list[str]:
-    """The update checks of a run (the update the optimizer made, against a reference): each failing one led by its
-    fault and what named it, then a table of every one."""
+    """The update checks of a run: the update the optimizer made, against a reference."""
     rows = [
         [str(u.step), u.verdict, u.fault or "-", _fmt(u.get("floor_excess"), ".3g"),
          _fmt(u.get("rel_error_max"), ".2e"), _fmt(u.get("noise_floor"), ".2e")]

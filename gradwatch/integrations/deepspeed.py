@@ -19,8 +19,10 @@ gradient's true norm (a norm over one rank's partition, or counted twice, gives 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from torch import Tensor
 
 from gradwatch.engine.distributed.zero import FullGradients, clipped_norm, engine_module, full_gradients
 from gradwatch.engine.function.evaluation import LossFn
@@ -100,6 +102,23 @@ def before_engine_steps(
     return hook
 
 
+def _engine_checks(
+    engine: Any,
+    check: Callable[[Mapping[str, Tensor]], None],
+    clipped: Callable[[float, Callable[[], float | None]], None],
+) -> EngineStepHook:
+    """:func:`before_engine_steps` with ``check(gradients)``, the engine's full gradients by name (read only when a due
+    check reads them), and after its step, where it clips, ``clipped(max_norm, norm)`` with a function that reads the
+    norm it clipped with (:func:`clipped_norm`)."""
+
+    def after() -> None:
+        max_norm = float(engine.gradient_clipping() or 0.0)
+        if max_norm > 0:
+            clipped(max_norm, lambda: clipped_norm(engine))
+
+    return before_engine_steps(engine, lambda: check(FullGradients(engine)), after)
+
+
 def applied_checks_inside_steps(
     engine: Any, watch: GradientWatch, loss_fn: LossFn | None = None, **options: Any
 ) -> EngineStepHook:
@@ -122,16 +141,13 @@ def applied_checks_inside_steps(
         raise TypeError(f"`watch` must be a gradwatch.GradientWatch; got {type(watch).__name__}")
     module = engine_module(engine)
 
-    def check() -> None:
+    def check(gradients: Mapping[str, Tensor]) -> None:
         with watch.guarded("the DeepSpeed engine's applied check"):
             step = int(engine.global_steps) + 1
-            watch.before_optimizer_step(module, loss_fn, step=step, gradients=FullGradients(engine), **options)
+            watch.before_optimizer_step(module, loss_fn, step=step, gradients=gradients, **options)
 
-    def clipped() -> None:
-        with watch.guarded("the DeepSpeed engine's check of its clip norm"):
-            max_norm = float(engine.gradient_clipping() or 0.0)
-            if max_norm > 0:  # the norm is read only when a check verified this step's gradient
-                step = int(engine.global_steps) + 1
-                watch.after_clipping(module, max_norm, step=step, clipped_with=lambda: clipped_norm(engine))
+    def clipped(max_norm: float, norm: Callable[[], float | None]) -> None:
+        with watch.guarded("the DeepSpeed engine's check of its clip norm"):  # the norm read only if a check verified
+            watch.after_clipping(module, max_norm, step=int(engine.global_steps) + 1, clipped_with=norm)
 
-    return before_engine_steps(engine, check, clipped)
+    return _engine_checks(engine, check, clipped)

@@ -1,13 +1,11 @@
 """``GradWatchCallback``: gradient checks in a Hugging Face ``transformers.Trainer`` run (and the TRL trainers on it).
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`: it turns the Trainer's events into the watch's three calls
-and lends it what only the Trainer knows. It wraps ``trainer.compute_loss`` to see each micro-batch (a shallow copy of
-the inputs, with the ``num_items_in_batch`` the Trainer passed), which a due window records for the applied check, and
-``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the engine's
-step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. Outputs go through the watch's
-sinks, built once per run (:func:`run_sinks`); the watch's state rides in the Trainer's
-checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is put back after it
-(:mod:`.trainer_records`).
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: it wraps ``trainer.compute_loss`` to see each micro-batch
+(a shallow copy of the inputs, with the Trainer's ``num_items_in_batch``), which a due window records for the applied
+check, and ``accelerator.clip_grad_norm_``, where the applied check runs before it clips (under DeepSpeed: inside the
+engine's step); the recomputed check runs at ``on_step_end`` on the step's first micro-batch. The watch's state rides
+in the Trainer's checkpoints (``stateful_callbacks``); what ``compute_loss`` records during a check (TRL's metrics) is
+put back after it (:mod:`.trainer_records`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,10 @@ from typing_extensions import Unpack
 from gradwatch.engine import CheckReport, LossFn
 from gradwatch.engine.settings import ProbeSettings
 from gradwatch.engine.validation import suggests_options
+from gradwatch.integrations.deepspeed import _engine_checks as engine_checks
 from gradwatch.integrations.loggers import logger_sinks, trainer_runs
 from gradwatch.integrations.trainer_losses import compute_loss_with_count, no_micro_batch, trainer_options
-from gradwatch.integrations.trainer_path import TrainerPath, engine_checks
+from gradwatch.integrations.trainer_path import TrainerPath
 from gradwatch.integrations.trainer_records import records_kept
 from gradwatch.outputs.sinks import LogCallSink, Sink
 from gradwatch.tensorboard.writer import TRAINER_PREFIX
@@ -47,26 +46,19 @@ which cannot hold the trainer."""
 
 
 def _stateful(state: TrainerState) -> dict[str, Any]:
-    """``state.stateful_callbacks``, a dict of states by name (a list before ``TrainerState`` turns it into one)."""
+    """``state.stateful_callbacks``, where the Trainer's next checkpoint saves the watch's state (a list before
+    ``TrainerState`` turns it into a dict of states by name)."""
     if not isinstance(state.stateful_callbacks, dict):
         state.stateful_callbacks = {}  # type: ignore[assignment]
     return cast(dict[str, Any], state.stateful_callbacks)
 
 
-def _keep_state(state: TrainerState, value: dict[str, Any]) -> None:
-    """Keep the watch's state (plain JSON values) in ``state``, where the Trainer's next checkpoint saves it."""
-    _stateful(state)[STATE_KEY] = value
-
-
 def run_sinks(
     trainer: Trainer, args: TrainingArguments, state: TrainerState, log: Callable[[dict[str, float | str], int], object]
 ) -> list[Sink]:
-    """The sinks of one run, found from the Trainer's own ``report_to`` integrations: on every process the scalars
-    through ``log(values, step)`` (``trainer.log``, which reaches every integration and keeps each process's log
-    history); on the main process what each integration shows besides scalars and the JSON lines record beside its run
-    (:mod:`gradwatch.integrations.loggers`: in a TensorBoard run the histogram and the failure text beside the
-    Trainer's ``train/...`` tags and the record in its directory; for a W&B or MLflow run the record in
-    ``<output_dir>/gradwatch_records/<callback>-<run id>``; otherwise in ``output_dir``)."""
+    """The sinks of one run, from the Trainer's ``report_to`` integrations: on every process the scalars through
+    ``log(values, step)`` (``trainer.log``, which reaches every integration); on the main process what each integration
+    shows besides scalars and the JSON lines record beside its run (:mod:`gradwatch.integrations.loggers`)."""
     sinks: list[Sink] = [LogCallSink(log)]
     if state.is_world_process_zero:
         sinks += logger_sinks(trainer_runs(trainer, args), prefix=TRAINER_PREFIX)
@@ -74,8 +66,8 @@ def run_sinks(
 
 
 class TrainerLog:
-    """Sends a check's values through ``trainer.log`` at the Trainer's step: at once when the Trainer is at that step,
-    else (an applied check, made before its optimizer step) at that step's end (:meth:`flush`)."""
+    """A check's values through ``trainer.log``: at once, or for an applied check (made before its optimizer step) at
+    that step's end (:meth:`flush`)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -199,8 +191,11 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             # the gradient before the Trainer clips it: the applied check runs first thing in the clipping call
             self._clip_grad_norm = self.trainer.accelerator.clip_grad_norm_
             self.trainer.accelerator.clip_grad_norm_ = self._clipping  # type: ignore[method-assign]
-            self._wrapped = True
-            self._applied_off = self._applied_unreachable(args)
+            self._wrapped, self._applied_off = True, None
+            if self.watch.applied_every_n_steps is not None and getattr(self.trainer, "is_fsdp_enabled", False):
+                self._no_applied(
+                    "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
+                )
             if self._applied_off is None and getattr(self.trainer, "is_deepspeed_enabled", False):
                 # the engine steps inside accelerator.backward: the check sits at its boundary, before its clipping
                 self._engine_hook = engine_checks(self.trainer.model_wrapped, self._check_applied, self._engine_clipped)
@@ -208,17 +203,17 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         saved = _stateful(state).get(STATE_KEY)  # a checkpoint's, on resume
         if isinstance(saved, dict):
             self.watch.load_state_dict(saved)
-        _keep_state(state, self.watch.state_dict())
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()
         self.watch.setup(self._model)
         self.watch.start(state.global_step)
 
     @guarded_hook("GradWatchCallback.on_epoch_end")
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        _keep_state(state, self.watch.state_dict())  # a checkpoint saved at the epoch's end
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()  # a checkpoint saved at the epoch's end
 
     @guarded_hook("GradWatchCallback.on_train_end")
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        _keep_state(state, self.watch.state_dict())  # trainer.save_state() after the run
+        _stateful(state)[STATE_KEY] = self.watch.state_dict()  # trainer.save_state() after the run
         if self._wrapped and "compute_loss" in vars(self.trainer):
             del self.trainer.compute_loss
         if self._engine_hook is not None:
@@ -245,11 +240,10 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
         if args.max_grad_norm > 0:
             # the Trainer clipped elsewhere (gradients on several device meshes, SageMaker): what the optimizer applies
             # is no longer the window's gradient, and a check of it would be a false alarm
-            self._applied_off = (
+            self._no_applied(
                 "the Trainer clipped the gradient without accelerator.clip_grad_norm_ (gradients on several device "
                 "meshes, or SageMaker model parallelism), so the gradient before clipping cannot be reached"
             )
-            self._say_applied_off()
             self._in_window = False
             self.watch.before_optimizer_step(self._model, no_micro_batch, step=state.global_step + 1, skipped=True)
             return
@@ -274,7 +268,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             # before the Trainer saves a checkpoint of this step (DefaultFlowCallback, which runs before this callback,
             # asked for one, or for an evaluation that may save the best model), not at every step: a state_dict
             # costs more than the rest of an idle step; the epoch's and the run's ends keep it too
-            _keep_state(state, self.watch.state_dict())
+            _stateful(state)[STATE_KEY] = self.watch.state_dict()
         if self.watch.should_stop:  # on_fail="stop" and the check failed
             control.should_training_stop, self.watch.should_stop = True, False
 
@@ -327,7 +321,7 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
             self.trainer, self._model, self._trainer_loss, self.loss_fn, count=self._window_count,
             first=self._window_first,
         )  # fmt: skip
-        with path.unwrapped() if self.watch.recording else contextlib.nullcontext():
+        with path.unwrapped():
             self.watch.before_optimizer_step(
                 self._model,
                 path.loss,
@@ -338,16 +332,10 @@ class GradWatchCallback(WatchedReports, TrainerCallback):
                 optimizers=optimizers,
             )
 
-    def _applied_unreachable(self, args: TrainingArguments) -> str | None:
-        """Why this run's applied gradient cannot be reached (said once), else ``None``."""
-        if self.watch.applied_every_n_steps is None or not getattr(self.trainer, "is_fsdp_enabled", False):
-            return None
-        self._applied_off = "the callback does not pass FSDP's sharded gradients to the applied check yet (untested)"
-        self._say_applied_off()
-        return self._applied_off
-
-    def _say_applied_off(self) -> None:
-        message = f"gradwatch: no applied checks in this run: {self._applied_off}; the recomputed checks go on"
+    def _no_applied(self, why: str) -> None:
+        """No applied checks in this run, said once: ``why``."""
+        self._applied_off = why
+        message = f"gradwatch: no applied checks in this run: {why}; the recomputed checks go on"
         warnings.warn(message, GradientCheckWarning, stacklevel=3)
 
     # --- the loss ---------------------------------------------------------------------------------------------------

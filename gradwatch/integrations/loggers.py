@@ -59,24 +59,18 @@ def logger_sinks(runs: Sequence[LoggerRun], *, prefix: str = "", note: bool = Fa
             continue
         record = run.directory / JSONL_NAME
         records.setdefault(record, JsonLinesSink(record))
-        if note and run.writer is None:
-            missing = ["histograms"] if run.text is not None else ["the failure text", "histograms"]
-            _note_once(run.logger, missing, record)
+        if note and run.writer is None and run.logger not in _noted:
+            _noted.add(run.logger)
+            missing = "histograms" if run.text is not None else "the failure text or histograms"
+            log.info(
+                "gradwatch: %s gets gradwatch's scalars but cannot show %s; every check is recorded in %s (read it "
+                "with `gradwatch report %s`)",
+                type(run.logger).__name__,
+                missing,
+                record,
+                record.parent,
+            )
     return found + list(records.values())
-
-
-def _note_once(logger: Any, missing: list[str], record: Path) -> None:
-    if logger in _noted:
-        return
-    _noted.add(logger)
-    log.info(
-        "gradwatch: %s gets gradwatch's scalars but cannot show %s; every check is recorded in %s (read it with "
-        "`gradwatch report %s`)",
-        type(logger).__name__,
-        " or ".join(missing),
-        record,
-        record.parent,
-    )
 
 
 def lightning_runs(trainer: Any) -> list[LoggerRun]:

@@ -69,7 +69,11 @@ def trainer_join(trainer: Any) -> Callable[[list[tuple[dict[str, Any], Any]]], t
         halves = [_halves(inputs) for inputs, _ in items]
         first, _ = joined_inputs([(h[0], count) for h, (_, count) in zip(halves, items, strict=True)])
         second, count = joined_inputs([(h[1], count) for h, (_, count) in zip(halves, items, strict=True)])
-        return {key: _rejoined(key, first[key], second[key]) for key in first}, count
+        # a split tensor's first-half rows, then its second-half rows, padded to one length as concatenate pads
+        joined = {
+            key: concatenate([{key: first[key]}, {key: second[key]}])[key] for key in first if second[key] is not None
+        }
+        return {**first, **joined}, count
 
     return join
 
@@ -89,14 +93,6 @@ def _halves(inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             first[key], second[key] = value, None
     return first, second
-
-
-def _rejoined(key: str, first: Any, second: Any) -> Any:
-    """A joined tensor's first-half rows then its second-half rows, padded to one length as
-    :func:`~gradwatch.engine.applied.equivalence.concatenate` pads (``ValueError`` where no padding is known)."""
-    if second is None:
-        return first
-    return concatenate([{key: first}, {key: second}])[key]
 
 
 def scaled_for_window(trainer: Trainer, num_items_in_batch: Any) -> bool:
@@ -245,27 +241,6 @@ class TrainerPath:
             yield
         finally:
             self.model.forward = saved  # type: ignore[method-assign]
-
-
-def engine_checks(
-    engine: Any,
-    check: Callable[[Mapping[str, torch.Tensor]], None],
-    clipped: Callable[[float, Callable[[], float | None]], None] | None = None,
-) -> Any:
-    """Under ``Trainer(deepspeed=...)`` the engine steps inside ``accelerator.backward`` and keeps the reduced gradient
-    partitioned, out of each parameter's ``.grad``: ``check(gradients)`` runs at its accumulation boundary, after the
-    reduction and before its clipping, with the full gradients by name (read only when a due check reads them); and
-    ``clipped(max_norm, norm)`` after its step, where it clipped, with a function that reads the norm it clipped with
-    (:func:`~gradwatch.integrations.deepspeed.clipped_norm`). The returned hook's ``remove()`` ends it. Imports
-    DeepSpeed, which such a run has."""
-    from gradwatch.integrations.deepspeed import FullGradients, before_engine_steps, clipped_norm
-
-    def after() -> None:
-        max_norm = float(engine.gradient_clipping() or 0.0)
-        if clipped is not None and max_norm > 0:
-            clipped(max_norm, lambda: clipped_norm(engine))
-
-    return before_engine_steps(engine, lambda: check(FullGradients(engine)), after)
 
 
 COUNT_KEY = "num_items_in_batch"

@@ -30,7 +30,7 @@ from typing import Any
 from gradwatch.engine.results.notes import codes
 from gradwatch.engine.results.numerics import describe_numerics
 from gradwatch.engine.results.rendering import ordered_failures
-from gradwatch.engine.results.report import FAULTS, VERDICTS, Probe
+from gradwatch.engine.results.report import FAULTS, VERDICTS
 from gradwatch.errors import ReportInputError
 from gradwatch.outputs.records import CheckRecords
 from gradwatch.tensorboard.writer import (
@@ -143,21 +143,6 @@ def _word(value: Any) -> str:
     return str(getattr(value, "value", value))  # a kind or verdict that is an Enum: its value
 
 
-def probe_json(probe: Probe) -> dict[str, Any]:
-    """One failing probe as a JSON object."""
-    return {
-        "kind": _word(probe.kind),
-        "target": probe.target,
-        "index": None if probe.index is None else [int(i) for i in probe.index],
-        "location": probe.location,
-        "analytic": number(probe.analytic),
-        "numeric": number(probe.numeric),
-        "rel_error": number(probe.rel_error),
-        "noise": number(probe.noise),
-        "reason": _word(probe.reason),
-    }
-
-
 def record_json(records: CheckRecords) -> dict[str, Any]:
     """The JSON object of one check (see the module's docstring)."""
     report = records.report
@@ -169,7 +154,20 @@ def record_json(records: CheckRecords) -> dict[str, Any]:
         "scalars": {tag: number(value) for tag, value in records.scalars.items()},
         "culprit": report.culprit_message or None,
         "culprits": list(report.culprits),
-        "failures": [probe_json(probe) for probe in ordered_failures(report)],
+        "failures": [
+            {
+                "kind": _word(probe.kind),
+                "target": probe.target,
+                "index": None if probe.index is None else [int(i) for i in probe.index],
+                "location": probe.location,
+                "analytic": number(probe.analytic),
+                "numeric": number(probe.numeric),
+                "rel_error": number(probe.rel_error),
+                "noise": number(probe.noise),
+                "reason": _word(probe.reason),
+            }
+            for probe in ordered_failures(report)
+        ],
         "surrogates": [str(finding) for finding in report.surrogates],
         "notes": [str(note) for note in report.notes],
         "note_codes": [None if code is None else str(code) for code in codes(report.notes)],
@@ -280,18 +278,8 @@ def record_numerics(record: Any) -> str | None:
     return describe_numerics(settings) if isinstance(settings, Mapping) else None
 
 
-def is_applied(record: Any) -> bool:
-    """Whether a decoded line is an applied check's (``"scope": "applied"``)."""
-    return isinstance(record, Mapping) and record.get("scope") == "applied"
-
-
-def is_update(record: Any) -> bool:
-    """Whether a decoded line is an update check's (``"scope": "update"``)."""
-    return isinstance(record, Mapping) and record.get("scope") == "update"
-
-
 def parse_update_record(record: Any) -> AppliedRecord:
-    """One decoded line of an update check (:func:`is_update`), checked as :func:`parse_applied_record` checks an
+    """One decoded line of an update check (``"scope": "update"``), checked as :func:`parse_applied_record` checks an
     applied check's; its scalars are the ``gradwatch/update/*`` ones."""
     parsed = parse_applied_record(record)
     scalars = {tag: value for tag, value in record.get("scalars", {}).items() if tag.startswith(UPDATE_PREFIX)}
@@ -300,7 +288,7 @@ def parse_update_record(record: Any) -> AppliedRecord:
 
 
 def parse_applied_record(record: Any) -> AppliedRecord:
-    """One decoded line of an applied check (:func:`is_applied`): the format, version, step and verdict are checked as
+    """One decoded line of an applied check (``"scope": "applied"``): format, version, step and verdict checked as
     :func:`parse_record` checks them, and the fault is none or one of :data:`~gradwatch.engine.results.report.FAULTS`.
 
     Raises:

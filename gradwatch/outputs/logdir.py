@@ -52,15 +52,6 @@ def _kind(mode: int) -> str:
     return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
 
 
-def _is_regular(path: Path) -> None:
-    try:
-        mode = os.stat(path).st_mode  # follows a link: a link to a regular file is read
-    except OSError as error:
-        raise ReportInputError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
-    if not stat.S_ISREG(mode):
-        raise ReportInputError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused (never opened)")
-
-
 def find_files(logdir: Path, wanted: Callable[[str], bool]) -> list[Path]:
     """Every file under ``logdir`` whose name ``wanted`` accepts, sorted; symbolic links to directories are not
     followed (a link cycle would never end).
@@ -80,7 +71,12 @@ def find_files(logdir: Path, wanted: Callable[[str], bool]) -> list[Path]:
                 pending.append(path)
             elif wanted(entry.name):
                 _decodable(path)
-                _is_regular(path)
+                try:
+                    mode = os.stat(path).st_mode  # follows a link: a link to a regular file is read
+                except OSError as error:
+                    raise ReportInputError(f"{shown(path)}: cannot read the file ({_reason(error)})") from error
+                if not stat.S_ISREG(mode):
+                    raise ReportInputError(f"{shown(path)}: {_kind(mode)}, not a regular file; refused (never opened)")
                 found.append(path)
     return sorted(found)
 

@@ -7,6 +7,7 @@ is read to its end, one line at a time with a bounded length, and anything that 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
@@ -17,8 +18,6 @@ from gradwatch.outputs.jsonl import (
     AppliedRecord,
     CheckRecord,
     FailureRecord,
-    is_applied,
-    is_update,
     parse_applied_record,
     parse_record,
     parse_update_record,
@@ -106,12 +105,13 @@ def read_jsonl(path: Path) -> JsonLines:
                     raise ReportInputError(f"{where}: line {number} is not JSON ({error})") from error
                 except RecursionError as error:
                     raise ReportInputError(f"{where}: line {number} is nested too deeply to read") from error
+                scope = decoded.get("scope") if isinstance(decoded, Mapping) else None
                 try:
-                    if is_update(decoded):
+                    if scope == "update":
                         update = parse_update_record(decoded)
                         found.updates[update.step] = update
                         continue
-                    if is_applied(decoded):
+                    if scope == "applied":
                         applied = parse_applied_record(decoded)
                         (found.clipping if applied.check == "clipping" else found.applied)[applied.step] = applied
                         continue

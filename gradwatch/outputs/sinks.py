@@ -56,10 +56,8 @@ class SummaryWriterSink:
                 add_scalar(self.prefix + tag, value, records.step)
         for tag, values in records.histograms.items():
             write_histogram(self.writer, values, records.step, self.prefix + tag)
-        if self.text and records.text:
-            self.writer.add_text(self.prefix + records.text_tag, records.text, records.step)
-        for tag, label in records.labels.items() if self.text else ():
-            self.writer.add_text(self.prefix + tag, label, records.step)
+        if self.text:  # the failure text and the labels, as a TextSink sends them
+            TextSink(lambda tag, text, step: self.writer.add_text(self.prefix + tag, text, step)).write(records)
 
     def flush(self) -> None:
         flush = getattr(self.writer, "flush", None)

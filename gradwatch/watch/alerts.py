@@ -15,7 +15,7 @@ from typing import Literal
 
 from gradwatch.engine.results.diagnosis import diagnose
 from gradwatch.engine.results.notes import NoteCode
-from gradwatch.engine.results.rendering import DEFAULT_LIMIT, nonfinite_loss, nonfinite_loss_words, render_text
+from gradwatch.engine.results.rendering import nonfinite_loss, nonfinite_loss_words, render_text
 from gradwatch.engine.results.report import CheckReport, GradientCheckError
 from gradwatch.errors import GradientCheckWarning, own_error
 
@@ -49,12 +49,6 @@ class Backoff:
     def next_reported(self) -> int:
         """The number of the next event that will be reported."""
         return 1 << self.count.bit_length()
-
-
-def failure_message(report: CheckReport, limit: int = DEFAULT_LIMIT) -> str:
-    """A readable account of a failing report: the culprit, where the gradient is wrong and by how much (see
-    :func:`gradwatch.engine.results.rendering.render_text`)."""
-    return render_text(report, limit=limit)
 
 
 class AlertPolicy:
@@ -99,7 +93,7 @@ class AlertPolicy:
         if self.failures.admit():
             if not self.shown:
                 return self.on_fail == "stop"
-            message = failure_message(report)
+            message = render_text(report)
             if self.on_fail == "stop":
                 message += "\n  stopping training (on_fail='stop')"
             else:

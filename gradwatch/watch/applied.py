@@ -73,8 +73,7 @@ class Windows:
         return self._open
 
     def record(self, batch: Any, model: nn.Module | None, key: Any = None) -> None:
-        """Keep the micro-batch :meth:`begin` opened the window for, in the window of ``key`` (an optimizer; ``None``:
-        the window every optimizer of the step shares)."""
+        """Keep the micro-batch in the window of ``key`` (an optimizer; ``None``: the step's shared window)."""
         window = self.windows.get(key)
         if window is None:
             window = self.windows[key] = AppliedWindow(model)
@@ -145,12 +144,6 @@ class Findings:
     """By optimizer (``id``; ``id(None)``: every optimizer), the last check's step and fault."""
     verified: Verified | None = None
     """The gradient the last check verified, until the clip check of its step takes it."""
-
-    def previous_fault(self, optimizer: Any) -> tuple[int, str | None] | None:
-        return self.faults.get(id(optimizer))
-
-    def found(self, optimizer: Any, step: int, fault: str | None) -> None:
-        self.faults[id(optimizer)] = (step, fault)
 
     def take_verified(self, step: int) -> Verified | None:
         """The gradient verified at ``step`` (forgotten now, whatever its step), else ``None``."""

@@ -155,12 +155,9 @@ class Cadence:
         return self.checks == 0 and self.max_overhead is not None
 
     def owe(self) -> None:
-        """The check just made left part of its work for later (the first applied check's closer look): another is due
-        now, made when the budget affords it (pending, and in a checkpoint's state as such)."""
-        self.pending = True
-
-    def skipped(self) -> None:
-        """The optimizer does not apply this step (a grad scaler found non-finite gradients): the check stays due."""
+        """A check stays due (pending, and in a checkpoint's state as such), made when the budget affords it: the
+        optimizer does not apply its step (a grad scaler found non-finite gradients), or the check just made left part
+        of its work for later (the first applied check's closer look)."""
         self.pending = True
 
     def ran(self, seconds: float) -> None:

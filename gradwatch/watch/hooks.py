@@ -26,23 +26,14 @@ Context = Callable[[nn.Module], contextlib.AbstractContextManager[Any]]
 class TrainingPath:
     """How a loop turns the micro-batch losses of an accumulation window into the gradient it applies, for the applied
     check (:meth:`~gradwatch.GradientWatch.before_optimizer_step`): one object an adapter builds from what its loop
-    knows, instead of four arguments. Its fields are the keyword arguments of the same names and defaults of
-    :func:`~gradwatch.engine.applied.check_applied_gradient`, documented there (the defaults: a plain loop that divides
-    each loss by the number of micro-batches, its forward as it is)."""
+    knows, instead of four arguments. Its fields (``vars(path)``) are the keyword arguments of the same names and
+    defaults of :func:`~gradwatch.engine.applied.check_applied_gradient`, documented there (the defaults: a plain loop
+    that divides each loss by the number of micro-batches, its forward as it is)."""
 
     combine: Combine = "mean"
     path: PathContext | None = None
     join: Join | None = None
     window_normalised: bool | Callable[[], bool] = False
-
-    def arguments(self) -> dict[str, Any]:
-        """The fields as :func:`~gradwatch.engine.applied.check_applied_gradient`'s keyword arguments."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
-def no_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """The default context around a check: none."""
-    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -3,8 +3,7 @@ the reports they read back from it (:class:`WatchedReports`).
 
 ``GradWatch`` and ``GradWatchCallback`` take them as ``**options: Unpack[WatchOptions]`` and hand them to the watch,
 which validates them, holds their defaults and documents them; the adapters declare only what they use or lend
-themselves. The probe options are among them (:class:`~gradwatch.engine.settings.ProbeOptions`, the fields of
-:class:`~gradwatch.engine.settings.ProbeSettings`).
+themselves.
 """
 
 from __future__ import annotations
@@ -18,8 +17,9 @@ from gradwatch.watch.watch import GradientWatch
 
 
 class WatchOptions(ProbeOptions, total=False):
-    """The keyword arguments of :class:`~gradwatch.GradientWatch` an adapter passes on: documented there, with their
-    defaults, and the probe options."""
+    """The keyword arguments of :class:`~gradwatch.GradientWatch` an adapter passes on, documented there, and the probe
+    options (:class:`~gradwatch.engine.settings.ProbeOptions`: the fields of
+    :class:`~gradwatch.engine.settings.ProbeSettings`)."""
 
     every_n_steps: int | None
     first_check_step: int | None

@@ -31,8 +31,7 @@ class OverheadClock:
         """Training (re)starts: the time until the next batch ends is not training time."""
         self._mark = None
 
-    def batch_ended(self, now: float) -> None:
-        """A training batch ended at ``now``: the time since the last mark was training."""
+    def batch_ended(self, now: float) -> None:  # the time since the last mark was training
         if self._mark is not None:
             self.train_seconds += now - self._mark
         self._mark = now
@@ -43,7 +42,6 @@ class OverheadClock:
         return self._mark is not None
 
     def check_ran(self, started: float, ended: float) -> None:
-        """A check ran from ``started`` to ``ended`` (after the batch that ended at ``started``)."""
         if self.check_seconds == 0.0:
             self.first_seconds += ended - started
         self.check_seconds += ended - started

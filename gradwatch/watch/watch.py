@@ -44,7 +44,7 @@ from gradwatch.watch.defaults import (
     DEFAULT_PROBE_BATCH_SIZE,
 )
 from gradwatch.watch.distributed import agree_across_ranks, default_group, rank0_decides, split_ranks
-from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm, no_context
+from gradwatch.watch.hooks import Agree, Context, Decide, TrainingPath, local_batch_norm
 from gradwatch.watch.lessons import Lessons
 from gradwatch.watch.optimized import clip_check, gradients_of, optimizer_argument, updated_parameters
 from gradwatch.watch.outcomes import Outcomes
@@ -181,7 +181,7 @@ class GradientWatch:
         )
         self._decide = decide or rank0_decides
         self._agree = agree or agree_across_ranks
-        self._context = context or no_context
+        self._context = context or contextlib.nullcontext
         self._outcomes = Outcomes(self.on_fail, self.max_reports, self.verbose, sinks, on_report)
         self._lessons = Lessons(self.settings)  # what the checks taught the next ones
         self._model: nn.Module | None = None  # the model of the last call, whose windows record() fingerprints
@@ -462,11 +462,11 @@ class GradientWatch:
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
                                      or not max_norm > 0):  # fmt: skip
             raise ValueError(f"`max_norm` must be a positive number or None; got {max_norm!r}")
-        if training is not None and (combine, path, join, window_normalised) != ("mean", None, None, False):
+        plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
+        if training is not None and not plain:
             raise ValueError("give `training` or `combine`, `path`, `join` and `window_normalised`, not both")
-        if training is None:  # the defaults' one object, not a new one at every step
-            plain = (combine, path, join, window_normalised) == ("mean", None, None, False)
-            training = _PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised)
+        # the defaults' one object, not a new one at every step
+        training = training or (_PLAIN_PATH if plain else TrainingPath(combine, path, join, window_normalised))
         try:
             if optimizer is None and self._updates.pending is None and self._windows.idle(step):
                 # no window kept for this step, none due after it: the step's bookkeeping alone, as _window() does it
@@ -714,7 +714,7 @@ class GradientWatch:
         if window is None or not self._lessons.checkable(model):
             return None
         if skipped() if callable(skipped) else skipped:
-            self._applied.skipped()
+            self._applied.owe()
             if self.verbose:
                 log.info("gradwatch: the optimizer skips step %d; the applied check moves to the next window", step)
             return None
@@ -742,11 +742,11 @@ class GradientWatch:
             self._say_once("gradient", UNREAD_GRADIENT.format(step=step))
         group = default_group(model) if group == "auto" else group
         started = time.perf_counter()
-        window.last_fault = self._findings.previous_fault(optimizer)  # a fault found again is no one-off
+        window.last_fault = self._findings.faults.get(id(optimizer))  # a fault found again is no one-off
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **training.arguments(),
+            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **vars(training),
             float64_probes=self._lessons.float64.allows(model),  # not tried again in vain once it ran out of memory
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
@@ -761,7 +761,7 @@ class GradientWatch:
             return None
         if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one
             self._applied.owe()
-        self._findings.found(optimizer, step, report.fault)
+        self._findings.faults[id(optimizer)] = (step, report.fault)
         self._lessons.learn_applied(report)
         self._outcomes.publish(report, self._overhead())
         # what clipping must keep of the verified gradient: its norms (a few numbers, no copy); for gradients an

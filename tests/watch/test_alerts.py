@@ -8,8 +8,9 @@ import warnings
 import pytest
 
 from gradwatch import GradientCheckError, GradientCheckWarning
+from gradwatch.engine.results.rendering import render_text
 from gradwatch.engine.results.report import CheckReport, Probe
-from gradwatch.watch.alerts import AlertPolicy, Backoff, failure_message
+from gradwatch.watch.alerts import AlertPolicy, Backoff
 
 
 def _report(verdict: str = "fail", failures: int = 1) -> CheckReport:
@@ -53,7 +54,7 @@ def test_raise_stop_and_callable() -> None:
 
 
 def test_long_failure_lists_are_truncated() -> None:
-    message = failure_message(_report(failures=9), limit=5)
+    message = render_text(_report(failures=9), limit=5)
     assert "... and 4 more" in message
     assert message.count("param w[") == 5
 
@@ -61,7 +62,7 @@ def test_long_failure_lists_are_truncated() -> None:
 def test_the_warning_and_the_error_lead_with_the_culprit() -> None:
     culprit = "the backward of `blocks.0.norm` (`RMSNorm`) is wrong: its input gradient is 2.7% off"
     report = dataclasses.replace(_report(failures=2), culprits=["blocks.0.norm", "blocks.0"], culprit_message=culprit)
-    lines = failure_message(report).splitlines()
+    lines = render_text(report).splitlines()
     assert lines[0] == f"gradwatch: gradient check failed at step 3: {culprit}"
     assert lines[1] == "  (2 of 2 probes failed)"
     with pytest.raises(GradientCheckError, match=r"failed at step 3: the backward of `blocks\.0\.norm`"):

@@ -1,13 +1,11 @@
 """``GradWatch``: the Lightning callback that checks gradients from time to time while a run trains.
 
-A thin adapter over :class:`gradwatch.watch.GradientWatch`, which owns both kinds of check (schedule, budget, state,
-alerts, outputs). It turns Lightning's hooks into the watch's three calls: ``on_train_batch_start`` records the
-micro-batch and its index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed
-unscale, before clipping) runs the applied check, with the module's own ``training_step`` as the loss (each
-micro-batch's divided by ``accumulate_grad_batches`` and summed), the precision plugin's forward context as the path,
-the grad scaler's scale and its skipped steps; ``on_train_batch_end`` runs the recomputed check. Around every check the
-trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the records go to the loggers through sinks
-built once per run (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`); the report goes to the progress bar.
+A thin adapter over :class:`gradwatch.watch.GradientWatch`: ``on_train_batch_start`` records the micro-batch and its
+index; ``on_before_optimizer_step`` (after accumulation, the cross-rank reduction and the 16-mixed unscale, before
+clipping) runs the applied check, with the module's own ``training_step`` as the loss (each micro-batch's divided by
+``accumulate_grad_batches`` and summed) on the precision plugin's forward context; ``on_train_batch_end`` runs the
+recomputed check. Around every check the trainer's loggers are silenced (:func:`.training_step.loggers_silenced`); the
+records go to the loggers (:mod:`.publishing`, :mod:`gradwatch.integrations.loggers`) and the progress bar.
 """
 
 from __future__ import annotations
@@ -177,7 +175,6 @@ class GradWatch(WatchedReports, Callback):
             if len(trainer.optimizers) > 1:  # what the parameters held before this update, for the later steps' checks
                 self._stepped.append((optimizer, before_update(pl_module, optimizer)))
             self._check_applied(trainer, pl_module, optimizer, earlier)
-            self._check_clipping_after_step(trainer, pl_module, optimizer)
         # Under 16-mixed the GradScaler skips optimizer steps with non-finite gradients and lowers its scale; the
         # scale is read (a device sync) only before a step that is due for a check.
         scaler = _grad_scaler(trainer)
@@ -227,7 +224,7 @@ class GradWatch(WatchedReports, Callback):
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
         scaler = _grad_scaler(trainer)
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
-        by_norm = bool(clip) and (algorithm is None or str(algorithm).lower().endswith("norm"))
+        max_norm = float(clip) if clip and (algorithm is None or str(algorithm).lower().endswith("norm")) else None
 
         def skipped() -> bool:  # 16-mixed: the grad scaler skips a step with non-finite gradients
             grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -244,18 +241,17 @@ class GradWatch(WatchedReports, Callback):
             module, loss_fn, step=self._batch_step if several else trainer.global_step + 1, training=training,
             loss_scale=scaler.get_scale() if scaler else 1.0, skipped=skipped if scaler is not None else False,
             optimizers=trainer.optimizers, optimizer=optimizer if several else None,
-            max_norm=float(clip) if by_norm and clip else None,
+            max_norm=max_norm,
         )  # fmt: skip
         self._stop_if_asked(trainer)
+        if max_norm is not None:
+            self._check_clipping_after_step(trainer, module, optimizer, max_norm)
 
     def _check_clipping_after_step(
-        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer
+        self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: torch.optim.Optimizer, max_norm: float
     ) -> None:
-        """Under ``gradient_clip_val`` (by norm), check the clip coefficient once the optimizer stepped with the clipped
+        """Check the clip coefficient (``gradient_clip_val`` by norm) once the optimizer stepped with the clipped
         gradient (Lightning clips after this hook, inside the optimizer's step; ``.grad`` holds what it applied)."""
-        max_norm, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm  # None: by norm
-        if not max_norm or (algorithm is not None and not str(algorithm).lower().endswith("norm")):
-            return
         step = trainer.global_step + 1
         self._remove_clip_hooks()
         done = [False]
@@ -267,7 +263,7 @@ class GradWatch(WatchedReports, Callback):
                 return
             done[0] = True
             with self._watch.guarded("GradWatch's hook after the optimizer step"):
-                self._watch.after_clipping(module, float(max_norm), step=step)
+                self._watch.after_clipping(module, max_norm, step=step)
             self._stop_if_asked(trainer)
 
         self._clip_hooks.append(optimizer.register_step_post_hook(after_step))

@@ -70,9 +70,7 @@ class _Steps:
                     f"training_step gave manual_backward no loss before its optimizer step {self.ordinal}: gradwatch "
                     "cannot tell which loss this step applies"
                 )
-            self.loss = losses[0]
-            for loss in losses[1:]:
-                self.loss = self.loss + loss
+            self.loss = sum(losses[1:], losses[0])
             raise _Reached
         self.rewind.stepped(self.taken, getattr(optimizer, "optimizer", optimizer))
         self.shared, self.losses = self.losses or self.shared, []
