@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch import GradientWatch
+from gradwatch import GradientWatch, check_applied_gradient
 from gradwatch.cli.reporting import format_run
 from gradwatch.engine.results.numerics import Numerics, current_numerics, describe_numerics
 from gradwatch.outputs.jsonl import record_json, record_numerics
@@ -393,3 +393,38 @@ def test_a_kernel_computing_float64_in_float32_out_of_sight_is_probed_natively_b
     for report in [*healthy.applied_reports, *buggy.applied_reports]:
         assert report.precision == "native"  # the precision it measured, not the one it asked for
         assert any("float64 evaluations are quantised" in note for note in report.notes), report.notes
+
+
+def _wide_linear_window() -> tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]:
+    """A linear layer whose float32 gradient (a mean over 4,096 samples of large cancelling terms) is off the float64
+    one by about 1e-6 of its norm: far beyond float32's storage rounding, the float32 accumulation's own rounding."""
+    torch.manual_seed(0)
+    batch = (torch.randn(4096, 8), torch.randn(4096, 16) * 1e3)
+    model = nn.Linear(8, 16)
+
+    def loss_fn(module: nn.Module, b: Any) -> torch.Tensor:
+        out = module(b[0])
+        return (out * b[1]).mean() + 1e-3 * (out**2).mean()
+
+    return model, batch, loss_fn
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.03])
+def test_a_tf32_setting_a_cpu_path_ignores_keeps_the_float32_accumulation_in_the_applied_floor(factor: float) -> None:
+    """The TF32 floor is the distance of training's gradient from IEEE float32's; where the device ignores the setting
+    (or rounds only a little differently, as oneDNN's convolutions on some CPUs) that distance is below the float32
+    backward's own rounding, which must stay in the floor: a correct gradient passes (it failed at 2e-7 of ‖g‖ against a
+    floor of 6e-8), a 3% wrong one still fails."""
+    model, batch, loss_fn = _wide_linear_window()
+    model.zero_grad()
+    loss_fn(model, batch).backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
+    gradients["weight"] *= factor
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        report = check_applied_gradient(model, [batch], loss_fn, gradients, step=1, combine="mean")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    assert any("TF32" in str(note) for note in report.notes)
+    assert report.verdict == ("ok" if factor == 1.0 else "fail"), report.summary()
