@@ -41,8 +41,8 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
 def _float64_allocations() -> int:
     model = _model()
     _loss(model, _batch()).backward()
-    with Float64MemoryLimit(at=None, above=1 << 62) as counting:
-        check_gradients(model, _batch(), _loss, probe_batch_size=4)
+    with Float64MemoryLimit(at=None, above=1 << 62) as counting:  # float64 pinned: "auto" prices it by the clock
+        check_gradients(model, _batch(), _loss, probe_batch_size=4, precision="float64")
     return counting.made
 
 
@@ -56,7 +56,7 @@ def test_out_of_memory_at_any_phase_of_a_check_leaves_the_model_exactly_and_the_
     before = _state(model)
     at = 1 + int(fraction * (ALLOCATIONS - 1))
     with Float64MemoryLimit(at=at) as limit:
-        report = check_gradients(model, _batch(), _loss, probe_batch_size=4)
+        report = check_gradients(model, _batch(), _loss, probe_batch_size=4, precision="float64")
     assert limit.raised == 1
     assert report.verdict != "fail", report.summary()
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model), strict=True))
