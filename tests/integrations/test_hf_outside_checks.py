@@ -26,7 +26,7 @@ SITES: list[tuple[Any, str]] = [
     (window.Checksums, "of"),
     (clipping.GradientNorms, "of"),
     (huggingface, "run_sinks"),
-    (huggingface, "_keep_state"),
+    (huggingface, "_stateful"),
     (huggingface, "TrainerPath"),
 ]
 
