@@ -85,6 +85,7 @@ class CheckSession:
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         gradients: Any = None,
         group: Any = None,
+        applied: bool = False,
     ) -> Iterator[CheckSession]:
         """Validate what every check takes and start it, for the duration of the ``with`` block: ``settings`` whole,
         or ``options`` (some fields of :class:`~gradwatch.engine.settings.ProbeSettings`) one by one; a DeepSpeed or
@@ -103,7 +104,7 @@ class CheckSession:
         validate.check_int("step", step, minimum=0)
         chosen = settings_of(settings, options)
         protected = check_optimizers(optimizers)
-        with made_whole(model, gradients, group) as whole:
+        with made_whole(model, gradients, group, applied=applied) as whole:
             surrogates = find_stock_surrogates(whole.model)
             yield cls(whole.model, step, chosen, protected, surrogates, time.perf_counter(),
                       trailing=surrogates.notes(), whole=whole)  # fmt: skip

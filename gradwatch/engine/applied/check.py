@@ -155,7 +155,7 @@ def check_applied_gradient(
         the check fails, ``noise_floor`` and ``floor_excess`` say how the verdict was calibrated.
     """
     with CheckSession.open(model, loss_fn, step=step, settings=settings, options=options, optimizers=optimizers,
-                           gradients=gradients, group=group) as session:  # fmt: skip
+                           gradients=gradients, group=group, applied=True) as session:  # fmt: skip
         gradients, group = session.whole.gradients, session.whole.group
         setting = _window(session, batches, loss_fn, combine=combine, rng_states=rng_states, path=path, group=group,
                           start=start, loss_scale=loss_scale)  # fmt: skip

@@ -95,19 +95,22 @@ class Whole:
 
 
 @contextlib.contextmanager
-def made_whole(model: nn.Module, gradients: Any = None, group: Any = None) -> Iterator[Whole]:
-    """``model`` made whole for the duration, with an applied check's ``gradients`` and ``group``: a step of opening a
-    check's session (:meth:`~gradwatch.engine.session.CheckSession.open`). A collective for a sharded model: every
-    rank enters together."""
+def made_whole(model: nn.Module, gradients: Any = None, group: Any = None, *, applied: bool = False) -> Iterator[Whole]:
+    """``model`` made whole for the duration, with an ``applied`` check's ``gradients`` and ``group`` (a recomputed
+    check has neither: its gradients are not gathered nor its group looked up): a step of opening a check's session
+    (:meth:`~gradwatch.engine.session.CheckSession.open`). A collective for a sharded model: every rank enters
+    together."""
     is_zero = zero.is_engine(model) or any(zero.owned_range(p) is not None for p in model.parameters())
     is_tp = not is_zero and tensor_parallel.is_tensor_parallel(model)
     if not (is_zero or is_tp):
         yield Whole(model, gradients, group)
         return
     inner = zero.unwrapped(model)
-    given = zero.unprefixed(gradients, model)
-    whole = Whole(inner, tensor_parallel.whole_gradients(inner, given) if is_tp else given, group)
-    if group is None and dist.is_initialized():
+    whole = Whole(inner, gradients, group)
+    if applied:
+        given = zero.unprefixed(gradients, model)
+        whole.gradients = tensor_parallel.whole_gradients(inner, given) if is_tp else given
+    if applied and group is None and dist.is_initialized():
         whole.group = zero.data_parallel_group(inner) if is_zero else tensor_parallel.mesh_group(inner)
     with contextlib.ExitStack() as stack:
         if is_tp:
