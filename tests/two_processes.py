@@ -93,13 +93,39 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+_GLOO_ABORT = "terminate called without an active exception"
+
+
 def run_launched(
     script: str, out: Path, *options: str, timeout_s: int, world: int = 2, env: dict[str, str] | None = None
 ) -> tuple[dict[str, Any], str]:
     """Run ``tests/<script> OUT *options`` once per rank of a ``world`` of processes, with the variables ``torchrun``
     sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``env`` added; returns each
     JSON file the ranks wrote in ``out`` (by file stem) and their output, rank 0's first. Fails the test when a rank
-    exits non-zero or they run past ``timeout_s``."""
+    exits non-zero or they run past ``timeout_s``. A run in which a rank was aborted by gloo's C++ runtime
+    (``SIGABRT`` with "terminate called without an active exception", a crash of the library's threads, not of the
+    script's Python) is made once more before it fails."""
+    for attempt in (1, 2):
+        codes, outputs, timed_out = _launch(script, out, options, timeout_s=timeout_s, world=world, env=env)
+        aborted = any(code == -signal.SIGABRT and _GLOO_ABORT in o for code, o in zip(codes, outputs, strict=True))
+        if all(code == 0 for code in codes) or not aborted or attempt == 2:
+            break
+        for path in out.glob("*.json"):
+            path.unlink()
+    if any(code != 0 for code in codes):
+        written = sorted(path.name for path in out.glob("*.json"))
+        what = f"hung (no exit within {timeout_s} s)" if timed_out else "ended early"
+        pytest.fail(
+            f"{script} {what} (attempt {attempt}): exit codes by rank {codes} (negative: killed by that signal), "
+            f"results written {written}:\n" + "".join(f"--- rank {r}\n{o[-3000:]}" for r, o in enumerate(outputs))
+        )
+    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}, "\n".join(outputs)
+
+
+def _launch(
+    script: str, out: Path, options: tuple[str, ...], *, timeout_s: int, world: int, env: dict[str, str] | None
+) -> tuple[list[int | None], list[str], bool]:
+    """One launch of ``world`` ranks: each rank's exit code, its output, and whether the run reached ``timeout_s``."""
     paths = [str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH")]
     common = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), OMP_NUM_THREADS="1", **(env or {}))
     common.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
@@ -125,13 +151,4 @@ def run_launched(
         for log in logs:
             log.close()
     outputs = [(out / f"rank{rank}.log").read_text(errors="replace") for rank in range(world)]
-    codes = [process.returncode for process in processes]
-    if any(code != 0 for code in codes):
-        written = sorted(path.name for path in out.glob("*.json"))
-        timed_out = time.monotonic() >= deadline
-        what = f"hung (no exit within {timeout_s} s)" if timed_out else "ended early"
-        pytest.fail(
-            f"{script} {what}: exit codes by rank {codes} (negative: killed by that signal), results written "
-            f"{written}:\n" + "".join(f"--- rank {rank}\n{o[-3000:]}" for rank, o in enumerate(outputs))
-        )
-    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}, "\n".join(outputs)
+    return [process.returncode for process in processes], outputs, time.monotonic() >= deadline
