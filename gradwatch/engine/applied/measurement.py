@@ -37,7 +37,7 @@ from torch import Tensor
 from gradwatch.engine.applied import autocast_path
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
-from gradwatch.engine.applied.measured import Rounding, calm
+from gradwatch.engine.applied.measured import Rounding, calm, difference_dot
 from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.probes import Measured, deferred, measure, unresolved_note
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors, storage_rounding
@@ -45,7 +45,6 @@ from gradwatch.engine.applied.window import unrecorded_randomness
 from gradwatch.engine.function.batch import batch_size
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.memory import learn_activations
-from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
 from gradwatch.engine.results.kinds import Reason, Verdict
@@ -263,8 +262,8 @@ def float64_rounding(
     rounding = None
     if applied:
         pairs = list(zip(eager, exact, applied, strict=True))
-        rounding = Rounding([float(dot(e.double() - x.double(), a)) for e, x, a in pairs],
-                            [float(dot(a.double() - e.double(), a)) for e, _, a in pairs])  # fmt: skip
+        rounding = Rounding([difference_dot(e, x, a) for e, x, a in pairs],
+                            [difference_dot(a, e, a) for e, _, a in pairs])  # fmt: skip
     return [distances(list(eager), exact)], rounding
 
 

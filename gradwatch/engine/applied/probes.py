@@ -147,7 +147,7 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
     float32 on the way moves by whole float32 ulps there, or not at all."""
     descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
     noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
-    slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
+    slope = math.sqrt(sum(float(g.to(torch.float64, copy=True).pow_(2).sum()) for g in applied))  # one copy at a time
     tensors = [p for _, p in evaluator.params]
     sources = [source for source in map(exact_source, tensors) if source is not None]  # put back from, exactly
     shapes = len(tensors) == len(applied) == len(sources) and all(
