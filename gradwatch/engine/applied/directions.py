@@ -119,8 +119,9 @@ class AppliedProbes:
         if len(tensors) < 2:
             return None
         target = DESCENT_TARGET if group is None else f"{self.names[tensors[0]]} and {len(tensors) - 1} more"
-        components = [self.grads[i] * weights[i] for i in tensors]
-        direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
+        grads = [self.grads[i] for i in tensors]  # the components ``g_T · w_T``, made one at a time when used
+        scales = [weights[i] for i in tensors]
+        direction = VectorDirection([self.moved[i] for i in tensors], grads, grads, scales=scales)
         part = 1.0 / math.sqrt(len(tensors))
         floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
         step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))

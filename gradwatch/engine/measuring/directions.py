@@ -140,7 +140,9 @@ class VectorDirection(_Moving):
     ``tensors`` are parameters or working inputs of the evaluator, ``grads`` autograd's gradient of each, ``weights`` a
     factor per tensor on its component (``None``: 1), ``after_write`` as for :class:`CoordinateDirection`.
     ``components_norm``: ``‖components‖`` in float64, when known; when ``components`` is ``grads`` it gives the analytic
-    slope ``coefficient · ‖g‖²`` without another pass over the gradients.
+    slope ``coefficient · ‖g‖²`` without another pass over the gradients. ``scales``: component ``T`` is
+    ``components[T] * scales[T]``, made when used, one tensor at a time (a balanced probe's weighted gradients: no
+    copy of the gradient held).
     """
 
     def __init__(
@@ -153,27 +155,48 @@ class VectorDirection(_Moving):
         after_write: Callable[[], None] | None = None,
         components_norm: float | None = None,
         weights: Sequence[float] | None = None,
+        scales: Sequence[float] | None = None,
     ) -> None:
         self.tensors = list(tensors)
-        self.components = list(components)
+        self._components = list(components)
+        self._scales = None if scales is None else list(scales)
         self.grads = list(grads)
         self.coefficient = coefficient
         self.weights = None if weights is None else list(weights)
         self._factors = self.weights or [1.0] * len(self.tensors)
         # v ∝ g (unweighted): the component along v is then g·δ/‖g‖
-        self._along_gradient = self.weights is None and all(
-            c is g for c, g in zip(self.components, self.grads, strict=True)
+        self._along_gradient = (
+            self.weights is None
+            and self._scales is None
+            and all(c is g for c, g in zip(self._components, self.grads, strict=True))
         )
         self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
+        self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
+        self._made: list[Tensor] | None = None  # a small direction's components made with ``scales``, kept
         if components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
         else:
-            pairs = zip(self.grads, self.components, self._factors, strict=True)
-            self.analytic = coefficient * total([w * dot(g, c) for g, c, w in pairs])  # g · v, one host transfer
-        self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
+            pairs = zip(self.grads, range(len(self.tensors)), self._factors, strict=True)
+            self.analytic = coefficient * total([w * dot(g, self._component(k)) for g, k, w in pairs])  # g · v
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
+
+    @property
+    def components(self) -> list[Tensor]:
+        """The components, each made (with ``scales``: a copy of each, all at once)."""
+        return [self._component(k) for k in range(len(self._components))]
+
+    def _component(self, k: int) -> Tensor:
+        """Component ``k``: with ``scales``, made anew for a large direction (one at a time), once for a small one."""
+        scales = self._scales
+        if scales is None:
+            return self._components[k]
+        if self._large:
+            return self._components[k] * scales[k]
+        if self._made is None:
+            self._made = [c * w for c, w in zip(self._components, scales, strict=True)]
+        return self._made[k]
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """As :meth:`CoordinateDirection.substitute`, for each tensor."""
@@ -220,16 +243,17 @@ class VectorDirection(_Moving):
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
         with torch.no_grad():
-            cast = self.components if self._large else self._cast_components()
-            for tensor, component, weight in zip(self.tensors, cast, self._factors, strict=True):
+            cast = self._cast_components() if not self._large else None
+            for k, (tensor, weight) in enumerate(zip(self.tensors, self._factors, strict=True)):
                 shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
-                increment = component.to(tensor.dtype)  # a large direction: one tensor's cast at a time
+                # a large direction: one tensor's component and cast at a time
+                increment = cast[k] if cast is not None else self._component(k).to(tensor.dtype)
                 torch.addcmul(tensor, shaped if weight == 1.0 else shaped * weight, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
         if self._components_cast is None:
-            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
+            self._components_cast = [self._component(k).to(t.dtype) for k, t in enumerate(self.tensors)]
         return self._components_cast
 
     def _move_and_measure(self, offset: float) -> Displacement:
@@ -238,10 +262,11 @@ class VectorDirection(_Moving):
         along_is_predicted = self._along_gradient  # the component along v is then g·δ/‖g‖
         predicted_terms: list[Tensor] = []
         along_terms: list[Tensor] = []
-        moving = zip(
-            self.tensors, self._origin, self._cast_components(), self.components, self.grads, self._factors, strict=True
-        )
-        for tensor, origin, increment, component, grad, weight in moving:
+        cast = None if self._large and self._scales is not None else self._cast_components()
+        moving = zip(self.tensors, self._origin, self.grads, self._factors, strict=True)
+        for k, (tensor, origin, grad, weight) in enumerate(moving):
+            component = self._component(k)  # a large direction's made components: one tensor's at a time
+            increment = component.to(tensor.dtype) if cast is None else cast[k]
             # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
             moved = torch.add(origin, increment, alpha=offset * self.coefficient * weight)
             tensor.copy_(moved)
@@ -263,12 +288,12 @@ class VectorDirection(_Moving):
             for tensor, origin, increment, weight in moving:
                 torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
             return Displacement(offset * self._squared_norm(), offset * self.analytic)
-        moving = zip(self.tensors, self._origin, self.components, self._factors, strict=True)
-        for tensor, origin, component, weight in moving:
+        moving = zip(self.tensors, self._origin, self._factors, strict=True)
+        for k, (tensor, origin, weight) in enumerate(moving):
             # in place on the float64 tensor: the sum is computed in float64 whatever the dtypes of the origin (its
             # parameter) and the component, and no float64 copy of either is made
             tensor.copy_(origin)
-            tensor.add_(component, alpha=offset * self.coefficient * weight)
+            tensor.add_(self._component(k), alpha=offset * self.coefficient * weight)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
@@ -276,7 +301,8 @@ class VectorDirection(_Moving):
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
-                terms = [w * w * dot(c, c) for c, w in zip(self.components, self._factors, strict=True)]
+                made = map(self._component, range(len(self.tensors)))  # one at a time
+                terms = [w * w * dot(c, c) for c, w in zip(made, self._factors, strict=True)]
                 self._norm_squared = self.coefficient**2 * total(terms)
         return self._norm_squared
 
