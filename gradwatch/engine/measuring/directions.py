@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradwatch.engine.distributed.collective import layout, summed
 from gradwatch.engine.function.precision import exact_source
-from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
 
 KEPT_COPY_ELEMENTS = 2**20
 """A direction over at most this many elements (8 MiB in float64) keeps its copy of the tensors and its cast components
@@ -176,8 +176,8 @@ class VectorDirection(_Moving):
         if components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
         else:
-            pairs = zip(self.grads, range(len(self.tensors)), self._factors, strict=True)
-            self.analytic = coefficient * total([w * dot(g, self._component(k)) for g, k, w in pairs])  # g · v
+            pairs = zip(self.grads, self._factors, strict=True)
+            self.analytic = coefficient * total([w * self._dot(k, g) for k, (g, w) in enumerate(pairs)])  # g · v
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
@@ -197,6 +197,15 @@ class VectorDirection(_Moving):
         if self._made is None:
             self._made = [c * w for c, w in zip(self._components, scales, strict=True)]
         return self._made[k]
+
+    def _dot(self, k: int, other: Tensor | None) -> Tensor:
+        """``other · c_k`` (``c_k · c_k`` for ``None``), a large direction's made component never made whole."""
+        scale = self._scales[k] if self._scales is not None and self._large else None
+        if scale is None:
+            component = self._component(k)
+            return dot(component if other is None else other, component)
+        raw = self._components[k]
+        return dot(raw, raw, a_scale=scale, b_scale=scale) if other is None else dot(other, raw, b_scale=scale)
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """As :meth:`CoordinateDirection.substitute`, for each tensor."""
@@ -288,12 +297,12 @@ class VectorDirection(_Moving):
             for tensor, origin, increment, weight in moving:
                 torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
             return Displacement(offset * self._squared_norm(), offset * self.analytic)
-        moving = zip(self.tensors, self._origin, self._factors, strict=True)
-        for k, (tensor, origin, weight) in enumerate(moving):
+        for k, (tensor, origin, weight) in enumerate(zip(self.tensors, self._origin, self._factors, strict=True)):
             # in place on the float64 tensor: the sum is computed in float64 whatever the dtypes of the origin (its
-            # parameter) and the component, and no float64 copy of either is made
+            # parameter) and the component, and no float64 copy of either is made whole (:func:`_add_chunked`)
             tensor.copy_(origin)
-            tensor.add_(self._component(k), alpha=offset * self.coefficient * weight)
+            scale = self._scales[k] if self._scales is not None else None
+            _add_chunked(tensor, self._components[k], scale, offset * self.coefficient * weight)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
@@ -301,10 +310,23 @@ class VectorDirection(_Moving):
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
-                made = map(self._component, range(len(self.tensors)))  # one at a time
-                terms = [w * w * dot(c, c) for c, w in zip(made, self._factors, strict=True)]
+                terms = [w * w * self._dot(k, None) for k, w in enumerate(self._factors)]
                 self._norm_squared = self.coefficient**2 * total(terms)
         return self._norm_squared
+
+
+def _add_chunked(tensor: Tensor, component: Tensor, scale: float | None, alpha: float) -> None:
+    """``tensor += alpha · component · scale`` (``scale`` ``None``: 1) a chunk of :data:`CHUNK_ELEMENTS` at a time where
+    both are contiguous, so that the float64 copy an add makes of a float32 component (and the scaled component) is a
+    chunk's, not the tensor's; elementwise, so the same bits (chunks start at multiples of the vector width)."""
+    flat_ok = tensor.is_contiguous() and component.is_contiguous() and tensor.shape == component.shape
+    if not flat_ok or tensor.numel() <= CHUNK_ELEMENTS or type(tensor) is not Tensor or type(component) is not Tensor:
+        tensor.add_(component if scale is None else component * scale, alpha=alpha)
+        return
+    flat, source = tensor.view(-1), component.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = source[start : start + CHUNK_ELEMENTS]
+        flat[start : start + CHUNK_ELEMENTS].add_(part if scale is None else part * scale, alpha=alpha)
 
 
 def _origin_of(tensor: Tensor, large: bool) -> Tensor:
