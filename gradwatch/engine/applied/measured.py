@@ -36,7 +36,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 from torch import Tensor
 
-from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
 from gradwatch.engine.results.report import Probe
 
 CLOSER_LOOK = 0.5
@@ -248,11 +248,19 @@ class Rounding:
 
 def difference_dot(x: Tensor, y: Tensor, a: Tensor) -> float:
     """``(x − y) · a`` in float64, as ``dot(x.double() - y.double(), a)`` computes it bit for bit, with one float64
-    copy alive where the three are contiguous (the difference made and multiplied in place) instead of three."""
+    copy alive where the three are contiguous (the difference made and multiplied in place, a chunk of
+    :data:`~gradwatch.engine.numerics.norms.CHUNK_ELEMENTS` at a time: elementwise, the same bits) instead of three."""
     if not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous()):  # the product's layout, the sum's order
         return float(dot(x.double() - y.double(), a))
-    difference = x.to(torch.float64, copy=True)
-    return float(difference.sub_(y.double()).mul_(a).sum(dtype=torch.float64))
+    if not x.shape == y.shape == a.shape or x.numel() <= CHUNK_ELEMENTS:
+        difference = x.to(torch.float64, copy=True)
+        return float(difference.sub_(y.double()).mul_(a).sum(dtype=torch.float64))
+    difference = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    flat, flat_x, flat_y, flat_a = difference.view(-1), x.reshape(-1), y.reshape(-1), a.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = slice(start, start + CHUNK_ELEMENTS)
+        flat[part].copy_(flat_x[part]).sub_(flat_y[part].double()).mul_(flat_a[part])
+    return float(difference.sum(dtype=torch.float64))
 
 
 def off_eager(applied: Sequence[Tensor], eager: Sequence[Tensor], grad_norms: Sequence[float], floors: Sequence[float],
