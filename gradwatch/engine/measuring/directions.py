@@ -142,7 +142,8 @@ class VectorDirection(_Moving):
     ``components_norm``: ``‖components‖`` in float64, when known; when ``components`` is ``grads`` it gives the analytic
     slope ``coefficient · ‖g‖²`` without another pass over the gradients. ``scales``: component ``T`` is
     ``components[T] * scales[T]``, made when used, one tensor at a time (a balanced probe's weighted gradients: no
-    copy of the gradient held).
+    copy of the gradient held). ``slopes``: :meth:`slopes` of an equal direction made before (over other tensors
+    of the same sizes: the float32 parameters, where these are their float64 copies), not computed again.
     """
 
     def __init__(
@@ -156,6 +157,7 @@ class VectorDirection(_Moving):
         components_norm: float | None = None,
         weights: Sequence[float] | None = None,
         scales: Sequence[float] | None = None,
+        slopes: tuple[float, float] | None = None,
     ) -> None:
         self.tensors = list(tensors)
         self._components = list(components)
@@ -173,7 +175,9 @@ class VectorDirection(_Moving):
         self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
         self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
         self._made: list[Tensor] | None = None  # a small direction's components made with ``scales``, kept
-        if components_norm is not None and self._along_gradient:
+        if slopes is not None:
+            self.analytic, self._norm_squared = slopes
+        elif components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
         else:
             pairs = zip(self.grads, self._factors, strict=True)
@@ -181,6 +185,10 @@ class VectorDirection(_Moving):
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
+
+    def slopes(self) -> tuple[float, float]:
+        """The analytic slope ``g · v`` and ``‖v‖²``, which depend on the components and gradients alone."""
+        return self.analytic, self._squared_norm()
 
     @property
     def components(self) -> list[Tensor]:
