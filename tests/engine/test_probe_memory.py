@@ -3,11 +3,18 @@ substitute (restored from its parameter instead): ``benchmarks/memory.py`` measu
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradwatch.engine.applied.measured import difference_dot
+from gradwatch.engine.applied.measurement import _sharing
+from gradwatch.engine.function.copies import FlatCopies, SavedParameter
 from gradwatch.engine.function.precision import exact_source, float64_storage
 from gradwatch.engine.measuring.directions import KEPT_COPY_ELEMENTS, VectorDirection
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot
 
 
 def test_a_direction_frees_its_copy_of_the_tensors_when_its_move_ends() -> None:
@@ -82,3 +89,75 @@ def test_parameters_not_moved_are_read_in_float64_without_a_copy_of_them() -> No
     assert partial.dtype == torch.float64
     assert again.item() == whole.item()  # the same float64 function
     assert partial.item() != whole.item()
+
+
+class _LargestOutput(TorchDispatchMode):
+    """The most elements of any tensor an operation returns while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.numel())
+        return out
+
+
+def test_the_guard_compares_the_parameters_with_its_copy_without_a_temporary_of_the_model() -> None:
+    model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 300), nn.Linear(300, 10))
+    saved = [SavedParameter(p, name, p.detach(), None, p._version, []) for name, p in model.named_parameters()]
+    copies = FlatCopies(saved)
+    with torch.no_grad():
+        model[1].weight.data[3, 4] += 1.0  # behind autograd's back
+    with _LargestOutput() as seen:
+        differing = copies.differing()
+    assert differing == {id(saved[2])}
+    assert seen.largest <= max(p.numel() for p in model.parameters())  # no flat copy of the model made to compare
+
+
+def test_a_balanced_direction_makes_its_weighted_gradients_when_used_with_the_same_bits() -> None:
+    tensors = [torch.randn(1100, 1000), torch.randn(1100)]  # large: its components are made one at a time
+    grads = [torch.randn_like(t) for t in tensors]
+    weights = [0.37, 1.9]
+    made = VectorDirection(tensors, [g * w for g, w in zip(grads, weights, strict=True)], grads)
+    scaled = VectorDirection(tensors, grads, grads, scales=weights)
+    assert scaled.analytic == made.analytic
+    assert scaled._squared_norm() == made._squared_norm()
+    assert all(c is g for c, g in zip(scaled._components, grads, strict=True))  # no weighted copy held
+    model = nn.Linear(1000, 1100)
+    parameters = [model.weight, model.bias]
+    with float64_storage(model) as substitutes:
+        moved = [substitutes[id(p)] for p in parameters]
+        found = []
+        for direction in (made, scaled):
+            direction = VectorDirection(moved, direction._components, grads, scales=direction._scales)
+            with direction.moving() as move:
+                shown = move(1e-3)
+                found.append(([m.clone() for m in moved], shown))
+        (values_made, shown_made), (values_scaled, shown_scaled) = found
+        assert shown_made == shown_scaled
+        assert all(torch.equal(a, b) for a, b in zip(values_made, values_scaled, strict=True))
+
+
+def test_a_chunked_dot_product_is_the_whole_one_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    for shape in [(CHUNK_ELEMENTS + 7,), (1500, 1001), (3, 5)]:
+        a, b = torch.randn(shape), torch.randn(shape)
+        assert dot(a, b).item() == (a * b).sum(dtype=torch.float64).item()
+        assert dot(a, b, b_scale=0.3).item() == (a * (b * 0.3)).sum(dtype=torch.float64).item()
+        assert dot(a, a, a_scale=0.3, b_scale=0.3).item() == ((a * 0.3) * (a * 0.3)).sum(dtype=torch.float64).item()
+        x = a + 1e-3 * b
+        whole = x.to(torch.float64, copy=True).sub_(b.double()).mul_(a).sum(dtype=torch.float64)
+        assert difference_dot(x, b, a) == float(whole)
+
+
+def test_the_eager_gradient_is_the_applied_one_where_their_bits_agree() -> None:
+    applied = [torch.randn(4, 3), torch.randn(3)]
+    eager = [applied[0].clone(), applied[1] + 1e-3]
+    setting = SimpleNamespace(session=SimpleNamespace(collective=None), group=None)
+    shared = _sharing(eager, applied, setting)  # type: ignore[arg-type]
+    assert shared[0] is applied[0]  # one copy of the gradient held, not two
+    assert shared[1] is eager[1]

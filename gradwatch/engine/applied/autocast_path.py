@@ -92,9 +92,8 @@ def autocast_floors(setting: CheckedWindow, eager: Gradient, again: Gradient) ->
     against ``eager``, and the path's gradient ``again`` against its gradient of :data:`~.verdict.SPREAD_SCALE` times
     the loss (two backward passes)."""
     assert setting.autocast is not None
-    emulated = setting.eager(emulated=setting.autocast)
-    scaled = setting.gradient(scale=SPREAD_SCALE)[1]
-    return [distances(emulated, eager), distances(again, scaled)]
+    emulated = distances(setting.eager(emulated=setting.autocast), eager)  # its gradient freed before the next
+    return [emulated, distances(again, setting.gradient(scale=SPREAD_SCALE)[1])]
 
 
 SHIFT = 1e-3

@@ -47,15 +47,18 @@ class AppliedProbes:
         provisional: The floors are a lower bound (:mod:`.measurement`): a screen that does not agree stops there.
         rounding: Per tensor, ``e_T · g_T`` with ``e`` the measured rounding of the path's gradient (eager less
             float64), for :attr:`~.measured.Measured.explained`; ``None`` when not measured.
+        slopes: :func:`balanced_slopes`, made before the float64 copy of the model (at whose peak their float64
+            products would otherwise be made).
     """
 
     def __init__(self, measurements: WindowMeasurements, plan: AppliedPlan, moved: Sequence[Tensor],
-                 floors: Sequence[float], *, provisional: bool = False,
-                 rounding: Sequence[float] | None = None) -> None:  # fmt: skip
+                 floors: Sequence[float], *, provisional: bool = False, rounding: Sequence[float] | None = None,
+                 slopes: dict[tuple[int, ...], tuple[float, float]] | None = None) -> None:  # fmt: skip
         self.measurements = measurements
         self.plan = plan
         native_dtype = plan.native
         self.rounding = rounding
+        self.slopes = slopes or {}
         self.provisional = provisional
         self.names = list(plan.names)
         self.moved = list(moved)
@@ -119,8 +122,12 @@ class AppliedProbes:
         if len(tensors) < 2:
             return None
         target = DESCENT_TARGET if group is None else f"{self.names[tensors[0]]} and {len(tensors) - 1} more"
-        components = [self.grads[i] * weights[i] for i in tensors]
-        direction = VectorDirection([self.moved[i] for i in tensors], components, [self.grads[i] for i in tensors])
+        direction = _balanced(
+            [self.moved[i] for i in tensors],
+            [self.grads[i] for i in tensors],
+            [weights[i] for i in tensors],
+            self.slopes.get(tensors),
+        )
         part = 1.0 / math.sqrt(len(tensors))
         floor = floor_along([self.floors[i] for i in tensors], [part] * len(tensors))
         step = self.relative * math.sqrt(sum(self._scale(i) ** 2 for i in tensors) / len(tensors))
@@ -217,3 +224,23 @@ class AppliedProbes:
         exact = result.tolerance - self.multiple * (task.floor - least) if self.rounding is not None else math.nan
         return Measured(probe, tensors, weights, result.tolerance, result.excess,
                         explained=explained(self.rounding, tensors, weights), exact_tolerance=exact)  # fmt: skip
+
+
+def _balanced(
+    moved: list[Tensor], grads: list[Tensor], scales: list[float], slopes: tuple[float, float] | None
+) -> VectorDirection:
+    """The direction of a balanced probe: components ``g_T · w_T``, made one at a time when used."""
+    return VectorDirection(moved, grads, grads, scales=scales, slopes=slopes)
+
+
+def balanced_slopes(plan: AppliedPlan, tensors: Sequence[Tensor]) -> dict[tuple[int, ...], tuple[float, float]]:
+    """The slopes (:meth:`~gradwatch.engine.measuring.directions.VectorDirection.slopes`) of the balanced probe over
+    every tensor of ``plan`` (``tensors``: those it moves, or tensors of the same sizes), by the tensors it moves."""
+    weights = balanced_weights(list(plan.applied_norms))
+    chosen = tuple(i for i, w in enumerate(weights) if w > 0)
+    if len(chosen) < 2:
+        return {}
+    direction = _balanced(
+        [tensors[i] for i in chosen], [plan.applied[i] for i in chosen], [weights[i] for i in chosen], None
+    )
+    return {chosen: direction.slopes()}

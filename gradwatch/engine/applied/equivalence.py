@@ -189,7 +189,7 @@ def _sine(acc: Sequence[Tensor], one: Sequence[Tensor]) -> float:
     along = total([dot(a, o) for a, o in zip(acc, one, strict=True)])
     squares = total([dot(o, o) for o in one])
     ratio = along / squares if squares > 0 else 0.0
-    off = norms([a.double() - ratio * o.double() for a, o in zip(acc, one, strict=True)], exact=True)
+    off = [norms([a.double() - ratio * o.double()], exact=True)[0] for a, o in zip(acc, one, strict=True)]
     return math.hypot(*off) / max(math.hypot(*norms(acc, exact=True)), 1e-300)
 
 
@@ -263,7 +263,9 @@ def compare_accumulation(setting: CheckedWindow, names: Sequence[str], *, join: 
         if found.differs:  # beyond the least tolerance: measure the rounding (monotone: a larger one only agrees more)
             again = recompute.eager_gradient(model, joined, one_loss, params, state, group=setting.group,
                                              scale=SPREAD_SCALE)  # fmt: skip
-            found = _compared(acc, one, distances(one, again), dtype, len(batches), 3)
+            spread = distances(one, again)
+            del again
+            found = _compared(acc, one, spread, dtype, len(batches), 3)
     except Exception as error:  # the loss refuses the joined batch: no comparison, the check stands
         if own_error(error):
             raise

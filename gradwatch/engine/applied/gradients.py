@@ -177,13 +177,21 @@ def _gradient(model: nn.Module, batches: Any, loss_fn: LossFn, wrt: Sequence[Ten
                 # a complex parameter's real view: autograd differentiates the complex tensor behind it
                 raw = torch.autograd.grad(scaled, [autograd_tensor(t) for t in wrt], allow_unused=True)
                 found = [checked_gradient(t, g) for t, g in zip(wrt, raw, strict=True)]
+                del raw
             else:  # FSDP reduces onto the shards in its backward hooks: the mean over the ranks, its own reduction
                 value, found = sharded_backward(collective, model, scaled, wrt, {})
                 value /= scale
         completed = True
     finally:
         state.after_evaluation(completed)
-    grads = [g.detach() / scale if g is not None else torch.zeros_like(t) for g, t in zip(found, wrt, strict=True)]
+    grads = []
+    kept = scale == 1.0 and collective is None  # autograd's own result, not FSDP's gradient buffer: no copy
+    for i, t in enumerate(wrt):  # each copy made as the gradient it divides is let go
+        g, found[i] = found[i], None
+        if g is None:
+            grads.append(torch.zeros_like(t))
+        else:  # (a strided result, an expanded one say, laid out as the division lays it out)
+            grads.append(g.detach() if kept and g.is_contiguous() else g.detach() / scale)
     return value, rank_mean(grads, group)
 
 

@@ -33,9 +33,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 
+import torch
 from torch import Tensor
 
-from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
 from gradwatch.engine.results.report import Probe
 
 CLOSER_LOOK = 0.5
@@ -245,6 +246,23 @@ class Rounding:
         return [e + (0.0 if i in left else p) for i, (e, p) in enumerate(zip(self.eager, self.path, strict=True))]
 
 
+def difference_dot(x: Tensor, y: Tensor, a: Tensor) -> float:
+    """``(x − y) · a`` in float64, as ``dot(x.double() - y.double(), a)`` computes it bit for bit, with one float64
+    copy alive where the three are contiguous (the difference made and multiplied in place, a chunk of
+    :data:`~gradwatch.engine.numerics.norms.CHUNK_ELEMENTS` at a time: elementwise, the same bits) instead of three."""
+    if not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous()):  # the product's layout, the sum's order
+        return float(dot(x.double() - y.double(), a))
+    if not x.shape == y.shape == a.shape or x.numel() <= CHUNK_ELEMENTS:
+        difference = x.to(torch.float64, copy=True)
+        return float(difference.sub_(y.double()).mul_(a).sum(dtype=torch.float64))
+    difference = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    flat, flat_x, flat_y, flat_a = difference.view(-1), x.reshape(-1), y.reshape(-1), a.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = slice(start, start + CHUNK_ELEMENTS)
+        flat[part].copy_(flat_x[part]).sub_(flat_y[part].double()).mul_(flat_a[part])
+    return float(difference.sum(dtype=torch.float64))
+
+
 def off_eager(applied: Sequence[Tensor], eager: Sequence[Tensor], grad_norms: Sequence[float], floors: Sequence[float],
               multiple: float) -> list[int]:  # fmt: skip
     """On a 16-bit path, the tensors whose applied gradient is further from eager float32's along ``ĝ_T``,
@@ -257,7 +275,7 @@ def off_eager(applied: Sequence[Tensor], eager: Sequence[Tensor], grad_norms: Se
     for i, (g, e, size, floor) in enumerate(zip(applied, eager, grad_norms, floors, strict=True)):
         if not (size > 0 and math.isfinite(size)) or multiple * floor >= size:
             continue
-        along = abs(dot(g.double() - e.double(), g.double())) / size
+        along = abs(difference_dot(g, e, g)) / size
         if not along <= limit * floor:
             found.append(i)
     return found

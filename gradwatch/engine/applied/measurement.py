@@ -37,15 +37,15 @@ from torch import Tensor
 from gradwatch.engine.applied import autocast_path
 from gradwatch.engine.applied import gradients as recompute
 from gradwatch.engine.applied.attribution import Attribution, attribute
-from gradwatch.engine.applied.measured import Rounding, calm
+from gradwatch.engine.applied.measured import Rounding, calm, difference_dot
 from gradwatch.engine.applied.path import AppliedPlan, CheckedWindow
 from gradwatch.engine.applied.probes import Measured, deferred, measure, unresolved_note
 from gradwatch.engine.applied.verdict import SPREAD_SCALE, distances, floors, storage_rounding
 from gradwatch.engine.applied.window import unrecorded_randomness
 from gradwatch.engine.function.batch import batch_size
+from gradwatch.engine.function.copies import same_bits
 from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.memory import learn_activations
-from gradwatch.engine.numerics.norms import dot
 from gradwatch.engine.numerics.steps import center_tolerance
 from gradwatch.engine.probing.outcome import Outcome
 from gradwatch.engine.results.kinds import Reason, Verdict
@@ -99,6 +99,8 @@ def measure_window(setting: CheckedWindow, plan: AppliedPlan) -> AppliedOutcome:
         return _nothing(path, evaluator, reference.loss)
     grads = zip(reference.param_grads, setting.params, strict=True)
     eager = recompute.rank_mean([g if g is not None else torch.zeros_like(p) for g, p in grads], setting.group)
+    eager = _sharing(eager, plan.applied, setting)
+    reference = dataclasses.replace(reference, param_grads=[])  # (``eager`` holds them)
     if not _path_reproduces(path, reference.loss, evaluator.notes):
         return _nothing(path, evaluator, reference.loss)
     _infer_autocast(path, eager, evaluator.notes)
@@ -172,6 +174,15 @@ def _reference(path: _Path, evaluator: WindowEvaluator) -> Reference:
     return dataclasses.replace(reference, loss=recompute.rank_means([reference.loss], setting.group)[0])
 
 
+def _sharing(grads: list[Tensor], applied: Sequence[Tensor], setting: CheckedWindow) -> list[Tensor]:
+    """``grads`` with each tensor that holds the applied gradient's bits replaced by the applied tensor, so that the
+    check holds one copy of the gradient, not two (a float32 path's eager gradient usually is the applied one, a
+    16-bit path's own again); exact, as neither is written to. Not on shards or across ranks (other tensors there)."""
+    if setting.session.collective is not None or setting.group is not None or len(grads) != len(applied):
+        return grads
+    return [a if same_bits(g, a) else g for g, a in zip(grads, applied, strict=True)]
+
+
 def _not_the_trained_function(setting: CheckedWindow, notes: list[Note]) -> bool:
     """Whether the window's loss evaluated again is not the function training differentiated (with a note): the loss
     edits parameters itself, or draws randomness that was not recorded."""
@@ -193,7 +204,8 @@ def _path_reproduces(path: _Path, loss: float, notes: list[Note]) -> bool:
     setting, dtype = path.setting, path.plan.path_dtype
     if setting.autocast is None and not setting.compiled:
         return True
-    path_loss, path.again = setting.gradient()
+    path_loss, again = setting.gradient()
+    path.again = _sharing(again, path.plan.applied, setting)
     path_loss = recompute.rank_means([path_loss], setting.group)[0]
     path.backward += 1
     if abs(path_loss - loss) <= center_tolerance(loss, dtype, dtype):
@@ -220,7 +232,7 @@ def _infer_autocast(path: _Path, eager: list[Tensor], notes: list[Note]) -> None
     path.backward += inferred.backward
     if inferred.setting is not None and inferred.gradient is not None and inferred.note is not None:
         assert inferred.setting.autocast is not None
-        path.setting, path.again = inferred.setting, inferred.gradient
+        path.setting, path.again = inferred.setting, _sharing(inferred.gradient, path.plan.applied, setting)
         path.plan = autocast_path.replanned(path.plan, inferred.setting.autocast)
         said = inferred.note
         notes.append(said)
@@ -263,8 +275,8 @@ def float64_rounding(
     rounding = None
     if applied:
         pairs = list(zip(eager, exact, applied, strict=True))
-        rounding = Rounding([float(dot(e.double() - x.double(), a)) for e, x, a in pairs],
-                            [float(dot(a.double() - e.double(), a)) for e, _, a in pairs])  # fmt: skip
+        rounding = Rounding([difference_dot(e, x, a) for e, x, a in pairs],
+                            [difference_dot(a, e, a) for e, _, a in pairs])  # fmt: skip
     return [distances(list(eager), exact)], rounding
 
 

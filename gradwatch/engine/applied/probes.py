@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.engine.applied.directions import AppliedProbes
+from gradwatch.engine.applied.directions import AppliedProbes, balanced_slopes
 from gradwatch.engine.applied.gradients import exact_conditions, rank_means
 from gradwatch.engine.applied.measured import (
     CLOSER_LOOK,
@@ -104,10 +104,11 @@ def measure(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], lo
             evaluator.notes += [Note(NoteCode.MEMORY_NATIVE, f"probes run natively: {text}")] if text else []
         elif float64 and "quantised" not in screens:  # (a second pass over a quantised float64 loss)
             try:
+                slopes = balanced_slopes(plan, [p for _, p in named])  # its float64 products before the float64 model
                 with float64_storage(evaluator.model, _moved(evaluator.model, named)) as substitutes:
                     evaluator.params = [(n, substitute_of(p, substitutes)) for n, p in named]
                     evaluator.use_float64_inputs()
-                    found = probes_at(torch.float64)
+                    found = probes_at(torch.float64, slopes=slopes)
                     quantised = _quantised(evaluator, found, plan.applied, loss)
                     if quantised is None:
                         evaluator.probed_in = "float64"
@@ -147,7 +148,6 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
     float32 on the way moves by whole float32 ulps there, or not at all."""
     descent = next((m.probe for m in found if m.probe.kind == ProbeKind.DESCENT), None)
     noisy = any(m.probe.noise > FLOAT64_NOISE * max(abs(m.probe.analytic), 1e-300) for m in found)
-    slope = math.sqrt(sum(float(g.double().pow(2).sum()) for g in applied))
     tensors = [p for _, p in evaluator.params]
     sources = [source for source in map(exact_source, tensors) if source is not None]  # put back from, exactly
     shapes = len(tensors) == len(applied) == len(sources) and all(
@@ -155,6 +155,7 @@ def _quantised(evaluator: LossEvaluator, found: list[Measured], applied: list[to
     )
     if descent is None or not noisy or not shapes or evaluator.value_dtype != torch.float64:
         return None
+    slope = math.sqrt(sum(float(g.to(torch.float64, copy=True).pow_(2).sum()) for g in applied))  # one copy at a time
     if slope == 0.0 or not math.isfinite(descent.numeric) or not math.isfinite(loss) or loss == 0.0:
         return None
     step = FINE_CHANGE * abs(loss) / slope
@@ -190,7 +191,8 @@ def _moved(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> set
 
 
 def _probes_at(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float], loss: float, compute: torch.dtype, *,
-               screens: dict[Any, Any], provisional: bool, rounding: Rounding | None) -> list[Measured]:  # fmt: skip
+               screens: dict[Any, Any], provisional: bool, rounding: Rounding | None,
+               slopes: dict[tuple[int, ...], tuple[float, float]] | None = None) -> list[Measured]:  # fmt: skip
     pending = compute == torch.float64 and compute not in screens  # (see :mod:`.window_points`)
     if compute not in screens and not pending:
         screens[compute] = evaluator.loss()
@@ -205,7 +207,7 @@ def _probes_at(evaluator: LossEvaluator, plan: AppliedPlan, floors: list[float],
         beyond = sorted(set(beyond) | set(off_eager(plan.applied, plan.eager, sizes, floors, plan.multiple)))
     discount = rounding.explained(beyond) if rounding else None  # (.measured)
     probes = AppliedProbes(measurements, plan, [p for _, p in evaluator.params], floors, provisional=provisional,
-                           rounding=discount)  # fmt: skip
+                           rounding=discount, slopes=slopes)  # fmt: skip
     try:
         return _probed(probes, beyond)
     except NotReproducibleError as error:

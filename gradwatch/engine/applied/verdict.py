@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from gradwatch.engine.distributed import collective
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment, assess, screen
 from gradwatch.engine.numerics.kinks import at_a_tie
@@ -65,8 +66,11 @@ SPREAD_SCALE = 3.0
 
 def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
     """``‖a_T − b_T‖`` per tensor, accumulated in float64. Gradients of float32 or less are subtracted in float32 (exact
-    within a factor of two of each other, as compared gradients are): no float64 copy, which a GPU may not hold."""
-    return norms([_difference(x, y) for x, y in zip(a, b, strict=True)], exact=True)
+    within a factor of two of each other, as compared gradients are): no float64 copy, which a GPU may not hold; one
+    difference at a time (sharded: all at once, their squares summed over the ranks together)."""
+    if collective.active() is not None:
+        return norms([_difference(x, y) for x, y in zip(a, b, strict=True)], exact=True)
+    return [norms([_difference(x, y)], exact=True)[0] for x, y in zip(a, b, strict=True)]
 
 
 def _difference(x: Tensor, y: Tensor) -> Tensor:

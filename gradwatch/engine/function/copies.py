@@ -1,8 +1,8 @@
 """The parameters of a model as a check found them: copied once, compared cheaply, put back exactly.
 
-:class:`FlatCopies` copies the parameters into one flat buffer per dtype and device, so that copying and comparing
-them takes a few operations however many tensors the model has; :func:`same_bits` compares bit for bit (NaNs and
-signed zeros included), which is what "put back exactly" means.
+:class:`FlatCopies` copies the parameters into one flat buffer per dtype and device, so that copying them takes a few
+operations however many tensors the model has; they are compared tensor by tensor (no flat temporary of the model)
+with :func:`same_bits`, bit for bit (NaNs and signed zeros included), which is what "put back exactly" means.
 """
 
 from __future__ import annotations
@@ -80,12 +80,10 @@ class FlatCopies:
 
     def differing(self) -> set[int]:
         """``id`` of each copied parameter whose bits differ from its copy now."""
-        found: set[int] = set()
-        for members, flat in self._groups:
-            locals_ = [local_tensor(parameter.tensor) for parameter in members]
-            current = torch.cat([local.reshape(-1) for local in locals_])
-            if same_bits(current, flat):  # the usual case: one comparison for the group
-                continue
-            pairs = zip(members, locals_, strict=True)
-            found |= {id(p) for p, local in pairs if p.copy is not None and not same_bits(local, p.copy)}
-        return found
+        # tensor by tensor against its view of the flat copy: no flat temporary of the model (1x its parameters)
+        return {
+            id(p)
+            for members, _ in self._groups
+            for p in members
+            if p.copy is not None and not same_bits(local_tensor(p.tensor), p.copy)
+        }

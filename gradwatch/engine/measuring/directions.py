@@ -20,7 +20,7 @@ from torch import Tensor
 
 from gradwatch.engine.distributed.collective import layout, summed
 from gradwatch.engine.function.precision import exact_source
-from gradwatch.engine.numerics.norms import dot, total
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
 
 KEPT_COPY_ELEMENTS = 2**20
 """A direction over at most this many elements (8 MiB in float64) keeps its copy of the tensors and its cast components
@@ -140,7 +140,10 @@ class VectorDirection(_Moving):
     ``tensors`` are parameters or working inputs of the evaluator, ``grads`` autograd's gradient of each, ``weights`` a
     factor per tensor on its component (``None``: 1), ``after_write`` as for :class:`CoordinateDirection`.
     ``components_norm``: ``‖components‖`` in float64, when known; when ``components`` is ``grads`` it gives the analytic
-    slope ``coefficient · ‖g‖²`` without another pass over the gradients.
+    slope ``coefficient · ‖g‖²`` without another pass over the gradients. ``scales``: component ``T`` is
+    ``components[T] * scales[T]``, made when used, one tensor at a time (a balanced probe's weighted gradients: no
+    copy of the gradient held). ``slopes``: :meth:`slopes` of an equal direction made before (over other tensors
+    of the same sizes: the float32 parameters, where these are their float64 copies), not computed again.
     """
 
     def __init__(
@@ -153,27 +156,64 @@ class VectorDirection(_Moving):
         after_write: Callable[[], None] | None = None,
         components_norm: float | None = None,
         weights: Sequence[float] | None = None,
+        scales: Sequence[float] | None = None,
+        slopes: tuple[float, float] | None = None,
     ) -> None:
         self.tensors = list(tensors)
-        self.components = list(components)
+        self._components = list(components)
+        self._scales = None if scales is None else list(scales)
         self.grads = list(grads)
         self.coefficient = coefficient
         self.weights = None if weights is None else list(weights)
         self._factors = self.weights or [1.0] * len(self.tensors)
         # v ∝ g (unweighted): the component along v is then g·δ/‖g‖
-        self._along_gradient = self.weights is None and all(
-            c is g for c, g in zip(self.components, self.grads, strict=True)
+        self._along_gradient = (
+            self.weights is None
+            and self._scales is None
+            and all(c is g for c, g in zip(self._components, self.grads, strict=True))
         )
         self._norm_squared: float | None = None  # ‖v‖², see _squared_norm
-        if components_norm is not None and self._along_gradient:
+        self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
+        self._made: list[Tensor] | None = None  # a small direction's components made with ``scales``, kept
+        if slopes is not None:
+            self.analytic, self._norm_squared = slopes
+        elif components_norm is not None and self._along_gradient:
             self.analytic = coefficient * components_norm**2
         else:
-            pairs = zip(self.grads, self.components, self._factors, strict=True)
-            self.analytic = coefficient * total([w * dot(g, c) for g, c, w in pairs])  # g · v, one host transfer
-        self._large = sum(t.numel() for t in self.tensors) > KEPT_COPY_ELEMENTS
+            pairs = zip(self.grads, self._factors, strict=True)
+            self.analytic = coefficient * total([w * self._dot(k, g) for k, (g, w) in enumerate(pairs)])  # g · v
         self._origin: list[Tensor] | None = None
         self._components_cast: list[Tensor] | None = None  # components in the dtypes of the tensors they move
         self._after_write = after_write
+
+    def slopes(self) -> tuple[float, float]:
+        """The analytic slope ``g · v`` and ``‖v‖²``, which depend on the components and gradients alone."""
+        return self.analytic, self._squared_norm()
+
+    @property
+    def components(self) -> list[Tensor]:
+        """The components, each made (with ``scales``: a copy of each, all at once)."""
+        return [self._component(k) for k in range(len(self._components))]
+
+    def _component(self, k: int) -> Tensor:
+        """Component ``k``: with ``scales``, made anew for a large direction (one at a time), once for a small one."""
+        scales = self._scales
+        if scales is None:
+            return self._components[k]
+        if self._large:
+            return self._components[k] * scales[k]
+        if self._made is None:
+            self._made = [c * w for c, w in zip(self._components, scales, strict=True)]
+        return self._made[k]
+
+    def _dot(self, k: int, other: Tensor | None) -> Tensor:
+        """``other · c_k`` (``c_k · c_k`` for ``None``), a large direction's made component never made whole."""
+        scale = self._scales[k] if self._scales is not None and self._large else None
+        if scale is None:
+            component = self._component(k)
+            return dot(component if other is None else other, component)
+        raw = self._components[k]
+        return dot(raw, raw, a_scale=scale, b_scale=scale) if other is None else dot(other, raw, b_scale=scale)
 
     def substitute(self, replacements: Mapping[int, Tensor]) -> None:
         """As :meth:`CoordinateDirection.substitute`, for each tensor."""
@@ -220,16 +260,17 @@ class VectorDirection(_Moving):
             [offset * self.coefficient for offset in offsets], dtype=torch.float64, device=self.tensors[0].device
         )
         with torch.no_grad():
-            cast = self.components if self._large else self._cast_components()
-            for tensor, component, weight in zip(self.tensors, cast, self._factors, strict=True):
+            cast = self._cast_components() if not self._large else None
+            for k, (tensor, weight) in enumerate(zip(self.tensors, self._factors, strict=True)):
                 shaped = factors.to(tensor.device).view(len(offsets), *([1] * tensor.dim()))  # no copy on one device
-                increment = component.to(tensor.dtype)  # a large direction: one tensor's cast at a time
+                # a large direction: one tensor's component and cast at a time
+                increment = cast[k] if cast is not None else self._component(k).to(tensor.dtype)
                 torch.addcmul(tensor, shaped if weight == 1.0 else shaped * weight, increment, out=rows[id(tensor)])
         return [Displacement(offset * self._squared_norm(), offset * self.analytic) for offset in offsets]
 
     def _cast_components(self) -> list[Tensor]:
         if self._components_cast is None:
-            self._components_cast = [c.to(t.dtype) for t, c in zip(self.tensors, self.components, strict=True)]
+            self._components_cast = [self._component(k).to(t.dtype) for k, t in enumerate(self.tensors)]
         return self._components_cast
 
     def _move_and_measure(self, offset: float) -> Displacement:
@@ -238,10 +279,11 @@ class VectorDirection(_Moving):
         along_is_predicted = self._along_gradient  # the component along v is then g·δ/‖g‖
         predicted_terms: list[Tensor] = []
         along_terms: list[Tensor] = []
-        moving = zip(
-            self.tensors, self._origin, self._cast_components(), self.components, self.grads, self._factors, strict=True
-        )
-        for tensor, origin, increment, component, grad, weight in moving:
+        cast = None if self._large and self._scales is not None else self._cast_components()
+        moving = zip(self.tensors, self._origin, self.grads, self._factors, strict=True)
+        for k, (tensor, origin, grad, weight) in enumerate(moving):
+            component = self._component(k)  # a large direction's made components: one tensor's at a time
+            increment = component.to(tensor.dtype) if cast is None else cast[k]
             # in the tensor's own dtype: δ = moved − origin is then the displacement the rounding produced
             moved = torch.add(origin, increment, alpha=offset * self.coefficient * weight)
             tensor.copy_(moved)
@@ -263,12 +305,12 @@ class VectorDirection(_Moving):
             for tensor, origin, increment, weight in moving:
                 torch.add(origin, increment, alpha=offset * self.coefficient * weight, out=tensor)
             return Displacement(offset * self._squared_norm(), offset * self.analytic)
-        moving = zip(self.tensors, self._origin, self.components, self._factors, strict=True)
-        for tensor, origin, component, weight in moving:
+        for k, (tensor, origin, weight) in enumerate(zip(self.tensors, self._origin, self._factors, strict=True)):
             # in place on the float64 tensor: the sum is computed in float64 whatever the dtypes of the origin (its
-            # parameter) and the component, and no float64 copy of either is made
+            # parameter) and the component, and no float64 copy of either is made whole (:func:`_add_chunked`)
             tensor.copy_(origin)
-            tensor.add_(component, alpha=offset * self.coefficient * weight)
+            scale = self._scales[k] if self._scales is not None else None
+            _add_chunked(tensor, self._components[k], scale, offset * self.coefficient * weight)
         return Displacement(offset * self._squared_norm(), offset * self.analytic)
 
     def _squared_norm(self) -> float:
@@ -276,9 +318,23 @@ class VectorDirection(_Moving):
             if self._along_gradient:  # v = g / ‖g‖: ‖v‖² = g·v / ‖g‖, already known
                 self._norm_squared = self.coefficient * self.analytic
             else:
-                terms = [w * w * dot(c, c) for c, w in zip(self.components, self._factors, strict=True)]
+                terms = [w * w * self._dot(k, None) for k, w in enumerate(self._factors)]
                 self._norm_squared = self.coefficient**2 * total(terms)
         return self._norm_squared
+
+
+def _add_chunked(tensor: Tensor, component: Tensor, scale: float | None, alpha: float) -> None:
+    """``tensor += alpha · component · scale`` (``scale`` ``None``: 1) a chunk of :data:`CHUNK_ELEMENTS` at a time where
+    both are contiguous, so that the float64 copy an add makes of a float32 component (and the scaled component) is a
+    chunk's, not the tensor's; elementwise, so the same bits (chunks start at multiples of the vector width)."""
+    flat_ok = tensor.is_contiguous() and component.is_contiguous() and tensor.shape == component.shape
+    if not flat_ok or tensor.numel() <= CHUNK_ELEMENTS or type(tensor) is not Tensor or type(component) is not Tensor:
+        tensor.add_(component if scale is None else component * scale, alpha=alpha)
+        return
+    flat, source = tensor.view(-1), component.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = source[start : start + CHUNK_ELEMENTS]
+        flat[start : start + CHUNK_ELEMENTS].add_(part if scale is None else part * scale, alpha=alpha)
 
 
 def _origin_of(tensor: Tensor, large: bool) -> Tensor:
