@@ -202,9 +202,24 @@ class ModelGuard:
 
     # ---- around every evaluation ----------------------------------------------------------------------------------
 
-    @plain
     def before_evaluation(self) -> None:
-        """Save what an evaluation may change: everything before the first one, the watched part before the others."""
+        """Save what an evaluation may change: everything before the first one, the watched part before the others
+        (nothing, where the first one changed nothing: most losses)."""
+        if not self._idle:
+            self._save_before()
+
+    def after_evaluation(self) -> None:
+        """Put back what the evaluation changed; after the first one, learn what the loss changes."""
+        if not self._idle:
+            self._put_back_after()
+
+    @property
+    def _idle(self) -> bool:
+        """Whether evaluations have nothing to save or put back: the first one changed nothing."""
+        return self._watched is not None and not self._watched and not self.edited
+
+    @plain
+    def _save_before(self) -> None:
         if self._watched is None:
             if self._baseline is None:
                 # gradwatch may have changed the structure since the start (a sharded check's hooks): then anew
@@ -216,8 +231,7 @@ class ModelGuard:
         self._bound = [(p, b, b.requires_grad) for p in self.edited for b in self._bindings(p)]
 
     @plain
-    def after_evaluation(self) -> None:
-        """Put back what the evaluation changed; after the first one, learn what the loss changes."""
+    def _put_back_after(self) -> None:
         if self._watched is None:
             self._settle()
             return
