@@ -182,6 +182,7 @@ class TrainingState:
         if errors:
             raise errors[0]
 
-    def unrestorable(self) -> list[str]:
-        """What the loss changed that could not be put back, named."""
-        return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()
+    def unrestorable(self, in_sandbox: list[str] | None = None) -> list[str]:
+        """What the loss changed that could not be put back, named (``in_sandbox``: the sandbox's part, if known)."""
+        sandbox = self.sandbox.unrestorable() if in_sandbox is None else in_sandbox
+        return sandbox + self.guard.unrestorable() + self.optimizers.unrestorable()
