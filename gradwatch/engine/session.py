@@ -171,8 +171,9 @@ class CheckSession:
                 )
             )
             self.trailing += incorrect_gradient_notes(withheld)
-        self.trailing += state.sandbox.notes(state.sandbox.unrestorable()) + state.guard.notes()
-        self.unrestored = tuple(state.unrestorable())
+        unrestorable = state.sandbox.unrestorable()  # a walk of the whole tree: once
+        self.trailing += state.sandbox.notes(unrestorable) + state.guard.notes()
+        self.unrestored = tuple(state.unrestorable(unrestorable))
         if self.unrestored:
             warnings.warn(
                 f"gradwatch could not put back what the loss changed: {', '.join(self.unrestored)}; the model is not "

@@ -74,14 +74,16 @@ def _custom_node(root: Any) -> str | None:
     ``autograd.Function``, a C++ extension's ``CppNode``), or ``None``."""
     seen: set[int] = set()
     stack = [root]
+    written = torch.autograd.function.BackwardCFunction
     while stack and len(seen) < MOST_NODES:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if isinstance(node, torch.autograd.function.BackwardCFunction) or "CppNode" in type(node).__name__:
+        if isinstance(node, written) or "CppNode" in type(node).__name__:
             return type(node).__name__
-        stack.extend(child for child, _ in getattr(node, "next_functions", ()))
+        for child, _ in getattr(node, "next_functions", ()):  # a loop: no generator per node of the graph
+            stack.append(child)
     return None
 
 

@@ -14,7 +14,7 @@ the start.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -89,15 +89,33 @@ class ReferenceFlow(OperationMode):
             self.detached |= _reached_leaves(args[0], self._wanted)
         if self.data_dependent is not None:
             return func(*args, **kwargs)
-        derived = any(t.requires_grad or self._is_derived(t) for t in top_level_tensors((*args, *kwargs.values())))
+        derived = self._any_derived(args) or (bool(kwargs) and self._any_derived(kwargs.values()))
         if derived and func in _DATA_DEPENDENT:
             self.data_dependent = _DATA_DEPENDENT[func]
         result = func(*args, **kwargs)
-        if derived:
-            for tensor in top_level_tensors(result if isinstance(result, tuple) else (result,)):
-                if not tensor.requires_grad:
-                    self._derived[id(tensor)] = weakref.ref(tensor)
+        if not derived:
+            return result
+        if isinstance(result, Tensor):  # the usual case, one tensor: no list built
+            if not result.requires_grad:
+                self._derived[id(result)] = weakref.ref(result)
+            return result
+        for tensor in top_level_tensors(result if isinstance(result, tuple) else (result,)):
+            if not tensor.requires_grad:
+                self._derived[id(tensor)] = weakref.ref(tensor)
         return result
+
+    def _any_derived(self, values: Iterable[Any]) -> bool:
+        """Whether a tensor among ``values`` and one level of the lists and tuples in it (as
+        :func:`top_level_tensors` finds them) is computed from what the probes move. Run at every operation of the
+        reference pass: a loop that stops at the first, no list built."""
+        for value in values:
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, Tensor) and (item.requires_grad or self._is_derived(item)):
+                        return True
+            elif isinstance(value, Tensor) and (value.requires_grad or self._is_derived(value)):
+                return True
+        return False
 
     def _is_derived(self, tensor: Tensor) -> bool:
         ref = self._derived.get(id(tensor))

@@ -107,11 +107,14 @@ class LossEvaluator:
 
     def _reset_inputs(self) -> None:
         """Undo any in-place change the loss function made to its inputs in the previous evaluation."""
+        versions = self._versions
+        changed = [(path, tensor) for path, tensor in self.inputs.items() if tensor._version != versions[path]]
+        if not changed:  # the usual case: no grad mode to enter and leave at every evaluation
+            return
         with torch.no_grad():
-            for path, tensor in self.inputs.items():
-                if tensor._version != self._versions[path]:
-                    tensor.copy_(self._pristine[path])
-                    self._versions[path] = tensor._version
+            for path, tensor in changed:
+                tensor.copy_(self._pristine[path])
+                versions[path] = tensor._version
 
     def mark_inputs_current(self) -> None:
         """Record the working inputs as they are now, after the caller perturbed or restored one of them."""
@@ -129,7 +132,9 @@ class LossEvaluator:
             self.n_passes += 1
             self.n_forward += 1
             fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
-            with sharding.evaluation(), torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
+            # outside a sharded check its evaluation context does nothing: not entered
+            sharded = sharding.evaluation() if sharding.active() is not None else contextlib.nullcontext()
+            with sharded, torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
                 yield
             self.n_forward += points - 1
             if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:

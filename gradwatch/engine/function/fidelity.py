@@ -66,6 +66,8 @@ class Float64Fidelity(OperationMode):
         ]
 
     def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not kwargs and func not in _HANDLED:  # most operations: nothing below applies (no dtype, no out=)
+            return func(*args)
         kwargs = dict(kwargs)
         if func in _DOWNCASTS and args and _is_float64(args[0]):
             self.acted.add("casts")
@@ -159,3 +161,8 @@ float64 evaluation."""
 _FACTORIES = _DEFAULT_DTYPE_FACTORIES | {torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like}
 """Functions that create a tensor of the ``dtype`` they are given: asked for float32 during a float64 evaluation, they
 create float64."""
+
+_HANDLED = frozenset(
+    {*_DOWNCASTS, Tensor.to, Tensor.type, *_RANDOM_FACTORIES, *_RANDOM_LIKE, *_RANDOM_IN_PLACE, *_FACTORIES}
+)
+"""The functions :class:`Float64Fidelity` may change called without keyword arguments; any other passes as it is."""

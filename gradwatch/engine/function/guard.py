@@ -21,6 +21,7 @@ Version counters make the comparison cheap; values are compared bit for bit only
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -93,7 +94,10 @@ class _Slot:
         if isinstance(self.items, tuple):
             if len(current) != len(self.items):
                 return True
-            return any(current.get(key, _MISSING) is not item for key, item in self.items)
+            for key, item in self.items:  # noqa: SIM110 (a loop starts no generator for a module's few items)
+                if current.get(key, _MISSING) is not item:
+                    return True
+            return False
         if isinstance(self.items, frozenset):
             return current != self.items
         return False
@@ -132,8 +136,8 @@ class _EmptyDicts:
         return ", ".join(f"{self.where}.{n}" for n, d in pairs if attributes.get(n) is not d or d) or self.where
 
     def differs(self) -> bool:
-        attributes = self.owner.__dict__
-        return any(attributes.get(n) is not d or d for n, d in zip(self.names, self.dicts, strict=True))
+        # a container filled, or one no longer in its place (in one map each: no generator per comparison)
+        return any(self.dicts) or not all(map(operator.is_, map(self.owner.__dict__.get, self.names), self.dicts))
 
     def put_back(self) -> None:
         attributes = self.owner.__dict__
@@ -198,9 +202,24 @@ class ModelGuard:
 
     # ---- around every evaluation ----------------------------------------------------------------------------------
 
-    @plain
     def before_evaluation(self) -> None:
-        """Save what an evaluation may change: everything before the first one, the watched part before the others."""
+        """Save what an evaluation may change: everything before the first one, the watched part before the others
+        (nothing, where the first one changed nothing: most losses)."""
+        if not self._idle:
+            self._save_before()
+
+    def after_evaluation(self) -> None:
+        """Put back what the evaluation changed; after the first one, learn what the loss changes."""
+        if not self._idle:
+            self._put_back_after()
+
+    @property
+    def _idle(self) -> bool:
+        """Whether evaluations have nothing to save or put back: the first one changed nothing."""
+        return self._watched is not None and not self._watched and not self.edited
+
+    @plain
+    def _save_before(self) -> None:
         if self._watched is None:
             if self._baseline is None:
                 # gradwatch may have changed the structure since the start (a sharded check's hooks): then anew
@@ -212,14 +231,15 @@ class ModelGuard:
         self._bound = [(p, b, b.requires_grad) for p in self.edited for b in self._bindings(p)]
 
     @plain
-    def after_evaluation(self) -> None:
-        """Put back what the evaluation changed; after the first one, learn what the loss changes."""
+    def _put_back_after(self) -> None:
         if self._watched is None:
             self._settle()
             return
         for slot in self._before:
             if slot.differs():
                 slot.put_back()
+        if not self._bound:
+            return  # no parameter the loss edits: no grad mode to enter and leave after every evaluation
         with torch.no_grad():
             for parameter, bound, requires_grad in self._bound:
                 if bound.requires_grad != requires_grad:

@@ -145,13 +145,14 @@ class HeldDetaches:
         """How many values the reference pass recorded to hold."""
         return sum(entry.value is not None for entry in self.recorded or ())
 
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:
+    def evaluating(self) -> contextlib.AbstractContextManager[None]:
         """Around one call of the loss: record its detaches until a reference pass completed, else replay them; then
-        :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other."""
-        if not self.active:
-            yield
-            return
+        :meth:`differentiated` after a differentiated call that completed, :meth:`finish` after any other. Where no
+        detach is held (most losses), a context that does nothing, entered at every evaluation at no cost."""
+        return self._evaluating() if self.active else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
         self._recording = self.recorded is None
         self._pending, self._position, self.mismatch = [], 0, None
         self._forward_pairs, self._recomputing = [], False
@@ -162,13 +163,15 @@ class HeldDetaches:
         ):
             yield
 
-    @contextlib.contextmanager
-    def differentiating(self) -> Iterator[None]:
+    def differentiating(self) -> contextlib.AbstractContextManager[None]:
         """Around the backward of a replayed evaluation: an activation checkpoint's recomputation of a detach inside
         the ``inside`` modules returns what the forward returned for the same argument."""
         if not self.active or self._recording or not self._forward_pairs:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._differentiating()
+
+    @contextlib.contextmanager
+    def _differentiating(self) -> Iterator[None]:
         self._recomputing = True
         try:
             with _counted(self.inside, self._inside_depth), _HeldMode(self):

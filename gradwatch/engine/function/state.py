@@ -87,18 +87,19 @@ class TrainingState:
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         self._rng = capture_rng()
         self._replayed = set(self._rng)  # the generators replay_rng sets
-        self._modes = [(module, module.training) for module in model.modules()]
+        modules = list(model.modules())  # the tree walked once
+        self._modes = [(module, module.training) for module in modules]
         self._grads = [(p, p.grad) for p in model.parameters()]
         self._buffers: list[_SavedBuffer] = []
         saved_values: dict[int, Tensor] = {}
-        for module in model.modules():
+        for module in modules:
             for name, buffer in module.named_buffers(recurse=False):
                 # a buffer shared between modules is saved once and restored through each owner
                 value = saved_values.setdefault(id(buffer), buffer.detach().clone())
                 self._buffers.append(_SavedBuffer(module, name, buffer, value))
         for parameter, _ in self._grads:
             parameter.grad = None
-        tensors = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
+        tensors = {id(p) for p, _ in self._grads} | {id(b) for b in model.buffers()}
         self.sandbox = Sandbox(model, exclude=tensors)
         self.guard = ModelGuard(model)
         self.optimizers = OptimizerGuard(optimizers)
@@ -132,6 +133,8 @@ class TrainingState:
     def restore_buffers(self) -> None:
         """Undo any change to the buffers since the capture: every one is copied back (BatchNorm's CPU kernel updates
         its running statistics without bumping their version counters)."""
+        if not self._buffers:
+            return  # most models: no grad mode to enter and leave after every evaluation
         with torch.no_grad():
             for saved in self._buffers:
                 if getattr(saved.module, saved.name, None) is not saved.tensor:
@@ -179,6 +182,7 @@ class TrainingState:
         if errors:
             raise errors[0]
 
-    def unrestorable(self) -> list[str]:
-        """What the loss changed that could not be put back, named."""
-        return self.sandbox.unrestorable() + self.guard.unrestorable() + self.optimizers.unrestorable()
+    def unrestorable(self, in_sandbox: list[str] | None = None) -> list[str]:
+        """What the loss changed that could not be put back, named (``in_sandbox``: the sandbox's part, if known)."""
+        sandbox = self.sandbox.unrestorable() if in_sandbox is None else in_sandbox
+        return sandbox + self.guard.unrestorable() + self.optimizers.unrestorable()

@@ -67,11 +67,18 @@ class OriginalsSeen(OperationMode):
     def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
             return func(*args, **kwargs)
-        for value in (*args, *kwargs.values()):
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, Tensor) and id(item) in self._originals:
-                    raise OutsideTreeError(
-                        f"the loss uses {self._originals[id(item)]} from outside the module tree (an object that "
-                        "holds it besides the model), where gradwatch cannot substitute it"
-                    )
+        originals = self._originals  # run at every operation of a substituted evaluation: no tuple built per argument
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    if id(item) in originals and isinstance(item, Tensor):
+                        self._refuse(item)
+            elif id(value) in originals and isinstance(value, Tensor):
+                self._refuse(value)
         return func(*args, **kwargs)
+
+    def _refuse(self, original: Tensor) -> None:
+        raise OutsideTreeError(
+            f"the loss uses {self._originals[id(original)]} from outside the module tree (an object that holds it "
+            "besides the model), where gradwatch cannot substitute it"
+        )
