@@ -87,13 +87,59 @@ def test_memory_budget_splits_the_points_over_more_passes_or_leaves_them_one_by_
 
 
 def test_custom_function_without_a_vmap_rule_is_evaluated_point_by_point() -> None:
-    # SeedModel's autograd.Function has no setup_context: vmap refuses it
+    # SeedModel's autograd.Function has no setup_context: vmap refuses it, which the reference's graph shows
     report = check_gradients(SeedModel(), seed_batch(), seed_loss)
-    assert report.vectorized is False
-    assert report.noted(NoteCode.NOT_VECTORISABLE), report.notes
+    assert report.vectorized is None  # no vectorised pass tried only to fail
+    assert report.n_passes == report.n_forward
+    assert any("has no vmap rule" in note for note in report.noted(NoteCode.NOT_VECTORISABLE)), report.notes
     assert report.verdict == "ok", str(report)
     buggy = check_gradients(SeedModel(weight_scale=1.01), seed_batch(), seed_loss)
     assert buggy.verdict == "fail"
+
+
+class _Tanh(torch.autograd.Function):
+    """tanh written by hand in the style functorch accepts (``setup_context``); ``generate_vmap_rule`` per subclass."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(output)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        (output,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * (1 - output * output)
+
+
+class _TanhWithoutRule(_Tanh):
+    generate_vmap_rule = False
+
+
+class _HandTanhNet(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function, self.fc1, self.fc2 = function, nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.function.apply(self.fc1(x)))
+
+
+@pytest.mark.parametrize(("function", "vectorized"), [(_Tanh, True), (_TanhWithoutRule, None)], ids=["rule", "none"])
+def test_a_custom_function_is_vectorised_exactly_when_vmap_has_a_rule_for_it(
+    function: type[torch.autograd.Function], vectorized: bool | None
+) -> None:
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 8), torch.randint(0, 3, (8,)))
+    report = check_gradients(_HandTanhNet(function), batch, cross_entropy_loss, probe_batch_size=4)
+    assert report.verdict == "ok", str(report)
+    assert report.vectorized is vectorized
+    refused = [note for note in report.noted(NoteCode.NOT_VECTORISABLE) if "_TanhWithoutRule has no vmap rule" in note]
+    assert bool(refused) is (vectorized is None), report.notes
 
 
 def test_loss_that_computes_something_else_when_vectorised_is_evaluated_point_by_point() -> None:

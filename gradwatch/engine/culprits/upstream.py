@@ -46,7 +46,9 @@ kernel's reordered sums); a backward that ignores its upstream gradient is off b
 
 class CustomBackwards:
     """``loss_fn`` as it is, noting in :attr:`found` the class name of a backward in the graph of the loss it returns
-    that is not one of PyTorch's own formulas (``None`` while none was seen). Only the first :attr:`SCANS` graphs are
+    that is not one of PyTorch's own formulas (``None`` while none was seen), and in :attr:`refused` the name of an
+    ``autograd.Function`` there that ``vmap`` refuses (no ``setup_context``, or neither a ``vmap`` rule nor
+    ``generate_vmap_rule``), so that no vectorised pass is tried only to fail. Only the first :attr:`SCANS` graphs are
     walked (the reference's), each at most :data:`MOST_NODES` nodes."""
 
     SCANS = 3
@@ -54,6 +56,7 @@ class CustomBackwards:
     def __init__(self, loss_fn: Any) -> None:
         self.loss_fn = loss_fn
         self.found: str | None = None
+        self.refused: str | None = None
         self._scans = 0
 
     def __call__(self, model: nn.Module, batch: Any) -> Any:
@@ -61,7 +64,7 @@ class CustomBackwards:
         node = getattr(loss, "grad_fn", None)
         if self.found is None and node is not None and self._scans < self.SCANS:
             self._scans += 1
-            self.found = _custom_node(node)
+            self.found, self.refused = _custom_nodes(node)
         return loss
 
 
@@ -69,22 +72,34 @@ MOST_NODES = 200_000
 """The most nodes of a graph :class:`CustomBackwards` walks."""
 
 
-def _custom_node(root: Any) -> str | None:
+def _custom_nodes(root: Any) -> tuple[str | None, str | None]:
     """The class name of the first node reachable from ``root`` whose backward someone wrote (a Python
-    ``autograd.Function``, a C++ extension's ``CppNode``), or ``None``."""
+    ``autograd.Function``, a C++ extension's ``CppNode``), and the name of the first such ``autograd.Function`` that
+    ``vmap`` refuses; each ``None`` where there is none."""
     seen: set[int] = set()
     stack = [root]
     written = torch.autograd.function.BackwardCFunction
+    found = refused = None
     while stack and len(seen) < MOST_NODES:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         if isinstance(node, written) or "CppNode" in type(node).__name__:
-            return type(node).__name__
+            found = found or type(node).__name__
+            function = getattr(node, "_forward_cls", None)
+            if function is not None and not _vmappable(function):
+                return found, function.__name__
         for child, _ in getattr(node, "next_functions", ()):  # a loop: no generator per node of the graph
             stack.append(child)
-    return None
+    return found, refused
+
+
+def _vmappable(function: type[torch.autograd.Function]) -> bool:
+    """Whether ``vmap`` can run ``function`` (as ``torch.autograd.Function.apply`` and functorch decide it)."""
+    if function.setup_context is torch.autograd.function._SingleLevelFunction.setup_context:
+        return False
+    return bool(function.generate_vmap_rule) or function.vmap is not torch.autograd.Function.vmap
 
 
 def latent_upstream_bug(

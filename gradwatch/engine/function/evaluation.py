@@ -97,6 +97,8 @@ class LossEvaluator:
         self._fidelity_settled = False
         self.data_dependent: str | None = None
         """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
+        self.refused_function: str | None = None
+        """An ``autograd.Function`` in the reference's graph that vmap refuses (its class name), or ``None``."""
         self.watch: contextlib.AbstractContextManager[Any] | None = None
         """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsSeen`)."""
         self.refused_by: type[nn.Module] | None = None

@@ -252,6 +252,11 @@ def obstacle(evaluator: LossEvaluator) -> Note | None:
             f"the loss cannot be vectorised (it calls {evaluator.data_dependent} on a value computed from the "
             "parameters)",
         )
+    if evaluator.refused_function is not None:
+        return Note(
+            NoteCode.NOT_VECTORISABLE,
+            f"the loss cannot be vectorised (its autograd.Function {evaluator.refused_function} has no vmap rule)",
+        )
     return None
 
 

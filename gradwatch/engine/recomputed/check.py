@@ -301,7 +301,7 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         evaluator, reference, probe_batch = reference_on_a_slice(
             session, batch, custom, with_inputs=plan.portfolio.probes.input_probes > 0, notes=notes
         )
-        evaluator.loss_fn = loss_fn
+        evaluator.loss_fn, evaluator.refused_function = loss_fn, custom.refused
         reference_seconds = time.perf_counter() - started  # a training step's work on the probe batch
         itemsize = max((p.element_size() for _, p in session.params), default=4)
         learn_activations(model, evaluator.saved_elements * itemsize, batch_size(probe_batch))  # the next one's peak
