@@ -3,6 +3,7 @@ substitute (restored from its parameter instead): ``benchmarks/memory.py`` measu
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -11,10 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch.engine.applied.measured import difference_dot
 from gradwatch.engine.applied.measurement import _sharing
+from gradwatch.engine.applied.verdict import distances
 from gradwatch.engine.function.copies import FlatCopies, SavedParameter
 from gradwatch.engine.function.precision import exact_source, float64_storage
 from gradwatch.engine.measuring.directions import KEPT_COPY_ELEMENTS, VectorDirection
-from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, norms
 
 
 def test_a_direction_frees_its_copy_of_the_tensors_when_its_move_ends() -> None:
@@ -161,3 +163,16 @@ def test_the_eager_gradient_is_the_applied_one_where_their_bits_agree() -> None:
     shared = _sharing(eager, applied, setting)  # type: ignore[arg-type]
     assert shared[0] is applied[0]  # one copy of the gradient held, not two
     assert shared[1] is eager[1]
+
+
+def test_a_distance_of_large_gradients_is_the_whole_difference_s_norm_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    for shape in [(CHUNK_ELEMENTS + 5,), (1200, 1000), (7, 3)]:
+        x = torch.randn(shape)
+        y = x + 1e-3 * torch.randn(shape)
+        whole = torch.linalg.vector_norm(x - y, dtype=torch.float64).item()
+        assert distances([x, x.bfloat16()], [y, y.bfloat16()]) == [
+            norms([x - y], exact=True)[0],
+            norms([x.bfloat16().float() - y.bfloat16().float()], exact=True)[0],
+        ]
+        assert math.isclose(distances([x], [y])[0], whole, rel_tol=1e-12)

@@ -36,7 +36,7 @@ from gradwatch.engine.distributed import collective
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment, assess, screen
 from gradwatch.engine.numerics.kinks import at_a_tie
-from gradwatch.engine.numerics.norms import norms
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, norms
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -70,12 +70,24 @@ def distances(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[float]:
     difference at a time (sharded: all at once, their squares summed over the ranks together)."""
     if collective.active() is not None:
         return norms([_difference(x, y) for x, y in zip(a, b, strict=True)], exact=True)
-    return [norms([_difference(x, y)], exact=True)[0] for x, y in zip(a, b, strict=True)]
+    return [norms([_difference(x, y, chunked=True)], exact=True)[0] for x, y in zip(a, b, strict=True)]
 
 
-def _difference(x: Tensor, y: Tensor) -> Tensor:
+def _difference(x: Tensor, y: Tensor, *, chunked: bool = False) -> Tensor:
+    """``x − y`` in float32 at least; ``chunked``, for a large float32 difference, already in the float64 copy its
+    float64 norm makes (:data:`~gradwatch.engine.numerics.norms.CHUNK_ELEMENTS` at a time: elementwise, so the norm's
+    bits are the same), so that 2x a tensor is alive, not 3x."""
     dtype = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-    return x.detach().to(dtype) - y.detach().to(dtype)
+    x, y = x.detach(), y.detach()
+    large = x.numel() > CHUNK_ELEMENTS and x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
+    if not (chunked and large and dtype == torch.float32 and type(x) is Tensor and type(y) is Tensor):
+        return x.to(dtype) - y.to(dtype)
+    difference = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    flat, flat_x, flat_y = difference.view(-1), x.reshape(-1), y.reshape(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        part = slice(start, start + CHUNK_ELEMENTS)
+        flat[part].copy_(flat_x[part].to(dtype) - flat_y[part].to(dtype))
+    return difference
 
 
 def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:
