@@ -168,10 +168,8 @@ class CheckReport:
         n_passes: Forward passes the loss evaluations took (the reference pass included): fewer than ``n_forward``
             where points were evaluated together (:mod:`gradwatch.vectorized`).
         vectorized: Whether the probes' points were evaluated together in vectorised passes: ``True`` if they were,
-            ``False`` if a vectorised pass failed (a note says why), ``None`` if none was tried (native precision,
-            ``vectorize=False``, a loss the reference pass showed vmap refuses, as a data-dependent operation or an
-            ``autograd.Function`` without a vmap rule (a note says which), or no group of points fitted the memory a
-            pass may take).
+            ``False`` if a vectorised pass failed, ``None`` if none was tried (native precision, ``vectorize=False``,
+            a loss vmap refuses as its reference pass showed, or no group of points fitted a pass's memory): notes say.
         side_effects: What the loss changed in the model's state besides parameters and buffers (``"outputs"``,
             ``"train_acc.tp"``), which the check put back after every evaluation
             (:mod:`gradwatch.engine.function.sandbox`).
