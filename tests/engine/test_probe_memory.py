@@ -15,7 +15,8 @@ from gradwatch.engine.applied.gradients import float64_gradient, float64_reduced
 from gradwatch.engine.applied.measured import difference_dot
 from gradwatch.engine.applied.measurement import _sharing
 from gradwatch.engine.applied.verdict import distances
-from gradwatch.engine.function.copies import FlatCopies, SavedParameter
+from gradwatch.engine.function.copies import FlatCopies, SavedParameter, kept_copy, same_bits
+from gradwatch.engine.function.guard import ModelGuard
 from gradwatch.engine.function.precision import exact_source, float64_storage
 from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.measuring.directions import KEPT_COPY_ELEMENTS, VectorDirection
@@ -223,3 +224,30 @@ def test_the_float64_gradient_is_reduced_as_autograd_makes_it_with_the_same_bits
     assert not whole[turned].is_contiguous()  # (the transposed weight's gradient is not)
     assert all(held == 0 for i, (held, _, _) in enumerate(found) if i != hooked)  # one float64 gradient at a time
     assert torch.equal(whole[unused], torch.zeros(3, dtype=torch.float64))
+
+
+def test_a_direction_restores_a_parameter_from_the_guard_s_copy_of_it_with_the_same_bits() -> None:
+    model = nn.Linear(1024, 1025)  # a direction over more than KEPT_COPY_ELEMENTS
+    weight, bias = model.weight, model.bias
+    before = weight.detach().clone()
+    guard = ModelGuard(model)
+    kept = next(p.copy for p in guard._parameters if p.tensor is weight)
+    assert kept is not None
+    grads = [torch.randn_like(weight), torch.randn_like(bias)]
+    direction = VectorDirection([weight, bias], grads, grads, 0.1)
+    with direction.moving() as move:
+        move(0.1)
+        assert direction._origin is not None
+        assert direction._origin[0].data_ptr() == kept.data_ptr()  # no second copy of the weight
+        assert not torch.equal(weight, before)
+    assert same_bits(weight.detach(), before)  # restored exactly
+    with torch.no_grad():
+        weight[0, 0] += 1.0  # no longer the guard's copy: a copy of its own
+    changed = weight.detach().clone()
+    with direction.moving() as move:
+        move(0.1)
+        assert direction._origin is not None
+        assert direction._origin[0].data_ptr() != kept.data_ptr()
+    assert same_bits(weight.detach(), changed)
+    del guard, kept
+    assert kept_copy(weight) is None  # the guard gone, nothing of it held
