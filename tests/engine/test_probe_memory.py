@@ -251,3 +251,14 @@ def test_a_direction_restores_a_parameter_from_the_guard_s_copy_of_it_with_the_s
     assert same_bits(weight.detach(), changed)
     del guard, kept
     assert kept_copy(weight) is None  # the guard gone, nothing of it held
+
+
+def test_the_float64_gradient_of_a_float64_model_puts_no_hook_on_its_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    batch = torch.randn(5, 4, dtype=torch.float64)
+    params = list(model.parameters())
+    state = TrainingState.capture(model)
+    found = float64_reduced(model, batch, lambda m, b: (m(b) ** 2).sum(), params, state, lambda _, g: g.clone())
+    assert [p._backward_hooks for p in params] == [None, None]  # the guard would see the loss change the model
+    assert len(found) == 2

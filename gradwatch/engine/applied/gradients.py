@@ -293,8 +293,9 @@ def float64_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Se
 def float64_reduced(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState,
                     reduce: Callable[[int, Tensor], R], *, group: Any = None) -> list[R]:  # fmt: skip
     """``reduce(i, g_i)`` of each tensor's :func:`float64_gradient`, bit for bit. Where nothing follows autograd (no
-    parameter hook, no mean over ranks, a tensor checked once) each gradient is reduced as autograd makes it, so that
-    one float64 gradient is alive at a time, not the model's (4x the float32 parameters with the float64 model)."""
+    parameter hook, no mean over ranks, a tensor checked once, a substitute of gradwatch's: no hook put on a float64
+    parameter, the user's) each gradient is reduced as autograd makes it, so that one float64 gradient is alive at a
+    time, not the model's (4x the float32 parameters with the float64 model)."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
     reduced: dict[int, R] = {}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
@@ -305,7 +306,8 @@ def float64_reduced(model: nn.Module, batches: Any, loss_fn: LossFn, params: Seq
         if group is None and sharding.active() is None:
             once = Counter(id(autograd_tensor(t)) for t in wrt)
             for i, (param, tensor) in enumerate(zip(params, wrt, strict=True)):
-                if once[id(autograd_tensor(tensor))] == 1 and not parameter_hooks(param):
+                own = autograd_tensor(tensor) is not autograd_tensor(param)  # a substitute: no hook on the user's
+                if own and once[id(autograd_tensor(tensor))] == 1 and not parameter_hooks(param):
                     taken[i] = functools.partial(_store, reduced, i, reduce)
         grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, group=None, taken=taken)[1]
     hooked = [
