@@ -4,17 +4,21 @@ substitute (restored from its parameter instead): ``benchmarks/memory.py`` measu
 from __future__ import annotations
 
 import math
+import weakref
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradwatch.engine.applied.gradients import float64_gradient, float64_reduced
 from gradwatch.engine.applied.measured import difference_dot
 from gradwatch.engine.applied.measurement import _sharing
 from gradwatch.engine.applied.verdict import distances
-from gradwatch.engine.function.copies import FlatCopies, SavedParameter
+from gradwatch.engine.function.copies import FlatCopies, SavedParameter, kept_copy, same_bits
+from gradwatch.engine.function.guard import ModelGuard
 from gradwatch.engine.function.precision import exact_source, float64_storage
+from gradwatch.engine.function.state import TrainingState
 from gradwatch.engine.measuring.directions import KEPT_COPY_ELEMENTS, VectorDirection
 from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, norms
 
@@ -176,3 +180,85 @@ def test_a_distance_of_large_gradients_is_the_whole_difference_s_norm_bit_for_bi
             norms([x.bfloat16().float() - y.bfloat16().float()], exact=True)[0],
         ]
         assert math.isclose(distances([x], [y])[0], whole, rel_tol=1e-12)
+
+
+class _Odd(nn.Module):
+    """Gradients autograd makes in odd ways: a weight used transposed, a parameter hook, one parameter unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.turned = nn.Parameter(torch.randn(5, 8))
+        self.unused = nn.Parameter(torch.randn(3))
+        self.last = nn.Linear(5, 2)
+        self.last.weight.register_hook(lambda grad: grad * 3.0)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(torch.tanh(self.first(batch)) @ self.turned.T.contiguous()))
+
+
+def test_the_float64_gradient_is_reduced_as_autograd_makes_it_with_the_same_bits() -> None:
+    torch.manual_seed(0)
+    model = _Odd()
+    batch = torch.randn(4, 6)
+    params = list(model.parameters())
+
+    def loss_fn(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (module(batch) ** 2).sum()
+
+    state = TrainingState.capture(model)
+    whole = float64_gradient(model, batch, loss_fn, params, state)
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def reduce(i: int, grad: torch.Tensor) -> tuple[int, float, tuple[int, ...]]:
+        held = sum(ref() is not None for ref in alive)
+        alive.append(weakref.ref(grad))
+        return held, float(grad.double().norm()), grad.stride()
+
+    found = float64_reduced(model, batch, loss_fn, params, state, reduce)
+    assert [norm for _, norm, _ in found] == [float(g.double().norm()) for g in whole]  # the same bits
+    assert [stride for _, _, stride in found] == [g.stride() for g in whole]  # laid out as autograd made them
+    turned, unused, hooked = (
+        next(i for i, p in enumerate(params) if p is t) for t in (model.turned, model.unused, model.last.weight)
+    )
+    assert not whole[turned].is_contiguous()  # (the transposed weight's gradient is not)
+    assert all(held == 0 for i, (held, _, _) in enumerate(found) if i != hooked)  # one float64 gradient at a time
+    assert torch.equal(whole[unused], torch.zeros(3, dtype=torch.float64))
+
+
+def test_a_direction_restores_a_parameter_from_the_guard_s_copy_of_it_with_the_same_bits() -> None:
+    model = nn.Linear(1024, 1025)  # a direction over more than KEPT_COPY_ELEMENTS
+    weight, bias = model.weight, model.bias
+    before = weight.detach().clone()
+    guard = ModelGuard(model)
+    kept = next(p.copy for p in guard._parameters if p.tensor is weight)
+    assert kept is not None
+    grads = [torch.randn_like(weight), torch.randn_like(bias)]
+    direction = VectorDirection([weight, bias], grads, grads, 0.1)
+    with direction.moving() as move:
+        move(0.1)
+        assert direction._origin is not None
+        assert direction._origin[0].data_ptr() == kept.data_ptr()  # no second copy of the weight
+        assert not torch.equal(weight, before)
+    assert same_bits(weight.detach(), before)  # restored exactly
+    with torch.no_grad():
+        weight[0, 0] += 1.0  # no longer the guard's copy: a copy of its own
+    changed = weight.detach().clone()
+    with direction.moving() as move:
+        move(0.1)
+        assert direction._origin is not None
+        assert direction._origin[0].data_ptr() != kept.data_ptr()
+    assert same_bits(weight.detach(), changed)
+    del guard, kept
+    assert kept_copy(weight) is None  # the guard gone, nothing of it held
+
+
+def test_the_float64_gradient_of_a_float64_model_puts_no_hook_on_its_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    batch = torch.randn(5, 4, dtype=torch.float64)
+    params = list(model.parameters())
+    state = TrainingState.capture(model)
+    found = float64_reduced(model, batch, lambda m, b: (m(b) ** 2).sum(), params, state, lambda _, g: g.clone())
+    assert [p._backward_hooks for p in params] == [None, None]  # the guard would see the loss change the model
+    assert len(found) == 2

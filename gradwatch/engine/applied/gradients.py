@@ -33,8 +33,10 @@ mixed-dtype norm's weight gradient) it rounds, which can only raise the floor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradwatch.engine.distributed import collective as sharding
 from gradwatch.engine.distributed.parameters import sharded_backward
 from gradwatch.engine.function.batch import floating_tensors, replace_tensors
-from gradwatch.engine.function.complex_params import autograd_tensor, checked_gradient, with_parameter_hooks
+from gradwatch.engine.function.complex_params import (
+    autograd_tensor,
+    checked_gradient,
+    parameter_hooks,
+    with_parameter_hooks,
+)
 from gradwatch.engine.function.conditions import (
     autocast_disabled,
     autocast_held_off,
@@ -60,6 +67,8 @@ from gradwatch.engine.function.state import TrainingState
 
 Gradient = list[Tensor]
 """One tensor per checked parameter (zeros where autograd gave none)."""
+
+R = TypeVar("R")
 
 _aten = torch.ops.aten
 _LOWER_PRECISION = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.addbmm, _aten.convolution,
@@ -162,10 +171,17 @@ class AutocastRounding(TorchDispatchMode):
 
 
 def _gradient(model: nn.Module, batches: Any, loss_fn: LossFn, wrt: Sequence[Tensor], state: TrainingState, *,
-              group: Any, scale: float = 1.0) -> tuple[float, Gradient]:  # fmt: skip
+              group: Any, scale: float = 1.0,
+              taken: Mapping[int, Callable[[Tensor], None]] | None = None) -> tuple[float, Gradient]:  # fmt: skip
+    """The loss and gradient of ``wrt``; the gradient of each index of ``taken`` handed to its function as autograd
+    makes it (a tensor hook: the same tensor :func:`torch.autograd.grad` returns), a zero of no memory in its place
+    (one such gradient alive at a time, not all of them: see :func:`float64_reduced`)."""
     completed = False
     found: list[Tensor | None]
     collective = sharding.active()
+    taken = taken or {}
+    assert not taken or (collective is None and group is None and scale == 1.0), "taken as the gradient is final"
+    handles = [autograd_tensor(wrt[i]).register_hook(_taker(wrt[i], take)) for i, take in taken.items()]
     state.before_evaluation()
     try:
         # a reentrant activation checkpoint refuses torch.autograd.grad, which leaves .grad alone: run it non-reentrant
@@ -183,16 +199,41 @@ def _gradient(model: nn.Module, batches: Any, loss_fn: LossFn, wrt: Sequence[Ten
                 value /= scale
         completed = True
     finally:
+        for handle in handles:
+            handle.remove()
         state.after_evaluation(completed)
     grads = []
     kept = scale == 1.0 and collective is None  # autograd's own result, not FSDP's gradient buffer: no copy
     for i, t in enumerate(wrt):  # each copy made as the gradient it divides is let go
         g, found[i] = found[i], None
         if g is None:
-            grads.append(torch.zeros_like(t))
-        else:  # (a strided result, an expanded one say, laid out as the division lays it out)
-            grads.append(g.detach() if kept and g.is_contiguous() else g.detach() / scale)
+            g = torch.zeros_like(t)
+            if i in taken:  # no gradient from autograd, no hook called
+                taken[i](g)
+        elif i not in taken:
+            g = _own(g, kept, scale)
+        grads.append(g)
     return value, rank_mean(grads, group)
+
+
+def _own(grad: Tensor, kept: bool, scale: float) -> Tensor:
+    """Autograd's gradient as :func:`_gradient` returns it: itself where ``kept`` (no scale, no FSDP buffer) and
+    contiguous, else divided by ``scale`` (a strided result, an expanded one say, laid out as the division lays it
+    out)."""
+    return grad.detach() if kept and grad.is_contiguous() else grad.detach() / scale
+
+
+def _taker(tensor: Tensor, take: Callable[[Tensor], None]) -> Callable[[Tensor], Tensor]:
+    """The tensor hook that hands the checked ``tensor``'s gradient to ``take`` as :func:`_gradient` would return it,
+    and leaves autograd a zero of no memory (expanded) to hold in its place."""
+
+    def hook(grad: Tensor) -> Tensor:
+        own = checked_gradient(tensor, grad)
+        assert own is not None
+        take(_own(own, True, 1.0))
+        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
+    return hook
 
 
 def rank_means(values: list[float], group: Any) -> list[float]:
@@ -246,14 +287,41 @@ def float64_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Se
                      *, group: Any = None) -> Gradient:  # fmt: skip
     """Eager autograd on float64 storage, the parameters' own gradient hooks (``param.register_hook``) applied to the
     result: a hook is part of the gradient being checked."""
+    return float64_reduced(model, batches, loss_fn, params, state, lambda _, grad: grad, group=group)
+
+
+def float64_reduced(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState,
+                    reduce: Callable[[int, Tensor], R], *, group: Any = None) -> list[R]:  # fmt: skip
+    """``reduce(i, g_i)`` of each tensor's :func:`float64_gradient`, bit for bit. Where nothing follows autograd (no
+    parameter hook, no mean over ranks, a tensor checked once, a substitute of gradwatch's: no hook put on a float64
+    parameter, the user's) each gradient is reduced as autograd makes it, so that one float64 gradient is alive at a
+    time, not the model's (4x the float32 parameters with the float64 model)."""
     inputs = {path: t.detach().double() for path, t in floating_tensors(batches).items()}
+    reduced: dict[int, R] = {}
     with autocast_disabled(), compiler_disabled(), float64_storage(model) as substitutes:
         wrt = [substitute_of(p, substitutes) for p in params]
         for tensor in wrt:
             autograd_tensor(tensor).requires_grad_(True)
-        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, group=None)[1]
-    hooked = [with_parameter_hooks(param, grad) for param, grad in zip(params, grads, strict=True)]
-    return rank_mean(hooked, group)
+        taken: dict[int, Callable[[Tensor], None]] = {}
+        if group is None and sharding.active() is None:
+            once = Counter(id(autograd_tensor(t)) for t in wrt)
+            for i, (param, tensor) in enumerate(zip(params, wrt, strict=True)):
+                own = autograd_tensor(tensor) is not autograd_tensor(param)  # a substitute: no hook on the user's
+                if own and once[id(autograd_tensor(tensor))] == 1 and not parameter_hooks(param):
+                    taken[i] = functools.partial(_store, reduced, i, reduce)
+        grads = _gradient(model, replace_tensors(batches, inputs), loss_fn, wrt, state, group=None, taken=taken)[1]
+    hooked = [
+        grad if i in taken else with_parameter_hooks(param, grad)
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True))
+    ]
+    del grads
+    mean = rank_mean(hooked, group)
+    del hooked
+    return [reduced[i] if i in taken else reduce(i, grad) for i, grad in enumerate(mean)]
+
+
+def _store(reduced: dict[int, R], i: int, reduce: Callable[[int, Tensor], R], grad: Tensor) -> None:
+    reduced[i] = reduce(i, grad)
 
 
 def path_gradient(model: nn.Module, batches: Any, loss_fn: LossFn, params: Sequence[Tensor], state: TrainingState, *,

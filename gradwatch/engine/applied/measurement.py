@@ -263,8 +263,13 @@ def float64_rounding(
     :func:`~.verdict.floors` takes it, and with the ``applied`` gradient the parts of a probe's discrepancy known
     without a probe (:class:`~.measured.Rounding`). For a model without float64 kernels (Triton, fused CUDA kernels),
     with a note, the float32 backward's own rounding instead (its spread at 3x the loss), and no known parts."""
+
+    def reduce(i: int, exact: Tensor) -> tuple[float, float | None]:  # one float64 gradient alive at a time
+        along = difference_dot(eager[i], exact, applied[i]) if applied else None
+        return distances([eager[i]], [exact])[0], along
+
     try:
-        exact = setting.float64()
+        found = setting.float64_reduced(reduce)
     except Exception as error:
         if own_error(error):  # a bug of gradwatch's own is not a model without float64 kernels
             raise
@@ -274,10 +279,9 @@ def float64_rounding(
         return [distances(list(eager), list(scaled))], None
     rounding = None
     if applied:
-        pairs = list(zip(eager, exact, applied, strict=True))
-        rounding = Rounding([difference_dot(e, x, a) for e, x, a in pairs],
-                            [difference_dot(a, e, a) for e, _, a in pairs])  # fmt: skip
-    return [distances(list(eager), exact)], rounding
+        rounding = Rounding([along for _, along in found if along is not None],
+                            [difference_dot(a, e, a) for e, a in zip(eager, applied, strict=True)])  # fmt: skip
+    return [[distance for distance, _ in found]], rounding
 
 
 def floor_note(path_dtype: torch.dtype, floors: Sequence[float], norms: Sequence[float], multiple: float,

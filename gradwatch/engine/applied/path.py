@@ -8,7 +8,7 @@ paths those steps compare (:mod:`.gradients`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from gradwatch.engine.applied import gradients
-from gradwatch.engine.applied.gradients import Gradient
+from gradwatch.engine.applied.gradients import Gradient, R
 from gradwatch.engine.applied.window import Checksums, Combine, PathContext, window_loss
 from gradwatch.engine.function.evaluation import LossFn
 from gradwatch.engine.function.state import TrainingState
@@ -81,6 +81,12 @@ class CheckedWindow:
         """:func:`~.gradients.float64_gradient` of the window's loss."""
         return gradients.float64_gradient(self.model, self.batches, self.window(with_path=False), self.params,
                                           self.state, group=self.group)  # fmt: skip
+
+    def float64_reduced(self, reduce: Callable[[int, Tensor], R]) -> list[R]:
+        """:func:`~.gradients.float64_reduced` of the window's loss: ``reduce(i, g_i)`` of each tensor's float64
+        gradient, without the whole float64 gradient held where it can."""
+        return gradients.float64_reduced(self.model, self.batches, self.window(with_path=False), self.params,
+                                         self.state, reduce, group=self.group)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

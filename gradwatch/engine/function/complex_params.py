@@ -10,6 +10,8 @@ and a substitution puts a complex tensor in the module's place (:func:`stored_va
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -43,10 +45,15 @@ def stored_value(tensor: Tensor, value: Tensor) -> Tensor:
     return torch.view_as_complex(value.contiguous()) if is_real_view(tensor) else value
 
 
+def parameter_hooks(tensor: Tensor) -> list[Any]:
+    """The ``register_hook`` hooks of a checked tensor's parameter (its complex one's behind a real view)."""
+    return list((getattr(autograd_tensor(tensor), "_backward_hooks", None) or {}).values())
+
+
 def with_parameter_hooks(tensor: Tensor, grad: Tensor) -> Tensor:
     """``grad`` (a checked tensor's, computed on a copy of its parameter: float64 storage) with the parameter's
     ``register_hook`` hooks applied, as autograd applies them (a complex parameter's to its complex gradient)."""
-    hooks = list((getattr(autograd_tensor(tensor), "_backward_hooks", None) or {}).values())
+    hooks = parameter_hooks(tensor)
     if not hooks:
         return grad
     complex_view = is_real_view(tensor)

@@ -7,10 +7,12 @@ with :func:`same_bits`, bit for bit (NaNs and signed zeros included), which is w
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 PARAMETER_COPY_LIMIT = 2**26
 """The most parameter elements of which a check keeps a copy (256 MiB of float32). Beyond it an in-place change by the
@@ -56,9 +58,21 @@ class SavedParameter:
         return t.data_ptr() != a.data_ptr() or t.shape != a.shape or t.stride() != a.stride() or t.dtype != a.dtype
 
 
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""A weak reference to the guard's copy of each copied parameter, while the guard (its :class:`FlatCopies`) lives."""
+
+
+def kept_copy(tensor: Tensor) -> Tensor | None:
+    """The copy a check's guard holds of ``tensor`` (a parameter) where its bits are the tensor's now: a probe restores
+    the tensor from it instead of cloning it (a guard's copy is never written, only read); ``None`` otherwise."""
+    ref = _KEPT.get(tensor)
+    copy = ref() if ref is not None else None
+    return copy if copy is not None and same_bits(tensor.detach(), copy) else None
+
+
 class FlatCopies:
     """Copies of the parameters (up to :data:`PARAMETER_COPY_LIMIT` elements), one flat buffer per dtype and device;
-    sets each copied parameter's ``copy``."""
+    sets each copied parameter's ``copy`` (:func:`kept_copy` finds it)."""
 
     def __init__(self, parameters: list[SavedParameter]) -> None:
         groups: dict[tuple[torch.dtype, torch.device], list[SavedParameter]] = {}
@@ -76,6 +90,8 @@ class FlatCopies:
             for parameter, local in zip(members, locals_, strict=True):
                 parameter.copy = flat[offset : offset + local.numel()].view(local.shape)
                 offset += local.numel()
+                if not hasattr(parameter.tensor, "to_local"):  # a shard is the sharding's business
+                    _KEPT[parameter.tensor] = weakref.ref(parameter.copy)
             self._groups.append((members, flat))
 
     def differing(self) -> set[int]:

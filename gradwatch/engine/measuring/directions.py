@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradwatch.engine.distributed.collective import layout, summed
+from gradwatch.engine.function.copies import kept_copy
 from gradwatch.engine.function.precision import exact_source
 from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
 
@@ -132,10 +133,11 @@ class VectorDirection(_Moving):
     them (the descent probe: ``components`` the gradients, ``coefficient = 1/‖g‖``; a cover probe: weighted gradients,
     no copy of them); the analytic slope is ``g · v``.
 
-    While it moves the tensors it holds a copy of their original values (every restore is an exact copy) and its
-    components in the tensors' dtypes. Over more than :data:`KEPT_COPY_ELEMENTS` elements it frees both when the move
-    ends (:meth:`moving`), so that a large model's probes hold one such copy at a time (in float64 each is twice the
-    float32 parameters), and restores a float64 substitute from its parameter; a smaller one keeps them.
+    While it moves the tensors it holds a copy of their original values (every restore is an exact copy; the check's
+    guard's copy of a parameter where it holds one with the same bits) and its components in the tensors' dtypes.
+    Over more than :data:`KEPT_COPY_ELEMENTS` elements it frees both when the move ends (:meth:`moving`), so that a
+    large model's probes hold one such copy at a time (in float64 each is twice the float32 parameters), and restores a
+    float64 substitute from its parameter; a smaller one keeps them.
 
     ``tensors`` are parameters or working inputs of the evaluator, ``grads`` autograd's gradient of each, ``weights`` a
     factor per tensor on its component (``None``: 1), ``after_write`` as for :class:`CoordinateDirection`.
@@ -339,9 +341,12 @@ def _add_chunked(tensor: Tensor, component: Tensor, scale: float | None, alpha: 
 
 def _origin_of(tensor: Tensor, large: bool) -> Tensor:
     """What a moved tensor is restored from: for a large direction, the parameter a float64 substitute was copied from;
-    else a copy."""
+    a parameter the check's guard holds a copy of with the same bits, that copy (no second one); else a copy."""
     source = exact_source(tensor) if large else None
-    return source.detach() if source is not None else tensor.detach().clone()
+    if source is not None:
+        return source.detach()
+    kept = kept_copy(tensor)
+    return kept if kept is not None else tensor.detach().clone()
 
 
 class HookedDirection(_Moving):
