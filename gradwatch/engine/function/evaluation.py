@@ -136,18 +136,19 @@ class LossEvaluator:
             self.state.before_evaluation()
             self.n_passes += 1
             self.n_forward += 1
-            fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
+            active = self._fidelity if self._float64_inputs else None
+            fidelity = active or contextlib.nullcontext()
             # outside a sharded check its evaluation context does nothing: not entered
             sharded = sharding.evaluation() if sharding.active() is not None else contextlib.nullcontext()
             with sharded, torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
-                yield fidelity if isinstance(fidelity, Float64Fidelity) else None
+                yield active
             self.n_forward += points - 1
-            if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
+            if active is not None and not self._fidelity_settled:
                 # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
                 # otherwise (it would only cost its dispatch)
                 self._fidelity_settled = True
-                self._fidelity = fidelity if fidelity.acted else None
-                self.notes += fidelity.notes()
+                self._fidelity = active if active.acted else None
+                self.notes += active.notes()
             if differentiated:
                 self.state.skip_unused_generators()
             completed = True
@@ -328,20 +329,22 @@ class LossEvaluator:
 
     def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
         grad = self._grad_mode_evaluations if grad is None else grad
-        with self._evaluation(grad=grad) as fidelity, mode, self._watching(fidelity), self.held.evaluating():
+        with (
+            self._evaluation(grad=grad) as fidelity,
+            mode,
+            contextlib.nullcontext() if self.watch is None else self._watching(self.watch, fidelity),
+            self.held.evaluating(),
+        ):
             value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
         self.value_dtype = value.dtype
         return sharding.global_loss(self.held.value_of(float(value.detach().double())))
 
-    def _watching(self, fidelity: Float64Fidelity | None) -> contextlib.AbstractContextManager[Any]:
+    @staticmethod
+    def _watching(watch: OriginalsSeen, fidelity: Float64Fidelity | None) -> contextlib.AbstractContextManager[Any]:
         """The :attr:`watch` around the loss: its own mode, or where the ``fidelity`` mode is active (the float64
         trial), its check run by that mode for the same span: each operation dispatched once, not through two stacked
         modes (~5 µs each), its originals checked before the fidelity mode acts on it as when stacked."""
-        if self.watch is None:
-            return contextlib.nullcontext()
-        if fidelity is None:
-            return self.watch
-        return _run_by(fidelity, self.watch)
+        return watch if fidelity is None else _run_by(fidelity, watch)
 
     def use_float64_inputs(self) -> None:
         """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""
