@@ -266,10 +266,11 @@ class LossEvaluator:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
             originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
-            with substituted(model, moved), OriginalsSeen(originals), self.held.evaluating():
+            watch = self._watching(OriginalsSeen(originals), fidelity)  # one mode, where the fidelity mode is active
+            with substituted(model, moved), watch, self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
-        with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
+        with self._evaluation(grad=False, points=points) as fidelity, running_statistics_frozen(model), flat_linear():
             values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
         self.value_dtype = values.dtype
         return [self.held.value_of(value) for value in values.detach().double().tolist()]
