@@ -5,6 +5,7 @@ nothing they report or compute."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -82,3 +83,44 @@ def test_float64_fidelity_changes_only_its_operations_with_or_without_keyword_ar
     assert torch.equal(plain, torch.tanh(x))
     assert (kept.dtype, created.dtype, asked.dtype) == (torch.float64,) * 3
     assert fidelity.acted == {"casts", "factories"}
+
+
+def _stacked_and_merged(operation: Callable[[], Tensor]) -> list[tuple[object, set[str]]]:
+    """What ``operation`` gives (its result, or the error it raises) and what the fidelity mode changed, under the
+    originals watch stacked on the fidelity mode and under the fidelity mode running the watch's check."""
+    outcomes: list[tuple[object, set[str]]] = []
+    for merged in (False, True):
+        fidelity, watch = Float64Fidelity(torch.float32), OriginalsSeen({id(ORIGINAL): "fc.weight"})
+        if merged:
+            fidelity.watch = watch.check
+        try:
+            with fidelity, watch if not merged else contextlib.nullcontext():
+                result: object = operation()
+        except OutsideTreeError as error:
+            result = str(error)
+        outcomes.append((result, set(fidelity.acted)))
+    return outcomes
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        lambda: ORIGINAL.float(),  # a cast the fidelity mode would keep: the original refused before it acts
+        lambda: torch.add(OTHER.double(), ORIGINAL.double()),
+        lambda: torch.zeros(2, 3) + OTHER.double(),  # a factory promoted, nothing original
+        lambda: torch.cat([OTHER.double(), ORIGINAL]),
+        lambda: ORIGINAL.shape[0] * OTHER.double().float(),  # an attribute read of an original, a cast kept
+    ],
+    ids=["cast-of-original", "original-in-sum", "factory", "original-in-list", "attribute-read"],
+)
+def test_the_fidelity_mode_running_the_originals_check_is_the_two_modes_stacked(
+    operation: Callable[[], Tensor],
+) -> None:
+    (stacked, stacked_acted), (merged, merged_acted) = _stacked_and_merged(operation)
+    assert stacked_acted == merged_acted
+    if isinstance(stacked, Tensor):
+        assert isinstance(merged, Tensor)
+        assert merged.dtype == stacked.dtype
+        assert torch.equal(merged, stacked)
+    else:
+        assert merged == stacked

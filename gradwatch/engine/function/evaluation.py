@@ -99,8 +99,9 @@ class LossEvaluator:
         """What the loss does that vmap refuses, as the reference pass saw it (``"nonzero()"``), or ``None``."""
         self.refused_function: str | None = None
         """An ``autograd.Function`` in the reference's graph that vmap refuses (its class name), or ``None``."""
-        self.watch: contextlib.AbstractContextManager[Any] | None = None
-        """A mode active around the loss of gradient-free evaluations (the float64 trial's :class:`OriginalsSeen`)."""
+        self.watch: OriginalsSeen | None = None
+        """A mode active around the loss of gradient-free evaluations (the float64 trial's), run by the fidelity mode
+        where that one is active (:meth:`_watching`)."""
         self.refused_by: type[nn.Module] | None = None
         """The class of the module whose forward raised in the float64 trial (a kernel refusing float64), if any."""
         self.value_dtype = torch.float32
@@ -123,28 +124,31 @@ class LossEvaluator:
         self._versions = {path: tensor._version for path, tensor in self.inputs.items()}
 
     @contextlib.contextmanager
-    def _evaluation(self, grad: bool, points: int = 1, differentiated: bool = False) -> Iterator[None]:
+    def _evaluation(
+        self, grad: bool, points: int = 1, differentiated: bool = False
+    ) -> Iterator[Float64Fidelity | None]:
         """One pass evaluating the loss at ``points`` points (one, if it raises): the inputs reset, the random state
         replayed, and what the loss changed undone afterwards (after the backward pass of a ``differentiated`` one:
-        BatchNorm keeps its buffers for it)."""
+        BatchNorm keeps its buffers for it). Yields the fidelity mode active during it, if any."""
         self._reset_inputs()
         completed = False
         try:
             self.state.before_evaluation()
             self.n_passes += 1
             self.n_forward += 1
-            fidelity = (self._fidelity if self._float64_inputs else None) or contextlib.nullcontext()
+            active = self._fidelity if self._float64_inputs else None
+            fidelity = active or contextlib.nullcontext()
             # outside a sharded check its evaluation context does nothing: not entered
             sharded = sharding.evaluation() if sharding.active() is not None else contextlib.nullcontext()
             with sharded, torch.set_grad_enabled(grad), fidelity, ending_check_when_out_of_memory():
-                yield
+                yield active
             self.n_forward += points - 1
-            if isinstance(fidelity, Float64Fidelity) and not self._fidelity_settled:
+            if active is not None and not self._fidelity_settled:
                 # the first float64 evaluation: keep the fidelity mode if the loss needed it (with a note), drop it
                 # otherwise (it would only cost its dispatch)
                 self._fidelity_settled = True
-                self._fidelity = fidelity if fidelity.acted else None
-                self.notes += fidelity.notes()
+                self._fidelity = active if active.acted else None
+                self.notes += active.notes()
             if differentiated:
                 self.state.skip_unused_generators()
             completed = True
@@ -262,10 +266,11 @@ class LossEvaluator:
             batch = replace_tensors(self._batch, {**self.inputs, **inputs})
             moved = {id(autograd_tensor(by_name[name])): stored_value(by_name[name], v) for name, v in params.items()}
             originals = {id(autograd_tensor(by_name[name])): name for name in params}  # those differing by point
-            with substituted(model, moved), OriginalsSeen(originals), self.held.evaluating():
+            watch = self._watching(OriginalsSeen(originals), fidelity)  # one mode, where the fidelity mode is active
+            with substituted(model, moved), watch, self.held.evaluating():
                 return as_scalar_loss(loss_fn(model, batch))
 
-        with self._evaluation(grad=False, points=points), running_statistics_frozen(model), flat_linear():
+        with self._evaluation(grad=False, points=points) as fidelity, running_statistics_frozen(model), flat_linear():
             values = torch.func.vmap(loss_at, randomness="same")(param_stacks, input_stacks)
         self.value_dtype = values.dtype
         return [self.held.value_of(value) for value in values.detach().double().tolist()]
@@ -324,12 +329,23 @@ class LossEvaluator:
             return value
 
     def _forward_once(self, mode: contextlib.AbstractContextManager[Any], grad: bool | None = None) -> float:
-        watch = self.watch or contextlib.nullcontext()
         grad = self._grad_mode_evaluations if grad is None else grad
-        with self._evaluation(grad=grad), mode, watch, self.held.evaluating():
+        with (
+            self._evaluation(grad=grad) as fidelity,
+            mode,
+            contextlib.nullcontext() if self.watch is None else self._watching(self.watch, fidelity),
+            self.held.evaluating(),
+        ):
             value = as_scalar_loss(self.loss_fn(self.model, self._working_batch))
         self.value_dtype = value.dtype
         return sharding.global_loss(self.held.value_of(float(value.detach().double())))
+
+    @staticmethod
+    def _watching(watch: OriginalsSeen, fidelity: Float64Fidelity | None) -> contextlib.AbstractContextManager[Any]:
+        """The :attr:`watch` around the loss: its own mode, or where the ``fidelity`` mode is active (the float64
+        trial), its check run by that mode for the same span: each operation dispatched once, not through two stacked
+        modes (~5 µs each), its originals checked before the fidelity mode acts on it as when stacked."""
+        return watch if fidelity is None else _run_by(fidelity, watch)
 
     def use_float64_inputs(self) -> None:
         """Evaluate from now on with float64 copies of the floating inputs (for float64 probes)."""
@@ -367,3 +383,13 @@ class LossEvaluator:
     def use_grad_mode(self) -> None:
         """Evaluate with autograd recording from now on (kernels or random draws that differ in ``no_grad``)."""
         self._grad_mode_evaluations = True
+
+
+@contextlib.contextmanager
+def _run_by(fidelity: Float64Fidelity, watch: OriginalsSeen) -> Iterator[None]:
+    """``watch``'s check run by the active ``fidelity`` mode at each operation for the duration."""
+    fidelity.watch = watch.check
+    try:
+        yield
+    finally:
+        fidelity.watch = None

@@ -51,6 +51,10 @@ class Float64Fidelity(OperationMode):
         self.native_dtype = native_dtype
         self.acted: set[str] = set()
         """What it changed so far: ``"casts"`` and/or ``"random draws"``."""
+        self.watch: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], None] | None = None
+        """Run first at every operation while set: the job of a mode that would otherwise be stacked on this one (the
+        float64 trial's :meth:`OriginalsSeen.check <gradwatch.engine.function.substitution.OriginalsSeen.check>`),
+        done in the same order for ~5 µs less per operation."""
 
     def notes(self) -> list[Note]:
         """The notes of what it changed: casts kept, random draws made natively (none for factories)."""
@@ -66,6 +70,8 @@ class Float64Fidelity(OperationMode):
         ]
 
     def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.watch is not None:
+            self.watch(func, args, kwargs)
         if not kwargs and func not in _HANDLED:  # most operations: nothing below applies (no dtype, no out=)
             return func(*args)
         kwargs = dict(kwargs)

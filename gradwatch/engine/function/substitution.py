@@ -65,8 +65,14 @@ class OriginalsSeen(OperationMode):
         self._originals = originals
 
     def operation(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def check(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise :class:`OutsideTreeError` if the operation receives an original: this mode's job, which another mode
+        active in the same place may do in its stead (one dispatch per operation, not two)."""
         if getattr(func, "__name__", "") == "__get__":  # reading an attribute (``.grad``, ``.shape``) uses no value
-            return func(*args, **kwargs)
+            return
         originals = self._originals  # run at every operation of a substituted evaluation: no tuple built per argument
         for value in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(value, (list, tuple)):
@@ -75,7 +81,6 @@ class OriginalsSeen(OperationMode):
                         self._refuse(item)
             elif id(value) in originals and isinstance(value, Tensor):
                 self._refuse(value)
-        return func(*args, **kwargs)
 
     def _refuse(self, original: Tensor) -> None:
         raise OutsideTreeError(
