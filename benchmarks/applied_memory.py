@@ -26,8 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,33 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from resident import PeakResident, resident
+
 MODELS = ("mlp", "embedding", "gpt-25M", "gpt-100M")
-
-
-def resident() -> int:
-    """This process's resident memory in bytes (``/proc/self/statm``)."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Peak:
-    """The highest resident memory sampled every millisecond while the ``with`` block runs."""
-
-    def __enter__(self) -> Peak:
-        self.peak, self._running = resident(), True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, resident())
-            time.sleep(0.001)
-
-    def __exit__(self, *_: object) -> None:
-        self._running = False
-        self._thread.join()
-        self.peak = max(self.peak, resident())
 
 
 def _build(name: str) -> tuple[Any, Any, Callable[[Any, Any], Any]]:
@@ -117,11 +91,11 @@ def one(name: str, precision: str) -> dict[str, Any]:
     for _ in range(2):
         backward()
         optimizer.step()
-    with Peak() as step:
+    with PeakResident(0.001) as step:
         backward()
         optimizer.step()
     backward()
-    with Peak() as check:
+    with PeakResident(0.001) as check:
         report = gradwatch.check_applied_gradient(
             model, [batch], loss_fn, path=path if precision == "bf16" else None, culprit_search=False
         )

@@ -23,7 +23,6 @@ import copy
 import inspect
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from resident import PeakResident
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -250,32 +250,6 @@ RUN = {"accelerator": "cpu", "precision": "32-true"}
 """The Trainer's accelerator and precision for every run of the table (set from the command line)."""
 
 
-class _PeakRSS:
-    """The process's peak resident memory while the block runs, sampled every 2 ms (CPU tensors are not visible to
-    tracemalloc, and the kernel's own peak never goes down)."""
-
-    def __enter__(self) -> _PeakRSS:
-        self.peak = _rss()
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc: object) -> None:
-        self._running = False
-        self._thread.join()
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
 def _fit(
     build: Callable[[], nn.Module],
     loss: Callable,
@@ -303,7 +277,7 @@ def _fit(
     gpu = RUN["accelerator"] == "gpu"
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    with _PeakRSS() if memory and not gpu else contextlib.nullcontext() as sampler:
+    with PeakResident() if memory and not gpu else contextlib.nullcontext() as sampler:
         trainer.fit(Module(build(), loss), loader)
     if not memory:
         return timer.seconds, 0
@@ -631,7 +605,7 @@ def scale(steps: int) -> None:
         _lm_loss(net, (tokens,)).backward()
         optimizer.step()
         train = time.perf_counter() - started
-        with _PeakRSS() as memory:
+        with PeakResident() as memory:
             report = check_gradients(net, (tokens,), _lm_loss, step=step, **defaults)
         print(
             f"| {step} | {train:.2f} s | {report.duration_s:.2f} s | {report.n_forward} | "
