@@ -36,7 +36,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 from torch import Tensor
 
-from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, total
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, dot, float64_chunks, total
 from gradwatch.engine.results.report import Probe
 
 CLOSER_LOOK = 0.5
@@ -255,11 +255,7 @@ def difference_dot(x: Tensor, y: Tensor, a: Tensor) -> float:
     if not x.shape == y.shape == a.shape or x.numel() <= CHUNK_ELEMENTS:
         difference = x.to(torch.float64, copy=True)
         return float(difference.sub_(y.double()).mul_(a).sum(dtype=torch.float64))
-    difference = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-    flat, flat_x, flat_y, flat_a = difference.view(-1), x.reshape(-1), y.reshape(-1), a.reshape(-1)
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        part = slice(start, start + CHUNK_ELEMENTS)
-        flat[part].copy_(flat_x[part]).sub_(flat_y[part].double()).mul_(flat_a[part])
+    difference = float64_chunks([x, y, a], lambda out, p, q, r: out.copy_(p).sub_(q.double()).mul_(r))
     return float(difference.sum(dtype=torch.float64))
 
 

@@ -36,7 +36,7 @@ from gradwatch.engine.distributed import collective
 from gradwatch.engine.measuring.points import Measurements
 from gradwatch.engine.numerics.assessment import AGREEMENT, RESOLUTION, SIGNIFICANCE, Assessment, assess, screen
 from gradwatch.engine.numerics.kinks import at_a_tie
-from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, norms
+from gradwatch.engine.numerics.norms import CHUNK_ELEMENTS, float64_chunks, norms
 from gradwatch.engine.numerics.stencil import Stencil
 from gradwatch.engine.numerics.steps import machine_epsilon
 from gradwatch.engine.probing.tasks import ProbeTask
@@ -82,12 +82,7 @@ def _difference(x: Tensor, y: Tensor, *, chunked: bool = False) -> Tensor:
     large = x.numel() > CHUNK_ELEMENTS and x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
     if not (chunked and large and dtype == torch.float32 and type(x) is Tensor and type(y) is Tensor):
         return x.to(dtype) - y.to(dtype)
-    difference = torch.empty(x.shape, dtype=torch.float64, device=x.device)
-    flat, flat_x, flat_y = difference.view(-1), x.reshape(-1), y.reshape(-1)
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        part = slice(start, start + CHUNK_ELEMENTS)
-        flat[part].copy_(flat_x[part].to(dtype) - flat_y[part].to(dtype))
-    return difference
+    return float64_chunks([x, y], lambda out, p, q: out.copy_(p.to(dtype) - q.to(dtype)))
 
 
 def floors(measured: Sequence[Sequence[float]], applied_norms: Sequence[float], dtype: torch.dtype) -> list[float]:

@@ -7,7 +7,7 @@ reduced across the ranks (:mod:`gradwatch.engine.distributed`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -33,12 +33,20 @@ def dot(a: Tensor, b: Tensor, *, a_scale: float | None = None, b_scale: float | 
     plain = type(a) is Tensor and type(b) is Tensor and a.dtype == b.dtype == torch.float32
     if not (plain and a.numel() > CHUNK_ELEMENTS and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()):
         return (_scaled(a, a_scale) * _scaled(b, b_scale)).sum(dtype=torch.float64)
-    products = torch.empty(a.shape, dtype=torch.float64, device=a.device)
-    flat_a, flat_b, flat = a.reshape(-1), b.reshape(-1), products.view(-1)
+    products = float64_chunks([a, b], lambda out, x, y: out.copy_(_scaled(x, a_scale) * _scaled(y, b_scale)))
+    return products.sum()
+
+
+def float64_chunks(inputs: Sequence[Tensor], fill: Callable[..., object]) -> Tensor:
+    """A float64 tensor shaped as ``inputs[0]`` (all contiguous, of one shape), made :data:`CHUNK_ELEMENTS` at a time
+    by ``fill(chunk, *chunks_of_inputs)`` writing each chunk in place: an elementwise step's float64 result with its
+    temporaries a chunk's, not the tensor's."""
+    result = torch.empty(inputs[0].shape, dtype=torch.float64, device=inputs[0].device)
+    flat, flats = result.view(-1), [t.reshape(-1) for t in inputs]
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         part = slice(start, start + CHUNK_ELEMENTS)
-        flat[part].copy_(_scaled(flat_a[part], a_scale) * _scaled(flat_b[part], b_scale))
-    return products.sum()
+        fill(flat[part], *(f[part] for f in flats))
+    return result
 
 
 def _scaled(tensor: Tensor, scale: float | None) -> Tensor:
