@@ -137,7 +137,9 @@ class SlowFloat64(TorchDispatchMode):
                    factor: float = 100.0) -> SlowFloat64:  # fmt: skip
         """Float64 forwards ``factor`` times dearer than native ones of ``loss_fn(model, batch)`` as a check evaluates
         them (a native check's time per forward pass, the fastest of 3: on a tiny model gradwatch's own Python work
-        per evaluation outweighs the kernels, so the price is set against that, as a device's would be)."""
+        per evaluation outweighs the kernels, so the price is set against that, as a device's would be). Calibrate it
+        under the modes the checks will run under (a :class:`LimitedDevice`'s bookkeeping slows every pass): priced
+        without them, float64 comes out only a few native steps dear there, and the clock decides."""
         from gradwatch import check_gradients
 
         per_forward = []
