@@ -221,6 +221,51 @@ def watched(trainer: transformers.Trainer) -> tuple[Any, StepSpans, dict[str, Sp
     return callback, steps, calls
 
 
+class Phases:
+    """Where a failing check's time goes: CPU time of the thread and the model's forward passes, by phase of the
+    check (the functions of :data:`PHASES`, each timed exclusive of the phases it calls), summed over the run."""
+
+    PHASES = {
+        "gradwatch.engine.applied.check": ("measure_window", "compare_accumulation", "recomputed_search"),
+        "gradwatch.engine.recomputed.probes": ("_probe_with_inputs_if_accepted", "confirm_precision",
+                                               "confirm_at_a_shifted_point", "confirm_formula", "localize"),
+    }  # fmt: skip
+
+    def __init__(self, model: nn.Module) -> None:
+        import importlib
+
+        self.cpu: dict[str, float] = {}
+        self.forwards: dict[str, int] = {}
+        self._stack: list[str] = ["outside"]
+        self._since = time.thread_time()
+        model.register_forward_pre_hook(self._forward)
+        for module_name, functions in self.PHASES.items():
+            module = importlib.import_module(module_name)
+            for function in functions:
+                setattr(module, function, self._wrap(function, getattr(module, function)))
+
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        self.forwards[self._stack[-1]] = self.forwards.get(self._stack[-1], 0) + 1
+
+    def _switch(self) -> None:
+        now = time.thread_time()
+        self.cpu[self._stack[-1]] = self.cpu.get(self._stack[-1], 0.0) + now - self._since
+        self._since = now
+
+    def _wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._switch()
+            self._stack.append(name)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._switch()
+                self._stack.pop()
+
+        return timed
+
+
 def report_fields(report: Any) -> dict[str, Any]:
     return {
         "step": report.step, "scope": report.scope, "verdict": str(report.verdict), "precision": report.precision,
@@ -314,6 +359,7 @@ def healthy(name: str, steps: int, seq: int, repeats: int) -> dict[str, Any]:
 def with_bug(name: str, steps: int, seq: int, layer: int) -> dict[str, Any]:
     model = build_model(name)
     culprit = plant_bug(model, layer)
+    phases = Phases(model)
     with tempfile.TemporaryDirectory() as output:
         trainer = trainer_for(model, steps, seq, output)
         callback, step_spans, calls = watched(trainer)
@@ -330,7 +376,7 @@ def with_bug(name: str, steps: int, seq: int, layer: int) -> dict[str, Any]:
     return {
         "model": name, "planted": culprit, "reports": [report_fields(r) for r in callback.reports],
         "steps_cpu": step_spans.spans.cpu, "applied_cpu": calls["applied"].cpu,
-        "recomputed_cpu": calls["recomputed"].cpu,
+        "recomputed_cpu": calls["recomputed"].cpu, "phases_cpu": phases.cpu, "phases_forwards": phases.forwards,
     }  # fmt: skip
 
 
