@@ -221,15 +221,19 @@ def watched(trainer: transformers.Trainer) -> tuple[Any, StepSpans, dict[str, Sp
     return callback, steps, calls
 
 
+PHASES = {
+    "gradwatch.engine.applied.check": ("measure_window", "compare_accumulation", "recomputed_search"),
+    "gradwatch.engine.recomputed.probes": ("_probe_with_inputs_if_accepted", "_swept", "confirm_precision",
+                                           "confirm_at_a_shifted_point", "confirm_formula", "localize"),
+}  # fmt: skip
+"""The functions a failing check's phases run in, by module: the applied check's window and its culprit search (a
+recomputed check), the recomputed check's probes, its sweep of tensor probes after a failure, its confirmations and
+its culprit search."""
+
+
 class Phases:
     """Where a failing check's time goes: CPU time of the thread and the model's forward passes, by phase of the
     check (the functions of :data:`PHASES`, each timed exclusive of the phases it calls), summed over the run."""
-
-    PHASES = {
-        "gradwatch.engine.applied.check": ("measure_window", "compare_accumulation", "recomputed_search"),
-        "gradwatch.engine.recomputed.probes": ("_probe_with_inputs_if_accepted", "confirm_precision",
-                                               "confirm_at_a_shifted_point", "confirm_formula", "localize"),
-    }  # fmt: skip
 
     def __init__(self, model: nn.Module) -> None:
         import importlib
@@ -239,7 +243,7 @@ class Phases:
         self._stack: list[str] = ["outside"]
         self._since = time.thread_time()
         model.register_forward_pre_hook(self._forward)
-        for module_name, functions in self.PHASES.items():
+        for module_name, functions in PHASES.items():
             module = importlib.import_module(module_name)
             for function in functions:
                 setattr(module, function, self._wrap(function, getattr(module, function)))

@@ -108,10 +108,11 @@ class GradientWatch:
             report or error; by default the most severe process's (:mod:`gradwatch.watch.distributed`).
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
-        max_culprit_search_steps: The most a failing check's culprit search may take, in training steps at the run's
-            mean step, never under 30 s (``MIN_CULPRIT_SEARCH_SECONDS``); one that runs out stays ``"fail"``, names
-            the deepest module it proved and the candidates left, and the next failing check goes on from there (in
-            :meth:`state_dict`). 100 by default (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
+        max_culprit_search_steps: The most a failing check's localisation (its sweep of the tensors, then its
+            culprit search) may take, in training steps at the run's mean step, never under 30 s
+            (``MIN_CULPRIT_SEARCH_SECONDS``); one that runs out stays ``"fail"``, names the deepest module it proved
+            and the candidates left, and the next failing check goes on from there (in :meth:`state_dict`). 100 by
+            default (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
         check_update: Where an applied check verified the gradient, check the optimizer's update of it against a
             reference update (``scope == "update"``; :mod:`gradwatch.watch.updates`); ``False``: none.
         **options: The probe options by name (``probe_batch_size``, ``precision``, ``ignore``, ``rtol``, ...): the

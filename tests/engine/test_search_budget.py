@@ -11,6 +11,7 @@ from culprit_models import Stack, _batch, _cross_entropy
 
 from gradwatch import check_gradients
 from gradwatch.engine.probing.search_budget import SearchBudget
+from gradwatch.engine.recomputed import probes
 from gradwatch.engine.results.notes import NoteCode
 
 PLANTED = "blocks.6.act"
@@ -76,6 +77,32 @@ def test_a_tiny_cap_stops_the_search_and_later_checks_go_on_to_the_culprit(model
     assert reports[-1].culprits == uncapped.culprits
     assert all(r.verdict == "fail" for r in reports)
     assert 2 < len(reports) < 12
+
+
+def _tensor_probes(report) -> set[str]:
+    return {p.target for p in report.probes if p.kind == "tensor"}
+
+
+def test_a_capped_failing_check_sweeps_the_largest_gradients_first_and_names_the_tensors_left(
+    model: Stack, uncapped
+) -> None:
+    # the sweep of tensor probes after the failure is the first thing the cap spends: a tiny cap screens one round of
+    # tensors (those with the largest gradients) and names the rest; the verdict is the uncapped check's
+    first = _capped(model, step=0)
+    assert first.verdict == uncapped.verdict == "fail"
+    (note,) = first.noted(NoteCode.SWEEP_CAPPED)
+    assert "max_culprit_search_steps" in note
+    swept, everyone = _tensor_probes(first), _tensor_probes(uncapped)
+    assert len(everyone) == len(list(model.parameters()))  # uncapped: every tensor named right or wrong
+    assert swept < everyone
+    norms = {p.target: abs(p.analytic) for p in uncapped.probes if p.kind == "tensor"}  # along g_T/|g_T|: |g_T|
+    # the sweep screened one round of the tensors not probed before it (the check's rotating window): that round's
+    # gradients are each larger than any left
+    round_ = sorted((norms[name] for name in swept), reverse=True)[: probes.SWEPT_AT_ONCE]
+    assert len(everyone - swept) > 0
+    assert min(round_) >= max(norms[name] for name in everyone - swept)
+    assert first.n_forward < uncapped.n_forward
+    assert not uncapped.noted(NoteCode.SWEEP_CAPPED)
 
 
 def test_a_resume_point_that_no_longer_holds_starts_from_the_loss(model: Stack, uncapped) -> None:

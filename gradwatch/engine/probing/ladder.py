@@ -154,11 +154,20 @@ class Ladder:
     def screen_and_escalate(self, tasks: Sequence[ProbeTask], most: int | None = None) -> list[ProbeTask]:
         """Screen every task; complete the suspect ones into full stencils (and on up the ladder), at most ``most`` of
         them, the most significant first. Returns the suspects left unmeasured, made inconclusive."""
+        self.screen(tasks)
+        return self.escalate(tasks, most)
+
+    def screen(self, tasks: Sequence[ProbeTask]) -> None:
+        """Measure a two-point screen of every task, their points ahead, and judge it."""
         self._prefetch([(task, PAIR_OFFSETS) for task in tasks])
         for task in tasks:
             task.evaluations += len(PAIR_OFFSETS)
             task.stencil = self.measurements.screen(task.direction, task.step, key=(task.kind, task.moves, task.target))
             task.result = self.judge.screen(task, task.stencil, self.measurements, self.loss_noise)
+
+    def escalate(self, tasks: Sequence[ProbeTask], most: int | None = None) -> list[ProbeTask]:
+        """Complete the screened tasks that look wrong into full stencils (and on up the ladder), at most ``most`` of
+        them, the most significant first. Returns the suspects left unmeasured, made inconclusive."""
         suspects = [task for task in tasks if task.result is not None and task.result.verdict == "suspect"]
         left: list[ProbeTask] = []
         if most is not None and len(suspects) > most:

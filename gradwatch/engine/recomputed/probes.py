@@ -18,9 +18,10 @@ from gradwatch.engine.function.evaluation import LossEvaluator, Reference
 from gradwatch.engine.function.precision import probe_precision
 from gradwatch.engine.measuring.points import InputsRefusedError, Measurements
 from gradwatch.engine.numerics.steps import least_precise
-from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST
+from gradwatch.engine.probing.ladder import LOCALIZED_AT_MOST, Ladder
 from gradwatch.engine.probing.plan import ProbePlan
 from gradwatch.engine.probing.portfolio import Portfolio
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.probing.tasks import ProbeTask
 from gradwatch.engine.recomputed.confirmation import confirm_precision
 from gradwatch.engine.recomputed.faithfulness import UnfaithfulFloat64Error, quantised
@@ -159,19 +160,53 @@ def _probe(
     done = [anchor, *screens]
     ladder.remeasure_in_float64(done)
     if any(task.failed for task in done):
-        extra = portfolio.localization(done)
-        left = ladder.screen_and_escalate(extra, most=LOCALIZED_AT_MOST)
+        extra = _swept(evaluator, ladder, portfolio, portfolio.localization(done), plan.search_budget)
+        left = ladder.escalate(extra, most=LOCALIZED_AT_MOST)
         if left:
             evaluator.notes.append(Note(NoteCode.LOCALIZATION_BUDGET, (
                 f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
                 f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
                 f"only the {LOCALIZED_AT_MOST} most significant were")))  # fmt: skip
-        ladder.remeasure_in_float64(extra)
+        if plan.search_budget is None or not plan.search_budget.exhausted():
+            ladder.remeasure_in_float64(extra)
         done += extra
     replacements = portfolio.replacements(done)
     ladder.screen_and_escalate(replacements)
     done += replacements
     return done, portfolio, measurements
+
+
+SWEPT_AT_ONCE = 16
+"""The tensor probes a failing check screens between two looks at its cap (their points are evaluated together)."""
+
+
+def _swept(
+    evaluator: LossEvaluator, ladder: Ladder, portfolio: Portfolio, tasks: list[ProbeTask], budget: SearchBudget | None
+) -> list[ProbeTask]:
+    """The tensor probes of a failing check's sweep (a probe along each tensor not probed yet, so that the report names
+    the tensors that are wrong), screened while the check's cap lasts: the sweep is the first thing a failing check
+    spends beyond a healthy one, and on a model of hundreds of tensors it cost more than the culprit search, uncapped
+    (two loss evaluations a tensor). The tensors with the largest gradients go first (a wrong gradient moves the
+    descent probe that failed in proportion to them); those not reached are named in a note. Returns the tasks
+    screened."""
+    if budget is not None:
+        budget.start()  # the cap covers the sweep, then the culprit search
+    if budget is None or math.isinf(budget.seconds):  # no cap: every tensor, their points in one go
+        ladder.screen(tasks)
+        return tasks
+    tasks = sorted(tasks, key=lambda task: -portfolio.tensor_grad_norms[task.tensor])
+    swept = 0
+    while swept < len(tasks) and (swept == 0 or not budget.exhausted()):
+        ladder.screen(tasks[swept : swept + SWEPT_AT_ONCE])
+        swept = min(swept + SWEPT_AT_ONCE, len(tasks))
+    if swept < len(tasks):
+        rest = tasks[swept:]
+        named = ", ".join(task.target for task in rest[:3]) + (", ..." if len(rest) > 3 else "")
+        evaluator.notes.append(Note(NoteCode.SWEEP_CAPPED, (
+            f"{len(rest)} of the {len(tasks)} tensors not probed yet were not screened after the failure ({named}): "
+            "the failing check's cap (max_culprit_search_steps) ran out; those with the largest gradients went "
+            "first")))  # fmt: skip
+    return tasks[:swept]
 
 
 def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:

@@ -83,6 +83,7 @@ class NoteCode(StrEnum):
     # confirmation of failures
     SHIFT_UNMEASURED = "shift-unmeasured", "the failures could not be measured again at a shifted point"
     LOCALIZATION_BUDGET = "localization-budget", "tensors that looked wrong on a screen but were not measured further"
+    SWEEP_CAPPED = "sweep-capped", "tensors not screened after a failure: the failing check's cap ran out"
     SHIFT_BUDGET = "shift-budget", "failures not measured again at a shifted point: more significant ones stood there"
     FLOAT64_UNFAITHFUL_THERE = "float64-unfaithful-there", "failures measured natively: float64 differs along them"
     FLOAT64_UNREPRODUCED = "float64-unreproduced", "a failure float64 finds is ok in the native precision: not reported"
