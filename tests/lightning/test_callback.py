@@ -526,6 +526,21 @@ def test_the_budget_is_one_percent_whatever_the_cadence() -> None:
     assert GradWatch().state_key == GradWatch(every_n_steps=500).state_key  # checkpoints of earlier versions load
 
 
+def test_the_state_key_is_made_once_and_follows_what_it_is_made_of() -> None:
+    # Lightning reads it at every hook it calls (six a step): it is kept, and made again when an option it names moves
+    callback = GradWatch()
+    assert callback.state_key is callback.state_key
+    assert callback.state_key == "GradWatch{'every_n_steps': 500, 'seed': 0}"
+    callback.watch.every_n_steps = 7
+    assert callback.state_key == "GradWatch{'every_n_steps': 7, 'seed': 0}"
+    callback.watch.loss_fn = _named_loss
+    assert callback.state_key == "GradWatch{'every_n_steps': 7, 'seed': 0, 'loss_fn': '_named_loss'}"
+
+
+def _named_loss(model: torch.nn.Module, batch: object) -> torch.Tensor:
+    raise AssertionError("never called")
+
+
 def test_the_options_are_read_back_from_the_watch_as_attributes() -> None:
     callback = GradWatch(every_n_steps=7, on_fail="raise", tensor_probes=2, precision="native")
     assert (callback.every_n_steps, callback.on_fail, callback.verbose) == (7, "raise", True)  # the watch's

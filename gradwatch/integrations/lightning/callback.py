@@ -84,6 +84,7 @@ class GradWatch(WatchedReports, Callback):
         self._ordinal = 0  # the optimizer steps taken so far in the batch (manual optimization)
         self._stepped: list[tuple[torch.optim.Optimizer, dict[str, torch.Tensor]]] = []  # a checked batch's steps
         self._clip_hooks: list[RemovableHandle] = []  # the hooks after the step that check the clip coefficient
+        self._state_key: tuple[tuple[Any, ...] | None, str] = (None, "")  # what the key is made of, and the key
         self._watch = GradientWatch(
             settings=settings, context=loggers_silenced, **options,
         )  # fmt: skip
@@ -109,6 +110,15 @@ class GradWatch(WatchedReports, Callback):
 
     @property
     def state_key(self) -> str:
+        # Lightning reads it at every hook it calls on the callback (six a step, to name the hook's profiler span):
+        # it is made again only when what it is made of changed.
+        watch = self._watch
+        made_of = (watch.loss_fn, watch.settings.ignore, watch.every_n_steps, watch.settings.seed)
+        if self._state_key[0] != made_of:
+            self._state_key = (made_of, self._make_state_key())
+        return self._state_key[1]
+
+    def _make_state_key(self) -> str:
         # Two GradWatch callbacks that check different losses (one per optimizer of a GAN) need keys of their own;
         # a callback with neither keeps the key it always had, so its checkpoints still load.
         distinct: dict[str, Any] = {}
