@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import io
 import json
 import logging
@@ -236,8 +237,6 @@ class Phases:
     check (the functions of :data:`PHASES`, each timed exclusive of the phases it calls), summed over the run."""
 
     def __init__(self, model: nn.Module) -> None:
-        import importlib
-
         self.cpu: dict[str, float] = {}
         self.forwards: dict[str, int] = {}
         self._stack: list[str] = ["outside"]

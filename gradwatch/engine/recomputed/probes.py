@@ -164,9 +164,8 @@ def _probe(
         left = ladder.escalate(extra, most=LOCALIZED_AT_MOST)
         if left:
             evaluator.notes.append(Note(NoteCode.LOCALIZATION_BUDGET, (
-                f"{len(left)} more tensor(s) ({', '.join(task.target for task in left[:3])}"
-                f"{', ...' if len(left) > 3 else ''}) looked wrong on a screen but were not measured further: "
-                f"only the {LOCALIZED_AT_MOST} most significant were")))  # fmt: skip
+                f"{len(left)} more tensor(s) ({_first_targets(left)}) looked wrong on a screen but were not measured "
+                f"further: only the {LOCALIZED_AT_MOST} most significant were")))  # fmt: skip
         if plan.search_budget is None or not plan.search_budget.exhausted():
             ladder.remeasure_in_float64(extra)
         done += extra
@@ -201,12 +200,17 @@ def _swept(
         swept = min(swept + SWEPT_AT_ONCE, len(tasks))
     if swept < len(tasks):
         rest = tasks[swept:]
-        named = ", ".join(task.target for task in rest[:3]) + (", ..." if len(rest) > 3 else "")
         evaluator.notes.append(Note(NoteCode.SWEEP_CAPPED, (
-            f"{len(rest)} of the {len(tasks)} tensors not probed yet were not screened after the failure ({named}): "
+            f"{len(rest)} of the {len(tasks)} tensors not probed yet were not screened after the failure "
+            f"({_first_targets(rest)}): "
             "the failing check's cap (max_culprit_search_steps) ran out; those with the largest gradients went "
             "first")))  # fmt: skip
     return tasks[:swept]
+
+
+def _first_targets(tasks: Sequence[ProbeTask]) -> str:
+    """The first three tasks' targets, for a note about them all."""
+    return ", ".join(task.target for task in tasks[:3]) + (", ..." if len(tasks) > 3 else "")
 
 
 def _search_precision(evaluator: LossEvaluator, plan: ProbePlan, precision: str) -> str:
