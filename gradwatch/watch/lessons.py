@@ -40,6 +40,7 @@ class Lessons:
         self.search_candidates: tuple[str, ...] = ()
         self.search_clock: Callable[[], float] = time.perf_counter  # the searches' clock (a test counts instead)
         self.search_min_seconds = MIN_CULPRIT_SEARCH_SECONDS
+        self.step_stand_in: float | None = None  # an applied check's window pass: a training step before one is timed
         self.float64 = Float64Backoff()  # the applied checks' float64 probes, after they ran out of memory
         self._set_up_for: int | None = None  # id of the model the ignore patterns were matched to
         self._warned_no_params = False
@@ -71,11 +72,21 @@ class Lessons:
         self.active = dataclasses.replace(self.active, ignore=matched)
 
     def search_budget(self, steps: int | None, step_seconds: float) -> SearchBudget:
-        """The culprit search budget of the next check: ``steps`` training steps of ``step_seconds`` each (``nan``
-        while unknown: the check's reference pass stands in), from where the last search stopped."""
-        known = step_seconds if math.isfinite(step_seconds) and step_seconds > 0 else None
+        """The culprit search budget of the next check: ``steps`` training steps of ``step_seconds`` each, from where
+        the last search stopped. While the run's step time is unknown (``nan``: at the first optimizer step, whose
+        time is not measured), an applied check's forward and backward of its whole window stands in for a step
+        (:meth:`learn_step`), else the check's own reference pass."""
+        known = step_seconds if math.isfinite(step_seconds) and step_seconds > 0 else self.step_stand_in
         return SearchBudget(steps, known, self.search_within, self.search_candidates, clock=self.search_clock,
                             min_seconds=self.search_min_seconds)  # fmt: skip
+
+    def learn_step(self, budget: SearchBudget) -> None:
+        """The training step's stand-in an applied check's budget took from its window (its forward and backward of
+        every micro-batch), for the checks made before the run has timed a step: a recomputed check's own reference
+        pass covers one micro-batch, a fraction of a step under gradient accumulation."""
+        seconds = budget.step_seconds
+        if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            self.step_stand_in = seconds
 
     def learn_search(self, report: CheckReport) -> None:
         """Where a failing check's culprit search stopped (or the culprit it named), for the next one to go on from;

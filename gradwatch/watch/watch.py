@@ -109,7 +109,8 @@ class GradientWatch:
         context: ``context(model)``, a context manager around each check (silenced loggers).
         on_report: Called with each report after it is recorded and written to the sinks, before ``on_fail`` acts.
         max_culprit_search_steps: The most a failing check's localisation (its sweep of the tensors, then its
-            culprit search) may take, in training steps at the run's mean step, never under 30 s
+            culprit search) may take, in training steps at the run's mean step (at the first optimizer step, before
+            one is timed, an applied check's forward and backward of its window stands in), never under 30 s
             (``MIN_CULPRIT_SEARCH_SECONDS``); one that runs out stays ``"fail"``, names the deepest module it proved
             and the candidates left, and the next failing check goes on from there (in :meth:`state_dict`). 100 by
             default (``DEFAULT_MAX_CULPRIT_SEARCH_STEPS``); ``None``: no cap.
@@ -744,10 +745,11 @@ class GradientWatch:
         group = default_group(model) if group == "auto" else group
         started = time.perf_counter()
         window.last_fault = self._findings.faults.get(id(optimizer))  # a fault found again is no one-off
+        budget = self._search_budget()
         check = lambda: window.check(  # noqa: E731
             loss_fn, model, step=step, group=group, loss_scale=loss_scale, gradients=gradients,
             optimizers=tuple(optimizers), rotation=self._applied.checks, settings=self._lessons.active,
-            search_budget=self._search_budget(), closer_look=not self._applied.unbounded, **vars(training),
+            search_budget=budget, closer_look=not self._applied.unbounded, **vars(training),
             float64_probes=self._lessons.float64.allows(model),  # not tried again in vain once it ran out of memory
         )  # fmt: skip
         # ranks that check together keep SyncBatchNorm's statistics over every rank, the training's function
@@ -758,6 +760,7 @@ class GradientWatch:
             seconds = time.perf_counter() - started
             self._clock.add_check(seconds)
             self._applied.ran(seconds)
+            self._lessons.learn_step(budget)
         if report is None:
             return None
         if deferred(report.notes):  # its closer look is owed: a full check as soon as the budget affords one

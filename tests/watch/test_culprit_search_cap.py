@@ -4,6 +4,8 @@ carries nothing. The cap is spent on a clock that counts its readings (``Lessons
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
 from typing import Any
 
@@ -11,7 +13,8 @@ import pytest
 import torch
 from culprit_models import Stack
 
-from gradwatch import GradientCheckWarning, GradientWatch
+from gradwatch import GradientCheckWarning, GradientWatch, check_gradients
+from gradwatch.engine.probing.search_budget import SearchBudget
 from gradwatch.engine.results.notes import NoteCode
 
 PLANTED = "blocks.6.act"
@@ -117,3 +120,59 @@ def test_a_healthy_run_carries_no_search() -> None:
 def test_the_cap_is_validated(value: Any) -> None:
     with pytest.raises(ValueError, match="`max_culprit_search_steps` must be None or an integer >= 1"):
         GradientWatch(max_culprit_search_steps=value)
+
+
+SLEEP = 0.02
+"""Seconds a loss sleeps per sample while autograd records (a reference pass, never a probe): a lower bound on what
+a forward and backward of a batch takes, whatever the machine's load."""
+
+
+def _sleepy_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    if torch.is_grad_enabled():
+        time.sleep(SLEEP * len(batch[0]))
+    return _loss(model, batch)
+
+
+def test_before_a_step_is_timed_the_cap_stands_in_the_whole_batch_for_the_probe_slice() -> None:
+    # a probe slice of 2 samples out of 6: its reference pass is a third of the batch's forward and backward
+    budget = SearchBudget(steps=1)
+    model = Stack(depth=2, bug_at=None)
+    check_gradients(model, _batches(1)[0], _sleepy_loss, probe_batch_size=2, search_budget=budget)
+    assert budget.step_seconds is not None
+    assert budget.step_seconds >= 6 * SLEEP  # the slice's 2 x SLEEP alone would be a third of a step
+
+
+def test_at_the_first_step_an_applied_checks_window_stands_in_for_a_training_step() -> None:
+    # the run's step time is unknown at its first optimizer step (the time before the first batch is not training);
+    # under accumulation a recomputed check's reference pass covers one micro-batch of the step, the applied check's
+    # window all four
+    watch = GradientWatch(every_n_steps=1, applied_every_n_steps=1, max_overhead=None, verbose=False,
+                          check_update=False)  # fmt: skip
+    model = Stack(depth=2, bug_at=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watch.start()
+    batches = _batches(4)
+    for batch in batches:
+        watch.record(batch, model=model, step=1)
+        (_loss(model, batch) / len(batches)).backward()
+    assert watch._lessons.step_stand_in is None
+    report = watch.before_optimizer_step(model, _sleepy_loss, step=1, optimizer=optimizer)
+    assert report is not None
+    assert report.verdict == "ok"
+    assert watch._lessons.step_stand_in is not None
+    assert watch._lessons.step_stand_in >= 4 * 6 * SLEEP  # the window's four micro-batches
+    assert watch._search_budget().step_seconds == watch._lessons.step_stand_in
+    optimizer.step()
+    watch._clock.batch_ended(time.perf_counter() + 1.0)  # a step timed: the run's own step time wins
+    watch._recomputed.steps = 1
+    assert watch._search_budget().step_seconds != watch._lessons.step_stand_in
+
+
+def test_lessons_keep_a_step_stand_in_only_when_one_was_measured() -> None:
+    lessons = GradientWatch(verbose=False)._lessons
+    lessons.learn_step(SearchBudget(steps=100))  # nothing measured
+    assert lessons.step_stand_in is None
+    assert lessons.search_budget(100, math.nan).step_seconds is None
+    lessons.learn_step(SearchBudget(steps=100, step_seconds=2.5))
+    assert lessons.search_budget(100, math.nan).step_seconds == 2.5
+    assert lessons.search_budget(100, 0.5).step_seconds == 0.5

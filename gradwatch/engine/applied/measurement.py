@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,7 +92,10 @@ def measure_window(setting: CheckedWindow, plan: AppliedPlan) -> AppliedOutcome:
                                 setting.state, held=session.held_detaches())  # fmt: skip
     evaluator.group = setting.group
     path = _Path(setting, plan)
+    started = time.perf_counter()
     reference = _reference(path, evaluator)
+    if setting.search_budget is not None:  # the window's forward and backward: a training step's work
+        setting.search_budget.stand_in(time.perf_counter() - started)
     itemsize = max((p.element_size() for p in setting.params), default=4)
     window = sum(batch_size(b) or 0 for b in setting.batches)
     learn_activations(setting.model, evaluator.saved_elements * itemsize, window)  # the next check's peak

@@ -34,7 +34,8 @@ class SearchBudget:
     Args:
         steps: The cap, in training steps (``None``: none beyond the search's own limits).
         step_seconds: The time of one training step, by the caller's clock (a watch's mean step); ``None`` or not
-            finite: the check's own reference pass (a forward and backward of the probe batch) stands in for it.
+            finite: the check's own reference pass stands in for it (:meth:`stand_in`): an applied check's forward
+            and backward of the whole window, a recomputed check's of its probe batch scaled to the whole batch.
         within: The modules an earlier search proved to hold the bug, outermost first: the search resumes inside the
             deepest of them if it still holds the bug, else starts from the loss.
         candidates: Where the bug lies among that module's children, as the earlier search left them.

@@ -307,8 +307,10 @@ def _run(session: CheckSession, batch: Any, loss_fn: LossFn, plan: ProbePlan) ->
         learn_activations(model, evaluator.saved_elements * itemsize, batch_size(probe_batch))  # the next one's peak
         if plan.priced:  # what float64 probes are priced against
             plan = dataclasses.replace(plan, step_seconds=reference_seconds)
-        if plan.search_budget is not None:  # a training step's stand-in where the caller knows none
-            plan.search_budget.stand_in(reference_seconds)
+        if plan.search_budget is not None:  # a training step's stand-in where the caller knows none: the reference
+            # scaled from the probe slice to the whole batch
+            sliced, whole = batch_size(probe_batch), batch_size(batch)
+            plan.search_budget.stand_in(reference_seconds * (whole / sliced if sliced and whole else 1.0))
         evaluator.notes[:0] = notes
         evaluator.notes += state.sandbox.notes(())
         params, reference = without_edited(evaluator, session.params, reference, state.guard.edited_ids())
